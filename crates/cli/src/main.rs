@@ -1,0 +1,166 @@
+//! `tpinfer`: tensor-parallel inference from the command line.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use tpinfer_engine::{DeviceKind, Engine, GenerateRequest, Prompt, SamplingParams, StreamEvent};
+
+#[derive(Parser)]
+#[command(
+    name = "tpinfer",
+    version,
+    about = "Tensor-parallel inference: one rank per GPU, or per CPU thread"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streaming tokens as they come.
+    Generate(GenerateArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DtypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// A Hugging Face model directory (config.json, safetensors, tokenizer.json) or a GGUF file.
+    #[arg(long)]
+    model: PathBuf,
+    /// Tensor-parallel width: the number of ranks.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    #[arg(long)]
+    prompt: String,
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: usize,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    device: DeviceArg,
+    /// GPUs to use with --device cuda, e.g. 0,2 (default: 0..tp, as CUDA_VISIBLE_DEVICES maps them).
+    #[arg(long, value_delimiter = ',')]
+    gpus: Option<Vec<usize>>,
+    /// Compute dtype (default: f32 on CPU, the checkpoint's dtype on GPUs).
+    #[arg(long, value_enum)]
+    dtype: Option<DtypeArg>,
+    /// Render the prompt as a user message with the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// A system message for --chat.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// Longest sequence, prompt plus generated tokens (default: the model's, at most 8192).
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    top_p: Option<f64>,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long, default_value_t = 299_792_458)]
+    seed: u64,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate(args) => generate(args),
+    }
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    if args.tp == 0 {
+        bail!("--tp must be at least 1");
+    }
+    let device = match args.device {
+        DeviceArg::Cpu => DeviceKind::Cpu,
+        DeviceArg::Cuda => DeviceKind::Cuda {
+            gpus: args.gpus.clone(),
+        },
+    };
+    let mut builder = Engine::builder(&args.model).tp(args.tp).device(device);
+    if let Some(dtype) = args.dtype {
+        builder = builder.dtype(match dtype {
+            DtypeArg::F32 => tpinfer_engine::DType::F32,
+            DtypeArg::F16 => tpinfer_engine::DType::F16,
+            DtypeArg::Bf16 => tpinfer_engine::DType::BF16,
+        });
+    }
+    if let Some(tokens) = args.max_context {
+        builder = builder.max_context(tokens);
+    }
+    let engine = builder
+        .build()
+        .with_context(|| format!("cannot load {}", args.model.display()))?;
+    let prompt = match (args.chat, args.system) {
+        (false, _) => Prompt::Text(args.prompt),
+        (true, None) => Prompt::user(args.prompt),
+        (true, Some(system)) => Prompt::Chat(vec![
+            tpinfer_engine::ChatMessage::system(system),
+            tpinfer_engine::ChatMessage::user(args.prompt),
+        ]),
+    };
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        ..SamplingParams::default()
+    };
+    let request = GenerateRequest::new(prompt, args.max_new_tokens).with_sampling(sampling);
+    let mut stdout = std::io::stdout().lock();
+    for event in engine.generate(request)? {
+        match event? {
+            StreamEvent::Token { text, .. } => {
+                stdout.write_all(text.as_bytes())?;
+                stdout.flush()?;
+            }
+            StreamEvent::Done(stats) => {
+                writeln!(stdout)?;
+                eprintln!(
+                    "tp {}: prompt {} tokens, {:.1} tok/s; decode {} tokens, {:.1} tok/s; stopped: {:?}",
+                    engine.tp(),
+                    stats.prompt_tokens,
+                    stats.prompt_tokens_per_second(),
+                    stats.generated_tokens,
+                    stats.decode_tokens_per_second(),
+                    stats.stop_reason,
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,43 @@
+//! Collectives that join tensor-parallel ranks.
+//!
+//! Every rank holds one [`Communicator`]. Layers call it as the math needs: a row-parallel
+//! linear sums its partial products with [`Communicator::all_reduce_sum`], a vocab-parallel
+//! head concatenates its logits with [`Communicator::all_gather`]. CPU ranks are threads joined
+//! by [`ThreadGroup`]; GPU ranks are joined by NCCL behind the same trait, so the CPU build runs
+//! the very code that the GPU build runs.
+
+mod error;
+mod stats;
+mod threads;
+
+pub use error::{Collective, CommError};
+pub use stats::{CommStats, StatsSnapshot};
+pub use threads::{ThreadComm, ThreadGroup, DEFAULT_TIMEOUT};
+
+use candle_core::Tensor;
+
+/// One rank's view of its group of ranks.
+///
+/// Collectives are out-of-place and must be entered by every rank in the same order. A
+/// collective never waits forever: when a peer has failed, exited or stalled, it returns an
+/// error that names that peer.
+pub trait Communicator: Send + Sync {
+    /// This rank's index, `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// The number of ranks in the group.
+    fn world_size(&self) -> usize;
+    /// The elementwise sum of `x` over all ranks. Every rank receives the same tensor.
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor, CommError>;
+    /// The ranks' tensors concatenated along `dim`, in rank order. Sizes along `dim` may
+    /// differ between ranks (uneven shards); all other dims must agree.
+    fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor, CommError>;
+    /// The `root` rank's tensor, on every rank. Other ranks pass a tensor of the same shape.
+    fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor, CommError>;
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&self) -> Result<(), CommError>;
+    /// Marks this rank as failed with `cause`, so that every peer's pending and next collective
+    /// fails at once with this rank named instead of waiting for it.
+    fn abort(&self, cause: &str);
+    /// Counters of the collectives this rank has entered.
+    fn stats(&self) -> &CommStats;
+}

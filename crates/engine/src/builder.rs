@@ -1,0 +1,80 @@
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use candle_core::DType;
+
+use crate::{Engine, EngineError};
+
+/// Where the ranks run.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum DeviceKind {
+    /// Ranks are threads on the CPU, joined by in-process collectives.
+    #[default]
+    Cpu,
+    /// One rank per GPU: the listed CUDA ordinals, or 0..tp.
+    Cuda { gpus: Option<Vec<usize>> },
+}
+
+/// Configures and starts an [`Engine`].
+#[derive(Debug, Clone)]
+pub struct EngineBuilder {
+    pub(crate) model: PathBuf,
+    pub(crate) tp: usize,
+    pub(crate) device: DeviceKind,
+    pub(crate) dtype: Option<DType>,
+    pub(crate) max_context: Option<usize>,
+    pub(crate) comm_timeout: Duration,
+}
+
+/// Context used when none is given, so that a 128k-context model does not reserve rotary
+/// tables and cache growth for 128k positions by default.
+pub const DEFAULT_MAX_CONTEXT: usize = 8192;
+
+impl EngineBuilder {
+    /// A builder for the model at `model`: a Hugging Face directory or a GGUF file.
+    pub fn new(model: impl AsRef<Path>) -> Self {
+        Self {
+            model: model.as_ref().to_path_buf(),
+            tp: 1,
+            device: DeviceKind::Cpu,
+            dtype: None,
+            max_context: None,
+            comm_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// The tensor-parallel width: the number of ranks (1 to the number of attention heads).
+    pub fn tp(mut self, tp: usize) -> Self {
+        self.tp = tp;
+        self
+    }
+
+    pub fn device(mut self, device: DeviceKind) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// The compute dtype. Default: f32 on CPU ranks, the checkpoint's dtype on GPUs.
+    pub fn dtype(mut self, dtype: DType) -> Self {
+        self.dtype = Some(dtype);
+        self
+    }
+
+    /// The longest sequence (prompt and generated tokens) a request may reach.
+    /// Default: the model's limit, at most 8192.
+    pub fn max_context(mut self, tokens: usize) -> Self {
+        self.max_context = Some(tokens);
+        self
+    }
+
+    /// How long a rank waits for its peers in a collective before it reports them.
+    pub fn comm_timeout(mut self, timeout: Duration) -> Self {
+        self.comm_timeout = timeout;
+        self
+    }
+
+    /// Opens the model, shards it and loads every rank. Fails with the first rank's error.
+    pub fn build(self) -> Result<Engine, EngineError> {
+        Engine::start(self)
+    }
+}

@@ -1,0 +1,264 @@
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use candle_core::{DType, Device};
+use tpinfer_comm::{Communicator, ThreadGroup};
+use tpinfer_llama::{LlamaCheckpoint, LlamaConfig, LlamaShard, ModelFormat};
+use tpinfer_tokenizer::Tokenizer;
+use tpinfer_weights::GgufStore;
+
+use crate::builder::DEFAULT_MAX_CONTEXT;
+use crate::rank::{rank_main, RankJob, RankResult, RankSetup};
+use crate::stream::RankEvent;
+use crate::{DeviceKind, EngineBuilder, EngineError, GenerateRequest, Prompt, TokenStream};
+
+/// A loaded model on its ranks. Share it between threads (`Arc<Engine>`): requests from any
+/// thread are queued and run one at a time on all ranks.
+pub struct Engine {
+    jobs: Option<Sender<Arc<RankJob>>>,
+    scheduler: Option<JoinHandle<()>>,
+    tokenizer: Arc<Tokenizer>,
+    config: LlamaConfig,
+    tp: usize,
+    max_context: usize,
+    dtype: DType,
+    rank_weight_bytes: Vec<usize>,
+}
+
+impl Engine {
+    /// Starts configuring an engine for the model at `model`.
+    pub fn builder(model: impl AsRef<std::path::Path>) -> EngineBuilder {
+        EngineBuilder::new(model)
+    }
+
+    pub(crate) fn start(b: EngineBuilder) -> Result<Self, EngineError> {
+        let checkpoint = Arc::new(LlamaCheckpoint::open(&b.model)?);
+        let config = checkpoint.config.clone();
+        let tokenizer = Arc::new(match &checkpoint.format {
+            ModelFormat::HfDir(dir) => Tokenizer::from_hf_dir(dir)?,
+            ModelFormat::Gguf(path) => {
+                let store = GgufStore::open(path).map_err(tpinfer_llama::CheckpointError::from)?;
+                Tokenizer::from_gguf(store.metadata())?
+            }
+        });
+        let tp = b.tp;
+        let sharding = |detail: String| EngineError::Sharding { tp, detail };
+        let shards = (0..tp)
+            .map(|rank| {
+                let shard =
+                    LlamaShard::new(&config, tp, rank).map_err(|e| sharding(e.to_string()))?;
+                checkpoint
+                    .check(&shard)
+                    .map_err(tpinfer_llama::CheckpointError::from)?;
+                Ok(shard)
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        let devices = rank_devices(&b.device, tp)?;
+        let dtype = b.dtype.unwrap_or(match b.device {
+            DeviceKind::Cpu => DType::F32,
+            DeviceKind::Cuda { .. } => config.dtype.unwrap_or(DType::BF16),
+        });
+        let max_context = b
+            .max_context
+            .unwrap_or(DEFAULT_MAX_CONTEXT)
+            .min(config.max_position_embeddings);
+
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let (done_tx, done_rx) = mpsc::channel();
+        let mut rank_jobs = Vec::with_capacity(tp);
+        let mut threads = Vec::with_capacity(tp);
+        let comms = ThreadGroup::new(tp, b.comm_timeout);
+        for ((comm, shard), device) in comms.into_iter().zip(shards).zip(devices) {
+            let rank = comm.rank();
+            let (job_tx, job_rx) = mpsc::channel();
+            let setup = RankSetup {
+                comm: Arc::new(comm),
+                device,
+                checkpoint: checkpoint.clone(),
+                shard,
+                dtype,
+                max_context,
+            };
+            let (ready, done) = (ready_tx.clone(), done_tx.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("tpinfer-rank-{rank}"))
+                .spawn(move || rank_main(setup, ready, job_rx, done))
+                .map_err(|e| EngineError::Device {
+                    rank,
+                    detail: format!("cannot start the rank's thread: {e}"),
+                })?;
+            rank_jobs.push(job_tx);
+            threads.push(thread);
+        }
+        drop((ready_tx, done_tx));
+
+        let mut rank_weight_bytes = vec![0; tp];
+        let mut first_error: Option<(usize, EngineError)> = None;
+        for (rank, loaded) in ready_rx.iter() {
+            match loaded {
+                Ok(bytes) => rank_weight_bytes[rank] = bytes,
+                Err(e) if first_error.as_ref().is_none_or(|(r, _)| rank < *r) => {
+                    first_error = Some((rank, e))
+                }
+                Err(_) => {}
+            }
+        }
+        if let Some((_, e)) = first_error {
+            drop(rank_jobs);
+            threads.into_iter().for_each(|t| {
+                let _ = t.join();
+            });
+            return Err(e);
+        }
+
+        let (jobs_tx, jobs_rx) = mpsc::channel();
+        let scheduler = std::thread::Builder::new()
+            .name("tpinfer-scheduler".into())
+            .spawn(move || schedule(jobs_rx, rank_jobs, done_rx, threads, tp))
+            .map_err(|e| EngineError::Stopped(format!("cannot start the scheduler thread: {e}")))?;
+        Ok(Self {
+            jobs: Some(jobs_tx),
+            scheduler: Some(scheduler),
+            tokenizer,
+            config,
+            tp,
+            max_context,
+            dtype,
+            rank_weight_bytes,
+        })
+    }
+
+    /// Queues a request and returns its token stream. Prompt errors are reported here, before
+    /// anything runs.
+    pub fn generate(&self, request: GenerateRequest) -> Result<TokenStream, EngineError> {
+        let prompt = match &request.prompt {
+            Prompt::Text(text) => self.tokenizer.encode(text, true)?,
+            Prompt::Chat(messages) => self.tokenizer.encode_chat(messages)?,
+            Prompt::Tokens(ids) => ids.clone(),
+        };
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if prompt.len() > self.max_context {
+            return Err(EngineError::PromptTooLong {
+                tokens: prompt.len(),
+                context: self.max_context,
+                model_max: self.config.max_position_embeddings,
+            });
+        }
+        if request.max_new_tokens == 0 {
+            return Err(EngineError::Sampling(
+                "max_new_tokens must be at least 1".into(),
+            ));
+        }
+        let (events_tx, events_rx) = mpsc::channel();
+        let job = Arc::new(RankJob {
+            prompt,
+            max_new_tokens: request.max_new_tokens,
+            sampling: request.sampling,
+            eos: self.config.eos_token_ids.clone(),
+            events: events_tx,
+        });
+        self.jobs
+            .as_ref()
+            .ok_or_else(|| EngineError::Stopped("shutting down".into()))?
+            .send(job)
+            .map_err(|_| EngineError::Stopped("the scheduler has exited".into()))?;
+        Ok(TokenStream::new(events_rx, self.tokenizer.clone()))
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The tensor-parallel width.
+    pub fn tp(&self) -> usize {
+        self.tp
+    }
+
+    /// The longest sequence a request may reach.
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The weight bytes each rank read from the checkpoint.
+    pub fn rank_weight_bytes(&self) -> &[usize] {
+        &self.rank_weight_bytes
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(scheduler) = self.scheduler.take() {
+            let _ = scheduler.join();
+        }
+    }
+}
+
+fn rank_devices(kind: &DeviceKind, tp: usize) -> Result<Vec<Device>, EngineError> {
+    match kind {
+        DeviceKind::Cpu => Ok(vec![Device::Cpu; tp]),
+        DeviceKind::Cuda { .. } => Err(EngineError::CudaNotBuilt),
+    }
+}
+
+/// Runs jobs one at a time on all ranks. After a failure the ranks' collectives are aborted,
+/// so later requests are refused with the original cause.
+fn schedule(
+    jobs: Receiver<Arc<RankJob>>,
+    ranks: Vec<Sender<Arc<RankJob>>>,
+    done: Receiver<RankResult>,
+    threads: Vec<JoinHandle<()>>,
+    tp: usize,
+) {
+    let mut broken: Option<String> = None;
+    for job in jobs.iter() {
+        if let Some(cause) = &broken {
+            let _ = job
+                .events
+                .send(RankEvent::Error(EngineError::Stopped(cause.clone())));
+            continue;
+        }
+        let mut errors = Vec::new();
+        let mut expected = 0;
+        for tx in &ranks {
+            if tx.send(job.clone()).is_ok() {
+                expected += 1;
+            }
+        }
+        if expected < tp {
+            errors.push(EngineError::Stopped(format!(
+                "{} rank(s) have exited",
+                tp - expected
+            )));
+        }
+        for (_, outcome) in done.iter().take(expected) {
+            if let Err(e) = outcome {
+                errors.push(e);
+            }
+        }
+        // The root cause is the error that is not merely a report of a failed peer.
+        let root = match errors.iter().position(|e| !e.is_peer_report()) {
+            Some(i) => Some(errors.swap_remove(i)),
+            None => errors.into_iter().next(),
+        };
+        if let Some(root) = root {
+            broken = Some(root.to_string());
+            let _ = job.events.send(RankEvent::Error(root));
+        }
+    }
+    drop(ranks);
+    for t in threads {
+        let _ = t.join();
+    }
+}

@@ -1,0 +1,56 @@
+use tpinfer_comm::CommError;
+
+/// Why the engine could not start or a request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Checkpoint(#[from] tpinfer_llama::CheckpointError),
+    #[error(transparent)]
+    Tokenizer(#[from] tpinfer_tokenizer::TokenizerError),
+    #[error("cannot shard the model over {tp} ranks: {detail}")]
+    Sharding { tp: usize, detail: String },
+    #[error("the prompt has {tokens} tokens but the context holds {context}: shorten the prompt or raise --max-context (the model allows up to {model_max})")]
+    PromptTooLong {
+        tokens: usize,
+        context: usize,
+        model_max: usize,
+    },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("--device cuda needs a build with `--features cuda,nccl`; this binary was built for CPU ranks only")]
+    CudaNotBuilt,
+    #[error("rank {rank}: {source}")]
+    Rank {
+        rank: usize,
+        #[source]
+        source: tpinfer_layers::Error,
+    },
+    #[error("rank {rank} panicked: {message}")]
+    RankPanicked { rank: usize, message: String },
+    #[error("{0}")]
+    Comm(#[from] CommError),
+    #[error("rank {rank}: {detail}")]
+    Device { rank: usize, detail: String },
+    #[error("sampling: {0}")]
+    Sampling(String),
+    #[error("the engine has stopped: {0}")]
+    Stopped(String),
+}
+
+impl EngineError {
+    /// Whether this error only reports that a peer failed, rather than being a root cause.
+    pub(crate) fn is_peer_report(&self) -> bool {
+        let comm = match self {
+            Self::Comm(e) => e,
+            Self::Rank {
+                source: tpinfer_layers::Error::Comm(e),
+                ..
+            } => e,
+            _ => return false,
+        };
+        matches!(
+            comm,
+            CommError::PeerFailed { .. } | CommError::PeerExited { .. } | CommError::Timeout { .. }
+        )
+    }
+}

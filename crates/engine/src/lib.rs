@@ -1,0 +1,30 @@
+//! The tpinfer engine: a tensor-parallel model on N ranks behind a handle a service can share.
+//!
+//! ```no_run
+//! use tpinfer_engine::{Engine, GenerateRequest, Prompt, StreamEvent};
+//!
+//! let engine = Engine::builder("models/llama-3.2-1b").tp(2).build()?;
+//! let request = GenerateRequest::new(Prompt::text("The capital of France is"), 16);
+//! for event in engine.generate(request)? {
+//!     match event? {
+//!         StreamEvent::Token { text, .. } => print!("{text}"),
+//!         StreamEvent::Done(stats) => eprintln!("\n{:.1} tok/s", stats.decode_tokens_per_second()),
+//!     }
+//! }
+//! # Ok::<(), tpinfer_engine::EngineError>(())
+//! ```
+
+mod builder;
+mod engine;
+mod error;
+mod rank;
+mod request;
+mod stream;
+
+pub use builder::{DeviceKind, EngineBuilder};
+pub use candle_core::DType;
+pub use engine::Engine;
+pub use error::EngineError;
+pub use request::{GenerateRequest, Prompt, SamplingParams};
+pub use stream::{GenerationStats, StopReason, StreamEvent, TokenStream};
+pub use tpinfer_tokenizer::ChatMessage;

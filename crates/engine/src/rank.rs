@@ -1,0 +1,195 @@
+//! A rank's thread: it loads its shard, then runs each request in lockstep with its peers.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use candle_transformers::generation::LogitsProcessor;
+use candle_transformers::utils::apply_repeat_penalty;
+use tpinfer_comm::Communicator;
+use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
+
+use crate::stream::RankEvent;
+use crate::{EngineError, GenerationStats, SamplingParams, StopReason};
+
+/// A request as every rank sees it.
+pub(crate) struct RankJob {
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    pub eos: Vec<u32>,
+    /// Rank 0 streams tokens here.
+    pub events: Sender<RankEvent>,
+}
+
+/// Everything a rank thread is started with.
+pub(crate) struct RankSetup {
+    pub comm: Arc<dyn Communicator>,
+    pub device: Device,
+    pub checkpoint: Arc<LlamaCheckpoint>,
+    pub shard: LlamaShard,
+    pub dtype: DType,
+    pub max_context: usize,
+}
+
+pub(crate) type RankResult = (usize, Result<(), EngineError>);
+
+/// The body of a rank thread. Reports loading on `ready`, then serves `jobs` until the
+/// channel closes, reporting each job's end on `done`.
+pub(crate) fn rank_main(
+    setup: RankSetup,
+    ready: Sender<(usize, Result<usize, EngineError>)>,
+    jobs: Receiver<Arc<RankJob>>,
+    done: Sender<RankResult>,
+) {
+    let rank = setup.comm.rank();
+    let comm = setup.comm.clone();
+    let loaded = guarded(rank, &*comm, || {
+        LlamaRank::load(
+            &setup.checkpoint,
+            setup.shard.clone(),
+            setup.comm.clone(),
+            setup.dtype,
+            &setup.device,
+            setup.max_context,
+        )
+        .map_err(|source| EngineError::Rank { rank, source })
+    });
+    let mut model = match loaded {
+        Ok(model) => {
+            let _ = ready.send((rank, Ok(model.bytes_loaded())));
+            model
+        }
+        Err(e) => {
+            let _ = ready.send((rank, Err(e)));
+            return;
+        }
+    };
+    drop(ready);
+    while let Ok(job) = jobs.recv() {
+        let outcome = guarded(rank, &*comm, || {
+            run_job(&mut model, &*comm, &setup.device, &job)
+        });
+        let panicked = matches!(outcome, Err(EngineError::RankPanicked { .. }));
+        let _ = done.send((rank, outcome));
+        if panicked {
+            // The model's state is unknown after a panic; this rank is finished.
+            return;
+        }
+    }
+}
+
+/// Runs `f`, turning a panic into an error, and on any failure tells the peers, so that none
+/// of them waits for this rank.
+fn guarded<T>(
+    rank: usize,
+    comm: &dyn Communicator,
+    f: impl FnOnce() -> Result<T, EngineError>,
+) -> Result<T, EngineError> {
+    let outcome = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string());
+        Err(EngineError::RankPanicked { rank, message })
+    });
+    if let Err(e) = &outcome {
+        if !e.is_peer_report() {
+            comm.abort(&e.to_string());
+        }
+    }
+    outcome
+}
+
+/// Stop reasons as they travel in the broadcast that ends each step.
+fn encode(reason: Option<StopReason>) -> u32 {
+    match reason {
+        None => 0,
+        Some(StopReason::Eos) => 1,
+        Some(StopReason::MaxTokens) => 2,
+        Some(StopReason::ContextFull) => 3,
+        Some(StopReason::Cancelled) => 4,
+    }
+}
+
+fn decode(code: u32) -> Option<StopReason> {
+    match code {
+        1 => Some(StopReason::Eos),
+        2 => Some(StopReason::MaxTokens),
+        3 => Some(StopReason::ContextFull),
+        4 => Some(StopReason::Cancelled),
+        _ => None,
+    }
+}
+
+/// Prefill, then one token per step: rank 0 samples from the gathered logits and broadcasts
+/// the token and whether to stop, so all ranks step in lockstep and stop together.
+fn run_job(
+    model: &mut LlamaRank,
+    comm: &dyn Communicator,
+    device: &Device,
+    job: &RankJob,
+) -> Result<(), EngineError> {
+    let rank = comm.rank();
+    let layer_err = |source| EngineError::Rank { rank, source };
+    let sample_err = |e: candle_core::Error| EngineError::Sampling(e.to_string());
+    model.clear_cache();
+    let start = Instant::now();
+    let mut logits = model.forward(&job.prompt, 1).map_err(layer_err)?;
+    let mut processor = LogitsProcessor::from_sampling(job.sampling.seed, job.sampling.sampling());
+    let mut context = job.prompt.clone();
+    let mut prefill = None;
+    loop {
+        let mut step = [0u32, 0u32];
+        if rank == 0 {
+            let mut scores = logits.squeeze(0).map_err(sample_err)?;
+            if job.sampling.repetition_penalty != 1.0 {
+                let window =
+                    &context[context.len().saturating_sub(job.sampling.repetition_window)..];
+                scores = apply_repeat_penalty(&scores, job.sampling.repetition_penalty, window)
+                    .map_err(sample_err)?;
+            }
+            let token = processor.sample(&scores).map_err(sample_err)?;
+            let generated = context.len() + 1 - job.prompt.len();
+            let cancelled = job.events.send(RankEvent::Token(token)).is_err();
+            let reason = if job.eos.contains(&token) {
+                Some(StopReason::Eos)
+            } else if generated >= job.max_new_tokens {
+                Some(StopReason::MaxTokens)
+            } else if context.len() + 1 > model.max_positions() {
+                Some(StopReason::ContextFull)
+            } else if cancelled {
+                Some(StopReason::Cancelled)
+            } else {
+                None
+            };
+            step = [token, encode(reason)];
+        }
+        let step_tensor = Tensor::new(&step, device).map_err(sample_err)?;
+        let shared = comm.broadcast(&step_tensor, 0)?;
+        let [token, code]: [u32; 2] = shared
+            .to_vec1::<u32>()
+            .map_err(sample_err)?
+            .try_into()
+            .map_err(|_| EngineError::Sampling("malformed step broadcast".into()))?;
+        context.push(token);
+        let prefill_time = *prefill.get_or_insert_with(|| start.elapsed());
+        if let Some(reason) = decode(code) {
+            if rank == 0 {
+                let stats = GenerationStats {
+                    prompt_tokens: job.prompt.len(),
+                    generated_tokens: context.len() - job.prompt.len(),
+                    prefill: prefill_time,
+                    decode: start.elapsed() - prefill_time,
+                    stop_reason: reason,
+                };
+                let _ = job.events.send(RankEvent::Done(stats));
+            }
+            return Ok(());
+        }
+        logits = model.forward(&[token], 1).map_err(layer_err)?;
+    }
+}

@@ -1,0 +1,88 @@
+use candle_transformers::generation::Sampling;
+use tpinfer_tokenizer::ChatMessage;
+
+/// What to continue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// Plain text; the tokenizer adds its special tokens (BOS for Llama 3).
+    Text(String),
+    /// A chat, rendered with the model's own chat template.
+    Chat(Vec<ChatMessage>),
+    /// Token ids, used as they are.
+    Tokens(Vec<u32>),
+}
+
+impl Prompt {
+    pub fn text(text: impl Into<String>) -> Self {
+        Self::Text(text.into())
+    }
+
+    /// A chat of one user message.
+    pub fn user(text: impl Into<String>) -> Self {
+        Self::Chat(vec![ChatMessage::user(text)])
+    }
+}
+
+/// How the next token is chosen. The defaults are greedy decoding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 (or less) means greedy.
+    pub temperature: f64,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f64>,
+    /// Divides positive logits (multiplies negative ones) of tokens already seen; 1 disables.
+    pub repetition_penalty: f32,
+    /// How many of the last tokens the repetition penalty looks at.
+    pub repetition_window: usize,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            repetition_penalty: 1.0,
+            repetition_window: 64,
+            seed: 299_792_458,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub(crate) fn sampling(&self) -> Sampling {
+        let temperature = self.temperature;
+        match (temperature > 0.0, self.top_k, self.top_p) {
+            (false, _, _) => Sampling::ArgMax,
+            (true, None, None) => Sampling::All { temperature },
+            (true, Some(k), None) => Sampling::TopK { k, temperature },
+            (true, None, Some(p)) => Sampling::TopP { p, temperature },
+            (true, Some(k), Some(p)) => Sampling::TopKThenTopP { k, p, temperature },
+        }
+    }
+}
+
+/// One generation: a prompt, a token budget and how to sample.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    pub prompt: Prompt,
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+}
+
+impl GenerateRequest {
+    /// Greedy generation of at most `max_new_tokens` after `prompt`.
+    pub fn new(prompt: Prompt, max_new_tokens: usize) -> Self {
+        Self {
+            prompt,
+            max_new_tokens,
+            sampling: SamplingParams::default(),
+        }
+    }
+
+    pub fn with_sampling(mut self, sampling: SamplingParams) -> Self {
+        self.sampling = sampling;
+        self
+    }
+}

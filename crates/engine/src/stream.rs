@@ -1,0 +1,144 @@
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tpinfer_tokenizer::Tokenizer;
+
+use crate::EngineError;
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// An end-of-sequence token was generated.
+    Eos,
+    /// `max_new_tokens` were generated.
+    MaxTokens,
+    /// The context is full.
+    ContextFull,
+    /// The stream was dropped.
+    Cancelled,
+}
+
+/// Timings of one generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Time to run the prompt and sample the first token.
+    pub prefill: Duration,
+    /// Time for the remaining tokens.
+    pub decode: Duration,
+    pub stop_reason: StopReason,
+}
+
+impl GenerationStats {
+    pub fn prompt_tokens_per_second(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill.as_secs_f64().max(1e-9)
+    }
+
+    /// Tokens after the first, over the time they took.
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        self.generated_tokens.saturating_sub(1) as f64 / self.decode.as_secs_f64().max(1e-9)
+    }
+}
+
+/// What a [`TokenStream`] yields.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StreamEvent {
+    /// A generated token and the text it completes (empty while a multi-byte character is
+    /// still partial).
+    Token { id: u32, text: String },
+    /// Generation ended; always the last event of a successful stream.
+    Done(GenerationStats),
+}
+
+/// What rank 0 sends for a request.
+pub(crate) enum RankEvent {
+    Token(u32),
+    Done(GenerationStats),
+    Error(EngineError),
+}
+
+/// The tokens of one request as they are generated. Dropping it cancels the request.
+pub struct TokenStream {
+    events: Receiver<RankEvent>,
+    tokenizer: Arc<Tokenizer>,
+    ids: Vec<u32>,
+    /// Incremental detokenization: text is emitted once the tokens since `read_offset` decode
+    /// to whole characters, decoding from `prefix_offset` so that spacing is right.
+    prefix_offset: usize,
+    read_offset: usize,
+    finished: bool,
+}
+
+impl TokenStream {
+    pub(crate) fn new(events: Receiver<RankEvent>, tokenizer: Arc<Tokenizer>) -> Self {
+        Self {
+            events,
+            tokenizer,
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+            finished: false,
+        }
+    }
+
+    /// Collects the whole generation: its text, token ids and stats.
+    pub fn collect_text(self) -> Result<(String, Vec<u32>, GenerationStats), EngineError> {
+        let mut text = String::new();
+        let mut ids = Vec::new();
+        for event in self {
+            match event? {
+                StreamEvent::Token { id, text: piece } => {
+                    ids.push(id);
+                    text.push_str(&piece);
+                }
+                StreamEvent::Done(stats) => return Ok((text, ids, stats)),
+            }
+        }
+        Err(EngineError::Stopped(
+            "the stream ended without a result".into(),
+        ))
+    }
+
+    fn next_text(&mut self, id: u32) -> Result<String, EngineError> {
+        self.ids.push(id);
+        let prefix = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let full = self.tokenizer.decode(&self.ids[self.prefix_offset..])?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') {
+            if let Some(new) = full.get(prefix.len()..) {
+                self.prefix_offset = self.read_offset;
+                self.read_offset = self.ids.len();
+                return Ok(new.to_string());
+            }
+        }
+        Ok(String::new())
+    }
+}
+
+impl Iterator for TokenStream {
+    type Item = Result<StreamEvent, EngineError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.finished {
+            return None;
+        }
+        let event = match self.events.recv() {
+            Ok(RankEvent::Token(id)) => {
+                return Some(
+                    self.next_text(id)
+                        .map(|text| StreamEvent::Token { id, text }),
+                )
+            }
+            Ok(RankEvent::Done(stats)) => Ok(StreamEvent::Done(stats)),
+            Ok(RankEvent::Error(e)) => Err(e),
+            Err(_) => Err(EngineError::Stopped(
+                "the ranks stopped without finishing the request".into(),
+            )),
+        };
+        self.finished = true;
+        Some(event)
+    }
+}

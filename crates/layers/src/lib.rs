@@ -1,0 +1,27 @@
+//! Tensor-parallel layers, written once and composed by every model family.
+//!
+//! Vocabulary (as in Megatron and vLLM): a *column-parallel* linear splits its weight's output
+//! rows over ranks and needs no communication; a *row-parallel* linear splits its input
+//! columns, so each rank holds a partial sum that one all-reduce completes. Attention is
+//! sharded by heads (Q/K/V column-parallel, output row-parallel) and a gated MLP by its hidden
+//! columns (gate/up column-parallel, down row-parallel): two all-reduces per transformer layer.
+
+mod attention;
+mod embedding;
+mod error;
+mod kv_cache;
+mod linear;
+mod mlp;
+mod partition;
+mod rope;
+
+pub use attention::{causal_attention, expand_kv_heads};
+pub use embedding::VocabParallelEmbedding;
+pub use error::{Error, Result};
+pub use kv_cache::KvCache;
+pub use linear::{ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear};
+pub use mlp::{GatedMlp, GatedMlpNames};
+pub use partition::{split_aligned, split_evenly, HeadShard};
+pub use rope::{Rope, RopeScaling};
+
+pub use candle_nn::ops::rms_norm;

@@ -1,0 +1,162 @@
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::{Module, Tensor};
+use candle_nn::Linear;
+use tpinfer_comm::Communicator;
+use tpinfer_weights::{ShardLoader, ShardSpec, WeightDecl};
+
+use crate::Result;
+
+/// `y = x Aᵀ + b` with `A` split along its output rows: the rank holds `A[out_range, :]` and
+/// produces its slice of `y`. No communication.
+pub struct ColumnParallelLinear {
+    linear: Linear,
+}
+
+impl ColumnParallelLinear {
+    /// The weight (and bias) slices this rank reads for a `[out, in]` weight named `prefix.weight`.
+    pub fn decls(
+        prefix: &str,
+        in_dim: usize,
+        out_dim: usize,
+        out_range: Range<usize>,
+        bias: bool,
+    ) -> Vec<WeightDecl> {
+        let spec = ShardSpec::range(0, out_range);
+        let mut decls = vec![WeightDecl::new(
+            format!("{prefix}.weight"),
+            &[out_dim, in_dim],
+            spec,
+        )];
+        if bias {
+            decls.push(WeightDecl::new(format!("{prefix}.bias"), &[out_dim], spec));
+        }
+        decls
+    }
+
+    pub fn load(weights: &mut ShardLoader, prefix: &str, bias: bool) -> Result<Self> {
+        let weight = weights.take(&format!("{prefix}.weight"))?;
+        let bias = bias
+            .then(|| weights.take(&format!("{prefix}.bias")))
+            .transpose()?;
+        Ok(Self {
+            linear: Linear::new(weight, bias),
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.linear.forward(x)?)
+    }
+}
+
+/// Several column-parallel linears on the same input (Q/K/V, or gate/up) fused into one
+/// GEMM: their local slices are concatenated at load time and split after the product.
+pub struct MergedColumnParallelLinear {
+    linear: Linear,
+    out_sizes: Vec<usize>,
+}
+
+impl MergedColumnParallelLinear {
+    /// Concatenates the already-loaded local slices `prefixes[i].weight` (and biases).
+    pub fn load(weights: &mut ShardLoader, prefixes: &[&str], bias: bool) -> Result<Self> {
+        let parts: Vec<ColumnParallelLinear> = prefixes
+            .iter()
+            .map(|p| ColumnParallelLinear::load(weights, p, bias))
+            .collect::<Result<_>>()?;
+        let out_sizes = parts
+            .iter()
+            .map(|p| p.linear.weight().dim(0))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let weight = Tensor::cat(
+            &parts.iter().map(|p| p.linear.weight()).collect::<Vec<_>>(),
+            0,
+        )?;
+        let bias = match bias {
+            true => Some(Tensor::cat(
+                &parts
+                    .iter()
+                    .filter_map(|p| p.linear.bias())
+                    .collect::<Vec<_>>(),
+                0,
+            )?),
+            false => None,
+        };
+        Ok(Self {
+            linear: Linear::new(weight, bias),
+            out_sizes,
+        })
+    }
+
+    /// The outputs of the merged linears, in the order of their prefixes.
+    pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let y = self.linear.forward(x)?;
+        let last = y.rank() - 1;
+        let mut start = 0;
+        let mut outs = Vec::with_capacity(self.out_sizes.len());
+        for &size in &self.out_sizes {
+            outs.push(y.narrow(last, start, size)?);
+            start += size;
+        }
+        Ok(outs)
+    }
+}
+
+/// `y = x Aᵀ + b` with `A` split along its input columns: the rank holds `A[:, in_range]`, gets
+/// its slice of `x` from a column-parallel layer before it, and its partial product is summed
+/// over ranks by one all-reduce. The bias is added once, after the reduce.
+pub struct RowParallelLinear {
+    linear: Linear,
+    bias: Option<Tensor>,
+    comm: Arc<dyn Communicator>,
+}
+
+impl RowParallelLinear {
+    pub fn decls(
+        prefix: &str,
+        in_dim: usize,
+        out_dim: usize,
+        in_range: Range<usize>,
+        bias: bool,
+    ) -> Vec<WeightDecl> {
+        let mut decls = vec![WeightDecl::new(
+            format!("{prefix}.weight"),
+            &[out_dim, in_dim],
+            ShardSpec::range(1, in_range),
+        )];
+        if bias {
+            decls.push(WeightDecl::new(
+                format!("{prefix}.bias"),
+                &[out_dim],
+                ShardSpec::Replicated,
+            ));
+        }
+        decls
+    }
+
+    pub fn load(
+        weights: &mut ShardLoader,
+        prefix: &str,
+        bias: bool,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self> {
+        let weight = weights.take(&format!("{prefix}.weight"))?;
+        let bias = bias
+            .then(|| weights.take(&format!("{prefix}.bias")))
+            .transpose()?;
+        Ok(Self {
+            linear: Linear::new(weight, None),
+            bias,
+            comm,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let partial = self.linear.forward(x)?;
+        let y = self.comm.all_reduce_sum(&partial)?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}

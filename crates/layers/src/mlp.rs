@@ -1,0 +1,66 @@
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use tpinfer_comm::Communicator;
+use tpinfer_weights::{ShardLoader, WeightDecl};
+
+use crate::{ColumnParallelLinear, MergedColumnParallelLinear, Result, RowParallelLinear};
+
+/// `down(silu(gate(x)) * up(x))`, sharded over hidden columns: gate/up column-parallel and
+/// fused, down row-parallel. One all-reduce.
+pub struct GatedMlp {
+    gate_up: MergedColumnParallelLinear,
+    down: RowParallelLinear,
+}
+
+/// Checkpoint names of a gated MLP's three projections.
+pub struct GatedMlpNames<'a> {
+    pub gate: &'a str,
+    pub up: &'a str,
+    pub down: &'a str,
+}
+
+impl GatedMlp {
+    pub fn decls(
+        names: &GatedMlpNames,
+        hidden: usize,
+        intermediate: usize,
+        cols: Range<usize>,
+    ) -> Vec<WeightDecl> {
+        let mut decls =
+            ColumnParallelLinear::decls(names.gate, hidden, intermediate, cols.clone(), false);
+        decls.extend(ColumnParallelLinear::decls(
+            names.up,
+            hidden,
+            intermediate,
+            cols.clone(),
+            false,
+        ));
+        decls.extend(RowParallelLinear::decls(
+            names.down,
+            intermediate,
+            hidden,
+            cols,
+            false,
+        ));
+        decls
+    }
+
+    pub fn load(
+        weights: &mut ShardLoader,
+        names: &GatedMlpNames,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_up: MergedColumnParallelLinear::load(weights, &[names.gate, names.up], false)?,
+            down: RowParallelLinear::load(weights, names.down, false, comm)?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate_up = self.gate_up.forward(x)?;
+        let hidden = (candle_nn::ops::silu(&gate_up[0])? * &gate_up[1])?;
+        self.down.forward(&hidden)
+    }
+}

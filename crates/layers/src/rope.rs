@@ -1,0 +1,87 @@
+use candle_core::{DType, Device, Tensor};
+
+use crate::Result;
+
+/// How rotary frequencies are rescaled for long context.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Llama 3.1's scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
+    /// blend between `low_freq_factor` and `high_freq_factor`.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+}
+
+/// Rotary position embedding over halves of each head (the Hugging Face layout), with cos/sin
+/// tables computed once for every position up to `max_positions`.
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    pub fn new(
+        head_dim: usize,
+        theta: f64,
+        scaling: Option<RopeScaling>,
+        max_positions: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let inv_freq: Vec<f32> = (0..head_dim / 2)
+            .map(|i| {
+                let freq = 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64);
+                scale_frequency(freq, scaling) as f32
+            })
+            .collect();
+        let inv_freq = Tensor::from_vec(inv_freq, (1, head_dim / 2), device)?;
+        let positions = Tensor::arange(0u32, max_positions as u32, device)?
+            .to_dtype(DType::F32)?
+            .reshape((max_positions, 1))?;
+        let angles = positions.broadcast_mul(&inv_freq)?;
+        Ok(Self {
+            cos: angles.cos()?.to_dtype(dtype)?,
+            sin: angles.sin()?.to_dtype(dtype)?,
+        })
+    }
+
+    /// Rotates `x` of shape `[batch, heads, seq, head_dim]` whose first token is at `offset`.
+    pub fn apply(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
+        let seq = x.dim(2)?;
+        let cos = self.cos.narrow(0, offset, seq)?;
+        let sin = self.sin.narrow(0, offset, seq)?;
+        Ok(candle_nn::rotary_emb::rope(&x.contiguous()?, &cos, &sin)?)
+    }
+
+    /// The number of positions the tables cover.
+    pub fn max_positions(&self) -> usize {
+        self.cos.dims()[0]
+    }
+}
+
+fn scale_frequency(freq: f64, scaling: Option<RopeScaling>) -> f64 {
+    match scaling {
+        None => freq,
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        }) => {
+            let old = original_max_position_embeddings as f64;
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < old / high_freq_factor {
+                freq
+            } else if wavelen > old / low_freq_factor {
+                freq / factor
+            } else {
+                let smooth =
+                    (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                (1.0 - smooth) * freq / factor + smooth * freq
+            }
+        }
+    }
+}

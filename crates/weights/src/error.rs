@@ -1,0 +1,45 @@
+use std::path::PathBuf;
+
+/// Why weights could not be loaded. Messages name the file or tensor and say what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightError {
+    #[error("{path}: {source}; check that the model path is right and the file is readable")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("no weights in {dir}: expected model.safetensors, model.safetensors.index.json or *.safetensors")]
+    NoWeights { dir: PathBuf },
+    #[error("{path} is not a valid safetensors file ({detail}); the file is truncated or corrupt: download or convert it again")]
+    Corrupt { path: PathBuf, detail: String },
+    #[error(
+        "{path}: {detail}; the index does not match the files beside it: download the model again"
+    )]
+    BadIndex { path: PathBuf, detail: String },
+    #[error("tensor `{name}` is missing from {origin}; the checkpoint does not match config.json")]
+    Missing { name: String, origin: String },
+    #[error("tensor `{name}` in {origin} is not used by this model ({hint}); the checkpoint and config.json disagree")]
+    Unexpected {
+        name: String,
+        origin: String,
+        hint: String,
+    },
+    #[error("tensor `{name}` in {origin} has shape {found:?}, but config.json implies {expected:?}; the checkpoint does not match config.json")]
+    Shape {
+        name: String,
+        origin: String,
+        found: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    #[error("tensor `{name}` has dtype {dtype}, which tpinfer does not load (use f32, f16 or bf16 weights)")]
+    Dtype { name: String, dtype: String },
+    #[error("shard of `{name}`: {detail}")]
+    Shard { name: String, detail: String },
+    #[error("{path}: GGUF error: {detail}")]
+    Gguf { path: PathBuf, detail: String },
+    #[error("tensor `{name}`: {source}")]
+    Tensor {
+        name: String,
+        source: candle_core::Error,
+    },
+}

@@ -1,0 +1,57 @@
+use candle_core::DType;
+
+/// Which part of a tensor one rank holds.
+///
+/// Column-parallel weights are a range of output rows (dim 0), row-parallel weights a range
+/// of input columns (dim 1), vocab-parallel embeddings a range of vocabulary rows. A range
+/// rather than an index of equal parts, because splits may be uneven and KV heads may be
+/// replicated on several ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShardSpec {
+    /// Every rank holds the whole tensor.
+    Replicated,
+    /// The rank holds `start..start + len` along `dim`.
+    Range {
+        dim: usize,
+        start: usize,
+        len: usize,
+    },
+}
+
+impl ShardSpec {
+    /// The slice `range` of dimension `dim`.
+    pub fn range(dim: usize, range: std::ops::Range<usize>) -> Self {
+        Self::Range {
+            dim,
+            start: range.start,
+            len: range.len(),
+        }
+    }
+
+    /// The shape of the slice of a tensor whose full shape is `full`.
+    pub fn local_shape(&self, full: &[usize]) -> Result<Vec<usize>, String> {
+        match *self {
+            Self::Replicated => Ok(full.to_vec()),
+            Self::Range { dim, start, len } => {
+                let size = *full.get(dim).ok_or_else(|| {
+                    format!("cannot split dim {dim} of a tensor of shape {full:?}")
+                })?;
+                if start + len > size || len == 0 {
+                    return Err(format!(
+                        "range {start}..{} is outside dim {dim} of shape {full:?}",
+                        start + len
+                    ));
+                }
+                let mut shape = full.to_vec();
+                shape[dim] = len;
+                Ok(shape)
+            }
+        }
+    }
+
+    /// The bytes of the slice, as stored in `dtype`: what a rank reads for this tensor.
+    pub fn bytes(&self, full: &[usize], dtype: DType) -> Result<usize, String> {
+        let shape = self.local_shape(full)?;
+        Ok(shape.iter().product::<usize>() * dtype.size_in_bytes())
+    }
+}

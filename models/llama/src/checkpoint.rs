@@ -1,0 +1,144 @@
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tpinfer_weights::{
+    GgufStore, GgufTensorMap, SafetensorsStore, ShardLoader, WeightError, WeightStore,
+};
+
+use crate::shard::names;
+use crate::{ConfigError, LlamaConfig, LlamaShard};
+
+/// The on-disk form of a model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelFormat {
+    /// A Hugging Face directory: `config.json`, safetensors, `tokenizer.json`.
+    HfDir(PathBuf),
+    /// A single GGUF file carrying weights, hyper-parameters and tokenizer.
+    Gguf(PathBuf),
+}
+
+/// A Llama checkpoint opened for sharded loading: its config and its tensor headers.
+pub struct LlamaCheckpoint {
+    pub config: LlamaConfig,
+    pub format: ModelFormat,
+    pub store: Arc<dyn WeightStore>,
+}
+
+/// Why a checkpoint could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("model path {0} does not exist; pass a Hugging Face model directory or a .gguf file")]
+    NotFound(PathBuf),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Weights(#[from] WeightError),
+}
+
+impl LlamaCheckpoint {
+    /// Opens a model directory or GGUF file. Reads config and headers only.
+    pub fn open(path: &Path) -> Result<Self, CheckpointError> {
+        if !path.exists() {
+            return Err(CheckpointError::NotFound(path.to_path_buf()));
+        }
+        if path.is_file() {
+            return Self::open_gguf(path);
+        }
+        let config = LlamaConfig::from_dir(path)?;
+        let store = SafetensorsStore::open(path)?;
+        Ok(Self {
+            config,
+            format: ModelFormat::HfDir(path.to_path_buf()),
+            store: Arc::new(store),
+        })
+    }
+
+    fn open_gguf(path: &Path) -> Result<Self, CheckpointError> {
+        let store = GgufStore::open(path)?;
+        let config = LlamaConfig::from_gguf(
+            store.metadata(),
+            store.has_gguf_tensor("output.weight"),
+            &path.display().to_string(),
+        )?;
+        let store = store.with_names(gguf_names(&config));
+        Ok(Self {
+            config,
+            format: ModelFormat::Gguf(path.to_path_buf()),
+            store: Arc::new(store),
+        })
+    }
+
+    /// Checks the checkpoint against what `shard` reads (names and shapes, from headers).
+    pub fn check(&self, shard: &LlamaShard) -> Result<(), WeightError> {
+        let tied = self.config.tie_word_embeddings;
+        ShardLoader::check(&*self.store, &shard.weight_decls(&self.config), &|n| {
+            names::ignored(n, tied)
+        })
+    }
+
+    /// The bytes of weights `shard` will read, from the headers alone.
+    pub fn shard_bytes(&self, shard: &LlamaShard) -> Result<usize, WeightError> {
+        ShardLoader::planned_bytes(&*self.store, &shard.weight_decls(&self.config))
+    }
+}
+
+/// Hugging Face names → llama.cpp names. Q and K rows were permuted by llama.cpp's converter.
+fn gguf_names(c: &LlamaConfig) -> GgufTensorMap {
+    let mut map = HashMap::new();
+    let mut add = |hf: String, gguf: String, heads: Option<usize>| {
+        map.insert(hf, (gguf, heads));
+    };
+    add(names::EMBED.into(), "token_embd.weight".into(), None);
+    add(names::NORM.into(), "output_norm.weight".into(), None);
+    add(names::LM_HEAD.into(), "output.weight".into(), None);
+    for i in 0..c.num_hidden_layers {
+        let (p, b) = (names::layer(i), format!("blk.{i}"));
+        add(
+            format!("{p}.self_attn.q_proj.weight"),
+            format!("{b}.attn_q.weight"),
+            Some(c.num_attention_heads),
+        );
+        add(
+            format!("{p}.self_attn.k_proj.weight"),
+            format!("{b}.attn_k.weight"),
+            Some(c.num_key_value_heads),
+        );
+        add(
+            format!("{p}.self_attn.v_proj.weight"),
+            format!("{b}.attn_v.weight"),
+            None,
+        );
+        add(
+            format!("{p}.self_attn.o_proj.weight"),
+            format!("{b}.attn_output.weight"),
+            None,
+        );
+        add(
+            format!("{p}.mlp.gate_proj.weight"),
+            format!("{b}.ffn_gate.weight"),
+            None,
+        );
+        add(
+            format!("{p}.mlp.up_proj.weight"),
+            format!("{b}.ffn_up.weight"),
+            None,
+        );
+        add(
+            format!("{p}.mlp.down_proj.weight"),
+            format!("{b}.ffn_down.weight"),
+            None,
+        );
+        add(
+            format!("{p}.input_layernorm.weight"),
+            format!("{b}.attn_norm.weight"),
+            None,
+        );
+        add(
+            format!("{p}.post_attention_layernorm.weight"),
+            format!("{b}.ffn_norm.weight"),
+            None,
+        );
+    }
+    map
+}

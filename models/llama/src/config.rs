@@ -1,0 +1,355 @@
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::Value;
+use candle_core::DType;
+use serde::Deserialize;
+use serde_json::Value as Json;
+use std::collections::HashMap;
+use tpinfer_layers::RopeScaling;
+
+/// A Llama model's hyper-parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+    /// The dtype the checkpoint was trained and saved in, if it says.
+    pub dtype: Option<DType>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Why a configuration could not be read. The message names the file and field.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: {source}; the model directory needs a config.json")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: not valid JSON: {detail}")]
+    Json { path: PathBuf, detail: String },
+    #[error("{origin}: missing field `{field}`; add it (see the model's published config.json)")]
+    Missing { origin: String, field: String },
+    #[error("{origin}: field `{field}` {detail}")]
+    Invalid {
+        origin: String,
+        field: String,
+        detail: String,
+    },
+    #[error("{origin}: {detail}")]
+    Unsupported { origin: String, detail: String },
+}
+
+/// `config.json` as either transformers generation writes it; every field optional so that a
+/// missing one is reported by name, with its file.
+#[derive(Deserialize)]
+struct RawConfig {
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+    hidden_size: Option<usize>,
+    intermediate_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    // transformers 4
+    rope_theta: Option<f64>,
+    rope_scaling: Option<Json>,
+    torch_dtype: Option<String>,
+    // transformers 5
+    rope_parameters: Option<Json>,
+    dtype: Option<String>,
+    bos_token_id: Option<Json>,
+    eos_token_id: Option<Json>,
+}
+
+impl LlamaConfig {
+    /// Reads `config.json`, and the EOS ids of `generation_config.json` beside it if present.
+    pub fn from_dir(dir: &Path) -> Result<Self, ConfigError> {
+        let path = dir.join("config.json");
+        let mut config = Self::from_json_file(&path)?;
+        let generation = dir.join("generation_config.json");
+        if let Ok(text) = std::fs::read_to_string(&generation) {
+            let json: Json = serde_json::from_str(&text).map_err(|e| ConfigError::Json {
+                path: generation.clone(),
+                detail: e.to_string(),
+            })?;
+            let origin = generation.display().to_string();
+            for id in token_ids(json.get("eos_token_id"), &origin, "eos_token_id")? {
+                if !config.eos_token_ids.contains(&id) {
+                    config.eos_token_ids.push(id);
+                }
+            }
+        }
+        Ok(config)
+    }
+
+    pub fn from_json_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_json(&text, &path.display().to_string())
+    }
+
+    /// Parses `config.json` text; `origin` names it in errors.
+    pub fn from_json(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig = serde_json::from_str(text).map_err(|e| ConfigError::Json {
+            path: PathBuf::from(origin),
+            detail: e.to_string(),
+        })?;
+        let missing = |field: &str| ConfigError::Missing {
+            origin: origin.to_string(),
+            field: field.to_string(),
+        };
+        let unsupported = |detail: String| ConfigError::Unsupported {
+            origin: origin.to_string(),
+            detail,
+        };
+        let is_llama = raw.model_type.as_deref().is_none_or(|t| t == "llama")
+            && raw
+                .architectures
+                .as_ref()
+                .is_none_or(|a| a.iter().any(|a| a == "LlamaForCausalLM"));
+        if !is_llama {
+            return Err(unsupported(format!(
+                "model_type {:?} / architectures {:?} is not Llama; tpinfer runs LlamaForCausalLM",
+                raw.model_type, raw.architectures
+            )));
+        }
+        let hidden_size = raw.hidden_size.ok_or_else(|| missing("hidden_size"))?;
+        let num_attention_heads = raw
+            .num_attention_heads
+            .ok_or_else(|| missing("num_attention_heads"))?;
+        // transformers 5 moves rope settings into `rope_parameters`; 4 keeps `rope_theta` and
+        // `rope_scaling`. Both may be present in converted files; the newer form wins.
+        let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
+        let rope_theta = raw
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p.get("rope_theta"))
+            .and_then(Json::as_f64)
+            .or(raw.rope_theta)
+            .unwrap_or(10_000.0);
+        let dtype_name = raw.dtype.as_deref().or(raw.torch_dtype.as_deref());
+        let config = Self {
+            hidden_size,
+            intermediate_size: raw
+                .intermediate_size
+                .ok_or_else(|| missing("intermediate_size"))?,
+            num_hidden_layers: raw
+                .num_hidden_layers
+                .ok_or_else(|| missing("num_hidden_layers"))?,
+            num_attention_heads,
+            num_key_value_heads: raw.num_key_value_heads.unwrap_or(num_attention_heads),
+            head_dim: raw
+                .head_dim
+                .unwrap_or(hidden_size / num_attention_heads.max(1)),
+            vocab_size: raw.vocab_size.ok_or_else(|| missing("vocab_size"))?,
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling: rope_scaling(rope, origin)?,
+            max_position_embeddings: raw
+                .max_position_embeddings
+                .ok_or_else(|| missing("max_position_embeddings"))?,
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            attention_bias: raw.attention_bias.unwrap_or(false),
+            mlp_bias: raw.mlp_bias.unwrap_or(false),
+            dtype: dtype_name.and_then(parse_dtype),
+            bos_token_id: token_ids(raw.bos_token_id.as_ref(), origin, "bos_token_id")?
+                .first()
+                .copied(),
+            eos_token_ids: token_ids(raw.eos_token_id.as_ref(), origin, "eos_token_id")?,
+        };
+        config.validate(origin)?;
+        Ok(config)
+    }
+
+    /// Reads the hyper-parameters of a llama-architecture GGUF file.
+    pub fn from_gguf(
+        metadata: &HashMap<String, Value>,
+        has_output_weight: bool,
+        origin: &str,
+    ) -> Result<Self, ConfigError> {
+        let missing = |field: &str| ConfigError::Missing {
+            origin: origin.to_string(),
+            field: field.to_string(),
+        };
+        let arch = metadata
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .ok_or_else(|| missing("general.architecture"))?;
+        if arch != "llama" {
+            return Err(ConfigError::Unsupported {
+                origin: origin.to_string(),
+                detail: format!("GGUF architecture `{arch}` is not llama"),
+            });
+        }
+        let int = |key: &str| -> Result<usize, ConfigError> {
+            let v = metadata.get(key).ok_or_else(|| missing(key))?;
+            v.to_u32()
+                .map(|x| x as usize)
+                .or_else(|_| v.to_u64().map(|x| x as usize))
+                .map_err(|e| ConfigError::Invalid {
+                    origin: origin.to_string(),
+                    field: key.to_string(),
+                    detail: e.to_string(),
+                })
+        };
+        let float = |key: &str| {
+            metadata
+                .get(key)
+                .and_then(|v| v.to_f32().ok())
+                .map(f64::from)
+        };
+        let hidden_size = int("llama.embedding_length")?;
+        let num_attention_heads = int("llama.attention.head_count")?;
+        let vocab_size = match int("llama.vocab_size") {
+            Ok(v) => v,
+            Err(_) => metadata
+                .get("tokenizer.ggml.tokens")
+                .and_then(|t| t.to_vec().ok())
+                .map(Vec::len)
+                .ok_or_else(|| missing("llama.vocab_size"))?,
+        };
+        let token = |key: &str| metadata.get(key).and_then(|v| v.to_u32().ok());
+        let config = Self {
+            hidden_size,
+            intermediate_size: int("llama.feed_forward_length")?,
+            num_hidden_layers: int("llama.block_count")?,
+            num_attention_heads,
+            num_key_value_heads: int("llama.attention.head_count_kv")
+                .unwrap_or(num_attention_heads),
+            head_dim: int("llama.rope.dimension_count")
+                .unwrap_or(hidden_size / num_attention_heads.max(1)),
+            vocab_size,
+            rms_norm_eps: float("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+            rope_theta: float("llama.rope.freq_base").unwrap_or(10_000.0),
+            rope_scaling: None,
+            max_position_embeddings: int("llama.context_length")?,
+            tie_word_embeddings: !has_output_weight,
+            attention_bias: false,
+            mlp_bias: false,
+            dtype: None,
+            bos_token_id: token("tokenizer.ggml.bos_token_id"),
+            eos_token_ids: token("tokenizer.ggml.eos_token_id").into_iter().collect(),
+        };
+        config.validate(origin)?;
+        Ok(config)
+    }
+
+    fn validate(&self, origin: &str) -> Result<(), ConfigError> {
+        let invalid = |field: &str, detail: String| ConfigError::Invalid {
+            origin: origin.to_string(),
+            field: field.to_string(),
+            detail,
+        };
+        for (field, value) in [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if value == 0 {
+                return Err(invalid(field, "must be positive".to_string()));
+            }
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(invalid(
+                "num_key_value_heads",
+                format!(
+                    "({}) must divide num_attention_heads ({})",
+                    self.num_key_value_heads, self.num_attention_heads
+                ),
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(invalid(
+                "head_dim",
+                format!("({}) must be even for rotary embeddings", self.head_dim),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn parse_dtype(name: &str) -> Option<DType> {
+    match name {
+        "float32" => Some(DType::F32),
+        "float16" => Some(DType::F16),
+        "bfloat16" => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+fn token_ids(value: Option<&Json>, origin: &str, field: &str) -> Result<Vec<u32>, ConfigError> {
+    let invalid = || ConfigError::Invalid {
+        origin: origin.to_string(),
+        field: field.to_string(),
+        detail: "must be a token id or a list of token ids".to_string(),
+    };
+    let id = |v: &Json| v.as_u64().map(|x| x as u32).ok_or_else(invalid);
+    match value {
+        None | Some(Json::Null) => Ok(Vec::new()),
+        Some(Json::Array(ids)) => ids.iter().map(id).collect(),
+        Some(v) => Ok(vec![id(v)?]),
+    }
+}
+
+/// Reads a `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5) object.
+fn rope_scaling(value: Option<&Json>, origin: &str) -> Result<Option<RopeScaling>, ConfigError> {
+    let Some(value) = value.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let kind = value
+        .get("rope_type")
+        .or_else(|| value.get("type"))
+        .and_then(Json::as_str)
+        .unwrap_or("default");
+    let field = |name: &str| -> Result<f64, ConfigError> {
+        value
+            .get(name)
+            .and_then(Json::as_f64)
+            .ok_or_else(|| ConfigError::Missing {
+                origin: origin.to_string(),
+                field: format!("rope_scaling.{name}"),
+            })
+    };
+    match kind {
+        "default" => Ok(None),
+        "llama3" => Ok(Some(RopeScaling::Llama3 {
+            factor: field("factor")?,
+            low_freq_factor: field("low_freq_factor")?,
+            high_freq_factor: field("high_freq_factor")?,
+            original_max_position_embeddings: field("original_max_position_embeddings")? as usize,
+        })),
+        other => Err(ConfigError::Unsupported {
+            origin: origin.to_string(),
+            detail: format!(
+                "rope type `{other}` is not supported (tpinfer supports `default` and `llama3`)"
+            ),
+        }),
+    }
+}

@@ -1,0 +1,15 @@
+//! Llama 3 / 3.1 / 3.2, sharded over tensor-parallel ranks.
+//!
+//! [`LlamaConfig`] reads `config.json` in both the transformers-4 and transformers-5 forms, or
+//! a GGUF file's metadata. [`LlamaShard`] says what one rank holds (its heads, FFN columns and
+//! vocabulary rows) and declares the slices it reads; [`LlamaRank`] is that rank's model.
+
+mod checkpoint;
+mod config;
+mod model;
+mod shard;
+
+pub use checkpoint::{CheckpointError, LlamaCheckpoint, ModelFormat};
+pub use config::{ConfigError, LlamaConfig};
+pub use model::LlamaRank;
+pub use shard::LlamaShard;

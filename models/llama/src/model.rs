@@ -1,0 +1,195 @@
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use tpinfer_comm::Communicator;
+use tpinfer_layers::{
+    causal_attention, expand_kv_heads, rms_norm, GatedMlp, KvCache, MergedColumnParallelLinear,
+    Result, Rope, RowParallelLinear, VocabParallelEmbedding,
+};
+use tpinfer_weights::ShardLoader;
+
+use crate::shard::names;
+use crate::{LlamaCheckpoint, LlamaConfig, LlamaShard};
+
+/// One rank's part of a Llama model, with its KV cache.
+pub struct LlamaRank {
+    config: LlamaConfig,
+    shard: LlamaShard,
+    embed: VocabParallelEmbedding,
+    /// `None` when the LM head is tied to the embedding.
+    lm_head: Option<VocabParallelEmbedding>,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor,
+    rope: Rope,
+    /// For each local Q head, its local KV head (for GQA groups that straddle ranks).
+    kv_index: Tensor,
+    bytes_loaded: usize,
+}
+
+struct DecoderLayer {
+    input_norm: Tensor,
+    qkv: MergedColumnParallelLinear,
+    o_proj: RowParallelLinear,
+    post_norm: Tensor,
+    mlp: GatedMlp,
+    cache: KvCache,
+}
+
+impl LlamaRank {
+    /// Loads this rank's slices of `checkpoint` onto `device`, in `dtype`, with rotary tables
+    /// for `max_positions` positions.
+    pub fn load(
+        checkpoint: &LlamaCheckpoint,
+        shard: LlamaShard,
+        comm: Arc<dyn Communicator>,
+        dtype: DType,
+        device: &Device,
+        max_positions: usize,
+    ) -> Result<Self> {
+        let c = &checkpoint.config;
+        checkpoint.check(&shard)?;
+        let mut w = ShardLoader::load(&*checkpoint.store, &shard.weight_decls(c), dtype, device)?;
+        let bytes_loaded = w.bytes_read();
+        let embed = VocabParallelEmbedding::load(
+            &mut w,
+            names::EMBED,
+            shard.vocab_rows.clone(),
+            comm.clone(),
+        )?;
+        let lm_head = match c.tie_word_embeddings {
+            true => None,
+            false => Some(VocabParallelEmbedding::load(
+                &mut w,
+                names::LM_HEAD,
+                shard.vocab_rows.clone(),
+                comm.clone(),
+            )?),
+        };
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| {
+                let p = names::layer(i);
+                let attn = |n: &str| format!("{p}.self_attn.{n}");
+                Ok(DecoderLayer {
+                    input_norm: w.take(&format!("{p}.input_layernorm.weight"))?,
+                    qkv: MergedColumnParallelLinear::load(
+                        &mut w,
+                        &[&attn("q_proj"), &attn("k_proj"), &attn("v_proj")],
+                        c.attention_bias,
+                    )?,
+                    o_proj: RowParallelLinear::load(
+                        &mut w,
+                        &attn("o_proj"),
+                        c.attention_bias,
+                        comm.clone(),
+                    )?,
+                    post_norm: w.take(&format!("{p}.post_attention_layernorm.weight"))?,
+                    mlp: GatedMlp::load(&mut w, &names::mlp(&p).as_names(), comm.clone())?,
+                    cache: KvCache::default(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let rope = Rope::new(
+            c.head_dim,
+            c.rope_theta,
+            c.rope_scaling,
+            max_positions,
+            dtype,
+            device,
+        )?;
+        let kv_index = Tensor::new(shard.heads.kv_of_q.as_slice(), device)?;
+        Ok(Self {
+            config: c.clone(),
+            embed,
+            lm_head,
+            layers,
+            norm: w.take(names::NORM)?,
+            rope,
+            kv_index,
+            shard,
+            bytes_loaded,
+        })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    pub fn shard(&self) -> &LlamaShard {
+        &self.shard
+    }
+
+    /// The weight bytes this rank copied out of the checkpoint.
+    pub fn bytes_loaded(&self) -> usize {
+        self.bytes_loaded
+    }
+
+    /// The number of positions in the KV cache.
+    pub fn cached_positions(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.cache.len())
+    }
+
+    /// The number of positions the rotary tables cover: the context limit.
+    pub fn max_positions(&self) -> usize {
+        self.rope.max_positions()
+    }
+
+    /// Empties the KV cache for a new sequence.
+    pub fn clear_cache(&mut self) {
+        self.layers.iter_mut().for_each(|l| l.cache.clear());
+    }
+
+    /// Runs `ids` (`batch` sequences of equal length, continuing what is cached) and returns the
+    /// f32 logits over the full vocabulary at each sequence's last position, `[batch, vocab]`.
+    /// Every rank returns the same logits. Two all-reduces per layer, plus one for the
+    /// embedding and one all-gather for the logits.
+    pub fn forward(&mut self, ids: &[u32], batch: usize) -> Result<Tensor> {
+        let offset = self.cached_positions();
+        let mut x = self.embed.embed(ids, batch)?;
+        for layer in &mut self.layers {
+            x = layer.forward(
+                &x,
+                offset,
+                &self.rope,
+                &self.shard,
+                &self.kv_index,
+                &self.config,
+            )?;
+        }
+        let x = rms_norm(&x, &self.norm, self.config.rms_norm_eps as f32)?;
+        let seq = x.dim(1)?;
+        let last = x.narrow(1, seq - 1, 1)?.squeeze(1)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        Ok(head.project(&last)?.to_dtype(DType::F32)?)
+    }
+}
+
+impl DecoderLayer {
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        offset: usize,
+        rope: &Rope,
+        shard: &LlamaShard,
+        kv_index: &Tensor,
+        c: &LlamaConfig,
+    ) -> Result<Tensor> {
+        let eps = c.rms_norm_eps as f32;
+        let (b, s, _) = x.dims3()?;
+        let d = c.head_dim;
+        let heads = |t: &Tensor, n: usize| t.reshape((b, s, n, d))?.transpose(1, 2);
+        let h = rms_norm(x, &self.input_norm, eps)?;
+        let qkv = self.qkv.forward(&h)?;
+        let (n_q, n_kv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
+        let q = rope.apply(&heads(&qkv[0], n_q)?, offset)?;
+        let k = rope.apply(&heads(&qkv[1], n_kv)?, offset)?;
+        let v = heads(&qkv[2], n_kv)?;
+        let (k, v) = self.cache.append(&k, &v)?;
+        let k = expand_kv_heads(&k, &shard.heads, kv_index)?;
+        let v = expand_kv_heads(&v, &shard.heads, kv_index)?;
+        let attn = causal_attention(&q, &k, &v, 1.0 / (d as f64).sqrt())?;
+        let attn = attn.transpose(1, 2)?.reshape((b, s, n_q * d))?;
+        let x = (x + self.o_proj.forward(&attn)?)?;
+        let h = rms_norm(&x, &self.post_norm, eps)?;
+        Ok((&x + self.mlp.forward(&h)?)?)
+    }
+}

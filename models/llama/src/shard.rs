@@ -1,0 +1,144 @@
+use std::ops::Range;
+
+use tpinfer_layers::{
+    split_aligned, ColumnParallelLinear, GatedMlp, HeadShard, RowParallelLinear,
+    VocabParallelEmbedding,
+};
+use tpinfer_weights::{ShardSpec, WeightDecl};
+
+use crate::LlamaConfig;
+
+/// What one rank of a `world`-wide tensor-parallel group holds of a Llama model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LlamaShard {
+    pub rank: usize,
+    pub world: usize,
+    pub heads: HeadShard,
+    /// This rank's columns of the FFN's hidden layer.
+    pub ffn_cols: Range<usize>,
+    /// This rank's rows of the vocabulary (embedding and LM head).
+    pub vocab_rows: Range<usize>,
+}
+
+impl LlamaShard {
+    /// Fails, naming the limit, when the model cannot be split `world` ways.
+    pub fn new(config: &LlamaConfig, world: usize, rank: usize) -> tpinfer_layers::Result<Self> {
+        let heads = HeadShard::new(
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            world,
+            rank,
+        )?;
+        Ok(Self {
+            rank,
+            world,
+            heads,
+            ffn_cols: split_aligned(config.intermediate_size, world)[rank].clone(),
+            vocab_rows: split_aligned(config.vocab_size, world)[rank].clone(),
+        })
+    }
+
+    /// Every tensor this rank reads, with the full shape the config implies and its slice.
+    pub fn weight_decls(&self, c: &LlamaConfig) -> Vec<WeightDecl> {
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let q_out = self.heads.q_heads.start * d..self.heads.q_heads.end * d;
+        let kv_out = self.heads.kv_heads.start * d..self.heads.kv_heads.end * d;
+        let norm = |name: String| WeightDecl::new(name, &[h], ShardSpec::Replicated);
+        let mut decls =
+            VocabParallelEmbedding::decls(names::EMBED, c.vocab_size, h, self.vocab_rows.clone());
+        for i in 0..c.num_hidden_layers {
+            let p = names::layer(i);
+            let bias = c.attention_bias;
+            decls.push(norm(format!("{p}.input_layernorm.weight")));
+            let (q_heads, kv_heads) = (c.num_attention_heads * d, c.num_key_value_heads * d);
+            decls.extend(ColumnParallelLinear::decls(
+                &format!("{p}.self_attn.q_proj"),
+                h,
+                q_heads,
+                q_out.clone(),
+                bias,
+            ));
+            decls.extend(ColumnParallelLinear::decls(
+                &format!("{p}.self_attn.k_proj"),
+                h,
+                kv_heads,
+                kv_out.clone(),
+                bias,
+            ));
+            decls.extend(ColumnParallelLinear::decls(
+                &format!("{p}.self_attn.v_proj"),
+                h,
+                kv_heads,
+                kv_out.clone(),
+                bias,
+            ));
+            decls.extend(RowParallelLinear::decls(
+                &format!("{p}.self_attn.o_proj"),
+                q_heads,
+                h,
+                q_out.clone(),
+                bias,
+            ));
+            decls.push(norm(format!("{p}.post_attention_layernorm.weight")));
+            let mlp = names::mlp(&p);
+            decls.extend(GatedMlp::decls(
+                &mlp.as_names(),
+                h,
+                c.intermediate_size,
+                self.ffn_cols.clone(),
+            ));
+        }
+        decls.push(norm(names::NORM.to_string()));
+        if !c.tie_word_embeddings {
+            decls.extend(VocabParallelEmbedding::decls(
+                names::LM_HEAD,
+                c.vocab_size,
+                h,
+                self.vocab_rows.clone(),
+            ));
+        }
+        decls
+    }
+}
+
+/// Checkpoint tensor names (Hugging Face's).
+pub(crate) mod names {
+    use tpinfer_layers::GatedMlpNames;
+
+    pub const EMBED: &str = "model.embed_tokens.weight";
+    pub const NORM: &str = "model.norm.weight";
+    pub const LM_HEAD: &str = "lm_head.weight";
+
+    pub fn layer(i: usize) -> String {
+        format!("model.layers.{i}")
+    }
+
+    pub struct MlpNames {
+        gate: String,
+        up: String,
+        down: String,
+    }
+
+    impl MlpNames {
+        pub fn as_names(&self) -> GatedMlpNames<'_> {
+            GatedMlpNames {
+                gate: &self.gate,
+                up: &self.up,
+                down: &self.down,
+            }
+        }
+    }
+
+    pub fn mlp(layer: &str) -> MlpNames {
+        MlpNames {
+            gate: format!("{layer}.mlp.gate_proj"),
+            up: format!("{layer}.mlp.up_proj"),
+            down: format!("{layer}.mlp.down_proj"),
+        }
+    }
+
+    /// Names that checkpoints carry but no layer reads.
+    pub fn ignored(name: &str, tied: bool) -> bool {
+        name.ends_with("rotary_emb.inv_freq") || (tied && name == LM_HEAD)
+    }
+}

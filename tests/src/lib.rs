@@ -1,0 +1,424 @@
+//! Fixtures for tpinfer's tests and CPU benchmarks: tiny Llama models written in the real
+//! formats (`config.json`, `model.safetensors`, `tokenizer.json`), and a runner that drives a
+//! model's ranks on threads exactly as the engine does.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use serde_json::json;
+use tpinfer_comm::{Communicator, ThreadGroup};
+use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
+
+/// The shape of a tiny Llama.
+#[derive(Debug, Clone)]
+pub struct TinyLlama {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub tie_embeddings: bool,
+    pub llama3_rope_scaling: bool,
+    /// Write `config.json` in the transformers-5 form (`rope_parameters`, `dtype`).
+    pub transformers5: bool,
+    /// Split the weights over this many safetensors files with an index (1: `model.safetensors`).
+    pub files: usize,
+    pub seed: u64,
+}
+
+impl Default for TinyLlama {
+    /// 8 heads over 4 KV heads, 2 layers; at TP 3 the head split (3, 3, 2) makes a GQA group
+    /// straddle ranks and the FFN split (32, 32, 32 of 96) is aligned.
+    fn default() -> Self {
+        Self {
+            hidden: 64,
+            intermediate: 96,
+            layers: 2,
+            heads: 8,
+            kv_heads: 4,
+            head_dim: 8,
+            vocab: 320,
+            tie_embeddings: false,
+            llama3_rope_scaling: true,
+            transformers5: false,
+            files: 1,
+            seed: 7,
+        }
+    }
+}
+
+/// Token ids of the tiny tokenizer's special tokens.
+pub const BOS: u32 = 256;
+pub const EOS: u32 = 257;
+pub const EOT: u32 = 258;
+
+impl TinyLlama {
+    /// Writes the model into `dir` and returns `dir`.
+    pub fn write(&self, dir: &Path) -> PathBuf {
+        std::fs::create_dir_all(dir).expect("create model dir");
+        std::fs::write(dir.join("config.json"), self.config_json().to_string())
+            .expect("write config");
+        std::fs::write(
+            dir.join("generation_config.json"),
+            json!({"bos_token_id": BOS, "eos_token_id": [EOS, EOT]}).to_string(),
+        )
+        .expect("write generation config");
+        self.write_weights(dir);
+        write_tokenizer(dir);
+        dir.to_path_buf()
+    }
+
+    pub fn config_json(&self) -> serde_json::Value {
+        let scaling = json!({
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64
+        });
+        let mut config = json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 512,
+            "tie_word_embeddings": self.tie_embeddings,
+            "bos_token_id": BOS,
+            "eos_token_id": EOS,
+        });
+        let obj = config.as_object_mut().expect("object");
+        if self.transformers5 {
+            let mut params = if self.llama3_rope_scaling {
+                scaling
+            } else {
+                json!({"rope_type": "default"})
+            };
+            params["rope_theta"] = json!(50000.0);
+            obj.insert("rope_parameters".into(), params);
+            obj.insert("dtype".into(), json!("float32"));
+        } else {
+            obj.insert("rope_theta".into(), json!(50000.0));
+            obj.insert(
+                "rope_scaling".into(),
+                if self.llama3_rope_scaling {
+                    scaling
+                } else {
+                    json!(null)
+                },
+            );
+            obj.insert("torch_dtype".into(), json!("float32"));
+        }
+        config
+    }
+
+    /// Every tensor of the model, name → (shape, f32 values).
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        let mut rng = StdRng::seed_from_u64(self.seed);
+        let (h, d) = (self.hidden, self.head_dim);
+        let mut out = Vec::new();
+        let mut add = |name: String, shape: Vec<usize>, rng: &mut StdRng, norm: bool| {
+            let n: usize = shape.iter().product();
+            // Scaled so that activations stay O(1) through the layers, like trained weights.
+            let scale = if norm {
+                0.1
+            } else {
+                1.0 / (*shape.last().unwrap_or(&1) as f32).sqrt()
+            };
+            let values = (0..n)
+                .map(|_| {
+                    let x: f32 = rng.random_range(-1.0..1.0) * scale * 1.7;
+                    if norm {
+                        1.0 + x
+                    } else {
+                        x
+                    }
+                })
+                .collect();
+            out.push((name, shape, values));
+        };
+        add(
+            "model.embed_tokens.weight".into(),
+            vec![self.vocab, h],
+            &mut rng,
+            false,
+        );
+        for i in 0..self.layers {
+            let p = format!("model.layers.{i}");
+            add(
+                format!("{p}.input_layernorm.weight"),
+                vec![h],
+                &mut rng,
+                true,
+            );
+            add(
+                format!("{p}.self_attn.q_proj.weight"),
+                vec![self.heads * d, h],
+                &mut rng,
+                false,
+            );
+            add(
+                format!("{p}.self_attn.k_proj.weight"),
+                vec![self.kv_heads * d, h],
+                &mut rng,
+                false,
+            );
+            add(
+                format!("{p}.self_attn.v_proj.weight"),
+                vec![self.kv_heads * d, h],
+                &mut rng,
+                false,
+            );
+            add(
+                format!("{p}.self_attn.o_proj.weight"),
+                vec![h, self.heads * d],
+                &mut rng,
+                false,
+            );
+            add(
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![h],
+                &mut rng,
+                true,
+            );
+            add(
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![self.intermediate, h],
+                &mut rng,
+                false,
+            );
+            add(
+                format!("{p}.mlp.up_proj.weight"),
+                vec![self.intermediate, h],
+                &mut rng,
+                false,
+            );
+            add(
+                format!("{p}.mlp.down_proj.weight"),
+                vec![h, self.intermediate],
+                &mut rng,
+                false,
+            );
+        }
+        add("model.norm.weight".into(), vec![h], &mut rng, true);
+        if !self.tie_embeddings {
+            add(
+                "lm_head.weight".into(),
+                vec![self.vocab, h],
+                &mut rng,
+                false,
+            );
+        }
+        out
+    }
+
+    fn write_weights(&self, dir: &Path) {
+        let tensors = self.tensors();
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+            .into_iter()
+            .map(|(name, shape, values)| {
+                (
+                    name,
+                    shape,
+                    values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                )
+            })
+            .collect();
+        let per_file = bytes.len().div_ceil(self.files);
+        let mut weight_map = serde_json::Map::new();
+        for (i, chunk) in bytes.chunks(per_file).enumerate() {
+            let file = match self.files {
+                1 => "model.safetensors".to_string(),
+                n => format!("model-{:05}-of-{n:05}.safetensors", i + 1),
+            };
+            let views: Vec<(String, TensorView)> = chunk
+                .iter()
+                .map(|(name, shape, data)| {
+                    weight_map.insert(name.clone(), json!(file));
+                    (
+                        name.clone(),
+                        TensorView::new(Dtype::F32, shape.clone(), data).expect("tensor view"),
+                    )
+                })
+                .collect();
+            safetensors::serialize_to_file(views, None, &dir.join(&file))
+                .expect("write safetensors");
+        }
+        if self.files > 1 {
+            let index = json!({"metadata": {}, "weight_map": weight_map});
+            std::fs::write(dir.join("model.safetensors.index.json"), index.to_string())
+                .expect("write index");
+        }
+    }
+}
+
+/// A byte-level BPE tokenizer: the 256 byte symbols, a few merges, and Llama-3-style special
+/// tokens, with a post-processor that prepends BOS. Written with the `tokenizers` crate, so the
+/// file is the real format.
+pub fn write_tokenizer(dir: &Path) {
+    use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::processors::template::TemplateProcessing;
+    use tokenizers::AddedToken;
+
+    let alphabet = ByteLevel::alphabet();
+    let mut symbols: Vec<char> = alphabet.into_iter().collect();
+    symbols.sort();
+    let vocab: HashMap<String, u32> = symbols
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), i as u32))
+        .collect();
+    let vocab: tokenizers::models::bpe::Vocab = vocab.into_iter().collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, Vec::new())
+        .build()
+        .expect("bpe");
+    let mut tokenizer = tokenizers::Tokenizer::new(bpe);
+    tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+    tokenizer.add_special_tokens(&[
+        AddedToken::from("<|begin_of_text|>", true),
+        AddedToken::from("<|end_of_text|>", true),
+        AddedToken::from("<|eot_id|>", true),
+    ]);
+    let processor = TemplateProcessing::builder()
+        .try_single("<|begin_of_text|> $A")
+        .expect("template")
+        .special_tokens(vec![("<|begin_of_text|>".to_string(), BOS)])
+        .build()
+        .expect("processor");
+    tokenizer.with_post_processor(Some(processor));
+    tokenizer
+        .save(dir.join("tokenizer.json"), false)
+        .expect("save tokenizer");
+    let template = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+    let config = json!({
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "chat_template": template,
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string())
+        .expect("write tokenizer config");
+}
+
+/// Where `scripts/fetch-assets.sh` puts the registry-fetched model files.
+pub fn assets_dir() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/assets");
+    assert!(
+        dir.join("smollm2").exists() && dir.join("llama3-tokenizer").exists(),
+        "test assets missing: run scripts/fetch-assets.sh (the README's test command does)"
+    );
+    dir
+}
+
+/// The logits of a run: prefill, then greedy decode steps.
+#[derive(Debug, Clone)]
+pub struct LogitsTrace {
+    /// Per step (prefill first), the f32 logits over the vocabulary.
+    pub logits: Vec<Vec<f32>>,
+    /// The greedy tokens chosen after each step.
+    pub tokens: Vec<u32>,
+    /// All-reduces per rank during the prefill forward.
+    pub prefill_all_reduces: u64,
+}
+
+/// Runs `model` at TP `tp` on CPU rank threads: the prompt, then `steps` greedy decode steps.
+/// Every rank computes the same logits; rank 0's are returned.
+pub fn run_greedy(
+    model: &Path,
+    tp: usize,
+    dtype: DType,
+    prompt: &[u32],
+    steps: usize,
+) -> LogitsTrace {
+    let checkpoint = Arc::new(LlamaCheckpoint::open(model).expect("open checkpoint"));
+    let comms = ThreadGroup::new(tp, Duration::from_secs(60));
+    let traces: Vec<LogitsTrace> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let checkpoint = checkpoint.clone();
+                s.spawn(move || {
+                    let comm: Arc<dyn Communicator> = Arc::new(comm);
+                    let shard =
+                        LlamaShard::new(&checkpoint.config, tp, comm.rank()).expect("shard");
+                    let mut rank =
+                        LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &Device::Cpu, 512)
+                            .expect("load");
+                    let before = comm.stats().snapshot();
+                    let mut logits = rank.forward(prompt, 1).expect("prefill");
+                    let prefill_all_reduces = comm.stats().snapshot().since(&before).all_reduces;
+                    let mut trace = LogitsTrace {
+                        logits: Vec::new(),
+                        tokens: Vec::new(),
+                        prefill_all_reduces,
+                    };
+                    for step in 0..=steps {
+                        let values = logits
+                            .squeeze(0)
+                            .and_then(|l| l.to_vec1::<f32>())
+                            .expect("logits");
+                        let token = argmax(&values);
+                        trace.logits.push(values);
+                        trace.tokens.push(token);
+                        if step < steps {
+                            logits = rank.forward(&[token], 1).expect("decode");
+                        }
+                    }
+                    trace
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    });
+    traces.into_iter().next().expect("rank 0")
+}
+
+pub fn argmax(values: &[f32]) -> u32 {
+    values
+        .iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+            if v > bv {
+                (i, v)
+            } else {
+                (bi, bv)
+            }
+        })
+        .0 as u32
+}
+
+/// ‖a − b‖ / ‖b‖.
+pub fn rel_error(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    let diff: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
+/// ‖a − b‖ / ‖b‖ for tensors of the same shape.
+pub fn tensor_rel_error(a: &Tensor, b: &Tensor) -> f64 {
+    let flat = |t: &Tensor| {
+        t.to_dtype(DType::F32)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("flatten")
+    };
+    rel_error(&flat(a), &flat(b))
+}

@@ -1,0 +1,128 @@
+//! The same tiny model at every TP width gives the logits of TP 1.
+
+use candle_core::DType;
+use tpinfer_tests::{rel_error, run_greedy, TinyLlama};
+
+const PROMPT: &[u32] = &[
+    256, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10, 5, 300, 17,
+];
+const DECODE_STEPS: usize = 16;
+
+fn assert_tp_matches_tp1(model: &TinyLlama, widths: &[usize]) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(dir.path());
+    let reference = run_greedy(&path, 1, DType::F32, PROMPT, DECODE_STEPS);
+    assert_eq!(reference.logits.len(), DECODE_STEPS + 1);
+    for &tp in widths {
+        let trace = run_greedy(&path, tp, DType::F32, PROMPT, DECODE_STEPS);
+        for (step, (got, want)) in trace.logits.iter().zip(&reference.logits).enumerate() {
+            let err = rel_error(got, want);
+            assert!(
+                err < 1e-5,
+                "TP {tp} step {step}: relative error {err:e} (model {model:?})"
+            );
+        }
+        assert_eq!(
+            trace.tokens, reference.tokens,
+            "TP {tp}: greedy tokens differ"
+        );
+        // One all-reduce for the embedding, then exactly two per layer.
+        assert_eq!(
+            trace.prefill_all_reduces,
+            1 + 2 * model.layers as u64,
+            "TP {tp}"
+        );
+    }
+}
+
+#[test]
+fn tp_2_3_4_5_equal_tp_1() {
+    let model = TinyLlama {
+        heads: 10,
+        kv_heads: 5,
+        ..TinyLlama::default()
+    };
+    assert_tp_matches_tp1(&model, &[2, 3, 4, 5]);
+}
+
+#[test]
+fn two_kv_heads_replicated_at_tp_4() {
+    let model = TinyLlama {
+        heads: 8,
+        kv_heads: 2,
+        seed: 11,
+        ..TinyLlama::default()
+    };
+    assert_tp_matches_tp1(&model, &[4, 3]);
+}
+
+#[test]
+fn odd_head_count_and_uneven_ffn_split() {
+    // 7 heads over 3 ranks is 3, 2, 2; 100 FFN columns split 4-aligned is 36, 32, 32.
+    let model = TinyLlama {
+        hidden: 56,
+        heads: 7,
+        kv_heads: 7,
+        intermediate: 100,
+        vocab: 301,
+        tie_embeddings: true,
+        seed: 3,
+        ..TinyLlama::default()
+    };
+    assert_tp_matches_tp1(&model, &[2, 3, 5, 7]);
+}
+
+#[test]
+fn gqa_groups_straddling_ranks() {
+    // 12 heads in groups of 4 (3 KV heads) over 5 ranks: 3, 3, 2, 2, 2 Q heads; rank 0 reads
+    // KV head 0 for 3 heads, rank 1 reads KV heads 0 and 1.
+    let model = TinyLlama {
+        hidden: 48,
+        heads: 12,
+        kv_heads: 3,
+        head_dim: 4,
+        seed: 5,
+        ..TinyLlama::default()
+    };
+    assert_tp_matches_tp1(&model, &[5, 2]);
+}
+
+#[test]
+fn sharded_checkpoint_with_index_and_transformers5_config() {
+    let base = TinyLlama::default();
+    let variant = TinyLlama {
+        files: 3,
+        transformers5: true,
+        ..base.clone()
+    };
+    let (a, b) = (
+        tempfile::tempdir().expect("tmp"),
+        tempfile::tempdir().expect("tmp"),
+    );
+    let (pa, pb) = (base.write(a.path()), variant.write(b.path()));
+    assert!(pb.join("model.safetensors.index.json").exists());
+    let ra = run_greedy(&pa, 1, DType::F32, PROMPT, 4);
+    let rb = run_greedy(&pb, 3, DType::F32, PROMPT, 4);
+    for (x, y) in rb.logits.iter().zip(&ra.logits) {
+        assert!(rel_error(x, y) < 1e-5);
+    }
+}
+
+#[test]
+fn half_precision_tracks_f32() {
+    let model = TinyLlama::default();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(dir.path());
+    let reference = run_greedy(&path, 1, DType::F32, PROMPT, 0);
+    for (dtype, tolerance) in [(DType::BF16, 3e-2), (DType::F16, 5e-3)] {
+        for tp in [1, 3] {
+            let trace = run_greedy(&path, tp, dtype, PROMPT, 0);
+            let err = rel_error(&trace.logits[0], &reference.logits[0]);
+            assert!(err < tolerance, "{dtype:?} TP {tp}: {err:e}");
+            assert!(
+                err > 0.0,
+                "{dtype:?} must really compute in reduced precision"
+            );
+        }
+    }
+}

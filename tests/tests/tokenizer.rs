@@ -1,0 +1,85 @@
+//! The real Llama 3 tokenizer and chat template, and the tokenizer rebuilt from GGUF metadata.
+
+use tpinfer_tests::assets_dir;
+use tpinfer_tokenizer::{ChatMessage, Tokenizer};
+use tpinfer_weights::GgufStore;
+
+#[test]
+fn llama3_tokenizer_encodes_and_round_trips() {
+    let tokenizer = Tokenizer::from_hf_dir(&assets_dir().join("llama3-tokenizer")).expect("load");
+    assert_eq!(tokenizer.vocab_size(), 128_256);
+    assert_eq!(
+        tokenizer.encode("Hello world", true).expect("encode"),
+        vec![128_000, 9906, 1917]
+    );
+    assert_eq!(tokenizer.token_id("<|eot_id|>"), Some(128_009));
+    for text in [
+        "Hello world",
+        "Tensor parallelism, 5× RTX 4090 — ça marche! 日本語 123456",
+        "  spaces\n\tand tabs",
+    ] {
+        let ids = tokenizer.encode(text, true).expect("encode");
+        assert_eq!(tokenizer.decode(&ids).expect("decode"), text);
+    }
+}
+
+#[test]
+fn llama3_chat_template_renders_with_minijinja() {
+    let tokenizer = Tokenizer::from_hf_dir(&assets_dir().join("llama3-tokenizer")).expect("load");
+    let template = tokenizer
+        .chat_template()
+        .expect("Llama 3.1 ships a chat template");
+    let text = template
+        .render(
+            &[
+                ChatMessage::system("Be brief."),
+                ChatMessage::user("Hi there"),
+            ],
+            true,
+        )
+        .expect("render");
+    assert!(
+        text.starts_with("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"),
+        "{text}"
+    );
+    assert!(text.contains("Be brief.<|eot_id|>"), "{text}");
+    assert!(
+        text.contains("<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"),
+        "{text}"
+    );
+    assert!(
+        text.ends_with("<|start_header_id|>assistant<|end_header_id|>\n\n"),
+        "{text}"
+    );
+    let ids = tokenizer
+        .encode_chat(&[ChatMessage::user("Hi there")])
+        .expect("encode chat");
+    assert_eq!(ids[0], 128_000, "BOS once, written by the template");
+    assert_eq!(ids.iter().filter(|&&t| t == 128_000).count(), 1);
+    assert!(
+        ids.contains(&128_006) && ids.contains(&128_007),
+        "header tokens are single special tokens"
+    );
+}
+
+#[test]
+fn gguf_tokenizer_of_smollm2() {
+    let store = GgufStore::open(&assets_dir().join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+        .expect("open");
+    let tokenizer = Tokenizer::from_gguf(store.metadata()).expect("tokenizer");
+    assert_eq!(tokenizer.vocab_size(), 49_152);
+    let ids = tokenizer
+        .encode("Hello world! 2024", false)
+        .expect("encode");
+    // SmolLM2's tokenizer.json: "Hello", " world", "!", " ", then single digits.
+    assert_eq!(ids.len(), 8, "{ids:?}");
+    assert_eq!(tokenizer.decode(&ids).expect("decode"), "Hello world! 2024");
+    let chat = tokenizer
+        .encode_chat(&[ChatMessage::user("Hi")])
+        .expect("chat");
+    let im_start = tokenizer.token_id("<|im_start|>").expect("special token");
+    assert_eq!(
+        chat[0], im_start,
+        "the template opens with <|im_start|> as one token"
+    );
+}
