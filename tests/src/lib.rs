@@ -345,7 +345,7 @@ pub fn run_greedy(
     steps: usize,
 ) -> LogitsTrace {
     let checkpoint = Arc::new(LlamaCheckpoint::open(model).expect("open checkpoint"));
-    let comms = ThreadGroup::new(tp, Duration::from_secs(60));
+    let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
     let traces: Vec<LogitsTrace> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()

@@ -12,7 +12,7 @@ fn on_ranks<R: Send>(
     timeout: Duration,
     f: impl Fn(&dyn Communicator) -> R + Sync,
 ) -> Vec<R> {
-    let comms = ThreadGroup::new(world, timeout);
+    let comms = ThreadGroup::ranks(world, timeout);
     std::thread::scope(|s| {
         let f = &f;
         let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(move || f(&c))).collect();
@@ -116,7 +116,7 @@ fn expect_named(err: &CommError, rank: usize) {
 
 #[test]
 fn a_panicking_rank_fails_its_peers_quickly() {
-    let comms = ThreadGroup::new(3, Duration::from_secs(30));
+    let comms = ThreadGroup::ranks(3, Duration::from_secs(30));
     let start = Instant::now();
     let errors: Vec<CommError> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
@@ -189,7 +189,7 @@ fn a_stalled_rank_is_named_after_the_timeout() {
 
 #[test]
 fn a_rank_that_exits_is_named() {
-    let comms = ThreadGroup::new(2, Duration::from_secs(30));
+    let comms = ThreadGroup::ranks(2, Duration::from_secs(30));
     let start = Instant::now();
     let mut comms = comms.into_iter();
     let (c0, c1) = (comms.next().expect("rank 0"), comms.next().expect("rank 1"));

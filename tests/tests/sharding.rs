@@ -79,7 +79,7 @@ fn each_rank_reads_exactly_its_shard() {
     let checkpoint = Arc::new(LlamaCheckpoint::open(&path).expect("open"));
     let full_bytes: usize = model.tensors().iter().map(|(_, _, v)| v.len() * 4).sum();
     for tp in 1..=5 {
-        let comms = ThreadGroup::new(tp, std::time::Duration::from_secs(30));
+        let comms = ThreadGroup::ranks(tp, std::time::Duration::from_secs(30));
         let mut total = 0;
         for comm in comms {
             let rank = tpinfer_comm::Communicator::rank(&comm);

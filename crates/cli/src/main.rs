@@ -144,12 +144,13 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     for event in engine.generate(request)? {
         match event? {
-            StreamEvent::Token { text, .. } => {
+            StreamEvent::Token { text, .. } | StreamEvent::Tail(text) => {
                 stdout.write_all(text.as_bytes())?;
                 stdout.flush()?;
             }
             StreamEvent::Done(stats) => {
                 writeln!(stdout)?;
+                stdout.flush()?;
                 eprintln!(
                     "tp {}: prompt {} tokens, {:.1} tok/s; decode {} tokens, {:.1} tok/s; stopped: {:?}",
                     engine.tp(),

@@ -16,7 +16,7 @@ pub struct ThreadGroup;
 impl ThreadGroup {
     /// One communicator per rank, `0..world_size`, to be moved into the rank threads.
     /// A collective that waits longer than `timeout` for a peer fails and names it.
-    pub fn new(world_size: usize, timeout: Duration) -> Vec<ThreadComm> {
+    pub fn ranks(world_size: usize, timeout: Duration) -> Vec<ThreadComm> {
         let shared = Arc::new(Shared {
             world_size,
             timeout,

@@ -68,7 +68,7 @@ impl Engine {
         let (done_tx, done_rx) = mpsc::channel();
         let mut rank_jobs = Vec::with_capacity(tp);
         let mut threads = Vec::with_capacity(tp);
-        let comms = ThreadGroup::new(tp, b.comm_timeout);
+        let comms = ThreadGroup::ranks(tp, b.comm_timeout);
         for ((comm, shard), device) in comms.into_iter().zip(shards).zip(devices) {
             let rank = comm.rank();
             let (job_tx, job_rx) = mpsc::channel();

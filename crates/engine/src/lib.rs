@@ -7,7 +7,7 @@
 //! let request = GenerateRequest::new(Prompt::text("The capital of France is"), 16);
 //! for event in engine.generate(request)? {
 //!     match event? {
-//!         StreamEvent::Token { text, .. } => print!("{text}"),
+//!         StreamEvent::Token { text, .. } | StreamEvent::Tail(text) => print!("{text}"),
 //!         StreamEvent::Done(stats) => eprintln!("\n{:.1} tok/s", stats.decode_tokens_per_second()),
 //!     }
 //! }

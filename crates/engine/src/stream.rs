@@ -48,6 +48,9 @@ pub enum StreamEvent {
     /// A generated token and the text it completes (empty while a multi-byte character is
     /// still partial).
     Token { id: u32, text: String },
+    /// Text held back at the end because its last character was incomplete, decoded with
+    /// U+FFFD; comes just before `Done`, and only then.
+    Tail(String),
     /// Generation ended; always the last event of a successful stream.
     Done(GenerationStats),
 }
@@ -69,6 +72,8 @@ pub struct TokenStream {
     prefix_offset: usize,
     read_offset: usize,
     finished: bool,
+    /// `Done`, held while a `Tail` is yielded first.
+    done: Option<GenerationStats>,
 }
 
 impl TokenStream {
@@ -80,6 +85,7 @@ impl TokenStream {
             prefix_offset: 0,
             read_offset: 0,
             finished: false,
+            done: None,
         }
     }
 
@@ -93,6 +99,7 @@ impl TokenStream {
                     ids.push(id);
                     text.push_str(&piece);
                 }
+                StreamEvent::Tail(tail) => text.push_str(&tail),
                 StreamEvent::Done(stats) => return Ok((text, ids, stats)),
             }
         }
@@ -116,12 +123,23 @@ impl TokenStream {
         }
         Ok(String::new())
     }
+
+    /// What was held back after the last emitted text.
+    fn tail(&self) -> Result<String, EngineError> {
+        let emitted = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let full = self.tokenizer.decode(&self.ids[self.prefix_offset..])?;
+        Ok(full.get(emitted.len()..).unwrap_or_default().to_string())
+    }
 }
 
 impl Iterator for TokenStream {
     type Item = Result<StreamEvent, EngineError>;
 
     fn next(&mut self) -> Option<Self::Item> {
+        if let Some(stats) = self.done.take() {
+            self.finished = true;
+            return Some(Ok(StreamEvent::Done(stats)));
+        }
         if self.finished {
             return None;
         }
@@ -132,7 +150,14 @@ impl Iterator for TokenStream {
                         .map(|text| StreamEvent::Token { id, text }),
                 )
             }
-            Ok(RankEvent::Done(stats)) => Ok(StreamEvent::Done(stats)),
+            Ok(RankEvent::Done(stats)) => match self.tail() {
+                Ok(tail) if !tail.is_empty() => {
+                    self.done = Some(stats);
+                    return Some(Ok(StreamEvent::Tail(tail)));
+                }
+                Ok(_) => Ok(StreamEvent::Done(stats)),
+                Err(e) => Err(e),
+            },
             Ok(RankEvent::Error(e)) => Err(e),
             Err(_) => Err(EngineError::Stopped(
                 "the ranks stopped without finishing the request".into(),

@@ -23,7 +23,7 @@ pub fn split_evenly(n: usize, parts: usize) -> Vec<Range<usize>> {
 pub fn split_aligned(n: usize, parts: usize) -> Vec<Range<usize>> {
     let align = [64, 32, 16, 8, 4, 2, 1]
         .into_iter()
-        .find(|a| n % a == 0 && n / a >= parts)
+        .find(|&a| n.is_multiple_of(a) && n / a >= parts)
         .unwrap_or(1);
     split_evenly(n / align, parts)
         .into_iter()
@@ -53,7 +53,7 @@ impl HeadShard {
                 "TP width {world} must be between 1 and the {n_heads} attention heads: use --tp {n_heads} or less"
             )));
         }
-        if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+        if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
             return Err(Error::Shard(format!(
                 "{n_heads} attention heads are not a multiple of {n_kv_heads} KV heads"
             )));
@@ -76,7 +76,7 @@ impl HeadShard {
     /// KV heads can be repeated rather than gathered.
     pub fn uniform_group(&self) -> Option<usize> {
         let g = self.q_heads.len() / self.kv_heads.len();
-        let uniform = self.q_heads.len() % self.kv_heads.len() == 0
+        let uniform = self.q_heads.len().is_multiple_of(self.kv_heads.len())
             && self
                 .kv_of_q
                 .iter()

@@ -276,7 +276,7 @@ impl LlamaConfig {
                 return Err(invalid(field, "must be positive".to_string()));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(invalid(
                 "num_key_value_heads",
                 format!(
@@ -285,7 +285,7 @@ impl LlamaConfig {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(invalid(
                 "head_dim",
                 format!("({}) must be even for rotary embeddings", self.head_dim),

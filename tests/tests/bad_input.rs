@@ -1,0 +1,122 @@
+//! Bad input gives one clear error that names the file, tensor or field and the fix.
+
+use std::path::Path;
+
+use tpinfer_engine::{Engine, EngineError, GenerateRequest, Prompt};
+use tpinfer_tests::TinyLlama;
+
+fn model_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    TinyLlama::default().write(dir.path());
+    dir
+}
+
+fn build_error(path: &Path, tp: usize) -> String {
+    match Engine::builder(path).tp(tp).build() {
+        Ok(_) => panic!("building from {} at TP {tp} must fail", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn assert_mentions(message: &str, parts: &[&str]) {
+    for part in parts {
+        assert!(message.contains(part), "error {message:?} must mention {part:?}");
+    }
+}
+
+#[test]
+fn missing_files() {
+    let dir = model_dir();
+    assert_mentions(&build_error(&dir.path().join("nope"), 1), &["does not exist", "nope"]);
+
+    std::fs::remove_file(dir.path().join("tokenizer.json")).expect("rm");
+    assert_mentions(&build_error(dir.path(), 1), &["tokenizer.json", "not found"]);
+
+    std::fs::remove_file(dir.path().join("model.safetensors")).expect("rm");
+    assert_mentions(&build_error(dir.path(), 1), &["no weights", "model.safetensors"]);
+
+    std::fs::remove_file(dir.path().join("config.json")).expect("rm");
+    assert_mentions(&build_error(dir.path(), 1), &["config.json"]);
+}
+
+#[test]
+fn truncated_safetensors() {
+    let dir = model_dir();
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).expect("read");
+    std::fs::write(&path, &bytes[..bytes.len() - 100]).expect("truncate");
+    assert_mentions(&build_error(dir.path(), 2), &["model.safetensors", "truncated or corrupt"]);
+    // A header cut short.
+    std::fs::write(&path, &bytes[..20]).expect("truncate");
+    assert_mentions(&build_error(dir.path(), 2), &["model.safetensors", "not a valid safetensors"]);
+}
+
+#[test]
+fn safetensors_header_that_lies() {
+    let dir = model_dir();
+    let path = dir.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&path).expect("read");
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let header = String::from_utf8(bytes[8..8 + header_len].to_vec()).expect("utf8");
+    // Claim a bigger shape for the embedding than its bytes hold, same header length.
+    let lying = header.replacen("[320,64]", "[640,64]", 1);
+    assert_ne!(lying, header, "the fixture's header must contain the embedding shape");
+    bytes[8..8 + header_len].copy_from_slice(lying.as_bytes());
+    std::fs::write(&path, &bytes).expect("write");
+    assert_mentions(&build_error(dir.path(), 1), &["model.safetensors", "corrupt"]);
+}
+
+#[test]
+fn tensor_with_the_wrong_shape() {
+    let dir = model_dir();
+    let config = dir.path().join("config.json");
+    let text = std::fs::read_to_string(&config).expect("read");
+    std::fs::write(&config, text.replace("\"intermediate_size\":96", "\"intermediate_size\":128")).expect("write");
+    assert_mentions(
+        &build_error(dir.path(), 2),
+        &["model.layers.0.mlp", "[96, 64]", "[128, 64]", "does not match config.json"],
+    );
+}
+
+#[test]
+fn missing_config_field() {
+    let dir = model_dir();
+    let config = dir.path().join("config.json");
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config).expect("read")).expect("json");
+    json.as_object_mut().expect("object").remove("num_hidden_layers");
+    std::fs::write(&config, json.to_string()).expect("write");
+    assert_mentions(&build_error(dir.path(), 1), &["config.json", "missing field `num_hidden_layers`"]);
+}
+
+#[test]
+fn tp_larger_than_the_head_count() {
+    let dir = model_dir();
+    let message = build_error(dir.path(), 9);
+    assert_mentions(&message, &["9", "8 attention heads", "--tp 8 or less"]);
+}
+
+#[test]
+fn prompt_longer_than_the_context() {
+    let dir = model_dir();
+    let engine = Engine::builder(dir.path()).tp(2).max_context(16).build().expect("engine");
+    let request = GenerateRequest::new(Prompt::text("this prompt is far longer than sixteen tokens"), 4);
+    match engine.generate(request) {
+        Err(e @ EngineError::PromptTooLong { .. }) => assert_mentions(&e.to_string(), &["46 tokens", "16", "--max-context"]),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("must refuse"),
+    }
+}
+
+#[test]
+fn cuda_without_the_feature_is_refused_clearly() {
+    let dir = model_dir();
+    let result = Engine::builder(dir.path())
+        .tp(2)
+        .device(tpinfer_engine::DeviceKind::Cuda { gpus: None })
+        .build();
+    match result {
+        Err(EngineError::CudaNotBuilt) => {}
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("must refuse"),
+    }
+}

@@ -1,0 +1,142 @@
+//! The embedding API: a `Send + Sync` engine, token streams, sampling and stopping.
+
+use std::sync::Arc;
+
+use tpinfer_engine::{Engine, GenerateRequest, Prompt, SamplingParams, StopReason, StreamEvent};
+use tpinfer_tests::TinyLlama;
+
+fn tiny_engine(tp: usize) -> (tempfile::TempDir, Engine) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let engine = Engine::builder(&path).tp(tp).build().expect("engine");
+    (dir, engine)
+}
+
+fn greedy(engine: &Engine, prompt: &str, n: usize) -> Vec<u32> {
+    let (_, ids, _) = engine
+        .generate(GenerateRequest::new(Prompt::text(prompt), n))
+        .expect("generate")
+        .collect_text()
+        .expect("stream");
+    ids
+}
+
+#[test]
+fn engine_is_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Engine>();
+}
+
+#[test]
+fn requests_from_many_threads_get_the_same_tokens_as_tp1() {
+    let (_d1, tp1) = tiny_engine(1);
+    let expected = greedy(&tp1, "hello world", 12);
+    assert_eq!(expected.len(), 12);
+    let (_d3, engine) = tiny_engine(3);
+    let engine = Arc::new(engine);
+    let handles: Vec<_> = (0..4)
+        .map(|_| {
+            let engine = engine.clone();
+            std::thread::spawn(move || greedy(&engine, "hello world", 12))
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().expect("thread"), expected);
+    }
+}
+
+#[test]
+fn the_stream_yields_tokens_then_stats() {
+    let (_d, engine) = tiny_engine(2);
+    let stream = engine.generate(GenerateRequest::new(Prompt::text("abc"), 6)).expect("generate");
+    let events: Vec<StreamEvent> = stream.map(|e| e.expect("event")).collect();
+    assert!(events.len() == 7 || events.len() == 8, "6 tokens, maybe a tail, then Done");
+    let ids: Vec<u32> = events
+        .iter()
+        .filter_map(|e| match e {
+            StreamEvent::Token { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    let text: String = events
+        .iter()
+        .filter_map(|e| match e {
+            StreamEvent::Token { text, .. } | StreamEvent::Tail(text) => Some(text.as_str()),
+            StreamEvent::Done(_) => None,
+        })
+        .collect();
+    assert_eq!(text, engine.tokenizer().decode(&ids).expect("decode"));
+    let StreamEvent::Done(stats) = &events[events.len() - 1] else {
+        panic!("last event must be Done")
+    };
+    assert_eq!(stats.generated_tokens, 6);
+    assert_eq!(stats.prompt_tokens, 4, "BOS + 3 bytes");
+    assert_eq!(stats.stop_reason, StopReason::MaxTokens);
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_and_seed_dependent() {
+    let (_d, engine) = tiny_engine(2);
+    let run = |seed: u64, params: SamplingParams| {
+        let request = GenerateRequest::new(Prompt::text("xyz"), 24).with_sampling(SamplingParams { seed, ..params });
+        engine.generate(request).expect("generate").collect_text().expect("stream").1
+    };
+    let hot = SamplingParams {
+        temperature: 1.5,
+        top_p: Some(0.95),
+        top_k: Some(100),
+        ..SamplingParams::default()
+    };
+    assert_eq!(run(1, hot.clone()), run(1, hot.clone()));
+    assert_ne!(run(1, hot.clone()), run(2, hot.clone()));
+    let top1 = SamplingParams {
+        temperature: 0.7,
+        top_k: Some(1),
+        ..SamplingParams::default()
+    };
+    assert_eq!(run(9, top1), greedy(&engine, "xyz", 24), "top-k 1 is greedy");
+    let penalized = run(
+        0,
+        SamplingParams {
+            repetition_penalty: 5.0,
+            ..SamplingParams::default()
+        },
+    );
+    let distinct = |ids: &[u32]| ids.iter().collect::<std::collections::HashSet<_>>().len();
+    assert!(distinct(&penalized) > distinct(&greedy(&engine, "xyz", 24)), "penalty must diversify");
+}
+
+#[test]
+fn generation_stops_when_the_context_is_full() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let engine = Engine::builder(&path).tp(2).max_context(10).build().expect("engine");
+    let (_, ids, stats) = engine
+        .generate(GenerateRequest::new(Prompt::text("abcdef"), 100))
+        .expect("generate")
+        .collect_text()
+        .expect("stream");
+    assert_eq!(stats.stop_reason, StopReason::ContextFull);
+    assert_eq!(7 + ids.len(), 11, "prompt 7 tokens; tokens up to the 10-position context, plus the last sampled");
+}
+
+#[test]
+fn a_dropped_stream_cancels_and_the_engine_serves_the_next_request() {
+    let (_d, engine) = tiny_engine(3);
+    let mut stream = engine.generate(GenerateRequest::new(Prompt::text("a"), 400)).expect("generate");
+    assert!(matches!(stream.next(), Some(Ok(StreamEvent::Token { .. }))));
+    drop(stream);
+    assert_eq!(greedy(&engine, "hello", 5).len(), 5);
+}
+
+#[test]
+fn chat_prompts_use_the_model_template() {
+    let (_d, engine) = tiny_engine(1);
+    let (_, _, stats) = engine
+        .generate(GenerateRequest::new(Prompt::user("hi"), 2))
+        .expect("generate")
+        .collect_text()
+        .expect("stream");
+    // BOS + "<|user|>" (8 bytes) + "hi" + <|eot_id|> + "<|assistant|>" (13 bytes)
+    assert_eq!(stats.prompt_tokens, 1 + 8 + 2 + 1 + 13);
+}
