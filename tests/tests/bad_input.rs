@@ -20,20 +20,32 @@ fn build_error(path: &Path, tp: usize) -> String {
 
 fn assert_mentions(message: &str, parts: &[&str]) {
     for part in parts {
-        assert!(message.contains(part), "error {message:?} must mention {part:?}");
+        assert!(
+            message.contains(part),
+            "error {message:?} must mention {part:?}"
+        );
     }
 }
 
 #[test]
 fn missing_files() {
     let dir = model_dir();
-    assert_mentions(&build_error(&dir.path().join("nope"), 1), &["does not exist", "nope"]);
+    assert_mentions(
+        &build_error(&dir.path().join("nope"), 1),
+        &["does not exist", "nope"],
+    );
 
     std::fs::remove_file(dir.path().join("tokenizer.json")).expect("rm");
-    assert_mentions(&build_error(dir.path(), 1), &["tokenizer.json", "not found"]);
+    assert_mentions(
+        &build_error(dir.path(), 1),
+        &["tokenizer.json", "not found"],
+    );
 
     std::fs::remove_file(dir.path().join("model.safetensors")).expect("rm");
-    assert_mentions(&build_error(dir.path(), 1), &["no weights", "model.safetensors"]);
+    assert_mentions(
+        &build_error(dir.path(), 1),
+        &["no weights", "model.safetensors"],
+    );
 
     std::fs::remove_file(dir.path().join("config.json")).expect("rm");
     assert_mentions(&build_error(dir.path(), 1), &["config.json"]);
@@ -45,10 +57,16 @@ fn truncated_safetensors() {
     let path = dir.path().join("model.safetensors");
     let bytes = std::fs::read(&path).expect("read");
     std::fs::write(&path, &bytes[..bytes.len() - 100]).expect("truncate");
-    assert_mentions(&build_error(dir.path(), 2), &["model.safetensors", "truncated or corrupt"]);
+    assert_mentions(
+        &build_error(dir.path(), 2),
+        &["model.safetensors", "truncated or corrupt"],
+    );
     // A header cut short.
     std::fs::write(&path, &bytes[..20]).expect("truncate");
-    assert_mentions(&build_error(dir.path(), 2), &["model.safetensors", "not a valid safetensors"]);
+    assert_mentions(
+        &build_error(dir.path(), 2),
+        &["model.safetensors", "not a valid safetensors"],
+    );
 }
 
 #[test]
@@ -60,10 +78,16 @@ fn safetensors_header_that_lies() {
     let header = String::from_utf8(bytes[8..8 + header_len].to_vec()).expect("utf8");
     // Claim a bigger shape for the embedding than its bytes hold, same header length.
     let lying = header.replacen("[320,64]", "[640,64]", 1);
-    assert_ne!(lying, header, "the fixture's header must contain the embedding shape");
+    assert_ne!(
+        lying, header,
+        "the fixture's header must contain the embedding shape"
+    );
     bytes[8..8 + header_len].copy_from_slice(lying.as_bytes());
     std::fs::write(&path, &bytes).expect("write");
-    assert_mentions(&build_error(dir.path(), 1), &["model.safetensors", "corrupt"]);
+    assert_mentions(
+        &build_error(dir.path(), 1),
+        &["model.safetensors", "corrupt"],
+    );
 }
 
 #[test]
@@ -71,10 +95,19 @@ fn tensor_with_the_wrong_shape() {
     let dir = model_dir();
     let config = dir.path().join("config.json");
     let text = std::fs::read_to_string(&config).expect("read");
-    std::fs::write(&config, text.replace("\"intermediate_size\":96", "\"intermediate_size\":128")).expect("write");
+    std::fs::write(
+        &config,
+        text.replace("\"intermediate_size\":96", "\"intermediate_size\":128"),
+    )
+    .expect("write");
     assert_mentions(
         &build_error(dir.path(), 2),
-        &["model.layers.0.mlp", "[96, 64]", "[128, 64]", "does not match config.json"],
+        &[
+            "model.layers.0.mlp",
+            "[96, 64]",
+            "[128, 64]",
+            "does not match config.json",
+        ],
     );
 }
 
@@ -82,10 +115,16 @@ fn tensor_with_the_wrong_shape() {
 fn missing_config_field() {
     let dir = model_dir();
     let config = dir.path().join("config.json");
-    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config).expect("read")).expect("json");
-    json.as_object_mut().expect("object").remove("num_hidden_layers");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).expect("read")).expect("json");
+    json.as_object_mut()
+        .expect("object")
+        .remove("num_hidden_layers");
     std::fs::write(&config, json.to_string()).expect("write");
-    assert_mentions(&build_error(dir.path(), 1), &["config.json", "missing field `num_hidden_layers`"]);
+    assert_mentions(
+        &build_error(dir.path(), 1),
+        &["config.json", "missing field `num_hidden_layers`"],
+    );
 }
 
 #[test]
@@ -98,10 +137,19 @@ fn tp_larger_than_the_head_count() {
 #[test]
 fn prompt_longer_than_the_context() {
     let dir = model_dir();
-    let engine = Engine::builder(dir.path()).tp(2).max_context(16).build().expect("engine");
-    let request = GenerateRequest::new(Prompt::text("this prompt is far longer than sixteen tokens"), 4);
+    let engine = Engine::builder(dir.path())
+        .tp(2)
+        .max_context(16)
+        .build()
+        .expect("engine");
+    let request = GenerateRequest::new(
+        Prompt::text("this prompt is far longer than sixteen tokens"),
+        4,
+    );
     match engine.generate(request) {
-        Err(e @ EngineError::PromptTooLong { .. }) => assert_mentions(&e.to_string(), &["46 tokens", "16", "--max-context"]),
+        Err(e @ EngineError::PromptTooLong { .. }) => {
+            assert_mentions(&e.to_string(), &["46 tokens", "16", "--max-context"])
+        }
         Err(e) => panic!("wrong error: {e}"),
         Ok(_) => panic!("must refuse"),
     }

@@ -48,9 +48,14 @@ fn requests_from_many_threads_get_the_same_tokens_as_tp1() {
 #[test]
 fn the_stream_yields_tokens_then_stats() {
     let (_d, engine) = tiny_engine(2);
-    let stream = engine.generate(GenerateRequest::new(Prompt::text("abc"), 6)).expect("generate");
+    let stream = engine
+        .generate(GenerateRequest::new(Prompt::text("abc"), 6))
+        .expect("generate");
     let events: Vec<StreamEvent> = stream.map(|e| e.expect("event")).collect();
-    assert!(events.len() == 7 || events.len() == 8, "6 tokens, maybe a tail, then Done");
+    assert!(
+        events.len() == 7 || events.len() == 8,
+        "6 tokens, maybe a tail, then Done"
+    );
     let ids: Vec<u32> = events
         .iter()
         .filter_map(|e| match e {
@@ -78,8 +83,14 @@ fn the_stream_yields_tokens_then_stats() {
 fn seeded_sampling_is_reproducible_and_seed_dependent() {
     let (_d, engine) = tiny_engine(2);
     let run = |seed: u64, params: SamplingParams| {
-        let request = GenerateRequest::new(Prompt::text("xyz"), 24).with_sampling(SamplingParams { seed, ..params });
-        engine.generate(request).expect("generate").collect_text().expect("stream").1
+        let request = GenerateRequest::new(Prompt::text("xyz"), 24)
+            .with_sampling(SamplingParams { seed, ..params });
+        engine
+            .generate(request)
+            .expect("generate")
+            .collect_text()
+            .expect("stream")
+            .1
     };
     let hot = SamplingParams {
         temperature: 1.5,
@@ -94,7 +105,11 @@ fn seeded_sampling_is_reproducible_and_seed_dependent() {
         top_k: Some(1),
         ..SamplingParams::default()
     };
-    assert_eq!(run(9, top1), greedy(&engine, "xyz", 24), "top-k 1 is greedy");
+    assert_eq!(
+        run(9, top1),
+        greedy(&engine, "xyz", 24),
+        "top-k 1 is greedy"
+    );
     let penalized = run(
         0,
         SamplingParams {
@@ -103,27 +118,40 @@ fn seeded_sampling_is_reproducible_and_seed_dependent() {
         },
     );
     let distinct = |ids: &[u32]| ids.iter().collect::<std::collections::HashSet<_>>().len();
-    assert!(distinct(&penalized) > distinct(&greedy(&engine, "xyz", 24)), "penalty must diversify");
+    assert!(
+        distinct(&penalized) > distinct(&greedy(&engine, "xyz", 24)),
+        "penalty must diversify"
+    );
 }
 
 #[test]
 fn generation_stops_when_the_context_is_full() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = TinyLlama::default().write(dir.path());
-    let engine = Engine::builder(&path).tp(2).max_context(10).build().expect("engine");
+    let engine = Engine::builder(&path)
+        .tp(2)
+        .max_context(10)
+        .build()
+        .expect("engine");
     let (_, ids, stats) = engine
         .generate(GenerateRequest::new(Prompt::text("abcdef"), 100))
         .expect("generate")
         .collect_text()
         .expect("stream");
     assert_eq!(stats.stop_reason, StopReason::ContextFull);
-    assert_eq!(7 + ids.len(), 11, "prompt 7 tokens; tokens up to the 10-position context, plus the last sampled");
+    assert_eq!(
+        7 + ids.len(),
+        11,
+        "prompt 7 tokens; tokens up to the 10-position context, plus the last sampled"
+    );
 }
 
 #[test]
 fn a_dropped_stream_cancels_and_the_engine_serves_the_next_request() {
     let (_d, engine) = tiny_engine(3);
-    let mut stream = engine.generate(GenerateRequest::new(Prompt::text("a"), 400)).expect("generate");
+    let mut stream = engine
+        .generate(GenerateRequest::new(Prompt::text("a"), 400))
+        .expect("generate");
     assert!(matches!(stream.next(), Some(Ok(StreamEvent::Token { .. }))));
     drop(stream);
     assert_eq!(greedy(&engine, "hello", 5).len(), 5);

@@ -45,6 +45,7 @@ pub(crate) fn rank_main(
     done: Sender<RankResult>,
 ) {
     let rank = setup.comm.rank();
+    let _span = tracing::info_span!("rank", rank, world = setup.comm.world_size()).entered();
     let comm = setup.comm.clone();
     let loaded = guarded(rank, &*comm, || {
         LlamaRank::load(
@@ -59,6 +60,7 @@ pub(crate) fn rank_main(
     });
     let mut model = match loaded {
         Ok(model) => {
+            tracing::info!(bytes = model.bytes_loaded(), "loaded shard");
             let _ = ready.send((rank, Ok(model.bytes_loaded())));
             model
         }

@@ -126,7 +126,9 @@ impl TokenStream {
 
     /// What was held back after the last emitted text.
     fn tail(&self) -> Result<String, EngineError> {
-        let emitted = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let emitted = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..self.read_offset])?;
         let full = self.tokenizer.decode(&self.ids[self.prefix_offset..])?;
         Ok(full.get(emitted.len()..).unwrap_or_default().to_string())
     }

@@ -56,6 +56,15 @@ impl LlamaCheckpoint {
 
     fn open_gguf(path: &Path) -> Result<Self, CheckpointError> {
         let store = GgufStore::open(path)?;
+        if store.has_gguf_tensor("rope_freqs.weight") {
+            // llama.cpp stores Llama 3.1's rope scaling as precomputed factors; ignoring them
+            // would silently change every position's rotation.
+            return Err(ConfigError::Unsupported {
+                origin: path.display().to_string(),
+                detail: "GGUF rope_freqs (Llama 3.1 rope scaling) is not supported yet; use the Hugging Face checkpoint".into(),
+            }
+            .into());
+        }
         let config = LlamaConfig::from_gguf(
             store.metadata(),
             store.has_gguf_tensor("output.weight"),

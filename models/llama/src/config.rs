@@ -276,7 +276,10 @@ impl LlamaConfig {
                 return Err(invalid(field, "must be positive".to_string()));
             }
         }
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(invalid(
                 "num_key_value_heads",
                 format!(
