@@ -1,24 +1,62 @@
-//! `tpinfer-bench`: prefill and decode speed of a model at several TP widths, through the
-//! engine as a user runs it. Prints a Markdown table for `benches/RESULTS.md`.
+//! `tpinfer-bench`: speed and numerics of a model at several TP widths, through the engine as
+//! a user runs it.
+//!
+//! - `speed`: prefill ms and decode tok/s per TP width, as a Markdown table for RESULTS.md.
+//! - `logits`: the prefill logits and greedy tokens of one run, as safetensors, for comparison
+//!   with a reference implementation (`scripts/reference_llama.py`).
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
-use clap::Parser;
-use tpinfer_engine::{Engine, GenerateRequest, Prompt, StreamEvent};
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use tpinfer_engine::{DType, DeviceKind, Engine, GenerateRequest, Prompt, StreamEvent};
 
 #[derive(Parser)]
-#[command(about = "Prefill and decode speed against TP width")]
-struct Args {
+#[command(about = "Speed and numerics of tpinfer against TP width")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Prefill and decode speed for each TP width.
+    Speed(SpeedArgs),
+    /// Writes prefill logits and greedy tokens of one run to a safetensors file.
+    Logits(LogitsArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DtypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(Args)]
+struct Common {
     /// A Hugging Face model directory or a GGUF file.
     #[arg(long)]
     model: PathBuf,
+    #[arg(long)]
+    cuda: bool,
+    #[arg(long, value_enum)]
+    dtype: Option<DtypeArg>,
+    /// Prompt length in tokens; the prompt is the same fixed pseudo-random ids in every run
+    /// (and in the reference script): id_i = (7919 i + 13) mod min(vocab, 30000).
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    #[arg(long)]
+    max_context: Option<usize>,
+}
+
+#[derive(Args)]
+struct SpeedArgs {
+    #[command(flatten)]
+    common: Common,
     /// TP widths to measure, e.g. 1,2,3.
     #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
     tp: Vec<usize>,
-    /// Prompt length in tokens.
-    #[arg(long, default_value_t = 128)]
-    prompt_tokens: usize,
     #[arg(long, default_value_t = 64)]
     new_tokens: usize,
     /// Measured runs per width, after one warm-up run.
@@ -26,9 +64,44 @@ struct Args {
     repeats: usize,
 }
 
-struct Sample {
-    prefill_ms: f64,
-    decode_tok_s: f64,
+#[derive(Args)]
+struct LogitsArgs {
+    #[command(flatten)]
+    common: Common,
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Greedy tokens to generate.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn engine(common: &Common, tp: usize) -> Result<Engine> {
+    let mut builder = Engine::builder(&common.model).tp(tp);
+    if common.cuda {
+        builder = builder.device(DeviceKind::Cuda { gpus: None });
+    }
+    if let Some(dtype) = common.dtype {
+        builder = builder.dtype(match dtype {
+            DtypeArg::F32 => DType::F32,
+            DtypeArg::F16 => DType::F16,
+            DtypeArg::Bf16 => DType::BF16,
+        });
+    }
+    if let Some(context) = common.max_context {
+        builder = builder.max_context(context);
+    }
+    builder
+        .build()
+        .with_context(|| format!("loading {} at TP {tp}", common.model.display()))
+}
+
+fn prompt(engine: &Engine, tokens: usize) -> Vec<u32> {
+    let modulus = (engine.config().vocab_size as u32).min(30_000);
+    (0..tokens as u32)
+        .map(|i| (i * 7919 + 13) % modulus)
+        .collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -36,23 +109,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+fn speed(args: SpeedArgs) -> Result<()> {
     println!("| TP | prompt tokens | new tokens | prefill ms (median) | decode tok/s (median) | decode tok/s (min–max) |");
     println!("|---|---|---|---|---|---|");
     for &tp in &args.tp {
-        let engine = Engine::builder(&args.model)
-            .tp(tp)
-            .build()
-            .with_context(|| format!("loading at TP {tp}"))?;
-        let vocab = engine.config().vocab_size as u32;
-        // A fixed pseudo-random prompt, so every width sees the same tokens.
-        let prompt: Vec<u32> = (0..args.prompt_tokens as u32)
-            .map(|i| (i * 7919 + 13) % vocab.min(30_000))
-            .collect();
-        let mut samples = Vec::new();
+        let engine = engine(&args.common, tp)?;
+        let ids = prompt(&engine, args.common.prompt_tokens);
+        let (mut prefill, mut decode) = (Vec::new(), Vec::new());
         for run in 0..=args.repeats {
-            let request = GenerateRequest::new(Prompt::Tokens(prompt.clone()), args.new_tokens);
+            let request = GenerateRequest::new(Prompt::Tokens(ids.clone()), args.new_tokens);
             let mut stats = None;
             for event in engine.generate(request)? {
                 if let StreamEvent::Done(s) = event? {
@@ -60,24 +125,69 @@ fn main() -> Result<()> {
                 }
             }
             let stats = stats.context("generation ended without stats")?;
+            if stats.generated_tokens != args.new_tokens {
+                bail!(
+                    "stopped after {} tokens ({:?})",
+                    stats.generated_tokens,
+                    stats.stop_reason
+                );
+            }
             if run > 0 {
-                samples.push(Sample {
-                    prefill_ms: stats.prefill.as_secs_f64() * 1e3,
-                    decode_tok_s: stats.decode_tokens_per_second(),
-                });
+                prefill.push(stats.prefill.as_secs_f64() * 1e3);
+                decode.push(stats.decode_tokens_per_second());
             }
         }
-        let decode: Vec<f64> = samples.iter().map(|s| s.decode_tok_s).collect();
         let (lo, hi) = decode
             .iter()
             .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
         println!(
             "| {tp} | {} | {} | {:.1} | {:.1} | {lo:.1}–{hi:.1} |",
-            args.prompt_tokens,
+            args.common.prompt_tokens,
             args.new_tokens,
-            median(samples.iter().map(|s| s.prefill_ms).collect()),
+            median(prefill),
             median(decode),
         );
     }
     Ok(())
+}
+
+fn logits(args: LogitsArgs) -> Result<()> {
+    let engine = engine(&args.common, args.tp)?;
+    let ids = prompt(&engine, args.common.prompt_tokens);
+    let (stream, trace) =
+        engine.generate_traced(GenerateRequest::new(Prompt::Tokens(ids), args.steps))?;
+    let (_, tokens, stats) = stream.collect_text()?;
+    let prefill: Vec<f32> = trace.recv().context("no logits traced")?;
+    let prefill_bytes: Vec<u8> = prefill.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let token_bytes: Vec<u8> = tokens
+        .iter()
+        .flat_map(|&t| i64::from(t).to_le_bytes())
+        .collect();
+    use safetensors::tensor::TensorView as view;
+    let tensors = vec![
+        (
+            "prefill_logits",
+            view::new(safetensors::Dtype::F32, vec![prefill.len()], &prefill_bytes)?,
+        ),
+        (
+            "tokens",
+            view::new(safetensors::Dtype::I64, vec![tokens.len()], &token_bytes)?,
+        ),
+    ];
+    safetensors::serialize_to_file(tensors, None, &args.out)?;
+    eprintln!(
+        "TP {}: {} tokens, prefill {:.1} ms, decode {:.1} tok/s",
+        args.tp,
+        tokens.len(),
+        stats.prefill.as_secs_f64() * 1e3,
+        stats.decode_tokens_per_second()
+    );
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Speed(args) => speed(args),
+        Command::Logits(args) => logits(args),
+    }
 }

@@ -28,6 +28,8 @@ pub struct TinyLlama {
     pub vocab: usize,
     pub tie_embeddings: bool,
     pub llama3_rope_scaling: bool,
+    /// Q/K/V/O biases (`attention_bias`), as some Llama derivatives have.
+    pub attention_bias: bool,
     /// Write `config.json` in the transformers-5 form (`rope_parameters`, `dtype`).
     pub transformers5: bool,
     /// Split the weights over this many safetensors files with an index (1: `model.safetensors`).
@@ -49,6 +51,7 @@ impl Default for TinyLlama {
             vocab: 320,
             tie_embeddings: false,
             llama3_rope_scaling: true,
+            attention_bias: false,
             transformers5: false,
             files: 1,
             seed: 7,
@@ -95,6 +98,7 @@ impl TinyLlama {
             "rms_norm_eps": 1e-5,
             "max_position_embeddings": 512,
             "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": self.attention_bias,
             "bos_token_id": BOS,
             "eos_token_id": EOS,
         });
@@ -186,6 +190,22 @@ impl TinyLlama {
                 &mut rng,
                 false,
             );
+            if self.attention_bias {
+                let biases = [
+                    ("q", self.heads * d),
+                    ("k", self.kv_heads * d),
+                    ("v", self.kv_heads * d),
+                    ("o", h),
+                ];
+                for (name, len) in biases {
+                    add(
+                        format!("{p}.self_attn.{name}_proj.bias"),
+                        vec![len],
+                        &mut rng,
+                        false,
+                    );
+                }
+            }
             add(
                 format!("{p}.post_attention_layernorm.weight"),
                 vec![h],

@@ -73,6 +73,17 @@ fn odd_head_count_and_uneven_ffn_split() {
 }
 
 #[test]
+fn row_parallel_bias_is_added_once() {
+    // With Q/K/V/O biases, a bias added on every rank before the reduce would be counted TP times.
+    let model = TinyLlama {
+        attention_bias: true,
+        seed: 13,
+        ..TinyLlama::default()
+    };
+    assert_tp_matches_tp1(&model, &[2, 3, 4]);
+}
+
+#[test]
 fn gqa_groups_straddling_ranks() {
     // 12 heads in groups of 4 (3 KV heads) over 5 ranks: 3, 3, 2, 2, 2 Q heads; rank 0 reads
     // KV head 0 for 3 heads, rank 1 reads KV heads 0 and 1.

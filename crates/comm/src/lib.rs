@@ -7,6 +7,8 @@
 //! the very code that the GPU build runs.
 
 mod error;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod stats;
 mod threads;
 
@@ -21,7 +23,11 @@ use candle_core::Tensor;
 /// Collectives are out-of-place and must be entered by every rank in the same order. A
 /// collective never waits forever: when a peer has failed, exited or stalled, it returns an
 /// error that names that peer.
-pub trait Communicator: Send + Sync {
+///
+/// A communicator belongs to its rank's thread and is not required to be `Send` or `Sync`:
+/// an NCCL communicator must not be used from two threads at once, so each rank builds its
+/// own on its own thread.
+pub trait Communicator {
     /// This rank's index, `0..world_size()`.
     fn rank(&self) -> usize;
     /// The number of ranks in the group.

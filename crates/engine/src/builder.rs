@@ -24,6 +24,7 @@ pub struct EngineBuilder {
     pub(crate) dtype: Option<DType>,
     pub(crate) max_context: Option<usize>,
     pub(crate) comm_timeout: Duration,
+    pub(crate) init_timeout: Duration,
 }
 
 /// Context used when none is given, so that a 128k-context model does not reserve rotary
@@ -40,6 +41,7 @@ impl EngineBuilder {
             dtype: None,
             max_context: None,
             comm_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
+            init_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
         }
     }
 
@@ -70,6 +72,13 @@ impl EngineBuilder {
     /// How long a rank waits for its peers in a collective before it reports them.
     pub fn comm_timeout(mut self, timeout: Duration) -> Self {
         self.comm_timeout = timeout;
+        self
+    }
+
+    /// How long the ranks may take to form their communicator (NCCL init) before the ranks
+    /// that have not joined are reported.
+    pub fn init_timeout(mut self, timeout: Duration) -> Self {
+        self.init_timeout = timeout;
         self
     }
 

@@ -9,7 +9,7 @@ use tpinfer_tokenizer::Tokenizer;
 use tpinfer_weights::GgufStore;
 
 use crate::builder::DEFAULT_MAX_CONTEXT;
-use crate::rank::{rank_main, RankJob, RankResult, RankSetup};
+use crate::rank::{rank_main, Connect, RankJob, RankResult, RankSetup, Startup};
 use crate::stream::RankEvent;
 use crate::{DeviceKind, EngineBuilder, EngineError, GenerateRequest, Prompt, TokenStream};
 
@@ -64,16 +64,19 @@ impl Engine {
             .unwrap_or(DEFAULT_MAX_CONTEXT)
             .min(config.max_position_embeddings);
 
+        let connectors = connectors(&b, &devices)?;
         let (ready_tx, ready_rx) = mpsc::channel();
         let (done_tx, done_rx) = mpsc::channel();
         let mut rank_jobs = Vec::with_capacity(tp);
         let mut threads = Vec::with_capacity(tp);
-        let comms = ThreadGroup::ranks(tp, b.comm_timeout);
-        for ((comm, shard), device) in comms.into_iter().zip(shards).zip(devices) {
-            let rank = comm.rank();
+        for (rank, ((connect, shard), device)) in
+            connectors.into_iter().zip(shards).zip(devices).enumerate()
+        {
             let (job_tx, job_rx) = mpsc::channel();
             let setup = RankSetup {
-                comm: Arc::new(comm),
+                rank,
+                world: tp,
+                connect,
                 device,
                 checkpoint: checkpoint.clone(),
                 shard,
@@ -93,24 +96,15 @@ impl Engine {
         }
         drop((ready_tx, done_tx));
 
-        let mut rank_weight_bytes = vec![0; tp];
-        let mut first_error: Option<(usize, EngineError)> = None;
-        for (rank, loaded) in ready_rx.iter() {
-            match loaded {
-                Ok(bytes) => rank_weight_bytes[rank] = bytes,
-                Err(e) if first_error.as_ref().is_none_or(|(r, _)| rank < *r) => {
-                    first_error = Some((rank, e))
-                }
-                Err(_) => {}
+        let rank_weight_bytes = match await_startup(&ready_rx, tp, b.init_timeout) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                // Ranks still blocked in communicator init cannot be joined; the others exit
+                // once their job channels close.
+                drop(rank_jobs);
+                return Err(e);
             }
-        }
-        if let Some((_, e)) = first_error {
-            drop(rank_jobs);
-            threads.into_iter().for_each(|t| {
-                let _ = t.join();
-            });
-            return Err(e);
-        }
+        };
 
         let (jobs_tx, jobs_rx) = mpsc::channel();
         let scheduler = std::thread::Builder::new()
@@ -132,6 +126,24 @@ impl Engine {
     /// Queues a request and returns its token stream. Prompt errors are reported here, before
     /// anything runs.
     pub fn generate(&self, request: GenerateRequest) -> Result<TokenStream, EngineError> {
+        self.submit(request, None)
+    }
+
+    /// Like [`Self::generate`], and also returns the f32 logits over the vocabulary of every
+    /// step (prefill first), as sampled from: for checking numerics against a reference.
+    pub fn generate_traced(
+        &self,
+        request: GenerateRequest,
+    ) -> Result<(TokenStream, Receiver<Vec<f32>>), EngineError> {
+        let (tx, rx) = mpsc::channel();
+        Ok((self.submit(request, Some(tx))?, rx))
+    }
+
+    fn submit(
+        &self,
+        request: GenerateRequest,
+        logits: Option<Sender<Vec<f32>>>,
+    ) -> Result<TokenStream, EngineError> {
         let prompt = match &request.prompt {
             Prompt::Text(text) => self.tokenizer.encode(text, true)?,
             Prompt::Chat(messages) => self.tokenizer.encode_chat(messages)?,
@@ -159,6 +171,7 @@ impl Engine {
             sampling: request.sampling,
             eos: self.config.eos_token_ids.clone(),
             events: events_tx,
+            logits,
         });
         self.jobs
             .as_ref()
@@ -208,8 +221,99 @@ impl Drop for Engine {
 fn rank_devices(kind: &DeviceKind, tp: usize) -> Result<Vec<Device>, EngineError> {
     match kind {
         DeviceKind::Cpu => Ok(vec![Device::Cpu; tp]),
-        DeviceKind::Cuda { .. } => Err(EngineError::CudaNotBuilt),
+        DeviceKind::Cuda { gpus } => cuda_devices(gpus.as_deref(), tp),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_devices(gpus: Option<&[usize]>, tp: usize) -> Result<Vec<Device>, EngineError> {
+    let ordinals: Vec<usize> = gpus.map_or_else(|| (0..tp).collect(), <[usize]>::to_vec);
+    if ordinals.len() != tp {
+        return Err(EngineError::GpuCount {
+            given: ordinals.len(),
+            tp,
+        });
+    }
+    ordinals
+        .iter()
+        .enumerate()
+        .map(|(rank, &gpu)| {
+            Device::new_cuda(gpu).map_err(|e| EngineError::Device {
+                rank,
+                detail: format!("cannot open CUDA device {gpu}: {e}"),
+            })
+        })
+        .collect()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_devices(_gpus: Option<&[usize]>, _tp: usize) -> Result<Vec<Device>, EngineError> {
+    Err(EngineError::CudaNotBuilt)
+}
+
+/// One communicator builder per rank: in-process collectives for CPU ranks, NCCL for GPUs.
+fn connectors(b: &EngineBuilder, devices: &[Device]) -> Result<Vec<Connect>, EngineError> {
+    let tp = devices.len();
+    if devices.iter().all(Device::is_cpu) || tp == 1 {
+        return Ok(ThreadGroup::ranks(tp, b.comm_timeout)
+            .into_iter()
+            .map(|comm| Box::new(move || Ok(Arc::new(comm) as Arc<dyn Communicator>)) as Connect)
+            .collect());
+    }
+    nccl_connectors(b, devices)
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_connectors(b: &EngineBuilder, devices: &[Device]) -> Result<Vec<Connect>, EngineError> {
+    let group = tpinfer_comm::NcclGroup::new(devices.len(), b.comm_timeout)?;
+    Ok(devices
+        .iter()
+        .enumerate()
+        .map(|(rank, device)| {
+            let (group, device) = (group.clone(), device.clone());
+            Box::new(move || {
+                let comm = tpinfer_comm::NcclComm::connect(group, &device, rank)?;
+                Ok(Arc::new(comm) as Arc<dyn Communicator>)
+            }) as Connect
+        })
+        .collect())
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_connectors(_b: &EngineBuilder, _devices: &[Device]) -> Result<Vec<Connect>, EngineError> {
+    Err(EngineError::CudaNotBuilt)
+}
+
+/// Waits for every rank to join its communicator (bounded by `init_timeout`) and then to load
+/// its shard. Returns each rank's weight bytes, or the first rank's error.
+fn await_startup(
+    ready: &Receiver<Startup>,
+    tp: usize,
+    init_timeout: std::time::Duration,
+) -> Result<Vec<usize>, EngineError> {
+    let deadline = std::time::Instant::now() + init_timeout;
+    let mut connected = vec![false; tp];
+    let mut loaded: Vec<Option<usize>> = vec![None; tp];
+    while loaded.iter().any(Option::is_none) {
+        let event = match connected.iter().all(|&c| c) {
+            true => ready.recv().map_err(|_| ()),
+            false => ready
+                .recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+                .map_err(|_| ()),
+        };
+        match event {
+            Ok(Startup::Connected(rank)) => connected[rank] = true,
+            Ok(Startup::Loaded(rank, bytes)) => loaded[rank] = Some(bytes),
+            Ok(Startup::Failed(e)) => return Err(e),
+            Err(()) => {
+                return Err(EngineError::InitTimeout {
+                    missing: (0..tp).filter(|&r| !connected[r]).collect(),
+                    waited: init_timeout,
+                })
+            }
+        }
+    }
+    Ok(loaded.into_iter().flatten().collect())
 }
 
 /// Runs jobs one at a time on all ranks. After a failure the ranks' collectives are aborted,

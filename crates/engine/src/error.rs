@@ -4,9 +4,9 @@ use tpinfer_comm::CommError;
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     #[error(transparent)]
-    Checkpoint(#[from] tpinfer_llama::CheckpointError),
+    Checkpoint(Box<tpinfer_llama::CheckpointError>),
     #[error(transparent)]
-    Tokenizer(#[from] tpinfer_tokenizer::TokenizerError),
+    Tokenizer(Box<tpinfer_tokenizer::TokenizerError>),
     #[error("cannot shard the model over {tp} ranks: {detail}")]
     Sharding { tp: usize, detail: String },
     #[error("the prompt has {tokens} tokens but the context holds {context}: shorten the prompt or raise --max-context (the model allows up to {model_max})")]
@@ -28,19 +28,44 @@ pub enum EngineError {
     #[error("rank {rank} panicked: {message}")]
     RankPanicked { rank: usize, message: String },
     #[error("{0}")]
-    Comm(#[from] CommError),
+    Comm(Box<CommError>),
     #[error("rank {rank}: {detail}")]
     Device { rank: usize, detail: String },
+    #[error("rank(s) {missing:?} did not join the communicator within {waited:?} (NCCL init hang); check `tpinfer doctor`, or try NCCL_P2P_DISABLE=1 on PCIe boxes and NCCL_IB_DISABLE=1 without InfiniBand")]
+    InitTimeout {
+        missing: Vec<usize>,
+        waited: std::time::Duration,
+    },
+    #[error("--gpus names {given} GPU(s) but --tp is {tp}: give one GPU per rank")]
+    GpuCount { given: usize, tp: usize },
     #[error("sampling: {0}")]
     Sampling(String),
     #[error("the engine has stopped: {0}")]
     Stopped(String),
 }
 
+impl From<tpinfer_llama::CheckpointError> for EngineError {
+    fn from(e: tpinfer_llama::CheckpointError) -> Self {
+        Self::Checkpoint(Box::new(e))
+    }
+}
+
+impl From<tpinfer_tokenizer::TokenizerError> for EngineError {
+    fn from(e: tpinfer_tokenizer::TokenizerError) -> Self {
+        Self::Tokenizer(Box::new(e))
+    }
+}
+
+impl From<CommError> for EngineError {
+    fn from(e: CommError) -> Self {
+        Self::Comm(Box::new(e))
+    }
+}
+
 impl EngineError {
     /// Whether this error only reports that a peer failed, rather than being a root cause.
     pub(crate) fn is_peer_report(&self) -> bool {
-        let comm = match self {
+        let comm: &CommError = match self {
             Self::Comm(e) => e,
             Self::Rank {
                 source: tpinfer_layers::Error::Comm(e),
@@ -49,7 +74,7 @@ impl EngineError {
             _ => return false,
         };
         matches!(
-            comm,
+            *comm,
             CommError::PeerFailed { .. } | CommError::PeerExited { .. } | CommError::Timeout { .. }
         )
     }

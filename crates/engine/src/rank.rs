@@ -22,11 +22,18 @@ pub(crate) struct RankJob {
     pub eos: Vec<u32>,
     /// Rank 0 streams tokens here.
     pub events: Sender<RankEvent>,
+    /// If set, rank 0 sends the logits of every step here, before sampling.
+    pub logits: Option<Sender<Vec<f32>>>,
 }
+
+/// Builds a rank's communicator on the rank's own thread.
+pub(crate) type Connect = Box<dyn FnOnce() -> Result<Arc<dyn Communicator>, EngineError> + Send>;
 
 /// Everything a rank thread is started with.
 pub(crate) struct RankSetup {
-    pub comm: Arc<dyn Communicator>,
+    pub rank: usize,
+    pub world: usize,
+    pub connect: Connect,
     pub device: Device,
     pub checkpoint: Arc<LlamaCheckpoint>,
     pub shard: LlamaShard,
@@ -36,22 +43,38 @@ pub(crate) struct RankSetup {
 
 pub(crate) type RankResult = (usize, Result<(), EngineError>);
 
+/// What a starting rank reports.
+pub(crate) enum Startup {
+    /// The rank has joined its communicator.
+    Connected(usize),
+    /// The rank's shard is loaded: its weight bytes.
+    Loaded(usize, usize),
+    Failed(EngineError),
+}
+
 /// The body of a rank thread. Reports loading on `ready`, then serves `jobs` until the
 /// channel closes, reporting each job's end on `done`.
 pub(crate) fn rank_main(
     setup: RankSetup,
-    ready: Sender<(usize, Result<usize, EngineError>)>,
+    ready: Sender<Startup>,
     jobs: Receiver<Arc<RankJob>>,
     done: Sender<RankResult>,
 ) {
-    let rank = setup.comm.rank();
-    let _span = tracing::info_span!("rank", rank, world = setup.comm.world_size()).entered();
-    let comm = setup.comm.clone();
+    let rank = setup.rank;
+    let _span = tracing::info_span!("rank", rank, world = setup.world).entered();
+    let comm = match (setup.connect)() {
+        Ok(comm) => comm,
+        Err(e) => {
+            let _ = ready.send(Startup::Failed(e));
+            return;
+        }
+    };
+    let _ = ready.send(Startup::Connected(rank));
     let loaded = guarded(rank, &*comm, || {
         LlamaRank::load(
             &setup.checkpoint,
             setup.shard.clone(),
-            setup.comm.clone(),
+            comm.clone(),
             setup.dtype,
             &setup.device,
             setup.max_context,
@@ -61,11 +84,11 @@ pub(crate) fn rank_main(
     let mut model = match loaded {
         Ok(model) => {
             tracing::info!(bytes = model.bytes_loaded(), "loaded shard");
-            let _ = ready.send((rank, Ok(model.bytes_loaded())));
+            let _ = ready.send(Startup::Loaded(rank, model.bytes_loaded()));
             model
         }
         Err(e) => {
-            let _ = ready.send((rank, Err(e)));
+            let _ = ready.send(Startup::Failed(e));
             return;
         }
     };
@@ -148,6 +171,9 @@ fn run_job(
         let mut step = [0u32, 0u32];
         if rank == 0 {
             let mut scores = logits.squeeze(0).map_err(sample_err)?;
+            if let Some(trace) = &job.logits {
+                let _ = trace.send(scores.to_vec1::<f32>().map_err(sample_err)?);
+            }
             if job.sampling.repetition_penalty != 1.0 {
                 let window =
                     &context[context.len().saturating_sub(job.sampling.repetition_window)..];

@@ -1,0 +1,367 @@
+//! GPU ranks joined by NCCL: one process, one thread and one CUDA device per rank.
+//!
+//! NCCL calls are asynchronous: a rank whose peer died would spin in its kernel forever, and
+//! its host thread would block at the next stream sync. So the host waits only through
+//! [`NcclComm::broadcast`] (once per decode step), which polls the stream with a deadline while
+//! watching the group's shared failure board; on a peer's failure or a timeout it aborts its
+//! own communicator (`ncclCommAbort`), which releases the kernel, and names the culprit.
+
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, DeviceRepr};
+use candle_core::cuda::cudarc::nccl::{result::NcclError, sys, Comm, Id, NcclType, ReduceOp};
+use candle_core::cuda::CudaDType;
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
+
+use crate::{Collective, CommError, CommStats, Communicator};
+
+/// What every rank of an in-process NCCL group shares: the unique id, and a board where a
+/// failing rank posts its cause so that its peers stop waiting for it.
+pub struct NcclGroup {
+    id: Id,
+    world_size: usize,
+    timeout: Duration,
+    board: Mutex<Board>,
+}
+
+struct Board {
+    failure: Option<(usize, String)>,
+    /// How many synchronizing collectives each rank has entered: on a timeout, the ranks
+    /// behind are the ones that stopped calling.
+    entered: Vec<u64>,
+}
+
+impl NcclGroup {
+    /// A new group of `world_size` ranks; a rank waits at most `timeout` for its peers.
+    pub fn new(world_size: usize, timeout: Duration) -> Result<Arc<Self>, CommError> {
+        let id = Id::new().map_err(|e| nccl_error(0, "ncclGetUniqueId", e))?;
+        Ok(Arc::new(Self {
+            id,
+            world_size,
+            timeout,
+            board: Mutex::new(Board {
+                failure: None,
+                entered: vec![0; world_size],
+            }),
+        }))
+    }
+
+    fn board(&self) -> MutexGuard<'_, Board> {
+        self.board.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Posts `rank`'s failure unless an earlier one is the root cause.
+    pub fn fail(&self, rank: usize, cause: &str) {
+        self.board()
+            .failure
+            .get_or_insert((rank, cause.to_string()));
+    }
+
+    /// The first failure posted, if any.
+    pub fn failure(&self) -> Option<(usize, String)> {
+        self.board().failure.clone()
+    }
+}
+
+/// A rank's NCCL communicator, on the CUDA stream of its candle device so that collectives
+/// are ordered with the rank's kernels without host syncs.
+pub struct NcclComm {
+    rank: usize,
+    device: CudaDevice,
+    group: Arc<NcclGroup>,
+    /// `None` once aborted.
+    comm: RefCell<Option<Comm>>,
+    stats: CommStats,
+}
+
+/// An NCCL error with `ncclGetLastError`'s text, which says what actually went wrong.
+fn nccl_error(rank: usize, op: &str, e: NcclError) -> CommError {
+    // SAFETY: ncclGetLastError ignores its argument and returns a static, NUL-terminated
+    // string (or null) that stays valid until the next NCCL call on this thread.
+    let last = unsafe {
+        let text = sys::ncclGetLastError(std::ptr::null_mut());
+        match text.is_null() {
+            true => String::new(),
+            false => std::ffi::CStr::from_ptr(text)
+                .to_string_lossy()
+                .into_owned(),
+        }
+    };
+    CommError::Nccl {
+        rank,
+        op: op.to_string(),
+        detail: match last.is_empty() {
+            true => format!("{e:?}"),
+            false => format!("{e:?}: {last}"),
+        },
+    }
+}
+
+impl NcclComm {
+    /// Joins `group` as `rank` on `device`. Blocks until every rank has joined (ncclCommInitRank);
+    /// the caller bounds that wait.
+    pub fn connect(group: Arc<NcclGroup>, device: &Device, rank: usize) -> Result<Self, CommError> {
+        let Device::Cuda(cuda) = device else {
+            return Err(CommError::Nccl {
+                rank,
+                op: "init".into(),
+                detail: format!("rank {rank}'s device is {device:?}, not a CUDA device"),
+            });
+        };
+        let comm = Comm::from_rank(cuda.cuda_stream(), rank, group.world_size, group.id)
+            .map_err(|e| nccl_error(rank, "ncclCommInitRank", e))?;
+        Ok(Self {
+            rank,
+            device: cuda.clone(),
+            group,
+            comm: RefCell::new(Some(comm)),
+            stats: CommStats::default(),
+        })
+    }
+
+    fn tensor_error(&self, op: Collective) -> impl Fn(candle_core::Error) -> CommError + '_ {
+        move |source| CommError::Tensor {
+            rank: self.rank,
+            op,
+            source,
+        }
+    }
+
+    /// Runs `f` on the live communicator, or reports the failure that aborted it.
+    fn with_comm<R>(
+        &self,
+        op: &str,
+        f: impl FnOnce(&Comm) -> Result<R, NcclError>,
+    ) -> Result<R, CommError> {
+        let guard = self.comm.borrow();
+        let Some(comm) = guard.as_ref() else {
+            let (rank, cause) = self
+                .group
+                .failure()
+                .unwrap_or((self.rank, "communicator aborted".into()));
+            return Err(CommError::PeerFailed { rank, cause });
+        };
+        f(comm).map_err(|e| nccl_error(self.rank, op, e))
+    }
+
+    /// `f(input, output)` on the device slices of contiguous `x` (as `T`) and a new buffer of
+    /// `out_len` elements, returned as a tensor of `shape`.
+    fn run<T: CudaDType + DeviceRepr + NcclType>(
+        &self,
+        op: Collective,
+        x: &Tensor,
+        out_len: usize,
+        shape: &[usize],
+        f: impl FnOnce(&Comm, &CudaView<'_, T>, &mut CudaSlice<T>) -> Result<(), NcclError>,
+    ) -> Result<Tensor, CommError> {
+        let err = self.tensor_error(op);
+        let x = x.contiguous().map_err(&err)?;
+        let (storage, layout) = x.storage_and_layout();
+        let Storage::Cuda(storage) = &*storage else {
+            return Err(err(candle_core::Error::Msg(
+                "NCCL collectives need CUDA tensors".into(),
+            )));
+        };
+        let start = layout.start_offset();
+        let input = storage.as_cuda_slice::<T>().map_err(&err)?;
+        let input = input.slice(start..start + x.elem_count());
+        // SAFETY: every element of `output` is written by the collective before it is read.
+        let mut output = unsafe { self.device.alloc::<T>(out_len) }.map_err(&err)?;
+        self.with_comm(&op.to_string(), |comm| f(comm, &input, &mut output))?;
+        let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(output, self.device.clone()));
+        Ok(Tensor::from_storage(
+            storage,
+            shape,
+            BackpropOp::none(),
+            false,
+        ))
+    }
+
+    /// Waits for the stream to finish what was queued, with a deadline, watching for peers'
+    /// failures. On either, aborts this rank's communicator so that no kernel spins forever.
+    fn wait_for_stream(&self, op: Collective) -> Result<(), CommError> {
+        {
+            let mut board = self.group.board();
+            board.entered[self.rank] += 1;
+        }
+        let event = self
+            .device
+            .cuda_stream()
+            .record_event(None)
+            .map_err(|e| self.tensor_error(op)(candle_core::Error::Cuda(Box::new(e))))?;
+        let deadline = Instant::now() + self.group.timeout;
+        loop {
+            match event.try_is_complete() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => {
+                    let cause = format!("CUDA error while waiting for {op}: {e:?}");
+                    self.abort(&cause);
+                    return Err(CommError::Nccl {
+                        rank: self.rank,
+                        op: op.to_string(),
+                        detail: cause,
+                    });
+                }
+            }
+            if let Some((rank, cause)) = self.group.failure().filter(|(r, _)| *r != self.rank) {
+                self.abort_local();
+                return Err(CommError::PeerFailed { rank, cause });
+            }
+            if Instant::now() >= deadline {
+                let missing = {
+                    let board = self.group.board();
+                    let mine = board.entered[self.rank];
+                    (0..self.group.world_size)
+                        .filter(|&r| board.entered[r] < mine)
+                        .collect::<Vec<_>>()
+                };
+                let culprit = missing.first().copied().unwrap_or(self.rank);
+                self.group.fail(
+                    culprit,
+                    &format!("did not enter {op} within {:?}", self.group.timeout),
+                );
+                self.abort_local();
+                return Err(CommError::Timeout {
+                    rank: self.rank,
+                    op,
+                    waited: self.group.timeout,
+                    missing,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    /// ncclCommAbort on this rank's communicator (dropping cudarc's `Comm` aborts it).
+    fn abort_local(&self) {
+        drop(self.comm.borrow_mut().take());
+    }
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.group.world_size
+    }
+
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor, CommError> {
+        let start = Instant::now();
+        let bytes = x.elem_count() * x.dtype().size_in_bytes();
+        let out = match self.group.world_size {
+            1 => x.clone(),
+            _ => {
+                let op = Collective::AllReduceSum;
+                // Summing in f32 keeps bf16 reductions as exact as the f32 path.
+                let x32 = x.to_dtype(DType::F32).map_err(self.tensor_error(op))?;
+                let n = x.elem_count();
+                let sum = self.run::<f32>(op, &x32, n, x.dims(), |c, i, o| {
+                    c.all_reduce(i, o, &ReduceOp::Sum).map(|_| ())
+                })?;
+                sum.to_dtype(x.dtype()).map_err(self.tensor_error(op))?
+            }
+        };
+        self.stats.record_all_reduce(bytes, start.elapsed());
+        Ok(out)
+    }
+
+    fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor, CommError> {
+        let start = Instant::now();
+        let op = Collective::AllGather { dim };
+        let err = self.tensor_error(op);
+        let world = self.group.world_size;
+        if world == 1 {
+            return Ok(x.clone());
+        }
+        // NCCL gathers equal parts: share each rank's size along `dim`, pad to the largest,
+        // gather with `dim` moved to the front, then cut the padding away.
+        let size = Tensor::new(
+            &[x.dim(dim).map_err(&err)? as u32],
+            &Device::Cuda(self.device.clone()),
+        )
+        .map_err(&err)?;
+        let sizes = self.run::<u32>(op, &size, world, &[world], |c, i, o| {
+            c.all_gather(i, o).map(|_| ())
+        })?;
+        let sizes: Vec<u32> = sizes.to_vec1().map_err(&err)?;
+        let max = sizes.iter().copied().max().unwrap_or(0) as usize;
+        let front = x
+            .transpose(0, dim)
+            .map_err(&err)?
+            .contiguous()
+            .map_err(&err)?;
+        let pad = max - front.dim(0).map_err(&err)?;
+        let front = front
+            .pad_with_zeros(0, 0, pad)
+            .map_err(&err)?
+            .to_dtype(DType::F32)
+            .map_err(&err)?;
+        let mut shape = front.dims().to_vec();
+        shape[0] = max * world;
+        let all = self.run::<f32>(op, &front, front.elem_count() * world, &shape, |c, i, o| {
+            c.all_gather(i, o).map(|_| ())
+        })?;
+        let parts = sizes
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| all.narrow(0, r * max, n as usize))
+            .collect::<candle_core::Result<Vec<_>>>()
+            .map_err(&err)?;
+        let out = Tensor::cat(&parts, 0)
+            .and_then(|t| t.transpose(0, dim))
+            .and_then(|t| t.contiguous())
+            .and_then(|t| t.to_dtype(x.dtype()))
+            .map_err(&err)?;
+        self.stats.record_all_gather(start.elapsed());
+        Ok(out)
+    }
+
+    /// Also the host's bounded sync point: it returns once the broadcast has completed.
+    fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor, CommError> {
+        let world = self.group.world_size;
+        if root >= world {
+            return Err(CommError::BadRoot { root, world });
+        }
+        let start = Instant::now();
+        let op = Collective::Broadcast { root };
+        let out = match (world, x.dtype()) {
+            (1, _) => x.clone(),
+            (_, DType::U32) => self.run::<u32>(op, x, x.elem_count(), x.dims(), |c, i, o| {
+                c.broadcast(Some(i), o, root as i32).map(|_| ())
+            })?,
+            _ => {
+                let x32 = x.to_dtype(DType::F32).map_err(self.tensor_error(op))?;
+                self.run::<f32>(op, &x32, x.elem_count(), x.dims(), |c, i, o| {
+                    c.broadcast(Some(i), o, root as i32).map(|_| ())
+                })?
+                .to_dtype(x.dtype())
+                .map_err(self.tensor_error(op))?
+            }
+        };
+        self.wait_for_stream(op)?;
+        self.stats.record_broadcast(start.elapsed());
+        Ok(out)
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        let one = Tensor::new(&[1f32], &Device::Cuda(self.device.clone()))
+            .map_err(self.tensor_error(Collective::Barrier))?;
+        self.all_reduce_sum(&one)?;
+        self.wait_for_stream(Collective::Barrier)
+    }
+
+    fn abort(&self, cause: &str) {
+        self.group.fail(self.rank, cause);
+        self.abort_local();
+    }
+
+    fn stats(&self) -> &CommStats {
+        &self.stats
+    }
+}
