@@ -13,6 +13,8 @@ mod stats;
 mod threads;
 
 pub use error::{Collective, CommError};
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclComm, NcclGroup};
 pub use stats::{CommStats, StatsSnapshot};
 pub use threads::{ThreadComm, ThreadGroup, DEFAULT_TIMEOUT};
 

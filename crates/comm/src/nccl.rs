@@ -111,7 +111,14 @@ impl NcclComm {
                 detail: format!("rank {rank}'s device is {device:?}, not a CUDA device"),
             });
         };
-        let comm = Comm::from_rank(cuda.cuda_stream(), rank, group.world_size, group.id)
+        let stream = cuda.cuda_stream();
+        // NCCL picks its GPU from the calling thread's current device.
+        stream.context().bind_to_thread().map_err(|e| CommError::Nccl {
+            rank,
+            op: "bind the rank's CUDA device".into(),
+            detail: format!("{e:?}"),
+        })?;
+        let comm = Comm::from_rank(stream, rank, group.world_size, group.id)
             .map_err(|e| nccl_error(rank, "ncclCommInitRank", e))?;
         Ok(Self {
             rank,

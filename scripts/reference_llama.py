@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Reference numerics for tpinfer's Llama, with PyTorch/transformers, on any CUDA host.
+
+  make    --shape 8b|1b --out DIR [--dtype bf16|f32]   random-weight Llama checkpoint (HF format)
+  logits  --model DIR --dtype f32|bf16 --out FILE      transformers' prefill logits + greedy tokens
+  compare --ref FILE --out-json FILE NAME=FILE ...     relative errors of tpinfer runs vs a reference
+  speed   --model DIR                                  transformers decode tok/s and 2048-token prefill ms
+
+The prompt is the same fixed pseudo-random ids tpinfer-bench uses: id_i = (7919 i + 13) mod min(vocab, 30000).
+"""
+import argparse, inspect, json, shutil, sys, time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+SHAPES = {
+    # Llama-3-8B: 32 layers, 4096 wide, 32 heads over 8 KV heads, 14336 FFN, 128256 vocab.
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=False),
+    # Llama-3.2-1B: 16 layers, 2048 wide, 32 heads over 8 KV heads, 8192 FFN, tied embeddings.
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=True),
+}
+
+
+def prompt_ids(vocab, n):
+    m = min(vocab, 30000)
+    return [(i * 7919 + 13) % m for i in range(n)]
+
+
+def make(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192)
+    common = dict(vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=128000,
+                  eos_token_id=[128001, 128009], **SHAPES[args.shape])
+    if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:  # transformers 5
+        cfg = LlamaConfig(rope_parameters=dict(rope, rope_theta=500000.0), **common)
+    else:
+        cfg = LlamaConfig(rope_theta=500000.0, rope_scaling=rope, **common)
+    torch.manual_seed(args.seed)
+    dtype = dict(bf16=torch.bfloat16, f32=torch.float32)[args.dtype]
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    out = Path(args.out)
+    model.save_pretrained(out, safe_serialization=True)
+    if args.tokenizer:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(args.tokenizer) / f, out / f)
+    print(f"wrote {out} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, {args.dtype})")
+    print((out / "config.json").read_text())
+
+
+def load(model_dir, dtype):
+    from transformers import LlamaForCausalLM
+    dtype = dict(bf16=torch.bfloat16, f32=torch.float32)[dtype]
+    # Weights stored in bf16 are upcast exactly, so f32 here is the reference on the same weights.
+    return LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="cuda").eval()
+
+
+@torch.no_grad()
+def logits(args):
+    model = load(args.model, args.dtype)
+    ids = torch.tensor([prompt_ids(model.config.vocab_size, args.prompt_tokens)], device="cuda")
+    out = model(ids, use_cache=True)
+    prefill = out.logits[0, -1].float()
+    past, tokens, nxt = out.past_key_values, [], prefill.argmax().view(1, 1)
+    for _ in range(args.steps):
+        tokens.append(int(nxt))
+        out = model(nxt, past_key_values=past, use_cache=True)
+        past, nxt = out.past_key_values, out.logits[0, -1].argmax().view(1, 1)
+    save_file({"prefill_logits": prefill.cpu().contiguous(), "tokens": torch.tensor(tokens, dtype=torch.int64)}, args.out)
+    print(f"{args.model} {args.dtype}: tokens {tokens[:8]}...")
+
+
+def compare(args):
+    ref = load_file(args.ref)
+    result = {}
+    for item in args.runs:
+        name, path = item.split("=", 1)
+        run = load_file(path)
+        a, b = run["prefill_logits"].double(), ref["prefill_logits"].double()
+        rel = float((a - b).norm() / b.norm())
+        same = 0
+        for x, y in zip(run["tokens"].tolist(), ref["tokens"].tolist()):
+            if x != y:
+                break
+            same += 1
+        result[name] = dict(rel_error=rel, same_greedy_prefix=same, steps=len(ref["tokens"]))
+        print(f"{name}: rel error {rel:.3e}, greedy tokens equal for {same}/{len(ref['tokens'])} steps")
+    Path(args.out_json).write_text(json.dumps(result, indent=1))
+
+
+@torch.no_grad()
+def speed(args):
+    model = load(args.model, "bf16")
+    vocab = model.config.vocab_size
+    ids = torch.tensor([prompt_ids(vocab, 128)], device="cuda")
+    model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    torch.cuda.synchronize(); t = time.perf_counter()
+    model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+    torch.cuda.synchronize(); decode = args.new_tokens / (time.perf_counter() - t)
+    long = torch.tensor([prompt_ids(vocab, 2048)], device="cuda")
+    model(long); torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter(); model(long); torch.cuda.synchronize(); times.append((time.perf_counter() - t) * 1e3)
+    result = dict(decode_tok_s=decode, prefill_2048_ms=sorted(times)[1], peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    print(json.dumps(result))
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps(result))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make"); m.add_argument("--shape", choices=SHAPES, required=True)
+    m.add_argument("--out", required=True); m.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
+    m.add_argument("--seed", type=int, default=0); m.add_argument("--tokenizer")
+    l = sub.add_parser("logits"); l.add_argument("--model", required=True); l.add_argument("--dtype", required=True)
+    l.add_argument("--prompt-tokens", type=int, default=128); l.add_argument("--steps", type=int, default=32)
+    l.add_argument("--out", required=True)
+    c = sub.add_parser("compare"); c.add_argument("--ref", required=True); c.add_argument("--out-json", required=True)
+    c.add_argument("runs", nargs="+")
+    s = sub.add_parser("speed"); s.add_argument("--model", required=True); s.add_argument("--new-tokens", type=int, default=256)
+    s.add_argument("--out-json")
+    args = p.parse_args()
+    dict(make=make, logits=logits, compare=compare, speed=speed)[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
