@@ -33,7 +33,7 @@ def make(args):
     from transformers import LlamaConfig, LlamaForCausalLM
     rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                 original_max_position_embeddings=8192)
-    common = dict(vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=128000,
+    common = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=128000,
                   eos_token_id=[128001, 128009], **SHAPES[args.shape])
     if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:  # transformers 5
         cfg = LlamaConfig(rope_parameters=dict(rope, rope_theta=500000.0), **common)
