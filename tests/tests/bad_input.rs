@@ -168,3 +168,25 @@ fn cuda_without_the_feature_is_refused_clearly() {
         Ok(_) => panic!("must refuse"),
     }
 }
+
+#[test]
+fn token_ids_outside_the_vocabulary_and_empty_requests() {
+    let dir = model_dir();
+    let engine = Engine::builder(dir.path()).tp(3).build().expect("engine");
+    let refused = |request: GenerateRequest| match engine.generate(request) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("must refuse"),
+    };
+    assert_mentions(
+        &refused(GenerateRequest::new(Prompt::Tokens(vec![1, 320]), 4)),
+        &["token id 320", "vocabulary of 320"],
+    );
+    assert_mentions(
+        &refused(GenerateRequest::new(Prompt::Tokens(vec![]), 4)),
+        &["empty"],
+    );
+    assert_mentions(
+        &refused(GenerateRequest::new(Prompt::text("a"), 0)),
+        &["max_new_tokens"],
+    );
+}

@@ -113,11 +113,14 @@ impl NcclComm {
         };
         let stream = cuda.cuda_stream();
         // NCCL picks its GPU from the calling thread's current device.
-        stream.context().bind_to_thread().map_err(|e| CommError::Nccl {
-            rank,
-            op: "bind the rank's CUDA device".into(),
-            detail: format!("{e:?}"),
-        })?;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| CommError::Nccl {
+                rank,
+                op: "bind the rank's CUDA device".into(),
+                detail: format!("{e:?}"),
+            })?;
         let comm = Comm::from_rank(stream, rank, group.world_size, group.id)
             .map_err(|e| nccl_error(rank, "ncclCommInitRank", e))?;
         Ok(Self {

@@ -160,9 +160,15 @@ impl Engine {
             });
         }
         if request.max_new_tokens == 0 {
-            return Err(EngineError::Sampling(
+            return Err(EngineError::InvalidRequest(
                 "max_new_tokens must be at least 1".into(),
             ));
+        }
+        let vocab = self.config.vocab_size;
+        if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {id} is outside the model's vocabulary of {vocab}"
+            )));
         }
         let (events_tx, events_rx) = mpsc::channel();
         let job = Arc::new(RankJob {

@@ -17,6 +17,8 @@ pub enum EngineError {
     },
     #[error("the prompt is empty")]
     EmptyPrompt,
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
     #[error("--device cuda needs a build with `--features cuda,nccl`; this binary was built for CPU ranks only")]
     CudaNotBuilt,
     #[error("rank {rank}: {source}")]

@@ -1,4 +1,4 @@
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::{HeadShard, Result};
 
@@ -19,31 +19,34 @@ pub fn expand_kv_heads(kv: &Tensor, heads: &HeadShard, kv_index: &Tensor) -> Res
     }
 }
 
-/// Scaled dot-product attention of `q` `[b, h, s, d]` over `k`, `v` `[b, h, t, d]`, where the
-/// queries are the last `s` of the `t` positions: query `i` sees keys `0..=t - s + i`.
-/// Scores and softmax are computed in f32.
-pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
-    let (_, _, s, _) = q.dims4()?;
-    let t = k.dim(2)?;
-    let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?.to_dtype(DType::F32)?;
-    let scores = if s > 1 {
-        let offset = t - s;
-        let mask: Vec<f32> = (0..s)
-            .flat_map(|i| {
-                (0..t).map(move |j| {
-                    if j > i + offset {
-                        f32::NEG_INFINITY
-                    } else {
-                        0.0
-                    }
-                })
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (s, t), q.device())?;
-        scores.broadcast_add(&mask)?
-    } else {
-        scores
+/// The additive mask `[s, t]` for `s` queries that are the last `s` of `t` positions: query
+/// `i` sees keys `0..=t - s + i`. Built on the device, once per forward.
+pub fn causal_mask(s: usize, t: usize, device: &Device) -> Result<Tensor> {
+    let rows = Tensor::arange((t - s) as u32, t as u32, device)?.reshape((s, 1))?;
+    let cols = Tensor::arange(0u32, t as u32, device)?.reshape((1, t))?;
+    let visible = cols.broadcast_le(&rows)?;
+    let open = Tensor::zeros((s, t), DType::F32, device)?;
+    let closed = Tensor::full(f32::NEG_INFINITY, (s, t), device)?;
+    Ok(visible.where_cond(&open, &closed)?)
+}
+
+/// Scaled dot-product attention of `q` `[b, h, s, d]` over `k`, `v` `[b, h, t, d]`, with an
+/// optional additive `mask` `[s, t]` (see [`causal_mask`]). Computed in f32 whatever the
+/// dtype: scores rounded to bf16 before the softmax cost more accuracy than the rest of a
+/// layer together.
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
+    let scores = (f32(q)?.matmul(&f32(k)?.t()?)? * scale)?;
+    let scores = match mask {
+        Some(mask) => scores.broadcast_add(mask)?,
+        None => scores,
     };
-    let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
-    Ok(probs.matmul(&v.contiguous()?)?)
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+    Ok(probs.matmul(&f32(v)?)?.to_dtype(v.dtype())?)
 }

@@ -3,8 +3,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
-    causal_attention, expand_kv_heads, rms_norm, GatedMlp, KvCache, MergedColumnParallelLinear,
-    Result, Rope, RowParallelLinear, VocabParallelEmbedding,
+    causal_attention, causal_mask, expand_kv_heads, rms_norm, GatedMlp, KvCache,
+    MergedColumnParallelLinear, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -145,15 +145,21 @@ impl LlamaRank {
     pub fn forward(&mut self, ids: &[u32], batch: usize) -> Result<Tensor> {
         let offset = self.cached_positions();
         let mut x = self.embed.embed(ids, batch)?;
+        let seq = ids.len() / batch;
+        let mask = match seq {
+            1 => None,
+            _ => Some(causal_mask(seq, offset + seq, x.device())?),
+        };
+        let ctx = LayerContext {
+            offset,
+            mask: mask.as_ref(),
+            rope: &self.rope,
+            shard: &self.shard,
+            kv_index: &self.kv_index,
+            config: &self.config,
+        };
         for layer in &mut self.layers {
-            x = layer.forward(
-                &x,
-                offset,
-                &self.rope,
-                &self.shard,
-                &self.kv_index,
-                &self.config,
-            )?;
+            x = layer.forward(&x, &ctx)?;
         }
         let x = rms_norm(&x, &self.norm, self.config.rms_norm_eps as f32)?;
         let seq = x.dim(1)?;
@@ -163,16 +169,19 @@ impl LlamaRank {
     }
 }
 
+/// What every layer of one forward shares.
+struct LayerContext<'a> {
+    offset: usize,
+    mask: Option<&'a Tensor>,
+    rope: &'a Rope,
+    shard: &'a LlamaShard,
+    kv_index: &'a Tensor,
+    config: &'a LlamaConfig,
+}
+
 impl DecoderLayer {
-    fn forward(
-        &mut self,
-        x: &Tensor,
-        offset: usize,
-        rope: &Rope,
-        shard: &LlamaShard,
-        kv_index: &Tensor,
-        c: &LlamaConfig,
-    ) -> Result<Tensor> {
+    fn forward(&mut self, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
+        let (c, shard, rope, offset) = (ctx.config, ctx.shard, ctx.rope, ctx.offset);
         let eps = c.rms_norm_eps as f32;
         let (b, s, _) = x.dims3()?;
         let d = c.head_dim;
@@ -184,9 +193,9 @@ impl DecoderLayer {
         let k = rope.apply(&heads(&qkv[1], n_kv)?, offset)?;
         let v = heads(&qkv[2], n_kv)?;
         let (k, v) = self.cache.append(&k, &v)?;
-        let k = expand_kv_heads(&k, &shard.heads, kv_index)?;
-        let v = expand_kv_heads(&v, &shard.heads, kv_index)?;
-        let attn = causal_attention(&q, &k, &v, 1.0 / (d as f64).sqrt())?;
+        let k = expand_kv_heads(&k, &shard.heads, ctx.kv_index)?;
+        let v = expand_kv_heads(&v, &shard.heads, ctx.kv_index)?;
+        let attn = causal_attention(&q, &k, &v, ctx.mask, 1.0 / (d as f64).sqrt())?;
         let attn = attn.transpose(1, 2)?.reshape((b, s, n_q * d))?;
         let x = (x + self.o_proj.forward(&attn)?)?;
         let h = rms_norm(&x, &self.post_norm, eps)?;
