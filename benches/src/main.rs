@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use tpinfer_engine::{DType, DeviceKind, Engine, GenerateRequest, Prompt, StreamEvent};
+use tpinfer_engine::{DType, DeviceKind, Engine, Fault, GenerateRequest, Prompt, StreamEvent};
 
 #[derive(Parser)]
 #[command(about = "Speed and numerics of tpinfer against TP width")]
@@ -48,6 +48,28 @@ struct Common {
     prompt_tokens: usize,
     #[arg(long)]
     max_context: Option<usize>,
+    /// Test switch: inject a fault, KIND:RANK:STEP with KIND one of error, panic, oom, exit.
+    #[arg(long, value_parser = parse_fault)]
+    fault: Option<Fault>,
+    /// Seconds a rank waits for its peers before naming them.
+    #[arg(long, default_value_t = 120)]
+    comm_timeout: u64,
+}
+
+fn parse_fault(text: &str) -> Result<Fault, String> {
+    let parts: Vec<&str> = text.split(':').collect();
+    let [kind, rank, step] = parts.as_slice() else {
+        return Err("expected KIND:RANK:STEP".into());
+    };
+    let rank = rank.parse().map_err(|e| format!("rank: {e}"))?;
+    let step = step.parse().map_err(|e| format!("step: {e}"))?;
+    Ok(match *kind {
+        "error" => Fault::Error { rank, step },
+        "panic" => Fault::Panic { rank, step },
+        "oom" => Fault::Oom { rank, step },
+        "exit" => Fault::Exit { rank, step },
+        other => return Err(format!("unknown fault `{other}`")),
+    })
 }
 
 #[derive(Args)]
@@ -78,7 +100,12 @@ struct LogitsArgs {
 }
 
 fn engine(common: &Common, tp: usize) -> Result<Engine> {
-    let mut builder = Engine::builder(&common.model).tp(tp);
+    let mut builder = Engine::builder(&common.model)
+        .tp(tp)
+        .comm_timeout(std::time::Duration::from_secs(common.comm_timeout));
+    if let Some(fault) = common.fault {
+        builder = builder.inject_fault(fault);
+    }
     if common.cuda {
         builder = builder.device(DeviceKind::Cuda { gpus: None });
     }
@@ -99,9 +126,7 @@ fn engine(common: &Common, tp: usize) -> Result<Engine> {
 
 fn prompt(engine: &Engine, tokens: usize) -> Vec<u32> {
     let modulus = (engine.config().vocab_size as u32).min(30_000);
-    (0..tokens as u32)
-        .map(|i| (i * 7919 + 13) % modulus)
-        .collect()
+    (0..tokens as u32).map(|i| (i * 7919 + 13) % modulus).collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -110,7 +135,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn speed(args: SpeedArgs) -> Result<()> {
-    println!("| TP | prompt tokens | new tokens | prefill ms (median) | decode tok/s (median) | decode tok/s (min–max) |");
+    println!(
+        "| TP | prompt tokens | new tokens | prefill ms (median) | decode tok/s (median) | decode tok/s (min–max) |"
+    );
     println!("|---|---|---|---|---|---|");
     for &tp in &args.tp {
         let engine = engine(&args.common, tp)?;
@@ -154,15 +181,11 @@ fn speed(args: SpeedArgs) -> Result<()> {
 fn logits(args: LogitsArgs) -> Result<()> {
     let engine = engine(&args.common, args.tp)?;
     let ids = prompt(&engine, args.common.prompt_tokens);
-    let (stream, trace) =
-        engine.generate_traced(GenerateRequest::new(Prompt::Tokens(ids), args.steps))?;
+    let (stream, trace) = engine.generate_traced(GenerateRequest::new(Prompt::Tokens(ids), args.steps))?;
     let (_, tokens, stats) = stream.collect_text()?;
     let prefill: Vec<f32> = trace.recv().context("no logits traced")?;
     let prefill_bytes: Vec<u8> = prefill.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let token_bytes: Vec<u8> = tokens
-        .iter()
-        .flat_map(|&t| i64::from(t).to_le_bytes())
-        .collect();
+    let token_bytes: Vec<u8> = tokens.iter().flat_map(|&t| i64::from(t).to_le_bytes()).collect();
     use safetensors::tensor::TensorView as view;
     let tensors = vec![
         (

@@ -68,8 +68,7 @@ impl TinyLlama {
     /// Writes the model into `dir` and returns `dir`.
     pub fn write(&self, dir: &Path) -> PathBuf {
         std::fs::create_dir_all(dir).expect("create model dir");
-        std::fs::write(dir.join("config.json"), self.config_json().to_string())
-            .expect("write config");
+        std::fs::write(dir.join("config.json"), self.config_json().to_string()).expect("write config");
         std::fs::write(
             dir.join("generation_config.json"),
             json!({"bos_token_id": BOS, "eos_token_id": [EOS, EOT]}).to_string(),
@@ -116,11 +115,7 @@ impl TinyLlama {
             obj.insert("rope_theta".into(), json!(50000.0));
             obj.insert(
                 "rope_scaling".into(),
-                if self.llama3_rope_scaling {
-                    scaling
-                } else {
-                    json!(null)
-                },
+                if self.llama3_rope_scaling { scaling } else { json!(null) },
             );
             obj.insert("torch_dtype".into(), json!("float32"));
         }
@@ -152,20 +147,10 @@ impl TinyLlama {
                 .collect();
             out.push((name, shape, values));
         };
-        add(
-            "model.embed_tokens.weight".into(),
-            vec![self.vocab, h],
-            &mut rng,
-            false,
-        );
+        add("model.embed_tokens.weight".into(), vec![self.vocab, h], &mut rng, false);
         for i in 0..self.layers {
             let p = format!("model.layers.{i}");
-            add(
-                format!("{p}.input_layernorm.weight"),
-                vec![h],
-                &mut rng,
-                true,
-            );
+            add(format!("{p}.input_layernorm.weight"), vec![h], &mut rng, true);
             add(
                 format!("{p}.self_attn.q_proj.weight"),
                 vec![self.heads * d, h],
@@ -198,20 +183,10 @@ impl TinyLlama {
                     ("o", h),
                 ];
                 for (name, len) in biases {
-                    add(
-                        format!("{p}.self_attn.{name}_proj.bias"),
-                        vec![len],
-                        &mut rng,
-                        false,
-                    );
+                    add(format!("{p}.self_attn.{name}_proj.bias"), vec![len], &mut rng, false);
                 }
             }
-            add(
-                format!("{p}.post_attention_layernorm.weight"),
-                vec![h],
-                &mut rng,
-                true,
-            );
+            add(format!("{p}.post_attention_layernorm.weight"), vec![h], &mut rng, true);
             add(
                 format!("{p}.mlp.gate_proj.weight"),
                 vec![self.intermediate, h],
@@ -233,12 +208,7 @@ impl TinyLlama {
         }
         add("model.norm.weight".into(), vec![h], &mut rng, true);
         if !self.tie_embeddings {
-            add(
-                "lm_head.weight".into(),
-                vec![self.vocab, h],
-                &mut rng,
-                false,
-            );
+            add("lm_head.weight".into(), vec![self.vocab, h], &mut rng, false);
         }
         out
     }
@@ -247,13 +217,7 @@ impl TinyLlama {
         let tensors = self.tensors();
         let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
             .into_iter()
-            .map(|(name, shape, values)| {
-                (
-                    name,
-                    shape,
-                    values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                )
-            })
+            .map(|(name, shape, values)| (name, shape, values.iter().flat_map(|v| v.to_le_bytes()).collect()))
             .collect();
         let per_file = bytes.len().div_ceil(self.files);
         let mut weight_map = serde_json::Map::new();
@@ -272,13 +236,11 @@ impl TinyLlama {
                     )
                 })
                 .collect();
-            safetensors::serialize_to_file(views, None, &dir.join(&file))
-                .expect("write safetensors");
+            safetensors::serialize_to_file(views, None, &dir.join(&file)).expect("write safetensors");
         }
         if self.files > 1 {
             let index = json!({"metadata": {}, "weight_map": weight_map});
-            std::fs::write(dir.join("model.safetensors.index.json"), index.to_string())
-                .expect("write index");
+            std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).expect("write index");
         }
     }
 }
@@ -302,10 +264,7 @@ pub fn write_tokenizer(dir: &Path) {
         .map(|(i, c)| (c.to_string(), i as u32))
         .collect();
     let vocab: tokenizers::models::bpe::Vocab = vocab.into_iter().collect();
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, Vec::new())
-        .build()
-        .expect("bpe");
+    let bpe = BPE::builder().vocab_and_merges(vocab, Vec::new()).build().expect("bpe");
     let mut tokenizer = tokenizers::Tokenizer::new(bpe);
     tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
@@ -330,8 +289,7 @@ pub fn write_tokenizer(dir: &Path) {
         "eos_token": "<|eot_id|>",
         "chat_template": template,
     });
-    std::fs::write(dir.join("tokenizer_config.json"), config.to_string())
-        .expect("write tokenizer config");
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).expect("write tokenizer config");
 }
 
 /// Where `scripts/fetch-assets.sh` puts the registry-fetched model files.
@@ -357,13 +315,7 @@ pub struct LogitsTrace {
 
 /// Runs `model` at TP `tp` on CPU rank threads: the prompt, then `steps` greedy decode steps.
 /// Every rank computes the same logits; rank 0's are returned.
-pub fn run_greedy(
-    model: &Path,
-    tp: usize,
-    dtype: DType,
-    prompt: &[u32],
-    steps: usize,
-) -> LogitsTrace {
+pub fn run_greedy(model: &Path, tp: usize, dtype: DType, prompt: &[u32], steps: usize) -> LogitsTrace {
     let checkpoint = Arc::new(LlamaCheckpoint::open(model).expect("open checkpoint"));
     let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
     let traces: Vec<LogitsTrace> = std::thread::scope(|s| {
@@ -373,11 +325,9 @@ pub fn run_greedy(
                 let checkpoint = checkpoint.clone();
                 s.spawn(move || {
                     let comm: Arc<dyn Communicator> = Arc::new(comm);
-                    let shard =
-                        LlamaShard::new(&checkpoint.config, tp, comm.rank()).expect("shard");
+                    let shard = LlamaShard::new(&checkpoint.config, tp, comm.rank()).expect("shard");
                     let mut rank =
-                        LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &Device::Cpu, 512)
-                            .expect("load");
+                        LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &Device::Cpu, 512).expect("load");
                     let before = comm.stats().snapshot();
                     let mut logits = rank.forward(prompt, 1).expect("prefill");
                     let prefill_all_reduces = comm.stats().snapshot().since(&before).all_reduces;
@@ -387,10 +337,7 @@ pub fn run_greedy(
                         prefill_all_reduces,
                     };
                     for step in 0..=steps {
-                        let values = logits
-                            .squeeze(0)
-                            .and_then(|l| l.to_vec1::<f32>())
-                            .expect("logits");
+                        let values = logits.squeeze(0).and_then(|l| l.to_vec1::<f32>()).expect("logits");
                         let token = argmax(&values);
                         trace.logits.push(values);
                         trace.tokens.push(token);
@@ -402,10 +349,7 @@ pub fn run_greedy(
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread"))
-            .collect()
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
     });
     traces.into_iter().next().expect("rank 0")
 }
@@ -414,13 +358,16 @@ pub fn argmax(values: &[f32]) -> u32 {
     values
         .iter()
         .enumerate()
-        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
-            if v > bv {
-                (i, v)
-            } else {
-                (bi, bv)
-            }
-        })
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |(bi, bv), (i, &v)| {
+                if v > bv {
+                    (i, v)
+                } else {
+                    (bi, bv)
+                }
+            },
+        )
         .0 as u32
 }
 

@@ -20,32 +20,20 @@ fn build_error(path: &Path, tp: usize) -> String {
 
 fn assert_mentions(message: &str, parts: &[&str]) {
     for part in parts {
-        assert!(
-            message.contains(part),
-            "error {message:?} must mention {part:?}"
-        );
+        assert!(message.contains(part), "error {message:?} must mention {part:?}");
     }
 }
 
 #[test]
 fn missing_files() {
     let dir = model_dir();
-    assert_mentions(
-        &build_error(&dir.path().join("nope"), 1),
-        &["does not exist", "nope"],
-    );
+    assert_mentions(&build_error(&dir.path().join("nope"), 1), &["does not exist", "nope"]);
 
     std::fs::remove_file(dir.path().join("tokenizer.json")).expect("rm");
-    assert_mentions(
-        &build_error(dir.path(), 1),
-        &["tokenizer.json", "not found"],
-    );
+    assert_mentions(&build_error(dir.path(), 1), &["tokenizer.json", "not found"]);
 
     std::fs::remove_file(dir.path().join("model.safetensors")).expect("rm");
-    assert_mentions(
-        &build_error(dir.path(), 1),
-        &["no weights", "model.safetensors"],
-    );
+    assert_mentions(&build_error(dir.path(), 1), &["no weights", "model.safetensors"]);
 
     std::fs::remove_file(dir.path().join("config.json")).expect("rm");
     assert_mentions(&build_error(dir.path(), 1), &["config.json"]);
@@ -78,16 +66,10 @@ fn safetensors_header_that_lies() {
     let header = String::from_utf8(bytes[8..8 + header_len].to_vec()).expect("utf8");
     // Claim a bigger shape for the embedding than its bytes hold, same header length.
     let lying = header.replacen("[320,64]", "[640,64]", 1);
-    assert_ne!(
-        lying, header,
-        "the fixture's header must contain the embedding shape"
-    );
+    assert_ne!(lying, header, "the fixture's header must contain the embedding shape");
     bytes[8..8 + header_len].copy_from_slice(lying.as_bytes());
     std::fs::write(&path, &bytes).expect("write");
-    assert_mentions(
-        &build_error(dir.path(), 1),
-        &["model.safetensors", "corrupt"],
-    );
+    assert_mentions(&build_error(dir.path(), 1), &["model.safetensors", "corrupt"]);
 }
 
 #[test]
@@ -117,9 +99,7 @@ fn missing_config_field() {
     let config = dir.path().join("config.json");
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&config).expect("read")).expect("json");
-    json.as_object_mut()
-        .expect("object")
-        .remove("num_hidden_layers");
+    json.as_object_mut().expect("object").remove("num_hidden_layers");
     std::fs::write(&config, json.to_string()).expect("write");
     assert_mentions(
         &build_error(dir.path(), 1),
@@ -142,10 +122,7 @@ fn prompt_longer_than_the_context() {
         .max_context(16)
         .build()
         .expect("engine");
-    let request = GenerateRequest::new(
-        Prompt::text("this prompt is far longer than sixteen tokens"),
-        4,
-    );
+    let request = GenerateRequest::new(Prompt::text("this prompt is far longer than sixteen tokens"), 4);
     match engine.generate(request) {
         Err(e @ EngineError::PromptTooLong { .. }) => {
             assert_mentions(&e.to_string(), &["46 tokens", "16", "--max-context"])
@@ -181,10 +158,7 @@ fn token_ids_outside_the_vocabulary_and_empty_requests() {
         &refused(GenerateRequest::new(Prompt::Tokens(vec![1, 320]), 4)),
         &["token id 320", "vocabulary of 320"],
     );
-    assert_mentions(
-        &refused(GenerateRequest::new(Prompt::Tokens(vec![]), 4)),
-        &["empty"],
-    );
+    assert_mentions(&refused(GenerateRequest::new(Prompt::Tokens(vec![]), 4)), &["empty"]);
     assert_mentions(
         &refused(GenerateRequest::new(Prompt::text("a"), 0)),
         &["max_new_tokens"],

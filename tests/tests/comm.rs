@@ -7,19 +7,12 @@ use candle_core::{Device, Tensor};
 use tpinfer_comm::{CommError, Communicator, ThreadGroup};
 
 /// Runs `f` on `world` rank threads and returns each rank's result.
-fn on_ranks<R: Send>(
-    world: usize,
-    timeout: Duration,
-    f: impl Fn(&dyn Communicator) -> R + Sync,
-) -> Vec<R> {
+fn on_ranks<R: Send>(world: usize, timeout: Duration, f: impl Fn(&dyn Communicator) -> R + Sync) -> Vec<R> {
     let comms = ThreadGroup::ranks(world, timeout);
     std::thread::scope(|s| {
         let f = &f;
         let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(move || f(&c))).collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread"))
-            .collect()
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
     })
 }
 
@@ -49,9 +42,7 @@ fn all_reduce_is_deterministic_and_identical_on_all_ranks() {
     let run = || {
         on_ranks(4, Duration::from_secs(10), |c| {
             let v: Vec<f32> = (0..1000)
-                .map(|i| {
-                    ((i * (c.rank() + 3)) as f32 * 0.37).sin() * 1e4_f32.powi(c.rank() as i32 % 2)
-                })
+                .map(|i| ((i * (c.rank() + 3)) as f32 * 0.37).sin() * 1e4_f32.powi(c.rank() as i32 % 2))
                 .collect();
             values(
                 &c.all_reduce_sum(&Tensor::new(v.as_slice(), &Device::Cpu).expect("t"))
@@ -61,10 +52,7 @@ fn all_reduce_is_deterministic_and_identical_on_all_ranks() {
     };
     let first = run();
     for again in (0..5).map(|_| run()) {
-        assert_eq!(
-            first, again,
-            "the reduction must not depend on thread timing"
-        );
+        assert_eq!(first, again, "the reduction must not depend on thread timing");
     }
     assert!(
         first.iter().all(|r| r == &first[0]),
@@ -81,10 +69,7 @@ fn all_gather_joins_uneven_shards_in_rank_order() {
     });
     for t in results {
         assert_eq!(t.dims(), &[2, 6]);
-        assert_eq!(
-            values(&t),
-            vec![0., 0., 0., 1., 1., 2., 0., 0., 0., 1., 1., 2.]
-        );
+        assert_eq!(values(&t), vec![0., 0., 0., 1., 1., 2., 0., 0., 0., 1., 1., 2.]);
     }
 }
 
@@ -97,13 +82,9 @@ fn broadcast_and_barrier() {
     });
     assert!(results.iter().all(|v| v == &vec![7.0]));
     let bad = on_ranks(2, Duration::from_secs(10), |c| {
-        c.broadcast(&Tensor::new(&[1f32], &Device::Cpu).expect("t"), 5)
-            .is_err()
+        c.broadcast(&Tensor::new(&[1f32], &Device::Cpu).expect("t"), 5).is_err()
     });
-    assert!(
-        bad.iter().all(|&e| e),
-        "a root outside the group is an error"
-    );
+    assert!(bad.iter().all(|&e| e), "a root outside the group is an error");
 }
 
 fn expect_named(err: &CommError, rank: usize) {
@@ -176,10 +157,7 @@ fn a_stalled_rank_is_named_after_the_timeout() {
     for e in results[..2].iter() {
         let e = e.as_ref().expect("timed out");
         // The first rank to time out reports the timeout; the other is woken by that report.
-        assert!(
-            e.to_string().contains("did not enter all_reduce_sum"),
-            "{e}"
-        );
+        assert!(e.to_string().contains("did not enter all_reduce_sum"), "{e}");
         expect_named(e, 2);
     }
     // The stalled rank, when it comes back, finds the group failed rather than hanging.

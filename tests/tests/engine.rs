@@ -83,8 +83,7 @@ fn the_stream_yields_tokens_then_stats() {
 fn seeded_sampling_is_reproducible_and_seed_dependent() {
     let (_d, engine) = tiny_engine(2);
     let run = |seed: u64, params: SamplingParams| {
-        let request = GenerateRequest::new(Prompt::text("xyz"), 24)
-            .with_sampling(SamplingParams { seed, ..params });
+        let request = GenerateRequest::new(Prompt::text("xyz"), 24).with_sampling(SamplingParams { seed, ..params });
         engine
             .generate(request)
             .expect("generate")
@@ -105,11 +104,7 @@ fn seeded_sampling_is_reproducible_and_seed_dependent() {
         top_k: Some(1),
         ..SamplingParams::default()
     };
-    assert_eq!(
-        run(9, top1),
-        greedy(&engine, "xyz", 24),
-        "top-k 1 is greedy"
-    );
+    assert_eq!(run(9, top1), greedy(&engine, "xyz", 24), "top-k 1 is greedy");
     let penalized = run(
         0,
         SamplingParams {
@@ -128,11 +123,7 @@ fn seeded_sampling_is_reproducible_and_seed_dependent() {
 fn generation_stops_when_the_context_is_full() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = TinyLlama::default().write(dir.path());
-    let engine = Engine::builder(&path)
-        .tp(2)
-        .max_context(10)
-        .build()
-        .expect("engine");
+    let engine = Engine::builder(&path).tp(2).max_context(10).build().expect("engine");
     let (_, ids, stats) = engine
         .generate(GenerateRequest::new(Prompt::text("abcdef"), 100))
         .expect("generate")

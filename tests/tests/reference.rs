@@ -7,15 +7,12 @@ use tpinfer_tests::{rel_error, run_greedy, TinyLlama};
 
 fn reference_logits(dir: &std::path::Path, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
     let config: reference::LlamaConfig =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config"))
-            .expect("parse");
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config")).expect("parse");
     let config = config.into_config(false);
     let device = Device::Cpu;
     // SAFETY: the test's own file, not modified while mapped.
-    let vb = unsafe {
-        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &device)
-    }
-    .expect("vb");
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &device) }
+        .expect("vb");
     let model = reference::Llama::load(vb, &config).expect("load reference");
     let mut cache = reference::Cache::new(true, DType::F32, &config, &device).expect("cache");
     let mut out = Vec::new();

@@ -36,9 +36,7 @@ fn ffn_columns_split_on_64_column_boundaries() {
 #[test]
 fn kv_heads_follow_their_q_heads() {
     // Llama-3-8B: 32 Q heads, 8 KV heads (groups of 4), over 5 ranks.
-    let shards: Vec<HeadShard> = (0..5)
-        .map(|r| HeadShard::new(32, 8, 5, r).expect("shard"))
-        .collect();
+    let shards: Vec<HeadShard> = (0..5).map(|r| HeadShard::new(32, 8, 5, r).expect("shard")).collect();
     assert_eq!(shards[0].q_heads, 0..7);
     assert_eq!(shards[0].kv_heads, 0..2); // heads 4..7 straddle into KV head 1
     assert_eq!(shards[0].kv_of_q, vec![0, 0, 0, 0, 1, 1, 1]);
@@ -47,20 +45,12 @@ fn kv_heads_follow_their_q_heads() {
     assert_eq!(shards[4].q_heads, 26..32);
     assert_eq!(shards[4].kv_heads, 6..8);
     // TP wider than the KV heads: every rank holds the one KV head it needs (replication).
-    let narrow: Vec<HeadShard> = (0..4)
-        .map(|r| HeadShard::new(8, 2, 4, r).expect("shard"))
-        .collect();
+    let narrow: Vec<HeadShard> = (0..4).map(|r| HeadShard::new(8, 2, 4, r).expect("shard")).collect();
     assert_eq!(
-        narrow
-            .iter()
-            .map(|s| s.kv_heads.clone())
-            .collect::<Vec<_>>(),
+        narrow.iter().map(|s| s.kv_heads.clone()).collect::<Vec<_>>(),
         vec![0..1, 0..1, 1..2, 1..2]
     );
-    assert!(
-        HeadShard::new(9, 3, 10, 0).is_err(),
-        "TP above the head count"
-    );
+    assert!(HeadShard::new(9, 3, 10, 0).is_err(), "TP above the head count");
 }
 
 /// The bytes a rank reads equal its shard's bytes computed from the headers alone.
@@ -86,21 +76,11 @@ fn each_rank_reads_exactly_its_shard() {
             let shard = LlamaShard::new(&checkpoint.config, tp, rank).expect("shard");
             let planned = checkpoint.shard_bytes(&shard).expect("plan");
             // Loading needs no collective, so ranks can load one after another here.
-            let loaded = LlamaRank::load(
-                &checkpoint,
-                shard,
-                Arc::new(comm),
-                DType::F32,
-                &Device::Cpu,
-                64,
-            )
-            .expect("load");
+            let loaded =
+                LlamaRank::load(&checkpoint, shard, Arc::new(comm), DType::F32, &Device::Cpu, 64).expect("load");
             assert_eq!(loaded.bytes_loaded(), planned, "TP {tp} rank {rank}");
             if tp > 1 {
-                assert!(
-                    planned < full_bytes,
-                    "TP {tp} rank {rank} must not read everything"
-                );
+                assert!(planned < full_bytes, "TP {tp} rank {rank} must not read everything");
             }
             total += planned;
         }

@@ -14,9 +14,7 @@ fn model() -> std::path::PathBuf {
 fn tp2_and_tp3_give_tp1_greedy_tokens_for_32_steps() {
     let store = GgufStore::open(&model()).expect("open");
     let tokenizer = Tokenizer::from_gguf(store.metadata()).expect("tokenizer");
-    let prompt = tokenizer
-        .encode("The three primary colors are", false)
-        .expect("encode");
+    let prompt = tokenizer.encode("The three primary colors are", false).expect("encode");
     let reference = run_greedy(&model(), 1, DType::F32, &prompt, 31);
     assert_eq!(reference.tokens.len(), 32);
     for tp in [2, 3] {

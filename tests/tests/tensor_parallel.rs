@@ -22,16 +22,9 @@ fn assert_tp_matches_tp1(model: &TinyLlama, widths: &[usize]) {
                 "TP {tp} step {step}: relative error {err:e} (model {model:?})"
             );
         }
-        assert_eq!(
-            trace.tokens, reference.tokens,
-            "TP {tp}: greedy tokens differ"
-        );
+        assert_eq!(trace.tokens, reference.tokens, "TP {tp}: greedy tokens differ");
         // One all-reduce for the embedding, then exactly two per layer.
-        assert_eq!(
-            trace.prefill_all_reduces,
-            1 + 2 * model.layers as u64,
-            "TP {tp}"
-        );
+        assert_eq!(trace.prefill_all_reduces, 1 + 2 * model.layers as u64, "TP {tp}");
     }
 }
 
@@ -106,10 +99,7 @@ fn sharded_checkpoint_with_index_and_transformers5_config() {
         transformers5: true,
         ..base.clone()
     };
-    let (a, b) = (
-        tempfile::tempdir().expect("tmp"),
-        tempfile::tempdir().expect("tmp"),
-    );
+    let (a, b) = (tempfile::tempdir().expect("tmp"), tempfile::tempdir().expect("tmp"));
     let (pa, pb) = (base.write(a.path()), variant.write(b.path()));
     assert!(pb.join("model.safetensors.index.json").exists());
     let ra = run_greedy(&pa, 1, DType::F32, PROMPT, 4);
@@ -130,10 +120,7 @@ fn half_precision_tracks_f32() {
             let trace = run_greedy(&path, tp, dtype, PROMPT, 0);
             let err = rel_error(&trace.logits[0], &reference.logits[0]);
             assert!(err < tolerance, "{dtype:?} TP {tp}: {err:e}");
-            assert!(
-                err > 0.0,
-                "{dtype:?} must really compute in reduced precision"
-            );
+            assert!(err > 0.0, "{dtype:?} must really compute in reduced precision");
         }
     }
 }

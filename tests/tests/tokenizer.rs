@@ -26,17 +26,9 @@ fn llama3_tokenizer_encodes_and_round_trips() {
 #[test]
 fn llama3_chat_template_renders_with_minijinja() {
     let tokenizer = Tokenizer::from_hf_dir(&assets_dir().join("llama3-tokenizer")).expect("load");
-    let template = tokenizer
-        .chat_template()
-        .expect("Llama 3.1 ships a chat template");
+    let template = tokenizer.chat_template().expect("Llama 3.1 ships a chat template");
     let text = template
-        .render(
-            &[
-                ChatMessage::system("Be brief."),
-                ChatMessage::user("Hi there"),
-            ],
-            true,
-        )
+        .render(&[ChatMessage::system("Be brief."), ChatMessage::user("Hi there")], true)
         .expect("render");
     assert!(
         text.starts_with("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"),
@@ -64,22 +56,14 @@ fn llama3_chat_template_renders_with_minijinja() {
 
 #[test]
 fn gguf_tokenizer_of_smollm2() {
-    let store = GgufStore::open(&assets_dir().join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-        .expect("open");
+    let store = GgufStore::open(&assets_dir().join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")).expect("open");
     let tokenizer = Tokenizer::from_gguf(store.metadata()).expect("tokenizer");
     assert_eq!(tokenizer.vocab_size(), 49_152);
-    let ids = tokenizer
-        .encode("Hello world! 2024", false)
-        .expect("encode");
+    let ids = tokenizer.encode("Hello world! 2024", false).expect("encode");
     // SmolLM2's tokenizer.json: "Hello", " world", "!", " ", then single digits.
     assert_eq!(ids.len(), 8, "{ids:?}");
     assert_eq!(tokenizer.decode(&ids).expect("decode"), "Hello world! 2024");
-    let chat = tokenizer
-        .encode_chat(&[ChatMessage::user("Hi")])
-        .expect("chat");
+    let chat = tokenizer.encode_chat(&[ChatMessage::user("Hi")]).expect("chat");
     let im_start = tokenizer.token_id("<|im_start|>").expect("special token");
-    assert_eq!(
-        chat[0], im_start,
-        "the template opens with <|im_start|> as one token"
-    );
+    assert_eq!(chat[0], im_start, "the template opens with <|im_start|> as one token");
 }

@@ -28,30 +28,18 @@ fn tpinfer(args: &[&str], limit: Duration) -> Output {
 
 fn generate(model: &Path, extra: &[&str]) -> Output {
     let model = model.to_str().expect("utf8 path");
-    let mut args = vec![
-        "generate",
-        "--model",
-        model,
-        "--prompt",
-        "hello tensor parallel world",
-    ];
+    let mut args = vec!["generate", "--model", model, "--prompt", "hello tensor parallel world"];
     args.extend_from_slice(extra);
     tpinfer(&args, Duration::from_secs(60))
 }
 
 fn assert_fails_with(output: &Output, parts: &[&str]) {
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        !output.status.success(),
-        "must exit non-zero; stderr: {stderr}"
-    );
+    assert!(!output.status.success(), "must exit non-zero; stderr: {stderr}");
     assert!(!stderr.contains("panicked"), "must not panic: {stderr}");
     assert!(stderr.starts_with("error: "), "one clear error: {stderr}");
     for part in parts {
-        assert!(
-            stderr.contains(part),
-            "stderr {stderr:?} must mention {part:?}"
-        );
+        assert!(stderr.contains(part), "stderr {stderr:?} must mention {part:?}");
     }
 }
 
@@ -68,11 +56,7 @@ fn generates_and_reports_speed() {
         "{stderr}"
     );
     let chat = generate(&model, &["--tp", "2", "--chat", "--max-new-tokens", "3"]);
-    assert!(
-        chat.status.success(),
-        "{}",
-        String::from_utf8_lossy(&chat.stderr)
-    );
+    assert!(chat.status.success(), "{}", String::from_utf8_lossy(&chat.stderr));
 }
 
 #[test]
@@ -87,14 +71,8 @@ fn bad_inputs_exit_non_zero_with_the_cause() {
         &generate(&model, &["--max-context", "8"]),
         &["28 tokens", "--max-context"],
     );
-    assert_fails_with(
-        &generate(&dir.path().join("missing"), &[]),
-        &["does not exist"],
-    );
-    assert_fails_with(
-        &generate(&model, &["--device", "cuda"]),
-        &["--features cuda,nccl"],
-    );
+    assert_fails_with(&generate(&dir.path().join("missing"), &[]), &["does not exist"]);
+    assert_fails_with(&generate(&model, &["--device", "cuda"]), &["--features cuda,nccl"]);
 
     let weights = model.join("model.safetensors");
     let bytes = std::fs::read(&weights).expect("read");

@@ -59,11 +59,7 @@ pub enum CommError {
         source: candle_core::Error,
     },
     #[error("rank {rank}: NCCL {op} failed: {detail}")]
-    Nccl {
-        rank: usize,
-        op: String,
-        detail: String,
-    },
+    Nccl { rank: usize, op: String, detail: String },
 }
 
 impl CommError {

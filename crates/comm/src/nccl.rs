@@ -55,9 +55,7 @@ impl NcclGroup {
 
     /// Posts `rank`'s failure unless an earlier one is the root cause.
     pub fn fail(&self, rank: usize, cause: &str) {
-        self.board()
-            .failure
-            .get_or_insert((rank, cause.to_string()));
+        self.board().failure.get_or_insert((rank, cause.to_string()));
     }
 
     /// The first failure posted, if any.
@@ -85,9 +83,7 @@ fn nccl_error(rank: usize, op: &str, e: NcclError) -> CommError {
         let text = sys::ncclGetLastError(std::ptr::null_mut());
         match text.is_null() {
             true => String::new(),
-            false => std::ffi::CStr::from_ptr(text)
-                .to_string_lossy()
-                .into_owned(),
+            false => std::ffi::CStr::from_ptr(text).to_string_lossy().into_owned(),
         }
     };
     CommError::Nccl {
@@ -113,14 +109,11 @@ impl NcclComm {
         };
         let stream = cuda.cuda_stream();
         // NCCL picks its GPU from the calling thread's current device.
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| CommError::Nccl {
-                rank,
-                op: "bind the rank's CUDA device".into(),
-                detail: format!("{e:?}"),
-            })?;
+        stream.context().bind_to_thread().map_err(|e| CommError::Nccl {
+            rank,
+            op: "bind the rank's CUDA device".into(),
+            detail: format!("{e:?}"),
+        })?;
         let comm = Comm::from_rank(stream, rank, group.world_size, group.id)
             .map_err(|e| nccl_error(rank, "ncclCommInitRank", e))?;
         Ok(Self {
@@ -141,11 +134,7 @@ impl NcclComm {
     }
 
     /// Runs `f` on the live communicator, or reports the failure that aborted it.
-    fn with_comm<R>(
-        &self,
-        op: &str,
-        f: impl FnOnce(&Comm) -> Result<R, NcclError>,
-    ) -> Result<R, CommError> {
+    fn with_comm<R>(&self, op: &str, f: impl FnOnce(&Comm) -> Result<R, NcclError>) -> Result<R, CommError> {
         let guard = self.comm.borrow();
         let Some(comm) = guard.as_ref() else {
             let (rank, cause) = self
@@ -182,12 +171,7 @@ impl NcclComm {
         let mut output = unsafe { self.device.alloc::<T>(out_len) }.map_err(&err)?;
         self.with_comm(&op.to_string(), |comm| f(comm, &input, &mut output))?;
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(output, self.device.clone()));
-        Ok(Tensor::from_storage(
-            storage,
-            shape,
-            BackpropOp::none(),
-            false,
-        ))
+        Ok(Tensor::from_storage(storage, shape, BackpropOp::none(), false))
     }
 
     /// Waits for the stream to finish what was queued, with a deadline, watching for peers'
@@ -230,10 +214,8 @@ impl NcclComm {
                         .collect::<Vec<_>>()
                 };
                 let culprit = missing.first().copied().unwrap_or(self.rank);
-                self.group.fail(
-                    culprit,
-                    &format!("did not enter {op} within {:?}", self.group.timeout),
-                );
+                self.group
+                    .fail(culprit, &format!("did not enter {op} within {:?}", self.group.timeout));
                 self.abort_local();
                 return Err(CommError::Timeout {
                     rank: self.rank,
@@ -291,21 +273,12 @@ impl Communicator for NcclComm {
         }
         // NCCL gathers equal parts: share each rank's size along `dim`, pad to the largest,
         // gather with `dim` moved to the front, then cut the padding away.
-        let size = Tensor::new(
-            &[x.dim(dim).map_err(&err)? as u32],
-            &Device::Cuda(self.device.clone()),
-        )
-        .map_err(&err)?;
-        let sizes = self.run::<u32>(op, &size, world, &[world], |c, i, o| {
-            c.all_gather(i, o).map(|_| ())
-        })?;
+        let size =
+            Tensor::new(&[x.dim(dim).map_err(&err)? as u32], &Device::Cuda(self.device.clone())).map_err(&err)?;
+        let sizes = self.run::<u32>(op, &size, world, &[world], |c, i, o| c.all_gather(i, o).map(|_| ()))?;
         let sizes: Vec<u32> = sizes.to_vec1().map_err(&err)?;
         let max = sizes.iter().copied().max().unwrap_or(0) as usize;
-        let front = x
-            .transpose(0, dim)
-            .map_err(&err)?
-            .contiguous()
-            .map_err(&err)?;
+        let front = x.transpose(0, dim).map_err(&err)?.contiguous().map_err(&err)?;
         let pad = max - front.dim(0).map_err(&err)?;
         let front = front
             .pad_with_zeros(0, 0, pad)
@@ -360,8 +333,8 @@ impl Communicator for NcclComm {
     }
 
     fn barrier(&self) -> Result<(), CommError> {
-        let one = Tensor::new(&[1f32], &Device::Cuda(self.device.clone()))
-            .map_err(self.tensor_error(Collective::Barrier))?;
+        let one =
+            Tensor::new(&[1f32], &Device::Cuda(self.device.clone())).map_err(self.tensor_error(Collective::Barrier))?;
         self.all_reduce_sum(&one)?;
         self.wait_for_stream(Collective::Barrier)
     }

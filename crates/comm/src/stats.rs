@@ -25,8 +25,7 @@ pub struct StatsSnapshot {
 impl CommStats {
     pub fn record_all_reduce(&self, bytes: usize, took: Duration) {
         self.all_reduces.fetch_add(1, Ordering::Relaxed);
-        self.all_reduce_bytes
-            .fetch_add(bytes as u64, Ordering::Relaxed);
+        self.all_reduce_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
         self.add_time(took);
     }
 
@@ -41,8 +40,7 @@ impl CommStats {
     }
 
     fn add_time(&self, took: Duration) {
-        self.nanos
-            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        self.nanos.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
     }
 
     pub fn snapshot(&self) -> StatsSnapshot {

@@ -134,11 +134,7 @@ impl ThreadComm {
             if let Some((rank, cause)) = &st.failure {
                 return Err(peer_failed(*rank, cause));
             }
-            let absent = |st: &State| {
-                (0..shared.world_size)
-                    .filter(|&r| !st.present[r])
-                    .collect::<Vec<_>>()
-            };
+            let absent = |st: &State| (0..shared.world_size).filter(|&r| !st.present[r]).collect::<Vec<_>>();
             if let Some(gone) = absent(&st).into_iter().find(|&r| st.exited[r]) {
                 st.failure = Some((gone, format!("exited before entering {op}")));
                 shared.wake.notify_all();
@@ -182,11 +178,7 @@ fn combine(op: Collective, inputs: &[Option<Tensor>]) -> Result<Tensor, String> 
         Collective::AllReduceSum => {
             let first = tensors.first().ok_or("no inputs")?;
             if let Some(other) = tensors.iter().find(|t| t.shape() != first.shape()) {
-                return Err(format!(
-                    "shapes differ: {:?} vs {:?}",
-                    first.shape(),
-                    other.shape()
-                ));
+                return Err(format!("shapes differ: {:?} vs {:?}", first.shape(), other.shape()));
             }
             sum_in_rank_order(&tensors)
         }
@@ -278,8 +270,7 @@ impl Drop for ThreadComm {
         let mut st = self.shared.lock();
         st.exited[self.rank] = true;
         if std::thread::panicking() {
-            st.failure
-                .get_or_insert((self.rank, "panicked".to_string()));
+            st.failure.get_or_insert((self.rank, "panicked".to_string()));
         }
         self.shared.wake.notify_all();
     }

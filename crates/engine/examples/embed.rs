@@ -6,9 +6,7 @@ use std::sync::Arc;
 use tpinfer_engine::{Engine, GenerateRequest, Prompt, StreamEvent};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let model = std::env::args()
-        .nth(1)
-        .ok_or("usage: embed MODEL_DIR_OR_GGUF")?;
+    let model = std::env::args().nth(1).ok_or("usage: embed MODEL_DIR_OR_GGUF")?;
     let engine = Arc::new(Engine::builder(&model).tp(2).build()?);
 
     let worker = {
@@ -28,9 +26,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     }
-    println!(
-        "other thread: {}",
-        worker.join().map_err(|_| "worker panicked")??
-    );
+    println!("other thread: {}", worker.join().map_err(|_| "worker panicked")??);
     Ok(())
 }

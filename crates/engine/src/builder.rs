@@ -15,6 +15,33 @@ pub enum DeviceKind {
     Cuda { gpus: Option<Vec<usize>> },
 }
 
+/// A failure injected into one rank at one decode step (step 0 is the forward after the first
+/// generated token), to test that every failure is
+/// reported with its rank and that no rank hangs. A test switch: never set in production.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The rank returns an error.
+    Error { rank: usize, step: usize },
+    /// The rank panics.
+    Panic { rank: usize, step: usize },
+    /// The rank allocates more device memory than any GPU has: a real CUDA out-of-memory.
+    Oom { rank: usize, step: usize },
+    /// The rank's thread ends without a word, as a killed process would.
+    Exit { rank: usize, step: usize },
+}
+
+impl Fault {
+    pub(crate) fn at(&self, rank: usize, step: usize) -> bool {
+        let (r, s) = match *self {
+            Self::Error { rank, step }
+            | Self::Panic { rank, step }
+            | Self::Oom { rank, step }
+            | Self::Exit { rank, step } => (rank, step),
+        };
+        (r, s) == (rank, step)
+    }
+}
+
 /// Configures and starts an [`Engine`].
 #[derive(Debug, Clone)]
 pub struct EngineBuilder {
@@ -25,6 +52,7 @@ pub struct EngineBuilder {
     pub(crate) max_context: Option<usize>,
     pub(crate) comm_timeout: Duration,
     pub(crate) init_timeout: Duration,
+    pub(crate) fault: Option<Fault>,
 }
 
 /// Context used when none is given, so that a 128k-context model does not reserve rotary
@@ -42,6 +70,7 @@ impl EngineBuilder {
             max_context: None,
             comm_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
             init_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
+            fault: None,
         }
     }
 
@@ -79,6 +108,12 @@ impl EngineBuilder {
     /// that have not joined are reported.
     pub fn init_timeout(mut self, timeout: Duration) -> Self {
         self.init_timeout = timeout;
+        self
+    }
+
+    /// Injects `fault` into every request (see [`Fault`]): for failure tests only.
+    pub fn inject_fault(mut self, fault: Fault) -> Self {
+        self.fault = Some(fault);
         self
     }
 

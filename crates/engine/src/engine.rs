@@ -46,11 +46,8 @@ impl Engine {
         let sharding = |detail: String| EngineError::Sharding { tp, detail };
         let shards = (0..tp)
             .map(|rank| {
-                let shard =
-                    LlamaShard::new(&config, tp, rank).map_err(|e| sharding(e.to_string()))?;
-                checkpoint
-                    .check(&shard)
-                    .map_err(tpinfer_llama::CheckpointError::from)?;
+                let shard = LlamaShard::new(&config, tp, rank).map_err(|e| sharding(e.to_string()))?;
+                checkpoint.check(&shard).map_err(tpinfer_llama::CheckpointError::from)?;
                 Ok(shard)
             })
             .collect::<Result<Vec<_>, EngineError>>()?;
@@ -66,27 +63,28 @@ impl Engine {
 
         let connectors = connectors(&b, &devices)?;
         let (ready_tx, ready_rx) = mpsc::channel();
-        let (done_tx, done_rx) = mpsc::channel();
+        let mut rank_done = Vec::with_capacity(tp);
         let mut rank_jobs = Vec::with_capacity(tp);
         let mut threads = Vec::with_capacity(tp);
-        for (rank, ((connect, shard), device)) in
-            connectors.into_iter().zip(shards).zip(devices).enumerate()
-        {
+        for (rank, ((connect, shard), device)) in connectors.into_iter().zip(shards).zip(devices).enumerate() {
             let (job_tx, job_rx) = mpsc::channel();
             let setup = RankSetup {
                 rank,
                 world: tp,
-                connect,
                 device,
                 checkpoint: checkpoint.clone(),
                 shard,
                 dtype,
                 max_context,
+                fault: b.fault,
             };
-            let (ready, done) = (ready_tx.clone(), done_tx.clone());
+            let ready = ready_tx.clone();
+            // One channel per rank: a rank whose thread ends closes it, which the scheduler sees.
+            let (done, done_rx) = mpsc::channel();
+            rank_done.push(done_rx);
             let thread = std::thread::Builder::new()
                 .name(format!("tpinfer-rank-{rank}"))
-                .spawn(move || rank_main(setup, ready, job_rx, done))
+                .spawn(move || rank_main(setup, connect, ready, job_rx, done))
                 .map_err(|e| EngineError::Device {
                     rank,
                     detail: format!("cannot start the rank's thread: {e}"),
@@ -94,7 +92,7 @@ impl Engine {
             rank_jobs.push(job_tx);
             threads.push(thread);
         }
-        drop((ready_tx, done_tx));
+        drop(ready_tx);
 
         let rank_weight_bytes = match await_startup(&ready_rx, tp, b.init_timeout) {
             Ok(bytes) => bytes,
@@ -109,7 +107,7 @@ impl Engine {
         let (jobs_tx, jobs_rx) = mpsc::channel();
         let scheduler = std::thread::Builder::new()
             .name("tpinfer-scheduler".into())
-            .spawn(move || schedule(jobs_rx, rank_jobs, done_rx, threads, tp))
+            .spawn(move || schedule(jobs_rx, rank_jobs, rank_done, threads))
             .map_err(|e| EngineError::Stopped(format!("cannot start the scheduler thread: {e}")))?;
         Ok(Self {
             jobs: Some(jobs_tx),
@@ -131,19 +129,12 @@ impl Engine {
 
     /// Like [`Self::generate`], and also returns the f32 logits over the vocabulary of every
     /// step (prefill first), as sampled from: for checking numerics against a reference.
-    pub fn generate_traced(
-        &self,
-        request: GenerateRequest,
-    ) -> Result<(TokenStream, Receiver<Vec<f32>>), EngineError> {
+    pub fn generate_traced(&self, request: GenerateRequest) -> Result<(TokenStream, Receiver<Vec<f32>>), EngineError> {
         let (tx, rx) = mpsc::channel();
         Ok((self.submit(request, Some(tx))?, rx))
     }
 
-    fn submit(
-        &self,
-        request: GenerateRequest,
-        logits: Option<Sender<Vec<f32>>>,
-    ) -> Result<TokenStream, EngineError> {
+    fn submit(&self, request: GenerateRequest, logits: Option<Sender<Vec<f32>>>) -> Result<TokenStream, EngineError> {
         let prompt = match &request.prompt {
             Prompt::Text(text) => self.tokenizer.encode(text, true)?,
             Prompt::Chat(messages) => self.tokenizer.encode_chat(messages)?,
@@ -160,9 +151,7 @@ impl Engine {
             });
         }
         if request.max_new_tokens == 0 {
-            return Err(EngineError::InvalidRequest(
-                "max_new_tokens must be at least 1".into(),
-            ));
+            return Err(EngineError::InvalidRequest("max_new_tokens must be at least 1".into()));
         }
         let vocab = self.config.vocab_size;
         if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
@@ -327,34 +316,22 @@ fn await_startup(
 fn schedule(
     jobs: Receiver<Arc<RankJob>>,
     ranks: Vec<Sender<Arc<RankJob>>>,
-    done: Receiver<RankResult>,
+    done: Vec<Receiver<RankResult>>,
     threads: Vec<JoinHandle<()>>,
-    tp: usize,
 ) {
     let mut broken: Option<String> = None;
     for job in jobs.iter() {
         if let Some(cause) = &broken {
-            let _ = job
-                .events
-                .send(RankEvent::Error(EngineError::Stopped(cause.clone())));
+            let _ = job.events.send(RankEvent::Error(EngineError::Stopped(cause.clone())));
             continue;
         }
         let mut errors = Vec::new();
-        let mut expected = 0;
-        for tx in &ranks {
-            if tx.send(job.clone()).is_ok() {
-                expected += 1;
-            }
-        }
-        if expected < tp {
-            errors.push(EngineError::Stopped(format!(
-                "{} rank(s) have exited",
-                tp - expected
-            )));
-        }
-        for (_, outcome) in done.iter().take(expected) {
-            if let Err(e) = outcome {
-                errors.push(e);
+        let sent: Vec<bool> = ranks.iter().map(|tx| tx.send(job.clone()).is_ok()).collect();
+        for (rank, (done, sent)) in done.iter().zip(sent).enumerate() {
+            match sent.then(|| done.recv()) {
+                Some(Ok(Ok(()))) => {}
+                Some(Ok(Err(e))) => errors.push(e),
+                Some(Err(_)) | None => errors.push(EngineError::RankExited { rank }),
             }
         }
         // The root cause is the error that is not merely a report of a failed peer.

@@ -27,6 +27,12 @@ pub enum EngineError {
         #[source]
         source: tpinfer_layers::Error,
     },
+    #[error("rank {rank} exited during the request (its thread ended without reporting)")]
+    RankExited { rank: usize },
+    #[error("rank {rank} is out of device memory: {detail}")]
+    OutOfMemory { rank: usize, detail: String },
+    #[error("rank {rank}: injected fault: {fault}")]
+    Injected { rank: usize, fault: String },
     #[error("rank {rank} panicked: {message}")]
     RankPanicked { rank: usize, message: String },
     #[error("{0}")]

@@ -21,7 +21,7 @@ mod rank;
 mod request;
 mod stream;
 
-pub use builder::{DeviceKind, EngineBuilder};
+pub use builder::{DeviceKind, EngineBuilder, Fault};
 pub use candle_core::DType;
 pub use engine::Engine;
 pub use error::EngineError;

@@ -12,7 +12,7 @@ use tpinfer_comm::Communicator;
 use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
 
 use crate::stream::RankEvent;
-use crate::{EngineError, GenerationStats, SamplingParams, StopReason};
+use crate::{EngineError, Fault, GenerationStats, SamplingParams, StopReason};
 
 /// A request as every rank sees it.
 pub(crate) struct RankJob {
@@ -33,15 +33,15 @@ pub(crate) type Connect = Box<dyn FnOnce() -> Result<Arc<dyn Communicator>, Engi
 pub(crate) struct RankSetup {
     pub rank: usize,
     pub world: usize,
-    pub connect: Connect,
     pub device: Device,
     pub checkpoint: Arc<LlamaCheckpoint>,
     pub shard: LlamaShard,
     pub dtype: DType,
     pub max_context: usize,
+    pub fault: Option<Fault>,
 }
 
-pub(crate) type RankResult = (usize, Result<(), EngineError>);
+pub(crate) type RankResult = Result<(), EngineError>;
 
 /// What a starting rank reports.
 pub(crate) enum Startup {
@@ -56,13 +56,14 @@ pub(crate) enum Startup {
 /// channel closes, reporting each job's end on `done`.
 pub(crate) fn rank_main(
     setup: RankSetup,
+    connect: Connect,
     ready: Sender<Startup>,
     jobs: Receiver<Arc<RankJob>>,
     done: Sender<RankResult>,
 ) {
     let rank = setup.rank;
     let _span = tracing::info_span!("rank", rank, world = setup.world).entered();
-    let comm = match (setup.connect)() {
+    let comm = match connect() {
         Ok(comm) => comm,
         Err(e) => {
             let _ = ready.send(Startup::Failed(e));
@@ -94,11 +95,13 @@ pub(crate) fn rank_main(
     };
     drop(ready);
     while let Ok(job) = jobs.recv() {
-        let outcome = guarded(rank, &*comm, || {
-            run_job(&mut model, &*comm, &setup.device, &job)
-        });
+        let outcome = guarded(rank, &*comm, || run_job(&mut model, &*comm, &setup, &job));
+        if matches!(outcome, Err(EngineError::RankExited { .. })) {
+            // An injected silent death: no report, no abort.
+            return;
+        }
         let panicked = matches!(outcome, Err(EngineError::RankPanicked { .. }));
-        let _ = done.send((rank, outcome));
+        let _ = done.send(outcome);
         if panicked {
             // The model's state is unknown after a panic; this rank is finished.
             return;
@@ -122,7 +125,7 @@ fn guarded<T>(
         Err(EngineError::RankPanicked { rank, message })
     });
     if let Err(e) = &outcome {
-        if !e.is_peer_report() {
+        if !e.is_peer_report() && !matches!(e, EngineError::RankExited { .. }) {
             comm.abort(&e.to_string());
         }
     }
@@ -155,11 +158,12 @@ fn decode(code: u32) -> Option<StopReason> {
 fn run_job(
     model: &mut LlamaRank,
     comm: &dyn Communicator,
-    device: &Device,
+    setup: &RankSetup,
     job: &RankJob,
 ) -> Result<(), EngineError> {
+    let device = &setup.device;
     let rank = comm.rank();
-    let layer_err = |source| EngineError::Rank { rank, source };
+    let layer_err = |source| rank_error(rank, source);
     let sample_err = |e: candle_core::Error| EngineError::Sampling(e.to_string());
     model.clear_cache();
     let start = Instant::now();
@@ -175,10 +179,8 @@ fn run_job(
                 let _ = trace.send(scores.to_vec1::<f32>().map_err(sample_err)?);
             }
             if job.sampling.repetition_penalty != 1.0 {
-                let window =
-                    &context[context.len().saturating_sub(job.sampling.repetition_window)..];
-                scores = apply_repeat_penalty(&scores, job.sampling.repetition_penalty, window)
-                    .map_err(sample_err)?;
+                let window = &context[context.len().saturating_sub(job.sampling.repetition_window)..];
+                scores = apply_repeat_penalty(&scores, job.sampling.repetition_penalty, window).map_err(sample_err)?;
             }
             let token = processor.sample(&scores).map_err(sample_err)?;
             let generated = context.len() + 1 - job.prompt.len();
@@ -218,6 +220,49 @@ fn run_job(
             }
             return Ok(());
         }
+        // Decode step n is the forward after the (n + 1)-th generated token.
+        if let Some(fault) = setup.fault.filter(|f| f.at(rank, context.len() - job.prompt.len() - 1)) {
+            inject(fault, rank, device)?;
+        }
         logits = model.forward(&[token], 1).map_err(layer_err)?;
+    }
+}
+
+/// A layer error as the rank reports it. A CUDA out-of-memory is told apart from the rest:
+/// it must never surface as a communication failure.
+fn rank_error(rank: usize, source: tpinfer_layers::Error) -> EngineError {
+    let text = source.to_string();
+    match text.contains("OUT_OF_MEMORY") || text.contains("out of memory") {
+        true => EngineError::OutOfMemory { rank, detail: text },
+        false => EngineError::Rank { rank, source },
+    }
+}
+
+/// Carries out an injected fault (see [`Fault`]).
+fn inject(fault: Fault, rank: usize, device: &Device) -> Result<(), EngineError> {
+    match fault {
+        Fault::Error { .. } => Err(EngineError::Injected {
+            rank,
+            fault: "error".into(),
+        }),
+        Fault::Panic { .. } => panic!("injected panic on rank {rank}"),
+        Fault::Exit { .. } => Err(EngineError::RankExited { rank }),
+        Fault::Oom { .. } => {
+            if device.is_cpu() {
+                // On the CPU a failed allocation aborts the process: nothing to report.
+                return Err(EngineError::Injected {
+                    rank,
+                    fault: "out-of-memory cannot be injected into CPU ranks".into(),
+                });
+            }
+            // 4 TiB: more than any GPU has, so the driver refuses it.
+            let bytes = 4usize << 40;
+            Tensor::zeros(bytes / 4, DType::F32, device)
+                .map(|_| ())
+                .map_err(|e| EngineError::OutOfMemory {
+                    rank,
+                    detail: format!("allocating {bytes} bytes: {e}"),
+                })
+        }
     }
 }

@@ -103,16 +103,12 @@ impl TokenStream {
                 StreamEvent::Done(stats) => return Ok((text, ids, stats)),
             }
         }
-        Err(EngineError::Stopped(
-            "the stream ended without a result".into(),
-        ))
+        Err(EngineError::Stopped("the stream ended without a result".into()))
     }
 
     fn next_text(&mut self, id: u32) -> Result<String, EngineError> {
         self.ids.push(id);
-        let prefix = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let prefix = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
         let full = self.tokenizer.decode(&self.ids[self.prefix_offset..])?;
         if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') {
             if let Some(new) = full.get(prefix.len()..) {
@@ -126,9 +122,7 @@ impl TokenStream {
 
     /// What was held back after the last emitted text.
     fn tail(&self) -> Result<String, EngineError> {
-        let emitted = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let emitted = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
         let full = self.tokenizer.decode(&self.ids[self.prefix_offset..])?;
         Ok(full.get(emitted.len()..).unwrap_or_default().to_string())
     }
@@ -146,12 +140,7 @@ impl Iterator for TokenStream {
             return None;
         }
         let event = match self.events.recv() {
-            Ok(RankEvent::Token(id)) => {
-                return Some(
-                    self.next_text(id)
-                        .map(|text| StreamEvent::Token { id, text }),
-                )
-            }
+            Ok(RankEvent::Token(id)) => return Some(self.next_text(id).map(|text| StreamEvent::Token { id, text })),
             Ok(RankEvent::Done(stats)) => match self.tail() {
                 Ok(tail) if !tail.is_empty() => {
                     self.done = Some(stats);

@@ -34,13 +34,7 @@ pub fn causal_mask(s: usize, t: usize, device: &Device) -> Result<Tensor> {
 /// optional additive `mask` `[s, t]` (see [`causal_mask`]). Computed in f32 whatever the
 /// dtype: scores rounded to bf16 before the softmax cost more accuracy than the rest of a
 /// layer together.
-pub fn causal_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    scale: f64,
-) -> Result<Tensor> {
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
     let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
     let scores = (f32(q)?.matmul(&f32(k)?.t()?)? * scale)?;
     let scores = match mask {

@@ -18,11 +18,7 @@ pub struct VocabParallelEmbedding {
 
 impl VocabParallelEmbedding {
     pub fn decls(name: &str, vocab: usize, hidden: usize, rows: Range<usize>) -> Vec<WeightDecl> {
-        vec![WeightDecl::new(
-            name,
-            &[vocab, hidden],
-            ShardSpec::range(0, rows),
-        )]
+        vec![WeightDecl::new(name, &[vocab, hidden], ShardSpec::range(0, rows))]
     }
 
     pub fn load(
@@ -49,8 +45,7 @@ impl VocabParallelEmbedding {
             })
             .unzip();
         let local = Tensor::from_vec(local, ids.len(), device)?;
-        let owned =
-            Tensor::from_vec(owned, (ids.len(), 1), device)?.to_dtype(self.weight.dtype())?;
+        let owned = Tensor::from_vec(owned, (ids.len(), 1), device)?.to_dtype(self.weight.dtype())?;
         let rows = self.weight.index_select(&local, 0)?.broadcast_mul(&owned)?;
         let hidden = self.weight.dim(1)?;
         let rows = rows.reshape((batch, ids.len() / batch, hidden))?;
@@ -60,8 +55,6 @@ impl VocabParallelEmbedding {
     /// Logits over the full vocabulary for hidden states `x` of shape `[.., hidden]`.
     pub fn project(&self, x: &Tensor) -> Result<Tensor> {
         let local = x.broadcast_matmul(&self.weight.t()?)?;
-        Ok(self
-            .comm
-            .all_gather(&local.contiguous()?, local.rank() - 1)?)
+        Ok(self.comm.all_gather(&local.contiguous()?, local.rank() - 1)?)
     }
 }

@@ -20,10 +20,7 @@ impl KvCache {
             (old_k, old_v) => {
                 let capacity = old_k.as_ref().map_or(Ok(0), |t| t.dim(2))?;
                 let capacity = needed.max(2 * capacity).next_multiple_of(64);
-                (
-                    grow(old_k, k, self.len, capacity)?,
-                    grow(old_v, v, self.len, capacity)?,
-                )
+                (grow(old_k, k, self.len, capacity)?, grow(old_v, v, self.len, capacity)?)
             }
         };
         ck.slice_set(&k.contiguous()?, 2, self.len)?;

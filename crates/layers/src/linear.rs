@@ -16,19 +16,9 @@ pub struct ColumnParallelLinear {
 
 impl ColumnParallelLinear {
     /// The weight (and bias) slices this rank reads for a `[out, in]` weight named `prefix.weight`.
-    pub fn decls(
-        prefix: &str,
-        in_dim: usize,
-        out_dim: usize,
-        out_range: Range<usize>,
-        bias: bool,
-    ) -> Vec<WeightDecl> {
+    pub fn decls(prefix: &str, in_dim: usize, out_dim: usize, out_range: Range<usize>, bias: bool) -> Vec<WeightDecl> {
         let spec = ShardSpec::range(0, out_range);
-        let mut decls = vec![WeightDecl::new(
-            format!("{prefix}.weight"),
-            &[out_dim, in_dim],
-            spec,
-        )];
+        let mut decls = vec![WeightDecl::new(format!("{prefix}.weight"), &[out_dim, in_dim], spec)];
         if bias {
             decls.push(WeightDecl::new(format!("{prefix}.bias"), &[out_dim], spec));
         }
@@ -37,9 +27,7 @@ impl ColumnParallelLinear {
 
     pub fn load(weights: &mut ShardLoader, prefix: &str, bias: bool) -> Result<Self> {
         let weight = weights.take(&format!("{prefix}.weight"))?;
-        let bias = bias
-            .then(|| weights.take(&format!("{prefix}.bias")))
-            .transpose()?;
+        let bias = bias.then(|| weights.take(&format!("{prefix}.bias"))).transpose()?;
         Ok(Self {
             linear: Linear::new(weight, bias),
         })
@@ -68,16 +56,10 @@ impl MergedColumnParallelLinear {
             .iter()
             .map(|p| p.linear.weight().dim(0))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let weight = Tensor::cat(
-            &parts.iter().map(|p| p.linear.weight()).collect::<Vec<_>>(),
-            0,
-        )?;
+        let weight = Tensor::cat(&parts.iter().map(|p| p.linear.weight()).collect::<Vec<_>>(), 0)?;
         let bias = match bias {
             true => Some(Tensor::cat(
-                &parts
-                    .iter()
-                    .filter_map(|p| p.linear.bias())
-                    .collect::<Vec<_>>(),
+                &parts.iter().filter_map(|p| p.linear.bias()).collect::<Vec<_>>(),
                 0,
             )?),
             false => None,
@@ -112,13 +94,7 @@ pub struct RowParallelLinear {
 }
 
 impl RowParallelLinear {
-    pub fn decls(
-        prefix: &str,
-        in_dim: usize,
-        out_dim: usize,
-        in_range: Range<usize>,
-        bias: bool,
-    ) -> Vec<WeightDecl> {
+    pub fn decls(prefix: &str, in_dim: usize, out_dim: usize, in_range: Range<usize>, bias: bool) -> Vec<WeightDecl> {
         let mut decls = vec![WeightDecl::new(
             format!("{prefix}.weight"),
             &[out_dim, in_dim],
@@ -134,16 +110,9 @@ impl RowParallelLinear {
         decls
     }
 
-    pub fn load(
-        weights: &mut ShardLoader,
-        prefix: &str,
-        bias: bool,
-        comm: Arc<dyn Communicator>,
-    ) -> Result<Self> {
+    pub fn load(weights: &mut ShardLoader, prefix: &str, bias: bool, comm: Arc<dyn Communicator>) -> Result<Self> {
         let weight = weights.take(&format!("{prefix}.weight"))?;
-        let bias = bias
-            .then(|| weights.take(&format!("{prefix}.bias")))
-            .transpose()?;
+        let bias = bias.then(|| weights.take(&format!("{prefix}.bias"))).transpose()?;
         Ok(Self {
             linear: Linear::new(weight, None),
             bias,

@@ -22,14 +22,8 @@ pub struct GatedMlpNames<'a> {
 }
 
 impl GatedMlp {
-    pub fn decls(
-        names: &GatedMlpNames,
-        hidden: usize,
-        intermediate: usize,
-        cols: Range<usize>,
-    ) -> Vec<WeightDecl> {
-        let mut decls =
-            ColumnParallelLinear::decls(names.gate, hidden, intermediate, cols.clone(), false);
+    pub fn decls(names: &GatedMlpNames, hidden: usize, intermediate: usize, cols: Range<usize>) -> Vec<WeightDecl> {
+        let mut decls = ColumnParallelLinear::decls(names.gate, hidden, intermediate, cols.clone(), false);
         decls.extend(ColumnParallelLinear::decls(
             names.up,
             hidden,
@@ -37,21 +31,11 @@ impl GatedMlp {
             cols.clone(),
             false,
         ));
-        decls.extend(RowParallelLinear::decls(
-            names.down,
-            intermediate,
-            hidden,
-            cols,
-            false,
-        ));
+        decls.extend(RowParallelLinear::decls(names.down, intermediate, hidden, cols, false));
         decls
     }
 
-    pub fn load(
-        weights: &mut ShardLoader,
-        names: &GatedMlpNames,
-        comm: Arc<dyn Communicator>,
-    ) -> Result<Self> {
+    pub fn load(weights: &mut ShardLoader, names: &GatedMlpNames, comm: Arc<dyn Communicator>) -> Result<Self> {
         Ok(Self {
             gate_up: MergedColumnParallelLinear::load(weights, &[names.gate, names.up], false)?,
             down: RowParallelLinear::load(weights, names.down, false, comm)?,

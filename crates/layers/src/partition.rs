@@ -61,10 +61,7 @@ impl HeadShard {
         let group = n_heads / n_kv_heads;
         let q_heads = split_evenly(n_heads, world)[rank].clone();
         let kv_heads = q_heads.start / group..(q_heads.end - 1) / group + 1;
-        let kv_of_q = q_heads
-            .clone()
-            .map(|h| (h / group - kv_heads.start) as u32)
-            .collect();
+        let kv_of_q = q_heads.clone().map(|h| (h / group - kv_heads.start) as u32).collect();
         Ok(Self {
             q_heads,
             kv_heads,
@@ -77,11 +74,7 @@ impl HeadShard {
     pub fn uniform_group(&self) -> Option<usize> {
         let g = self.q_heads.len() / self.kv_heads.len();
         let uniform = self.q_heads.len().is_multiple_of(self.kv_heads.len())
-            && self
-                .kv_of_q
-                .iter()
-                .enumerate()
-                .all(|(i, &k)| k as usize == i / g);
+            && self.kv_of_q.iter().enumerate().all(|(i, &k)| k as usize == i / g);
         uniform.then_some(g)
     }
 }

@@ -78,8 +78,7 @@ fn scale_frequency(freq: f64, scaling: Option<RopeScaling>) -> f64 {
             } else if wavelen > old / low_freq_factor {
                 freq / factor
             } else {
-                let smooth =
-                    (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                 (1.0 - smooth) * freq / factor + smooth * freq
             }
         }

@@ -36,11 +36,7 @@ pub struct ChatTemplate {
 }
 
 impl ChatTemplate {
-    pub fn new(
-        source: impl Into<String>,
-        bos_token: impl Into<String>,
-        eos_token: impl Into<String>,
-    ) -> Self {
+    pub fn new(source: impl Into<String>, bos_token: impl Into<String>, eos_token: impl Into<String>) -> Self {
         Self {
             source: source.into(),
             bos_token: bos_token.into(),
@@ -75,11 +71,7 @@ impl ChatTemplate {
     }
 
     /// Renders `messages`; with `add_generation_prompt` the assistant's turn is opened.
-    pub fn render(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String, TokenizerError> {
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
         let mut env = Environment::new();
         // Templates are written for Python's Jinja: `.strip()`, `.startswith()` and friends.
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);

@@ -23,10 +23,7 @@ fn err(detail: impl Into<String>) -> TokenizerError {
     TokenizerError::Gguf(detail.into())
 }
 
-fn strings<'a>(
-    metadata: &'a HashMap<String, Value>,
-    key: &str,
-) -> Result<Vec<&'a str>, TokenizerError> {
+fn strings<'a>(metadata: &'a HashMap<String, Value>, key: &str) -> Result<Vec<&'a str>, TokenizerError> {
     metadata
         .get(key)
         .ok_or_else(|| err(format!("missing `{key}`")))?
@@ -145,18 +142,10 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, TokenizerError> {
                 false,
             )
             .map_err(|e| err(e.to_string()))?;
-            Sequence::new(vec![
-                split.into(),
-                ByteLevel::new(false, true, false).into(),
-            ])
-            .into()
+            Sequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
         }
         // SmolLM's tokenizer.json: single digits, then GPT-2's byte-level split.
-        "smollm" => Sequence::new(vec![
-            Digits::new(true).into(),
-            ByteLevel::new(false, true, true).into(),
-        ])
-        .into(),
+        "smollm" => Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into(),
         _ => ByteLevel::new(false, true, true).into(),
     })
 }

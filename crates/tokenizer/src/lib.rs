@@ -31,36 +31,28 @@ impl Tokenizer {
         if !path.exists() {
             return Err(TokenizerError::Missing { path });
         }
-        let inner =
-            tokenizers::Tokenizer::from_file(&path).map_err(|e| TokenizerError::Invalid {
-                path: path.clone(),
-                detail: e.to_string(),
-            })?;
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| TokenizerError::Invalid {
+            path: path.clone(),
+            detail: e.to_string(),
+        })?;
         let config_path = dir.join("tokenizer_config.json");
         let chat_template = match std::fs::read_to_string(&config_path) {
             Ok(text) => {
-                let config: Json =
-                    serde_json::from_str(&text).map_err(|e| TokenizerError::Invalid {
-                        path: config_path.clone(),
-                        detail: e.to_string(),
-                    })?;
+                let config: Json = serde_json::from_str(&text).map_err(|e| TokenizerError::Invalid {
+                    path: config_path.clone(),
+                    detail: e.to_string(),
+                })?;
                 ChatTemplate::from_tokenizer_config(&config)
             }
             Err(_) => None,
         };
-        Ok(Self {
-            inner,
-            chat_template,
-        })
+        Ok(Self { inner, chat_template })
     }
 
     /// Rebuilds the tokenizer a GGUF file describes (`tokenizer.ggml.*` metadata).
     pub fn from_gguf(metadata: &HashMap<String, Value>) -> Result<Self, TokenizerError> {
         let (inner, chat_template) = gguf::tokenizer_from_gguf(metadata)?;
-        Ok(Self {
-            inner,
-            chat_template,
-        })
+        Ok(Self { inner, chat_template })
     }
 
     /// Token ids of `text`; `add_special_tokens` adds what the tokenizer's post-processor adds
@@ -98,10 +90,7 @@ impl Tokenizer {
     /// The token ids of a chat, rendered by the model's template with the assistant's turn
     /// opened. The template writes any BOS itself, so none is added.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError> {
-        let template = self
-            .chat_template
-            .as_ref()
-            .ok_or(TokenizerError::NoChatTemplate)?;
+        let template = self.chat_template.as_ref().ok_or(TokenizerError::NoChatTemplate)?;
         let text = template.render(messages, true)?;
         self.encode(&text, false)
     }

@@ -4,26 +4,17 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum WeightError {
     #[error("{path}: {source}; check that the model path is right and the file is readable")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     #[error("no weights in {dir}: expected model.safetensors, model.safetensors.index.json or *.safetensors")]
     NoWeights { dir: PathBuf },
     #[error("{path} is not a valid safetensors file ({detail}); the file is truncated or corrupt: download or convert it again")]
     Corrupt { path: PathBuf, detail: String },
-    #[error(
-        "{path}: {detail}; the index does not match the files beside it: download the model again"
-    )]
+    #[error("{path}: {detail}; the index does not match the files beside it: download the model again")]
     BadIndex { path: PathBuf, detail: String },
     #[error("tensor `{name}` is missing from {origin}; the checkpoint does not match config.json")]
     Missing { name: String, origin: String },
     #[error("tensor `{name}` in {origin} is not used by this model ({hint}); the checkpoint and config.json disagree")]
-    Unexpected {
-        name: String,
-        origin: String,
-        hint: String,
-    },
+    Unexpected { name: String, origin: String, hint: String },
     #[error("tensor `{name}` in {origin} has shape {found:?}, but config.json implies {expected:?}; the checkpoint does not match config.json")]
     Shape {
         name: String,
@@ -38,8 +29,5 @@ pub enum WeightError {
     #[error("{path}: GGUF error: {detail}")]
     Gguf { path: PathBuf, detail: String },
     #[error("tensor `{name}`: {source}")]
-    Tensor {
-        name: String,
-        source: candle_core::Error,
-    },
+    Tensor { name: String, source: candle_core::Error },
 }

@@ -92,11 +92,10 @@ impl WeightStore for GgufStore {
     }
 
     fn read(&self, name: &str, spec: &ShardSpec) -> Result<(Tensor, usize), WeightError> {
-        let (gguf_name, rotary_heads) =
-            self.names.get(name).ok_or_else(|| WeightError::Missing {
-                name: name.to_string(),
-                origin: self.origin(),
-            })?;
+        let (gguf_name, rotary_heads) = self.names.get(name).ok_or_else(|| WeightError::Missing {
+            name: name.to_string(),
+            origin: self.origin(),
+        })?;
         let mut file = File::open(&self.path).map_err(|source| WeightError::Io {
             path: self.path.clone(),
             source,

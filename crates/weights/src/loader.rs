@@ -73,22 +73,19 @@ impl ShardLoader {
     }
 
     /// The bytes this rank will read, computed from the headers alone.
-    pub fn planned_bytes(
-        store: &dyn WeightStore,
-        decls: &[WeightDecl],
-    ) -> Result<usize, WeightError> {
+    pub fn planned_bytes(store: &dyn WeightStore, decls: &[WeightDecl]) -> Result<usize, WeightError> {
         decls.iter().try_fold(0, |total, decl| {
             let info = store.info(&decl.name).ok_or_else(|| WeightError::Missing {
                 name: decl.name.clone(),
                 origin: store.origin(),
             })?;
-            let bytes =
-                decl.spec
-                    .bytes(&info.shape, info.dtype)
-                    .map_err(|detail| WeightError::Shard {
-                        name: decl.name.clone(),
-                        detail,
-                    })?;
+            let bytes = decl
+                .spec
+                .bytes(&info.shape, info.dtype)
+                .map_err(|detail| WeightError::Shard {
+                    name: decl.name.clone(),
+                    detail,
+                })?;
             Ok(total + bytes)
         })
     }
@@ -114,10 +111,7 @@ impl ShardLoader {
                 })?;
             tensors.insert(decl.name.clone(), tensor);
         }
-        Ok(Self {
-            tensors,
-            bytes_read,
-        })
+        Ok(Self { tensors, bytes_read })
     }
 
     /// The bytes copied out of the checkpoint for this rank.
@@ -127,11 +121,9 @@ impl ShardLoader {
 
     /// Hands over a loaded tensor; each is taken once, by the layer that owns it.
     pub fn take(&mut self, name: &str) -> Result<Tensor, WeightError> {
-        self.tensors
-            .remove(name)
-            .ok_or_else(|| WeightError::Missing {
-                name: name.to_string(),
-                origin: "the tensors loaded for this rank".to_string(),
-            })
+        self.tensors.remove(name).ok_or_else(|| WeightError::Missing {
+            name: name.to_string(),
+            origin: "the tensors loaded for this rank".to_string(),
+        })
     }
 }

@@ -54,9 +54,7 @@ impl SafetensorsStore {
             found
         };
         if paths.is_empty() {
-            return Err(WeightError::NoWeights {
-                dir: dir.to_path_buf(),
-            });
+            return Err(WeightError::NoWeights { dir: dir.to_path_buf() });
         }
         let mut store = Self {
             dir: dir.to_path_buf(),
@@ -86,8 +84,7 @@ impl SafetensorsStore {
         };
         // Full validation (offsets inside the file, sizes matching shapes) before trusting it.
         SafeTensors::deserialize(&mmap).map_err(|e| corrupt(e.to_string()))?;
-        let (header_len, metadata) =
-            SafeTensors::read_metadata(&mmap).map_err(|e| corrupt(e.to_string()))?;
+        let (header_len, metadata) = SafeTensors::read_metadata(&mmap).map_err(|e| corrupt(e.to_string()))?;
         let file_index = self.files.len();
         for (name, info) in metadata.tensors() {
             let dtype = to_candle_dtype(info.dtype).ok_or_else(|| WeightError::Dtype {
@@ -134,9 +131,7 @@ fn files_of_index(index: &Path) -> Result<Vec<PathBuf>, WeightError> {
             .ok_or_else(|| bad(format!("`{tensor}` maps to a non-string")))?;
         let path = dir.join(file);
         if !path.exists() {
-            return Err(bad(format!(
-                "`{tensor}` is in {file}, which does not exist"
-            )));
+            return Err(bad(format!("`{tensor}` is in {file}, which does not exist")));
         }
         if !files.contains(&path) {
             files.push(path);
@@ -175,12 +170,10 @@ impl WeightStore for SafetensorsStore {
         })?;
         let file = &self.files[*file_index];
         let full = &entry.info.shape;
-        let local = spec
-            .local_shape(full)
-            .map_err(|detail| WeightError::Shard {
-                name: name.to_string(),
-                detail,
-            })?;
+        let local = spec.local_shape(full).map_err(|detail| WeightError::Shard {
+            name: name.to_string(),
+            detail,
+        })?;
         let elem = entry.info.dtype.size_in_bytes();
         let data = &file.mmap[file.data_start + entry.begin..];
         let bytes: Vec<u8> = match *spec {
@@ -199,11 +192,12 @@ impl WeightStore for SafetensorsStore {
             }
         };
         let n = bytes.len();
-        let tensor = Tensor::from_raw_buffer(&bytes, entry.info.dtype, &local, &Device::Cpu)
-            .map_err(|source| WeightError::Tensor {
+        let tensor = Tensor::from_raw_buffer(&bytes, entry.info.dtype, &local, &Device::Cpu).map_err(|source| {
+            WeightError::Tensor {
                 name: name.to_string(),
                 source,
-            })?;
+            }
+        })?;
         Ok((tensor, n))
     }
 

@@ -11,11 +11,7 @@ pub enum ShardSpec {
     /// Every rank holds the whole tensor.
     Replicated,
     /// The rank holds `start..start + len` along `dim`.
-    Range {
-        dim: usize,
-        start: usize,
-        len: usize,
-    },
+    Range { dim: usize, start: usize, len: usize },
 }
 
 impl ShardSpec {
@@ -33,9 +29,9 @@ impl ShardSpec {
         match *self {
             Self::Replicated => Ok(full.to_vec()),
             Self::Range { dim, start, len } => {
-                let size = *full.get(dim).ok_or_else(|| {
-                    format!("cannot split dim {dim} of a tensor of shape {full:?}")
-                })?;
+                let size = *full
+                    .get(dim)
+                    .ok_or_else(|| format!("cannot split dim {dim} of a tensor of shape {full:?}"))?;
                 if start + len > size || len == 0 {
                     return Err(format!(
                         "range {start}..{} is outside dim {dim} of shape {full:?}",

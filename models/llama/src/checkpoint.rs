@@ -2,9 +2,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use tpinfer_weights::{
-    GgufStore, GgufTensorMap, SafetensorsStore, ShardLoader, WeightError, WeightStore,
-};
+use tpinfer_weights::{GgufStore, GgufTensorMap, SafetensorsStore, ShardLoader, WeightError, WeightStore};
 
 use crate::shard::names;
 use crate::{ConfigError, LlamaConfig, LlamaShard};
@@ -61,7 +59,9 @@ impl LlamaCheckpoint {
             // would silently change every position's rotation.
             return Err(ConfigError::Unsupported {
                 origin: path.display().to_string(),
-                detail: "GGUF rope_freqs (Llama 3.1 rope scaling) is not supported yet; use the Hugging Face checkpoint".into(),
+                detail:
+                    "GGUF rope_freqs (Llama 3.1 rope scaling) is not supported yet; use the Hugging Face checkpoint"
+                        .into(),
             }
             .into());
         }
@@ -128,11 +128,7 @@ fn gguf_names(c: &LlamaConfig) -> GgufTensorMap {
             format!("{b}.ffn_gate.weight"),
             None,
         );
-        add(
-            format!("{p}.mlp.up_proj.weight"),
-            format!("{b}.ffn_up.weight"),
-            None,
-        );
+        add(format!("{p}.mlp.up_proj.weight"), format!("{b}.ffn_up.weight"), None);
         add(
             format!("{p}.mlp.down_proj.weight"),
             format!("{b}.ffn_down.weight"),

@@ -34,10 +34,7 @@ pub struct LlamaConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("{path}: {source}; the model directory needs a config.json")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     #[error("{path}: not valid JSON: {detail}")]
     Json { path: PathBuf, detail: String },
     #[error("{origin}: missing field `{field}`; add it (see the model's published config.json)")]
@@ -136,9 +133,7 @@ impl LlamaConfig {
             )));
         }
         let hidden_size = raw.hidden_size.ok_or_else(|| missing("hidden_size"))?;
-        let num_attention_heads = raw
-            .num_attention_heads
-            .ok_or_else(|| missing("num_attention_heads"))?;
+        let num_attention_heads = raw.num_attention_heads.ok_or_else(|| missing("num_attention_heads"))?;
         // transformers 5 moves rope settings into `rope_parameters`; 4 keeps `rope_theta` and
         // `rope_scaling`. Both may be present in converted files; the newer form wins.
         let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
@@ -152,17 +147,11 @@ impl LlamaConfig {
         let dtype_name = raw.dtype.as_deref().or(raw.torch_dtype.as_deref());
         let config = Self {
             hidden_size,
-            intermediate_size: raw
-                .intermediate_size
-                .ok_or_else(|| missing("intermediate_size"))?,
-            num_hidden_layers: raw
-                .num_hidden_layers
-                .ok_or_else(|| missing("num_hidden_layers"))?,
+            intermediate_size: raw.intermediate_size.ok_or_else(|| missing("intermediate_size"))?,
+            num_hidden_layers: raw.num_hidden_layers.ok_or_else(|| missing("num_hidden_layers"))?,
             num_attention_heads,
             num_key_value_heads: raw.num_key_value_heads.unwrap_or(num_attention_heads),
-            head_dim: raw
-                .head_dim
-                .unwrap_or(hidden_size / num_attention_heads.max(1)),
+            head_dim: raw.head_dim.unwrap_or(hidden_size / num_attention_heads.max(1)),
             vocab_size: raw.vocab_size.ok_or_else(|| missing("vocab_size"))?,
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
             rope_theta,
@@ -214,12 +203,7 @@ impl LlamaConfig {
                     detail: e.to_string(),
                 })
         };
-        let float = |key: &str| {
-            metadata
-                .get(key)
-                .and_then(|v| v.to_f32().ok())
-                .map(f64::from)
-        };
+        let float = |key: &str| metadata.get(key).and_then(|v| v.to_f32().ok()).map(f64::from);
         let hidden_size = int("llama.embedding_length")?;
         let num_attention_heads = int("llama.attention.head_count")?;
         let vocab_size = match int("llama.vocab_size") {
@@ -236,10 +220,8 @@ impl LlamaConfig {
             intermediate_size: int("llama.feed_forward_length")?,
             num_hidden_layers: int("llama.block_count")?,
             num_attention_heads,
-            num_key_value_heads: int("llama.attention.head_count_kv")
-                .unwrap_or(num_attention_heads),
-            head_dim: int("llama.rope.dimension_count")
-                .unwrap_or(hidden_size / num_attention_heads.max(1)),
+            num_key_value_heads: int("llama.attention.head_count_kv").unwrap_or(num_attention_heads),
+            head_dim: int("llama.rope.dimension_count").unwrap_or(hidden_size / num_attention_heads.max(1)),
             vocab_size,
             rms_norm_eps: float("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
             rope_theta: float("llama.rope.freq_base").unwrap_or(10_000.0),
@@ -276,10 +258,7 @@ impl LlamaConfig {
                 return Err(invalid(field, "must be positive".to_string()));
             }
         }
-        if !self
-            .num_attention_heads
-            .is_multiple_of(self.num_key_value_heads)
-        {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(invalid(
                 "num_key_value_heads",
                 format!(
@@ -350,9 +329,7 @@ fn rope_scaling(value: Option<&Json>, origin: &str) -> Result<Option<RopeScaling
         })),
         other => Err(ConfigError::Unsupported {
             origin: origin.to_string(),
-            detail: format!(
-                "rope type `{other}` is not supported (tpinfer supports `default` and `llama3`)"
-            ),
+            detail: format!("rope type `{other}` is not supported (tpinfer supports `default` and `llama3`)"),
         }),
     }
 }

@@ -3,8 +3,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
-    causal_attention, causal_mask, expand_kv_heads, rms_norm, GatedMlp, KvCache,
-    MergedColumnParallelLinear, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
+    causal_attention, causal_mask, expand_kv_heads, rms_norm, GatedMlp, KvCache, MergedColumnParallelLinear, Result,
+    Rope, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -50,12 +50,7 @@ impl LlamaRank {
         checkpoint.check(&shard)?;
         let mut w = ShardLoader::load(&*checkpoint.store, &shard.weight_decls(c), dtype, device)?;
         let bytes_loaded = w.bytes_read();
-        let embed = VocabParallelEmbedding::load(
-            &mut w,
-            names::EMBED,
-            shard.vocab_rows.clone(),
-            comm.clone(),
-        )?;
+        let embed = VocabParallelEmbedding::load(&mut w, names::EMBED, shard.vocab_rows.clone(), comm.clone())?;
         let lm_head = match c.tie_word_embeddings {
             true => None,
             false => Some(VocabParallelEmbedding::load(
@@ -76,26 +71,14 @@ impl LlamaRank {
                         &[&attn("q_proj"), &attn("k_proj"), &attn("v_proj")],
                         c.attention_bias,
                     )?,
-                    o_proj: RowParallelLinear::load(
-                        &mut w,
-                        &attn("o_proj"),
-                        c.attention_bias,
-                        comm.clone(),
-                    )?,
+                    o_proj: RowParallelLinear::load(&mut w, &attn("o_proj"), c.attention_bias, comm.clone())?,
                     post_norm: w.take(&format!("{p}.post_attention_layernorm.weight"))?,
                     mlp: GatedMlp::load(&mut w, &names::mlp(&p).as_names(), comm.clone())?,
                     cache: KvCache::default(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let rope = Rope::new(
-            c.head_dim,
-            c.rope_theta,
-            c.rope_scaling,
-            max_positions,
-            dtype,
-            device,
-        )?;
+        let rope = Rope::new(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device)?;
         let kv_index = Tensor::new(shard.heads.kv_of_q.as_slice(), device)?;
         Ok(Self {
             config: c.clone(),

@@ -1,8 +1,7 @@
 use std::ops::Range;
 
 use tpinfer_layers::{
-    split_aligned, ColumnParallelLinear, GatedMlp, HeadShard, RowParallelLinear,
-    VocabParallelEmbedding,
+    split_aligned, ColumnParallelLinear, GatedMlp, HeadShard, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::{ShardSpec, WeightDecl};
 
@@ -23,12 +22,7 @@ pub struct LlamaShard {
 impl LlamaShard {
     /// Fails, naming the limit, when the model cannot be split `world` ways.
     pub fn new(config: &LlamaConfig, world: usize, rank: usize) -> tpinfer_layers::Result<Self> {
-        let heads = HeadShard::new(
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            world,
-            rank,
-        )?;
+        let heads = HeadShard::new(config.num_attention_heads, config.num_key_value_heads, world, rank)?;
         Ok(Self {
             rank,
             world,
@@ -44,8 +38,7 @@ impl LlamaShard {
         let q_out = self.heads.q_heads.start * d..self.heads.q_heads.end * d;
         let kv_out = self.heads.kv_heads.start * d..self.heads.kv_heads.end * d;
         let norm = |name: String| WeightDecl::new(name, &[h], ShardSpec::Replicated);
-        let mut decls =
-            VocabParallelEmbedding::decls(names::EMBED, c.vocab_size, h, self.vocab_rows.clone());
+        let mut decls = VocabParallelEmbedding::decls(names::EMBED, c.vocab_size, h, self.vocab_rows.clone());
         for i in 0..c.num_hidden_layers {
             let p = names::layer(i);
             let bias = c.attention_bias;

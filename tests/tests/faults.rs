@@ -1,0 +1,68 @@
+//! A rank that fails mid-request: every failure ends the request with the failing rank named,
+//! quickly, and later requests are refused with the same cause rather than hanging.
+
+use std::time::{Duration, Instant};
+
+use tpinfer_engine::{Engine, EngineError, Fault, GenerateRequest, Prompt, StreamEvent};
+use tpinfer_tests::TinyLlama;
+
+/// Runs a request on a faulty engine; returns the tokens streamed before the error, the error,
+/// and the error of a second request.
+fn run_with(fault: Fault, tp: usize) -> (usize, EngineError, EngineError) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let engine = Engine::builder(&path)
+        .tp(tp)
+        .comm_timeout(Duration::from_secs(5))
+        .inject_fault(fault)
+        .build()
+        .expect("engine");
+    let start = Instant::now();
+    let mut tokens = 0;
+    let mut error = None;
+    for event in engine
+        .generate(GenerateRequest::new(Prompt::text("hello"), 20))
+        .expect("generate")
+    {
+        match event {
+            Ok(StreamEvent::Token { .. }) => tokens += 1,
+            Ok(_) => {}
+            Err(e) => error = Some(e),
+        }
+    }
+    assert!(start.elapsed() < Duration::from_secs(4), "took {:?}", start.elapsed());
+    let error = error.expect("the request must fail");
+    let again = engine
+        .generate(GenerateRequest::new(Prompt::text("hello"), 2))
+        .expect("queued")
+        .collect_text()
+        .expect_err("the engine is broken");
+    (tokens, error, again)
+}
+
+#[test]
+fn a_rank_returning_an_error_is_the_reported_cause() {
+    let (tokens, error, again) = run_with(Fault::Error { rank: 1, step: 3 }, 3);
+    assert_eq!(
+        tokens, 4,
+        "the tokens sampled before the failing decode step are delivered"
+    );
+    assert!(matches!(error, EngineError::Injected { rank: 1, .. }), "{error}");
+    assert!(again.to_string().contains("rank 1: injected fault"), "{again}");
+}
+
+#[test]
+fn a_panicking_rank_is_the_reported_cause() {
+    let (_, error, _) = run_with(Fault::Panic { rank: 2, step: 0 }, 3);
+    assert!(matches!(error, EngineError::RankPanicked { rank: 2, .. }), "{error}");
+}
+
+#[test]
+fn a_rank_that_dies_silently_is_named() {
+    let (_, error, _) = run_with(Fault::Exit { rank: 1, step: 2 }, 2);
+    assert!(error.to_string().contains("rank 1"), "{error}");
+    assert!(
+        matches!(error, EngineError::RankExited { rank: 1 }) || error.to_string().contains("rank 1 exited"),
+        "{error}"
+    );
+}
