@@ -1,10 +1,11 @@
 //! GPU ranks joined by NCCL: one process, one thread and one CUDA device per rank.
 //!
 //! NCCL calls are asynchronous: a rank whose peer died would spin in its kernel forever, and
-//! its host thread would block at the next stream sync. So the host waits only through
-//! [`NcclComm::broadcast`] (once per decode step), which polls the stream with a deadline while
-//! watching the group's shared failure board; on a peer's failure or a timeout it aborts its
-//! own communicator (`ncclCommAbort`), which releases the kernel, and names the culprit.
+//! its host thread would block at the next stream sync. So the collectives whose results the
+//! host reads ([`NcclComm::broadcast`] and [`NcclComm::all_gather`], once per decode step) end
+//! by polling the stream with a deadline while watching the group's shared failure board; on a
+//! peer's failure or a timeout the rank aborts its own communicator (`ncclCommAbort`), which
+//! releases the kernel, and names the culprit. All-reduces stay asynchronous.
 
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -224,7 +225,11 @@ impl NcclComm {
                     missing,
                 });
             }
-            std::thread::sleep(Duration::from_micros(50));
+            // Spin (yielding) through the usual wait of a decode step, then back off.
+            match deadline.saturating_duration_since(Instant::now()) + Duration::from_millis(2) > self.group.timeout {
+                true => std::thread::yield_now(),
+                false => std::thread::sleep(Duration::from_micros(50)),
+            }
         }
     }
 
@@ -276,6 +281,9 @@ impl Communicator for NcclComm {
         let size =
             Tensor::new(&[x.dim(dim).map_err(&err)? as u32], &Device::Cuda(self.device.clone())).map_err(&err)?;
         let sizes = self.run::<u32>(op, &size, world, &[world], |c, i, o| c.all_gather(i, o).map(|_| ()))?;
+        // Reading device memory blocks the host until the stream gets there: wait boundedly
+        // first, or a dead peer would hang this rank in the copy.
+        self.wait_for_stream(op)?;
         let sizes: Vec<u32> = sizes.to_vec1().map_err(&err)?;
         let max = sizes.iter().copied().max().unwrap_or(0) as usize;
         let front = x.transpose(0, dim).map_err(&err)?.contiguous().map_err(&err)?;
@@ -301,6 +309,8 @@ impl Communicator for NcclComm {
             .and_then(|t| t.contiguous())
             .and_then(|t| t.to_dtype(x.dtype()))
             .map_err(&err)?;
+        // Callers read gathered logits on the host; make that read safe in the same way.
+        self.wait_for_stream(op)?;
         self.stats.record_all_gather(start.elapsed());
         Ok(out)
     }

@@ -231,11 +231,18 @@ fn run_job(
 /// A layer error as the rank reports it. A CUDA out-of-memory is told apart from the rest:
 /// it must never surface as a communication failure.
 fn rank_error(rank: usize, source: tpinfer_layers::Error) -> EngineError {
-    let text = source.to_string();
-    match text.contains("OUT_OF_MEMORY") || text.contains("out of memory") {
-        true => EngineError::OutOfMemory { rank, detail: text },
-        false => EngineError::Rank { rank, source },
+    match &source {
+        // Only the rank's own allocation failure: a peer's OOM arrives as a communication error.
+        tpinfer_layers::Error::Tensor(e) if is_out_of_memory(&e.to_string()) => EngineError::OutOfMemory {
+            rank,
+            detail: e.to_string(),
+        },
+        _ => EngineError::Rank { rank, source },
     }
+}
+
+fn is_out_of_memory(text: &str) -> bool {
+    text.contains("OUT_OF_MEMORY") || text.contains("out of memory")
 }
 
 /// Carries out an injected fault (see [`Fault`]).
@@ -264,5 +271,24 @@ fn inject(fault: Fault, rank: usize, device: &Device) -> Result<(), EngineError>
                     detail: format!("allocating {bytes} bytes: {e}"),
                 })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_ranks_own_allocation_failure_is_its_oom() {
+        let own =
+            tpinfer_layers::Error::Tensor(candle_core::Error::Msg("DriverError(CUDA_ERROR_OUT_OF_MEMORY)".into()));
+        assert!(matches!(rank_error(1, own), EngineError::OutOfMemory { rank: 1, .. }));
+        let peer = tpinfer_layers::Error::from(tpinfer_comm::CommError::PeerFailed {
+            rank: 1,
+            cause: "rank 1 is out of device memory".into(),
+        });
+        let reported = rank_error(0, peer);
+        assert!(matches!(reported, EngineError::Rank { rank: 0, .. }), "{reported}");
+        assert!(reported.is_peer_report(), "rank 0 only reports rank 1's failure");
     }
 }
