@@ -136,9 +136,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn speed(args: SpeedArgs) -> Result<()> {
     println!(
-        "| TP | prompt tokens | new tokens | prefill ms (median) | decode tok/s (median) | decode tok/s (min–max) |"
+        "| TP | prompt tokens | new tokens | prefill ms (median) | decode tok/s (median) | decode tok/s (min–max) \
+         | device memory in use per rank, GiB |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     for &tp in &args.tp {
         let engine = engine(&args.common, tp)?;
         let ids = prompt(&engine, args.common.prompt_tokens);
@@ -167,12 +168,22 @@ fn speed(args: SpeedArgs) -> Result<()> {
         let (lo, hi) = decode
             .iter()
             .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        let memory: Vec<String> = engine
+            .device_memory()
+            .iter()
+            .map(|m| {
+                m.map_or("–".to_string(), |m| {
+                    format!("{:.2}", m.used as f64 / (1u64 << 30) as f64)
+                })
+            })
+            .collect();
         println!(
-            "| {tp} | {} | {} | {:.1} | {:.1} | {lo:.1}–{hi:.1} |",
+            "| {tp} | {} | {} | {:.1} | {:.1} | {lo:.1}–{hi:.1} | {} |",
             args.common.prompt_tokens,
             args.new_tokens,
             median(prefill),
             median(decode),
+            memory.join(", "),
         );
     }
     Ok(())

@@ -24,6 +24,15 @@ pub struct Engine {
     max_context: usize,
     dtype: DType,
     rank_weight_bytes: Vec<usize>,
+    devices: Vec<Device>,
+}
+
+/// A GPU's memory as the driver reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes in use on the device (by every process), the CUDA memory pools' reserve included.
+    pub used: usize,
+    pub total: usize,
 }
 
 impl Engine {
@@ -66,7 +75,7 @@ impl Engine {
         let mut rank_done = Vec::with_capacity(tp);
         let mut rank_jobs = Vec::with_capacity(tp);
         let mut threads = Vec::with_capacity(tp);
-        for (rank, ((connect, shard), device)) in connectors.into_iter().zip(shards).zip(devices).enumerate() {
+        for (rank, ((connect, shard), device)) in connectors.into_iter().zip(shards).zip(devices.clone()).enumerate() {
             let (job_tx, job_rx) = mpsc::channel();
             let setup = RankSetup {
                 rank,
@@ -118,6 +127,7 @@ impl Engine {
             max_context,
             dtype,
             rank_weight_bytes,
+            devices,
         })
     }
 
@@ -198,6 +208,11 @@ impl Engine {
         self.dtype
     }
 
+    /// Each rank's device memory now; `None` for CPU ranks.
+    pub fn device_memory(&self) -> Vec<Option<DeviceMemory>> {
+        self.devices.iter().map(device_memory).collect()
+    }
+
     /// The weight bytes each rank read from the checkpoint.
     pub fn rank_weight_bytes(&self) -> &[usize] {
         &self.rank_weight_bytes
@@ -218,6 +233,23 @@ fn rank_devices(kind: &DeviceKind, tp: usize) -> Result<Vec<Device>, EngineError
         DeviceKind::Cpu => Ok(vec![Device::Cpu; tp]),
         DeviceKind::Cuda { gpus } => cuda_devices(gpus.as_deref(), tp),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn device_memory(device: &Device) -> Option<DeviceMemory> {
+    let Device::Cuda(cuda) = device else {
+        return None;
+    };
+    let (free, total) = cuda.cuda_stream().context().mem_get_info().ok()?;
+    Some(DeviceMemory {
+        used: total - free,
+        total,
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_memory(_device: &Device) -> Option<DeviceMemory> {
+    None
 }
 
 #[cfg(feature = "cuda")]

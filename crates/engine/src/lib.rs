@@ -23,7 +23,7 @@ mod stream;
 
 pub use builder::{DeviceKind, EngineBuilder, Fault};
 pub use candle_core::DType;
-pub use engine::Engine;
+pub use engine::{DeviceMemory, Engine};
 pub use error::EngineError;
 pub use request::{GenerateRequest, Prompt, SamplingParams};
 pub use stream::{GenerationStats, StopReason, StreamEvent, TokenStream};
