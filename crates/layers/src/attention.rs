@@ -2,23 +2,6 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::{HeadShard, Result};
 
-/// Gives each local Q head its KV head: `[b, kv_local, t, d]` → `[b, q_local, t, d]`.
-/// GQA groups may straddle ranks, so a rank's heads need not share one group size; the
-/// general case gathers by index, the uniform one repeats.
-pub fn expand_kv_heads(kv: &Tensor, heads: &HeadShard, kv_index: &Tensor) -> Result<Tensor> {
-    match heads.uniform_group() {
-        Some(1) => Ok(kv.clone()),
-        Some(g) => {
-            let (b, n_kv, t, d) = kv.dims4()?;
-            Ok(kv
-                .unsqueeze(2)?
-                .expand((b, n_kv, g, t, d))?
-                .reshape((b, n_kv * g, t, d))?)
-        }
-        None => Ok(kv.contiguous()?.index_select(kv_index, 1)?),
-    }
-}
-
 /// The additive mask `[s, t]` for `s` queries that are the last `s` of `t` positions: query
 /// `i` sees keys `0..=t - s + i`. Built on the device, once per forward.
 pub fn causal_mask(s: usize, t: usize, device: &Device) -> Result<Tensor> {
@@ -43,4 +26,37 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     };
     let probs = candle_nn::ops::softmax_last_dim(&scores)?;
     Ok(probs.matmul(&f32(v)?)?.to_dtype(v.dtype())?)
+}
+
+/// Attention of `q` `[b, q_local, s, d]` over KV heads `k`, `v` `[b, kv_local, t, d]` shared by
+/// GQA groups. When every KV head serves `g` consecutive Q heads, the queries of a group are
+/// stacked against their one KV head, so the cache is never copied per Q head; when a group
+/// straddles ranks, each Q head's KV head is gathered by index.
+pub fn grouped_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: &HeadShard,
+    kv_index: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
+    let (b, n_q, s, d) = q.dims4()?;
+    let n_kv = k.dim(1)?;
+    match heads.uniform_group() {
+        Some(g) => {
+            let q = q.contiguous()?.reshape((b, n_kv, g * s, d))?;
+            // Each group's mask is the same `[s, t]`: apply it per query row of the stack.
+            let grouped_mask = match mask {
+                Some(m) => Some(m.repeat((g, 1))?),
+                None => None,
+            };
+            let out = causal_attention(&q, k, v, grouped_mask.as_ref(), scale)?;
+            Ok(out.reshape((b, n_q, s, d))?)
+        }
+        None => {
+            let gather = |kv: &Tensor| kv.contiguous()?.index_select(kv_index, 1);
+            causal_attention(q, &gather(k)?, &gather(v)?, mask, scale)
+        }
+    }
 }

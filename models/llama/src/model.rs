@@ -3,8 +3,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
-    causal_attention, causal_mask, expand_kv_heads, rms_norm, GatedMlp, KvCache, MergedColumnParallelLinear, Result,
-    Rope, RowParallelLinear, VocabParallelEmbedding,
+    causal_mask, grouped_attention, rms_norm, GatedMlp, KvCache, MergedColumnParallelLinear, Result, Rope,
+    RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -176,9 +176,15 @@ impl DecoderLayer {
         let k = rope.apply(&heads(&qkv[1], n_kv)?, offset)?;
         let v = heads(&qkv[2], n_kv)?;
         let (k, v) = self.cache.append(&k, &v)?;
-        let k = expand_kv_heads(&k, &shard.heads, ctx.kv_index)?;
-        let v = expand_kv_heads(&v, &shard.heads, ctx.kv_index)?;
-        let attn = causal_attention(&q, &k, &v, ctx.mask, 1.0 / (d as f64).sqrt())?;
+        let attn = grouped_attention(
+            &q,
+            &k,
+            &v,
+            &shard.heads,
+            ctx.kv_index,
+            ctx.mask,
+            1.0 / (d as f64).sqrt(),
+        )?;
         let attn = attn.transpose(1, 2)?.reshape((b, s, n_q * d))?;
         let x = (x + self.o_proj.forward(&attn)?)?;
         let h = rms_norm(&x, &self.post_norm, eps)?;
