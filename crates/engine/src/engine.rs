@@ -4,9 +4,8 @@ use std::thread::JoinHandle;
 
 use candle_core::{DType, Device};
 use tpinfer_comm::{Communicator, ThreadGroup};
-use tpinfer_llama::{LlamaCheckpoint, LlamaConfig, LlamaShard, ModelFormat};
+use tpinfer_llama::{LlamaCheckpoint, LlamaConfig, LlamaShard};
 use tpinfer_tokenizer::Tokenizer;
-use tpinfer_weights::GgufStore;
 
 use crate::builder::DEFAULT_MAX_CONTEXT;
 use crate::rank::{rank_main, Connect, RankJob, RankResult, RankSetup, Startup};
@@ -44,12 +43,10 @@ impl Engine {
     pub(crate) fn start(b: EngineBuilder) -> Result<Self, EngineError> {
         let checkpoint = Arc::new(LlamaCheckpoint::open(&b.model)?);
         let config = checkpoint.config.clone();
-        let tokenizer = Arc::new(match &checkpoint.format {
-            ModelFormat::HfDir(dir) => Tokenizer::from_hf_dir(dir)?,
-            ModelFormat::Gguf(path) => {
-                let store = GgufStore::open(path).map_err(tpinfer_llama::CheckpointError::from)?;
-                Tokenizer::from_gguf(store.metadata())?
-            }
+        // A GGUF file carries its tokenizer in the metadata already read for the config.
+        let tokenizer = Arc::new(match checkpoint.gguf_metadata() {
+            Some(metadata) => Tokenizer::from_gguf(metadata)?,
+            None => Tokenizer::from_hf_dir(&b.model)?,
         });
         let tp = b.tp;
         let sharding = |detail: String| EngineError::Sharding { tp, detail };

@@ -2,6 +2,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use candle_core::quantized::gguf_file::Value;
 use tpinfer_weights::{GgufStore, GgufTensorMap, SafetensorsStore, ShardLoader, WeightError, WeightStore};
 
 use crate::shard::names;
@@ -21,6 +22,8 @@ pub struct LlamaCheckpoint {
     pub config: LlamaConfig,
     pub format: ModelFormat,
     pub store: Arc<dyn WeightStore>,
+    /// The GGUF file's store when the checkpoint is one, for its tokenizer metadata.
+    gguf: Option<Arc<GgufStore>>,
 }
 
 /// Why a checkpoint could not be opened.
@@ -49,6 +52,7 @@ impl LlamaCheckpoint {
             config,
             format: ModelFormat::HfDir(path.to_path_buf()),
             store: Arc::new(store),
+            gguf: None,
         })
     }
 
@@ -70,12 +74,18 @@ impl LlamaCheckpoint {
             store.has_gguf_tensor("output.weight"),
             &path.display().to_string(),
         )?;
-        let store = store.with_names(gguf_names(&config));
+        let store = Arc::new(store.with_names(gguf_names(&config)));
         Ok(Self {
             config,
             format: ModelFormat::Gguf(path.to_path_buf()),
-            store: Arc::new(store),
+            store: store.clone(),
+            gguf: Some(store),
         })
+    }
+
+    /// The GGUF key/value metadata (tokenizer, chat template), when the checkpoint is GGUF.
+    pub fn gguf_metadata(&self) -> Option<&HashMap<String, Value>> {
+        self.gguf.as_deref().map(GgufStore::metadata)
     }
 
     /// Checks the checkpoint against what `shard` reads (names and shapes, from headers).
