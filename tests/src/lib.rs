@@ -316,6 +316,18 @@ pub struct LogitsTrace {
 /// Runs `model` at TP `tp` on CPU rank threads: the prompt, then `steps` greedy decode steps.
 /// Every rank computes the same logits; rank 0's are returned.
 pub fn run_greedy(model: &Path, tp: usize, dtype: DType, prompt: &[u32], steps: usize) -> LogitsTrace {
+    run_greedy_chunked(model, tp, dtype, prompt, steps, None)
+}
+
+/// [`run_greedy`] with the prompt run in chunks of `prefill_chunk` positions.
+pub fn run_greedy_chunked(
+    model: &Path,
+    tp: usize,
+    dtype: DType,
+    prompt: &[u32],
+    steps: usize,
+    prefill_chunk: Option<usize>,
+) -> LogitsTrace {
     let checkpoint = Arc::new(LlamaCheckpoint::open(model).expect("open checkpoint"));
     let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
     let traces: Vec<LogitsTrace> = std::thread::scope(|s| {
@@ -328,8 +340,11 @@ pub fn run_greedy(model: &Path, tp: usize, dtype: DType, prompt: &[u32], steps: 
                     let shard = LlamaShard::new(&checkpoint.config, tp, comm.rank()).expect("shard");
                     let mut rank =
                         LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &Device::Cpu, 512).expect("load");
+                    if let Some(chunk) = prefill_chunk {
+                        rank.set_prefill_chunk(chunk);
+                    }
                     let before = comm.stats().snapshot();
-                    let mut logits = rank.forward(prompt, 1).expect("prefill");
+                    let mut logits = rank.forward(prompt).expect("prefill");
                     let prefill_all_reduces = comm.stats().snapshot().since(&before).all_reduces;
                     let mut trace = LogitsTrace {
                         logits: Vec::new(),
@@ -342,7 +357,7 @@ pub fn run_greedy(model: &Path, tp: usize, dtype: DType, prompt: &[u32], steps: 
                         trace.logits.push(values);
                         trace.tokens.push(token);
                         if step < steps {
-                            logits = rank.forward(&[token], 1).expect("decode");
+                            logits = rank.forward(&[token]).expect("decode");
                         }
                     }
                     trace

@@ -1,7 +1,7 @@
 //! The same tiny model at every TP width gives the logits of TP 1.
 
 use candle_core::DType;
-use tpinfer_tests::{rel_error, run_greedy, TinyLlama};
+use tpinfer_tests::{rel_error, run_greedy, run_greedy_chunked, TinyLlama};
 
 const PROMPT: &[u32] = &[
     256, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10, 5, 300, 17,
@@ -122,5 +122,33 @@ fn half_precision_tracks_f32() {
             assert!(err < tolerance, "{dtype:?} TP {tp}: {err:e}");
             assert!(err > 0.0, "{dtype:?} must really compute in reduced precision");
         }
+    }
+}
+
+#[test]
+fn chunked_prompt_equals_whole_prompt() {
+    // Chunks of 5 split the 17-token prompt 5 + 5 + 5 + 2: each chunk attends to the cached
+    // chunks before it through the causal mask's offset.
+    let model = TinyLlama {
+        heads: 8,
+        kv_heads: 2,
+        ..TinyLlama::default()
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(dir.path());
+    let whole = run_greedy(&path, 1, DType::F32, PROMPT, DECODE_STEPS);
+    for tp in [1, 2, 3] {
+        let chunked = run_greedy_chunked(&path, tp, DType::F32, PROMPT, DECODE_STEPS, Some(5));
+        for (step, (got, want)) in chunked.logits.iter().zip(&whole.logits).enumerate() {
+            let err = rel_error(got, want);
+            assert!(err < 1e-5, "TP {tp} step {step}: relative error {err:e}");
+        }
+        assert_eq!(chunked.tokens, whole.tokens, "TP {tp}");
+        // Four chunks, each one embedding all-reduce and two per layer.
+        assert_eq!(
+            chunked.prefill_all_reduces,
+            4 * (1 + 2 * model.layers as u64),
+            "TP {tp}"
+        );
     }
 }

@@ -167,7 +167,7 @@ fn run_job(
     let sample_err = |e: candle_core::Error| EngineError::Sampling(e.to_string());
     model.clear_cache();
     let start = Instant::now();
-    let mut logits = model.forward(&job.prompt, 1).map_err(layer_err)?;
+    let mut logits = model.forward(&job.prompt).map_err(layer_err)?;
     let mut processor = LogitsProcessor::from_sampling(job.sampling.seed, job.sampling.sampling());
     let mut context = job.prompt.clone();
     let mut prefill = None;
@@ -224,7 +224,7 @@ fn run_job(
         if let Some(fault) = setup.fault.filter(|f| f.at(rank, context.len() - job.prompt.len() - 1)) {
             inject(fault, rank, device)?;
         }
-        logits = model.forward(&[token], 1).map_err(layer_err)?;
+        logits = model.forward(&[token]).map_err(layer_err)?;
     }
 }
 

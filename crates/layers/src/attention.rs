@@ -14,18 +14,38 @@ pub fn causal_mask(s: usize, t: usize, device: &Device) -> Result<Tensor> {
 }
 
 /// Scaled dot-product attention of `q` `[b, h, s, d]` over `k`, `v` `[b, h, t, d]`, with an
-/// optional additive `mask` `[s, t]` (see [`causal_mask`]). Computed in f32 whatever the
-/// dtype: scores rounded to bf16 before the softmax cost more accuracy than the rest of a
-/// layer together.
+/// optional additive `mask` `[s, t]` (see [`causal_mask`]); when `q` stacks several query
+/// groups (`[b, h, g·s, d]`), the mask applies to each. Computed in f32 whatever the dtype:
+/// scores rounded to bf16 before the softmax cost more accuracy than the rest of a layer
+/// together. At most two score-sized buffers are alive at once (the memory planner's model).
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
     let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
-    let scores = (f32(q)?.matmul(&f32(k)?.t()?)? * scale)?;
-    let scores = match mask {
-        Some(mask) => scores.broadcast_add(mask)?,
+    // Scaling the queries (s·d values) rather than the scores (s·t values) saves a buffer.
+    let q = (f32(q)? * scale)?;
+    let scores = q.matmul(&f32(k)?.t()?)?;
+    let probs = masked_softmax(scores, mask)?;
+    Ok(probs.matmul(&f32(v)?)?.to_dtype(v.dtype())?)
+}
+
+/// Softmax over the last dim after adding `mask`; takes `scores` by value so that each
+/// buffer is freed as soon as the next one exists.
+fn masked_softmax(scores: Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    let masked = match mask {
+        Some(mask) => {
+            let dims = scores.dims().to_vec();
+            let (rows, t) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+            let s = mask.dim(0)?;
+            let n = scores.elem_count() / (rows * t);
+            let masked = scores
+                .reshape((n, rows / s, s, t))?
+                .broadcast_add(mask)?
+                .reshape(dims)?;
+            drop(scores);
+            masked
+        }
         None => scores,
     };
-    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-    Ok(probs.matmul(&f32(v)?)?.to_dtype(v.dtype())?)
+    Ok(candle_nn::ops::softmax_last_dim(&masked)?)
 }
 
 /// Attention of `q` `[b, q_local, s, d]` over KV heads `k`, `v` `[b, kv_local, t, d]` shared by
@@ -46,12 +66,7 @@ pub fn grouped_attention(
     match heads.uniform_group() {
         Some(g) => {
             let q = q.contiguous()?.reshape((b, n_kv, g * s, d))?;
-            // Each group's mask is the same `[s, t]`: apply it per query row of the stack.
-            let grouped_mask = match mask {
-                Some(m) => Some(m.repeat((g, 1))?),
-                None => None,
-            };
-            let out = causal_attention(&q, k, v, grouped_mask.as_ref(), scale)?;
+            let out = causal_attention(&q, k, v, mask, scale)?;
             Ok(out.reshape((b, n_q, s, d))?)
         }
         None => {

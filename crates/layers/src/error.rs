@@ -13,6 +13,8 @@ pub enum Error {
     Tensor(#[from] candle_core::Error),
     #[error("cannot shard: {0}")]
     Shard(String),
+    #[error("the sequence needs {needed} positions but the KV cache holds {capacity}; raise --max-context")]
+    CacheFull { needed: usize, capacity: usize },
 }
 
 impl From<CommError> for Error {

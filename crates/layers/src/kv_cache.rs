@@ -1,35 +1,43 @@
-use candle_core::Tensor;
+use candle_core::{DType, Device, Tensor};
 
-use crate::Result;
+use crate::{Error, Result};
 
-/// Keys or values of past positions for one layer, `[batch, heads, len, head_dim]`, in a
-/// buffer that grows by doubling so that appending a token is not a copy of the whole past.
-#[derive(Default)]
+/// Keys and values of past positions for one layer, `[1, heads, capacity, head_dim]`, allocated
+/// once for the whole context: its bytes are known before the first request, and a long
+/// generation cannot run out of memory halfway through it.
 pub struct KvCache {
-    k: Option<Tensor>,
-    v: Option<Tensor>,
+    k: Tensor,
+    v: Tensor,
     len: usize,
 }
 
 impl KvCache {
-    /// Appends `k`, `v` of shape `[b, h, s, d]` and returns all cached keys and values.
+    /// A cache for `capacity` positions of `heads` heads.
+    pub fn new(heads: usize, capacity: usize, head_dim: usize, dtype: DType, device: &Device) -> Result<Self> {
+        let shape = (1, heads, capacity, head_dim);
+        Ok(Self {
+            k: Tensor::zeros(shape, dtype, device)?,
+            v: Tensor::zeros(shape, dtype, device)?,
+            len: 0,
+        })
+    }
+
+    /// The bytes [`Self::new`] allocates: keys and values.
+    pub fn bytes(heads: usize, capacity: usize, head_dim: usize, dtype: DType) -> usize {
+        2 * heads * capacity * head_dim * dtype.size_in_bytes()
+    }
+
+    /// Appends `k`, `v` of shape `[1, h, s, d]` and returns views of all cached keys and values.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let needed = self.len + k.dim(2)?;
-        let (ck, cv) = match (self.k.take(), self.v.take()) {
-            (Some(ck), Some(cv)) if fits(&ck, k, needed)? => (ck, cv),
-            (old_k, old_v) => {
-                let capacity = old_k.as_ref().map_or(Ok(0), |t| t.dim(2))?;
-                let capacity = needed.max(2 * capacity).next_multiple_of(64);
-                (grow(old_k, k, self.len, capacity)?, grow(old_v, v, self.len, capacity)?)
-            }
-        };
-        ck.slice_set(&k.contiguous()?, 2, self.len)?;
-        cv.slice_set(&v.contiguous()?, 2, self.len)?;
+        let capacity = self.k.dim(2)?;
+        if needed > capacity {
+            return Err(Error::CacheFull { needed, capacity });
+        }
+        self.k.slice_set(&k.contiguous()?, 2, self.len)?;
+        self.v.slice_set(&v.contiguous()?, 2, self.len)?;
         self.len = needed;
-        let out = (ck.narrow(2, 0, needed)?, cv.narrow(2, 0, needed)?);
-        self.k = Some(ck);
-        self.v = Some(cv);
-        Ok(out)
+        Ok((self.k.narrow(2, 0, needed)?, self.v.narrow(2, 0, needed)?))
     }
 
     /// The number of cached positions.
@@ -45,22 +53,4 @@ impl KvCache {
     pub fn clear(&mut self) {
         self.len = 0;
     }
-}
-
-/// Whether `buffer` can take `needed` positions of tensors shaped like `like`.
-fn fits(buffer: &Tensor, like: &Tensor, needed: usize) -> Result<bool> {
-    let (b, h, cap, d) = buffer.dims4()?;
-    let (lb, lh, _, ld) = like.dims4()?;
-    Ok((b, h, d) == (lb, lh, ld) && needed <= cap && buffer.dtype() == like.dtype())
-}
-
-fn grow(old: Option<Tensor>, like: &Tensor, len: usize, capacity: usize) -> Result<Tensor> {
-    let (b, h, _, d) = like.dims4()?;
-    let buffer = Tensor::zeros((b, h, capacity, d), like.dtype(), like.device())?;
-    if let Some(old) = old.filter(|o| o.dims()[..2] == like.dims()[..2]) {
-        if len > 0 {
-            buffer.slice_set(&old.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
-        }
-    }
-    Ok(buffer)
 }

@@ -46,22 +46,20 @@ pub struct MergedColumnParallelLinear {
 }
 
 impl MergedColumnParallelLinear {
-    /// Concatenates the already-loaded local slices `prefixes[i].weight` (and biases).
+    /// Loads the local slices `prefixes[i].weight` (and biases) as one concatenated weight.
     pub fn load(weights: &mut ShardLoader, prefixes: &[&str], bias: bool) -> Result<Self> {
-        let parts: Vec<ColumnParallelLinear> = prefixes
+        let names = |suffix: &str| prefixes.iter().map(|p| format!("{p}.{suffix}")).collect::<Vec<_>>();
+        let weight_names = names("weight");
+        let out_sizes = weight_names
             .iter()
-            .map(|p| ColumnParallelLinear::load(weights, p, bias))
-            .collect::<Result<_>>()?;
-        let out_sizes = parts
-            .iter()
-            .map(|p| p.linear.weight().dim(0))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let weight = Tensor::cat(&parts.iter().map(|p| p.linear.weight()).collect::<Vec<_>>(), 0)?;
+            .map(|n| weights.local_shape(n).map(|s| s[0]))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let weight = weights.take_concat(&weight_names.iter().map(String::as_str).collect::<Vec<_>>(), 0)?;
         let bias = match bias {
-            true => Some(Tensor::cat(
-                &parts.iter().filter_map(|p| p.linear.bias()).collect::<Vec<_>>(),
-                0,
-            )?),
+            true => {
+                let bias_names = names("bias");
+                Some(weights.take_concat(&bias_names.iter().map(String::as_str).collect::<Vec<_>>(), 0)?)
+            }
             false => None,
         };
         Ok(Self {

@@ -23,13 +23,20 @@ impl WeightDecl {
     }
 }
 
-/// A rank's weights: the declared slices, read from a store and placed on the rank's device.
-pub struct ShardLoader {
-    tensors: HashMap<String, Tensor>,
+/// A rank's weights: the declared slices, read from a store one tensor at a time as layers take
+/// them, converted to the compute dtype on the host and copied to the rank's device. Nothing
+/// but the final tensors ever occupies device memory, so a rank's weight bytes are exactly
+/// what its declarations imply.
+pub struct ShardLoader<'a> {
+    store: &'a dyn WeightStore,
+    decls: HashMap<String, WeightDecl>,
+    dtype: DType,
+    device: Device,
     bytes_read: usize,
+    bytes_on_device: usize,
 }
 
-impl ShardLoader {
+impl<'a> ShardLoader<'a> {
     /// Checks that the checkpoint holds exactly the declared tensors (apart from names
     /// matching `ignored`), with the declared shapes. Reads nothing but headers.
     pub fn check(
@@ -90,40 +97,94 @@ impl ShardLoader {
         })
     }
 
-    /// Reads each declared slice, converts it to `dtype` and moves it to `device`.
-    pub fn load(
-        store: &dyn WeightStore,
-        decls: &[WeightDecl],
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Self, WeightError> {
-        let mut tensors = HashMap::with_capacity(decls.len());
-        let mut bytes_read = 0;
-        for decl in decls {
-            let (host, n) = store.read(&decl.name, &decl.spec)?;
-            bytes_read += n;
-            let tensor = host
-                .to_device(device)
-                .and_then(|t| t.to_dtype(dtype))
-                .map_err(|source| WeightError::Tensor {
-                    name: decl.name.clone(),
-                    source,
-                })?;
-            tensors.insert(decl.name.clone(), tensor);
+    /// A loader for `decls` from `store`, placing tensors on `device` in `dtype`. Reads nothing
+    /// until a tensor is taken.
+    pub fn new(store: &'a dyn WeightStore, decls: &[WeightDecl], dtype: DType, device: &Device) -> Self {
+        Self {
+            store,
+            decls: decls.iter().map(|d| (d.name.clone(), d.clone())).collect(),
+            dtype,
+            device: device.clone(),
+            bytes_read: 0,
+            bytes_on_device: 0,
         }
-        Ok(Self { tensors, bytes_read })
     }
 
-    /// The bytes copied out of the checkpoint for this rank.
+    /// The device bytes of `decls` in `dtype`: what taking all of them places on the device.
+    pub fn device_bytes(decls: &[WeightDecl], dtype: DType) -> Result<usize, WeightError> {
+        decls.iter().try_fold(0, |total, decl| {
+            let shape = decl
+                .spec
+                .local_shape(&decl.shape)
+                .map_err(|detail| WeightError::Shard {
+                    name: decl.name.clone(),
+                    detail,
+                })?;
+            Ok(total + shape.iter().product::<usize>() * dtype.size_in_bytes())
+        })
+    }
+
+    /// The bytes copied out of the checkpoint so far.
     pub fn bytes_read(&self) -> usize {
         self.bytes_read
     }
 
-    /// Hands over a loaded tensor; each is taken once, by the layer that owns it.
+    /// The bytes of the tensors placed on the device so far.
+    pub fn bytes_on_device(&self) -> usize {
+        self.bytes_on_device
+    }
+
+    /// Reads a declared tensor's slice and places it on the device; each is taken once, by
+    /// the layer that owns it.
     pub fn take(&mut self, name: &str) -> Result<Tensor, WeightError> {
-        self.tensors.remove(name).ok_or_else(|| WeightError::Missing {
+        let host = self.read(name)?;
+        self.upload(name, host)
+    }
+
+    /// Reads several declared slices and places their concatenation along `dim` on the
+    /// device, for fused layers: the parts never occupy device memory.
+    pub fn take_concat(&mut self, names: &[&str], dim: usize) -> Result<Tensor, WeightError> {
+        let parts = names.iter().map(|n| self.read(n)).collect::<Result<Vec<_>, _>>()?;
+        let joined = names.join(" + ");
+        let host = Tensor::cat(&parts, dim).map_err(|source| WeightError::Tensor {
+            name: joined.clone(),
+            source,
+        })?;
+        self.upload(&joined, host)
+    }
+
+    /// The shape of a declared, not yet taken tensor's slice.
+    pub fn local_shape(&self, name: &str) -> Result<Vec<usize>, WeightError> {
+        let decl = self.decls.get(name).ok_or_else(|| WeightError::Missing {
             name: name.to_string(),
-            origin: "the tensors loaded for this rank".to_string(),
+            origin: "the tensors declared for this rank (or it was taken twice)".to_string(),
+        })?;
+        decl.spec.local_shape(&decl.shape).map_err(|detail| WeightError::Shard {
+            name: name.to_string(),
+            detail,
         })
+    }
+
+    fn read(&mut self, name: &str) -> Result<Tensor, WeightError> {
+        let decl = self.decls.remove(name).ok_or_else(|| WeightError::Missing {
+            name: name.to_string(),
+            origin: "the tensors declared for this rank (or it was taken twice)".to_string(),
+        })?;
+        let (host, n) = self.store.read(&decl.name, &decl.spec)?;
+        self.bytes_read += n;
+        // Converting on the host keeps the checkpoint-dtype copy off the device.
+        host.to_dtype(self.dtype).map_err(|source| WeightError::Tensor {
+            name: decl.name.clone(),
+            source,
+        })
+    }
+
+    fn upload(&mut self, name: &str, host: Tensor) -> Result<Tensor, WeightError> {
+        let tensor = host.to_device(&self.device).map_err(|source| WeightError::Tensor {
+            name: name.to_string(),
+            source,
+        })?;
+        self.bytes_on_device += tensor.elem_count() * tensor.dtype().size_in_bytes();
+        Ok(tensor)
     }
 }

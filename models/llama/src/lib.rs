@@ -6,6 +6,7 @@
 
 mod checkpoint;
 mod config;
+pub mod memory;
 mod model;
 mod shard;
 

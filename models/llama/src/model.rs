@@ -23,7 +23,10 @@ pub struct LlamaRank {
     rope: Rope,
     /// For each local Q head, its local KV head (for GQA groups that straddle ranks).
     kv_index: Tensor,
+    /// Prompts run in chunks of this many positions, which bounds attention's score buffers.
+    prefill_chunk: usize,
     bytes_loaded: usize,
+    bytes_on_device: usize,
 }
 
 struct DecoderLayer {
@@ -37,7 +40,7 @@ struct DecoderLayer {
 
 impl LlamaRank {
     /// Loads this rank's slices of `checkpoint` onto `device`, in `dtype`, with rotary tables
-    /// for `max_positions` positions.
+    /// and a KV cache for `max_positions` positions.
     pub fn load(
         checkpoint: &LlamaCheckpoint,
         shard: LlamaShard,
@@ -48,8 +51,9 @@ impl LlamaRank {
     ) -> Result<Self> {
         let c = &checkpoint.config;
         checkpoint.check(&shard)?;
-        let mut w = ShardLoader::load(&*checkpoint.store, &shard.weight_decls(c), dtype, device)?;
-        let bytes_loaded = w.bytes_read();
+        let decls = shard.weight_decls(c);
+        let mut w = ShardLoader::new(&*checkpoint.store, &decls, dtype, device);
+        let n_kv = shard.heads.kv_heads.len();
         let embed = VocabParallelEmbedding::load(&mut w, names::EMBED, shard.vocab_rows.clone(), comm.clone())?;
         let lm_head = match c.tie_word_embeddings {
             true => None,
@@ -74,22 +78,25 @@ impl LlamaRank {
                     o_proj: RowParallelLinear::load(&mut w, &attn("o_proj"), c.attention_bias, comm.clone())?,
                     post_norm: w.take(&format!("{p}.post_attention_layernorm.weight"))?,
                     mlp: GatedMlp::load(&mut w, &names::mlp(&p).as_names(), comm.clone())?,
-                    cache: KvCache::default(),
+                    cache: KvCache::new(n_kv, max_positions, c.head_dim, dtype, device)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         let rope = Rope::new(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device)?;
         let kv_index = Tensor::new(shard.heads.kv_of_q.as_slice(), device)?;
+        let norm = w.take(names::NORM)?;
         Ok(Self {
             config: c.clone(),
             embed,
             lm_head,
             layers,
-            norm: w.take(names::NORM)?,
+            norm,
             rope,
             kv_index,
+            prefill_chunk: crate::memory::prefill_chunk(shard.heads.q_heads.len(), max_positions),
             shard,
-            bytes_loaded,
+            bytes_loaded: w.bytes_read(),
+            bytes_on_device: w.bytes_on_device(),
         })
     }
 
@@ -104,6 +111,22 @@ impl LlamaRank {
     /// The weight bytes this rank copied out of the checkpoint.
     pub fn bytes_loaded(&self) -> usize {
         self.bytes_loaded
+    }
+
+    /// The weight bytes this rank placed on its device (in the compute dtype).
+    pub fn weight_bytes_on_device(&self) -> usize {
+        self.bytes_on_device
+    }
+
+    /// The number of prompt positions run per forward pass.
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
+    }
+
+    /// Runs prompts in chunks of `positions` (at least 1) instead of the default, which the
+    /// memory planner assumes: smaller chunks lower the activation peak.
+    pub fn set_prefill_chunk(&mut self, positions: usize) {
+        self.prefill_chunk = positions.max(1);
     }
 
     /// The number of positions in the KV cache.
@@ -121,14 +144,28 @@ impl LlamaRank {
         self.layers.iter_mut().for_each(|l| l.cache.clear());
     }
 
-    /// Runs `ids` (`batch` sequences of equal length, continuing what is cached) and returns the
-    /// f32 logits over the full vocabulary at each sequence's last position, `[batch, vocab]`.
-    /// Every rank returns the same logits. Two all-reduces per layer, plus one for the
-    /// embedding and one all-gather for the logits.
-    pub fn forward(&mut self, ids: &[u32], batch: usize) -> Result<Tensor> {
+    /// Runs `ids` (continuing what is cached) and returns the f32 logits over the full
+    /// vocabulary at the last position, `[1, vocab]`. Every rank returns the same logits. Long
+    /// inputs run in chunks of [`Self::prefill_chunk`] positions. Per chunk: two all-reduces
+    /// per layer plus one for the embedding; one all-gather for the logits.
+    pub fn forward(&mut self, ids: &[u32]) -> Result<Tensor> {
+        let mut last = None;
+        for chunk in ids.chunks(self.prefill_chunk) {
+            last = Some(self.hidden_states(chunk)?);
+        }
+        let x = last.ok_or_else(|| candle_core::Error::Msg("forward of an empty sequence".into()))?;
+        let x = rms_norm(&x, &self.norm, self.config.rms_norm_eps as f32)?;
+        let seq = x.dim(1)?;
+        let last = x.narrow(1, seq - 1, 1)?.squeeze(1)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        Ok(head.project(&last)?.to_dtype(DType::F32)?)
+    }
+
+    /// The last layer's output for `ids`, `[1, s, hidden]`, after caching their keys and values.
+    fn hidden_states(&mut self, ids: &[u32]) -> Result<Tensor> {
         let offset = self.cached_positions();
-        let mut x = self.embed.embed(ids, batch)?;
-        let seq = ids.len() / batch;
+        let mut x = self.embed.embed(ids, 1)?;
+        let seq = ids.len();
         let mask = match seq {
             1 => None,
             _ => Some(causal_mask(seq, offset + seq, x.device())?),
@@ -144,11 +181,7 @@ impl LlamaRank {
         for layer in &mut self.layers {
             x = layer.forward(&x, &ctx)?;
         }
-        let x = rms_norm(&x, &self.norm, self.config.rms_norm_eps as f32)?;
-        let seq = x.dim(1)?;
-        let last = x.narrow(1, seq - 1, 1)?.squeeze(1)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        Ok(head.project(&last)?.to_dtype(DType::F32)?)
+        Ok(x)
     }
 }
 
@@ -162,20 +195,30 @@ struct LayerContext<'a> {
     config: &'a LlamaConfig,
 }
 
+// Each half of a layer is its own function so that its temporaries are freed when it returns:
+// the activation model in `memory.rs` counts on it.
 impl DecoderLayer {
     fn forward(&mut self, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
+        let x = (x + self.attention(x, ctx)?)?;
+        let mlp = self.mlp_block(&x, ctx)?;
+        Ok((&x + mlp)?)
+    }
+
+    fn attention(&mut self, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
         let (c, shard, rope, offset) = (ctx.config, ctx.shard, ctx.rope, ctx.offset);
-        let eps = c.rms_norm_eps as f32;
         let (b, s, _) = x.dims3()?;
         let d = c.head_dim;
         let heads = |t: &Tensor, n: usize| t.reshape((b, s, n, d))?.transpose(1, 2);
-        let h = rms_norm(x, &self.input_norm, eps)?;
+        let h = rms_norm(x, &self.input_norm, c.rms_norm_eps as f32)?;
         let qkv = self.qkv.forward(&h)?;
+        drop(h);
         let (n_q, n_kv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
         let q = rope.apply(&heads(&qkv[0], n_q)?, offset)?;
-        let k = rope.apply(&heads(&qkv[1], n_kv)?, offset)?;
-        let v = heads(&qkv[2], n_kv)?;
-        let (k, v) = self.cache.append(&k, &v)?;
+        let (k, v) = {
+            let k = rope.apply(&heads(&qkv[1], n_kv)?, offset)?;
+            self.cache.append(&k, &heads(&qkv[2], n_kv)?)?
+        };
+        drop(qkv);
         let attn = grouped_attention(
             &q,
             &k,
@@ -186,8 +229,11 @@ impl DecoderLayer {
             1.0 / (d as f64).sqrt(),
         )?;
         let attn = attn.transpose(1, 2)?.reshape((b, s, n_q * d))?;
-        let x = (x + self.o_proj.forward(&attn)?)?;
-        let h = rms_norm(&x, &self.post_norm, eps)?;
-        Ok((&x + self.mlp.forward(&h)?)?)
+        self.o_proj.forward(&attn)
+    }
+
+    fn mlp_block(&self, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
+        let h = rms_norm(x, &self.post_norm, ctx.config.rms_norm_eps as f32)?;
+        self.mlp.forward(&h)
     }
 }

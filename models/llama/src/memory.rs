@@ -1,0 +1,87 @@
+//! The bytes one rank of [`crate::LlamaRank`] holds on its device besides its weights, as the
+//! memory planner counts them. Each term names the code it models; keep them in step.
+
+use candle_core::DType;
+use tpinfer_layers::KvCache;
+
+use crate::{LlamaConfig, LlamaShard};
+
+/// Bytes one prompt chunk may spend on one attention score buffer (f32, `q_heads × chunk ×
+/// context`): prompts run in chunks sized to stay under it.
+pub const SCORE_BUFFER_BYTES: usize = 512 << 20;
+
+/// The prompt positions per forward pass for a rank with `q_heads` local query heads and a
+/// context of `max_positions`: as many as keep a score buffer under [`SCORE_BUFFER_BYTES`],
+/// a multiple of 16 between 16 and 2048.
+pub fn prefill_chunk(q_heads: usize, max_positions: usize) -> usize {
+    let per_position = q_heads.max(1) * max_positions.max(1) * 4;
+    (SCORE_BUFFER_BYTES / per_position).clamp(16, 2048) / 16 * 16
+}
+
+/// One rank's device bytes apart from its weight slices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankMemory {
+    /// Rotary tables and the GQA index: allocated at load.
+    pub buffers: usize,
+    /// Keys and values for every layer, allocated at load for the whole context.
+    pub kv_cache: usize,
+    /// The peak of a forward's temporaries: the last prompt chunk of a full context, or a
+    /// decode step, whichever is larger.
+    pub activations: usize,
+}
+
+impl RankMemory {
+    /// The model for `shard` of `config` in `dtype` with a context of `max_positions`, prompts
+    /// in chunks of `chunk` positions.
+    pub fn new(config: &LlamaConfig, shard: &LlamaShard, dtype: DType, max_positions: usize, chunk: usize) -> Self {
+        let (t, d, e) = (max_positions, config.head_dim, dtype.size_in_bytes());
+        let (nq, nkv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
+        // `Rope::new`: cos and sin, `[t, d / 2]` each; `kv_index`: one u32 per local Q head.
+        let buffers = 2 * t * (d / 2) * e + nq * 4;
+        let kv_cache = config.num_hidden_layers * KvCache::bytes(nkv, t, d, dtype);
+        let prompt = forward_peak(config, shard, e, chunk.min(t), t);
+        let decode = forward_peak(config, shard, e, 1, t);
+        Self {
+            buffers,
+            kv_cache,
+            activations: prompt.max(decode),
+        }
+    }
+}
+
+/// The largest set of temporaries alive at once in a forward of `s` positions reaching `t`
+/// positions, with `e`-byte activations (f32 attention and all-reduces, 4 bytes).
+fn forward_peak(c: &LlamaConfig, shard: &LlamaShard, e: usize, s: usize, t: usize) -> usize {
+    let (h, d) = (c.hidden_size, c.head_dim);
+    let (nq, nkv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
+    let ffn = shard.ffn_cols.len();
+    // `hidden_states`: the causal mask (f32 `[s, t]`) and the layer input, for every layer.
+    let mask = if s > 1 { s * t * 4 } else { 0 };
+    let x = s * h * e;
+
+    // `DecoderLayer::attention` once `qkv` is dropped: the rotated queries, then in
+    // `causal_attention` the scaled f32 queries and two score buffers (scores → masked →
+    // softmax, each freed when the next exists), or one with f32 values and output.
+    let q = s * nq * d * e;
+    let q32 = s * nq * d * 4;
+    let scores = nq * s * t * 4;
+    let kv32 = nkv * t * d * 4;
+    // GQA groups straddling ranks: keys and values are gathered per Q head first.
+    let (gathered, kv32) = match shard.heads.uniform_group() {
+        Some(_) => (0, kv32),
+        None => (2 * nq * t * d * e, nq * t * d * 4),
+    };
+    let attention = q + gathered + q32 + scores + scores.max(kv32 + q32).max(kv32);
+    // Before that: the fused QKV output with the rotated queries and keys and their
+    // contiguous copies.
+    let qkv = s * (nq + 2 * nkv) * d * e;
+    let projection = x + qkv + 2 * q + 2 * s * nkv * d * e;
+    let attention = attention.max(projection);
+
+    // `DecoderLayer::mlp_block` on the post-attention residual: norm, fused gate/up, SiLU and
+    // product, then the down projection and its f32 all-reduce (input and output).
+    let gate_up = 2 * s * ffn * e;
+    let mlp = x + x + gate_up + (2 * s * ffn * e).max(s * ffn * e + x + 2 * s * h * 4);
+
+    mask + x + attention.max(mlp)
+}
