@@ -137,9 +137,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn speed(args: SpeedArgs) -> Result<()> {
     println!(
         "| TP | prompt tokens | new tokens | prefill ms (median) | decode tok/s (median) | decode tok/s (min–max) \
-         | device memory in use per rank, GiB |"
+         | peak device memory per rank, MiB: measured / planned (Δ) |"
     );
     println!("|---|---|---|---|---|---|---|");
+    let mut details = Vec::new();
     for &tp in &args.tp {
         let engine = engine(&args.common, tp)?;
         let ids = prompt(&engine, args.common.prompt_tokens);
@@ -168,13 +169,32 @@ fn speed(args: SpeedArgs) -> Result<()> {
         let (lo, hi) = decode
             .iter()
             .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        let plan = engine.plan();
         let memory: Vec<String> = engine
             .device_memory()
             .iter()
-            .map(|m| {
-                m.map_or("–".to_string(), |m| {
-                    format!("{:.2}", m.used as f64 / (1u64 << 30) as f64)
-                })
+            .zip(&plan.ranks)
+            .map(|(m, planned)| {
+                let planned_mib = tpinfer_plan::mib(planned.total());
+                match m {
+                    None => format!("– / {planned_mib:.0}"),
+                    Some(m) => {
+                        details.push(format!(
+                            "| {tp} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |",
+                            planned.rank,
+                            tpinfer_plan::mib(planned.weights + planned.buffers + planned.cache),
+                            tpinfer_plan::mib(planned.activations),
+                            tpinfer_plan::mib(planned.workspace + planned.context),
+                            tpinfer_plan::mib(m.used - m.pool_reserved),
+                            tpinfer_plan::mib(m.pool_peak),
+                            planned_mib,
+                            tpinfer_plan::mib(m.peak()),
+                            tpinfer_plan::mib(m.used),
+                        ));
+                        let off = 100.0 * (m.peak() as f64 / planned.total() as f64 - 1.0);
+                        format!("{:.0} / {planned_mib:.0} ({off:+.1}%)", tpinfer_plan::mib(m.peak()))
+                    }
+                }
             })
             .collect();
         println!(
@@ -185,6 +205,15 @@ fn speed(args: SpeedArgs) -> Result<()> {
             median(decode),
             memory.join(", "),
         );
+    }
+    if !details.is_empty() {
+        println!(
+            "\n| TP | rank | planned weights + buffers + KV, MiB | planned activations | planned workspace + context \
+             | measured outside the pool (context, cuBLAS, NCCL) | measured pool peak | planned total | measured peak \
+             | in use at the end |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|---|");
+        details.iter().for_each(|d| println!("{d}"));
     }
     Ok(())
 }

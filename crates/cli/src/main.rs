@@ -8,6 +8,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use tpinfer_engine::{DeviceKind, Engine, GenerateRequest, Prompt, SamplingParams, StreamEvent};
 
+mod plan;
+
 #[derive(Parser)]
 #[command(
     name = "tpinfer",
@@ -23,6 +25,8 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, streaming tokens as they come.
     Generate(GenerateArgs),
+    /// Each rank's device memory for a placement against a per-GPU budget, and what fits.
+    Plan(plan::PlanArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -36,6 +40,16 @@ enum DtypeArg {
     F32,
     F16,
     Bf16,
+}
+
+impl DtypeArg {
+    fn dtype(self) -> tpinfer_engine::DType {
+        match self {
+            Self::F32 => tpinfer_engine::DType::F32,
+            Self::F16 => tpinfer_engine::DType::F16,
+            Self::Bf16 => tpinfer_engine::DType::BF16,
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -67,6 +81,10 @@ struct GenerateArgs {
     /// Longest sequence, prompt plus generated tokens (default: the model's, at most 8192).
     #[arg(long)]
     max_context: Option<usize>,
+    /// Device memory each rank may use, e.g. 24GiB (default on GPUs: the free memory less 2%).
+    /// The placement is planned first and refused, with what would fit, if over it.
+    #[arg(long, value_parser = tpinfer_plan::parse_bytes)]
+    gpu_mem: Option<u64>,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
@@ -82,11 +100,14 @@ struct GenerateArgs {
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
         .with_writer(std::io::stderr)
         .init();
     match run(Cli::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
@@ -94,9 +115,10 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> Result<()> {
+fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Generate(args) => generate(args),
+        Command::Generate(args) => generate(args).map(|()| ExitCode::SUCCESS),
+        Command::Plan(args) => plan::plan(args),
     }
 }
 
@@ -112,14 +134,13 @@ fn generate(args: GenerateArgs) -> Result<()> {
     };
     let mut builder = Engine::builder(&args.model).tp(args.tp).device(device);
     if let Some(dtype) = args.dtype {
-        builder = builder.dtype(match dtype {
-            DtypeArg::F32 => tpinfer_engine::DType::F32,
-            DtypeArg::F16 => tpinfer_engine::DType::F16,
-            DtypeArg::Bf16 => tpinfer_engine::DType::BF16,
-        });
+        builder = builder.dtype(dtype.dtype());
     }
     if let Some(tokens) = args.max_context {
         builder = builder.max_context(tokens);
+    }
+    if let Some(bytes) = args.gpu_mem {
+        builder = builder.gpu_mem(bytes);
     }
     let engine = builder
         .build()

@@ -82,3 +82,114 @@ fn bad_inputs_exit_non_zero_with_the_cause() {
         &["model.safetensors", "truncated or corrupt"],
     );
 }
+
+fn plan(args: &[&str]) -> Output {
+    let mut all = vec!["plan"];
+    all.extend_from_slice(args);
+    tpinfer(&all, Duration::from_secs(60))
+}
+
+fn json(output: &Output) -> serde_json::Value {
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_slice(&output.stdout).expect("JSON on stdout")
+}
+
+#[test]
+fn plan_reproduces_the_live_avatar_case() {
+    let out = json(&plan(&[
+        "--model",
+        "wan2.2-s2v-14b",
+        "--tp",
+        "5",
+        "--gpu-mem",
+        "24GiB",
+        "--frames",
+        "81",
+        "--size",
+        "832x480",
+        "--json",
+    ]));
+    let budget = 24u64 << 30;
+    assert_eq!(out["budget"], budget);
+    assert_eq!(out["fits"], true);
+    let totals = out["rank_totals"].as_array().expect("rank totals");
+    assert_eq!(totals.len(), 5);
+    assert!(totals.iter().all(|t| t.as_u64().expect("bytes") < budget));
+    let unshard = out["plan"]["fsdp"]["unshard_buffer"].as_u64().expect("bytes") as f64;
+    assert!((unshard / (1u64 << 30) as f64 - 4.17).abs() < 0.005, "{unshard}");
+    assert_eq!(out["plan"]["tokens_per_forward"], 32_760);
+    // The table says the same in MiB.
+    let table = plan(&["--model", "wan2.2-s2v-14b", "--tp", "5", "--gpu-mem", "24GiB"]);
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        text.contains("| 4 |") && text.contains("FSDP on 5 GPUs") && text.contains("headroom"),
+        "{text}"
+    );
+}
+
+#[test]
+fn plan_without_tp_suggests_the_smallest_width() {
+    let out = json(&plan(&["--model", "llama-3-70b", "--gpu-mem", "24GiB", "--json"]));
+    let widths = out["widths"].as_array().expect("widths");
+    // Every width up to the 64 heads, not only powers of two.
+    assert_eq!(widths.len(), 64);
+    let fits: Vec<bool> = widths.iter().map(|w| w["fits"].as_bool().expect("bool")).collect();
+    let smallest = out["smallest_fitting_tp"].as_u64().expect("a width fits") as usize;
+    assert!(!fits[smallest - 2] && fits[smallest - 1], "{fits:?}");
+    // Wider ranks hold less: the peak falls with the width.
+    let peaks: Vec<u64> = widths.iter().map(|w| w["peak"].as_u64().expect("bytes")).collect();
+    assert!(peaks.windows(2).take(16).all(|p| p[1] < p[0]), "{peaks:?}");
+}
+
+#[test]
+fn plan_over_budget_exits_2_with_what_fits() {
+    let output = plan(&["--model", "llama-3-8b", "--tp", "1", "--gpu-mem", "16GiB"]);
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("rank 0 needs") && stderr.contains("fits with --tp 2"),
+        "{stderr}"
+    );
+    let bad = plan(&[
+        "--model",
+        "wan2.1-t2v-14b",
+        "--tp",
+        "2",
+        "--gpu-mem",
+        "80GiB",
+        "--frames",
+        "80",
+    ]);
+    assert_fails_with(&bad, &["4k + 1"]);
+    let unknown = plan(&["--model", "no-such-model", "--gpu-mem", "24GiB"]);
+    assert_fails_with(&unknown, &["preset", "llama-3-8b"]);
+    let size = plan(&["--model", "llama-3-8b", "--gpu-mem", "lots"]);
+    assert!(!size.status.success());
+}
+
+#[test]
+fn plan_of_a_model_directory_reads_its_headers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default().write(dir.path());
+    let path = model.to_str().expect("utf8");
+    let out = json(&plan(&[
+        "--model",
+        path,
+        "--tp",
+        "3",
+        "--gpu-mem",
+        "1GiB",
+        "--cpu",
+        "--dtype",
+        "f32",
+        "--max-context",
+        "256",
+        "--json",
+    ]));
+    let ranks = out["plan"]["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 3);
+    assert!(ranks.iter().all(|r| r["context"] == 0 && r["workspace"] == 0));
+    // TP wider than the heads cannot be planned: the same error as the engine's.
+    let wide = plan(&["--model", path, "--tp", "9", "--gpu-mem", "1GiB"]);
+    assert_fails_with(&wide, &["9", "attention heads"]);
+}

@@ -53,6 +53,7 @@ pub struct EngineBuilder {
     pub(crate) comm_timeout: Duration,
     pub(crate) init_timeout: Duration,
     pub(crate) fault: Option<Fault>,
+    pub(crate) gpu_mem: Option<u64>,
 }
 
 /// Context used when none is given, so that a 128k-context model does not reserve rotary
@@ -71,6 +72,7 @@ impl EngineBuilder {
             comm_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
             init_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
             fault: None,
+            gpu_mem: None,
         }
     }
 
@@ -108,6 +110,14 @@ impl EngineBuilder {
     /// that have not joined are reported.
     pub fn init_timeout(mut self, timeout: Duration) -> Self {
         self.init_timeout = timeout;
+        self
+    }
+
+    /// The device memory each rank may use, in bytes. Every start plans each rank's bytes
+    /// first and refuses a placement over budget before any allocation or NCCL init. Default:
+    /// on GPUs, each device's free memory less a 2% margin; CPU ranks are not checked.
+    pub fn gpu_mem(mut self, bytes: u64) -> Self {
+        self.gpu_mem = Some(bytes);
         self
     }
 

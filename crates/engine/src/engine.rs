@@ -8,6 +8,7 @@ use tpinfer_llama::{LlamaCheckpoint, LlamaConfig, LlamaShard};
 use tpinfer_tokenizer::Tokenizer;
 
 use crate::builder::DEFAULT_MAX_CONTEXT;
+use crate::memory::{measure, reset_peak, DeviceMemory};
 use crate::rank::{rank_main, Connect, RankJob, RankResult, RankSetup, Startup};
 use crate::stream::RankEvent;
 use crate::{DeviceKind, EngineBuilder, EngineError, GenerateRequest, Prompt, TokenStream};
@@ -24,14 +25,7 @@ pub struct Engine {
     dtype: DType,
     rank_weight_bytes: Vec<usize>,
     devices: Vec<Device>,
-}
-
-/// A GPU's memory as the driver reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DeviceMemory {
-    /// Bytes in use on the device (by every process), the CUDA memory pools' reserve included.
-    pub used: usize,
-    pub total: usize,
+    plan: tpinfer_plan::Plan,
 }
 
 impl Engine {
@@ -67,6 +61,8 @@ impl Engine {
             .unwrap_or(DEFAULT_MAX_CONTEXT)
             .min(config.max_position_embeddings);
 
+        let plan = check_plan(&b, &checkpoint, &devices, dtype, max_context)?;
+        devices.iter().for_each(reset_peak);
         let connectors = connectors(&b, &devices)?;
         let (ready_tx, ready_rx) = mpsc::channel();
         let mut rank_done = Vec::with_capacity(tp);
@@ -83,6 +79,7 @@ impl Engine {
                 dtype,
                 max_context,
                 fault: b.fault,
+                plan: plan.ranks[rank],
             };
             let ready = ready_tx.clone();
             // One channel per rank: a rank whose thread ends closes it, which the scheduler sees.
@@ -125,6 +122,7 @@ impl Engine {
             dtype,
             rank_weight_bytes,
             devices,
+            plan,
         })
     }
 
@@ -205,9 +203,14 @@ impl Engine {
         self.dtype
     }
 
-    /// Each rank's device memory now; `None` for CPU ranks.
+    /// Each rank's device memory now, with its peak since the start; `None` for CPU ranks.
     pub fn device_memory(&self) -> Vec<Option<DeviceMemory>> {
-        self.devices.iter().map(device_memory).collect()
+        self.devices.iter().map(measure).collect()
+    }
+
+    /// The memory plan the engine was started with.
+    pub fn plan(&self) -> &tpinfer_plan::Plan {
+        &self.plan
     }
 
     /// The weight bytes each rank read from the checkpoint.
@@ -230,23 +233,6 @@ fn rank_devices(kind: &DeviceKind, tp: usize) -> Result<Vec<Device>, EngineError
         DeviceKind::Cpu => Ok(vec![Device::Cpu; tp]),
         DeviceKind::Cuda { gpus } => cuda_devices(gpus.as_deref(), tp),
     }
-}
-
-#[cfg(feature = "cuda")]
-fn device_memory(device: &Device) -> Option<DeviceMemory> {
-    let Device::Cuda(cuda) = device else {
-        return None;
-    };
-    let (free, total) = cuda.cuda_stream().context().mem_get_info().ok()?;
-    Some(DeviceMemory {
-        used: total - free,
-        total,
-    })
-}
-
-#[cfg(not(feature = "cuda"))]
-fn device_memory(_device: &Device) -> Option<DeviceMemory> {
-    None
 }
 
 #[cfg(feature = "cuda")]
@@ -273,6 +259,44 @@ fn cuda_devices(gpus: Option<&[usize]>, tp: usize) -> Result<Vec<Device>, Engine
 #[cfg(not(feature = "cuda"))]
 fn cuda_devices(_gpus: Option<&[usize]>, _tp: usize) -> Result<Vec<Device>, EngineError> {
     Err(EngineError::CudaNotBuilt)
+}
+
+/// Plans every rank's device bytes and refuses a placement over budget, before any rank
+/// allocates or joins NCCL. The budget is `--gpu-mem`, or on GPUs each device's free memory
+/// (which already excludes the CUDA context this process created) less a 2% margin.
+fn check_plan(
+    b: &EngineBuilder,
+    checkpoint: &Arc<LlamaCheckpoint>,
+    devices: &[Device],
+    dtype: DType,
+    max_context: usize,
+) -> Result<tpinfer_plan::Plan, EngineError> {
+    use tpinfer_plan::{over_budget_message, DeviceProfile, ModelSpec, Placement, Plan};
+    let model = ModelSpec::from_checkpoint(b.model.display().to_string(), checkpoint.clone());
+    let profile = match devices.iter().all(Device::is_cpu) {
+        true => DeviceProfile::cpu(),
+        false => DeviceProfile::cuda(),
+    };
+    let plan = Plan::new(&model, devices.len(), dtype, Placement::Llm { max_context }, profile)
+        .map_err(|e| EngineError::Plan(e.to_string()))?;
+    for (rank, device) in devices.iter().enumerate() {
+        let budget = match (b.gpu_mem, measure(device)) {
+            (Some(bytes), _) => bytes,
+            (None, Some(m)) => (m.free() + profile.context_reserve).saturating_sub(m.total / 50),
+            (None, None) => continue,
+        };
+        let needed = plan.ranks[rank].total();
+        if needed > budget {
+            let mut message = over_budget_message(&model, &plan, dtype, budget);
+            if b.gpu_mem.is_none() {
+                message.push_str(&format!(
+                    " (the budget is rank {rank}'s free device memory less a 2% margin; set it with --gpu-mem)"
+                ));
+            }
+            return Err(EngineError::OverBudget(message));
+        }
+    }
+    Ok(plan)
 }
 
 /// One communicator builder per rank: in-process collectives for CPU ranks, NCCL for GPUs.

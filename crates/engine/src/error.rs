@@ -46,6 +46,10 @@ pub enum EngineError {
     },
     #[error("--gpus names {given} GPU(s) but --tp is {tp}: give one GPU per rank")]
     GpuCount { given: usize, tp: usize },
+    #[error("the placement does not fit the memory budget: {0}")]
+    OverBudget(String),
+    #[error("cannot plan the placement: {0}")]
+    Plan(String),
     #[error("sampling: {0}")]
     Sampling(String),
     #[error("the engine has stopped: {0}")]

@@ -17,14 +17,17 @@
 mod builder;
 mod engine;
 mod error;
+mod memory;
 mod rank;
 mod request;
 mod stream;
 
 pub use builder::{DeviceKind, EngineBuilder, Fault};
 pub use candle_core::DType;
-pub use engine::{DeviceMemory, Engine};
+pub use engine::Engine;
 pub use error::EngineError;
+pub use memory::{DeviceMemory, PLAN_TOLERANCE};
 pub use request::{GenerateRequest, Prompt, SamplingParams};
 pub use stream::{GenerationStats, StopReason, StreamEvent, TokenStream};
+pub use tpinfer_plan::{Plan, RankPlan};
 pub use tpinfer_tokenizer::ChatMessage;

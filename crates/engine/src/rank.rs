@@ -39,6 +39,8 @@ pub(crate) struct RankSetup {
     pub dtype: DType,
     pub max_context: usize,
     pub fault: Option<Fault>,
+    /// This rank's planned device bytes.
+    pub plan: tpinfer_plan::RankPlan,
 }
 
 pub(crate) type RankResult = Result<(), EngineError>;
@@ -85,6 +87,7 @@ pub(crate) fn rank_main(
     let mut model = match loaded {
         Ok(model) => {
             tracing::info!(bytes = model.bytes_loaded(), "loaded shard");
+            crate::memory::check_after_load(rank, &setup.device, &setup.plan);
             let _ = ready.send(Startup::Loaded(rank, model.bytes_loaded()));
             model
         }
@@ -94,8 +97,12 @@ pub(crate) fn rank_main(
         }
     };
     drop(ready);
+    let mut first = true;
     while let Ok(job) = jobs.recv() {
         let outcome = guarded(rank, &*comm, || run_job(&mut model, &*comm, &setup, &job));
+        if std::mem::take(&mut first) && outcome.is_ok() {
+            crate::memory::check_after_step(rank, &setup.device, &setup.plan);
+        }
         if matches!(outcome, Err(EngineError::RankExited { .. })) {
             // An injected silent death: no report, no abort.
             return;

@@ -1,0 +1,255 @@
+//! `tpinfer plan`: each rank's device memory for a placement, against a per-GPU budget.
+
+use std::process::ExitCode;
+
+use anyhow::{bail, Result};
+use tpinfer_engine::DType;
+use tpinfer_plan::{fit_table, mib, over_budget_message, DeviceProfile, ModelSpec, Placement, Plan};
+
+#[derive(clap::Args)]
+pub struct PlanArgs {
+    /// A model directory (Llama: config.json + safetensors, or a GGUF file; Wan: a diffusers
+    /// transformer directory), or a preset: llama-3-8b, llama-3-70b, llama-3.2-1b,
+    /// llama-3.2-3b, wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-s2v-14b.
+    #[arg(long)]
+    model: String,
+    /// Tensor-parallel width. Without it: how every width fits, and the smallest that does.
+    #[arg(long)]
+    tp: Option<usize>,
+    /// Memory per GPU, e.g. 24GiB.
+    #[arg(long, value_parser = tpinfer_plan::parse_bytes)]
+    gpu_mem: u64,
+    /// Compute dtype (default: the checkpoint's, else bf16).
+    #[arg(long, value_enum)]
+    dtype: Option<crate::DtypeArg>,
+    /// LLM: the longest sequence (default: the model's, at most 8192).
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// DiT: frames, 4k + 1 (default 81).
+    #[arg(long)]
+    frames: Option<usize>,
+    /// DiT: WIDTHxHEIGHT in pixels (default 832x480).
+    #[arg(long, value_parser = parse_size)]
+    size: Option<(usize, usize)>,
+    /// Plan for CPU ranks (no CUDA context or library workspace).
+    #[arg(long)]
+    cpu: bool,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_size(text: &str) -> Result<(usize, usize), String> {
+    let (w, h) = text
+        .split_once(['x', 'X', '*'])
+        .ok_or_else(|| format!("`{text}`: expected WIDTHxHEIGHT, e.g. 832x480"))?;
+    let parse = |v: &str| v.trim().parse::<usize>().map_err(|e| format!("`{text}`: {e}"));
+    Ok((parse(w)?, parse(h)?))
+}
+
+/// Prints the plan; exits 2 when the placement does not fit.
+pub fn plan(args: PlanArgs) -> Result<ExitCode> {
+    let model = ModelSpec::open(&args.model)?;
+    // As the engine does: f32 on CPU ranks, the checkpoint's dtype on GPUs.
+    let dtype = match (args.dtype, args.cpu) {
+        (Some(dtype), _) => dtype.dtype(),
+        (None, true) => DType::F32,
+        (None, false) => model.default_dtype(),
+    };
+    let device = match args.cpu {
+        true => DeviceProfile::cpu(),
+        false => DeviceProfile::cuda(),
+    };
+    let placement = match (model.default_placement(), args.max_context, args.frames, args.size) {
+        (Placement::Llm { max_context }, context, None, None) => Placement::Llm {
+            max_context: context.unwrap_or(max_context),
+        },
+        (Placement::Dit { frames, width, height }, None, f, size) => {
+            let (width, height) = size.unwrap_or((width, height));
+            Placement::Dit {
+                frames: f.unwrap_or(frames),
+                width,
+                height,
+            }
+        }
+        (Placement::Llm { .. }, ..) => bail!("--frames and --size are for video DiT models; give an LLM --max-context"),
+        (Placement::Dit { .. }, ..) => bail!("--max-context is for LLMs; give a video DiT --frames and --size"),
+    };
+    match args.tp {
+        Some(0) => bail!("--tp must be at least 1"),
+        Some(tp) => one_width(&model, tp, dtype, placement, device, args.gpu_mem, args.json),
+        None => all_widths(&model, dtype, placement, device, args.gpu_mem, args.json),
+    }
+}
+
+fn one_width(
+    model: &ModelSpec,
+    tp: usize,
+    dtype: DType,
+    placement: Placement,
+    device: DeviceProfile,
+    budget: u64,
+    json: bool,
+) -> Result<ExitCode> {
+    let plan = Plan::new(model, tp, dtype, placement, device)?;
+    let peak = plan.peak().total();
+    let fits = peak <= budget;
+    if json {
+        let report = serde_json::json!({
+            "plan": plan,
+            "budget": budget,
+            "fits": fits,
+            "peak_rank": plan.peak().rank,
+            "peak": peak,
+            "headroom": budget as i128 - peak as i128,
+            "rank_totals": plan.ranks.iter().map(|r| r.total()).collect::<Vec<_>>(),
+            "fsdp_total": plan.fsdp.total(),
+            "fsdp_fits": plan.fsdp.total() <= budget,
+        });
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_plan(&plan, budget);
+    }
+    if !fits {
+        eprintln!("does not fit: {}", over_budget_message(model, &plan, dtype, budget));
+        return Ok(ExitCode::from(2));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn describe(placement: Placement, tokens: usize) -> String {
+    match placement {
+        Placement::Llm { max_context } => format!("max context {max_context} (prompts in chunks of {tokens})"),
+        Placement::Dit { frames, width, height } => {
+            format!("{frames} frames at {width}x{height} ({tokens} video tokens)")
+        }
+    }
+}
+
+fn print_plan(plan: &Plan, budget: u64) {
+    let cache = match plan.placement {
+        Placement::Llm { .. } => "KV cache",
+        Placement::Dit { .. } => "latents",
+    };
+    println!(
+        "{}, {}, TP {}, {}; budget {:.0} MiB per GPU ({} profile)\n",
+        plan.model,
+        plan.dtype,
+        plan.tp,
+        describe(plan.placement, plan.tokens_per_forward),
+        mib(budget),
+        plan.device.name
+    );
+    println!("| rank | weights | buffers | {cache} | activations | workspace | CUDA context | total | headroom |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &plan.ranks {
+        println!(
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            r.rank,
+            mib(r.weights),
+            mib(r.buffers),
+            mib(r.cache),
+            mib(r.activations),
+            mib(r.workspace),
+            mib(r.context),
+            mib(r.total()),
+            mib(budget) - mib(r.total()),
+        );
+    }
+    println!("\n(MiB per rank)\n");
+    let f = &plan.fsdp;
+    println!(
+        "FSDP on {} GPUs, for comparison (MiB per GPU): shard {:.1} + unshard buffer {:.1} ({}) + buffers {:.1} + \
+         {cache} {:.1} + activations {:.1} + workspace {:.1} + context {:.1} = {:.1}: {}",
+        f.world,
+        mib(f.shard),
+        mib(f.unshard_buffer),
+        f.largest_unit,
+        mib(f.buffers),
+        mib(f.cache),
+        mib(f.activations),
+        mib(f.workspace),
+        mib(f.context),
+        mib(f.total()),
+        verdict(f.total(), budget),
+    );
+    let peak = plan.peak();
+    println!(
+        "TP {}: the fullest rank (rank {}) needs {:.1} MiB: {}",
+        plan.tp,
+        peak.rank,
+        mib(peak.total()),
+        verdict(peak.total(), budget)
+    );
+}
+
+fn verdict(needed: u64, budget: u64) -> String {
+    match needed <= budget {
+        true => format!("fits, {:.1} MiB headroom", mib(budget - needed)),
+        false => format!("over by {:.1} MiB", mib(needed - budget)),
+    }
+}
+
+fn all_widths(
+    model: &ModelSpec,
+    dtype: DType,
+    placement: Placement,
+    device: DeviceProfile,
+    budget: u64,
+    json: bool,
+) -> Result<ExitCode> {
+    // Every width the model shards to: any width, not only powers of two.
+    let table = fit_table(model, dtype, placement, device, budget, 1..=model.max_tp());
+    if table.is_empty() {
+        // Report why width 1 cannot even be planned.
+        Plan::new(model, 1, dtype, placement, device)?;
+    }
+    let smallest = table.iter().find(|w| w.fits).map(|w| w.tp);
+    if json {
+        let report = serde_json::json!({
+            "model": model.name(),
+            "dtype": format!("{dtype:?}").to_lowercase(),
+            "placement": placement,
+            "budget": budget,
+            "widths": table,
+            "smallest_fitting_tp": smallest,
+        });
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        let limit = match placement {
+            Placement::Llm { .. } => "longest context that fits",
+            Placement::Dit { .. } => "most frames that fit",
+        };
+        println!(
+            "{}, {}, {}; budget {:.0} MiB per GPU\n",
+            model.name(),
+            format!("{dtype:?}").to_lowercase(),
+            describe(placement, 0).split(" (").next().unwrap_or_default(),
+            mib(budget)
+        );
+        println!("| TP | fullest rank, MiB | fits | {limit} |");
+        println!("|---:|---:|:---:|---:|");
+        // Past the smallest fitting width, show a few more: wider only ever fits better.
+        let shown = smallest.map_or(table.len(), |tp| table.iter().position(|w| w.tp == tp).unwrap_or(0) + 4);
+        for w in table.iter().take(shown) {
+            let limit = w
+                .max_context
+                .or(w.max_frames)
+                .map_or("none".to_string(), |v| v.to_string());
+            println!(
+                "| {} | {:.1} | {} | {limit} |",
+                w.tp,
+                mib(w.peak),
+                if w.fits { "yes" } else { "no" }
+            );
+        }
+        match smallest {
+            Some(tp) => println!("\nThe smallest width that fits: --tp {tp}"),
+            None => println!("\nNo width fits: add GPUs, shorten the context or the video, or use a smaller dtype"),
+        }
+    }
+    Ok(match smallest {
+        Some(_) => ExitCode::SUCCESS,
+        None => ExitCode::from(2),
+    })
+}

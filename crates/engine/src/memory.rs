@@ -1,0 +1,144 @@
+//! A rank's device memory as measured, to hold the plan to account.
+
+use candle_core::Device;
+use tpinfer_plan::RankPlan;
+
+/// A GPU's memory as the driver reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes in use on the device (by every process), the memory pool's reserve included.
+    pub used: u64,
+    pub total: u64,
+    /// Bytes the device's stream-ordered memory pool (where every tensor lives) holds now.
+    pub pool_reserved: u64,
+    /// The most the pool has held since the engine started.
+    pub pool_peak: u64,
+}
+
+impl DeviceMemory {
+    /// The peak device memory: what is in use outside the pool (CUDA context, cuBLAS, NCCL,
+    /// all allocated once at start) plus the pool's peak.
+    pub fn peak(&self) -> u64 {
+        self.used - self.pool_reserved + self.pool_peak
+    }
+
+    pub fn free(&self) -> u64 {
+        self.total - self.used
+    }
+}
+
+/// How far a measurement may stray from the plan before the rank warns.
+pub const PLAN_TOLERANCE: f64 = 0.03;
+
+/// Warns when `measured` bytes differ from `planned` by more than [`PLAN_TOLERANCE`].
+pub(crate) fn check_against_plan(rank: usize, stage: &str, measured: u64, planned: u64) {
+    let off = (measured as f64 - planned as f64) / planned.max(1) as f64;
+    if off.abs() > PLAN_TOLERANCE {
+        tracing::warn!(
+            rank,
+            "{stage}: device memory {:.1} MiB differs from the plan's {:.1} MiB by {:+.1}%",
+            tpinfer_plan::mib(measured),
+            tpinfer_plan::mib(planned),
+            100.0 * off
+        );
+    } else {
+        tracing::info!(
+            rank,
+            "{stage}: device memory {:.1} MiB, plan {:.1} MiB ({:+.1}%)",
+            tpinfer_plan::mib(measured),
+            tpinfer_plan::mib(planned),
+            100.0 * off
+        );
+    }
+}
+
+/// Compares the rank's device memory after loading with the plan (everything but activations).
+pub(crate) fn check_after_load(rank: usize, device: &Device, plan: &RankPlan) {
+    if let Some(m) = measure(device) {
+        check_against_plan(rank, "after loading", m.used, plan.after_load());
+    }
+}
+
+/// Compares the rank's peak device memory after its first request with the plan.
+pub(crate) fn check_after_step(rank: usize, device: &Device, plan: &RankPlan) {
+    if let Some(m) = measure(device) {
+        check_against_plan(rank, "peak after the first request", m.peak(), plan.total());
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::ffi::c_void;
+
+    use candle_core::cuda_backend::cudarc::driver::{sys, CudaContext, DriverError};
+    use candle_core::Device;
+
+    use super::DeviceMemory;
+
+    fn pool(ctx: &CudaContext) -> Result<sys::CUmemoryPool, DriverError> {
+        ctx.bind_to_thread()?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: `pool` is a valid out-pointer and the device belongs to a live context.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }.result()?;
+        Ok(pool)
+    }
+
+    fn attribute(pool: sys::CUmemoryPool, attr: sys::CUmemPool_attribute) -> Result<u64, DriverError> {
+        let mut value = 0u64;
+        // SAFETY: the reserved/used attributes are 64-bit values written to `value`.
+        unsafe { sys::cuMemPoolGetAttribute(pool, attr, &mut value as *mut u64 as *mut c_void) }.result()?;
+        Ok(value)
+    }
+
+    pub fn measure(device: &Device) -> Option<DeviceMemory> {
+        let Device::Cuda(cuda) = device else {
+            return None;
+        };
+        let stream = cuda.cuda_stream();
+        let ctx = stream.context();
+        // Freed blocks return to the pool at the stream's pace: measure after the work is done.
+        stream.synchronize().ok()?;
+        let (free, total) = ctx.mem_get_info().ok()?;
+        let pool = pool(ctx).ok()?;
+        use sys::CUmemPool_attribute::*;
+        Some(DeviceMemory {
+            used: (total - free) as u64,
+            total: total as u64,
+            pool_reserved: attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT).ok()?,
+            pool_peak: attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH).ok()?,
+        })
+    }
+
+    /// Returns the pool's unused memory to the device and restarts its peak from now, so that
+    /// a rank's peak is its own and not an earlier engine's.
+    pub fn reset_peak(device: &Device) {
+        let Device::Cuda(cuda) = device else {
+            return;
+        };
+        let stream = cuda.cuda_stream();
+        let Ok(pool) = stream.synchronize().and_then(|()| pool(stream.context())) else {
+            return;
+        };
+        let mut zero = 0u64;
+        // SAFETY: a live pool; the high-water attributes take a 64-bit zero to reset.
+        unsafe {
+            let _ = sys::cuMemPoolTrimTo(pool, 0);
+            let _ = sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+                &mut zero as *mut u64 as *mut c_void,
+            );
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::{measure, reset_peak};
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn measure(_device: &Device) -> Option<DeviceMemory> {
+    None
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn reset_peak(_device: &Device) {}

@@ -1,0 +1,35 @@
+//! Per-rank device memory plans: before a GPU is touched, how many bytes each rank of a
+//! tensor-parallel placement needs, against a budget, and what would fit instead.
+//!
+//! A plan counts, per rank: the weight slices (exact, from the same declarations the loader
+//! reads), model buffers, the KV cache (LLMs) or sampler latents (DiT), the activation peak
+//! (each model's activation model, beside its forward), library workspace (cuBLAS, NCCL) and
+//! the CUDA context. [`Fsdp`] estimates the same model under FSDP, for comparison.
+
+mod device;
+mod model;
+mod plan;
+mod search;
+
+pub use device::DeviceProfile;
+pub use model::{ModelSpec, Placement, PRESETS};
+pub use plan::{Fsdp, Plan, PlanError, RankPlan};
+pub use search::{fit_table, over_budget_message, smallest_width, WidthFit};
+
+/// Parses a byte size such as `24GiB`, `22.5 GB` or `1048576`.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    text.trim()
+        .parse::<bytesize::ByteSize>()
+        .map(|b| b.as_u64())
+        .map_err(|e| format!("`{text}` is not a byte size (e.g. 24GiB): {e}"))
+}
+
+/// `bytes` in MiB, for tables.
+pub fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
+/// `bytes` in GiB, for messages.
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}

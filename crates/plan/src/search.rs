@@ -1,0 +1,161 @@
+//! What fits: the smallest TP width, the longest context or the most frames at a width.
+
+use candle_core::DType;
+use serde::Serialize;
+
+use crate::{gib, DeviceProfile, ModelSpec, Placement, Plan};
+
+/// How a model fits at one TP width.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct WidthFit {
+    pub tp: usize,
+    /// The largest rank's bytes for the requested placement.
+    pub peak: u64,
+    pub fits: bool,
+    /// LLM: the longest context that fits at this width.
+    pub max_context: Option<usize>,
+    /// DiT: the most frames (4k + 1) that fit at this width, at the requested size.
+    pub max_frames: Option<usize>,
+}
+
+/// How `model` fits `budget` at each width in `widths` (widths it cannot shard to are skipped).
+pub fn fit_table(
+    model: &ModelSpec,
+    dtype: DType,
+    placement: Placement,
+    device: DeviceProfile,
+    budget: u64,
+    widths: impl IntoIterator<Item = usize>,
+) -> Vec<WidthFit> {
+    widths
+        .into_iter()
+        .filter_map(|tp| {
+            let plan = Plan::new(model, tp, dtype, placement, device).ok()?;
+            let peak = plan.peak().total();
+            let (max_context, max_frames) = match placement {
+                Placement::Llm { .. } => (largest_context(model, tp, dtype, device, budget), None),
+                Placement::Dit { width, height, .. } => {
+                    (None, most_frames(model, tp, dtype, device, budget, width, height))
+                }
+            };
+            Some(WidthFit {
+                tp,
+                peak,
+                fits: peak <= budget,
+                max_context,
+                max_frames,
+            })
+        })
+        .collect()
+}
+
+/// The smallest width from `from` up that fits `placement` in `budget`.
+pub fn smallest_width(
+    model: &ModelSpec,
+    dtype: DType,
+    placement: Placement,
+    device: DeviceProfile,
+    budget: u64,
+    from: usize,
+) -> Option<usize> {
+    (from..=model.max_tp()).find(|&tp| {
+        Plan::new(model, tp, dtype, placement, device)
+            .map(|p| p.fits(budget))
+            .unwrap_or(false)
+    })
+}
+
+fn largest_context(model: &ModelSpec, tp: usize, dtype: DType, device: DeviceProfile, budget: u64) -> Option<usize> {
+    let ModelSpec::Llama { config, .. } = model else {
+        return None;
+    };
+    let fits = |context: usize| {
+        Plan::new(model, tp, dtype, Placement::Llm { max_context: context }, device)
+            .map(|p| p.fits(budget))
+            .unwrap_or(false)
+    };
+    largest(1, config.max_position_embeddings, fits)
+}
+
+fn most_frames(
+    model: &ModelSpec,
+    tp: usize,
+    dtype: DType,
+    device: DeviceProfile,
+    budget: u64,
+    width: usize,
+    height: usize,
+) -> Option<usize> {
+    let fits = |k: usize| {
+        let placement = Placement::Dit {
+            frames: 4 * k + 1,
+            width,
+            height,
+        };
+        Plan::new(model, tp, dtype, placement, device)
+            .map(|p| p.fits(budget))
+            .unwrap_or(false)
+    };
+    // Up to 1,001 frames: a minute of 16 fps video in one window.
+    largest(0, 250, fits).map(|k| 4 * k + 1)
+}
+
+/// The largest `n` in `lo..=hi` with `fits(n)`, for a `fits` that holds up to some point.
+fn largest(lo: usize, hi: usize, fits: impl Fn(usize) -> bool) -> Option<usize> {
+    if !fits(lo) {
+        return None;
+    }
+    let (mut good, mut bad) = (lo, hi + 1);
+    while bad - good > 1 {
+        let mid = good + (bad - good) / 2;
+        match fits(mid) {
+            true => good = mid,
+            false => bad = mid,
+        }
+    }
+    Some(good)
+}
+
+/// The refusal for a plan over `budget`: which rank, its bytes against the budget, and what
+/// would fit (a wider TP, a shorter context, fewer frames).
+pub fn over_budget_message(model: &ModelSpec, plan: &Plan, dtype: DType, budget: u64) -> String {
+    let r = plan.peak();
+    let cache = match plan.placement {
+        Placement::Llm { .. } => "KV cache",
+        Placement::Dit { .. } => "latents",
+    };
+    let mut message = format!(
+        "rank {} needs {:.2} GiB but {:.2} GiB is available per GPU (weights {:.2}, {cache} {:.2}, activations {:.2}, \
+         buffers {:.2}, workspace {:.2}, CUDA context {:.2} GiB)",
+        r.rank,
+        gib(r.total()),
+        gib(budget),
+        gib(r.weights),
+        gib(r.cache),
+        gib(r.activations),
+        gib(r.buffers),
+        gib(r.workspace),
+        gib(r.context),
+    );
+    let mut options = Vec::new();
+    if let Some(tp) = smallest_width(model, dtype, plan.placement, plan.device, budget, plan.tp + 1) {
+        options.push(format!("--tp {tp}"));
+    }
+    match plan.placement {
+        Placement::Llm { .. } => {
+            if let Some(context) = largest_context(model, plan.tp, dtype, plan.device, budget) {
+                options.push(format!("--max-context {context}"));
+            }
+        }
+        Placement::Dit { width, height, .. } => {
+            if let Some(frames) = most_frames(model, plan.tp, dtype, plan.device, budget, width, height) {
+                options.push(format!("--frames {frames}"));
+            }
+        }
+    }
+    match options.is_empty() {
+        true => message.push_str("; it does not fit at any TP width: add GPUs or use a smaller dtype"),
+        false => message.push_str(&format!("; fits with {}", options.join(", or with "))),
+    }
+    message
+}

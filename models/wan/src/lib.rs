@@ -1,0 +1,10 @@
+//! The Wan2.1/2.2 video diffusion transformer (diffusers' `WanTransformer3DModel`), sharded
+//! over tensor-parallel ranks: its configuration, what each rank holds, and the device bytes
+//! the memory planner counts for it.
+
+mod config;
+pub mod memory;
+mod shard;
+
+pub use config::{S2vModules, WanConfig, WanConfigError};
+pub use shard::WanShard;

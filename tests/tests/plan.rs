@@ -1,0 +1,164 @@
+//! The memory plan is the truth: exact weight bytes per rank, published model sizes, and an
+//! engine that refuses an over-budget placement before it loads anything.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+use tpinfer_comm::ThreadGroup;
+use tpinfer_engine::{Engine, EngineError};
+use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
+use tpinfer_plan::{DeviceProfile, ModelSpec, Placement, Plan};
+use tpinfer_tests::TinyLlama;
+
+/// At every width and in both dtypes, each rank's planned weight bytes are what loading that
+/// rank places on its device, and (same dtype) what it reads from the checkpoint.
+#[test]
+fn planned_weight_bytes_equal_loaded_bytes_at_tp_1_to_5() {
+    let model = TinyLlama {
+        heads: 10,
+        kv_heads: 5,
+        intermediate: 100,
+        ..TinyLlama::default()
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(dir.path());
+    let checkpoint = Arc::new(LlamaCheckpoint::open(&path).expect("open"));
+    let spec = ModelSpec::open(path.to_str().expect("utf8")).expect("plan model");
+    for dtype in [DType::F32, DType::BF16] {
+        for tp in 1..=5 {
+            let placement = Placement::Llm { max_context: 64 };
+            let plan = Plan::new(&spec, tp, dtype, placement, DeviceProfile::cpu()).expect("plan");
+            let comms = ThreadGroup::ranks(tp, std::time::Duration::from_secs(30));
+            for (rank, comm) in comms.into_iter().enumerate() {
+                let shard = LlamaShard::new(&checkpoint.config, tp, rank).expect("shard");
+                // Each rank loads on its own thread in the engine; here one at a time suffices,
+                // since loading needs no collective.
+                let loaded =
+                    LlamaRank::load(&checkpoint, shard, Arc::new(comm), dtype, &Device::Cpu, 64).expect("load");
+                let planned = plan.ranks[rank].weights as usize;
+                assert_eq!(
+                    planned,
+                    loaded.weight_bytes_on_device(),
+                    "TP {tp} rank {rank} {dtype:?}"
+                );
+                if dtype == DType::F32 {
+                    assert_eq!(planned, loaded.bytes_loaded(), "TP {tp} rank {rank}: bytes read");
+                }
+            }
+        }
+    }
+}
+
+/// The presets' weights are the published parameter counts (bf16, two bytes each).
+#[test]
+fn presets_match_published_parameter_counts() {
+    let params = |name: &str| {
+        let model = ModelSpec::open(name).expect("preset");
+        let placement = model.default_placement();
+        let plan = Plan::new(&model, 1, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
+        plan.ranks[0].weights / 2
+    };
+    assert_eq!(params("llama-3-8b"), 8_030_261_248);
+    assert_eq!(params("llama-3-70b"), 70_553_706_496);
+    assert_eq!(params("llama-3.2-1b"), 1_235_814_400);
+    assert_eq!(params("llama-3.2-3b"), 3_212_749_824);
+    // Wan2.2-S2V-14B's diffusion model is 32.6 GB of bf16 in its four safetensors shards.
+    let s2v = params("wan2.2-s2v-14b") * 2;
+    assert!((32.4e9..32.8e9).contains(&(s2v as f64)), "{s2v}");
+}
+
+/// Sharding splits, never duplicates, except what is replicated by design: the sum over ranks
+/// is the whole model plus (TP - 1) copies of the replicated tensors.
+#[test]
+fn wan_shards_sum_to_the_model() {
+    let model = ModelSpec::open("wan2.1-t2v-14b").expect("preset");
+    let placement = model.default_placement();
+    let whole = Plan::new(&model, 1, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
+    let five = Plan::new(&model, 5, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
+    let sum: u64 = five.ranks.iter().map(|r| r.weights).sum();
+    let replicated = sum - whole.ranks[0].weights;
+    assert_eq!(replicated % 4, 0, "four extra copies of the replicated tensors");
+    // Replicated: embeddings, time projection, head, norms, modulation, row-parallel biases.
+    let per_copy = replicated / 4;
+    assert!(
+        per_copy < whole.ranks[0].weights / 20,
+        "replicated {per_copy} of {}",
+        whole.ranks[0].weights
+    );
+    // 13,824 FFN columns over 5 ranks: 2,816 + 4 × 2,752, so rank 0 holds the most.
+    assert!(five.ranks[0].weights > five.ranks[1].weights);
+    assert_eq!(five.ranks[1].weights, five.ranks[4].weights);
+}
+
+/// The Live Avatar case: Wan2.2-S2V-14B on five 24 GiB GPUs. Under FSDP every GPU gathers the
+/// root module (everything outside the 40 blocks: the S2V audio modules, embeddings, head):
+/// the 4.17 GiB unshard buffer reported for it. Under TP no rank gathers anything.
+#[test]
+fn s2v_on_five_24_gib_gpus() {
+    let model = ModelSpec::open("wan2.2-s2v-14b").expect("preset");
+    let placement = Placement::Dit {
+        frames: 81,
+        width: 832,
+        height: 480,
+    };
+    let plan = Plan::new(&model, 5, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
+    assert_eq!(plan.tokens_per_forward, 32_760);
+    let unshard_gib = plan.fsdp.unshard_buffer as f64 / (1u64 << 30) as f64;
+    assert!(
+        (unshard_gib - 4.17).abs() < 0.005,
+        "unshard buffer {unshard_gib:.3} GiB"
+    );
+    let budget = 24u64 << 30;
+    assert!(plan.fits(budget), "TP 5 must fit 24 GiB: {:?}", plan.peak());
+    assert!(
+        plan.peak().total() < plan.fsdp.total(),
+        "TP needs less than FSDP per GPU"
+    );
+}
+
+#[test]
+fn engine_refuses_an_over_budget_placement_naming_what_fits() {
+    let model = TinyLlama {
+        heads: 8,
+        kv_heads: 4,
+        ..TinyLlama::default()
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(dir.path());
+    let spec = ModelSpec::open(path.to_str().expect("utf8")).expect("plan model");
+    let plan = |tp| {
+        Plan::new(
+            &spec,
+            tp,
+            DType::F32,
+            Placement::Llm { max_context: 512 },
+            DeviceProfile::cpu(),
+        )
+        .expect("plan")
+    };
+    // A budget between what TP 2 and TP 1 need.
+    let (one, two) = (plan(1).peak().total(), plan(2).peak().total());
+    assert!(two < one);
+    let budget = (one + two) / 2;
+    let err = Engine::builder(&path)
+        .tp(1)
+        .max_context(512)
+        .gpu_mem(budget)
+        .build()
+        .err()
+        .expect("over budget");
+    let EngineError::OverBudget(message) = &err else {
+        panic!("expected OverBudget, got {err}");
+    };
+    assert!(message.contains("rank 0 needs"), "{message}");
+    assert!(message.contains("fits with --tp 2"), "{message}");
+    assert!(message.contains("--max-context"), "{message}");
+    // The suggestion is right: TP 2 starts and runs under the same budget.
+    let engine = Engine::builder(&path)
+        .tp(2)
+        .max_context(512)
+        .gpu_mem(budget)
+        .build()
+        .expect("fits at TP 2");
+    assert_eq!(engine.plan().tp, 2);
+}
