@@ -137,7 +137,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn speed(args: SpeedArgs) -> Result<()> {
     println!(
         "| TP | prompt tokens | new tokens | prefill ms (median) | decode tok/s (median) | decode tok/s (min–max) \
-         | peak device memory per rank, MiB: measured / planned (Δ) |"
+         | peak device memory per rank, MiB: measured / planned for this run (Δ) |"
     );
     println!("|---|---|---|---|---|---|---|");
     let mut details = Vec::new();
@@ -170,29 +170,35 @@ fn speed(args: SpeedArgs) -> Result<()> {
             .iter()
             .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
         let plan = engine.plan();
+        let this_run = planned_for_run(&engine, args.common.prompt_tokens, args.new_tokens)?;
         let memory: Vec<String> = engine
             .device_memory()
             .iter()
-            .zip(&plan.ranks)
-            .map(|(m, planned)| {
-                let planned_mib = tpinfer_plan::mib(planned.total());
+            .zip(plan.ranks.iter().zip(&this_run))
+            .map(|(m, (planned, &(run_activations, run_slack)))| {
+                let slack = if planned.allocator_slack > 0 { run_slack } else { 0 };
+                let run_total = planned.total_with(run_activations, slack);
+                let run_mib = tpinfer_plan::mib(run_total);
                 match m {
-                    None => format!("– / {planned_mib:.0}"),
+                    None => format!("– / {run_mib:.0}"),
                     Some(m) => {
                         details.push(format!(
-                            "| {tp} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |",
+                            "| {tp} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} \
+                             | {run_mib:.0} |",
                             planned.rank,
                             tpinfer_plan::mib(planned.weights + planned.buffers + planned.cache),
                             tpinfer_plan::mib(planned.activations),
+                            tpinfer_plan::mib(run_activations),
+                            tpinfer_plan::mib(slack),
                             tpinfer_plan::mib(planned.workspace + planned.context),
                             tpinfer_plan::mib(m.used - m.pool_reserved),
+                            tpinfer_plan::mib(m.pool_used_peak),
                             tpinfer_plan::mib(m.pool_peak),
-                            planned_mib,
+                            tpinfer_plan::mib(planned.total()),
                             tpinfer_plan::mib(m.peak()),
-                            tpinfer_plan::mib(m.used),
                         ));
-                        let off = 100.0 * (m.peak() as f64 / planned.total() as f64 - 1.0);
-                        format!("{:.0} / {planned_mib:.0} ({off:+.1}%)", tpinfer_plan::mib(m.peak()))
+                        let off = 100.0 * (m.peak() as f64 / run_total as f64 - 1.0);
+                        format!("{:.0} / {run_mib:.0} ({off:+.1}%)", tpinfer_plan::mib(m.peak()))
                     }
                 }
             })
@@ -208,14 +214,31 @@ fn speed(args: SpeedArgs) -> Result<()> {
     }
     if !details.is_empty() {
         println!(
-            "\n| TP | rank | planned weights + buffers + KV, MiB | planned activations | planned workspace + context \
-             | measured outside the pool (context, cuBLAS, NCCL) | measured pool peak | planned total | measured peak \
-             | in use at the end |"
+            "\n| TP | rank | planned weights + buffers + KV, MiB | planned activations (max context) \
+             | planned activations (this run) | planned pool slack (this run) | planned workspace + context | measured outside the pool \
+             (context, cuBLAS, NCCL) | measured pool peak (tensors) | measured pool peak (reserved) \
+             | planned total (max context) | measured peak | planned peak (this run) |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         details.iter().for_each(|d| println!("{d}"));
     }
     Ok(())
+}
+
+/// Each rank's planned activation peak and pool slack for a run of `prompt` tokens and `new`
+/// generated ones, by the same model the engine checks itself against.
+fn planned_for_run(engine: &Engine, prompt: usize, new: usize) -> Result<Vec<(u64, u64)>> {
+    use tpinfer_llama::memory::{prefill_chunk, request_memory};
+    (0..engine.tp())
+        .map(|rank| {
+            let shard = tpinfer_llama::LlamaShard::new(engine.config(), engine.tp(), rank)?;
+            let chunk = prefill_chunk(shard.heads.q_heads.len(), engine.max_context());
+            // The last generated token is sampled but never run through the model.
+            let total = prompt + new - 1;
+            let m = request_memory(engine.config(), &shard, engine.dtype(), chunk, prompt, total);
+            Ok((m.peak as u64, m.pool_slack() as u64))
+        })
+        .collect()
 }
 
 fn logits(args: LogitsArgs) -> Result<()> {
@@ -249,6 +272,13 @@ fn logits(args: LogitsArgs) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     match Cli::parse().command {
         Command::Speed(args) => speed(args),
         Command::Logits(args) => logits(args),

@@ -140,16 +140,19 @@ fn print_plan(plan: &Plan, budget: u64) {
         mib(budget),
         plan.device.name
     );
-    println!("| rank | weights | buffers | {cache} | activations | workspace | CUDA context | total | headroom |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| rank | weights | buffers | {cache} | activations | allocator slack | workspace | CUDA context | total | headroom |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &plan.ranks {
         println!(
-            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
             r.rank,
             mib(r.weights),
             mib(r.buffers),
             mib(r.cache),
             mib(r.activations),
+            mib(r.allocator_slack),
             mib(r.workspace),
             mib(r.context),
             mib(r.total()),
@@ -160,7 +163,7 @@ fn print_plan(plan: &Plan, budget: u64) {
     let f = &plan.fsdp;
     println!(
         "FSDP on {} GPUs, for comparison (MiB per GPU): shard {:.1} + unshard buffer {:.1} ({}) + buffers {:.1} + \
-         {cache} {:.1} + activations {:.1} + workspace {:.1} + context {:.1} = {:.1}: {}",
+         {cache} {:.1} + activations {:.1} + allocator slack {:.1} + workspace {:.1} + context {:.1} = {:.1}: {}",
         f.world,
         mib(f.shard),
         mib(f.unshard_buffer),
@@ -168,6 +171,7 @@ fn print_plan(plan: &Plan, budget: u64) {
         mib(f.buffers),
         mib(f.cache),
         mib(f.activations),
+        mib(f.allocator_slack),
         mib(f.workspace),
         mib(f.context),
         mib(f.total()),

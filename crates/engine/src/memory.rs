@@ -13,6 +13,9 @@ pub struct DeviceMemory {
     pub pool_reserved: u64,
     /// The most the pool has held since the engine started.
     pub pool_peak: u64,
+    /// The most the pool's live allocations have summed to since the engine started: the
+    /// tensors alone, without the pool's fragmentation.
+    pub pool_used_peak: u64,
 }
 
 impl DeviceMemory {
@@ -52,17 +55,40 @@ pub(crate) fn check_against_plan(rank: usize, stage: &str, measured: u64, planne
     }
 }
 
-/// Compares the rank's device memory after loading with the plan (everything but activations).
+/// Compares the tensors a rank holds after loading (weights, buffers, KV cache) with the plan.
 pub(crate) fn check_after_load(rank: usize, device: &Device, plan: &RankPlan) {
     if let Some(m) = measure(device) {
-        check_against_plan(rank, "after loading", m.used, plan.after_load());
+        check_against_plan(
+            rank,
+            "tensors after loading",
+            m.pool_reserved,
+            plan.weights + plan.buffers + plan.cache,
+        );
+        tracing::info!(
+            rank,
+            "device memory outside the tensor pool after loading: {:.1} MiB",
+            tpinfer_plan::mib(m.used - m.pool_reserved)
+        );
     }
 }
 
-/// Compares the rank's peak device memory after its first request with the plan.
-pub(crate) fn check_after_step(rank: usize, device: &Device, plan: &RankPlan) {
+/// Compares the rank's peak device memory over its first request with the plan for that
+/// request: the plan with the temporaries the model predicts for the request's prompt and
+/// length in place of the worst case.
+pub(crate) fn check_after_request(
+    rank: usize,
+    device: &Device,
+    plan: &RankPlan,
+    request: tpinfer_llama::memory::ForwardMemory,
+) {
     if let Some(m) = measure(device) {
-        check_against_plan(rank, "peak after the first request", m.peak(), plan.total());
+        let slack = if plan.allocator_slack > 0 {
+            request.pool_slack() as u64
+        } else {
+            0
+        };
+        let planned = plan.total_with(request.peak as u64, slack);
+        check_against_plan(rank, "peak over the first request", m.peak(), planned);
     }
 }
 
@@ -106,6 +132,7 @@ mod cuda {
             total: total as u64,
             pool_reserved: attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT).ok()?,
             pool_peak: attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH).ok()?,
+            pool_used_peak: attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_HIGH).ok()?,
         })
     }
 
@@ -119,15 +146,14 @@ mod cuda {
         let Ok(pool) = stream.synchronize().and_then(|()| pool(stream.context())) else {
             return;
         };
-        let mut zero = 0u64;
+        use sys::CUmemPool_attribute::*;
         // SAFETY: a live pool; the high-water attributes take a 64-bit zero to reset.
         unsafe {
             let _ = sys::cuMemPoolTrimTo(pool, 0);
-            let _ = sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
-                &mut zero as *mut u64 as *mut c_void,
-            );
+            for attr in [CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, CU_MEMPOOL_ATTR_USED_MEM_HIGH] {
+                let mut zero = 0u64;
+                let _ = sys::cuMemPoolSetAttribute(pool, attr, &mut zero as *mut u64 as *mut c_void);
+            }
         }
     }
 }

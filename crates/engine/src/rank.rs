@@ -100,9 +100,11 @@ pub(crate) fn rank_main(
     let mut first = true;
     while let Ok(job) = jobs.recv() {
         let outcome = guarded(rank, &*comm, || run_job(&mut model, &*comm, &setup, &job));
-        if std::mem::take(&mut first) && outcome.is_ok() {
-            crate::memory::check_after_step(rank, &setup.device, &setup.plan);
+        if let (true, Ok(positions)) = (std::mem::take(&mut first), &outcome) {
+            let request = model.planned_activations(job.prompt.len(), *positions);
+            crate::memory::check_after_request(rank, &setup.device, &setup.plan, request);
         }
+        let outcome = outcome.map(|_| ());
         if matches!(outcome, Err(EngineError::RankExited { .. })) {
             // An injected silent death: no report, no abort.
             return;
@@ -161,13 +163,14 @@ fn decode(code: u32) -> Option<StopReason> {
 }
 
 /// Prefill, then one token per step: rank 0 samples from the gathered logits and broadcasts
-/// the token and whether to stop, so all ranks step in lockstep and stop together.
+/// the token and whether to stop, so all ranks step in lockstep and stop together. Returns
+/// the number of positions the request reached.
 fn run_job(
     model: &mut LlamaRank,
     comm: &dyn Communicator,
     setup: &RankSetup,
     job: &RankJob,
-) -> Result<(), EngineError> {
+) -> Result<usize, EngineError> {
     let device = &setup.device;
     let rank = comm.rank();
     let layer_err = |source| rank_error(rank, source);
@@ -225,7 +228,8 @@ fn run_job(
                 };
                 let _ = job.events.send(RankEvent::Done(stats));
             }
-            return Ok(());
+            // The last token was sampled but never run through the model.
+            return Ok(context.len() - 1);
         }
         // Decode step n is the forward after the (n + 1)-th generated token.
         if let Some(fault) = setup.fault.filter(|f| f.at(rank, context.len() - job.prompt.len() - 1)) {

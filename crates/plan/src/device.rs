@@ -10,20 +10,27 @@ pub struct DeviceProfile {
     pub blas_workspace: u64,
     /// NCCL's buffers for one communicator (TP > 1 only).
     pub comm_buffers: u64,
+    /// Whether tensors live in a stream-ordered pool (CUDA's), which holds freed blocks that
+    /// later allocations split: the plan then counts the model's pool slack.
+    pub pooled: bool,
 }
 
 const MIB: u64 = 1 << 20;
 
 impl DeviceProfile {
-    /// A CUDA GPU. The context, cuBLAS and NCCL figures were measured on the H200 test host
-    /// (CUDA 13.0 driver API, NCCL 2.27, two GPUs over NVLink; see benches/RESULTS.md); other
-    /// GPUs and drivers differ by tens of MiB, which the engine's after-load check reports.
+    /// A CUDA GPU, with the figures measured on the H200 test host (driver 580, CUDA 13.0,
+    /// NCCL over NVLink between two GPUs; benches/RESULTS.md): device memory in use outside
+    /// the tensor pool after creating the context (565 MiB), what the first request adds
+    /// (cuBLAS workspace and kernel modules loaded on first use, 124 MiB), and NCCL's buffers
+    /// for a 2-rank communicator (774 MiB, half of it allocated at the first collectives).
+    /// Other GPUs and drivers differ by tens of MiB; NCCL over PCIe without P2P uses less.
     pub fn cuda() -> Self {
         Self {
             name: "cuda",
-            context_reserve: 512 * MIB,
-            blas_workspace: 32 * MIB,
-            comm_buffers: 256 * MIB,
+            context_reserve: 565 * MIB,
+            blas_workspace: 124 * MIB,
+            comm_buffers: 774 * MIB,
+            pooled: true,
         }
     }
 
@@ -34,6 +41,7 @@ impl DeviceProfile {
             context_reserve: 0,
             blas_workspace: 0,
             comm_buffers: 0,
+            pooled: false,
         }
     }
 

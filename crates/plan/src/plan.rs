@@ -33,6 +33,9 @@ pub struct RankPlan {
     pub cache: u64,
     /// The activation peak of one forward.
     pub activations: u64,
+    /// What the device's allocator may hold beyond live tensors at that peak (CUDA's pool:
+    /// freed blocks split by smaller allocations).
+    pub allocator_slack: u64,
     /// cuBLAS and NCCL.
     pub workspace: u64,
     /// The CUDA context.
@@ -41,12 +44,18 @@ pub struct RankPlan {
 
 impl RankPlan {
     pub fn total(&self) -> u64 {
-        self.weights + self.buffers + self.cache + self.activations + self.workspace + self.context
+        self.weights
+            + self.buffers
+            + self.cache
+            + self.activations
+            + self.allocator_slack
+            + self.workspace
+            + self.context
     }
 
-    /// What the rank holds once loaded, before its first step: all but the activations.
-    pub fn after_load(&self) -> u64 {
-        self.total() - self.activations
+    /// The total with the temporaries of one particular request instead of the worst case.
+    pub fn total_with(&self, activations: u64, allocator_slack: u64) -> u64 {
+        self.total() - self.activations - self.allocator_slack + activations + allocator_slack
     }
 }
 
@@ -63,13 +72,21 @@ pub struct Fsdp {
     pub buffers: u64,
     pub cache: u64,
     pub activations: u64,
+    pub allocator_slack: u64,
     pub workspace: u64,
     pub context: u64,
 }
 
 impl Fsdp {
     pub fn total(&self) -> u64 {
-        self.shard + self.unshard_buffer + self.buffers + self.cache + self.activations + self.workspace + self.context
+        self.shard
+            + self.unshard_buffer
+            + self.buffers
+            + self.cache
+            + self.activations
+            + self.allocator_slack
+            + self.workspace
+            + self.context
     }
 }
 
@@ -126,6 +143,7 @@ impl Plan {
                         buffers: memory.buffers as u64,
                         cache: memory.kv_cache as u64,
                         activations: memory.activations as u64,
+                        allocator_slack: if device.pooled { memory.pool_slack as u64 } else { 0 },
                         workspace: device.workspace(tp),
                         context: device.context_reserve,
                     });
@@ -152,6 +170,7 @@ impl Plan {
                         buffers: memory.buffers as u64,
                         cache: memory.latents as u64,
                         activations: memory.activations as u64,
+                        allocator_slack: if device.pooled { memory.pool_slack as u64 } else { 0 },
                         workspace: device.workspace(tp),
                         context: device.context_reserve,
                     });
@@ -252,6 +271,7 @@ fn llama_fsdp(
         buffers: memory.buffers as u64,
         cache: memory.kv_cache as u64,
         activations: memory.activations as u64,
+        allocator_slack: if device.pooled { memory.pool_slack as u64 } else { 0 },
         workspace: device.workspace(world),
         context: device.context_reserve,
     })
@@ -275,6 +295,7 @@ fn wan_fsdp(
         buffers: memory.buffers as u64,
         cache: memory.latents as u64,
         activations: memory.activations as u64,
+        allocator_slack: if device.pooled { memory.pool_slack as u64 } else { 0 },
         workspace: device.workspace(world),
         context: device.context_reserve,
     })

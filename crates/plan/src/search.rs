@@ -125,14 +125,15 @@ pub fn over_budget_message(model: &ModelSpec, plan: &Plan, dtype: DType, budget:
         Placement::Dit { .. } => "latents",
     };
     let mut message = format!(
-        "rank {} needs {:.2} GiB but {:.2} GiB is available per GPU (weights {:.2}, {cache} {:.2}, activations {:.2}, \
-         buffers {:.2}, workspace {:.2}, CUDA context {:.2} GiB)",
+        "rank {} needs {:.2} GiB but {:.2} GiB is available per GPU (weights {:.2}, {cache} {:.2}, activations {:.2} \
+         + allocator slack {:.2}, buffers {:.2}, workspace {:.2}, CUDA context {:.2} GiB)",
         r.rank,
         gib(r.total()),
         gib(budget),
         gib(r.weights),
         gib(r.cache),
         gib(r.activations),
+        gib(r.allocator_slack),
         gib(r.buffers),
         gib(r.workspace),
         gib(r.context),

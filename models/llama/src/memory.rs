@@ -28,6 +28,9 @@ pub struct RankMemory {
     /// The peak of a forward's temporaries: the last prompt chunk of a full context, or a
     /// decode step, whichever is larger.
     pub activations: usize,
+    /// The two largest temporaries of that forward: what a stream-ordered allocator may hold
+    /// beside the live tensors (see [`ForwardMemory::pool_slack`]).
+    pub pool_slack: usize,
 }
 
 impl RankMemory {
@@ -39,19 +42,61 @@ impl RankMemory {
         // `Rope::new`: cos and sin, `[t, d / 2]` each; `kv_index`: one u32 per local Q head.
         let buffers = 2 * t * (d / 2) * e + nq * 4;
         let kv_cache = config.num_hidden_layers * KvCache::bytes(nkv, t, d, dtype);
-        let prompt = forward_peak(config, shard, e, chunk.min(t), t);
-        let decode = forward_peak(config, shard, e, 1, t);
+        let worst = forward_memory(config, shard, e, chunk.min(t), t).max(forward_memory(config, shard, e, 1, t));
         Self {
             buffers,
             kv_cache,
-            activations: prompt.max(decode),
+            activations: worst.peak,
+            pool_slack: worst.pool_slack(),
         }
     }
 }
 
+/// The temporaries of one forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ForwardMemory {
+    /// The most bytes alive at once.
+    pub peak: usize,
+    /// The largest single buffer (a score buffer for prompts).
+    pub largest: usize,
+    /// The largest buffer of another kind.
+    pub second: usize,
+}
+
+impl ForwardMemory {
+    /// What CUDA's stream-ordered pool holds beyond the live tensors at the peak: a freed
+    /// largest buffer gets split by a smaller allocation, so the next largest one needs a new
+    /// reservation (measured on the H200: benches/RESULTS.md).
+    pub fn pool_slack(&self) -> usize {
+        self.largest + self.second
+    }
+}
+
+/// The temporaries of one request, at the forward with the highest peak: a prompt of `prompt`
+/// positions in chunks of `chunk` (each attending to the chunks before it), then decode steps
+/// up to `total` positions.
+pub fn request_memory(
+    config: &LlamaConfig,
+    shard: &LlamaShard,
+    dtype: DType,
+    chunk: usize,
+    prompt: usize,
+    total: usize,
+) -> ForwardMemory {
+    let e = dtype.size_in_bytes();
+    let chunk = chunk.max(1);
+    (0..prompt.div_ceil(chunk))
+        .map(|i| {
+            let end = ((i + 1) * chunk).min(prompt);
+            forward_memory(config, shard, e, end - i * chunk, end)
+        })
+        .fold(forward_memory(config, shard, e, 1, total.max(1)), ForwardMemory::max)
+}
+
 /// The largest set of temporaries alive at once in a forward of `s` positions reaching `t`
-/// positions, with `e`-byte activations (f32 attention and all-reduces, 4 bytes).
-fn forward_peak(c: &LlamaConfig, shard: &LlamaShard, e: usize, s: usize, t: usize) -> usize {
+/// positions, with `e`-byte activations (f32 attention and all-reduces, 4 bytes), and its
+/// largest buffers.
+fn forward_memory(c: &LlamaConfig, shard: &LlamaShard, e: usize, s: usize, t: usize) -> ForwardMemory {
     let (h, d) = (c.hidden_size, c.head_dim);
     let (nq, nkv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
     let ffn = shard.ffn_cols.len();
@@ -83,5 +128,11 @@ fn forward_peak(c: &LlamaConfig, shard: &LlamaShard, e: usize, s: usize, t: usiz
     let gate_up = 2 * s * ffn * e;
     let mlp = x + x + gate_up + (2 * s * ffn * e).max(s * ffn * e + x + 2 * s * h * 4);
 
-    mask + x + attention.max(mlp)
+    let mut sizes = [scores, gathered / 2, kv32, gate_up, qkv, mask, s * h * 4];
+    sizes.sort_unstable();
+    ForwardMemory {
+        peak: mask + x + attention.max(mlp),
+        largest: sizes[sizes.len() - 1],
+        second: sizes[sizes.len() - 2],
+    }
 }

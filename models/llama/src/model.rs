@@ -25,6 +25,7 @@ pub struct LlamaRank {
     kv_index: Tensor,
     /// Prompts run in chunks of this many positions, which bounds attention's score buffers.
     prefill_chunk: usize,
+    dtype: DType,
     bytes_loaded: usize,
     bytes_on_device: usize,
 }
@@ -94,6 +95,7 @@ impl LlamaRank {
             rope,
             kv_index,
             prefill_chunk: crate::memory::prefill_chunk(shard.heads.q_heads.len(), max_positions),
+            dtype,
             shard,
             bytes_loaded: w.bytes_read(),
             bytes_on_device: w.bytes_on_device(),
@@ -123,6 +125,12 @@ impl LlamaRank {
         self.prefill_chunk
     }
 
+    /// The temporaries the memory model predicts for a request of `prompt` positions that
+    /// reaches `total` positions, at this rank's prompt chunk size.
+    pub fn planned_activations(&self, prompt: usize, total: usize) -> crate::memory::ForwardMemory {
+        crate::memory::request_memory(&self.config, &self.shard, self.dtype, self.prefill_chunk, prompt, total)
+    }
+
     /// Runs prompts in chunks of `positions` (at least 1) instead of the default, which the
     /// memory planner assumes: smaller chunks lower the activation peak.
     pub fn set_prefill_chunk(&mut self, positions: usize) {
@@ -149,8 +157,14 @@ impl LlamaRank {
     /// inputs run in chunks of [`Self::prefill_chunk`] positions. Per chunk: two all-reduces
     /// per layer plus one for the embedding; one all-gather for the logits.
     pub fn forward(&mut self, ids: &[u32]) -> Result<Tensor> {
-        let mut last = None;
+        let mut last: Option<Tensor> = None;
         for chunk in ids.chunks(self.prefill_chunk) {
+            if let Some(previous) = last.take() {
+                // Each chunk's score buffers are larger than the last one's; waiting here lets
+                // a stream-ordered allocator hand the freed ones back instead of holding them
+                // beside the new ones.
+                previous.device().synchronize()?;
+            }
             last = Some(self.hidden_states(chunk)?);
         }
         let x = last.ok_or_else(|| candle_core::Error::Msg("forward of an empty sequence".into()))?;

@@ -35,6 +35,9 @@ pub struct DitMemory {
     pub latents: usize,
     /// The peak of one block's temporaries.
     pub activations: usize,
+    /// What a stream-ordered allocator may hold beyond the live tensors: the two largest
+    /// temporaries (as for the Llama forward).
+    pub pool_slack: usize,
 }
 
 impl DitMemory {
@@ -60,11 +63,14 @@ impl DitMemory {
         let cross = x + 2 * s * local * e + 2 * TEXT_TOKENS * local * e + x + reduce;
         // FFN: the modulated norm, the hidden columns and their GELU; then the down partial
         // sum, its reduce chunks and the new residual.
-        let ffn = (x + 2 * s * ffn * e).max(s * ffn * e + x + reduce + x);
+        let ffn_peak = (x + 2 * s * ffn * e).max(s * ffn * e + x + reduce + x);
+        let mut sizes = [s * d * e, s * local * e, scores, s * ffn * e, reduce / 2];
+        sizes.sort_unstable();
         Self {
             buffers,
             latents,
-            activations: x + context + attention.max(cross).max(ffn),
+            activations: x + context + attention.max(cross).max(ffn_peak),
+            pool_slack: sizes[sizes.len() - 1] + sizes[sizes.len() - 2],
         }
     }
 }
