@@ -3,11 +3,14 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use tpinfer_engine::{DeviceKind, Engine, GenerateRequest, Prompt, SamplingParams, StreamEvent};
 
+mod doctor;
 mod plan;
 
 #[derive(Parser)]
@@ -27,6 +30,8 @@ enum Command {
     Generate(GenerateArgs),
     /// Each rank's device memory for a placement against a per-GPU budget, and what fits.
     Plan(plan::PlanArgs),
+    /// Diagnose the GPUs, drivers, libraries, links and NCCL of this machine.
+    Doctor(doctor::DoctorArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -117,15 +122,44 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Generate(args) => generate(args).map(|()| ExitCode::SUCCESS),
+        Command::Generate(args) => generate(args),
         Command::Plan(args) => plan::plan(args),
+        Command::Doctor(args) => doctor::doctor(args),
     }
 }
 
-fn generate(args: GenerateArgs) -> Result<()> {
+/// Exit status after Ctrl-C, as shells report a SIGINT.
+const INTERRUPTED: u8 = 130;
+
+/// Ctrl-C while loading exits at once; while generating, the first stops the request on every
+/// rank at the next token (the ranks agree on it in their per-token broadcast), the second
+/// exits at once.
+fn interrupt_handler() -> Result<Arc<AtomicBool>> {
+    let generating = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (g, s) = (generating.clone(), stop.clone());
+    ctrlc::set_handler(move || {
+        if !g.load(Ordering::SeqCst) || s.swap(true, Ordering::SeqCst) {
+            eprintln!("\ninterrupted");
+            std::process::exit(INTERRUPTED.into());
+        }
+        eprintln!("\nstopping every rank (Ctrl-C again to exit at once)");
+    })?;
+    STOP.set(stop).ok();
+    Ok(generating)
+}
+
+static STOP: std::sync::OnceLock<Arc<AtomicBool>> = std::sync::OnceLock::new();
+
+fn stop_requested() -> bool {
+    STOP.get().is_some_and(|s| s.load(Ordering::SeqCst))
+}
+
+fn generate(args: GenerateArgs) -> Result<ExitCode> {
     if args.tp == 0 {
         bail!("--tp must be at least 1");
     }
+    let generating = interrupt_handler()?;
     let device = match args.device {
         DeviceArg::Cpu => DeviceKind::Cpu,
         DeviceArg::Cuda => DeviceKind::Cuda {
@@ -163,7 +197,18 @@ fn generate(args: GenerateArgs) -> Result<()> {
     };
     let request = GenerateRequest::new(prompt, args.max_new_tokens).with_sampling(sampling);
     let mut stdout = std::io::stdout().lock();
-    for event in engine.generate(request)? {
+    let mut stream = engine.generate(request)?;
+    generating.store(true, Ordering::SeqCst);
+    while let Some(event) = stream.next() {
+        if stop_requested() {
+            // Dropping the stream cancels the request; dropping the engine then joins the
+            // ranks, which stop together at the next token.
+            drop(stream);
+            drop(engine);
+            writeln!(stdout)?;
+            eprintln!("stopped by Ctrl-C");
+            return Ok(ExitCode::from(INTERRUPTED));
+        }
         match event? {
             StreamEvent::Token { text, .. } | StreamEvent::Tail(text) => {
                 stdout.write_all(text.as_bytes())?;
@@ -184,5 +229,5 @@ fn generate(args: GenerateArgs) -> Result<()> {
             }
         }
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }

@@ -193,3 +193,51 @@ fn plan_of_a_model_directory_reads_its_headers() {
     let wide = plan(&["--model", path, "--tp", "9", "--gpu-mem", "1GiB"]);
     assert_fails_with(&wide, &["9", "attention heads"]);
 }
+
+/// Ctrl-C during generation stops every rank at the next token and exits 130, promptly.
+#[test]
+fn ctrl_c_stops_all_ranks() {
+    use std::io::Read;
+    let model = tpinfer_tests::assets_dir().join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tpinfer"))
+        .args(["generate", "--model", model.to_str().expect("utf8"), "--tp", "2"])
+        .args(["--prompt", "Once upon a time", "--max-new-tokens", "5000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn tpinfer");
+    // Wait for the first generated text, so that the ranks are mid-request.
+    let mut stdout = child.stdout.take().expect("stdout");
+    let mut first = [0u8; 1];
+    stdout.read_exact(&mut first).expect("some output");
+    // SAFETY: sends SIGINT to the child we spawned.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) }, 0);
+    let start = Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if start.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("tpinfer did not stop after Ctrl-C");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let output = child.wait_with_output().expect("output");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("stopped by Ctrl-C"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn doctor_on_a_cpu_build_says_how_to_get_gpus() {
+    let text = tpinfer(&["doctor"], Duration::from_secs(30));
+    assert_eq!(text.status.code(), Some(1));
+    let stdout = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        stdout.contains("built for CPU ranks only") && stdout.contains("--features nccl"),
+        "{stdout}"
+    );
+    let json = tpinfer(&["doctor", "--json"], Duration::from_secs(30));
+    let report: serde_json::Value = serde_json::from_slice(&json.stdout).expect("JSON");
+    assert_eq!(report["findings"][0]["severity"], "error");
+    assert!(report["inventory"]["built_for_cuda"].is_null());
+}

@@ -114,8 +114,9 @@ impl EngineBuilder {
     }
 
     /// The device memory each rank may use, in bytes. Every start plans each rank's bytes
-    /// first and refuses a placement over budget before any allocation or NCCL init. Default:
-    /// on GPUs, each device's free memory less a 2% margin; CPU ranks are not checked.
+    /// first and refuses a placement over budget before any allocation or NCCL init. On GPUs
+    /// the budget is also at most each device's free memory less a 2% margin (the default);
+    /// CPU ranks are checked only against this.
     pub fn gpu_mem(mut self, bytes: u64) -> Self {
         self.gpu_mem = Some(bytes);
         self

@@ -262,8 +262,8 @@ fn cuda_devices(_gpus: Option<&[usize]>, _tp: usize) -> Result<Vec<Device>, Engi
 }
 
 /// Plans every rank's device bytes and refuses a placement over budget, before any rank
-/// allocates or joins NCCL. The budget is `--gpu-mem`, or on GPUs each device's free memory
-/// (which already excludes the CUDA context this process created) less a 2% margin.
+/// allocates or joins NCCL. The budget is `--gpu-mem`, and on GPUs at most each device's free
+/// memory (which already excludes the CUDA context this process created) less a 2% margin.
 fn check_plan(
     b: &EngineBuilder,
     checkpoint: &Arc<LlamaCheckpoint>,
@@ -280,17 +280,22 @@ fn check_plan(
     let plan = Plan::new(&model, devices.len(), dtype, Placement::Llm { max_context }, profile)
         .map_err(|e| EngineError::Plan(e.to_string()))?;
     for (rank, device) in devices.iter().enumerate() {
-        let budget = match (b.gpu_mem, measure(device)) {
-            (Some(bytes), _) => bytes,
-            (None, Some(m)) => (m.free() + profile.context_reserve).saturating_sub(m.total / 50),
+        // What the device can give now: its free memory (this process's context is already
+        // counted as used; the plan counts it too) less a 2% margin.
+        let free = measure(device).map(|m| (m.free() + profile.context_reserve).saturating_sub(m.total / 50));
+        let budget = match (b.gpu_mem, free) {
+            (Some(given), Some(free)) => given.min(free),
+            (Some(given), None) => given,
+            (None, Some(free)) => free,
             (None, None) => continue,
         };
         let needed = plan.ranks[rank].total();
         if needed > budget {
             let mut message = over_budget_message(&model, &plan, dtype, budget);
-            if b.gpu_mem.is_none() {
+            if free == Some(budget) {
                 message.push_str(&format!(
-                    " (the budget is rank {rank}'s free device memory less a 2% margin; set it with --gpu-mem)"
+                    " (the budget is rank {rank}'s free device memory less a 2% margin; other processes on the GPU \
+                     show in `nvidia-smi`)"
                 ));
             }
             return Err(EngineError::OverBudget(message));

@@ -1,0 +1,206 @@
+//! The doctor's judgement on reports it cannot produce on a CPU-only machine: PCIe boxes
+//! without P2P, hangs, driver mismatches, too little free memory; and the bounded child runs.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // a failed expectation is a failed test
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use tpinfer_doctor::{
+    parse_topology, run_bounded, smoke_outcome, verdict, AllReduceRow, ChildOutcome, GpuInfo, Inventory, Link,
+    PlanCheck, Report, Severity, SmokeOutcome, SmokeRun,
+};
+
+const FOUR_4090S: &str = "\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID
+GPU0\t X \tPHB\tSYS\tSYS\t0-15\t0\t\tN/A
+GPU1\tPHB\t X \tSYS\tSYS\t0-15\t0\t\tN/A
+GPU2\tSYS\tSYS\t X \tPIX\t16-31\t1\t\tN/A
+GPU3\tSYS\tSYS\tPIX\t X \t16-31\t1\t\tN/A
+
+Legend:
+
+  X    = Self
+  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)
+  NV#  = Connection traversing a bonded set of # NVLinks
+";
+
+const TWO_H200S: &str = "        GPU0    GPU1    CPU Affinity    NUMA Affinity   GPU NUMA ID
+GPU0     X      NV18    0-31    0               N/A
+GPU1    NV18     X      0-31    0               N/A
+";
+
+fn gpu(ordinal: usize) -> GpuInfo {
+    GpuInfo {
+        ordinal,
+        name: "NVIDIA GeForce RTX 4090".into(),
+        compute_capability: (8, 9),
+        total_bytes: 24 << 30,
+        free_bytes: 23 << 30,
+        pci_bus_id: format!("0000:{:02x}:00.0", 0x18 + ordinal),
+    }
+}
+
+fn inventory(gpus: usize, p2p: bool) -> Inventory {
+    Inventory {
+        built_for_cuda: Some(13000),
+        driver_cuda: Some(13000),
+        nccl_version: Some(22809),
+        driver_error: None,
+        gpus: (0..gpus).map(gpu).collect(),
+        can_access_peer: (0..gpus).map(|i| (0..gpus).map(|j| i == j || p2p).collect()).collect(),
+        libraries: Vec::new(),
+    }
+}
+
+fn passed() -> SmokeOutcome {
+    SmokeOutcome::Passed {
+        init_ms: 900.0,
+        sum_correct: true,
+        table: vec![AllReduceRow {
+            bytes: 8 << 10,
+            micros: 30.0,
+            algbw_gbs: 0.27,
+            busbw_gbs: 0.27,
+        }],
+    }
+}
+
+fn report(inventory: Inventory, smoke: Vec<SmokeRun>) -> Report {
+    Report {
+        inventory,
+        smoke,
+        ..Report::default()
+    }
+}
+
+#[test]
+fn topology_of_a_pcie_box_and_an_nvlink_box() {
+    let pcie = parse_topology(FOUR_4090S).expect("parses");
+    assert_eq!(pcie.len(), 4);
+    assert_eq!(pcie[0][1], Link::HostBridge);
+    assert_eq!(pcie[0][2], Link::AcrossSockets);
+    assert_eq!(pcie[2][3], Link::PcieSwitch);
+    assert_eq!(pcie[3][3], Link::Same);
+    let nvlink = parse_topology(TWO_H200S).expect("parses");
+    assert_eq!(nvlink[0][1], Link::NvLink(18));
+    assert!(parse_topology("No devices were found").is_none());
+}
+
+#[test]
+fn a_healthy_machine_passes() {
+    let r = report(
+        inventory(2, true),
+        vec![SmokeRun {
+            gpus: vec![0, 1],
+            p2p_disabled: false,
+            outcome: passed(),
+        }],
+    );
+    let findings = verdict(&r);
+    assert_eq!(findings.len(), 1);
+    assert_eq!(findings[0].severity, Severity::Ok);
+}
+
+#[test]
+fn no_p2p_suggests_disabling_it_and_a_hang_names_the_rank() {
+    let hung = SmokeOutcome::Hung {
+        seconds: 90.0,
+        missing: vec![1],
+        stage: "NCCL init".into(),
+        nccl_log: vec!["host:1:1 [1] NCCL INFO Channel 00 : 1[1] -> 0[0] via P2P/IPC".into()],
+    };
+    let r = report(
+        inventory(2, false),
+        vec![
+            SmokeRun {
+                gpus: vec![0, 1],
+                p2p_disabled: false,
+                outcome: hung,
+            },
+            SmokeRun {
+                gpus: vec![0, 1],
+                p2p_disabled: true,
+                outcome: passed(),
+            },
+        ],
+    );
+    let findings = verdict(&r);
+    assert_eq!(findings[0].severity, Severity::Error, "{findings:#?}");
+    let hang = &findings[0];
+    assert!(
+        hang.title.contains("hung during NCCL init") && hang.title.contains("[1]"),
+        "{}",
+        hang.title
+    );
+    let advice = hang.advice.join("\n");
+    assert!(advice.contains("passes with NCCL_P2P_DISABLE=1"), "{advice}");
+    assert!(advice.contains("NCCL_IB_DISABLE=1"), "{advice}");
+    assert!(advice.contains("via P2P/IPC"), "the NCCL_DEBUG lines: {advice}");
+    let p2p = findings
+        .iter()
+        .find(|f| f.title.contains("cannot access each other's memory"))
+        .expect("a P2P warning");
+    assert_eq!(p2p.severity, Severity::Warning);
+}
+
+#[test]
+fn an_old_driver_is_a_mismatch_with_both_versions() {
+    let mut inv = inventory(2, true);
+    inv.driver_cuda = Some(12040);
+    let findings = verdict(&report(inv, Vec::new()));
+    let mismatch = &findings[0];
+    assert_eq!(mismatch.severity, Severity::Error);
+    assert!(
+        mismatch.title.contains("CUDA 12.4") && mismatch.title.contains("CUDA 13.0"),
+        "{}",
+        mismatch.title
+    );
+}
+
+#[test]
+fn too_little_free_memory_for_the_plan() {
+    let mut r = report(inventory(2, true), Vec::new());
+    r.plan_check = vec![PlanCheck {
+        rank: 1,
+        gpu: 1,
+        needed: 20 << 30,
+        available: 12 << 30,
+    }];
+    let findings = verdict(&r);
+    assert!(
+        findings[0]
+            .title
+            .contains("rank 1 on GPU 1 needs 20.00 GiB but 12.00 GiB is free"),
+        "{findings:#?}"
+    );
+}
+
+#[test]
+fn a_hung_child_is_killed_at_its_deadline() {
+    let start = Instant::now();
+    let mut sleeper = Command::new("sh");
+    sleeper.args(["-c", "echo 'tpinfer-smoke: joined rank 0 after 5 ms' >&2; sleep 30"]);
+    let outcome = run_bounded(sleeper, Duration::from_millis(500)).expect("spawn");
+    assert!(start.elapsed() < Duration::from_secs(5), "killed at the deadline");
+    assert!(matches!(outcome, ChildOutcome::TimedOut { .. }));
+    // Rank 0 joined, rank 1 did not: the report names rank 1 and the stage.
+    match smoke_outcome(2, outcome, Duration::from_millis(500)) {
+        SmokeOutcome::Hung { missing, stage, .. } => {
+            assert_eq!(missing, vec![1]);
+            assert_eq!(stage, "NCCL init");
+        }
+        other => panic!("expected a hang, got {other:?}"),
+    }
+    let mut failing = Command::new("sh");
+    failing.args([
+        "-c",
+        "echo 'host:9:9 [0] NCCL WARN Cuda failure out of memory' >&2; echo 'cannot init' >&2; exit 3",
+    ]);
+    let outcome = run_bounded(failing, Duration::from_secs(10)).expect("spawn");
+    match smoke_outcome(2, outcome, Duration::from_secs(10)) {
+        SmokeOutcome::Failed { error, nccl_log } => {
+            assert!(error.contains("Some(3)") && error.contains("cannot init"), "{error}");
+            assert_eq!(nccl_log.len(), 1);
+        }
+        other => panic!("expected a failure, got {other:?}"),
+    }
+}
