@@ -11,11 +11,13 @@ NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
 BIN=${BIN:-.dist} W=${WORK:-/tmp/tpinfer-gpu} PY=${PY:-python3}
 mkdir -p "$W"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/doctor.log"; }
+{ nvidia-smi topo -m; echo "exit $?"; nvidia-smi --query-gpu=index,pci.bus_id --format=csv,noheader; echo "exit $?"; } > "$OUT/topo.txt" 2>&1
 log "tpinfer doctor --p2p-compare"
 timeout 300 "$BIN/tpinfer" doctor --p2p-compare 2>&1 | tee -a "$OUT/doctor.log"; log "exit ${PIPESTATUS[0]}"
 timeout 300 "$BIN/tpinfer" doctor --json > "$OUT/doctor.json" 2>> "$OUT/doctor.log"; log "json exit $?"
-log "tpinfer doctor --model llama-3-70b --tp 1 (does not fit one GPU's free memory)"
-timeout 300 "$BIN/tpinfer" doctor --model llama-3-70b --tp 1 2>&1 | tail -8 | tee -a "$OUT/doctor.log"; log "exit ${PIPESTATUS[0]}"
+log "tpinfer doctor --model llama-3-70b --tp 1: the plan against one H200's free memory"
+timeout 300 "$BIN/tpinfer" doctor --model llama-3-70b --tp 1 2>&1 | grep -v "NCCL INFO" | tail -24 | tee -a "$OUT/doctor.log"; log "exit ${PIPESTATUS[0]}"
+[ -n "${DOCTOR_ONLY:-}" ] && { log done; exit 0; }
 
 SKIP_GENERATE=1 bash scripts/gpu-fault-check.sh
 cat "$OUT/faults.log" >> "$OUT/doctor.log"

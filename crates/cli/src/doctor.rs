@@ -27,15 +27,18 @@ pub struct DoctorArgs {
     /// With --model: the context to plan for (default: the model's, at most 8192).
     #[arg(long)]
     max_context: Option<usize>,
-    /// Internal: run one smoke test over these GPUs and print its outcome as JSON.
-    #[arg(long, hide = true, value_delimiter = ',')]
+    /// Internal: run one smoke test over these GPUs and write its outcome as JSON to
+    /// --smoke-report.
+    #[arg(long, hide = true, value_delimiter = ',', requires = "smoke_report")]
     smoke_child: Option<Vec<usize>>,
+    #[arg(long, hide = true)]
+    smoke_report: Option<std::path::PathBuf>,
 }
 
 pub fn doctor(args: DoctorArgs) -> Result<ExitCode> {
     let timeout = Duration::from_secs(args.timeout);
-    if let Some(gpus) = &args.smoke_child {
-        println!("{}", serde_json::to_string(&smoke_child(gpus, timeout))?);
+    if let (Some(gpus), Some(report)) = (&args.smoke_child, &args.smoke_report) {
+        std::fs::write(report, serde_json::to_string(&smoke_child(gpus, timeout))?)?;
         return Ok(ExitCode::SUCCESS);
     }
     let plan = match (&args.model, args.tp) {
@@ -56,16 +59,19 @@ pub fn doctor(args: DoctorArgs) -> Result<ExitCode> {
         _ => None,
     };
     let exe = std::env::current_exe()?;
-    let child = |gpus: &[usize]| {
+    let child = |gpus: &[usize], report: &std::path::Path| {
         let mut command = Command::new(&exe);
         let list: Vec<String> = gpus.iter().map(usize::to_string).collect();
-        command.args([
-            "doctor",
-            "--smoke-child",
-            &list.join(","),
-            "--timeout",
-            &args.timeout.to_string(),
-        ]);
+        command
+            .args([
+                "doctor",
+                "--smoke-child",
+                &list.join(","),
+                "--timeout",
+                &args.timeout.to_string(),
+            ])
+            .arg("--smoke-report")
+            .arg(report);
         command
     };
     let options = DoctorOptions {

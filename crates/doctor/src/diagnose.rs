@@ -16,9 +16,12 @@ pub struct DoctorOptions {
     pub plan: Option<tpinfer_plan::Plan>,
 }
 
-/// Runs every check. `smoke_child(gpus)` is the command of a child process that runs the NCCL
-/// smoke test over `gpus` and prints its [`SmokeOutcome`] as JSON on stdout.
-pub fn diagnose(options: &DoctorOptions, smoke_child: &dyn Fn(&[usize]) -> Command) -> Report {
+/// The command of a child process that runs the NCCL smoke test over `gpus` and writes its
+/// [`SmokeOutcome`] as JSON to `report` (not stdout, where NCCL_DEBUG output interleaves).
+pub type SmokeChild<'a> = &'a dyn Fn(&[usize], &std::path::Path) -> Command;
+
+/// Runs every check, the smoke tests through `smoke_child`.
+pub fn diagnose(options: &DoctorOptions, smoke_child: SmokeChild) -> Report {
     let inventory = probe_inventory();
     let links = links(&inventory);
     let mut smoke = Vec::new();
@@ -76,8 +79,15 @@ fn probe_inventory() -> Inventory {
     Inventory::default()
 }
 
-fn smoke_run(gpus: &[usize], p2p_disabled: bool, timeout: Duration, child: &dyn Fn(&[usize]) -> Command) -> SmokeRun {
-    let mut command = child(gpus);
+fn smoke_run(gpus: &[usize], p2p_disabled: bool, timeout: Duration, child: SmokeChild) -> SmokeRun {
+    let report = std::env::temp_dir().join(format!(
+        "tpinfer-smoke-{}-{}-{}.json",
+        std::process::id(),
+        gpus.iter().map(usize::to_string).collect::<Vec<_>>().join("_"),
+        u8::from(p2p_disabled)
+    ));
+    let _ = std::fs::remove_file(&report);
+    let mut command = child(gpus, &report);
     if std::env::var_os("NCCL_DEBUG").is_none() {
         command.env("NCCL_DEBUG", "INFO");
     }
@@ -85,7 +95,11 @@ fn smoke_run(gpus: &[usize], p2p_disabled: bool, timeout: Duration, child: &dyn 
         command.env("NCCL_P2P_DISABLE", "1");
     }
     let outcome = match run_bounded(command, timeout) {
-        Ok(outcome) => smoke_outcome(gpus.len(), outcome, timeout),
+        Ok(outcome) => {
+            let written = std::fs::read_to_string(&report).ok();
+            let _ = std::fs::remove_file(&report);
+            smoke_outcome(gpus.len(), outcome, timeout, written)
+        }
         Err(e) => SmokeOutcome::Failed {
             error: format!("cannot start the smoke-test child: {e}"),
             nccl_log: Vec::new(),
@@ -98,26 +112,32 @@ fn smoke_run(gpus: &[usize], p2p_disabled: bool, timeout: Duration, child: &dyn 
     }
 }
 
-/// What a smoke-test child's end means: its own report, a failure with NCCL's last words, or
+/// What a smoke-test child's end means: its own `report`, a failure with NCCL's last words, or
 /// a hang naming the ranks that never joined.
-pub fn smoke_outcome(world: usize, child: ChildOutcome, timeout: Duration) -> SmokeOutcome {
+pub fn smoke_outcome(world: usize, child: ChildOutcome, timeout: Duration, report: Option<String>) -> SmokeOutcome {
     match child {
         ChildOutcome::Exited {
             code: Some(0),
             stdout,
             stderr,
-        } => match serde_json::from_str::<SmokeOutcome>(stdout.trim()) {
-            Ok(SmokeOutcome::Failed { error, .. }) => SmokeOutcome::Failed {
-                error,
-                nccl_log: nccl_debug_lines(&stderr),
-            },
-            Ok(outcome) => outcome,
-            Err(e) => SmokeOutcome::Failed {
-                error: format!("unreadable smoke-test report ({e})"),
-                nccl_log: nccl_debug_lines(&stderr),
-            },
-        },
-        ChildOutcome::Exited { code, stderr, .. } => {
+        } => {
+            let log = nccl_debug_lines(&format!("{stdout}\n{stderr}"));
+            let Some(report) = report else {
+                return SmokeOutcome::Failed {
+                    error: "the smoke-test child exited without writing its report".into(),
+                    nccl_log: log,
+                };
+            };
+            match serde_json::from_str::<SmokeOutcome>(&report) {
+                Ok(SmokeOutcome::Failed { error, .. }) => SmokeOutcome::Failed { error, nccl_log: log },
+                Ok(outcome) => outcome,
+                Err(e) => SmokeOutcome::Failed {
+                    error: format!("unreadable smoke-test report ({e})"),
+                    nccl_log: log,
+                },
+            }
+        }
+        ChildOutcome::Exited { code, stdout, stderr } => {
             let last = stderr
                 .lines()
                 .rev()
@@ -125,10 +145,10 @@ pub fn smoke_outcome(world: usize, child: ChildOutcome, timeout: Duration) -> Sm
                 .unwrap_or("no message");
             SmokeOutcome::Failed {
                 error: format!("the smoke-test child exited with {code:?}: {last}"),
-                nccl_log: nccl_debug_lines(&stderr),
+                nccl_log: nccl_debug_lines(&format!("{stdout}\n{stderr}")),
             }
         }
-        ChildOutcome::TimedOut { stderr, .. } => {
+        ChildOutcome::TimedOut { stdout, stderr } => {
             let joined: Vec<usize> = stderr
                 .lines()
                 .filter_map(|l| l.split(SMOKE_JOINED).nth(1))
@@ -142,7 +162,7 @@ pub fn smoke_outcome(world: usize, child: ChildOutcome, timeout: Duration) -> Sm
                     false => "NCCL init".into(),
                 },
                 missing,
-                nccl_log: nccl_debug_lines(&stderr),
+                nccl_log: nccl_debug_lines(&format!("{stdout}\n{stderr}")),
             }
         }
     }

@@ -16,7 +16,7 @@ mod topology;
 mod verdict;
 
 pub use bounded::{run_bounded, ChildOutcome};
-pub use diagnose::{diagnose, smoke_outcome, DoctorOptions};
+pub use diagnose::{diagnose, smoke_outcome, DoctorOptions, SmokeChild};
 #[cfg(feature = "cuda")]
 pub use probe::{inventory, loaded_libraries};
 pub use report::{

@@ -1,5 +1,5 @@
 /// How two GPUs are connected, as `nvidia-smi topo -m` labels it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Link {
     /// NVLink with this many links.
     NvLink(u32),
@@ -15,19 +15,24 @@ pub enum Link {
     AcrossSockets,
     /// The GPU itself.
     Same,
+    /// A label this parser does not know, kept as printed.
+    Other(String),
 }
 
 impl Link {
-    fn parse(label: &str) -> Option<Self> {
-        Some(match label {
+    fn parse(label: &str) -> Self {
+        match label {
             "X" => Self::Same,
             "PIX" => Self::PcieSwitch,
             "PXB" => Self::PcieSwitches,
             "PHB" => Self::HostBridge,
             "NODE" => Self::NumaNode,
             "SYS" => Self::AcrossSockets,
-            nv => Self::NvLink(nv.strip_prefix("NV")?.parse().ok()?),
-        })
+            other => match other.strip_prefix("NV").and_then(|n| n.parse().ok()) {
+                Some(n) => Self::NvLink(n),
+                None => Self::Other(other.to_string()),
+            },
+        }
     }
 
     pub fn describe(&self) -> String {
@@ -39,12 +44,33 @@ impl Link {
             Self::NumaNode => "PCIe across host bridges of one NUMA node".into(),
             Self::AcrossSockets => "across CPU sockets".into(),
             Self::Same => "same GPU".into(),
+            Self::Other(label) => label.clone(),
         }
     }
 }
 
+/// `text` without ANSI escape sequences (nvidia-smi underlines the header on some systems).
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // ESC [ … final byte in @..~
+            for c in chars.by_ref() {
+                if ('@'..='~').contains(&c) && c != '[' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// The GPU-to-GPU block of `nvidia-smi topo -m`: row `i`, column `j` is how GPU i reaches GPU j.
 pub fn parse_topology(text: &str) -> Option<Vec<Vec<Link>>> {
+    let text = strip_ansi(text);
     let mut lines = text.lines().map(|l| l.trim_end()).filter(|l| !l.trim().is_empty());
     // The header names the columns: GPU0 GPU1 … then NICs, CPU Affinity, …
     let header = lines.find(|l| l.split_whitespace().next().is_some_and(|w| w.starts_with("GPU")))?;
@@ -56,7 +82,7 @@ pub fn parse_topology(text: &str) -> Option<Vec<Vec<Link>>> {
         if !name.starts_with("GPU") {
             break;
         }
-        let row = words.take(gpus).map(Link::parse).collect::<Option<Vec<_>>>()?;
+        let row: Vec<Link> = words.take(gpus).map(Link::parse).collect();
         if row.len() != gpus {
             return None;
         }

@@ -23,7 +23,8 @@ Legend:
   NV#  = Connection traversing a bonded set of # NVLinks
 ";
 
-const TWO_H200S: &str = "        GPU0    GPU1    CPU Affinity    NUMA Affinity   GPU NUMA ID
+// As the H200 test host prints it: the header underlined with ANSI escapes.
+const TWO_H200S: &str = "\t\u{1b}[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\u{1b}[0m
 GPU0     X      NV18    0-31    0               N/A
 GPU1    NV18     X      0-31    0               N/A
 ";
@@ -183,7 +184,7 @@ fn a_hung_child_is_killed_at_its_deadline() {
     assert!(start.elapsed() < Duration::from_secs(5), "killed at the deadline");
     assert!(matches!(outcome, ChildOutcome::TimedOut { .. }));
     // Rank 0 joined, rank 1 did not: the report names rank 1 and the stage.
-    match smoke_outcome(2, outcome, Duration::from_millis(500)) {
+    match smoke_outcome(2, outcome, Duration::from_millis(500), None) {
         SmokeOutcome::Hung { missing, stage, .. } => {
             assert_eq!(missing, vec![1]);
             assert_eq!(stage, "NCCL init");
@@ -196,10 +197,31 @@ fn a_hung_child_is_killed_at_its_deadline() {
         "echo 'host:9:9 [0] NCCL WARN Cuda failure out of memory' >&2; echo 'cannot init' >&2; exit 3",
     ]);
     let outcome = run_bounded(failing, Duration::from_secs(10)).expect("spawn");
-    match smoke_outcome(2, outcome, Duration::from_secs(10)) {
+    match smoke_outcome(2, outcome, Duration::from_secs(10), None) {
         SmokeOutcome::Failed { error, nccl_log } => {
             assert!(error.contains("Some(3)") && error.contains("cannot init"), "{error}");
             assert_eq!(nccl_log.len(), 1);
+        }
+        other => panic!("expected a failure, got {other:?}"),
+    }
+}
+
+/// The child's report comes in its own file: NCCL_DEBUG=INFO output on stdout is only its log.
+#[test]
+fn a_smoke_report_beside_nccl_debug_output() {
+    let report = serde_json::to_string(&passed()).expect("json");
+    let log = "host:1:1 [0] NCCL INFO Bootstrap: Using eth0\nhost:1:1 [0] NCCL INFO comm 0x1 rank 0\n";
+    let exited = || ChildOutcome::Exited {
+        code: Some(0),
+        stdout: log.to_string(),
+        stderr: String::new(),
+    };
+    let read = smoke_outcome(2, exited(), Duration::from_secs(1), Some(report.clone()));
+    assert_eq!(serde_json::to_string(&read).expect("json"), report);
+    match smoke_outcome(2, exited(), Duration::from_secs(1), None) {
+        SmokeOutcome::Failed { error, nccl_log } => {
+            assert!(error.contains("without writing its report"), "{error}");
+            assert_eq!(nccl_log.len(), 2);
         }
         other => panic!("expected a failure, got {other:?}"),
     }
