@@ -160,20 +160,20 @@ fn print_plan(plan: &Plan, budget: u64) {
         );
     }
     println!("\n(MiB per rank)\n");
-    let f = &plan.fsdp;
+    let (f, g) = (&plan.fsdp, &plan.fsdp.gpu);
     println!(
         "FSDP on {} GPUs, for comparison (MiB per GPU): shard {:.1} + unshard buffer {:.1} ({}) + buffers {:.1} + \
          {cache} {:.1} + activations {:.1} + allocator slack {:.1} + workspace {:.1} + context {:.1} = {:.1}: {}",
         f.world,
-        mib(f.shard),
+        mib(g.weights),
         mib(f.unshard_buffer),
         f.largest_unit,
-        mib(f.buffers),
-        mib(f.cache),
-        mib(f.activations),
-        mib(f.allocator_slack),
-        mib(f.workspace),
-        mib(f.context),
+        mib(g.buffers),
+        mib(g.cache),
+        mib(g.activations),
+        mib(g.allocator_slack),
+        mib(g.workspace),
+        mib(g.context),
         mib(f.total()),
         verdict(f.total(), budget),
     );

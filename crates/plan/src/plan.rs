@@ -65,28 +65,17 @@ impl RankPlan {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Fsdp {
     pub world: usize,
-    pub shard: u64,
+    /// One GPU's bytes apart from the gather: its weight shard (`weights`), the full KV cache
+    /// or latents, full activations, workspace and context.
+    pub gpu: RankPlan,
     pub unshard_buffer: u64,
     /// The wrapped unit whose gather needs the buffer.
     pub largest_unit: String,
-    pub buffers: u64,
-    pub cache: u64,
-    pub activations: u64,
-    pub allocator_slack: u64,
-    pub workspace: u64,
-    pub context: u64,
 }
 
 impl Fsdp {
     pub fn total(&self) -> u64 {
-        self.shard
-            + self.unshard_buffer
-            + self.buffers
-            + self.cache
-            + self.activations
-            + self.allocator_slack
-            + self.workspace
-            + self.context
+        self.gpu.total() + self.unshard_buffer
     }
 }
 
@@ -265,15 +254,18 @@ fn llama_fsdp(
     let memory = RankMemory::new(config, &whole, dtype, max_context, chunk);
     Ok(Fsdp {
         world,
-        shard: total.div_ceil(world as u64),
+        gpu: RankPlan {
+            rank: 0,
+            weights: total.div_ceil(world as u64),
+            buffers: memory.buffers as u64,
+            cache: memory.kv_cache as u64,
+            activations: memory.activations as u64,
+            allocator_slack: if device.pooled { memory.pool_slack as u64 } else { 0 },
+            workspace: device.workspace(world),
+            context: device.context_reserve,
+        },
         unshard_buffer: unit,
         largest_unit: name,
-        buffers: memory.buffers as u64,
-        cache: memory.kv_cache as u64,
-        activations: memory.activations as u64,
-        allocator_slack: if device.pooled { memory.pool_slack as u64 } else { 0 },
-        workspace: device.workspace(world),
-        context: device.context_reserve,
     })
 }
 
@@ -289,14 +281,17 @@ fn wan_fsdp(
     let memory = DitMemory::new(config, &whole, dtype, video);
     Ok(Fsdp {
         world,
-        shard: total.div_ceil(world as u64),
+        gpu: RankPlan {
+            rank: 0,
+            weights: total.div_ceil(world as u64),
+            buffers: memory.buffers as u64,
+            cache: memory.latents as u64,
+            activations: memory.activations as u64,
+            allocator_slack: if device.pooled { memory.pool_slack as u64 } else { 0 },
+            workspace: device.workspace(world),
+            context: device.context_reserve,
+        },
         unshard_buffer: unit,
         largest_unit: name,
-        buffers: memory.buffers as u64,
-        cache: memory.latents as u64,
-        activations: memory.activations as u64,
-        allocator_slack: if device.pooled { memory.pool_slack as u64 } else { 0 },
-        workspace: device.workspace(world),
-        context: device.context_reserve,
     })
 }
