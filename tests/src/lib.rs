@@ -16,6 +16,9 @@ use serde_json::json;
 use tpinfer_comm::{Communicator, ThreadGroup};
 use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
 
+mod wan;
+pub use wan::{open_wan, run_wan, wan_inputs, TinyWan};
+
 /// The shape of a tiny Llama.
 #[derive(Debug, Clone)]
 pub struct TinyLlama {

@@ -75,3 +75,29 @@ pub fn grouped_attention(
         }
     }
 }
+
+/// Non-causal attention of `q` `[h, s, d]` over `k`, `v` `[h, t, d]`, in f32, one head and one
+/// block of queries at a time, so that no score buffer exceeds `score_bytes`: video lengths
+/// (tens of thousands of tokens) never materialize an `s × t` matrix per head group.
+pub fn blockwise_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, score_bytes: usize) -> Result<Tensor> {
+    let (heads, s, _) = q.dims3()?;
+    let t = k.dim(1)?;
+    let block = (score_bytes / (t * 4)).clamp(1, s.max(1));
+    let f32 = |x: &Tensor| x.to_dtype(DType::F32);
+    let mut per_head = Vec::with_capacity(heads);
+    for h in 0..heads {
+        let kh = f32(&k.get(h)?)?.t()?.contiguous()?;
+        let vh = f32(&v.get(h)?)?;
+        let qh = (f32(&q.get(h)?)? * scale)?;
+        let mut rows = Vec::with_capacity(s.div_ceil(block));
+        for start in (0..s).step_by(block) {
+            let len = block.min(s - start);
+            let scores = qh.narrow(0, start, len)?.matmul(&kh)?;
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+            drop(scores);
+            rows.push(probs.matmul(&vh)?);
+        }
+        per_head.push(Tensor::cat(&rows, 0)?);
+    }
+    Ok(Tensor::stack(&per_head, 0)?.to_dtype(q.dtype())?)
+}

@@ -8,12 +8,14 @@
 mod error;
 mod gguf;
 mod loader;
+mod renamed;
 mod safetensors_store;
 mod shard;
 
 pub use error::WeightError;
 pub use gguf::{GgufStore, GgufTensorMap};
 pub use loader::{ShardLoader, WeightDecl};
+pub use renamed::RenamedStore;
 pub use safetensors_store::SafetensorsStore;
 pub use shard::ShardSpec;
 

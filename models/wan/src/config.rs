@@ -1,9 +1,9 @@
 use std::path::Path;
 
-use serde::Deserialize;
+use serde_json::Value;
 
 /// The shape of a Wan DiT, in the terms of diffusers' `WanTransformer3DModel` config.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct WanConfig {
     pub num_attention_heads: usize,
     pub attention_head_dim: usize,
@@ -15,15 +15,11 @@ pub struct WanConfig {
     pub num_layers: usize,
     pub patch_size: [usize; 3],
     /// Whether cross-attention has an affine LayerNorm (`norm2`) before it.
-    #[serde(default = "yes")]
     pub cross_attn_norm: bool,
+    /// Epsilon of the layer norms and of the QK RMSNorm.
+    pub eps: f64,
     /// The speech-to-video modules of Wan2.2-S2V, when the model has them.
-    #[serde(skip)]
     pub s2v: Option<S2vModules>,
-}
-
-fn yes() -> bool {
-    true
 }
 
 /// Wan2.2-S2V's modules around the DiT (`wan/modules/s2v/model_s2v.py`): audio cross-attention
@@ -56,19 +52,80 @@ pub enum WanConfigError {
         #[source]
         source: serde_json::Error,
     },
+    #[error("{path}: {detail}")]
+    Field { path: String, detail: String },
 }
 
 impl WanConfig {
-    /// Reads a diffusers transformer directory's `config.json`.
+    /// Reads a model directory's `config.json`: diffusers' `WanTransformer3DModel` form, or the
+    /// original Wan code's (`dim`, `num_heads`, `in_dim`, …). Text-to-video only.
     pub fn from_dir(dir: &Path) -> Result<Self, WanConfigError> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| WanConfigError::Read {
             path: path.display().to_string(),
             source,
         })?;
-        serde_json::from_str(&text).map_err(|source| WanConfigError::Parse {
-            path: path.display().to_string(),
+        Self::from_json(&text, &path.display().to_string())
+    }
+
+    /// Parses either config form; `origin` names it in errors.
+    pub fn from_json(text: &str, origin: &str) -> Result<Self, WanConfigError> {
+        let v: Value = serde_json::from_str(text).map_err(|source| WanConfigError::Parse {
+            path: origin.to_string(),
             source,
+        })?;
+        let field = |detail: String| WanConfigError::Field {
+            path: origin.to_string(),
+            detail,
+        };
+        let int = |keys: &[&str], default: Option<usize>| -> Result<usize, WanConfigError> {
+            keys.iter()
+                .find_map(|k| v.get(*k).and_then(Value::as_u64))
+                .map(|n| n as usize)
+                .or(default)
+                .ok_or_else(|| field(format!("missing `{}`", keys[0])))
+        };
+        for key in ["image_dim", "added_kv_proj_dim"] {
+            if v.get(key).is_some_and(|x| !x.is_null()) {
+                return Err(field(format!(
+                    "`{key}` is set: image-to-video Wan models are not supported yet"
+                )));
+            }
+        }
+        if let Some(kind) = v.get("model_type").and_then(Value::as_str).filter(|k| *k != "t2v") {
+            return Err(field(format!(
+                "model_type `{kind}`: only text-to-video (t2v) Wan models are supported"
+            )));
+        }
+        let patch_size = match v.get("patch_size").and_then(Value::as_array) {
+            Some(p) if p.len() == 3 => {
+                let dims: Vec<usize> = p.iter().filter_map(Value::as_u64).map(|n| n as usize).collect();
+                [dims[0], dims[1], dims[2]]
+            }
+            Some(_) => return Err(field("`patch_size` must have three entries".into())),
+            None => [1, 2, 2],
+        };
+        let heads = int(&["num_attention_heads", "num_heads"], None)?;
+        let head_dim = match v.get("dim").and_then(Value::as_u64) {
+            Some(dim) => dim as usize / heads.max(1),
+            None => int(&["attention_head_dim"], None)?,
+        };
+        if head_dim % 2 != 0 || heads * head_dim == 0 {
+            return Err(field(format!("head dim {head_dim} must be even and positive")));
+        }
+        Ok(Self {
+            num_attention_heads: heads,
+            attention_head_dim: head_dim,
+            in_channels: int(&["in_channels", "in_dim"], Some(16))?,
+            out_channels: int(&["out_channels", "out_dim"], Some(16))?,
+            text_dim: int(&["text_dim"], Some(4096))?,
+            freq_dim: int(&["freq_dim"], Some(256))?,
+            ffn_dim: int(&["ffn_dim"], None)?,
+            num_layers: int(&["num_layers"], None)?,
+            patch_size,
+            cross_attn_norm: v.get("cross_attn_norm").and_then(Value::as_bool).unwrap_or(true),
+            eps: v.get("eps").and_then(Value::as_f64).unwrap_or(1e-6),
+            s2v: None,
         })
     }
 
@@ -108,6 +165,7 @@ impl WanConfig {
             num_layers: layers,
             patch_size: [1, 2, 2],
             cross_attn_norm: true,
+            eps: 1e-6,
             s2v: None,
         }
     }

@@ -4,7 +4,9 @@
 
 mod config;
 pub mod memory;
+mod model;
 mod shard;
 
 pub use config::{S2vModules, WanConfig, WanConfigError};
-pub use shard::WanShard;
+pub use model::WanRank;
+pub use shard::{original_names, WanShard};

@@ -168,3 +168,48 @@ impl WanShard {
         decls
     }
 }
+
+/// The original Wan checkpoints' name for each diffusers name that differs (`wan/modules/
+/// model.py`): pairs of (diffusers name, original name), for a [`tpinfer_weights::RenamedStore`].
+pub fn original_names(c: &WanConfig) -> Vec<(String, String)> {
+    let mut pairs: Vec<(String, String)> = Vec::new();
+    let mut linear = |diffusers: &str, original: &str| {
+        for part in ["weight", "bias"] {
+            pairs.push((format!("{diffusers}.{part}"), format!("{original}.{part}")));
+        }
+    };
+    linear("condition_embedder.time_embedder.linear_1", "time_embedding.0");
+    linear("condition_embedder.time_embedder.linear_2", "time_embedding.2");
+    linear("condition_embedder.time_proj", "time_projection.1");
+    linear("condition_embedder.text_embedder.linear_1", "text_embedding.0");
+    linear("condition_embedder.text_embedder.linear_2", "text_embedding.2");
+    linear("proj_out", "head.head");
+    for i in 0..c.num_layers {
+        let (d, o) = (format!("blocks.{i}"), format!("blocks.{i}"));
+        for (attn, orig) in [("attn1", "self_attn"), ("attn2", "cross_attn")] {
+            for (proj, orig_proj) in [("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o")] {
+                linear(&format!("{d}.{attn}.{proj}"), &format!("{o}.{orig}.{orig_proj}"));
+            }
+        }
+        // diffusers' norm2 (cross-attention, affine) is the original norm3.
+        linear(&format!("{d}.norm2"), &format!("{o}.norm3"));
+        linear(&format!("{d}.ffn.net.0.proj"), &format!("{o}.ffn.0"));
+        linear(&format!("{d}.ffn.net.2"), &format!("{o}.ffn.2"));
+    }
+    for i in 0..c.num_layers {
+        for (attn, orig) in [("attn1", "self_attn"), ("attn2", "cross_attn")] {
+            for norm in ["norm_q", "norm_k"] {
+                pairs.push((
+                    format!("blocks.{i}.{attn}.{norm}.weight"),
+                    format!("blocks.{i}.{orig}.{norm}.weight"),
+                ));
+            }
+        }
+        pairs.push((
+            format!("blocks.{i}.scale_shift_table"),
+            format!("blocks.{i}.modulation"),
+        ));
+    }
+    pairs.push(("scale_shift_table".into(), "head.modulation".into()));
+    pairs
+}

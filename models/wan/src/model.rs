@@ -1,0 +1,382 @@
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use tpinfer_comm::Communicator;
+use tpinfer_layers::{
+    blockwise_attention, ColumnParallelLinear, MergedColumnParallelLinear, Result, RowParallelLinear,
+};
+use tpinfer_weights::{ShardLoader, WeightStore};
+
+use crate::memory::SCORE_BUFFER_BYTES;
+use crate::{WanConfig, WanShard};
+
+/// One rank's part of a Wan DiT: its heads of every attention and its FFN columns; the
+/// embeddings, modulation tables and head replicated.
+pub struct WanRank {
+    config: WanConfig,
+    shard: WanShard,
+    dtype: DType,
+    patch: Tensor,
+    patch_bias: Tensor,
+    time_1: Linear,
+    time_2: Linear,
+    time_proj: Linear,
+    text_1: Linear,
+    text_2: Linear,
+    blocks: Vec<Block>,
+    /// The head's `[2, dim]` shift/scale table, f32.
+    head_table: Tensor,
+    proj_out: Linear,
+    comm: Arc<dyn Communicator>,
+}
+
+/// A replicated linear.
+struct Linear(candle_nn::Linear);
+
+impl Linear {
+    fn load(w: &mut ShardLoader, prefix: &str) -> Result<Self> {
+        let weight = w.take(&format!("{prefix}.weight"))?;
+        let bias = w.take(&format!("{prefix}.bias"))?;
+        Ok(Self(candle_nn::Linear::new(weight, Some(bias))))
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_core::Module::forward(&self.0, x)?)
+    }
+}
+
+/// An attention sharded by heads: Q (and K/V, from the same input or the text) column-parallel,
+/// the full-width QK RMSNorm kept exact by an all-reduce of per-token sums of squares, the
+/// output row-parallel.
+struct Attention {
+    q: ColumnParallelLinear,
+    kv: MergedColumnParallelLinear,
+    o: RowParallelLinear,
+    /// This rank's channels of the RMSNorm weights, f32.
+    norm_q: Tensor,
+    norm_k: Tensor,
+}
+
+struct Block {
+    /// `[6, dim]` f32: shift, scale, gate (self-attention), shift, scale, gate (FFN).
+    table: Tensor,
+    self_attn: Attention,
+    cross_attn: Attention,
+    /// The cross-attention's affine LayerNorm (weight, bias), f32.
+    norm2: Option<(Tensor, Tensor)>,
+    ffn_up: ColumnParallelLinear,
+    ffn_down: RowParallelLinear,
+}
+
+/// What every block of one forward shares.
+struct Step<'a> {
+    /// RoPE tables per token, `[s, head_dim / 2]` in the compute dtype.
+    cos: &'a Tensor,
+    sin: &'a Tensor,
+    /// The embedded text, `[text_tokens, dim]`.
+    context: &'a Tensor,
+    /// The time projection, `[6, dim]` f32.
+    time: &'a Tensor,
+    ones: &'a Tensor,
+    zeros: &'a Tensor,
+}
+
+impl WanRank {
+    /// Loads this rank's slices from `store` (diffusers' names; wrap original checkpoints in a
+    /// [`tpinfer_weights::RenamedStore`] with [`crate::original_names`]).
+    pub fn load(
+        config: &WanConfig,
+        store: &dyn WeightStore,
+        shard: WanShard,
+        comm: Arc<dyn Communicator>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let decls = shard.weight_decls(config);
+        let mut w = ShardLoader::new(store, &decls, dtype, device);
+        let d = config.hidden_size();
+        let f32 = |t: Tensor| t.to_dtype(DType::F32);
+        let patch = w.take("patch_embedding.weight")?;
+        let patch = patch.reshape((d, patch.elem_count() / d))?;
+        let patch_bias = w.take("patch_embedding.bias")?;
+        let ce = "condition_embedder";
+        let time_1 = Linear::load(&mut w, &format!("{ce}.time_embedder.linear_1"))?;
+        let time_2 = Linear::load(&mut w, &format!("{ce}.time_embedder.linear_2"))?;
+        let time_proj = Linear::load(&mut w, &format!("{ce}.time_proj"))?;
+        let text_1 = Linear::load(&mut w, &format!("{ce}.text_embedder.linear_1"))?;
+        let text_2 = Linear::load(&mut w, &format!("{ce}.text_embedder.linear_2"))?;
+        let attention = |w: &mut ShardLoader, p: &str| -> Result<Attention> {
+            Ok(Attention {
+                q: ColumnParallelLinear::load(w, &format!("{p}.to_q"), true)?,
+                kv: MergedColumnParallelLinear::load(w, &[&format!("{p}.to_k"), &format!("{p}.to_v")], true)?,
+                o: RowParallelLinear::load(w, &format!("{p}.to_out.0"), true, comm.clone())?,
+                norm_q: f32(w.take(&format!("{p}.norm_q.weight"))?)?,
+                norm_k: f32(w.take(&format!("{p}.norm_k.weight"))?)?,
+            })
+        };
+        let blocks = (0..config.num_layers)
+            .map(|i| {
+                let p = format!("blocks.{i}");
+                Ok(Block {
+                    table: f32(w.take(&format!("{p}.scale_shift_table"))?)?.reshape((6, d))?,
+                    self_attn: attention(&mut w, &format!("{p}.attn1"))?,
+                    cross_attn: attention(&mut w, &format!("{p}.attn2"))?,
+                    norm2: match config.cross_attn_norm {
+                        true => Some((
+                            f32(w.take(&format!("{p}.norm2.weight"))?)?,
+                            f32(w.take(&format!("{p}.norm2.bias"))?)?,
+                        )),
+                        false => None,
+                    },
+                    ffn_up: ColumnParallelLinear::load(&mut w, &format!("{p}.ffn.net.0.proj"), true)?,
+                    ffn_down: RowParallelLinear::load(&mut w, &format!("{p}.ffn.net.2"), true, comm.clone())?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let head_table = f32(w.take("scale_shift_table")?)?.reshape((2, d))?;
+        let proj_out = Linear::load(&mut w, "proj_out")?;
+        Ok(Self {
+            config: config.clone(),
+            shard,
+            dtype,
+            patch,
+            patch_bias,
+            time_1,
+            time_2,
+            time_proj,
+            text_1,
+            text_2,
+            blocks,
+            head_table,
+            proj_out,
+            comm,
+        })
+    }
+
+    pub fn config(&self) -> &WanConfig {
+        &self.config
+    }
+
+    /// Embeds umT5 text states `[tokens, text_dim]` for the cross-attentions: run once per
+    /// prompt, not per step.
+    pub fn embed_text(&self, text: &Tensor) -> Result<Tensor> {
+        let h = self.text_1.forward(&text.to_dtype(self.dtype)?)?.gelu()?;
+        self.text_2.forward(&h)
+    }
+
+    /// The velocity for `latents` `[channels, frames, height, width]` (f32) at flow time
+    /// `timestep` (0–1000), attending to `context` from [`Self::embed_text`]. Returns f32 of
+    /// the latents' shape; every rank returns the same. Three activation all-reduces per block
+    /// (self-attention, cross-attention, FFN outputs) and two of per-token norms.
+    pub fn forward(&self, latents: &Tensor, timestep: f64, context: &Tensor) -> Result<Tensor> {
+        let c = &self.config;
+        let (channels, frames, height, width) = latents.dims4()?;
+        let [pt, ph, pw] = c.patch_size;
+        if channels != c.in_channels || frames % pt != 0 || height % ph != 0 || width % pw != 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "latents {:?} do not fit the model: {} channels, frames a multiple of {pt}, height of {ph}, width of {pw}",
+                latents.dims(),
+                c.in_channels
+            ))
+            .into());
+        }
+        let (f, h, w) = (frames / pt, height / ph, width / pw);
+        let device = latents.device();
+        let d = c.hidden_size();
+
+        // Patch embedding: the 3-D convolution with stride = kernel is a linear map of patches.
+        let patches = latents
+            .to_dtype(self.dtype)?
+            .reshape(vec![channels, f, pt, h, ph, w, pw])?
+            .permute(vec![1, 3, 5, 0, 2, 4, 6])?
+            .reshape((f * h * w, channels * pt * ph * pw))?;
+        let mut x = patches.matmul(&self.patch.t()?)?.broadcast_add(&self.patch_bias)?;
+
+        let temb = self.time_embedding(timestep, device)?;
+        let time = self
+            .time_proj
+            .forward(&candle_nn::ops::silu(&temb)?)?
+            .to_dtype(DType::F32)?
+            .reshape((6, d))?;
+        let (cos, sin) = self.rope_tables(f, h, w, device)?;
+        let ones = Tensor::ones(d, DType::F32, device)?;
+        let zeros = Tensor::zeros(d, DType::F32, device)?;
+        let step = Step {
+            cos: &cos,
+            sin: &sin,
+            context,
+            time: &time,
+            ones: &ones,
+            zeros: &zeros,
+        };
+        for block in &self.blocks {
+            x = block.forward(&x, &step, c, self.dtype, &*self.comm)?;
+        }
+
+        // Head: LayerNorm modulated by its own table and the time embedding, then unpatchify.
+        let temb = temb.to_dtype(DType::F32)?;
+        let shift = self.head_table.get(0)?.broadcast_add(&temb.squeeze(0)?)?;
+        let scale = self.head_table.get(1)?.broadcast_add(&temb.squeeze(0)?)?;
+        let x = modulate(&layer_norm(&x, &ones, &zeros, c.eps)?, &shift, &scale)?.to_dtype(self.dtype)?;
+        let out = self.proj_out.forward(&x)?;
+        Ok(out
+            .reshape(vec![f, h, w, pt, ph, pw, c.out_channels])?
+            .permute(vec![6, 0, 3, 1, 4, 2, 5])?
+            .reshape((c.out_channels, frames, height, width))?
+            .to_dtype(DType::F32)?)
+    }
+
+    /// The sinusoidal embedding of the timestep (cos then sin halves) through the time MLP:
+    /// `[1, dim]`.
+    fn time_embedding(&self, timestep: f64, device: &Device) -> Result<Tensor> {
+        let half = self.config.freq_dim / 2;
+        let mut sinusoid: Vec<f32> = (0..half)
+            .map(|i| (timestep * 10_000f64.powf(-(i as f64) / half as f64)).cos() as f32)
+            .collect();
+        sinusoid.extend((0..half).map(|i| (timestep * 10_000f64.powf(-(i as f64) / half as f64)).sin() as f32));
+        let sinusoid = Tensor::from_vec(sinusoid, (1, 2 * half), device)?.to_dtype(self.dtype)?;
+        let h = candle_nn::ops::silu(&self.time_1.forward(&sinusoid)?)?;
+        self.time_2.forward(&h)
+    }
+
+    /// 3-D RoPE: each head's pairs split into time, height and width parts (`d − 4⌊d/6⌋`,
+    /// `2⌊d/6⌋`, `2⌊d/6⌋` channels), each rotated by its coordinate. `[s, d/2]` cos and sin.
+    fn rope_tables(&self, f: usize, h: usize, w: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+        let hd = self.config.attention_head_dim;
+        let hw_dim = 2 * (hd / 6);
+        let t_dim = hd - 2 * hw_dim;
+        let inv = |dim: usize| -> Vec<f64> {
+            (0..dim / 2)
+                .map(|j| 1.0 / 10_000f64.powf(2.0 * j as f64 / dim as f64))
+                .collect()
+        };
+        let (ti, hi, wi) = (inv(t_dim), inv(hw_dim), inv(hw_dim));
+        let mut angles = Vec::with_capacity(f * h * w * hd / 2);
+        for ft in 0..f {
+            for y in 0..h {
+                for xw in 0..w {
+                    angles.extend(ti.iter().map(|v| ft as f64 * v));
+                    angles.extend(hi.iter().map(|v| y as f64 * v));
+                    angles.extend(wi.iter().map(|v| xw as f64 * v));
+                }
+            }
+        }
+        let table = |g: fn(f64) -> f64| -> Result<Tensor> {
+            let values: Vec<f32> = angles.iter().map(|&a| g(a) as f32).collect();
+            Ok(Tensor::from_vec(values, (f * h * w, hd / 2), device)?.to_dtype(self.dtype)?)
+        };
+        Ok((table(f64::cos)?, table(f64::sin)?))
+    }
+
+    /// This rank's shard.
+    pub fn shard(&self) -> &WanShard {
+        &self.shard
+    }
+}
+
+impl Block {
+    fn forward(&self, x: &Tensor, step: &Step, c: &WanConfig, dtype: DType, comm: &dyn Communicator) -> Result<Tensor> {
+        let e = self.table.broadcast_add(step.time)?;
+        let row = |i: usize| e.get(i);
+        let (shift, scale, gate) = (row(0)?, row(1)?, row(2)?);
+        let (c_shift, c_scale, c_gate) = (row(3)?, row(4)?, row(5)?);
+
+        // Self-attention, gated.
+        let n = modulate(&layer_norm(x, step.ones, step.zeros, c.eps)?, &shift, &scale)?.to_dtype(dtype)?;
+        let attn = self.self_attn.forward(&n, &n, Some((step.cos, step.sin)), c, comm)?;
+        let x = gated_add(x, &attn, &gate)?;
+
+        // Cross-attention to the text, plain residual.
+        let n = match &self.norm2 {
+            Some((w, b)) => layer_norm(&x, w, b, c.eps)?.to_dtype(dtype)?,
+            None => x.clone(),
+        };
+        let attn = self.cross_attn.forward(&n, step.context, None, c, comm)?;
+        let x = (x + attn)?;
+
+        // FFN (GELU, tanh approximation), gated.
+        let n = modulate(&layer_norm(&x, step.ones, step.zeros, c.eps)?, &c_shift, &c_scale)?.to_dtype(dtype)?;
+        let hidden = self.ffn_up.forward(&n)?.gelu()?;
+        let ffn = self.ffn_down.forward(&hidden)?;
+        gated_add(&x, &ffn, &c_gate)
+    }
+}
+
+impl Attention {
+    /// Attention of `x` over `source` (itself, or the embedded text), with RoPE for
+    /// self-attention. Returns the full-width output after the row-parallel all-reduce.
+    fn forward(
+        &self,
+        x: &Tensor,
+        source: &Tensor,
+        rope: Option<(&Tensor, &Tensor)>,
+        c: &WanConfig,
+        comm: &dyn Communicator,
+    ) -> Result<Tensor> {
+        let q = self.q.forward(x)?;
+        let kv = self.kv.forward(source)?;
+        let (q, k) = full_width_rms_norm(&q, &kv[0], &self.norm_q, &self.norm_k, c, comm)?;
+        let hd = c.attention_head_dim;
+        let heads = |t: &Tensor| -> Result<Tensor> {
+            let (s, width) = t.dims2()?;
+            Ok(t.reshape((s, width / hd, hd))?.transpose(0, 1)?.contiguous()?)
+        };
+        let (mut q, mut k, v) = (heads(&q)?, heads(&k)?, heads(&kv[1])?);
+        if let Some((cos, sin)) = rope {
+            let rotate = |t: &Tensor| -> Result<Tensor> {
+                Ok(candle_nn::rotary_emb::rope_i(&t.unsqueeze(0)?, cos, sin)?.squeeze(0)?)
+            };
+            q = rotate(&q)?;
+            k = rotate(&k)?;
+        }
+        let out = blockwise_attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), SCORE_BUFFER_BYTES)?;
+        let (n, s, _) = out.dims3()?;
+        self.o.forward(&out.transpose(0, 1)?.reshape((s, n * hd))?)
+    }
+}
+
+/// RMSNorm of `q` and `k` over the model's full width although each rank holds only its
+/// heads' channels: the per-token sums of squares of both go through one all-reduce.
+fn full_width_rms_norm(
+    q: &Tensor,
+    k: &Tensor,
+    wq: &Tensor,
+    wk: &Tensor,
+    c: &WanConfig,
+    comm: &dyn Communicator,
+) -> Result<(Tensor, Tensor)> {
+    let dtype = q.dtype();
+    let (q, k) = (q.to_dtype(DType::F32)?, k.to_dtype(DType::F32)?);
+    let sq = |t: &Tensor| t.sqr()?.sum_keepdim(1);
+    let sums = comm.all_reduce_sum(&Tensor::cat(&[sq(&q)?, sq(&k)?], 0)?)?;
+    let s = q.dim(0)?;
+    let inv = ((sums / c.hidden_size() as f64)? + c.eps)?.sqrt()?.recip()?;
+    let norm = |t: &Tensor, inv: Tensor, w: &Tensor| -> Result<Tensor> {
+        Ok(t.broadcast_mul(&inv)?.broadcast_mul(w)?.to_dtype(dtype)?)
+    };
+    Ok((
+        norm(&q, inv.narrow(0, 0, s)?, wq)?,
+        norm(&k, inv.narrow(0, s, k.dim(0)?)?, wk)?,
+    ))
+}
+
+/// LayerNorm over the last dim in f32, as diffusers' FP32LayerNorm.
+fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    Ok(candle_nn::ops::layer_norm(
+        &x.to_dtype(DType::F32)?,
+        weight,
+        bias,
+        eps as f32,
+    )?)
+}
+
+/// `x · (1 + scale) + shift`, per channel, in f32.
+fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    Ok(x.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)?)
+}
+
+/// `x + y · gate` in f32, back in `x`'s dtype.
+fn gated_add(x: &Tensor, y: &Tensor, gate: &Tensor) -> Result<Tensor> {
+    let sum = (x.to_dtype(DType::F32)? + y.to_dtype(DType::F32)?.broadcast_mul(gate)?)?;
+    Ok(sum.to_dtype(x.dtype())?)
+}
