@@ -54,3 +54,76 @@ fn bf16_tracks_f32() {
     let err = rel_error(&bf16_out, &f32_out);
     assert!(err < 3e-2, "bf16 at TP 3 against f32: {err:e}");
 }
+
+mod sampling {
+    use candle_core::{Device, Tensor};
+    use tpinfer_wan::sampler::{Sampler, Schedule, Solver};
+
+    /// Data `N(μ, s²)` per element: the exact flow-matching velocity at `x`, σ, and the exact
+    /// ODE endpoint from a start — the flow maps the noise quantile `z` to `μ + s·z`.
+    const MU: f64 = 0.7;
+    const S: f64 = 0.3;
+
+    fn velocity(x: &Tensor, sigma: f64) -> Tensor {
+        let a = 1.0 - sigma;
+        let var = a * a * S * S + sigma * sigma;
+        // E[x₀ | x] = μ + a·s²/var · (x − a·μ); v = (x − E[x₀ | x]) / σ.
+        let x0 = ((x - a * MU).expect("sub") * (a * S * S / var)).expect("mul") + MU;
+        ((x - x0.expect("add")).expect("sub") / sigma).expect("div")
+    }
+
+    fn run(solver: Solver, steps: usize, shift: f64, start: &Tensor) -> (Tensor, f64) {
+        let schedule = Schedule::new(steps, shift);
+        let sigma0 = schedule.sigmas[0];
+        let a = 1.0 - sigma0;
+        let z = ((start - a * MU).expect("sub") / (a * a * S * S + sigma0 * sigma0).sqrt()).expect("div");
+        let exact = ((z * S).expect("mul") + MU).expect("add");
+        let mut sampler = Sampler::new(schedule.clone(), solver);
+        let mut x = start.clone();
+        for i in 0..steps {
+            let v = velocity(&x, schedule.sigmas[i]);
+            x = sampler.step(&x, &v).expect("step");
+        }
+        let err = (&x - &exact)
+            .expect("sub")
+            .sqr()
+            .expect("sqr")
+            .mean_all()
+            .expect("mean");
+        let norm = exact.sqr().expect("sqr").mean_all().expect("mean");
+        let rel = (err.to_scalar::<f32>().expect("err") / norm.to_scalar::<f32>().expect("norm")).sqrt() as f64;
+        (x, rel)
+    }
+
+    #[test]
+    fn schedule_is_wans_shifted_flow() {
+        let s = Schedule::new(4, 5.0);
+        assert_eq!(s.sigmas.len(), 5);
+        assert_eq!(*s.sigmas.last().expect("last"), 0.0);
+        // σ = 0.999 shifted by 5: 5·0.999 / (1 + 4·0.999).
+        assert!((s.sigmas[0] - 4.995 / 4.996).abs() < 1e-12);
+        assert_eq!(s.timestep(0), 999.0);
+        assert!(s.sigmas.windows(2).all(|w| w[1] < w[0]), "decreasing");
+    }
+
+    /// Halving the step: Euler's error halves (first order); UniPC with its corrector gains
+    /// an order per solver order (2nd for UniPC-1, 3rd for UniPC-2). Unshifted schedule, so
+    /// that the last step (to the x₀ prediction, as Wan does) is small.
+    #[test]
+    fn solvers_converge_at_their_orders() {
+        let start = Tensor::randn(0f32, 1.0, 4096, &Device::Cpu).expect("noise");
+        let errors = |solver| (run(solver, 10, 1.0, &start).1, run(solver, 20, 1.0, &start).1);
+        let (euler_10, euler_20) = errors(Solver::Euler);
+        let (uni1_10, uni1_20) = errors(Solver::UniPc(1));
+        let (uni2_10, uni2_20) = errors(Solver::UniPc(2));
+        let ratio = |a: f64, b: f64| a / b;
+        assert!(
+            (1.6..2.6).contains(&ratio(euler_10, euler_20)),
+            "Euler {euler_10:e} → {euler_20:e}"
+        );
+        assert!(ratio(uni1_10, uni1_20) > 2.4, "UniPC-1 {uni1_10:e} → {uni1_20:e}");
+        assert!(ratio(uni2_10, uni2_20) > 5.0, "UniPC-2 {uni2_10:e} → {uni2_20:e}");
+        assert!(uni2_20 < uni1_20 && uni1_20 < euler_20);
+        assert!(uni2_20 < 5e-3, "UniPC-2, 20 steps: {uni2_20:e}");
+    }
+}

@@ -5,6 +5,7 @@
 mod config;
 pub mod memory;
 mod model;
+pub mod sampler;
 mod shard;
 
 pub use config::{S2vModules, WanConfig, WanConfigError};
