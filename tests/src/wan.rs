@@ -12,7 +12,7 @@ use safetensors::Dtype;
 use serde_json::json;
 use tpinfer_comm::{Communicator, ThreadGroup};
 use tpinfer_wan::{original_names, WanConfig, WanRank, WanShard};
-use tpinfer_weights::{RenamedStore, SafetensorsStore, WeightStore};
+use tpinfer_weights::WeightStore;
 
 /// A Wan DiT small enough for CPU tests: odd heads (5) and an FFN (100 columns) that splits
 /// unevenly at most widths.
@@ -116,14 +116,8 @@ impl TinyWan {
 
 /// Opens a Wan directory in either naming, as a store with diffusers' names.
 pub fn open_wan(dir: &Path) -> (WanConfig, Arc<dyn WeightStore>) {
-    let config = WanConfig::from_dir(dir).expect("config");
-    let store: Arc<dyn WeightStore> = Arc::new(SafetensorsStore::open(dir).expect("store"));
-    let original = store.info("blocks.0.self_attn.q.weight").is_some();
-    let store: Arc<dyn WeightStore> = match original {
-        true => Arc::new(RenamedStore::new(store, original_names(&config))),
-        false => store,
-    };
-    (config, store)
+    let checkpoint = tpinfer_wan::WanCheckpoint::open(dir).expect("open Wan checkpoint");
+    (checkpoint.config, checkpoint.store)
 }
 
 /// Random latents `[channels, frames, height, width]` and text states `[tokens, text_dim]`.

@@ -12,6 +12,7 @@ use tpinfer_engine::{DeviceKind, Engine, GenerateRequest, Prompt, SamplingParams
 
 mod doctor;
 mod plan;
+mod video;
 
 #[derive(Parser)]
 #[command(
@@ -26,8 +27,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate text from a prompt, streaming tokens as they come.
-    Generate(GenerateArgs),
+    /// Generate text from a prompt (an LLM), or a video's latents from text embeddings (a Wan DiT).
+    Generate(Box<GenerateArgs>),
     /// Each rank's device memory for a placement against a per-GPU budget, and what fits.
     Plan(plan::PlanArgs),
     /// Diagnose the GPUs, drivers, libraries, links and NCCL of this machine.
@@ -65,8 +66,9 @@ struct GenerateArgs {
     /// Tensor-parallel width: the number of ranks.
     #[arg(long, default_value_t = 1)]
     tp: usize,
-    #[arg(long)]
-    prompt: String,
+    /// The prompt (LLMs).
+    #[arg(long, required_unless_present = "text_embeds")]
+    prompt: Option<String>,
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
@@ -101,6 +103,8 @@ struct GenerateArgs {
     repetition_penalty: f32,
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
+    #[command(flatten)]
+    video: video::VideoArgs,
 }
 
 fn main() -> ExitCode {
@@ -122,7 +126,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Generate(args) => generate(args),
+        Command::Generate(args) => generate(*args),
         Command::Plan(args) => plan::plan(args),
         Command::Doctor(args) => doctor::doctor(args),
     }
@@ -176,15 +180,22 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
     if let Some(bytes) = args.gpu_mem {
         builder = builder.gpu_mem(bytes);
     }
+    if tpinfer_wan::WanCheckpoint::is_wan_dir(&args.model) {
+        video::generate_video(builder, &args.video, args.seed)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let Some(prompt) = args.prompt else {
+        bail!("--prompt is required for a language model");
+    };
     let engine = builder
         .build()
         .with_context(|| format!("cannot load {}", args.model.display()))?;
     let prompt = match (args.chat, args.system) {
-        (false, _) => Prompt::Text(args.prompt),
-        (true, None) => Prompt::user(args.prompt),
+        (false, _) => Prompt::Text(prompt),
+        (true, None) => Prompt::user(prompt),
         (true, Some(system)) => Prompt::Chat(vec![
             tpinfer_engine::ChatMessage::system(system),
-            tpinfer_engine::ChatMessage::user(args.prompt),
+            tpinfer_engine::ChatMessage::user(prompt),
         ]),
     };
     let sampling = SamplingParams {

@@ -39,7 +39,7 @@ pub struct PlanArgs {
     json: bool,
 }
 
-fn parse_size(text: &str) -> Result<(usize, usize), String> {
+pub(crate) fn parse_size(text: &str) -> Result<(usize, usize), String> {
     let (w, h) = text
         .split_once(['x', 'X', '*'])
         .ok_or_else(|| format!("`{text}`: expected WIDTHxHEIGHT, e.g. 832x480"))?;

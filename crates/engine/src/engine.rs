@@ -61,7 +61,14 @@ impl Engine {
             .unwrap_or(DEFAULT_MAX_CONTEXT)
             .min(config.max_position_embeddings);
 
-        let plan = check_plan(&b, &checkpoint, &devices, dtype, max_context)?;
+        let model = tpinfer_plan::ModelSpec::from_checkpoint(b.model.display().to_string(), checkpoint.clone());
+        let plan = check_plan(
+            &model,
+            tpinfer_plan::Placement::Llm { max_context },
+            &devices,
+            dtype,
+            b.gpu_mem,
+        )?;
         devices.iter().for_each(reset_peak);
         let connectors = connectors(&b, &devices)?;
         let (ready_tx, ready_rx) = mpsc::channel();
@@ -228,7 +235,7 @@ impl Drop for Engine {
     }
 }
 
-fn rank_devices(kind: &DeviceKind, tp: usize) -> Result<Vec<Device>, EngineError> {
+pub(crate) fn rank_devices(kind: &DeviceKind, tp: usize) -> Result<Vec<Device>, EngineError> {
     match kind {
         DeviceKind::Cpu => Ok(vec![Device::Cpu; tp]),
         DeviceKind::Cuda { gpus } => cuda_devices(gpus.as_deref(), tp),
@@ -264,26 +271,25 @@ fn cuda_devices(_gpus: Option<&[usize]>, _tp: usize) -> Result<Vec<Device>, Engi
 /// Plans every rank's device bytes and refuses a placement over budget, before any rank
 /// allocates or joins NCCL. The budget is `--gpu-mem`, and on GPUs at most each device's free
 /// memory (which already excludes the CUDA context this process created) less a 2% margin.
-fn check_plan(
-    b: &EngineBuilder,
-    checkpoint: &Arc<LlamaCheckpoint>,
+pub(crate) fn check_plan(
+    model: &tpinfer_plan::ModelSpec,
+    placement: tpinfer_plan::Placement,
     devices: &[Device],
     dtype: DType,
-    max_context: usize,
+    gpu_mem: Option<u64>,
 ) -> Result<tpinfer_plan::Plan, EngineError> {
-    use tpinfer_plan::{over_budget_message, DeviceProfile, ModelSpec, Placement, Plan};
-    let model = ModelSpec::from_checkpoint(b.model.display().to_string(), checkpoint.clone());
+    use tpinfer_plan::{over_budget_message, DeviceProfile, Plan};
     let profile = match devices.iter().all(Device::is_cpu) {
         true => DeviceProfile::cpu(),
         false => DeviceProfile::cuda(),
     };
-    let plan = Plan::new(&model, devices.len(), dtype, Placement::Llm { max_context }, profile)
-        .map_err(|e| EngineError::Plan(e.to_string()))?;
+    let plan =
+        Plan::new(model, devices.len(), dtype, placement, profile).map_err(|e| EngineError::Plan(e.to_string()))?;
     for (rank, device) in devices.iter().enumerate() {
         // What the device can give now: its free memory (this process's context is already
         // counted as used; the plan counts it too) less a 2% margin.
         let free = measure(device).map(|m| (m.free() + profile.context_reserve).saturating_sub(m.total / 50));
-        let budget = match (b.gpu_mem, free) {
+        let budget = match (gpu_mem, free) {
             (Some(given), Some(free)) => given.min(free),
             (Some(given), None) => given,
             (None, Some(free)) => free,
@@ -291,7 +297,7 @@ fn check_plan(
         };
         let needed = plan.ranks[rank].total();
         if needed > budget {
-            let mut message = over_budget_message(&model, &plan, dtype, budget);
+            let mut message = over_budget_message(model, &plan, dtype, budget);
             if free == Some(budget) {
                 message.push_str(&format!(
                     " (the budget is rank {rank}'s free device memory less a 2% margin; other processes on the GPU \
@@ -305,7 +311,7 @@ fn check_plan(
 }
 
 /// One communicator builder per rank: in-process collectives for CPU ranks, NCCL for GPUs.
-fn connectors(b: &EngineBuilder, devices: &[Device]) -> Result<Vec<Connect>, EngineError> {
+pub(crate) fn connectors(b: &EngineBuilder, devices: &[Device]) -> Result<Vec<Connect>, EngineError> {
     let tp = devices.len();
     if devices.iter().all(Device::is_cpu) || tp == 1 {
         return Ok(ThreadGroup::ranks(tp, b.comm_timeout)
@@ -339,7 +345,7 @@ fn nccl_connectors(_b: &EngineBuilder, _devices: &[Device]) -> Result<Vec<Connec
 
 /// Waits for every rank to join its communicator (bounded by `init_timeout`) and then to load
 /// its shard. Returns each rank's weight bytes, or the first rank's error.
-fn await_startup(
+pub(crate) fn await_startup(
     ready: &Receiver<Startup>,
     tp: usize,
     init_timeout: std::time::Duration,
@@ -369,6 +375,14 @@ fn await_startup(
     Ok(loaded.into_iter().flatten().collect())
 }
 
+/// Of the ranks' errors, the one that is not merely a report of a failed peer.
+pub(crate) fn root_cause(mut errors: Vec<EngineError>) -> Option<EngineError> {
+    match errors.iter().position(|e| !e.is_peer_report()) {
+        Some(i) => Some(errors.swap_remove(i)),
+        None => errors.into_iter().next(),
+    }
+}
+
 /// Runs jobs one at a time on all ranks. After a failure the ranks' collectives are aborted,
 /// so later requests are refused with the original cause.
 fn schedule(
@@ -392,12 +406,7 @@ fn schedule(
                 Some(Err(_)) | None => errors.push(EngineError::RankExited { rank }),
             }
         }
-        // The root cause is the error that is not merely a report of a failed peer.
-        let root = match errors.iter().position(|e| !e.is_peer_report()) {
-            Some(i) => Some(errors.swap_remove(i)),
-            None => errors.into_iter().next(),
-        };
-        if let Some(root) = root {
+        if let Some(root) = root_cause(errors) {
             broken = Some(root.to_string());
             let _ = job.events.send(RankEvent::Error(root));
         }

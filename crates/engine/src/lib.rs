@@ -21,6 +21,7 @@ mod memory;
 mod rank;
 mod request;
 mod stream;
+mod video;
 
 pub use builder::{DeviceKind, EngineBuilder, Fault};
 pub use candle_core::DType;
@@ -31,3 +32,5 @@ pub use request::{GenerateRequest, Prompt, SamplingParams};
 pub use stream::{GenerationStats, StopReason, StreamEvent, TokenStream};
 pub use tpinfer_plan::{Plan, RankPlan};
 pub use tpinfer_tokenizer::ChatMessage;
+pub use tpinfer_wan::sampler::Solver;
+pub use video::{StepReport, VideoEngine, VideoRequest, VideoShape};

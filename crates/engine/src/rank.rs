@@ -120,7 +120,7 @@ pub(crate) fn rank_main(
 
 /// Runs `f`, turning a panic into an error, and on any failure tells the peers, so that none
 /// of them waits for this rank.
-fn guarded<T>(
+pub(crate) fn guarded<T>(
     rank: usize,
     comm: &dyn Communicator,
     f: impl FnOnce() -> Result<T, EngineError>,

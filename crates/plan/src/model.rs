@@ -78,7 +78,7 @@ impl ModelSpec {
                 PRESETS.join(", ")
             )));
         }
-        if path.is_dir() && is_wan_dir(path) {
+        if path.is_dir() && tpinfer_wan::WanCheckpoint::is_wan_dir(path) {
             let config = WanConfig::from_dir(path).map_err(|e| PlanError::Model(e.to_string()))?;
             return Ok(Self::wan(name, config));
         }
@@ -139,12 +139,6 @@ impl ModelSpec {
             },
         }
     }
-}
-
-fn is_wan_dir(dir: &Path) -> bool {
-    std::fs::read_to_string(dir.join("config.json"))
-        .map(|text| text.contains("WanTransformer3DModel") || text.contains("\"ffn_dim\""))
-        .unwrap_or(false)
 }
 
 // Published shapes (Hugging Face config.json of meta-llama's models, bf16).

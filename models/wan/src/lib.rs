@@ -2,12 +2,14 @@
 //! over tensor-parallel ranks: its configuration, what each rank holds, and the device bytes
 //! the memory planner counts for it.
 
+mod checkpoint;
 mod config;
 pub mod memory;
 mod model;
 pub mod sampler;
 mod shard;
 
+pub use checkpoint::{WanCheckpoint, WanCheckpointError};
 pub use config::{S2vModules, WanConfig, WanConfigError};
 pub use model::WanRank;
 pub use shard::{original_names, WanShard};

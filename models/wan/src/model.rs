@@ -28,6 +28,7 @@ pub struct WanRank {
     head_table: Tensor,
     proj_out: Linear,
     comm: Arc<dyn Communicator>,
+    bytes_loaded: usize,
 }
 
 /// A replicated linear.
@@ -135,6 +136,7 @@ impl WanRank {
             .collect::<Result<Vec<_>>>()?;
         let head_table = f32(w.take("scale_shift_table")?)?.reshape((2, d))?;
         let proj_out = Linear::load(&mut w, "proj_out")?;
+        let bytes_loaded = w.bytes_read();
         Ok(Self {
             config: config.clone(),
             shard,
@@ -150,6 +152,7 @@ impl WanRank {
             head_table,
             proj_out,
             comm,
+            bytes_loaded,
         })
     }
 
@@ -266,6 +269,11 @@ impl WanRank {
             Ok(Tensor::from_vec(values, (f * h * w, hd / 2), device)?.to_dtype(self.dtype)?)
         };
         Ok((table(f64::cos)?, table(f64::sin)?))
+    }
+
+    /// The weight bytes this rank copied out of the checkpoint.
+    pub fn bytes_loaded(&self) -> usize {
+        self.bytes_loaded
     }
 
     /// This rank's shard.

@@ -4,7 +4,9 @@
 //!
 //! The flow: `x_σ = (1 − σ)·x₀ + σ·ε`, the model's velocity `v = ε − x₀`, so `x₀ = x − σ·v`.
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 /// Training timesteps of Wan's flow (the model sees `σ·1000`).
 pub const TRAIN_TIMESTEPS: usize = 1000;
@@ -180,4 +182,21 @@ impl Coefficients {
         let phi_3 = phi_2 / self.hh - 0.5;
         (phi_2 / self.b_h, 2.0 * phi_3 / self.b_h)
     }
+}
+
+/// Standard normal noise of `shape` from `seed`, the same on every rank and every machine
+/// (Box–Muller over a seeded ChaCha stream), on the CPU.
+pub fn seeded_noise(shape: &[usize], seed: u64) -> candle_core::Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut values = Vec::with_capacity(n + 1);
+    while values.len() < n {
+        let (u1, u2): (f64, f64) = (rng.random::<f64>().max(f64::MIN_POSITIVE), rng.random());
+        let r = (-2.0 * u1.ln()).sqrt();
+        let theta = std::f64::consts::TAU * u2;
+        values.push((r * theta.cos()) as f32);
+        values.push((r * theta.sin()) as f32);
+    }
+    values.truncate(n);
+    Tensor::from_vec(values, shape, &Device::Cpu)
 }

@@ -1,0 +1,189 @@
+//! `tpinfer generate` for a Wan DiT: text embeddings in, latents and a preview out.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use indicatif::{ProgressBar, ProgressStyle};
+use tpinfer_engine::{EngineBuilder, Solver, VideoEngine, VideoRequest, VideoShape};
+
+/// The video options of `tpinfer generate`.
+#[derive(clap::Args)]
+pub struct VideoArgs {
+    /// Frames, 4k + 1.
+    #[arg(long, default_value_t = 81)]
+    frames: usize,
+    /// WIDTHxHEIGHT in pixels, multiples of 16.
+    #[arg(long, default_value = "832x480", value_parser = crate::plan::parse_size)]
+    size: (usize, usize),
+    #[arg(long, default_value_t = 50)]
+    steps: usize,
+    /// A safetensors file with the umT5 text states, `[tokens, 4096]` (tensor `text`, or its only tensor).
+    #[arg(long)]
+    text_embeds: Option<PathBuf>,
+    /// The negative prompt's states (tensor `negative` of --text-embeds, or this file).
+    #[arg(long)]
+    negative_embeds: Option<PathBuf>,
+    /// Classifier-free guidance scale; 1 turns guidance off.
+    #[arg(long, default_value_t = 5.0)]
+    guide_scale: f64,
+    /// The flow schedule's shift.
+    #[arg(long, default_value_t = 5.0)]
+    shift: f64,
+    #[arg(long, value_enum, default_value_t = SolverArg::Unipc)]
+    solver: SolverArg,
+    /// Where to write the latents (safetensors); the previews go beside it as PNG.
+    #[arg(long, default_value = "latents.safetensors")]
+    out: PathBuf,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum SolverArg {
+    Unipc,
+    Euler,
+}
+
+/// Reads `name` from a safetensors file, or its only tensor, as f32 on the CPU.
+fn read_tensor(path: &Path, name: &str) -> Result<Option<Tensor>> {
+    let tensors = candle_core::safetensors::load(path, &Device::Cpu)
+        .with_context(|| format!("cannot read text embeddings from {}", path.display()))?;
+    let tensor = match (tensors.get(name), tensors.len()) {
+        (Some(t), _) => Some(t.clone()),
+        (None, 1) if name == "text" => tensors.into_values().next(),
+        _ => None,
+    };
+    tensor.map(|t| t.to_dtype(DType::F32)).transpose().map_err(Into::into)
+}
+
+pub fn generate_video(builder: EngineBuilder, args: &VideoArgs, seed: u64) -> Result<()> {
+    let text_path = args
+        .text_embeds
+        .as_deref()
+        .context("a Wan model needs --text-embeds FILE (umT5 states as safetensors)")?;
+    let text =
+        read_tensor(text_path, "text")?.with_context(|| format!("{} has no tensor `text`", text_path.display()))?;
+    let negative = match &args.negative_embeds {
+        Some(path) => read_tensor(path, "text")?,
+        None => read_tensor(text_path, "negative")?,
+    };
+    if text.rank() != 2 {
+        bail!("text embeddings must be [tokens, dim], got {:?}", text.dims());
+    }
+    let (width, height) = args.size;
+    let shape = VideoShape {
+        frames: args.frames,
+        width,
+        height,
+    };
+    let engine = VideoEngine::start(builder, shape)?;
+    let [c, f, h, w] = engine.latent_shape();
+    eprintln!(
+        "{} frames at {width}x{height}: latents {c}×{f}×{h}×{w}, {} video tokens per forward; peak plan per rank {:.0} MiB",
+        args.frames,
+        engine.plan().tokens_per_forward,
+        tpinfer_plan::mib(engine.plan().peak().total())
+    );
+    let request = VideoRequest {
+        text,
+        negative,
+        steps: args.steps,
+        shift: args.shift,
+        guide_scale: args.guide_scale,
+        solver: match args.solver {
+            SolverArg::Unipc => Solver::UniPc(2),
+            SolverArg::Euler => Solver::Euler,
+        },
+        seed,
+    };
+    let bar = ProgressBar::new(args.steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} steps, {elapsed} elapsed, ~{eta} left {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let start = Instant::now();
+    let latents = engine.generate(request, |step| {
+        // Above the bar on a terminal, and plain lines in a log.
+        bar.suspend(|| {
+            eprintln!(
+                "step {:>3}/{}: t = {:>4}, {:.3} s",
+                step.index + 1,
+                step.steps,
+                step.timestep,
+                step.elapsed.as_secs_f64()
+            )
+        });
+        bar.inc(1);
+    })?;
+    bar.finish_and_clear();
+    eprintln!(
+        "{} steps in {:.2} s ({:.3} s per step)",
+        args.steps,
+        start.elapsed().as_secs_f64(),
+        start.elapsed().as_secs_f64() / args.steps as f64
+    );
+    latents.save_safetensors("latents", &args.out)?;
+    let frames = latents.dim(1)?;
+    for (label, index) in [("first", 0), ("last", frames - 1)] {
+        let path = args.out.with_extension(format!("{label}.png"));
+        write_preview(&latents.narrow(1, index, 1)?.squeeze(1)?, &path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    eprintln!("wrote {}", args.out.display());
+    Ok(())
+}
+
+/// One latent frame `[channels, h, w]` as an RGB image: its pixels projected on the three
+/// principal components of their channels, each stretched to 0–255.
+fn write_preview(frame: &Tensor, path: &Path) -> Result<()> {
+    let (c, h, w) = frame.dims3()?;
+    let pixels = frame.reshape((c, h * w))?.t()?.contiguous()?; // [pixels, channels]
+    let centered = pixels.broadcast_sub(&pixels.mean_keepdim(0)?)?;
+    let cov = (centered.t()?.matmul(&centered)? / (h * w) as f64)?;
+    let mut cov: Vec<Vec<f32>> = cov.to_vec2()?;
+    let mut components = Vec::new();
+    for k in 0..3 {
+        // Power iteration, then deflation.
+        let mut v: Vec<f32> = (0..c).map(|i| 1.0 + ((i * 7 + k * 3) % 5) as f32).collect();
+        for _ in 0..200 {
+            let next: Vec<f32> = cov
+                .iter()
+                .map(|row| row.iter().zip(&v).map(|(a, b)| a * b).sum())
+                .collect();
+            let norm = next.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+            v = next.into_iter().map(|x| x / norm).collect();
+        }
+        let lambda: f32 = cov
+            .iter()
+            .zip(&v)
+            .map(|(row, vi)| vi * row.iter().zip(&v).map(|(a, b)| a * b).sum::<f32>())
+            .sum();
+        for (i, row) in cov.iter_mut().enumerate() {
+            for (j, x) in row.iter_mut().enumerate() {
+                *x -= lambda * v[i] * v[j];
+            }
+        }
+        components.extend(v);
+    }
+    let basis = Tensor::from_vec(components, (3, c), &Device::Cpu)?;
+    let rgb = centered.matmul(&basis.t()?)?; // [pixels, 3]
+    let (lo, hi) = (rgb.min_keepdim(0)?, rgb.max_keepdim(0)?);
+    let scaled = (rgb
+        .broadcast_sub(&lo)?
+        .broadcast_div(&(hi - &lo)?.clamp(1e-6, f32::MAX)?)?
+        * 255.0)?;
+    let bytes: Vec<u8> = scaled
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(|v| v.round().clamp(0.0, 255.0) as u8)
+        .collect();
+    let file = std::io::BufWriter::new(
+        std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?,
+    );
+    let mut encoder = png::Encoder::new(file, w as u32, h as u32);
+    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_depth(png::BitDepth::Eight);
+    encoder.write_header()?.write_image_data(&bytes)?;
+    Ok(())
+}

@@ -1,0 +1,316 @@
+//! Video generation with a Wan DiT on N ranks: every rank holds its shard, runs the same
+//! sampler steps in lockstep (their velocities agree after each all-reduce), and rank 0
+//! reports progress and returns the latents.
+
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use tpinfer_comm::Communicator;
+use tpinfer_plan::{ModelSpec, Placement, Plan};
+use tpinfer_wan::sampler::{guide, seeded_noise, Sampler, Schedule, Solver};
+use tpinfer_wan::{WanCheckpoint, WanRank, WanShard};
+
+use crate::engine::{await_startup, check_plan, connectors, rank_devices, root_cause};
+use crate::rank::{guarded, Connect, Startup};
+use crate::{EngineBuilder, EngineError};
+
+/// The video a [`VideoEngine`] denoises: `frames` (4k + 1) of `width` × `height` pixels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VideoShape {
+    pub frames: usize,
+    pub width: usize,
+    pub height: usize,
+}
+
+/// One denoising run.
+#[derive(Debug, Clone)]
+pub struct VideoRequest {
+    /// umT5 text states `[tokens, text_dim]`.
+    pub text: Tensor,
+    /// The negative prompt's states, for classifier-free guidance.
+    pub negative: Option<Tensor>,
+    pub steps: usize,
+    /// The flow schedule's shift (Wan: 5.0 for T2V at 480p/720p, 3.0 for S2V).
+    pub shift: f64,
+    /// CFG scale; 1 disables guidance (one forward per step).
+    pub guide_scale: f64,
+    pub solver: Solver,
+    pub seed: u64,
+}
+
+/// Rank 0's report after each step.
+#[derive(Debug, Clone, Copy)]
+pub struct StepReport {
+    pub index: usize,
+    pub steps: usize,
+    pub timestep: f64,
+    pub elapsed: Duration,
+}
+
+struct VideoJob {
+    request: VideoRequest,
+    steps: Option<Sender<StepReport>>,
+}
+
+type JobResult = Result<Option<Tensor>, EngineError>;
+
+/// A Wan DiT loaded on its ranks.
+pub struct VideoEngine {
+    jobs: Vec<Sender<Arc<VideoJob>>>,
+    done: Vec<Receiver<JobResult>>,
+    threads: Vec<JoinHandle<()>>,
+    shape: VideoShape,
+    latent_shape: [usize; 4],
+    plan: Plan,
+}
+
+impl VideoEngine {
+    /// Opens the Wan directory of `b`, plans every rank for `shape` (refusing over budget),
+    /// and loads the ranks.
+    pub fn start(b: EngineBuilder, shape: VideoShape) -> Result<Self, EngineError> {
+        let checkpoint = Arc::new(WanCheckpoint::open(&b.model).map_err(|e| EngineError::Plan(e.to_string()))?);
+        let config = checkpoint.config.clone();
+        let tp = b.tp;
+        let shards = (0..tp)
+            .map(|rank| WanShard::new(&config, tp, rank).map_err(|detail| EngineError::Sharding { tp, detail }))
+            .collect::<Result<Vec<_>, _>>()?;
+        let devices = rank_devices(&b.device, tp)?;
+        let dtype = b.dtype.unwrap_or(match devices.iter().all(Device::is_cpu) {
+            true => DType::F32,
+            false => DType::BF16,
+        });
+        let model = ModelSpec::Wan {
+            name: b.model.display().to_string(),
+            config: config.clone(),
+        };
+        let placement = Placement::Dit {
+            frames: shape.frames,
+            width: shape.width,
+            height: shape.height,
+        };
+        let plan = check_plan(&model, placement, &devices, dtype, b.gpu_mem)?;
+        let latent_shape = [
+            config.in_channels,
+            (shape.frames - 1) / 4 + 1,
+            shape.height / 8,
+            shape.width / 8,
+        ];
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let (mut jobs, mut done, mut threads) = (Vec::new(), Vec::new(), Vec::new());
+        for (rank, ((connect, shard), device)) in connectors(&b, &devices)?
+            .into_iter()
+            .zip(shards)
+            .zip(devices)
+            .enumerate()
+        {
+            let (job_tx, job_rx) = mpsc::channel();
+            let (done_tx, done_rx) = mpsc::channel();
+            let (ready, checkpoint) = (ready_tx.clone(), checkpoint.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("tpinfer-video-rank-{rank}"))
+                .spawn(move || {
+                    video_rank(
+                        rank,
+                        &checkpoint,
+                        shard,
+                        device,
+                        dtype,
+                        latent_shape,
+                        connect,
+                        ready,
+                        job_rx,
+                        done_tx,
+                    )
+                })
+                .map_err(|e| EngineError::Device {
+                    rank,
+                    detail: format!("cannot start the rank's thread: {e}"),
+                })?;
+            jobs.push(job_tx);
+            done.push(done_rx);
+            threads.push(thread);
+        }
+        drop(ready_tx);
+        if let Err(e) = await_startup(&ready_rx, tp, b.init_timeout) {
+            drop(jobs);
+            return Err(e);
+        }
+        Ok(Self {
+            jobs,
+            done,
+            threads,
+            shape,
+            latent_shape,
+            plan,
+        })
+    }
+
+    /// Denoises from seeded noise; `on_step` hears rank 0 after every step. Returns the
+    /// latents `[channels, latent frames, height / 8, width / 8]`, f32 on the CPU.
+    pub fn generate(&self, request: VideoRequest, mut on_step: impl FnMut(StepReport)) -> Result<Tensor, EngineError> {
+        if request.steps == 0 {
+            return Err(EngineError::InvalidRequest("--steps must be at least 1".into()));
+        }
+        let (steps_tx, steps_rx) = mpsc::channel();
+        let job = Arc::new(VideoJob {
+            request,
+            steps: Some(steps_tx),
+        });
+        for tx in &self.jobs {
+            let _ = tx.send(job.clone());
+        }
+        drop(job);
+        for report in steps_rx.iter() {
+            on_step(report);
+        }
+        let mut errors = Vec::new();
+        let mut latents = None;
+        for (rank, done) in self.done.iter().enumerate() {
+            match done.recv() {
+                Ok(Ok(Some(x))) => latents = Some(x),
+                Ok(Ok(None)) => {}
+                Ok(Err(e)) => errors.push(e),
+                Err(_) => errors.push(EngineError::RankExited { rank }),
+            }
+        }
+        if let Some(e) = root_cause(errors) {
+            return Err(e);
+        }
+        latents.ok_or_else(|| EngineError::Stopped("rank 0 returned no latents".into()))
+    }
+
+    pub fn shape(&self) -> VideoShape {
+        self.shape
+    }
+
+    /// `[channels, latent frames, latent height, latent width]`.
+    pub fn latent_shape(&self) -> [usize; 4] {
+        self.latent_shape
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+}
+
+impl Drop for VideoEngine {
+    fn drop(&mut self) {
+        self.jobs.clear();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn video_rank(
+    rank: usize,
+    checkpoint: &WanCheckpoint,
+    shard: WanShard,
+    device: Device,
+    dtype: DType,
+    latent_shape: [usize; 4],
+    connect: Connect,
+    ready: Sender<Startup>,
+    jobs: Receiver<Arc<VideoJob>>,
+    done: Sender<JobResult>,
+) {
+    let comm = match connect() {
+        Ok(comm) => comm,
+        Err(e) => {
+            let _ = ready.send(Startup::Failed(e));
+            return;
+        }
+    };
+    let _ = ready.send(Startup::Connected(rank));
+    let loaded = guarded(rank, &*comm, || {
+        WanRank::load(
+            &checkpoint.config,
+            &*checkpoint.store,
+            shard,
+            comm.clone(),
+            dtype,
+            &device,
+        )
+        .map_err(|source| EngineError::Rank { rank, source })
+    });
+    let model = match loaded {
+        Ok(model) => {
+            let _ = ready.send(Startup::Loaded(rank, model.bytes_loaded()));
+            model
+        }
+        Err(e) => {
+            let _ = ready.send(Startup::Failed(e));
+            return;
+        }
+    };
+    drop(ready);
+    while let Ok(job) = jobs.recv() {
+        let outcome = guarded(rank, &*comm, || denoise(&model, &*comm, &device, latent_shape, &job));
+        drop(job);
+        let failed = outcome.is_err();
+        let _ = done.send(outcome);
+        if failed {
+            return;
+        }
+    }
+}
+
+fn denoise(
+    model: &WanRank,
+    comm: &dyn Communicator,
+    device: &Device,
+    latent_shape: [usize; 4],
+    job: &VideoJob,
+) -> JobResult {
+    let rank = comm.rank();
+    let err = |source: tpinfer_layers::Error| EngineError::Rank { rank, source };
+    let tensor_err = |e: candle_core::Error| err(e.into());
+    let r = &job.request;
+    let context = model
+        .embed_text(&r.text.to_device(device).map_err(tensor_err)?)
+        .map_err(err)?;
+    let negative = match (&r.negative, r.guide_scale != 1.0) {
+        (Some(n), true) => Some(
+            model
+                .embed_text(&n.to_device(device).map_err(tensor_err)?)
+                .map_err(err)?,
+        ),
+        _ => None,
+    };
+    let mut x = seeded_noise(&latent_shape, r.seed)
+        .and_then(|n| n.to_device(device))
+        .map_err(tensor_err)?;
+    let mut sampler = Sampler::new(Schedule::new(r.steps, r.shift), r.solver);
+    for index in 0..r.steps {
+        let start = Instant::now();
+        let timestep = sampler.schedule().timestep(index);
+        let cond = model.forward(&x, timestep, &context).map_err(err)?;
+        let v = match &negative {
+            Some(n) => {
+                let uncond = model.forward(&x, timestep, n).map_err(err)?;
+                guide(&cond, &uncond, r.guide_scale).map_err(tensor_err)?
+            }
+            None => cond,
+        };
+        x = sampler.step(&x, &v).map_err(tensor_err)?;
+        if rank == 0 {
+            device.synchronize().map_err(tensor_err)?;
+            if let Some(steps) = &job.steps {
+                let _ = steps.send(StepReport {
+                    index,
+                    steps: r.steps,
+                    timestep,
+                    elapsed: start.elapsed(),
+                });
+            }
+        }
+    }
+    match rank {
+        0 => Ok(Some(x.to_device(&Device::Cpu).map_err(tensor_err)?)),
+        _ => Ok(None),
+    }
+}
