@@ -24,6 +24,31 @@ enum Command {
     Speed(SpeedArgs),
     /// Writes prefill logits and greedy tokens of one run to a safetensors file.
     Logits(LogitsArgs),
+    /// A Wan DiT's velocity for given inputs at each TP width: time per forward, device
+    /// memory against the plan, and the velocities as safetensors for a reference to compare.
+    Dit(DitArgs),
+}
+
+#[derive(Args)]
+struct DitArgs {
+    /// A Wan DiT directory (diffusers or original names).
+    #[arg(long)]
+    model: PathBuf,
+    /// safetensors with `latents` [C, F, H, W], `text` [tokens, text_dim] and `timestep` [1].
+    #[arg(long)]
+    inputs: PathBuf,
+    #[arg(long)]
+    cuda: bool,
+    #[arg(long, value_enum)]
+    dtype: Option<DtypeArg>,
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    tp: Vec<usize>,
+    /// Timed forwards per width, after one warm-up.
+    #[arg(long, default_value_t = 2)]
+    repeats: usize,
+    /// Writes `{out}_tp{N}.safetensors` (tensor `velocity`) for each width.
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -271,6 +296,77 @@ fn logits(args: LogitsArgs) -> Result<()> {
     Ok(())
 }
 
+fn dit(args: DitArgs) -> Result<()> {
+    use tpinfer_engine::{VideoEngine, VideoShape};
+    let inputs = candle_core::safetensors::load(&args.inputs, &candle_core::Device::Cpu)
+        .with_context(|| format!("reading {}", args.inputs.display()))?;
+    let get = |name: &str| {
+        inputs
+            .get(name)
+            .cloned()
+            .with_context(|| format!("inputs lack `{name}`"))
+    };
+    let (latents, text) = (get("latents")?, get("text")?);
+    let timestep = get("timestep")?.flatten_all()?.to_vec1::<f32>()?[0] as f64;
+    let (_, f, h, w) = latents.dims4()?;
+    let shape = VideoShape {
+        frames: (f - 1) * 4 + 1,
+        width: w * 8,
+        height: h * 8,
+    };
+    println!("| TP | video tokens | ms per forward (median) | min–max | peak device memory per rank, MiB: measured / planned (Δ) |");
+    println!("|---|---|---|---|---|");
+    for &tp in &args.tp {
+        let mut builder = Engine::builder(&args.model).tp(tp);
+        if args.cuda {
+            builder = builder.device(DeviceKind::Cuda { gpus: None });
+        }
+        if let Some(dtype) = args.dtype {
+            builder = builder.dtype(match dtype {
+                DtypeArg::F32 => DType::F32,
+                DtypeArg::F16 => DType::F16,
+                DtypeArg::Bf16 => DType::BF16,
+            });
+        }
+        let engine = VideoEngine::start(builder, shape).with_context(|| format!("loading at TP {tp}"))?;
+        let mut velocity = engine.velocity(&latents, timestep, &text)?;
+        let mut times = Vec::new();
+        for _ in 0..args.repeats {
+            let start = std::time::Instant::now();
+            velocity = engine.velocity(&latents, timestep, &text)?;
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+        let (lo, hi) = times
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        let memory: Vec<String> = engine
+            .device_memory()
+            .iter()
+            .zip(&engine.plan().ranks)
+            .map(|(m, p)| match m {
+                Some(m) => format!(
+                    "{:.0} / {:.0} ({:+.1}%)",
+                    tpinfer_plan::mib(m.peak()),
+                    tpinfer_plan::mib(p.total()),
+                    100.0 * (m.peak() as f64 / p.total() as f64 - 1.0)
+                ),
+                None => format!("– / {:.0}", tpinfer_plan::mib(p.total())),
+            })
+            .collect();
+        println!(
+            "| {tp} | {} | {:.1} | {lo:.1}–{hi:.1} | {} |",
+            engine.plan().tokens_per_forward,
+            median(times.clone()),
+            memory.join(", ")
+        );
+        if let Some(out) = &args.out {
+            let path = PathBuf::from(format!("{}_tp{tp}.safetensors", out.display()));
+            velocity.save_safetensors("velocity", &path)?;
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -282,5 +378,6 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Speed(args) => speed(args),
         Command::Logits(args) => logits(args),
+        Command::Dit(args) => dit(args),
     }
 }

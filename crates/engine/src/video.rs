@@ -50,8 +50,19 @@ pub struct StepReport {
     pub elapsed: Duration,
 }
 
+/// What the ranks run.
+enum Work {
+    Denoise(VideoRequest),
+    /// One velocity evaluation (no sampler, no guidance): for numerics and step timing.
+    Velocity {
+        latents: Tensor,
+        timestep: f64,
+        text: Tensor,
+    },
+}
+
 struct VideoJob {
-    request: VideoRequest,
+    work: Work,
     steps: Option<Sender<StepReport>>,
 }
 
@@ -65,6 +76,7 @@ pub struct VideoEngine {
     shape: VideoShape,
     latent_shape: [usize; 4],
     plan: Plan,
+    devices: Vec<Device>,
 }
 
 impl VideoEngine {
@@ -98,12 +110,13 @@ impl VideoEngine {
             shape.height / 8,
             shape.width / 8,
         ];
+        devices.iter().for_each(crate::memory::reset_peak);
         let (ready_tx, ready_rx) = mpsc::channel();
         let (mut jobs, mut done, mut threads) = (Vec::new(), Vec::new(), Vec::new());
         for (rank, ((connect, shard), device)) in connectors(&b, &devices)?
             .into_iter()
             .zip(shards)
-            .zip(devices)
+            .zip(devices.clone())
             .enumerate()
         {
             let (job_tx, job_rx) = mpsc::channel();
@@ -145,6 +158,7 @@ impl VideoEngine {
             shape,
             latent_shape,
             plan,
+            devices,
         })
     }
 
@@ -154,9 +168,24 @@ impl VideoEngine {
         if request.steps == 0 {
             return Err(EngineError::InvalidRequest("--steps must be at least 1".into()));
         }
+        self.run(Work::Denoise(request), &mut on_step)
+    }
+
+    /// The model's velocity for `latents` `[channels, latent frames, h, w]` at `timestep`
+    /// given text states `[tokens, text_dim]`: one forward on every rank, f32 on the CPU.
+    pub fn velocity(&self, latents: &Tensor, timestep: f64, text: &Tensor) -> Result<Tensor, EngineError> {
+        let work = Work::Velocity {
+            latents: latents.clone(),
+            timestep,
+            text: text.clone(),
+        };
+        self.run(work, &mut |_| {})
+    }
+
+    fn run(&self, work: Work, on_step: &mut dyn FnMut(StepReport)) -> Result<Tensor, EngineError> {
         let (steps_tx, steps_rx) = mpsc::channel();
         let job = Arc::new(VideoJob {
-            request,
+            work,
             steps: Some(steps_tx),
         });
         for tx in &self.jobs {
@@ -193,6 +222,11 @@ impl VideoEngine {
 
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+
+    /// Each rank's device memory now, with its peak since the start; `None` for CPU ranks.
+    pub fn device_memory(&self) -> Vec<Option<crate::DeviceMemory>> {
+        self.devices.iter().map(crate::memory::measure).collect()
     }
 }
 
@@ -269,7 +303,24 @@ fn denoise(
     let rank = comm.rank();
     let err = |source: tpinfer_layers::Error| EngineError::Rank { rank, source };
     let tensor_err = |e: candle_core::Error| err(e.into());
-    let r = &job.request;
+    let r = match &job.work {
+        Work::Denoise(r) => r,
+        Work::Velocity {
+            latents,
+            timestep,
+            text,
+        } => {
+            let context = model
+                .embed_text(&text.to_device(device).map_err(tensor_err)?)
+                .map_err(err)?;
+            let latents = latents.to_device(device).map_err(tensor_err)?;
+            let v = model.forward(&latents, *timestep, &context).map_err(err)?;
+            return match rank {
+                0 => Ok(Some(v.to_device(&Device::Cpu).map_err(tensor_err)?)),
+                _ => Ok(None),
+            };
+        }
+    };
     let context = model
         .embed_text(&r.text.to_device(device).map_err(tensor_err)?)
         .map_err(err)?;
