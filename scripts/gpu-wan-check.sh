@@ -11,6 +11,10 @@ REF="$PY scripts/reference_wan.py"
 mkdir -p "$W"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/wan.log"; }
 run() { log "$*"; timeout "${LIMIT:-200}" "$@" 2>&1 | tee -a "$OUT/wan.log"; return "${PIPESTATUS[0]}"; }
+# A host without diffusers (and without internet) gets it from a wheel carried along.
+if ! $PY -c "import diffusers" 2>/dev/null && ls .carry/diffusers-*.whl >/dev/null 2>&1; then
+  $PY -m zipfile -e .carry/diffusers-*.whl "$W/pydeps" && export PYTHONPATH="$W/pydeps${PYTHONPATH:+:$PYTHONPATH}"
+fi
 $PY -c "import diffusers, torch; print('diffusers', diffusers.__version__, 'torch', torch.__version__)" 2>&1 | tee -a "$OUT/wan.log"
 run $REF make --shape 1.3b --out "$W/wan13" || exit 1
 run $REF inputs --frames ${FRAMES:-21} --size 832x480 --out "$W/in.st"
