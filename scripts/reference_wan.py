@@ -76,6 +76,10 @@ def forward(args):
     from diffusers import WanTransformer3DModel
 
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    # An f32 reference in f32: PyTorch runs convolutions (the patch embedding) in TF32 by
+    # default, which alone moves the velocity by ~1e-4.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     model = WanTransformer3DModel.from_pretrained(args.model, torch_dtype=dtype).cuda().eval()
     print(original_head(model), file=sys.stderr)
     x = load_file(args.inputs)
