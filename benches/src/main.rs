@@ -124,22 +124,27 @@ struct LogitsArgs {
     out: PathBuf,
 }
 
-fn engine(common: &Common, tp: usize) -> Result<Engine> {
-    let mut builder = Engine::builder(&common.model)
-        .tp(tp)
-        .comm_timeout(std::time::Duration::from_secs(common.comm_timeout));
-    if let Some(fault) = common.fault {
-        builder = builder.inject_fault(fault);
-    }
-    if common.cuda {
+/// A builder for `model` at `tp` on GPUs 0..tp (`cuda`) or CPU ranks, in `dtype`.
+fn builder(model: &std::path::Path, tp: usize, cuda: bool, dtype: Option<DtypeArg>) -> tpinfer_engine::EngineBuilder {
+    let mut builder = Engine::builder(model).tp(tp);
+    if cuda {
         builder = builder.device(DeviceKind::Cuda { gpus: None });
     }
-    if let Some(dtype) = common.dtype {
+    if let Some(dtype) = dtype {
         builder = builder.dtype(match dtype {
             DtypeArg::F32 => DType::F32,
             DtypeArg::F16 => DType::F16,
             DtypeArg::Bf16 => DType::BF16,
         });
+    }
+    builder
+}
+
+fn engine(common: &Common, tp: usize) -> Result<Engine> {
+    let mut builder = builder(&common.model, tp, common.cuda, common.dtype)
+        .comm_timeout(std::time::Duration::from_secs(common.comm_timeout));
+    if let Some(fault) = common.fault {
+        builder = builder.inject_fault(fault);
     }
     if let Some(context) = common.max_context {
         builder = builder.max_context(context);
@@ -317,17 +322,7 @@ fn dit(args: DitArgs) -> Result<()> {
     println!("| TP | video tokens | ms per forward (median) | min–max | peak device memory per rank, MiB: measured / planned (Δ) |");
     println!("|---|---|---|---|---|");
     for &tp in &args.tp {
-        let mut builder = Engine::builder(&args.model).tp(tp);
-        if args.cuda {
-            builder = builder.device(DeviceKind::Cuda { gpus: None });
-        }
-        if let Some(dtype) = args.dtype {
-            builder = builder.dtype(match dtype {
-                DtypeArg::F32 => DType::F32,
-                DtypeArg::F16 => DType::F16,
-                DtypeArg::Bf16 => DType::BF16,
-            });
-        }
+        let builder = builder(&args.model, tp, args.cuda, args.dtype);
         let engine = VideoEngine::start(builder, shape).with_context(|| format!("loading at TP {tp}"))?;
         let mut velocity = engine.velocity(&latents, timestep, &text)?;
         let mut times = Vec::new();

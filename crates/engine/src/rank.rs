@@ -65,37 +65,22 @@ pub(crate) fn rank_main(
 ) {
     let rank = setup.rank;
     let _span = tracing::info_span!("rank", rank, world = setup.world).entered();
-    let comm = match connect() {
-        Ok(comm) => comm,
-        Err(e) => {
-            let _ = ready.send(Startup::Failed(e));
-            return;
-        }
-    };
-    let _ = ready.send(Startup::Connected(rank));
-    let loaded = guarded(rank, &*comm, || {
+    let load = |comm: Arc<dyn Communicator>| {
         LlamaRank::load(
             &setup.checkpoint,
             setup.shard.clone(),
-            comm.clone(),
+            comm,
             setup.dtype,
             &setup.device,
             setup.max_context,
         )
         .map_err(|source| EngineError::Rank { rank, source })
-    });
-    let mut model = match loaded {
-        Ok(model) => {
-            tracing::info!(bytes = model.bytes_loaded(), "loaded shard");
-            crate::memory::check_after_load(rank, &setup.device, &setup.plan);
-            let _ = ready.send(Startup::Loaded(rank, model.bytes_loaded()));
-            model
-        }
-        Err(e) => {
-            let _ = ready.send(Startup::Failed(e));
-            return;
-        }
     };
+    let Some((comm, mut model)) = start_rank(rank, connect, &ready, load, LlamaRank::bytes_loaded) else {
+        return;
+    };
+    tracing::info!(bytes = model.bytes_loaded(), "loaded shard");
+    crate::memory::check_after_load(rank, &setup.device, &setup.plan);
     drop(ready);
     let mut first = true;
     while let Ok(job) = jobs.recv() {
@@ -114,6 +99,36 @@ pub(crate) fn rank_main(
         if panicked {
             // The model's state is unknown after a panic; this rank is finished.
             return;
+        }
+    }
+}
+
+/// Joins the rank's communicator, then loads its model with `load` (guarded: a panic or error
+/// is posted to the peers), reporting each stage on `ready` with the bytes `bytes` says were
+/// read. `None` once a failure has been reported.
+pub(crate) fn start_rank<M>(
+    rank: usize,
+    connect: Connect,
+    ready: &Sender<Startup>,
+    load: impl FnOnce(Arc<dyn Communicator>) -> Result<M, EngineError>,
+    bytes: impl Fn(&M) -> usize,
+) -> Option<(Arc<dyn Communicator>, M)> {
+    let comm = match connect() {
+        Ok(comm) => comm,
+        Err(e) => {
+            let _ = ready.send(Startup::Failed(e));
+            return None;
+        }
+    };
+    let _ = ready.send(Startup::Connected(rank));
+    match guarded(rank, &*comm, || load(comm.clone())) {
+        Ok(model) => {
+            let _ = ready.send(Startup::Loaded(rank, bytes(&model)));
+            Some((comm, model))
+        }
+        Err(e) => {
+            let _ = ready.send(Startup::Failed(e));
+            None
         }
     }
 }

@@ -14,7 +14,7 @@ use tpinfer_wan::sampler::{guide, seeded_noise, Sampler, Schedule, Solver};
 use tpinfer_wan::{WanCheckpoint, WanRank, WanShard};
 
 use crate::engine::{await_startup, check_plan, connectors, rank_devices, root_cause};
-use crate::rank::{guarded, Connect, Startup};
+use crate::rank::{guarded, start_rank, Connect, Startup};
 use crate::{EngineBuilder, EngineError};
 
 /// The video a [`VideoEngine`] denoises: `frames` (4k + 1) of `width` × `height` pixels.
@@ -252,34 +252,12 @@ fn video_rank(
     jobs: Receiver<Arc<VideoJob>>,
     done: Sender<JobResult>,
 ) {
-    let comm = match connect() {
-        Ok(comm) => comm,
-        Err(e) => {
-            let _ = ready.send(Startup::Failed(e));
-            return;
-        }
+    let load = |comm: Arc<dyn Communicator>| {
+        WanRank::load(&checkpoint.config, &*checkpoint.store, shard, comm, dtype, &device)
+            .map_err(|source| EngineError::Rank { rank, source })
     };
-    let _ = ready.send(Startup::Connected(rank));
-    let loaded = guarded(rank, &*comm, || {
-        WanRank::load(
-            &checkpoint.config,
-            &*checkpoint.store,
-            shard,
-            comm.clone(),
-            dtype,
-            &device,
-        )
-        .map_err(|source| EngineError::Rank { rank, source })
-    });
-    let model = match loaded {
-        Ok(model) => {
-            let _ = ready.send(Startup::Loaded(rank, model.bytes_loaded()));
-            model
-        }
-        Err(e) => {
-            let _ = ready.send(Startup::Failed(e));
-            return;
-        }
+    let Some((comm, model)) = start_rank(rank, connect, &ready, load, WanRank::bytes_loaded) else {
+        return;
     };
     drop(ready);
     while let Ok(job) = jobs.recv() {

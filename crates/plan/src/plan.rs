@@ -252,21 +252,8 @@ fn llama_fsdp(
     })?;
     let chunk = prefill_chunk(whole.heads.q_heads.len(), max_context);
     let memory = RankMemory::new(config, &whole, dtype, max_context, chunk);
-    Ok(Fsdp {
-        world,
-        gpu: RankPlan {
-            rank: 0,
-            weights: total.div_ceil(world as u64),
-            buffers: memory.buffers as u64,
-            cache: memory.kv_cache as u64,
-            activations: memory.activations as u64,
-            allocator_slack: if device.pooled { memory.pool_slack as u64 } else { 0 },
-            workspace: device.workspace(world),
-            context: device.context_reserve,
-        },
-        unshard_buffer: unit,
-        largest_unit: name,
-    })
+    let temporaries = [memory.buffers, memory.kv_cache, memory.activations, memory.pool_slack];
+    Ok(fsdp_estimate(world, total, unit, name, temporaries, device))
 }
 
 fn wan_fsdp(
@@ -279,19 +266,33 @@ fn wan_fsdp(
     let whole = WanShard::new(config, 1, 0).map_err(PlanError::Model)?;
     let (total, unit, name) = fsdp_units(&whole.weight_decls(config), dtype, |n| numbered_unit(n, "blocks."))?;
     let memory = DitMemory::new(config, &whole, dtype, video);
-    Ok(Fsdp {
+    let temporaries = [memory.buffers, memory.latents, memory.activations, memory.pool_slack];
+    Ok(fsdp_estimate(world, total, unit, name, temporaries, device))
+}
+
+/// One FSDP GPU: an even shard of `total` weight bytes, the gather of the largest unit, and the
+/// unsharded model's `[buffers, cache, activations, pool slack]`.
+fn fsdp_estimate(
+    world: usize,
+    total: u64,
+    unit: u64,
+    name: String,
+    [buffers, cache, activations, slack]: [usize; 4],
+    device: DeviceProfile,
+) -> Fsdp {
+    Fsdp {
         world,
         gpu: RankPlan {
             rank: 0,
             weights: total.div_ceil(world as u64),
-            buffers: memory.buffers as u64,
-            cache: memory.latents as u64,
-            activations: memory.activations as u64,
-            allocator_slack: if device.pooled { memory.pool_slack as u64 } else { 0 },
+            buffers: buffers as u64,
+            cache: cache as u64,
+            activations: activations as u64,
+            allocator_slack: if device.pooled { slack as u64 } else { 0 },
             workspace: device.workspace(world),
             context: device.context_reserve,
         },
         unshard_buffer: unit,
         largest_unit: name,
-    })
+    }
 }
