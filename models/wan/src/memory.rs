@@ -41,17 +41,23 @@ pub struct DitMemory {
 }
 
 impl DitMemory {
+    /// The plan's case: [`TEXT_TOKENS`] of text.
     pub fn new(c: &WanConfig, shard: &WanShard, dtype: DType, video: Video) -> Self {
+        Self::with_text(c, shard, dtype, video, TEXT_TOKENS)
+    }
+
+    /// With `text` tokens of text states.
+    pub fn with_text(c: &WanConfig, shard: &WanShard, dtype: DType, video: Video, text: usize) -> Self {
         let s = c.video_tokens(video.frames, video.width, video.height);
         let (d, hd, e) = (c.hidden_size(), c.attention_head_dim, dtype.size_in_bytes());
         let local = shard.channels(c).len();
         let ffn = shard.ffn_cols.len();
         let buffers = 2 * s * (hd / 2) * 4;
         let latents = SAMPLER_BUFFERS * c.latent_elements(video.frames, video.width, video.height) * 4
-            + 2 * TEXT_TOKENS * c.text_dim * 4;
+            + 2 * text * c.text_dim * 4;
         // Alive through every block: the residual stream and both embedded text contexts.
         let x = s * d * e;
-        let context = 2 * TEXT_TOKENS * d * e;
+        let context = 2 * text * d * e;
         let reduce = 2 * REDUCE_CHUNK_BYTES.min(s * d * 4);
         // Self-attention: the modulated norm, local Q/K/V (normalized and rotated in turn,
         // each replacing the last), two score buffers and one head's f32 keys and values,
@@ -60,7 +66,7 @@ impl DitMemory {
         let scores = SCORE_BUFFER_BYTES.min(s * s * 4);
         let attention = (x + 4 * s * local * e + 2 * scores + 2 * s * hd * 4).max(s * local * e + x + reduce + x);
         // Cross-attention to the 512 text tokens: the same shape with short keys.
-        let cross = x + 2 * s * local * e + 2 * TEXT_TOKENS * local * e + x + reduce;
+        let cross = x + 2 * s * local * e + 2 * text * local * e + x + reduce;
         // FFN: the modulated norm, the hidden columns and their GELU; then the down partial
         // sum, its reduce chunks and the new residual.
         let ffn_peak = (x + 2 * s * ffn * e).max(s * ffn * e + x + reduce + x);
