@@ -53,6 +53,27 @@ impl RankPlan {
             + self.context
     }
 
+    /// A rank of a `world`-wide group on `device` holding `weights` bytes and the model's
+    /// `[buffers, cache, activations, pool slack]`.
+    fn on_device(
+        rank: usize,
+        weights: u64,
+        [buffers, cache, activations, slack]: [usize; 4],
+        device: DeviceProfile,
+        world: usize,
+    ) -> Self {
+        Self {
+            rank,
+            weights,
+            buffers: buffers as u64,
+            cache: cache as u64,
+            activations: activations as u64,
+            allocator_slack: if device.pooled { slack as u64 } else { 0 },
+            workspace: device.workspace(world),
+            context: device.context_reserve,
+        }
+    }
+
     /// The total with the temporaries of one particular request instead of the worst case.
     pub fn total_with(&self, activations: u64, allocator_slack: u64) -> u64 {
         self.total() - self.activations - self.allocator_slack + activations + allocator_slack
@@ -125,17 +146,9 @@ impl Plan {
                     if rank == 0 {
                         rank0_chunk = chunk;
                     }
-                    let memory = RankMemory::new(config, &shard, dtype, max_context, chunk);
-                    ranks.push(RankPlan {
-                        rank,
-                        weights,
-                        buffers: memory.buffers as u64,
-                        cache: memory.kv_cache as u64,
-                        activations: memory.activations as u64,
-                        allocator_slack: if device.pooled { memory.pool_slack as u64 } else { 0 },
-                        workspace: device.workspace(tp),
-                        context: device.context_reserve,
-                    });
+                    let m = RankMemory::new(config, &shard, dtype, max_context, chunk);
+                    let temporaries = [m.buffers, m.kv_cache, m.activations, m.pool_slack];
+                    ranks.push(RankPlan::on_device(rank, weights, temporaries, device, tp));
                 }
                 let fsdp = llama_fsdp(config, tp, dtype, max_context, device)?;
                 (ranks, fsdp, rank0_chunk)
@@ -152,17 +165,9 @@ impl Plan {
                 for rank in 0..tp {
                     let shard = WanShard::new(config, tp, rank).map_err(|detail| PlanError::Sharding { tp, detail })?;
                     let weights = weight_bytes(&shard.weight_decls(config), dtype)?;
-                    let memory = DitMemory::new(config, &shard, dtype, video);
-                    ranks.push(RankPlan {
-                        rank,
-                        weights,
-                        buffers: memory.buffers as u64,
-                        cache: memory.latents as u64,
-                        activations: memory.activations as u64,
-                        allocator_slack: if device.pooled { memory.pool_slack as u64 } else { 0 },
-                        workspace: device.workspace(tp),
-                        context: device.context_reserve,
-                    });
+                    let m = DitMemory::new(config, &shard, dtype, video);
+                    let temporaries = [m.buffers, m.latents, m.activations, m.pool_slack];
+                    ranks.push(RankPlan::on_device(rank, weights, temporaries, device, tp));
                 }
                 let fsdp = wan_fsdp(config, tp, dtype, video, device)?;
                 (ranks, fsdp, config.video_tokens(frames, width, height))
@@ -277,21 +282,12 @@ fn fsdp_estimate(
     total: u64,
     unit: u64,
     name: String,
-    [buffers, cache, activations, slack]: [usize; 4],
+    temporaries: [usize; 4],
     device: DeviceProfile,
 ) -> Fsdp {
     Fsdp {
         world,
-        gpu: RankPlan {
-            rank: 0,
-            weights: total.div_ceil(world as u64),
-            buffers: buffers as u64,
-            cache: cache as u64,
-            activations: activations as u64,
-            allocator_slack: if device.pooled { slack as u64 } else { 0 },
-            workspace: device.workspace(world),
-            context: device.context_reserve,
-        },
+        gpu: RankPlan::on_device(0, total.div_ceil(world as u64), temporaries, device, world),
         unshard_buffer: unit,
         largest_unit: name,
     }
