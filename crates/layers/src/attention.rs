@@ -76,19 +76,29 @@ pub fn grouped_attention(
     }
 }
 
-/// Non-causal attention of `q` `[h, s, d]` over `k`, `v` `[h, t, d]`, in f32, one head and one
-/// block of queries at a time, so that no score buffer exceeds `score_bytes`: video lengths
-/// (tens of thousands of tokens) never materialize an `s × t` matrix per head group.
+/// Non-causal attention of `q` `[s, h, d]` over `k`, `v` `[t, h, d]` (any strides with `d`
+/// contiguous); returns `[s, h, d]`. On CUDA in bf16/f16 this is the fused flash-attention
+/// kernel, which keeps scores on chip; elsewhere [`blockwise_attention`]. Either way no
+/// `s × t` matrix per head group is ever materialized at video lengths.
+pub fn full_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, score_bytes: usize) -> Result<Tensor> {
+    if tpinfer_kernels::flash_attention_supported(q) {
+        return Ok(tpinfer_kernels::flash_attention(q, k, v, scale, false)?);
+    }
+    blockwise_attention(q, k, v, scale, score_bytes)
+}
+
+/// [`full_attention`] without a fused kernel: in f32, one head and one block of queries at a
+/// time, so that no score buffer exceeds `score_bytes`. `[s, h, d]` in and out.
 pub fn blockwise_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, score_bytes: usize) -> Result<Tensor> {
-    let (heads, s, _) = q.dims3()?;
-    let t = k.dim(1)?;
+    let (s, heads, _) = q.dims3()?;
+    let t = k.dim(0)?;
     let block = (score_bytes / (t * 4)).clamp(1, s.max(1));
-    let f32 = |x: &Tensor| x.to_dtype(DType::F32);
+    let head = |x: &Tensor, h: usize| -> Result<Tensor> { Ok(x.narrow(1, h, 1)?.squeeze(1)?.to_dtype(DType::F32)?) };
     let mut per_head = Vec::with_capacity(heads);
     for h in 0..heads {
-        let kh = f32(&k.get(h)?)?.t()?.contiguous()?;
-        let vh = f32(&v.get(h)?)?;
-        let qh = (f32(&q.get(h)?)? * scale)?;
+        let kh = head(k, h)?.t()?.contiguous()?;
+        let vh = head(v, h)?.contiguous()?;
+        let qh = (head(q, h)? * scale)?;
         let mut rows = Vec::with_capacity(s.div_ceil(block));
         for start in (0..s).step_by(block) {
             let len = block.min(s - start);
@@ -99,5 +109,5 @@ pub fn blockwise_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, score
         }
         per_head.push(Tensor::cat(&rows, 0)?);
     }
-    Ok(Tensor::stack(&per_head, 0)?.to_dtype(q.dtype())?)
+    Ok(Tensor::stack(&per_head, 1)?.to_dtype(q.dtype())?)
 }

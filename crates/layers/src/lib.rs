@@ -15,7 +15,7 @@ mod mlp;
 mod partition;
 mod rope;
 
-pub use attention::{blockwise_attention, causal_attention, causal_mask, grouped_attention};
+pub use attention::{blockwise_attention, causal_attention, causal_mask, full_attention, grouped_attention};
 pub use embedding::VocabParallelEmbedding;
 pub use error::{Error, Result};
 pub use kv_cache::KvCache;

@@ -121,6 +121,7 @@ impl RowParallelLinear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let partial = self.linear.forward(x)?;
         let y = self.comm.all_reduce_sum(&partial)?;
+        drop(partial);
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,

@@ -1,0 +1,265 @@
+// Fused attention forward, FlashAttention-2 scheme: each CTA keeps 64 or 128 query rows of one head
+// on chip and streams the keys and values through shared memory in tiles of 64, with an
+// online softmax; no score matrix ever reaches global memory. Tensor cores through
+// mma.sync m16n8k16 (bf16/f16 in, f32 accumulate); tiles arrive by cp.async, the next K tile
+// while P·V runs.
+//
+// Layout: element (row, head, d) of q/k/v lives at ptr[row * row_stride + head * head_stride + d]
+// (any row/head strides, d contiguous); the output is contiguous [q_len, heads, D].
+// Causal: query i sits at position kv_len - q_len + i and sees keys 0..=that position.
+// GQA: query head h reads KV head h / group.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace {
+
+// BLOCK_M query rows per CTA (a template parameter: 64 or 128), 16 per warp, so each K/V
+// tile serves BLOCK_M / 16 warps.
+constexpr int BLOCK_N = 64;  // keys per tile
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; zero-filled when !valid (rows past the end).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+template <typename T>
+struct Mma;
+
+template <>
+struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+};
+
+template <>
+struct Mma<__half> {
+    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+};
+
+// Copies ROWS rows of D elements starting at `row0` into a padded tile; rows at or past
+// `len` become zeros so that masked keys can never inject NaN through V.
+template <typename T, int D, int ROW, int ROWS, int THREADS>
+__device__ __forceinline__ void load_tile(T* tile, const T* base, int row0, int len, long row_stride) {
+    constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+        int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+        bool valid = row0 + r < len;
+        const T* src = valid ? base + (long)(row0 + r) * row_stride + col : base;
+        cp_async16(tile + r * ROW + col, src, valid);
+    }
+}
+
+template <typename T, int D, int BLOCK_M>
+__device__ void flash_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                              T* __restrict__ out, int q_len, int kv_len, int heads, int group, long q_row,
+                              long q_head, long k_row, long k_head, long v_row, long v_head, float scale_log2,
+                              int causal) {
+    constexpr int ROW = D + 8;  // padding: ldmatrix's 8 row addresses fall in distinct banks
+    constexpr int THREADS = BLOCK_M / 16 * 32;
+    // The queries pass through the K and V tiles on their way to registers.
+    static_assert(BLOCK_M <= 2 * BLOCK_N, "the query tile borrows the K and V tiles");
+    __shared__ __align__(16) T tiles[2 * BLOCK_N * ROW];
+    T* k_tile = tiles;
+    T* v_tile = tiles + BLOCK_N * ROW;
+
+    const int head = blockIdx.y;
+    const int kv_head = head / group;
+    const int m0 = blockIdx.x * BLOCK_M;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;  // mma fragment row group and column pair
+    const T* qh = q + head * q_head;
+    const T* kh = k + kv_head * k_head;
+    const T* vh = v + kv_head * v_head;
+
+    // Queries: through shared memory into registers, as A fragments for D/16 k-steps.
+    load_tile<T, D, ROW, BLOCK_M, THREADS>(tiles, qh, m0, q_len, q_row);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    uint32_t qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        ldmatrix_x4(qf[kk], tiles + (warp * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8);
+    __syncthreads();
+
+    const int offset = kv_len - q_len;  // causal position of query 0
+    int kv_end = kv_len;
+    if (causal) kv_end = min(kv_len, offset + m0 + BLOCK_M);
+    const int n_tiles = (kv_end + BLOCK_N - 1) / BLOCK_N;
+    const int row_a = m0 + warp * 16 + g, row_b = row_a + 8;  // this thread's two query rows
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float max_a = -INFINITY, max_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
+
+    load_tile<T, D, ROW, BLOCK_N, THREADS>(k_tile, kh, 0, kv_len, k_row);
+    cp_async_commit();
+    for (int j = 0; j < n_tiles; ++j) {
+        const int n0 = j * BLOCK_N;
+        load_tile<T, D, ROW, BLOCK_N, THREADS>(v_tile, vh, n0, kv_len, v_row);
+        cp_async_commit();
+        cp_async_wait<1>();  // K tile j has landed
+        __syncthreads();
+
+        // S = Q Kᵀ for this warp's 16 rows × 64 keys.
+        float s[BLOCK_N / 8][4];
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int p = 0; p < BLOCK_N / 16; ++p) {
+                uint32_t b[4];
+                ldmatrix_x4(b, k_tile + (p * 16 + (lane / 16) * 8 + lane % 8) * ROW + kk * 16 + ((lane / 8) % 2) * 8);
+                Mma<T>::run(s[2 * p], qf[kk], b[0], b[1]);
+                Mma<T>::run(s[2 * p + 1], qf[kk], b[2], b[3]);
+            }
+        }
+
+        // Online softmax in base 2; masked entries (past kv_len, or after the query) are -inf.
+        const bool masked = n0 + BLOCK_N > kv_len || (causal && n0 + BLOCK_N - 1 > offset + m0);
+        float tile_a = -INFINITY, tile_b = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 8; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[i][e] * scale_log2;
+                if (masked) {
+                    int key = n0 + i * 8 + 2 * t + (e & 1);
+                    int row = e < 2 ? row_a : row_b;
+                    if (key >= kv_len || (causal && key > offset + row)) x = -INFINITY;
+                }
+                s[i][e] = x;
+            }
+            tile_a = fmaxf(tile_a, fmaxf(s[i][0], s[i][1]));
+            tile_b = fmaxf(tile_b, fmaxf(s[i][2], s[i][3]));
+        }
+#pragma unroll
+        for (int w = 1; w < 4; w *= 2) {
+            tile_a = fmaxf(tile_a, __shfl_xor_sync(0xffffffff, tile_a, w));
+            tile_b = fmaxf(tile_b, __shfl_xor_sync(0xffffffff, tile_b, w));
+        }
+        const float new_a = fmaxf(max_a, tile_a), new_b = fmaxf(max_b, tile_b);
+        // A row with no visible key yet keeps max -inf; subtract 0 instead to avoid inf - inf.
+        const float base_a = new_a == -INFINITY ? 0.f : new_a, base_b = new_b == -INFINITY ? 0.f : new_b;
+        const float alpha_a = exp2f(max_a - base_a), alpha_b = exp2f(max_b - base_b);
+        max_a = new_a;
+        max_b = new_b;
+        sum_a *= alpha_a;
+        sum_b *= alpha_b;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            o[i][0] *= alpha_a;
+            o[i][1] *= alpha_a;
+            o[i][2] *= alpha_b;
+            o[i][3] *= alpha_b;
+        }
+        uint32_t pf[BLOCK_N / 16][4];  // P as A fragments: the accumulator layout of two n-tiles
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 8; ++i) {
+            float p0 = exp2f(s[i][0] - base_a), p1 = exp2f(s[i][1] - base_a);
+            float p2 = exp2f(s[i][2] - base_b), p3 = exp2f(s[i][3] - base_b);
+            sum_a += p0 + p1;
+            sum_b += p2 + p3;
+            pf[i / 2][(i % 2) * 2] = Mma<T>::pack(p0, p1);
+            pf[i / 2][(i % 2) * 2 + 1] = Mma<T>::pack(p2, p3);
+        }
+
+        cp_async_wait<0>();  // V tile j has landed
+        __syncthreads();     // every warp is done with K tile j
+        if (j + 1 < n_tiles) load_tile<T, D, ROW, BLOCK_N, THREADS>(k_tile, kh, n0 + BLOCK_N, kv_len, k_row);
+        cp_async_commit();
+
+        // O += P V.
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+#pragma unroll
+            for (int p = 0; p < D / 16; ++p) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, v_tile + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * ROW + p * 16 + (lane / 16) * 8);
+                Mma<T>::run(o[2 * p], pf[kk], b[0], b[1]);
+                Mma<T>::run(o[2 * p + 1], pf[kk], b[2], b[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with V tile j
+    }
+
+#pragma unroll
+    for (int w = 1; w < 4; w *= 2) {
+        sum_a += __shfl_xor_sync(0xffffffff, sum_a, w);
+        sum_b += __shfl_xor_sync(0xffffffff, sum_b, w);
+    }
+    const float inv_a = sum_a > 0.f ? 1.f / sum_a : 0.f, inv_b = sum_b > 0.f ? 1.f / sum_b : 0.f;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+        const int col = i * 8 + 2 * t;
+        if (row_a < q_len)
+            *reinterpret_cast<uint32_t*>(out + ((long)row_a * heads + head) * D + col) =
+                Mma<T>::pack(o[i][0] * inv_a, o[i][1] * inv_a);
+        if (row_b < q_len)
+            *reinterpret_cast<uint32_t*>(out + ((long)row_b * heads + head) * D + col) =
+                Mma<T>::pack(o[i][2] * inv_b, o[i][3] * inv_b);
+    }
+}
+
+}  // namespace
+
+#define FLASH_KERNEL(NAME, T, D, M)                                                                            \
+    extern "C" __global__ void __launch_bounds__(M / 16 * 32)                                                  \
+        NAME(const T* q, const T* k, const T* v, T* out, int q_len, int kv_len, int heads, int group,          \
+             long q_row, long q_head, long k_row, long k_head, long v_row, long v_head, float scale_log2,      \
+             int causal) {                                                                                     \
+        flash_forward<T, D, M>(q, k, v, out, q_len, kv_len, heads, group, q_row, q_head, k_row, k_head, v_row, \
+                               v_head, scale_log2, causal);                                                    \
+    }
+
+FLASH_KERNEL(flash_attention_bf16_d64_m64, __nv_bfloat16, 64, 64)
+FLASH_KERNEL(flash_attention_bf16_d128_m64, __nv_bfloat16, 128, 64)
+FLASH_KERNEL(flash_attention_f16_d64_m64, __half, 64, 64)
+FLASH_KERNEL(flash_attention_f16_d128_m64, __half, 128, 64)
+FLASH_KERNEL(flash_attention_bf16_d64_m128, __nv_bfloat16, 64, 128)
+FLASH_KERNEL(flash_attention_bf16_d128_m128, __nv_bfloat16, 128, 128)
+FLASH_KERNEL(flash_attention_f16_d64_m128, __half, 64, 128)
+FLASH_KERNEL(flash_attention_f16_d128_m128, __half, 128, 128)

@@ -1,0 +1,109 @@
+// Fused row-wise kernels for the DiT's replicated work, each one pass over a `[rows, cols]`
+// activation instead of candle's chain of casts and broadcasts (five to seven passes each):
+// f32 arithmetic whatever the storage type, as diffusers' FP32LayerNorm and gated residuals do.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int THREADS = 256;
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+template <typename T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
+
+// Sum over the block; every thread gets the result.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[THREADS / 32];
+    __shared__ float total;
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float w = threadIdx.x < THREADS / 32 ? partial[threadIdx.x] : 0.f;
+        for (int o = 16; o > 0; o /= 2) w += __shfl_xor_sync(0xffffffff, w, o);
+        if (threadIdx.x == 0) total = w;
+    }
+    __syncthreads();
+    float result = total;
+    __syncthreads();  // partial/total may be reused by the next call
+    return result;
+}
+
+// out = T(x + y · gate[col]): a gated residual.
+template <typename T>
+__device__ void gated_residual(const T* x, const T* y, const float* gate, T* out, long n, int cols) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        out[i] = from_f32<T>(to_f32(x[i]) + to_f32(y[i]) * gate[i % cols]);
+}
+
+// out[row] = Σ_col x²: one block per row.
+template <typename T>
+__device__ void row_sum_squares(const T* x, float* out, int cols) {
+    const T* r = x + (long)blockIdx.x * cols;
+    float s = 0.f;
+    for (int j = threadIdx.x; j < cols; j += THREADS) {
+        float v = to_f32(r[j]);
+        s += v * v;
+    }
+    s = block_sum(s);
+    if (threadIdx.x == 0) out[blockIdx.x] = s;
+}
+
+// out = T(x · row_scale[row] · col_scale[col]).
+template <typename T>
+__device__ void scale_rows_cols(const T* x, const float* row_scale, const float* col_scale, T* out, long n,
+                                int cols) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        out[i] = from_f32<T>(to_f32(x[i]) * row_scale[i / cols] * col_scale[i % cols]);
+}
+
+// LayerNorm over each row in f32 (two passes: mean, then variance about it), then
+// `· weight + bias`: one block per row.
+template <typename T>
+__device__ void layer_norm(const T* x, const float* weight, const float* bias, T* out, int cols, float eps) {
+    const T* r = x + (long)blockIdx.x * cols;
+    T* o = out + (long)blockIdx.x * cols;
+    float s = 0.f;
+    for (int j = threadIdx.x; j < cols; j += THREADS) s += to_f32(r[j]);
+    const float mean = block_sum(s) / cols;
+    float q = 0.f;
+    for (int j = threadIdx.x; j < cols; j += THREADS) {
+        float d = to_f32(r[j]) - mean;
+        q += d * d;
+    }
+    const float rstd = rsqrtf(block_sum(q) / cols + eps);
+    for (int j = threadIdx.x; j < cols; j += THREADS) o[j] = from_f32<T>((to_f32(r[j]) - mean) * rstd * weight[j] + bias[j]);
+}
+
+}  // namespace
+
+#define ROWWISE(SUFFIX, T)                                                                                      \
+    extern "C" __global__ void gated_residual_##SUFFIX(const T* x, const T* y, const float* gate, T* out,      \
+                                                        long n, int cols) {                                   \
+        gated_residual<T>(x, y, gate, out, n, cols);                                                           \
+    }                                                                                                          \
+    extern "C" __global__ void row_sum_squares_##SUFFIX(const T* x, float* out, int cols) {                   \
+        row_sum_squares<T>(x, out, cols);                                                                      \
+    }                                                                                                          \
+    extern "C" __global__ void scale_rows_cols_##SUFFIX(const T* x, const float* r, const float* c, T* out,    \
+                                                         long n, int cols) {                                  \
+        scale_rows_cols<T>(x, r, c, out, n, cols);                                                             \
+    }                                                                                                          \
+    extern "C" __global__ void layer_norm_##SUFFIX(const T* x, const float* w, const float* b, T* out,         \
+                                                    int cols, float eps) {                                    \
+        layer_norm<T>(x, w, b, out, cols, eps);                                                                \
+    }
+
+ROWWISE(f32, float)
+ROWWISE(bf16, __nv_bfloat16)
+ROWWISE(f16, __half)

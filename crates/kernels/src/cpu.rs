@@ -1,0 +1,161 @@
+//! The same ops on CPU tensors, each one pass that allocates only its output, like the CUDA
+//! kernels: the DiT's memory model then holds on every device. f32 arithmetic throughout.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, Layout, Result, WithDType};
+use rayon::prelude::*;
+
+/// The contiguous elements of a layout.
+fn contiguous<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+    let all = s.as_slice::<T>()?;
+    match l.contiguous_offsets() {
+        Some((start, end)) => Ok(&all[start..end]),
+        None => candle_core::bail!("fused CPU ops need contiguous inputs"),
+    }
+}
+
+fn f(x: impl WithDType) -> f32 {
+    x.to_f64() as f32
+}
+
+/// Runs `$body` with `$t` bound to the element type of `$storage` (f32, bf16 or f16).
+macro_rules! typed {
+    ($storage:expr, $t:ident => $body:expr) => {
+        match $storage {
+            CpuStorage::F32(_) => {
+                type $t = f32;
+                $body
+            }
+            CpuStorage::BF16(_) => {
+                type $t = half::bf16;
+                $body
+            }
+            CpuStorage::F16(_) => {
+                type $t = half::f16;
+                $body
+            }
+            other => candle_core::bail!("fused CPU ops: unsupported dtype {:?}", other.dtype()),
+        }
+    };
+}
+
+pub(crate) fn gated_residual(
+    x: (&CpuStorage, &Layout),
+    y: (&CpuStorage, &Layout),
+    gate: (&CpuStorage, &Layout),
+) -> Result<CpuStorage> {
+    let g = contiguous::<f32>(gate.0, gate.1)?;
+    typed!(x.0, T => {
+        let (xs, ys) = (contiguous::<T>(x.0, x.1)?, contiguous::<T>(y.0, y.1)?);
+        let cols = g.len();
+        let out: Vec<T> = xs
+            .par_iter()
+            .zip(ys.par_iter())
+            .enumerate()
+            .map(|(i, (&a, &b))| T::from_f64((f(a) + f(b) * g[i % cols]) as f64))
+            .collect();
+        Ok(T::to_cpu_storage_owned(out))
+    })
+}
+
+pub(crate) fn row_sum_squares(x: (&CpuStorage, &Layout), cols: usize) -> Result<CpuStorage> {
+    typed!(x.0, T => {
+        let xs = contiguous::<T>(x.0, x.1)?;
+        let out: Vec<f32> = xs.par_chunks(cols).map(|row| row.iter().map(|&v| f(v) * f(v)).sum()).collect();
+        Ok(f32::to_cpu_storage_owned(out))
+    })
+}
+
+pub(crate) fn scale_rows_cols(
+    x: (&CpuStorage, &Layout),
+    rows: (&CpuStorage, &Layout),
+    cols: (&CpuStorage, &Layout),
+) -> Result<CpuStorage> {
+    let (r, c) = (contiguous::<f32>(rows.0, rows.1)?, contiguous::<f32>(cols.0, cols.1)?);
+    typed!(x.0, T => {
+        let xs = contiguous::<T>(x.0, x.1)?;
+        let n = c.len();
+        let out: Vec<T> = xs
+            .par_iter()
+            .enumerate()
+            .map(|(i, &v)| T::from_f64((f(v) * r[i / n] * c[i % n]) as f64))
+            .collect();
+        Ok(T::to_cpu_storage_owned(out))
+    })
+}
+
+pub(crate) fn layer_norm(
+    x: (&CpuStorage, &Layout),
+    weight: (&CpuStorage, &Layout),
+    bias: (&CpuStorage, &Layout),
+    eps: f32,
+) -> Result<CpuStorage> {
+    let (w, b) = (
+        contiguous::<f32>(weight.0, weight.1)?,
+        contiguous::<f32>(bias.0, bias.1)?,
+    );
+    typed!(x.0, T => {
+        let xs = contiguous::<T>(x.0, x.1)?;
+        let cols = w.len();
+        let mut out = vec![T::from_f64(0.0); xs.len()];
+        out.par_chunks_mut(cols).zip(xs.par_chunks(cols)).for_each(|(o, row)| {
+            let mean = row.iter().map(|&v| f(v)).sum::<f32>() / cols as f32;
+            let var = row.iter().map(|&v| (f(v) - mean) * (f(v) - mean)).sum::<f32>() / cols as f32;
+            let rstd = 1.0 / (var + eps).sqrt();
+            for j in 0..cols {
+                o[j] = T::from_f64(((f(row[j]) - mean) * rstd * w[j] + b[j]) as f64);
+            }
+        });
+        Ok(T::to_cpu_storage_owned(out))
+    })
+}
+
+/// Attention with an online softmax, one query row of every head per task: no score buffer,
+/// as the CUDA kernel. `[len, heads, d]` views with any row/head strides.
+pub(crate) fn flash_attention(
+    q: (&CpuStorage, &Layout),
+    k: (&CpuStorage, &Layout),
+    v: (&CpuStorage, &Layout),
+    scale: f32,
+    causal: bool,
+) -> Result<CpuStorage> {
+    let (s, heads, d) = q.1.shape().dims3()?;
+    let (t, kv_heads, _) = k.1.shape().dims3()?;
+    let strides = |l: &Layout| -> Result<(usize, usize, usize)> {
+        match l.stride() {
+            [row, head, 1] => Ok((l.start_offset(), *row, *head)),
+            other => candle_core::bail!("flash attention: the last dim must be contiguous, strides {other:?}"),
+        }
+    };
+    let ((qo, qr, qh), (ko, kr, kh), (vo, vr, vh)) = (strides(q.1)?, strides(k.1)?, strides(v.1)?);
+    let group = heads / kv_heads;
+    typed!(q.0, T => {
+        let (qs, ks, vs) = (q.0.as_slice::<T>()?, k.0.as_slice::<T>()?, v.0.as_slice::<T>()?);
+        let mut out = vec![T::from_f64(0.0); s * heads * d];
+        out.par_chunks_mut(heads * d).enumerate().for_each(|(i, row)| {
+            let keys = if causal { t - s + i + 1 } else { t };
+            let mut acc = vec![0f32; d];
+            for h in 0..heads {
+                let q_row: Vec<f32> = (0..d).map(|j| f(qs[qo + i * qr + h * qh + j]) * scale).collect();
+                let (kb, vb) = (ko + (h / group) * kh, vo + (h / group) * vh);
+                let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+                acc.iter_mut().for_each(|a| *a = 0.0);
+                for key in 0..keys {
+                    let kx = &ks[kb + key * kr..kb + key * kr + d];
+                    let score: f32 = q_row.iter().zip(kx).map(|(&a, &b)| a * f(b)).sum();
+                    let new_max = max.max(score);
+                    let (alpha, p) = ((max - new_max).exp(), (score - new_max).exp());
+                    sum = sum * alpha + p;
+                    let vx = &vs[vb + key * vr..vb + key * vr + d];
+                    acc.iter_mut().zip(vx).for_each(|(a, &b)| *a = *a * alpha + p * f(b));
+                    max = new_max;
+                }
+                let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+                for j in 0..d {
+                    row[h * d + j] = T::from_f64((acc[j] * inv) as f64);
+                }
+            }
+        });
+        Ok(T::to_cpu_storage_owned(out))
+    })
+}

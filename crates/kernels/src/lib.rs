@@ -1,0 +1,232 @@
+//! Fused CUDA kernels behind candle custom ops, for the hot paths candle's own kernels leave
+//! unfused: flash attention (FlashAttention-2's scheme), which the video DiT needs at tens of
+//! thousands of tokens and which never writes a score matrix to memory; and one-pass row-wise
+//! ops (modulated LayerNorm, gated residual, the sums and scales of a sharded RMSNorm) for the
+//! DiT's replicated work, which candle would run as chains of casts and broadcasts.
+//!
+//! Every op also runs on CPU tensors, in one pass that allocates only its output as the CUDA
+//! kernel does, so that CPU ranks run (and the tests check) the same memory behaviour.
+
+mod cpu;
+mod rowwise;
+
+pub use rowwise::{gated_residual, layer_norm, row_sum_squares, scale_rows_cols};
+
+use candle_core::{DType, Device, Result, Tensor};
+
+/// Head sizes the kernel is compiled for.
+const HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Whether [`flash_attention`] runs for queries like `q` (`[len, heads, head_dim]`): any
+/// float CPU tensor; on CUDA (a build with the `cuda` feature), bf16 or f16 with a head size
+/// of 64 or 128.
+pub fn flash_attention_supported(q: &Tensor) -> bool {
+    let float = matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    q.rank() == 3
+        && match q.device() {
+            Device::Cpu => float,
+            Device::Cuda(_) => {
+                cfg!(feature = "cuda")
+                    && matches!(q.dtype(), DType::BF16 | DType::F16)
+                    && HEAD_DIMS.contains(&q.dims()[2])
+            }
+            _ => false,
+        }
+}
+
+/// Softmax attention of `q` `[q_len, heads, d]` over `k`, `v` `[kv_len, kv_heads, d]`, with
+/// scores scaled by `scale`; returns `[q_len, heads, d]` contiguous. Any strides with `d`
+/// contiguous are accepted (`[heads, len, d]` tensors transposed work without a copy). Query
+/// head `h` reads KV head `h / (heads / kv_heads)` (GQA). With `causal`, the queries are the
+/// last `q_len` of `kv_len` positions and each sees the keys up to its own.
+///
+/// ```no_run
+/// # use candle_core::{Device, DType, Tensor};
+/// let dev = Device::new_cuda(0)?;
+/// let q = Tensor::randn(0f32, 1., (4096, 12, 128), &dev)?.to_dtype(DType::BF16)?;
+/// let out = tpinfer_kernels::flash_attention(&q, &q, &q, 128f64.powf(-0.5), false)?;
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+    flash_attention_in_blocks(q, k, v, scale, causal, QueryBlock::default())
+}
+
+/// Query rows per CTA of [`flash_attention`]: 128 shares each K/V tile among 8 warps (half
+/// the shared-memory traffic per FLOP) but fits one CTA per SM; 64 shares it among 4 with
+/// three CTAs per SM, which measured faster on an H200 (252 against 217 TFLOP/s at 32,760
+/// tokens; benches/RESULTS.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum QueryBlock {
+    #[default]
+    Rows64,
+    Rows128,
+}
+
+impl QueryBlock {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn rows(self) -> usize {
+        match self {
+            Self::Rows64 => 64,
+            Self::Rows128 => 128,
+        }
+    }
+}
+
+/// [`flash_attention`] with a chosen [`QueryBlock`] (for benchmarks).
+pub fn flash_attention_in_blocks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+    block: QueryBlock,
+) -> Result<Tensor> {
+    let (q_len, heads, d) = q.dims3()?;
+    let (kv_len, kv_heads, kd) = k.dims3()?;
+    if v.dims() != k.dims() || kd != d || kv_heads == 0 || heads % kv_heads != 0 || kv_len < q_len && causal {
+        candle_core::bail!(
+            "flash attention: q {:?}, k {:?}, v {:?} do not fit (same head size, heads a multiple of KV heads{})",
+            q.dims(),
+            k.dims(),
+            v.dims(),
+            if causal { ", no more queries than keys" } else { "" }
+        );
+    }
+    if !flash_attention_supported(q) {
+        candle_core::bail!(
+            "flash attention runs on CPU, or on CUDA in bf16/f16 with head size 64 or 128; got {:?} {:?} d={d} on {:?}",
+            q.dtype(),
+            q.dims(),
+            q.device().location()
+        );
+    }
+    q.apply_op3_no_bwd(k, v, &FlashAttention { scale, causal, block })
+}
+
+struct FlashAttention {
+    scale: f64,
+    causal: bool,
+    // The CUDA kernel's; the CPU pass works a row at a time.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    block: QueryBlock,
+}
+
+impl candle_core::CustomOp3 for FlashAttention {
+    fn name(&self) -> &'static str {
+        "flash-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &candle_core::CpuStorage,
+        ql: &candle_core::Layout,
+        k: &candle_core::CpuStorage,
+        kl: &candle_core::Layout,
+        v: &candle_core::CpuStorage,
+        vl: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let out = cpu::flash_attention((q, ql), (k, kl), (v, vl), self.scale as f32, self.causal)?;
+        Ok((out, ql.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        ql: &candle_core::Layout,
+        k: &candle_core::CudaStorage,
+        kl: &candle_core::Layout,
+        v: &candle_core::CudaStorage,
+        vl: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        cuda::launch(self, (q, ql), (k, kl), (v, vl))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaStorage, DType, Layout, Result, Shape};
+    use half::{bf16, f16};
+
+    use super::FlashAttention;
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx"));
+
+    type Input<'a> = (&'a CudaStorage, &'a Layout);
+
+    pub(crate) fn launch(op: &FlashAttention, q: Input, k: Input, v: Input) -> Result<(CudaStorage, Shape)> {
+        match q.0.dtype() {
+            DType::BF16 => launch_typed::<bf16>("bf16", op, q, k, v),
+            DType::F16 => launch_typed::<f16>("f16", op, q, k, v),
+            other => candle_core::bail!("flash attention: unsupported dtype {other:?}"),
+        }
+    }
+
+    /// (row stride, head stride) of a `[len, heads, d]` layout whose last dim is contiguous;
+    /// rows are copied in 16-byte pieces, so offsets and strides must be multiples of 8.
+    fn strides(layout: &Layout, what: &str) -> Result<(i64, i64)> {
+        match layout.stride() {
+            [row, head, 1] if (row | head | layout.start_offset()).is_multiple_of(8) => Ok((*row as i64, *head as i64)),
+            other => candle_core::bail!(
+                "flash attention: {what} needs a contiguous last dim and strides and offset that are multiples of 8, \
+                 got strides {other:?} at offset {}",
+                layout.start_offset()
+            ),
+        }
+    }
+
+    fn launch_typed<T: CudaDType + DeviceRepr>(
+        suffix: &str,
+        op: &FlashAttention,
+        (q, ql): Input,
+        (k, kl): Input,
+        (v, vl): Input,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (q_len, heads, d) = ql.shape().dims3()?;
+        let (kv_len, kv_heads, _) = kl.shape().dims3()?;
+        let ((q_row, q_head), (k_row, k_head), (v_row, v_head)) =
+            (strides(ql, "q")?, strides(kl, "k")?, strides(vl, "v")?);
+        let dev = q.device();
+        let func = dev.get_or_load_custom_func(
+            &format!("flash_attention_{suffix}_d{d}_m{}", op.block.rows()),
+            "tpinfer_flash_attention",
+            PTX,
+        )?;
+        let qs = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
+        let ks = k.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
+        let vs = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
+        // SAFETY: every element is written by the kernel (rows < q_len of every head).
+        let out: CudaSlice<T> = unsafe { dev.alloc::<T>(q_len * heads * d)? };
+        // 16 query rows per warp (cuda/flash_attention.cu).
+        let rows = op.block.rows();
+        let cfg = LaunchConfig {
+            grid_dim: (q_len.div_ceil(rows) as u32, heads as u32, 1),
+            block_dim: (rows as u32 / 16 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (q_len_i, kv_len_i, heads_i, group) =
+            (q_len as i32, kv_len as i32, heads as i32, (heads / kv_heads) as i32);
+        let scale_log2 = (op.scale * std::f64::consts::LOG2_E) as f32;
+        let causal = op.causal as i32;
+        let mut b = func.builder();
+        b.arg(&qs).arg(&ks).arg(&vs).arg(&out);
+        b.arg(&q_len_i).arg(&kv_len_i).arg(&heads_i).arg(&group);
+        b.arg(&q_row)
+            .arg(&q_head)
+            .arg(&k_row)
+            .arg(&k_head)
+            .arg(&v_row)
+            .arg(&v_head);
+        b.arg(&scale_log2).arg(&causal);
+        // SAFETY: the argument list matches the kernel's signature; all pointers cover the
+        // rows and heads the strides address.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((q_len, heads, d)),
+        ))
+    }
+}

@@ -1,0 +1,273 @@
+//! One-pass row-wise ops for activations `[rows, cols]`, computed in f32 and returned in the
+//! input's dtype: one kernel on CUDA (cuda/rowwise.cu), one pass on CPU (`crate::cpu`).
+//! Either way the op allocates only its output.
+
+use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
+
+/// `x + y · gate` with `gate` `[cols]` f32: a gated residual.
+pub fn gated_residual(x: &Tensor, y: &Tensor, gate: &Tensor) -> Result<Tensor> {
+    check(x, "gated_residual")?;
+    if y.dims() != x.dims() || gate.dims() != [x.dim(1)?] {
+        candle_core::bail!(
+            "gated_residual: y {:?} and gate {:?} do not match x {:?}",
+            y.dims(),
+            gate.dims(),
+            x.dims()
+        );
+    }
+    x.contiguous()?
+        .apply_op3_no_bwd(&y.contiguous()?, &gate.contiguous()?, &Rowwise::GatedResidual)
+}
+
+/// `Σ_j x[i, j]²` in f32, `[rows, 1]`.
+pub fn row_sum_squares(x: &Tensor) -> Result<Tensor> {
+    check(x, "row_sum_squares")?;
+    x.contiguous()?.apply_op1_no_bwd(&RowSumSquares)
+}
+
+/// `x[i, j] · rows[i] · cols[j]` with `rows` `[rows, 1]` and `cols` `[cols]`, both f32.
+pub fn scale_rows_cols(x: &Tensor, rows: &Tensor, cols: &Tensor) -> Result<Tensor> {
+    check(x, "scale_rows_cols")?;
+    let (r, c) = x.dims2()?;
+    if rows.elem_count() != r || cols.dims() != [c] {
+        candle_core::bail!(
+            "scale_rows_cols: scales {:?}, {:?} do not match x {:?}",
+            rows.dims(),
+            cols.dims(),
+            x.dims()
+        );
+    }
+    x.contiguous()?
+        .apply_op3_no_bwd(&rows.contiguous()?, &cols.contiguous()?, &Rowwise::ScaleRowsCols)
+}
+
+/// LayerNorm over each row in f32, then `· weight + bias` (`[cols]` f32 each); with
+/// `weight = 1 + scale`, `bias = shift` this is the DiT's modulated norm in one pass.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    check(x, "layer_norm")?;
+    let c = x.dim(1)?;
+    if weight.dims() != [c] || bias.dims() != [c] {
+        candle_core::bail!(
+            "layer_norm: weight {:?}, bias {:?} do not match x {:?}",
+            weight.dims(),
+            bias.dims(),
+            x.dims()
+        );
+    }
+    let op = Rowwise::LayerNorm { eps: eps as f32 };
+    x.contiguous()?
+        .apply_op3_no_bwd(&weight.contiguous()?, &bias.contiguous()?, &op)
+}
+
+fn check(x: &Tensor, op: &str) -> Result<()> {
+    if x.rank() != 2 {
+        candle_core::bail!("{op} takes [rows, cols], got {:?}", x.dims());
+    }
+    Ok(())
+}
+
+enum Rowwise {
+    GatedResidual,
+    ScaleRowsCols,
+    LayerNorm { eps: f32 },
+}
+
+struct RowSumSquares;
+
+impl candle_core::CustomOp3 for Rowwise {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::GatedResidual => "gated_residual",
+            Self::ScaleRowsCols => "scale_rows_cols",
+            Self::LayerNorm { .. } => "layer_norm",
+        }
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        a: &CpuStorage,
+        al: &Layout,
+        b: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = match self {
+            Self::GatedResidual => crate::cpu::gated_residual((x, xl), (a, al), (b, bl))?,
+            Self::ScaleRowsCols => crate::cpu::scale_rows_cols((x, xl), (a, al), (b, bl))?,
+            Self::LayerNorm { eps } => crate::cpu::layer_norm((x, xl), (a, al), (b, bl), *eps)?,
+        };
+        Ok((out, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        a: &candle_core::CudaStorage,
+        al: &Layout,
+        b: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::rowwise(self, (x, xl), (a, al), (b, bl))
+    }
+}
+
+impl candle_core::CustomOp1 for RowSumSquares {
+    fn name(&self) -> &'static str {
+        "row_sum_squares"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (rows, cols) = xl.shape().dims2()?;
+        Ok((crate::cpu::row_sum_squares((x, xl), cols)?, Shape::from((rows, 1))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, x: &candle_core::CudaStorage, xl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::row_sum_squares(x, xl)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
+    use half::{bf16, f16};
+
+    use super::Rowwise;
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rowwise.ptx"));
+    /// Must match THREADS in cuda/rowwise.cu.
+    const THREADS: u32 = 256;
+
+    type Input<'a> = (&'a CudaStorage, &'a Layout);
+
+    fn view<'a, T: CudaDType>((s, l): Input<'a>) -> Result<CudaView<'a, T>> {
+        match l.contiguous_offsets() {
+            Some((start, end)) => Ok(s.as_cuda_slice::<T>()?.slice(start..end)),
+            None => candle_core::bail!("row-wise kernels need contiguous inputs"),
+        }
+    }
+
+    fn suffix(dtype: DType) -> Result<&'static str> {
+        Ok(match dtype {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            other => candle_core::bail!("row-wise kernels: unsupported dtype {other:?}"),
+        })
+    }
+
+    fn elementwise(n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n.div_ceil(THREADS as usize).min(1 << 16) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn per_row(rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    pub(super) fn rowwise(op: &Rowwise, x: Input, a: Input, b: Input) -> Result<(CudaStorage, Shape)> {
+        match x.0.dtype() {
+            DType::F32 => rowwise_typed::<f32>(op, x, a, b),
+            DType::BF16 => rowwise_typed::<bf16>(op, x, a, b),
+            DType::F16 => rowwise_typed::<f16>(op, x, a, b),
+            other => candle_core::bail!("row-wise kernels: unsupported dtype {other:?}"),
+        }
+    }
+
+    fn rowwise_typed<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+        op: &Rowwise,
+        x: Input,
+        a: Input,
+        b: Input,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (rows, cols) = x.1.shape().dims2()?;
+        let n = rows * cols;
+        let dev: &CudaDevice = x.0.device();
+        let func = dev.get_or_load_custom_func(
+            &format!("{}_{}", candle_core::CustomOp3::name(op), suffix(x.0.dtype())?),
+            "tpinfer_rowwise",
+            PTX,
+        )?;
+        let xs = view::<T>(x)?;
+        // SAFETY: every element is written by the kernel.
+        let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+        let (n_i, cols_i) = (n as i64, cols as i32);
+        let mut builder = func.builder();
+        match op {
+            Rowwise::GatedResidual => {
+                let (y, gate) = (view::<T>(a)?, view::<f32>(b)?);
+                if y.len() != n || gate.len() != cols {
+                    candle_core::bail!("gated_residual: y or gate do not match x [{rows}, {cols}]");
+                }
+                builder.arg(&xs).arg(&y).arg(&gate).arg(&out).arg(&n_i).arg(&cols_i);
+                // SAFETY: the arguments match the kernel's signature and sizes were checked.
+                unsafe { builder.launch(elementwise(n)) }.w()?;
+            }
+            Rowwise::ScaleRowsCols => {
+                let (r, c) = (view::<f32>(a)?, view::<f32>(b)?);
+                if r.len() != rows || c.len() != cols {
+                    candle_core::bail!("scale_rows_cols: scales do not match x [{rows}, {cols}]");
+                }
+                builder.arg(&xs).arg(&r).arg(&c).arg(&out).arg(&n_i).arg(&cols_i);
+                // SAFETY: as above.
+                unsafe { builder.launch(elementwise(n)) }.w()?;
+            }
+            Rowwise::LayerNorm { eps } => {
+                let (w, bias) = (view::<f32>(a)?, view::<f32>(b)?);
+                if w.len() != cols || bias.len() != cols {
+                    candle_core::bail!("layer_norm: weight or bias do not match x [{rows}, {cols}]");
+                }
+                builder.arg(&xs).arg(&w).arg(&bias).arg(&out).arg(&cols_i).arg(eps);
+                // SAFETY: as above.
+                unsafe { builder.launch(per_row(rows)) }.w()?;
+            }
+        }
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((rows, cols)),
+        ))
+    }
+
+    pub(super) fn row_sum_squares(x: &CudaStorage, xl: &Layout) -> Result<(CudaStorage, Shape)> {
+        match x.dtype() {
+            DType::F32 => row_sum_squares_typed::<f32>((x, xl)),
+            DType::BF16 => row_sum_squares_typed::<bf16>((x, xl)),
+            DType::F16 => row_sum_squares_typed::<f16>((x, xl)),
+            other => candle_core::bail!("row_sum_squares: unsupported dtype {other:?}"),
+        }
+    }
+
+    fn row_sum_squares_typed<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+        x: Input,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (rows, cols) = x.1.shape().dims2()?;
+        let dev = x.0.device();
+        let func = dev.get_or_load_custom_func(
+            &format!("row_sum_squares_{}", suffix(x.0.dtype())?),
+            "tpinfer_rowwise",
+            PTX,
+        )?;
+        let xs = view::<T>(x)?;
+        // SAFETY: one value per row, every row written.
+        let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows)? };
+        let cols_i = cols as i32;
+        let mut builder = func.builder();
+        builder.arg(&xs).arg(&out).arg(&cols_i);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { builder.launch(per_row(rows)) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((rows, 1))))
+    }
+}
