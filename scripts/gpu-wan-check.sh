@@ -21,7 +21,7 @@ run $REF inputs --frames ${FRAMES:-21} --size 832x480 --out "$W/in.st"
 run $REF forward --model "$W/wan13" --inputs "$W/in.st" --dtype f32 --out "$W/ref_f32.st"
 run $REF forward --model "$W/wan13" --inputs "$W/in.st" --dtype bf16 --out "$W/ref_bf16.st"
 for dtype in f32 bf16; do
-  run "$BIN/tpinfer-bench" dit --model "$W/wan13" --inputs "$W/in.st" --cuda --dtype $dtype --tp 1,2 --out "$W/t_$dtype"
+  run "$BIN/tpinfer-bench" dit --model "$W/wan13" --inputs "$W/in.st" --cuda --dtype $dtype --tp 1,2 --out "$W/t_$dtype" ${PROFILE:+--profile}
 done
 run $REF compare --ref "$W/ref_f32.st" --out-json "$OUT/wan_numerics.json" diffusers_bf16="$W/ref_bf16.st" \
   tp1_f32="$W/t_f32_tp1.safetensors" tp2_f32="$W/t_f32_tp2.safetensors" \

@@ -2,9 +2,11 @@
 """The Wan DiT reference: diffusers' WanTransformer3DModel on the same weights and inputs as
 tpinfer (issue #5). Runs on any CUDA host with torch and diffusers.
 
-  make    --shape 1.3b|14b [--layers N] --out DIR        random weights, rounded to bf16, saved in f32
+  make    --shape 1.3b|14b [--layers N] [--save bf16] --out DIR
+                                                         random weights, rounded to bf16, saved in f32
+                                                         (or bf16: the same values, half the bytes)
   inputs  --frames F --size WxH [--tokens L] --out FILE  latents, text states, timestep
-  forward --model DIR --inputs FILE --dtype f32|bf16 --out FILE [--repeats N]
+  forward --model DIR --inputs FILE[,FILE…] --dtype f32|bf16 --out FILE [--repeats N]
   compare --ref FILE [--out-json FILE] name=FILE ...     ‖x − ref‖ / ‖ref‖ of each velocity
 """
 import argparse
@@ -38,25 +40,30 @@ def make(args):
     shape = dict(SHAPES[args.shape])
     if args.layers:
         shape["num_layers"] = args.layers
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
-        freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, **shape)
+    # Initialized on the GPU when there is one: a 14B model's init on the CPU takes minutes.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+            freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, **shape)
     with torch.no_grad():
         for p in model.parameters():
             # Norm weights and modulation tables away from their identity init, so they matter.
             if p.dim() <= 1:
                 p.add_(0.1 * torch.randn_like(p))
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    import os
+    os.makedirs(args.out, exist_ok=True)
+    model.save_config(args.out)
+    save = {"f32": torch.float32, "bf16": torch.bfloat16}[args.save]
+    state = {k: v.to(save).cpu().contiguous() for k, v in model.state_dict().items()}
+    del model
     # Checkpoints on the Hub carry the head's table as `scale_shift_table`; newer diffusers
     # convert it into norm_out.linear on load (an identity-repeat weight).
     if "norm_out.linear.weight" in state:
         dim = state["norm_out.linear.bias"].numel() // 2
         state.pop("norm_out.linear.weight")
         state["scale_shift_table"] = state.pop("norm_out.linear.bias").reshape(1, 2, dim)
-    import os
-    os.makedirs(args.out, exist_ok=True)
-    model.save_config(args.out)
     save_file(state, f"{args.out}/diffusion_pytorch_model.safetensors")
     print(f"wrote {args.out}: {sum(v.numel() for v in state.values()) / 1e9:.2f} B params, diffusers "
           f"{__import__('diffusers').__version__}")
@@ -82,22 +89,27 @@ def forward(args):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = WanTransformer3DModel.from_pretrained(args.model, torch_dtype=dtype).cuda().eval()
     print(original_head(model), file=sys.stderr)
-    x = load_file(args.inputs)
-    latents = x["latents"][None].to("cuda", dtype)
-    text = x["text"][None].to("cuda", dtype)
-    t = x["timestep"].to("cuda")
-    times = []
-    with torch.no_grad():
-        for _ in range(args.repeats + 1):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            out = model(hidden_states=latents, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - start) * 1e3)
-    save_file({"velocity": out[0].float().cpu().contiguous()}, args.out)
-    times = sorted(times[1:]) or times
-    print(f"diffusers {args.dtype}: {times[len(times) // 2]:.1f} ms per forward (median of {len(times)}), "
-          f"peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB allocated")
+    paths = args.inputs.split(",")
+    for index, path in enumerate(paths):
+        x = load_file(path)
+        latents = x["latents"][None].to("cuda", dtype)
+        text = x["text"][None].to("cuda", dtype)
+        t = x["timestep"].to("cuda")
+        times = []
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            for _ in range(args.repeats + 1):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                out = model(hidden_states=latents, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1e3)
+        out_path = args.out if len(paths) == 1 else args.out.replace(".st", f"_{index}.st")
+        save_file({"velocity": out[0].float().cpu().contiguous()}, out_path)
+        del out
+        times = sorted(times[1:]) or times
+        print(f"diffusers {args.dtype}, {tuple(latents.shape[2:])} latents: {times[len(times) // 2]:.1f} ms per "
+              f"forward (median of {len(times)}), peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB allocated")
 
 
 def compare(args):
@@ -124,6 +136,7 @@ def main():
     m.add_argument("--shape", choices=SHAPES, default="1.3b")
     m.add_argument("--layers", type=int)
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--save", choices=["f32", "bf16"], default="f32")
     m.add_argument("--out", required=True)
     i = sub.add_parser("inputs")
     i.add_argument("--frames", type=int, default=21)

@@ -2,8 +2,11 @@
 //! a user runs it.
 //!
 //! - `speed`: prefill ms and decode tok/s per TP width, as a Markdown table for RESULTS.md.
+//! - `attention`: the fused flash-attention kernel's error and speed.
 //! - `logits`: the prefill logits and greedy tokens of one run, as safetensors, for comparison
 //!   with a reference implementation (`scripts/reference_llama.py`).
+
+mod attention;
 
 use std::path::PathBuf;
 
@@ -27,6 +30,8 @@ enum Command {
     /// A Wan DiT's velocity for given inputs at each TP width: time per forward, device
     /// memory against the plan, and the velocities as safetensors for a reference to compare.
     Dit(DitArgs),
+    /// The fused flash-attention kernel: error against an f32 reference, ms and TFLOP/s.
+    Attention(attention::AttentionArgs),
 }
 
 #[derive(Args)]
@@ -34,9 +39,10 @@ struct DitArgs {
     /// A Wan DiT directory (diffusers or original names).
     #[arg(long)]
     model: PathBuf,
-    /// safetensors with `latents` [C, F, H, W], `text` [tokens, text_dim] and `timestep` [1].
-    #[arg(long)]
-    inputs: PathBuf,
+    /// safetensors with `latents` [C, F, H, W], `text` [tokens, text_dim] and `timestep` [1];
+    /// several (comma-separated) run on one loaded engine per width.
+    #[arg(long, value_delimiter = ',', required = true)]
+    inputs: Vec<PathBuf>,
     #[arg(long)]
     cuda: bool,
     #[arg(long, value_enum)]
@@ -49,6 +55,10 @@ struct DitArgs {
     /// Writes `{out}_tp{N}.safetensors` (tensor `velocity`) for each width.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Also time each stage of a forward of the last inputs (one rank holding the whole model,
+    /// a device sync per stage).
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -301,64 +311,155 @@ fn logits(args: LogitsArgs) -> Result<()> {
     Ok(())
 }
 
-fn dit(args: DitArgs) -> Result<()> {
-    use tpinfer_engine::{VideoEngine, VideoShape};
-    let inputs = candle_core::safetensors::load(&args.inputs, &candle_core::Device::Cpu)
-        .with_context(|| format!("reading {}", args.inputs.display()))?;
+/// One velocity's inputs.
+struct DitInputs {
+    latents: candle_core::Tensor,
+    text: candle_core::Tensor,
+    timestep: f64,
+    shape: tpinfer_engine::VideoShape,
+}
+
+fn dit_inputs(path: &std::path::Path) -> Result<DitInputs> {
+    let inputs = candle_core::safetensors::load(path, &candle_core::Device::Cpu)
+        .with_context(|| format!("reading {}", path.display()))?;
     let get = |name: &str| {
         inputs
             .get(name)
             .cloned()
-            .with_context(|| format!("inputs lack `{name}`"))
+            .with_context(|| format!("{} lacks `{name}`", path.display()))
     };
     let (latents, text) = (get("latents")?, get("text")?);
     let timestep = get("timestep")?.flatten_all()?.to_vec1::<f32>()?[0] as f64;
     let (_, f, h, w) = latents.dims4()?;
-    let shape = VideoShape {
+    let shape = tpinfer_engine::VideoShape {
         frames: (f - 1) * 4 + 1,
         width: w * 8,
         height: h * 8,
     };
-    println!("| TP | video tokens | ms per forward (median) | min–max | peak device memory per rank, MiB: measured / planned (Δ) |");
-    println!("|---|---|---|---|---|");
+    Ok(DitInputs {
+        latents,
+        text,
+        timestep,
+        shape,
+    })
+}
+
+fn dit(args: DitArgs) -> Result<()> {
+    use tpinfer_engine::VideoEngine;
+    let inputs = args.inputs.iter().map(|p| dit_inputs(p)).collect::<Result<Vec<_>>>()?;
+    // One engine per width, planned for the largest video; memory is compared for that one.
+    let largest = inputs
+        .iter()
+        .map(|i| i.shape)
+        .max_by_key(|s| s.frames * s.width * s.height)
+        .context("no inputs")?;
+    println!(
+        "| TP | frames | video tokens | ms per forward (median) | min–max | peak device memory per rank, MiB: measured / planned (Δ) |"
+    );
+    println!("|---|---|---|---|---|---|");
     for &tp in &args.tp {
         let builder = builder(&args.model, tp, args.cuda, args.dtype);
-        let engine = VideoEngine::start(builder, shape).with_context(|| format!("loading at TP {tp}"))?;
-        let mut velocity = engine.velocity(&latents, timestep, &text)?;
-        let mut times = Vec::new();
-        for _ in 0..args.repeats {
-            let start = std::time::Instant::now();
-            velocity = engine.velocity(&latents, timestep, &text)?;
-            times.push(start.elapsed().as_secs_f64() * 1e3);
-        }
-        let (lo, hi) = times
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-        let memory: Vec<String> = engine
-            .device_memory()
-            .iter()
-            .zip(&engine.plan().ranks)
-            .map(|(m, p)| match m {
-                Some(m) => format!(
-                    "{:.0} / {:.0} ({:+.1}%)",
-                    tpinfer_plan::mib(m.peak()),
-                    tpinfer_plan::mib(p.total()),
-                    100.0 * (m.peak() as f64 / p.total() as f64 - 1.0)
-                ),
-                None => format!("– / {:.0}", tpinfer_plan::mib(p.total())),
-            })
-            .collect();
-        println!(
-            "| {tp} | {} | {:.1} | {lo:.1}–{hi:.1} | {} |",
-            engine.plan().tokens_per_forward,
-            median(times.clone()),
-            memory.join(", ")
-        );
-        if let Some(out) = &args.out {
-            let path = PathBuf::from(format!("{}_tp{tp}.safetensors", out.display()));
-            velocity.save_safetensors("velocity", &path)?;
+        let engine = VideoEngine::start(builder, largest).with_context(|| format!("loading at TP {tp}"))?;
+        for (index, input) in inputs.iter().enumerate() {
+            let run = || engine.velocity(&input.latents, input.timestep, &input.text);
+            let mut velocity = run()?;
+            let mut times = Vec::new();
+            for _ in 0..args.repeats {
+                let start = std::time::Instant::now();
+                velocity = run()?;
+                times.push(start.elapsed().as_secs_f64() * 1e3);
+            }
+            let (lo, hi) = times
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+            let memory: Vec<String> = match input.shape == largest {
+                false => vec!["–".into()],
+                true => engine
+                    .device_memory()
+                    .iter()
+                    .zip(&engine.plan().ranks)
+                    .map(|(m, p)| match m {
+                        Some(m) => format!(
+                            "{:.0} / {:.0} ({:+.1}%)",
+                            tpinfer_plan::mib(m.peak()),
+                            tpinfer_plan::mib(p.total()),
+                            100.0 * (m.peak() as f64 / p.total() as f64 - 1.0)
+                        ),
+                        None => format!("– / {:.0}", tpinfer_plan::mib(p.total())),
+                    })
+                    .collect(),
+            };
+            let (_, f, h, w) = input.latents.dims4()?;
+            println!(
+                "| {tp} | {} | {} | {:.1} | {lo:.1}–{hi:.1} | {} |",
+                input.shape.frames,
+                f * (h / 2) * (w / 2),
+                median(times.clone()),
+                memory.join(", ")
+            );
+            if let Some(out) = &args.out {
+                let suffix = if inputs.len() > 1 {
+                    format!("_{index}")
+                } else {
+                    String::new()
+                };
+                let path = PathBuf::from(format!("{}_tp{tp}{suffix}.safetensors", out.display()));
+                velocity.save_safetensors("velocity", &path)?;
+            }
         }
     }
+    if args.profile {
+        let input = inputs.last().context("no inputs")?;
+        dit_profile(&args, &input.latents, input.timestep, &input.text)?;
+    }
+    Ok(())
+}
+
+/// GPU 0.
+pub(crate) fn gpu() -> Result<candle_core::Device> {
+    Ok(candle_core::Device::new_cuda(0)?)
+}
+
+/// Where one forward's time goes, stage by stage, for a single rank holding the whole model.
+fn dit_profile(args: &DitArgs, latents: &candle_core::Tensor, timestep: f64, text: &candle_core::Tensor) -> Result<()> {
+    let device = match args.cuda {
+        true => gpu()?,
+        false => candle_core::Device::Cpu,
+    };
+    let dtype = match args.dtype {
+        Some(DtypeArg::F32) => DType::F32,
+        Some(DtypeArg::F16) => DType::F16,
+        Some(DtypeArg::Bf16) => DType::BF16,
+        None if args.cuda => DType::BF16,
+        None => DType::F32,
+    };
+    let checkpoint = tpinfer_wan::WanCheckpoint::open(&args.model).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let shard = tpinfer_wan::WanShard::new(&checkpoint.config, 1, 0).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let comm = tpinfer_comm::ThreadGroup::ranks(1, std::time::Duration::from_secs(60))
+        .pop()
+        .context("no rank")?;
+    let model = tpinfer_wan::WanRank::load(
+        &checkpoint.config,
+        &*checkpoint.store,
+        shard,
+        std::sync::Arc::new(comm),
+        dtype,
+        &device,
+    )?;
+    let context = model.embed_text(&text.to_device(&device)?)?;
+    let latents = latents.to_device(&device)?;
+    let times = tpinfer_wan::StageTimes::new(&device);
+    model.forward_profiled(&latents, timestep, &context, &times)?;
+    times.reset()?;
+    let start = std::time::Instant::now();
+    model.forward_profiled(&latents, timestep, &context, &times)?;
+    let total = start.elapsed().as_secs_f64() * 1e3;
+    println!("\n| stage (TP 1, {dtype:?}, synchronized) | ms | share |\n|---|---|---|");
+    for (stage, spent) in times.stages() {
+        let ms = spent.as_secs_f64() * 1e3;
+        println!("| {stage} | {ms:.1} | {:.0}% |", 100.0 * ms / total);
+    }
+    println!("| total | {total:.1} | |");
     Ok(())
 }
 
@@ -374,5 +475,6 @@ fn main() -> Result<()> {
         Command::Speed(args) => speed(args),
         Command::Logits(args) => logits(args),
         Command::Dit(args) => dit(args),
+        Command::Attention(args) => attention::run(args),
     }
 }

@@ -45,6 +45,11 @@ impl DeviceProfile {
         }
     }
 
+    /// Whether ranks run on CUDA GPUs (which decides the kernels a forward uses).
+    pub fn is_cuda(&self) -> bool {
+        self.name == "cuda"
+    }
+
     /// The library workspace of a rank in a `tp`-wide group.
     pub fn workspace(&self, tp: usize) -> u64 {
         self.blas_workspace + if tp > 1 { self.comm_buffers } else { 0 }

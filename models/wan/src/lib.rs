@@ -6,10 +6,12 @@ mod checkpoint;
 mod config;
 pub mod memory;
 mod model;
+mod profile;
 pub mod sampler;
 mod shard;
 
 pub use checkpoint::{WanCheckpoint, WanCheckpointError};
 pub use config::{S2vModules, WanConfig, WanConfigError};
 pub use model::WanRank;
+pub use profile::StageTimes;
 pub use shard::{original_names, WanShard};

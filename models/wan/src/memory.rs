@@ -1,17 +1,20 @@
 //! The bytes one rank of the Wan DiT holds on its device besides its weights, as the memory
 //! planner counts them, for batch 1 with the conditional and unconditional (CFG) passes run
-//! one after the other. This is the memory contract of the DiT's forward: attention runs one
-//! head and a block of queries at a time, never materializing `S × S` scores, and activation
-//! all-reduces run over token chunks.
+//! one after the other. Each term names the code in `model.rs` it models; keep them in step.
+//!
+//! The forward is written for this model: the residual stream is passed by value and every
+//! intermediate is dropped as soon as the next exists; norms, residuals and the sharded
+//! RMSNorm are one-pass fused ops (`tpinfer_kernels`) that allocate only their output;
+//! attention is flash attention (no score matrix) except for f32 on CUDA, which runs
+//! [`tpinfer_layers::blockwise_attention`] with bounded score buffers.
 
 use candle_core::DType;
 
 use crate::{WanConfig, WanShard};
 
-/// Bytes of one attention score buffer (f32, one head, a block of queries × all keys).
+/// Bytes of one attention score buffer of the blockwise path (f32, one head, a block of
+/// queries × all keys).
 pub const SCORE_BUFFER_BYTES: usize = 256 << 20;
-/// Bytes of one f32 chunk of an activation all-reduce.
-pub const REDUCE_CHUNK_BYTES: usize = 64 << 20;
 /// Text tokens of the umT5 embeddings the DiT cross-attends to.
 pub const TEXT_TOKENS: usize = 512;
 /// f32 latent-sized buffers the sampler keeps: the latents, the conditional and
@@ -26,14 +29,35 @@ pub struct Video {
     pub height: usize,
 }
 
+/// How a rank runs attention, which decides whether score buffers exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionPath {
+    /// `tpinfer_kernels::flash_attention`: CPU ranks, and CUDA ranks in bf16/f16.
+    Flash,
+    /// `tpinfer_layers::blockwise_attention`: CUDA ranks in f32.
+    Blockwise,
+}
+
+impl AttentionPath {
+    /// The path `full_attention` takes on a CUDA device (`cuda`) or CPU ranks in `dtype`.
+    pub fn for_device(cuda: bool, dtype: DType, head_dim: usize) -> Self {
+        match !cuda || (matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128)) {
+            true => Self::Flash,
+            false => Self::Blockwise,
+        }
+    }
+}
+
 /// One rank's device bytes apart from its weight slices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DitMemory {
-    /// 3-D rotary tables (f32 cos and sin per token).
+    /// The 3-D RoPE tables (cos and sin per token in the compute dtype), built at the start
+    /// of each forward and alive through it.
     pub buffers: usize,
-    /// The sampler's latents and the text embeddings (conditional and negative).
+    /// The sampler's latents, the text states (conditional and negative, f32) and their
+    /// embeddings.
     pub latents: usize,
-    /// The peak of one block's temporaries.
+    /// The peak of a forward's other temporaries: the residual stream and one block's.
     pub activations: usize,
     /// What a stream-ordered allocator may hold beyond the live tensors: the two largest
     /// temporaries (as for the Llama forward).
@@ -42,40 +66,65 @@ pub struct DitMemory {
 
 impl DitMemory {
     /// The plan's case: [`TEXT_TOKENS`] of text.
-    pub fn new(c: &WanConfig, shard: &WanShard, dtype: DType, video: Video) -> Self {
-        Self::with_text(c, shard, dtype, video, TEXT_TOKENS)
+    pub fn new(c: &WanConfig, shard: &WanShard, dtype: DType, video: Video, path: AttentionPath) -> Self {
+        Self::with_text(c, shard, dtype, video, TEXT_TOKENS, path)
     }
 
     /// With `text` tokens of text states.
-    pub fn with_text(c: &WanConfig, shard: &WanShard, dtype: DType, video: Video, text: usize) -> Self {
+    pub fn with_text(
+        c: &WanConfig,
+        shard: &WanShard,
+        dtype: DType,
+        video: Video,
+        text: usize,
+        path: AttentionPath,
+    ) -> Self {
         let s = c.video_tokens(video.frames, video.width, video.height);
         let (d, hd, e) = (c.hidden_size(), c.attention_head_dim, dtype.size_in_bytes());
-        let local = shard.channels(c).len();
-        let ffn = shard.ffn_cols.len();
-        let buffers = 2 * s * (hd / 2) * 4;
-        let latents = SAMPLER_BUFFERS * c.latent_elements(video.frames, video.width, video.height) * 4
-            + 2 * text * c.text_dim * 4;
-        // Alive through every block: the residual stream and both embedded text contexts.
-        let x = s * d * e;
-        let context = 2 * text * d * e;
-        let reduce = 2 * REDUCE_CHUNK_BYTES.min(s * d * 4);
-        // Self-attention: the modulated norm, local Q/K/V (normalized and rotated in turn,
-        // each replacing the last), two score buffers and one head's f32 keys and values,
-        // the local output; then the row-parallel partial sum, its reduce chunks and the new
-        // residual.
-        let scores = SCORE_BUFFER_BYTES.min(s * s * 4);
-        let attention = (x + 4 * s * local * e + 2 * scores + 2 * s * hd * 4).max(s * local * e + x + reduce + x);
-        // Cross-attention to the 512 text tokens: the same shape with short keys.
-        let cross = x + 2 * s * local * e + 2 * text * local * e + x + reduce;
-        // FFN: the modulated norm, the hidden columns and their GELU; then the down partial
-        // sum, its reduce chunks and the new residual.
-        let ffn_peak = (x + 2 * s * ffn * e).max(s * ffn * e + x + reduce + x);
-        let mut sizes = [s * d * e, s * local * e, scores, s * ffn * e, reduce / 2];
+        let heads = shard.heads.len();
+        // Per-token sizes: the residual stream X, this rank's attention width L, FFN width F.
+        let (x, l, f) = (s * d * e, s * heads * hd * e, s * shard.ffn_cols.len() * e);
+        let (text_l, context) = (text * heads * hd * e, text * d * e);
+
+        // `Attention::forward` on the modulated norm `n` (X), self-attention:
+        // Q's GEMM output and Q with its bias (2L); then with Q alive, the merged K/V GEMM
+        // output and K/V with its bias (4L); `full_width_rms_norm`: normalized Q, then a
+        // contiguous copy of K and normalized K beside the merged K/V (4L + Q' = 5L);
+        // the V copy and the rotations each replace one of those.
+        let projections = x + 5 * l;
+        // The attention output beside Q, K, V (4L), or the blockwise path's f32 work: one
+        // head's scaled queries, keys (and a transposed copy) and values, two score buffers
+        // and the f32 outputs of every head, then stacked.
+        let attention = match path {
+            AttentionPath::Flash => x + 4 * l,
+            AttentionPath::Blockwise => {
+                let t = s;
+                let scores = SCORE_BUFFER_BYTES.min(s * t * 4);
+                let head = (s + 3 * t) * hd * 4;
+                x + 3 * l + head + 2 * scores + 2 * s * heads * hd * 4
+            }
+        };
+        // `RowParallelLinear::forward` beside the attention output (L): the partial product,
+        // then the all-reduce's output and the biased sum (2X).
+        let output = x + l + 2 * x;
+        let self_attn = projections.max(attention).max(output);
+        // Cross-attention: the same with keys over the text.
+        let cross = (x + 2 * l + 4 * text_l).max(output);
+        // `Block::forward`'s FFN: the up GEMM's output and its bias beside `n` (X + 2F); GELU
+        // (2F); the down projection's partial and reduced sums beside the hidden (F + 2X).
+        let ffn = (x + 2 * f).max(2 * f).max(f + 2 * x);
+        // A residual update: old and new stream and the attention or FFN output (3X).
+        let residual = 3 * x;
+        let block = (x + self_attn.max(cross).max(ffn)).max(residual);
+
+        let mut sizes = [x, l, 2 * l, f];
         sizes.sort_unstable();
         Self {
-            buffers,
-            latents,
-            activations: x + context + attention.max(cross).max(ffn_peak),
+            buffers: 2 * s * (hd / 2) * e,
+            latents: SAMPLER_BUFFERS * c.latent_elements(video.frames, video.width, video.height) * 4
+                + 2 * text * c.text_dim * 4
+                + 2 * context,
+            activations: block,
             pool_slack: sizes[sizes.len() - 1] + sizes[sizes.len() - 2],
         }
     }

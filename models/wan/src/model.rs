@@ -2,12 +2,12 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
-use tpinfer_layers::{
-    blockwise_attention, ColumnParallelLinear, MergedColumnParallelLinear, Result, RowParallelLinear,
-};
+use tpinfer_kernels::{gated_residual, layer_norm, row_sum_squares, scale_rows_cols};
+use tpinfer_layers::{full_attention, ColumnParallelLinear, MergedColumnParallelLinear, Result, RowParallelLinear};
 use tpinfer_weights::{ShardLoader, WeightStore};
 
 use crate::memory::SCORE_BUFFER_BYTES;
+use crate::profile::StageTimes;
 use crate::{WanConfig, WanShard};
 
 /// One rank's part of a Wan DiT: its heads of every attention and its FFN columns; the
@@ -71,15 +71,24 @@ struct Block {
 
 /// What every block of one forward shares.
 struct Step<'a> {
-    /// RoPE tables per token, `[s, head_dim / 2]` in the compute dtype.
+    /// RoPE tables per token, `[s, 1, head_dim / 2]` in the compute dtype.
     cos: &'a Tensor,
     sin: &'a Tensor,
     /// The embedded text, `[text_tokens, dim]`.
     context: &'a Tensor,
     /// The time projection, `[6, dim]` f32.
     time: &'a Tensor,
-    ones: &'a Tensor,
-    zeros: &'a Tensor,
+    times: Option<&'a StageTimes>,
+}
+
+impl Step<'_> {
+    /// Ends a profiled stage (a no-op unless profiling).
+    fn mark(&self, stage: &'static str) -> Result<()> {
+        match self.times {
+            Some(times) => times.mark(stage),
+            None => Ok(()),
+        }
+    }
 }
 
 impl WanRank {
@@ -172,6 +181,28 @@ impl WanRank {
     /// the latents' shape; every rank returns the same. Three activation all-reduces per block
     /// (self-attention, cross-attention, FFN outputs) and two of per-token norms.
     pub fn forward(&self, latents: &Tensor, timestep: f64, context: &Tensor) -> Result<Tensor> {
+        self.forward_with(latents, timestep, context, None)
+    }
+
+    /// [`Self::forward`] with the time of each stage recorded in `times` (which synchronizes
+    /// the device at every stage: for finding where a step's time goes).
+    pub fn forward_profiled(
+        &self,
+        latents: &Tensor,
+        timestep: f64,
+        context: &Tensor,
+        times: &StageTimes,
+    ) -> Result<Tensor> {
+        self.forward_with(latents, timestep, context, Some(times))
+    }
+
+    fn forward_with(
+        &self,
+        latents: &Tensor,
+        timestep: f64,
+        context: &Tensor,
+        times: Option<&StageTimes>,
+    ) -> Result<Tensor> {
         let c = &self.config;
         let (channels, frames, height, width) = latents.dims4()?;
         let [pt, ph, pw] = c.patch_size;
@@ -194,6 +225,7 @@ impl WanRank {
             .permute(vec![1, 3, 5, 0, 2, 4, 6])?
             .reshape((f * h * w, channels * pt * ph * pw))?;
         let mut x = patches.matmul(&self.patch.t()?)?.broadcast_add(&self.patch_bias)?;
+        drop(patches);
 
         let temb = self.time_embedding(timestep, device)?;
         let time = self
@@ -202,26 +234,25 @@ impl WanRank {
             .to_dtype(DType::F32)?
             .reshape((6, d))?;
         let (cos, sin) = self.rope_tables(f, h, w, device)?;
-        let ones = Tensor::ones(d, DType::F32, device)?;
-        let zeros = Tensor::zeros(d, DType::F32, device)?;
         let step = Step {
             cos: &cos,
             sin: &sin,
             context,
             time: &time,
-            ones: &ones,
-            zeros: &zeros,
+            times,
         };
+        step.mark("embeddings")?;
         for block in &self.blocks {
-            x = block.forward(&x, &step, c, self.dtype, &*self.comm)?;
+            x = block.forward(x, &step, c, &*self.comm)?;
         }
 
         // Head: LayerNorm modulated by its own table and the time embedding, then unpatchify.
-        let temb = temb.to_dtype(DType::F32)?;
-        let shift = self.head_table.get(0)?.broadcast_add(&temb.squeeze(0)?)?;
-        let scale = self.head_table.get(1)?.broadcast_add(&temb.squeeze(0)?)?;
-        let x = modulate(&layer_norm(&x, &ones, &zeros, c.eps)?, &shift, &scale)?.to_dtype(self.dtype)?;
+        let temb = temb.to_dtype(DType::F32)?.squeeze(0)?;
+        let shift = self.head_table.get(0)?.broadcast_add(&temb)?;
+        let scale = self.head_table.get(1)?.broadcast_add(&temb)?;
+        let x = modulated_norm(&x, &shift, &scale, c.eps)?;
         let out = self.proj_out.forward(&x)?;
+        step.mark("head")?;
         Ok(out
             .reshape(vec![f, h, w, pt, ph, pw, c.out_channels])?
             .permute(vec![6, 0, 3, 1, 4, 2, 5])?
@@ -243,7 +274,7 @@ impl WanRank {
     }
 
     /// 3-D RoPE: each head's pairs split into time, height and width parts (`d − 4⌊d/6⌋`,
-    /// `2⌊d/6⌋`, `2⌊d/6⌋` channels), each rotated by its coordinate. `[s, d/2]` cos and sin.
+    /// `2⌊d/6⌋`, `2⌊d/6⌋` channels), each rotated by its coordinate. `[s, 1, d/2]` cos and sin.
     fn rope_tables(&self, f: usize, h: usize, w: usize, device: &Device) -> Result<(Tensor, Tensor)> {
         let hd = self.config.attention_head_dim;
         let hw_dim = 2 * (hd / 6);
@@ -266,7 +297,7 @@ impl WanRank {
         }
         let table = |g: fn(f64) -> f64| -> Result<Tensor> {
             let values: Vec<f32> = angles.iter().map(|&a| g(a) as f32).collect();
-            Ok(Tensor::from_vec(values, (f * h * w, hd / 2), device)?.to_dtype(self.dtype)?)
+            Ok(Tensor::from_vec(values, (f * h * w, 1, hd / 2), device)?.to_dtype(self.dtype)?)
         };
         Ok((table(f64::cos)?, table(f64::sin)?))
     }
@@ -283,30 +314,46 @@ impl WanRank {
 }
 
 impl Block {
-    fn forward(&self, x: &Tensor, step: &Step, c: &WanConfig, dtype: DType, comm: &dyn Communicator) -> Result<Tensor> {
+    /// Takes the residual stream by value so that each version is freed as soon as the next
+    /// exists (the memory model in `memory.rs` counts on it).
+    fn forward(&self, mut x: Tensor, step: &Step, c: &WanConfig, comm: &dyn Communicator) -> Result<Tensor> {
         let e = self.table.broadcast_add(step.time)?;
         let row = |i: usize| e.get(i);
-        let (shift, scale, gate) = (row(0)?, row(1)?, row(2)?);
-        let (c_shift, c_scale, c_gate) = (row(3)?, row(4)?, row(5)?);
 
         // Self-attention, gated.
-        let n = modulate(&layer_norm(x, step.ones, step.zeros, c.eps)?, &shift, &scale)?.to_dtype(dtype)?;
-        let attn = self.self_attn.forward(&n, &n, Some((step.cos, step.sin)), c, comm)?;
-        let x = gated_add(x, &attn, &gate)?;
+        let n = modulated_norm(&x, &row(0)?, &row(1)?, c.eps)?;
+        step.mark("norms and residuals")?;
+        let attn = self
+            .self_attn
+            .forward(&n, &n, Some((step.cos, step.sin)), c, comm, step)?;
+        drop(n);
+        x = gated_residual(&x, &attn, &row(2)?)?;
+        drop(attn);
 
         // Cross-attention to the text, plain residual.
         let n = match &self.norm2 {
-            Some((w, b)) => layer_norm(&x, w, b, c.eps)?.to_dtype(dtype)?,
+            Some((w, b)) => layer_norm(&x, w, b, c.eps)?,
             None => x.clone(),
         };
-        let attn = self.cross_attn.forward(&n, step.context, None, c, comm)?;
-        let x = (x + attn)?;
+        step.mark("norms and residuals")?;
+        let attn = self.cross_attn.forward(&n, step.context, None, c, comm, step)?;
+        drop(n);
+        x = (x + attn)?;
 
         // FFN (GELU, tanh approximation), gated.
-        let n = modulate(&layer_norm(&x, step.ones, step.zeros, c.eps)?, &c_shift, &c_scale)?.to_dtype(dtype)?;
-        let hidden = self.ffn_up.forward(&n)?.gelu()?;
+        let n = modulated_norm(&x, &row(3)?, &row(4)?, c.eps)?;
+        step.mark("norms and residuals")?;
+        let up = self.ffn_up.forward(&n)?;
+        drop(n);
+        let hidden = up.gelu()?;
+        drop(up);
+        step.mark("ffn up + gelu")?;
         let ffn = self.ffn_down.forward(&hidden)?;
-        gated_add(&x, &ffn, &c_gate)
+        drop(hidden);
+        step.mark("ffn down + all-reduce")?;
+        x = gated_residual(&x, &ffn, &row(5)?)?;
+        step.mark("norms and residuals")?;
+        Ok(x)
     }
 }
 
@@ -320,71 +367,66 @@ impl Attention {
         rope: Option<(&Tensor, &Tensor)>,
         c: &WanConfig,
         comm: &dyn Communicator,
+        step: &Step,
     ) -> Result<Tensor> {
         let q = self.q.forward(x)?;
         let kv = self.kv.forward(source)?;
-        let (q, k) = full_width_rms_norm(&q, &kv[0], &self.norm_q, &self.norm_k, c, comm)?;
+        step.mark("q/k/v projections")?;
+        let (q, k) = full_width_rms_norm(q, &kv[0], &self.norm_q, &self.norm_k, c, comm)?;
+        step.mark("qk rms-norm")?;
+        // `[tokens, heads, head_dim]` throughout: no transposes before or after attention.
         let hd = c.attention_head_dim;
         let heads = |t: &Tensor| -> Result<Tensor> {
             let (s, width) = t.dims2()?;
-            Ok(t.reshape((s, width / hd, hd))?.transpose(0, 1)?.contiguous()?)
+            Ok(t.reshape((s, width / hd, hd))?)
         };
         let (mut q, mut k, v) = (heads(&q)?, heads(&k)?, heads(&kv[1])?);
+        drop(kv);
         if let Some((cos, sin)) = rope {
+            // rope_i over `[tokens, heads, 1, d]` with per-token tables `[tokens, 1, d/2]`.
             let rotate = |t: &Tensor| -> Result<Tensor> {
-                Ok(candle_nn::rotary_emb::rope_i(&t.unsqueeze(0)?, cos, sin)?.squeeze(0)?)
+                let (s, n, d) = t.dims3()?;
+                Ok(candle_nn::rotary_emb::rope_i(&t.reshape((s, n, 1, d))?, cos, sin)?.reshape((s, n, d))?)
             };
             q = rotate(&q)?;
             k = rotate(&k)?;
+            step.mark("rope")?;
         }
-        let out = blockwise_attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), SCORE_BUFFER_BYTES)?;
-        let (n, s, _) = out.dims3()?;
-        self.o.forward(&out.transpose(0, 1)?.reshape((s, n * hd))?)
+        let out = full_attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), SCORE_BUFFER_BYTES)?;
+        drop((q, k, v));
+        step.mark(if rope.is_some() {
+            "self-attention"
+        } else {
+            "cross-attention"
+        })?;
+        let (s, n, _) = out.dims3()?;
+        let out = self.o.forward(&out.reshape((s, n * hd))?)?;
+        step.mark("out projection + all-reduce")?;
+        Ok(out)
     }
 }
 
 /// RMSNorm of `q` and `k` over the model's full width although each rank holds only its
 /// heads' channels: the per-token sums of squares of both go through one all-reduce.
+/// Takes `q` by value to free it once normalized; `k` is a view into the merged K/V output.
 fn full_width_rms_norm(
-    q: &Tensor,
+    q: Tensor,
     k: &Tensor,
     wq: &Tensor,
     wk: &Tensor,
     c: &WanConfig,
     comm: &dyn Communicator,
 ) -> Result<(Tensor, Tensor)> {
-    let dtype = q.dtype();
-    let (q, k) = (q.to_dtype(DType::F32)?, k.to_dtype(DType::F32)?);
-    let sq = |t: &Tensor| t.sqr()?.sum_keepdim(1);
-    let sums = comm.all_reduce_sum(&Tensor::cat(&[sq(&q)?, sq(&k)?], 0)?)?;
+    let sums = comm.all_reduce_sum(&Tensor::cat(&[row_sum_squares(&q)?, row_sum_squares(k)?], 0)?)?;
     let s = q.dim(0)?;
     let inv = ((sums / c.hidden_size() as f64)? + c.eps)?.sqrt()?.recip()?;
-    let norm = |t: &Tensor, inv: Tensor, w: &Tensor| -> Result<Tensor> {
-        Ok(t.broadcast_mul(&inv)?.broadcast_mul(w)?.to_dtype(dtype)?)
-    };
-    Ok((
-        norm(&q, inv.narrow(0, 0, s)?, wq)?,
-        norm(&k, inv.narrow(0, s, k.dim(0)?)?, wk)?,
-    ))
+    let q = scale_rows_cols(&q, &inv.narrow(0, 0, s)?, wq)?;
+    let k = scale_rows_cols(k, &inv.narrow(0, s, k.dim(0)?)?, wk)?;
+    Ok((q, k))
 }
 
-/// LayerNorm over the last dim in f32, as diffusers' FP32LayerNorm.
-fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    Ok(candle_nn::ops::layer_norm(
-        &x.to_dtype(DType::F32)?,
-        weight,
-        bias,
-        eps as f32,
-    )?)
-}
-
-/// `x · (1 + scale) + shift`, per channel, in f32.
-fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
-    Ok(x.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)?)
-}
-
-/// `x + y · gate` in f32, back in `x`'s dtype.
-fn gated_add(x: &Tensor, y: &Tensor, gate: &Tensor) -> Result<Tensor> {
-    let sum = (x.to_dtype(DType::F32)? + y.to_dtype(DType::F32)?.broadcast_mul(gate)?)?;
-    Ok(sum.to_dtype(x.dtype())?)
+/// LayerNorm modulated per channel, `norm(x) · (1 + scale) + shift`, in f32 as diffusers'
+/// FP32LayerNorm: one fused LayerNorm with weight `1 + scale` and bias `shift`.
+fn modulated_norm(x: &Tensor, shift: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
+    Ok(layer_norm(x, &(scale + 1.0)?, shift, eps)?)
 }

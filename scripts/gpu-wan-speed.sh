@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One denoising step of the Wan-14B-shaped DiT (random weights, bf16) at 480p × 21/41/81
+# frames: diffusers (SDPA) and tpinfer at the TP widths in $TP (default 1,2), in the same run
+# on the same host; tpinfer's peak device memory per rank against its plan. Issue #5.
+# PROFILE=1 adds a per-stage profile of tpinfer at TP 1. Needs torch + diffusers and .dist/.
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+[ -d "$NV" ] && export LD_LIBRARY_PATH=$NV/cu13/lib:$NV/nccl/lib:${LD_LIBRARY_PATH:-}
+BIN=${BIN:-.dist} W=${WORK:-/tmp/tpinfer-gpu} PY=${PY:-python3}
+REF="$PY scripts/reference_wan.py"
+mkdir -p "$W"
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/wan-speed.log"; }
+run() { log "$*"; timeout "${LIMIT:-400}" "$@" 2>&1 | tee -a "$OUT/wan-speed.log"; return "${PIPESTATUS[0]}"; }
+if ! $PY -c "import diffusers" 2>/dev/null && ls .carry/diffusers-*.whl >/dev/null 2>&1; then
+  $PY -m zipfile -e .carry/diffusers-*.whl "$W/pydeps" && export PYTHONPATH="$W/pydeps${PYTHONPATH:+:$PYTHONPATH}"
+fi
+[ -f "$W/wan14/config.json" ] || run $REF make --shape 14b --save bf16 --out "$W/wan14" || exit 1
+INPUTS=""
+for frames in ${FRAMES:-21 41 81}; do
+  [ -f "$W/in$frames.st" ] || run $REF inputs --frames "$frames" --size 832x480 --out "$W/in$frames.st"
+  INPUTS="$INPUTS${INPUTS:+,}$W/in$frames.st"
+done
+[ -n "${SKIP_DIFFUSERS:-}" ] || run $REF forward --model "$W/wan14" --inputs "$INPUTS" --dtype bf16 --repeats 2 --out "$W/ref14.st"
+run "$BIN/tpinfer-bench" dit --model "$W/wan14" --inputs "$INPUTS" --cuda --dtype bf16 --tp "${TP:-1,2}" \
+  --repeats 2 ${PROFILE:+--profile}
+log done
