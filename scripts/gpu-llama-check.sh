@@ -2,6 +2,7 @@
 # Llama on CUDA ranks against PyTorch/transformers on the same host (issue #3): f32 and bf16
 # numerics at TP 1 and 2, then decode/prefill speed side by side. Needs 2 GPUs, torch +
 # transformers, and the binaries of scripts/build-cuda.sh in .dist/. Results go to $OUT.
+# SKIP_NUMERICS=1: speed only; SKIP_SPEED=1: numerics only; SKIP_TORCH=1: no torch speed run.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
@@ -15,6 +16,7 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee
 nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader -lms 250 > "$OUT/gpu_mem.csv" &
 SMI=$!
 
+if [ -z "${SKIP_NUMERICS:-}" ]; then
 run $REF make --shape 1b --dtype f32 --out "$W/m1b" --tokenizer $TOK || exit 1
 for tp in 1 2; do
   run "$BIN/tpinfer-bench" logits --model "$W/m1b" --cuda --dtype f32 --tp $tp --steps 32 --out "$W/t1b_tp$tp.st"
@@ -31,10 +33,12 @@ run $REF logits --model "$W/m8b" --dtype f32 --steps 4 --out "$W/r8b_f32.st"
 run $REF logits --model "$W/m8b" --dtype bf16 --steps 4 --out "$W/r8b_bf16.st"
 run $REF compare --ref "$W/r8b_f32.st" --out-json "$OUT/bf16_8b.json" \
   tp1="$W/t8b_tp1.st" tp2="$W/t8b_tp2.st" transformers_bf16="$W/r8b_bf16.st"
+fi
+[ -d "$W/m8b" ] || run $REF make --shape 8b --dtype bf16 --out "$W/m8b" --tokenizer $TOK || exit 1
 
 [ -n "${SKIP_SPEED:-}" ] && { kill $SMI; log done; exit 0; }
 LIMIT=200 run "$BIN/tpinfer-bench" speed --model "$W/m8b" --cuda --tp 1,2 --prompt-tokens 128 --new-tokens 256 --repeats 2
 LIMIT=120 run "$BIN/tpinfer-bench" speed --model "$W/m8b" --cuda --tp 1,2 --prompt-tokens 2048 --new-tokens 2 --repeats 3
-LIMIT=120 run $REF speed --model "$W/m8b" --out-json "$OUT/torch_speed.json"
+[ -n "${SKIP_TORCH:-}" ] || LIMIT=120 run $REF speed --model "$W/m8b" --out-json "$OUT/torch_speed.json"
 kill $SMI
 log done

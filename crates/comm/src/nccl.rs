@@ -19,6 +19,13 @@ use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 
 use crate::{Collective, CommError, CommStats, Communicator};
 
+/// All-reduces of 16-bit tensors up to this size are summed in f32 (see `all_reduce_sum`).
+pub const F32_SUM_MAX_BYTES: usize = 1 << 20;
+
+fn sum<T: NcclType>(comm: &Comm, input: &CudaView<'_, T>, output: &mut CudaSlice<T>) -> Result<(), NcclError> {
+    comm.all_reduce(input, output, &ReduceOp::Sum).map(|_| ())
+}
+
 /// What every rank of an in-process NCCL group shares: the unique id, and a board where a
 /// failing rank posts its cause so that its peers stop waiting for it.
 pub struct NcclGroup {
@@ -255,13 +262,25 @@ impl Communicator for NcclComm {
             1 => x.clone(),
             _ => {
                 let op = Collective::AllReduceSum;
-                // Summing in f32 keeps bf16 reductions as exact as the f32 path.
-                let x32 = x.to_dtype(DType::F32).map_err(self.tensor_error(op))?;
                 let n = x.elem_count();
-                let sum = self.run::<f32>(op, &x32, n, x.dims(), |c, i, o| {
-                    c.all_reduce(i, o, &ReduceOp::Sum).map(|_| ())
-                })?;
-                sum.to_dtype(x.dtype()).map_err(self.tensor_error(op))?
+                match x.dtype() {
+                    DType::F32 => self.run::<f32>(op, x, n, x.dims(), sum::<f32>)?,
+                    // Large messages (prompts, video activations) are bandwidth-bound: summing
+                    // in f32 would double the bytes on the link.
+                    DType::BF16 if bytes > F32_SUM_MAX_BYTES => {
+                        self.run::<half::bf16>(op, x, n, x.dims(), sum::<half::bf16>)?
+                    }
+                    DType::F16 if bytes > F32_SUM_MAX_BYTES => {
+                        self.run::<half::f16>(op, x, n, x.dims(), sum::<half::f16>)?
+                    }
+                    // Small ones (decode) are latency-bound: summing in f32 costs nothing and
+                    // keeps a 16-bit reduction as exact as the f32 path.
+                    _ => {
+                        let x32 = x.to_dtype(DType::F32).map_err(self.tensor_error(op))?;
+                        let total = self.run::<f32>(op, &x32, n, x.dims(), sum::<f32>)?;
+                        total.to_dtype(x.dtype()).map_err(self.tensor_error(op))?
+                    }
+                }
             }
         };
         self.stats.record_all_reduce(bytes, start.elapsed());
