@@ -26,7 +26,10 @@ fn planned_weight_bytes_equal_loaded_bytes_at_tp_1_to_5() {
     let spec = ModelSpec::open(path.to_str().expect("utf8")).expect("plan model");
     for dtype in [DType::F32, DType::BF16] {
         for tp in 1..=5 {
-            let placement = Placement::Llm { max_context: 64 };
+            let placement = Placement::Llm {
+                max_context: 64,
+                batch: 1,
+            };
             let plan = Plan::new(&spec, tp, dtype, placement, DeviceProfile::cpu()).expect("plan");
             let comms = ThreadGroup::ranks(tp, std::time::Duration::from_secs(30));
             for (rank, comm) in comms.into_iter().enumerate() {
@@ -131,7 +134,10 @@ fn engine_refuses_an_over_budget_placement_naming_what_fits() {
             &spec,
             tp,
             DType::F32,
-            Placement::Llm { max_context: 512 },
+            Placement::Llm {
+                max_context: 512,
+                batch: 1,
+            },
             DeviceProfile::cpu(),
         )
         .expect("plan")
@@ -161,4 +167,48 @@ fn engine_refuses_an_over_budget_placement_naming_what_fits() {
         .build()
         .expect("fits at TP 2");
     assert_eq!(engine.plan().tp, 2);
+}
+
+/// `batch` sequences hold one KV cache each, exactly; a decode step of the batch never plans
+/// less than one sequence's; a batch that does not fit is refused with the batch that does.
+#[test]
+fn batch_multiplies_the_kv_cache_and_names_the_batch_that_fits() {
+    let model = ModelSpec::open("llama-3-8b").expect("preset");
+    let plan = |batch: usize| {
+        let placement = Placement::Llm {
+            max_context: 8192,
+            batch,
+        };
+        Plan::new(&model, 2, DType::BF16, placement, DeviceProfile::cuda()).expect("plan")
+    };
+    let (one, eight) = (plan(1), plan(8));
+    for (a, b) in one.ranks.iter().zip(&eight.ranks) {
+        assert_eq!(b.cache, 8 * a.cache);
+        assert_eq!(b.weights, a.weights);
+        assert!(b.activations >= a.activations);
+    }
+    // 8B at TP 2 with 8k contexts: 0.5 GiB of KV cache per sequence and rank; 12 GiB of
+    // budget leaves room for a few sequences, not 32.
+    let budget = 12u64 << 30;
+    let big = plan(32);
+    assert!(!big.fits(budget));
+    let message = tpinfer_plan::over_budget_message(&model, &big, DType::BF16, budget);
+    let fewer: usize = message
+        .split("--batch ")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no --batch suggestion in: {message}"));
+    assert!(plan(fewer).fits(budget) && !plan(fewer + 1).fits(budget), "{message}");
+    let zero = Plan::new(
+        &model,
+        2,
+        DType::BF16,
+        Placement::Llm {
+            max_context: 8192,
+            batch: 0,
+        },
+        DeviceProfile::cuda(),
+    );
+    assert!(zero.is_err());
 }

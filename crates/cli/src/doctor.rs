@@ -45,7 +45,7 @@ pub fn doctor(args: DoctorArgs) -> Result<ExitCode> {
         (Some(model), Some(tp)) => {
             let model = ModelSpec::open(model)?;
             let placement = match (model.default_placement(), args.max_context) {
-                (Placement::Llm { .. }, Some(max_context)) => Placement::Llm { max_context },
+                (Placement::Llm { batch, .. }, Some(max_context)) => Placement::Llm { max_context, batch },
                 (placement, _) => placement,
             };
             Some(Plan::new(

@@ -25,6 +25,10 @@ pub struct PlanArgs {
     /// LLM: the longest sequence (default: the model's, at most 8192).
     #[arg(long)]
     max_context: Option<usize>,
+    /// LLM: sequences served at once, each with its own KV cache (default 1; the engine
+    /// serves one at a time, so larger batches are planning figures).
+    #[arg(long)]
+    batch: Option<usize>,
     /// DiT: frames, 4k + 1 (default 81).
     #[arg(long)]
     frames: Option<usize>,
@@ -61,9 +65,13 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         false => DeviceProfile::cuda(),
     };
     let placement = match (model.default_placement(), args.max_context, args.frames, args.size) {
-        (Placement::Llm { max_context }, context, None, None) => Placement::Llm {
+        (Placement::Llm { max_context, batch }, context, None, None) => Placement::Llm {
             max_context: context.unwrap_or(max_context),
+            batch: args.batch.unwrap_or(batch),
         },
+        (Placement::Dit { .. }, ..) if args.batch.is_some() => {
+            bail!("--batch is for LLMs; a DiT runs one video, its CFG passes in turn")
+        }
         (Placement::Dit { frames, width, height }, None, f, size) => {
             let (width, height) = size.unwrap_or((width, height));
             Placement::Dit {
@@ -119,7 +127,12 @@ fn one_width(
 
 fn describe(placement: Placement, tokens: usize) -> String {
     match placement {
-        Placement::Llm { max_context } => format!("max context {max_context} (prompts in chunks of {tokens})"),
+        Placement::Llm { max_context, batch: 1 } => {
+            format!("max context {max_context} (prompts in chunks of {tokens})")
+        }
+        Placement::Llm { max_context, batch } => {
+            format!("batch {batch} × max context {max_context} (prompts in chunks of {tokens})")
+        }
         Placement::Dit { frames, width, height } => {
             format!("{frames} frames at {width}x{height} ({tokens} video tokens)")
         }

@@ -64,7 +64,7 @@ impl Engine {
         let model = tpinfer_plan::ModelSpec::from_checkpoint(b.model.display().to_string(), checkpoint.clone());
         let plan = check_plan(
             &model,
-            tpinfer_plan::Placement::Llm { max_context },
+            tpinfer_plan::Placement::Llm { max_context, batch: 1 },
             &devices,
             dtype,
             b.gpu_mem,

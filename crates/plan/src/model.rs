@@ -39,8 +39,9 @@ pub enum ModelSpec {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Placement {
-    /// An LLM holding up to `max_context` positions (batch 1).
-    Llm { max_context: usize },
+    /// An LLM holding `batch` sequences of up to `max_context` positions each (the engine
+    /// serves batch 1; larger batches are planning figures).
+    Llm { max_context: usize, batch: usize },
     /// A DiT denoising `frames` frames of `width` × `height` pixels, CFG passes in turn.
     Dit { frames: usize, width: usize, height: usize },
 }
@@ -131,6 +132,7 @@ impl ModelSpec {
         match self {
             Self::Llama { config, .. } => Placement::Llm {
                 max_context: config.max_position_embeddings.min(8192),
+                batch: 1,
             },
             Self::Wan { .. } => Placement::Dit {
                 frames: 81,

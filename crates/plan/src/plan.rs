@@ -124,12 +124,15 @@ impl Plan {
         device: DeviceProfile,
     ) -> Result<Self, PlanError> {
         let (ranks, fsdp, tokens) = match (model, placement) {
-            (ModelSpec::Llama { config, checkpoint, .. }, Placement::Llm { max_context }) => {
+            (ModelSpec::Llama { config, checkpoint, .. }, Placement::Llm { max_context, batch }) => {
                 if max_context == 0 || max_context > config.max_position_embeddings {
                     return Err(PlanError::Placement(format!(
                         "--max-context {max_context} must be between 1 and the model's {} positions",
                         config.max_position_embeddings
                     )));
+                }
+                if batch == 0 {
+                    return Err(PlanError::Placement("--batch must be at least 1".into()));
                 }
                 let mut ranks = Vec::with_capacity(tp);
                 let mut rank0_chunk = 0;
@@ -146,11 +149,11 @@ impl Plan {
                     if rank == 0 {
                         rank0_chunk = chunk;
                     }
-                    let m = RankMemory::new(config, &shard, dtype, max_context, chunk);
+                    let m = RankMemory::batched(config, &shard, dtype, max_context, chunk, batch);
                     let temporaries = [m.buffers, m.kv_cache, m.activations, m.pool_slack];
                     ranks.push(RankPlan::on_device(rank, weights, temporaries, device, tp));
                 }
-                let fsdp = llama_fsdp(config, tp, dtype, max_context, device)?;
+                let fsdp = llama_fsdp(config, tp, dtype, max_context, batch, device)?;
                 (ranks, fsdp, rank0_chunk)
             }
             (ModelSpec::Wan { config, .. }, Placement::Dit { frames, width, height }) => {
@@ -249,6 +252,7 @@ fn llama_fsdp(
     world: usize,
     dtype: DType,
     max_context: usize,
+    batch: usize,
     device: DeviceProfile,
 ) -> Result<Fsdp, PlanError> {
     let whole = LlamaShard::new(config, 1, 0).map_err(|e| PlanError::Model(e.to_string()))?;
@@ -256,7 +260,7 @@ fn llama_fsdp(
         numbered_unit(n, "model.layers.")
     })?;
     let chunk = prefill_chunk(whole.heads.q_heads.len(), max_context);
-    let memory = RankMemory::new(config, &whole, dtype, max_context, chunk);
+    let memory = RankMemory::batched(config, &whole, dtype, max_context, chunk, batch);
     let temporaries = [memory.buffers, memory.kv_cache, memory.activations, memory.pool_slack];
     Ok(fsdp_estimate(world, total, unit, name, temporaries, device))
 }

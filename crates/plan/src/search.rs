@@ -33,7 +33,7 @@ pub fn fit_table(
             let plan = Plan::new(model, tp, dtype, placement, device).ok()?;
             let peak = plan.peak().total();
             let (max_context, max_frames) = match placement {
-                Placement::Llm { .. } => (largest_context(model, tp, dtype, device, budget), None),
+                Placement::Llm { batch, .. } => (largest_context(model, tp, dtype, device, budget, batch), None),
                 Placement::Dit { width, height, .. } => {
                     (None, most_frames(model, tp, dtype, device, budget, width, height))
                 }
@@ -65,12 +65,23 @@ pub fn smallest_width(
     })
 }
 
-fn largest_context(model: &ModelSpec, tp: usize, dtype: DType, device: DeviceProfile, budget: u64) -> Option<usize> {
+fn largest_context(
+    model: &ModelSpec,
+    tp: usize,
+    dtype: DType,
+    device: DeviceProfile,
+    budget: u64,
+    batch: usize,
+) -> Option<usize> {
     let ModelSpec::Llama { config, .. } = model else {
         return None;
     };
     let fits = |context: usize| {
-        Plan::new(model, tp, dtype, Placement::Llm { max_context: context }, device)
+        let placement = Placement::Llm {
+            max_context: context,
+            batch,
+        };
+        Plan::new(model, tp, dtype, placement, device)
             .map(|p| p.fits(budget))
             .unwrap_or(false)
     };
@@ -143,9 +154,23 @@ pub fn over_budget_message(model: &ModelSpec, plan: &Plan, dtype: DType, budget:
         options.push(format!("--tp {tp}"));
     }
     match plan.placement {
-        Placement::Llm { .. } => {
-            if let Some(context) = largest_context(model, plan.tp, dtype, plan.device, budget) {
+        Placement::Llm { batch, .. } => {
+            if let Some(context) = largest_context(model, plan.tp, dtype, plan.device, budget, batch) {
                 options.push(format!("--max-context {context}"));
+            }
+            if batch > 1 {
+                if let Some(fewer) = (1..batch).rev().find(|&b| {
+                    let placement = Placement::Llm {
+                        max_context: match plan.placement {
+                            Placement::Llm { max_context, .. } => max_context,
+                            Placement::Dit { .. } => 0,
+                        },
+                        batch: b,
+                    };
+                    Plan::new(model, plan.tp, dtype, placement, plan.device).is_ok_and(|p| p.fits(budget))
+                }) {
+                    options.push(format!("--batch {fewer}"));
+                }
             }
         }
         Placement::Dit { width, height, .. } => {

@@ -35,14 +35,30 @@ pub struct RankMemory {
 
 impl RankMemory {
     /// The model for `shard` of `config` in `dtype` with a context of `max_positions`, prompts
-    /// in chunks of `chunk` positions.
+    /// in chunks of `chunk` positions: one sequence, as the engine serves.
     pub fn new(config: &LlamaConfig, shard: &LlamaShard, dtype: DType, max_positions: usize, chunk: usize) -> Self {
+        Self::batched(config, shard, dtype, max_positions, chunk, 1)
+    }
+
+    /// For `batch` sequences of up to `max_positions` each: a KV cache per sequence, prompts
+    /// prefilled one sequence at a time, and decode steps of all `batch` tokens at once (one
+    /// query per sequence, masked to its own keys). A planning figure for batch > 1: the
+    /// engine serves one sequence at a time, so only batch 1 is checked against a device.
+    pub fn batched(
+        config: &LlamaConfig,
+        shard: &LlamaShard,
+        dtype: DType,
+        max_positions: usize,
+        chunk: usize,
+        batch: usize,
+    ) -> Self {
         let (t, d, e) = (max_positions, config.head_dim, dtype.size_in_bytes());
         let (nq, nkv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
         // `Rope::new`: cos and sin, `[t, d / 2]` each; `kv_index`: one u32 per local Q head.
         let buffers = 2 * t * (d / 2) * e + nq * 4;
-        let kv_cache = config.num_hidden_layers * KvCache::bytes(nkv, t, d, dtype);
-        let worst = forward_memory(config, shard, e, chunk.min(t), t).max(forward_memory(config, shard, e, 1, t));
+        let kv_cache = batch.max(1) * config.num_hidden_layers * KvCache::bytes(nkv, t, d, dtype);
+        let prefill = forward_memory(config, shard, e, chunk.min(t), t);
+        let worst = prefill.max(forward_memory(config, shard, e, batch.max(1), t));
         Self {
             buffers,
             kv_cache,
