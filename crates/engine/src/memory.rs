@@ -55,20 +55,24 @@ pub(crate) fn check_against_plan(rank: usize, stage: &str, measured: u64, planne
     }
 }
 
-/// Compares the tensors a rank holds after loading (weights, buffers, KV cache) with the plan.
-pub(crate) fn check_after_load(rank: usize, device: &Device, plan: &RankPlan) {
+/// Compares the tensors a rank holds after loading with the `planned` bytes (Llama: weights,
+/// buffers, KV cache; DiT: weights).
+pub(crate) fn check_after_load(rank: usize, device: &Device, planned: u64) {
     if let Some(m) = measure(device) {
-        check_against_plan(
-            rank,
-            "tensors after loading",
-            m.pool_reserved,
-            plan.weights + plan.buffers + plan.cache,
-        );
+        check_against_plan(rank, "tensors after loading", m.pool_reserved, planned);
         tracing::info!(
             rank,
             "device memory outside the tensor pool after loading: {:.1} MiB",
             tpinfer_plan::mib(m.used - m.pool_reserved)
         );
+    }
+}
+
+/// Compares a DiT rank's peak device memory over its first step at the planned video size
+/// with the plan's total.
+pub(crate) fn check_after_step(rank: usize, device: &Device, plan: &RankPlan) {
+    if let Some(m) = measure(device) {
+        check_against_plan(rank, "peak over the first step", m.peak(), plan.total());
     }
 }
 

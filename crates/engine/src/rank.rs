@@ -80,7 +80,8 @@ pub(crate) fn rank_main(
         return;
     };
     tracing::info!(bytes = model.bytes_loaded(), "loaded shard");
-    crate::memory::check_after_load(rank, &setup.device, &setup.plan);
+    let plan = &setup.plan;
+    crate::memory::check_after_load(rank, &setup.device, plan.weights + plan.buffers + plan.cache);
     drop(ready);
     let mut first = true;
     while let Ok(job) = jobs.recv() {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
-use tpinfer_plan::{ModelSpec, Placement, Plan};
+use tpinfer_plan::{ModelSpec, Placement, Plan, RankPlan};
 use tpinfer_wan::sampler::{guide, seeded_noise, Sampler, Schedule, Solver};
 use tpinfer_wan::{WanCheckpoint, WanRank, WanShard};
 
@@ -121,7 +121,7 @@ impl VideoEngine {
         {
             let (job_tx, job_rx) = mpsc::channel();
             let (done_tx, done_rx) = mpsc::channel();
-            let (ready, checkpoint) = (ready_tx.clone(), checkpoint.clone());
+            let (ready, checkpoint, rank_plan) = (ready_tx.clone(), checkpoint.clone(), plan.ranks[rank].clone());
             let thread = std::thread::Builder::new()
                 .name(format!("tpinfer-video-rank-{rank}"))
                 .spawn(move || {
@@ -132,6 +132,7 @@ impl VideoEngine {
                         device,
                         dtype,
                         latent_shape,
+                        rank_plan,
                         connect,
                         ready,
                         job_rx,
@@ -247,6 +248,7 @@ fn video_rank(
     device: Device,
     dtype: DType,
     latent_shape: [usize; 4],
+    plan: RankPlan,
     connect: Connect,
     ready: Sender<Startup>,
     jobs: Receiver<Arc<VideoJob>>,
@@ -259,9 +261,19 @@ fn video_rank(
     let Some((comm, model)) = start_rank(rank, connect, &ready, load, WanRank::bytes_loaded) else {
         return;
     };
+    crate::memory::check_after_load(rank, &device, plan.weights);
     drop(ready);
+    let mut first = true;
     while let Ok(job) = jobs.recv() {
         let outcome = guarded(rank, &*comm, || denoise(&model, &*comm, &device, latent_shape, &job));
+        // The plan is for the engine's video size; a velocity of other latents is not its case.
+        let planned_size = match &job.work {
+            Work::Denoise(_) => true,
+            Work::Velocity { latents, .. } => latents.dims() == latent_shape,
+        };
+        if outcome.is_ok() && planned_size && std::mem::take(&mut first) {
+            crate::memory::check_after_step(rank, &device, &plan);
+        }
         drop(job);
         let failed = outcome.is_err();
         let _ = done.send(outcome);
