@@ -121,7 +121,7 @@ impl VideoEngine {
         {
             let (job_tx, job_rx) = mpsc::channel();
             let (done_tx, done_rx) = mpsc::channel();
-            let (ready, checkpoint, rank_plan) = (ready_tx.clone(), checkpoint.clone(), plan.ranks[rank].clone());
+            let (ready, checkpoint, rank_plan) = (ready_tx.clone(), checkpoint.clone(), plan.ranks[rank]);
             let thread = std::thread::Builder::new()
                 .name(format!("tpinfer-video-rank-{rank}"))
                 .spawn(move || {
