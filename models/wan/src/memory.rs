@@ -92,16 +92,18 @@ impl DitMemory {
         // contiguous copy of K and normalized K beside the merged K/V (4L + Q' = 5L);
         // the V copy and the rotations each replace one of those.
         let projections = x + 5 * l;
-        // The attention output beside Q, K, V (4L), or the blockwise path's f32 work: one
-        // head's scaled queries, keys (and a transposed copy) and values, two score buffers
-        // and the f32 outputs of every head, then stacked.
+        // The attention output beside Q, K, V (4L), or the blockwise path's f32 work: within
+        // the loop over heads, one head's scaled queries, keys (and a transposed copy) and
+        // values, two score buffers and the f32 outputs of the heads so far; after it, those
+        // outputs and their stacked copy.
         let attention = match path {
             AttentionPath::Flash => x + 4 * l,
             AttentionPath::Blockwise => {
                 let t = s;
                 let scores = SCORE_BUFFER_BYTES.min(s * t * 4);
                 let head = (s + 3 * t) * hd * 4;
-                x + 3 * l + head + 2 * scores + 2 * s * heads * hd * 4
+                let outputs = s * heads * hd * 4;
+                x + 3 * l + (head + 2 * scores + outputs).max(2 * outputs)
             }
         };
         // `RowParallelLinear::forward` beside the attention output (L): the partial product,
