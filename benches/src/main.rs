@@ -210,7 +210,7 @@ fn speed(args: SpeedArgs) -> Result<()> {
             .iter()
             .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
         let plan = engine.plan();
-        let this_run = planned_for_run(&engine, args.common.prompt_tokens, args.new_tokens)?;
+        let this_run = planned_for_run(&engine, args.common.cuda, args.common.prompt_tokens, args.new_tokens)?;
         let memory: Vec<String> = engine
             .device_memory()
             .iter()
@@ -267,15 +267,16 @@ fn speed(args: SpeedArgs) -> Result<()> {
 
 /// Each rank's planned activation peak and pool slack for a run of `prompt` tokens and `new`
 /// generated ones, by the same model the engine checks itself against.
-fn planned_for_run(engine: &Engine, prompt: usize, new: usize) -> Result<Vec<(u64, u64)>> {
-    use tpinfer_llama::memory::{prefill_chunk, request_memory};
+fn planned_for_run(engine: &Engine, cuda: bool, prompt: usize, new: usize) -> Result<Vec<(u64, u64)>> {
+    use tpinfer_llama::memory::{flash_attention, prefill_chunk, request_memory};
     (0..engine.tp())
         .map(|rank| {
             let shard = tpinfer_llama::LlamaShard::new(engine.config(), engine.tp(), rank)?;
-            let chunk = prefill_chunk(shard.heads.q_heads.len(), engine.max_context());
+            let flash = flash_attention(cuda, engine.dtype(), engine.config().head_dim, &shard);
+            let chunk = prefill_chunk(shard.heads.q_heads.len(), engine.max_context(), flash);
             // The last generated token is sampled but never run through the model.
             let total = prompt + new - 1;
-            let m = request_memory(engine.config(), &shard, engine.dtype(), chunk, prompt, total);
+            let m = request_memory(engine.config(), &shard, engine.dtype(), chunk, prompt, total, flash);
             Ok((m.peak as u64, m.pool_slack() as u64))
         })
         .collect()

@@ -331,6 +331,20 @@ pub fn run_greedy_chunked(
     steps: usize,
     prefill_chunk: Option<usize>,
 ) -> LogitsTrace {
+    run_greedy_with(model, tp, dtype, prompt, steps, prefill_chunk, false)
+}
+
+/// [`run_greedy_chunked`], with attention through the fused flash kernel's CPU twin when
+/// `flash` (the path CUDA ranks take in bf16).
+pub fn run_greedy_with(
+    model: &Path,
+    tp: usize,
+    dtype: DType,
+    prompt: &[u32],
+    steps: usize,
+    prefill_chunk: Option<usize>,
+    flash: bool,
+) -> LogitsTrace {
     let checkpoint = Arc::new(LlamaCheckpoint::open(model).expect("open checkpoint"));
     let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
     let traces: Vec<LogitsTrace> = std::thread::scope(|s| {
@@ -345,6 +359,9 @@ pub fn run_greedy_chunked(
                         LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &Device::Cpu, 512).expect("load");
                     if let Some(chunk) = prefill_chunk {
                         rank.set_prefill_chunk(chunk);
+                    }
+                    if flash {
+                        rank.set_flash_attention(true).expect("flash attention");
                     }
                     let before = comm.stats().snapshot();
                     let mut logits = rank.forward(prompt).expect("prefill");

@@ -1,7 +1,7 @@
 //! The same tiny model at every TP width gives the logits of TP 1.
 
 use candle_core::DType;
-use tpinfer_tests::{rel_error, run_greedy, run_greedy_chunked, TinyLlama};
+use tpinfer_tests::{rel_error, run_greedy, run_greedy_chunked, run_greedy_with, TinyLlama};
 
 const PROMPT: &[u32] = &[
     256, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10, 5, 300, 17,
@@ -150,5 +150,28 @@ fn chunked_prompt_equals_whole_prompt() {
             4 * (1 + 2 * model.layers as u64),
             "TP {tp}"
         );
+    }
+}
+
+/// The fused attention path (the one CUDA ranks take in bf16, here through the kernel's CPU
+/// twin) gives the unfused path's logits: queries and cache read as strided views, the causal
+/// offset of later prompt chunks and of decode steps, GQA groups (replicated at TP 4), at TP 1, 2, 4.
+#[test]
+fn flash_attention_path_equals_unfused_path() {
+    let model = TinyLlama {
+        heads: 8,
+        kv_heads: 2,
+        ..TinyLlama::default()
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(dir.path());
+    let unfused = run_greedy(&path, 1, DType::F32, PROMPT, DECODE_STEPS);
+    for (tp, chunk) in [(1, None), (2, Some(5)), (4, Some(7))] {
+        let fused = run_greedy_with(&path, tp, DType::F32, PROMPT, DECODE_STEPS, chunk, true);
+        for (step, (got, want)) in fused.logits.iter().zip(&unfused.logits).enumerate() {
+            let err = rel_error(got, want);
+            assert!(err < 1e-5, "TP {tp} step {step}: relative error {err:e}");
+        }
+        assert_eq!(fused.tokens, unfused.tokens, "TP {tp}");
     }
 }

@@ -2,7 +2,7 @@ use std::collections::BTreeMap;
 
 use candle_core::DType;
 use serde::Serialize;
-use tpinfer_llama::memory::{prefill_chunk, RankMemory};
+use tpinfer_llama::memory::{flash_attention, prefill_chunk, RankMemory};
 use tpinfer_llama::{LlamaConfig, LlamaShard};
 use tpinfer_wan::memory::{AttentionPath, DitMemory, Video};
 use tpinfer_wan::{WanConfig, WanShard};
@@ -145,11 +145,12 @@ impl Plan {
                         checkpoint.check(&shard).map_err(|e| PlanError::Model(e.to_string()))?;
                     }
                     let weights = weight_bytes(&shard.weight_decls(config), dtype)?;
-                    let chunk = prefill_chunk(shard.heads.q_heads.len(), max_context);
+                    let flash = flash_attention(device.is_cuda(), dtype, config.head_dim, &shard);
+                    let chunk = prefill_chunk(shard.heads.q_heads.len(), max_context, flash);
                     if rank == 0 {
                         rank0_chunk = chunk;
                     }
-                    let m = RankMemory::batched(config, &shard, dtype, max_context, chunk, batch);
+                    let m = RankMemory::batched(config, &shard, dtype, max_context, chunk, batch, flash);
                     let temporaries = [m.buffers, m.kv_cache, m.activations, m.pool_slack];
                     ranks.push(RankPlan::on_device(rank, weights, temporaries, device, tp));
                 }
@@ -259,8 +260,9 @@ fn llama_fsdp(
     let (total, unit, name) = fsdp_units(&whole.weight_decls(config), dtype, |n| {
         numbered_unit(n, "model.layers.")
     })?;
-    let chunk = prefill_chunk(whole.heads.q_heads.len(), max_context);
-    let memory = RankMemory::batched(config, &whole, dtype, max_context, chunk, batch);
+    let flash = flash_attention(device.is_cuda(), dtype, config.head_dim, &whole);
+    let chunk = prefill_chunk(whole.heads.q_heads.len(), max_context, flash);
+    let memory = RankMemory::batched(config, &whole, dtype, max_context, chunk, batch, flash);
     let temporaries = [memory.buffers, memory.kv_cache, memory.activations, memory.pool_slack];
     Ok(fsdp_estimate(world, total, unit, name, temporaries, device))
 }

@@ -11,11 +11,24 @@ use crate::{LlamaConfig, LlamaShard};
 pub const SCORE_BUFFER_BYTES: usize = 512 << 20;
 
 /// The prompt positions per forward pass for a rank with `q_heads` local query heads and a
-/// context of `max_positions`: as many as keep a score buffer under [`SCORE_BUFFER_BYTES`],
-/// a multiple of 16 between 16 and 2048.
-pub fn prefill_chunk(q_heads: usize, max_positions: usize) -> usize {
+/// context of `max_positions`: with `flash` attention 2048 (no score buffer exists), else as
+/// many as keep a score buffer under [`SCORE_BUFFER_BYTES`], a multiple of 16 between 16 and
+/// 2048.
+pub fn prefill_chunk(q_heads: usize, max_positions: usize, flash: bool) -> usize {
+    if flash {
+        return 2048;
+    }
     let per_position = q_heads.max(1) * max_positions.max(1) * 4;
     (SCORE_BUFFER_BYTES / per_position).clamp(16, 2048) / 16 * 16
+}
+
+/// Whether a rank's attention runs the fused flash kernel (`tpinfer_kernels`): on CUDA in
+/// bf16/f16 with a head size of 64 or 128, when each KV head serves whole groups of the
+/// rank's Q heads. Otherwise the unfused f32 path with score buffers.
+pub fn flash_attention(cuda: bool, dtype: DType, head_dim: usize, shard: &LlamaShard) -> bool {
+    cuda && matches!(dtype, DType::BF16 | DType::F16)
+        && matches!(head_dim, 64 | 128)
+        && shard.heads.uniform_group().is_some()
 }
 
 /// One rank's device bytes apart from its weight slices.
@@ -35,9 +48,17 @@ pub struct RankMemory {
 
 impl RankMemory {
     /// The model for `shard` of `config` in `dtype` with a context of `max_positions`, prompts
-    /// in chunks of `chunk` positions: one sequence, as the engine serves.
-    pub fn new(config: &LlamaConfig, shard: &LlamaShard, dtype: DType, max_positions: usize, chunk: usize) -> Self {
-        Self::batched(config, shard, dtype, max_positions, chunk, 1)
+    /// in chunks of `chunk` positions, attention `flash` or not: one sequence, as the engine
+    /// serves.
+    pub fn new(
+        config: &LlamaConfig,
+        shard: &LlamaShard,
+        dtype: DType,
+        max_positions: usize,
+        chunk: usize,
+        flash: bool,
+    ) -> Self {
+        Self::batched(config, shard, dtype, max_positions, chunk, 1, flash)
     }
 
     /// For `batch` sequences of up to `max_positions` each: a KV cache per sequence, prompts
@@ -51,14 +72,15 @@ impl RankMemory {
         max_positions: usize,
         chunk: usize,
         batch: usize,
+        flash: bool,
     ) -> Self {
         let (t, d, e) = (max_positions, config.head_dim, dtype.size_in_bytes());
         let (nq, nkv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
         // `Rope::new`: cos and sin, `[t, d / 2]` each; `kv_index`: one u32 per local Q head.
         let buffers = 2 * t * (d / 2) * e + nq * 4;
         let kv_cache = batch.max(1) * config.num_hidden_layers * KvCache::bytes(nkv, t, d, dtype);
-        let prefill = forward_memory(config, shard, e, chunk.min(t), t);
-        let worst = prefill.max(forward_memory(config, shard, e, batch.max(1), t));
+        let prefill = forward_memory(config, shard, e, chunk.min(t), t, flash);
+        let worst = prefill.max(forward_memory(config, shard, e, batch.max(1), t, flash));
         Self {
             buffers,
             kv_cache,
@@ -98,26 +120,31 @@ pub fn request_memory(
     chunk: usize,
     prompt: usize,
     total: usize,
+    flash: bool,
 ) -> ForwardMemory {
     let e = dtype.size_in_bytes();
     let chunk = chunk.max(1);
     (0..prompt.div_ceil(chunk))
         .map(|i| {
             let end = ((i + 1) * chunk).min(prompt);
-            forward_memory(config, shard, e, end - i * chunk, end)
+            forward_memory(config, shard, e, end - i * chunk, end, flash)
         })
-        .fold(forward_memory(config, shard, e, 1, total.max(1)), ForwardMemory::max)
+        .fold(
+            forward_memory(config, shard, e, 1, total.max(1), flash),
+            ForwardMemory::max,
+        )
 }
 
 /// The largest set of temporaries alive at once in a forward of `s` positions reaching `t`
 /// positions, with `e`-byte activations (f32 attention and all-reduces, 4 bytes), and its
 /// largest buffers.
-fn forward_memory(c: &LlamaConfig, shard: &LlamaShard, e: usize, s: usize, t: usize) -> ForwardMemory {
+fn forward_memory(c: &LlamaConfig, shard: &LlamaShard, e: usize, s: usize, t: usize, flash: bool) -> ForwardMemory {
     let (h, d) = (c.hidden_size, c.head_dim);
     let (nq, nkv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
     let ffn = shard.ffn_cols.len();
-    // `hidden_states`: the causal mask (f32 `[s, t]`) and the layer input, for every layer.
-    let mask = if s > 1 { s * t * 4 } else { 0 };
+    // `hidden_states`: the causal mask (f32 `[s, t]`; flash attention masks in the kernel)
+    // and the layer input, for every layer.
+    let mask = if s > 1 && !flash { s * t * 4 } else { 0 };
     let x = s * h * e;
 
     // `DecoderLayer::attention` once `qkv` is dropped: the rotated queries, then in
@@ -132,7 +159,15 @@ fn forward_memory(c: &LlamaConfig, shard: &LlamaShard, e: usize, s: usize, t: us
         Some(_) => (0, kv32),
         None => (2 * nq * t * d * e, nq * t * d * 4),
     };
-    let attention = q + gathered + q32 + scores + scores.max(kv32 + q32).max(kv32);
+    let (attention, scores, kv32) = match flash {
+        // The fused kernel reads the cache in place and writes only its output.
+        true => (2 * q, 0, 0),
+        false => (
+            q + gathered + q32 + scores + scores.max(kv32 + q32).max(kv32),
+            scores,
+            kv32,
+        ),
+    };
     // Before that: the fused QKV output with the rotated queries and keys and their
     // contiguous copies.
     let qkv = s * (nq + 2 * nkv) * d * e;

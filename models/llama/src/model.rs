@@ -3,8 +3,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
-    causal_mask, grouped_attention, rms_norm, GatedMlp, KvCache, MergedColumnParallelLinear, Result, Rope,
-    RowParallelLinear, VocabParallelEmbedding,
+    causal_mask, flash_attention, grouped_attention, rms_norm, GatedMlp, KvCache, MergedColumnParallelLinear, Result,
+    Rope, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -25,6 +25,8 @@ pub struct LlamaRank {
     kv_index: Tensor,
     /// Prompts run in chunks of this many positions, which bounds attention's score buffers.
     prefill_chunk: usize,
+    /// Attention through the fused flash kernel (see `memory::flash_attention`).
+    flash: bool,
     dtype: DType,
     bytes_loaded: usize,
     bytes_on_device: usize,
@@ -55,6 +57,7 @@ impl LlamaRank {
         let decls = shard.weight_decls(c);
         let mut w = ShardLoader::new(&*checkpoint.store, &decls, dtype, device);
         let n_kv = shard.heads.kv_heads.len();
+        let flash = crate::memory::flash_attention(device.is_cuda(), dtype, c.head_dim, &shard);
         let embed = VocabParallelEmbedding::load(&mut w, names::EMBED, shard.vocab_rows.clone(), comm.clone())?;
         let lm_head = match c.tie_word_embeddings {
             true => None,
@@ -94,7 +97,8 @@ impl LlamaRank {
             norm,
             rope,
             kv_index,
-            prefill_chunk: crate::memory::prefill_chunk(shard.heads.q_heads.len(), max_positions),
+            prefill_chunk: crate::memory::prefill_chunk(shard.heads.q_heads.len(), max_positions, flash),
+            flash,
             dtype,
             shard,
             bytes_loaded: w.bytes_read(),
@@ -128,13 +132,35 @@ impl LlamaRank {
     /// The temporaries the memory model predicts for a request of `prompt` positions that
     /// reaches `total` positions, at this rank's prompt chunk size.
     pub fn planned_activations(&self, prompt: usize, total: usize) -> crate::memory::ForwardMemory {
-        crate::memory::request_memory(&self.config, &self.shard, self.dtype, self.prefill_chunk, prompt, total)
+        crate::memory::request_memory(
+            &self.config,
+            &self.shard,
+            self.dtype,
+            self.prefill_chunk,
+            prompt,
+            total,
+            self.flash,
+        )
     }
 
     /// Runs prompts in chunks of `positions` (at least 1) instead of the default, which the
     /// memory planner assumes: smaller chunks lower the activation peak.
     pub fn set_prefill_chunk(&mut self, positions: usize) {
         self.prefill_chunk = positions.max(1);
+    }
+
+    /// Runs attention through the fused flash kernel (`on`) or the unfused path. The default
+    /// is `memory::flash_attention`'s choice (CUDA in bf16/f16); tests switch CPU ranks to the
+    /// kernel's CPU twin to check the fused path against the unfused one. The memory model
+    /// follows the default, not this switch.
+    pub fn set_flash_attention(&mut self, on: bool) -> Result<()> {
+        if on && self.shard.heads.uniform_group().is_none() {
+            return Err(tpinfer_layers::Error::Shard(
+                "flash attention needs whole GQA groups on each rank".into(),
+            ));
+        }
+        self.flash = on;
+        Ok(())
     }
 
     /// The number of positions in the KV cache.
@@ -182,10 +208,12 @@ impl LlamaRank {
         let seq = ids.len();
         let mask = match seq {
             1 => None,
+            _ if self.flash => None,
             _ => Some(causal_mask(seq, offset + seq, x.device())?),
         };
         let ctx = LayerContext {
             offset,
+            flash: self.flash,
             mask: mask.as_ref(),
             rope: &self.rope,
             shard: &self.shard,
@@ -202,6 +230,8 @@ impl LlamaRank {
 /// What every layer of one forward shares.
 struct LayerContext<'a> {
     offset: usize,
+    /// Attention through the fused kernel (causal in the kernel; no mask).
+    flash: bool,
     mask: Option<&'a Tensor>,
     rope: &'a Rope,
     shard: &'a LlamaShard,
@@ -233,6 +263,13 @@ impl DecoderLayer {
             self.cache.append(&k, &heads(&qkv[2], n_kv)?)?
         };
         drop(qkv);
+        if ctx.flash {
+            // `[positions, heads, d]` views of the rotated queries and the cache, no copies.
+            let tokens = |t: &Tensor| t.squeeze(0)?.transpose(0, 1);
+            let attn = flash_attention(&tokens(&q)?, &tokens(&k)?, &tokens(&v)?, 1.0 / (d as f64).sqrt(), true)?;
+            drop(q);
+            return self.o_proj.forward(&attn.reshape((b, s, n_q * d))?);
+        }
         let attn = grouped_attention(
             &q,
             &k,
