@@ -17,9 +17,6 @@ pub struct AttentionArgs {
     /// Skip the f32 reference (it dominates the run at video lengths).
     #[arg(long)]
     no_reference: bool,
-    /// Query rows per CTA: 64 or 128.
-    #[arg(long, default_value_t = 64)]
-    block: usize,
 }
 
 struct Case {
@@ -51,15 +48,7 @@ fn parse(case: &str) -> Result<Case> {
 
 pub fn run(args: AttentionArgs) -> Result<()> {
     let device = crate::gpu().context("the attention benchmark needs a CUDA build and a GPU")?;
-    let block = match args.block {
-        64 => tpinfer_kernels::QueryBlock::Rows64,
-        128 => tpinfer_kernels::QueryBlock::Rows128,
-        other => bail!("--block {other}: 64 or 128"),
-    };
-    let attend = |q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool| {
-        tpinfer_kernels::flash_attention_in_blocks(q, k, v, scale, causal, block)
-    };
-    println!("query rows per CTA: {}\n", args.block);
+    let attend = tpinfer_kernels::flash_attention;
     println!("| q × kv tokens | heads (KV) | d | causal | ms | TFLOP/s | ‖out−ref‖/‖ref‖ | bf16(ref) error |");
     println!("|---|---|---|---|---|---|---|---|");
     for text in &args.cases {

@@ -255,11 +255,9 @@ __device__ void flash_forward(const T* __restrict__ q, const T* __restrict__ k, 
                                v_head, scale_log2, causal);                                                    \
     }
 
-FLASH_KERNEL(flash_attention_bf16_d64_m64, __nv_bfloat16, 64, 64)
-FLASH_KERNEL(flash_attention_bf16_d128_m64, __nv_bfloat16, 128, 64)
-FLASH_KERNEL(flash_attention_f16_d64_m64, __half, 64, 64)
-FLASH_KERNEL(flash_attention_f16_d128_m64, __half, 128, 64)
-FLASH_KERNEL(flash_attention_bf16_d64_m128, __nv_bfloat16, 64, 128)
-FLASH_KERNEL(flash_attention_bf16_d128_m128, __nv_bfloat16, 128, 128)
-FLASH_KERNEL(flash_attention_f16_d64_m128, __half, 64, 128)
-FLASH_KERNEL(flash_attention_f16_d128_m128, __half, 128, 128)
+// 64 query rows per CTA: 128 (one CTA per SM at 196 registers a thread) measured 14% slower
+// on an H200 (benches/RESULTS.md, 2026-11-30), and every variant costs driver JIT time.
+FLASH_KERNEL(flash_attention_bf16_d64, __nv_bfloat16, 64, 64)
+FLASH_KERNEL(flash_attention_bf16_d128, __nv_bfloat16, 128, 64)
+FLASH_KERNEL(flash_attention_f16_d64, __half, 64, 64)
+FLASH_KERNEL(flash_attention_f16_d128, __half, 128, 64)

@@ -48,39 +48,6 @@ pub fn flash_attention_supported(q: &Tensor) -> bool {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
-    flash_attention_in_blocks(q, k, v, scale, causal, QueryBlock::default())
-}
-
-/// Query rows per CTA of [`flash_attention`]: 128 shares each K/V tile among 8 warps (half
-/// the shared-memory traffic per FLOP) but fits one CTA per SM; 64 shares it among 4 with
-/// three CTAs per SM, which measured faster on an H200 (252 against 217 TFLOP/s at 32,760
-/// tokens; benches/RESULTS.md).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum QueryBlock {
-    #[default]
-    Rows64,
-    Rows128,
-}
-
-impl QueryBlock {
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    fn rows(self) -> usize {
-        match self {
-            Self::Rows64 => 64,
-            Self::Rows128 => 128,
-        }
-    }
-}
-
-/// [`flash_attention`] with a chosen [`QueryBlock`] (for benchmarks).
-pub fn flash_attention_in_blocks(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f64,
-    causal: bool,
-    block: QueryBlock,
-) -> Result<Tensor> {
     let (q_len, heads, d) = q.dims3()?;
     let (kv_len, kv_heads, kd) = k.dims3()?;
     if v.dims() != k.dims() || kd != d || kv_heads == 0 || heads % kv_heads != 0 || kv_len < q_len && causal {
@@ -100,15 +67,12 @@ pub fn flash_attention_in_blocks(
             q.device().location()
         );
     }
-    q.apply_op3_no_bwd(k, v, &FlashAttention { scale, causal, block })
+    q.apply_op3_no_bwd(k, v, &FlashAttention { scale, causal })
 }
 
 struct FlashAttention {
     scale: f64,
     causal: bool,
-    // The CUDA kernel's; the CPU pass works a row at a time.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    block: QueryBlock,
 }
 
 impl candle_core::CustomOp3 for FlashAttention {
@@ -154,6 +118,8 @@ mod cuda {
     use super::FlashAttention;
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx"));
+    /// Query rows per CTA, 16 per warp (cuda/flash_attention.cu).
+    const QUERY_ROWS: usize = 64;
 
     type Input<'a> = (&'a CudaStorage, &'a Layout);
 
@@ -191,7 +157,7 @@ mod cuda {
             (strides(ql, "q")?, strides(kl, "k")?, strides(vl, "v")?);
         let dev = q.device();
         let func = dev.get_or_load_custom_func(
-            &format!("flash_attention_{suffix}_d{d}_m{}", op.block.rows()),
+            &format!("flash_attention_{suffix}_d{d}"),
             "tpinfer_flash_attention",
             PTX,
         )?;
@@ -200,11 +166,9 @@ mod cuda {
         let vs = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
         // SAFETY: every element is written by the kernel (rows < q_len of every head).
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(q_len * heads * d)? };
-        // 16 query rows per warp (cuda/flash_attention.cu).
-        let rows = op.block.rows();
         let cfg = LaunchConfig {
-            grid_dim: (q_len.div_ceil(rows) as u32, heads as u32, 1),
-            block_dim: (rows as u32 / 16 * 32, 1, 1),
+            grid_dim: (q_len.div_ceil(QUERY_ROWS) as u32, heads as u32, 1),
+            block_dim: (QUERY_ROWS as u32 / 16 * 32, 1, 1),
             shared_mem_bytes: 0,
         };
         let (q_len_i, kv_len_i, heads_i, group) =
