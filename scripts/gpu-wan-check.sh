@@ -2,19 +2,8 @@
 # The Wan DiT on CUDA ranks against diffusers on the same host (issue #5): one velocity of a
 # random-weight 1.3B-shaped DiT (weights rounded to bf16) in f32 and bf16 at TP 1 and 2,
 # against diffusers in f32; timings of both. Needs 2 GPUs, torch + diffusers and .dist/.
-set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-[ -d "$NV" ] && export LD_LIBRARY_PATH=$NV/cu13/lib:$NV/nccl/lib:${LD_LIBRARY_PATH:-}
-BIN=${BIN:-.dist} W=${WORK:-/tmp/tpinfer-gpu} PY=${PY:-python3}
-REF="$PY scripts/reference_wan.py"
-mkdir -p "$W"
-log() { echo "== $(date +%T) $*" | tee -a "$OUT/wan.log"; }
-run() { log "$*"; timeout "${LIMIT:-200}" "$@" 2>&1 | tee -a "$OUT/wan.log"; return "${PIPESTATUS[0]}"; }
-# A host without diffusers (and without internet) gets it from a wheel carried along.
-if ! $PY -c "import diffusers" 2>/dev/null && ls .carry/diffusers-*.whl >/dev/null 2>&1; then
-  $PY -m zipfile -e .carry/diffusers-*.whl "$W/pydeps" && export PYTHONPATH="$W/pydeps${PYTHONPATH:+:$PYTHONPATH}"
-fi
+LOG=wan.log
+. "$(dirname "$0")/gpu-wan-env.sh"
 $PY -c "import diffusers, torch; print('diffusers', diffusers.__version__, 'torch', torch.__version__)" 2>&1 | tee -a "$OUT/wan.log"
 run $REF make --shape 1.3b --out "$W/wan13" || exit 1
 run $REF inputs --frames ${FRAMES:-21} --size 832x480 --out "$W/in.st"

@@ -3,18 +3,8 @@
 # frames: diffusers (SDPA) and tpinfer at the TP widths in $TP (default 1,2), in the same run
 # on the same host; tpinfer's peak device memory per rank against its plan. Issue #5.
 # PROFILE=1 adds a per-stage profile of tpinfer at TP 1. Needs torch + diffusers and .dist/.
-set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-[ -d "$NV" ] && export LD_LIBRARY_PATH=$NV/cu13/lib:$NV/nccl/lib:${LD_LIBRARY_PATH:-}
-BIN=${BIN:-.dist} W=${WORK:-/tmp/tpinfer-gpu} PY=${PY:-python3}
-REF="$PY scripts/reference_wan.py"
-mkdir -p "$W"
-log() { echo "== $(date +%T) $*" | tee -a "$OUT/wan-speed.log"; }
-run() { log "$*"; timeout "${LIMIT:-400}" "$@" 2>&1 | tee -a "$OUT/wan-speed.log"; return "${PIPESTATUS[0]}"; }
-if ! $PY -c "import diffusers" 2>/dev/null && ls .carry/diffusers-*.whl >/dev/null 2>&1; then
-  $PY -m zipfile -e .carry/diffusers-*.whl "$W/pydeps" && export PYTHONPATH="$W/pydeps${PYTHONPATH:+:$PYTHONPATH}"
-fi
+LOG=wan-speed.log LIMIT=${LIMIT:-400}
+. "$(dirname "$0")/gpu-wan-env.sh"
 [ -f "$W/wan14/config.json" ] || run $REF make --shape 14b --save bf16 --out "$W/wan14" || exit 1
 INPUTS=""
 for frames in ${FRAMES:-21 41 81}; do

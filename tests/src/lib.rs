@@ -319,23 +319,11 @@ pub struct LogitsTrace {
 /// Runs `model` at TP `tp` on CPU rank threads: the prompt, then `steps` greedy decode steps.
 /// Every rank computes the same logits; rank 0's are returned.
 pub fn run_greedy(model: &Path, tp: usize, dtype: DType, prompt: &[u32], steps: usize) -> LogitsTrace {
-    run_greedy_chunked(model, tp, dtype, prompt, steps, None)
+    run_greedy_with(model, tp, dtype, prompt, steps, None, false)
 }
 
-/// [`run_greedy`] with the prompt run in chunks of `prefill_chunk` positions.
-pub fn run_greedy_chunked(
-    model: &Path,
-    tp: usize,
-    dtype: DType,
-    prompt: &[u32],
-    steps: usize,
-    prefill_chunk: Option<usize>,
-) -> LogitsTrace {
-    run_greedy_with(model, tp, dtype, prompt, steps, prefill_chunk, false)
-}
-
-/// [`run_greedy_chunked`], with attention through the fused flash kernel's CPU twin when
-/// `flash` (the path CUDA ranks take in bf16).
+/// [`run_greedy`] with the prompt run in chunks of `prefill_chunk` positions, and attention
+/// through the fused flash kernel's CPU twin when `flash` (the path CUDA ranks take in bf16).
 pub fn run_greedy_with(
     model: &Path,
     tp: usize,

@@ -1,7 +1,7 @@
 //! The same tiny model at every TP width gives the logits of TP 1.
 
 use candle_core::DType;
-use tpinfer_tests::{rel_error, run_greedy, run_greedy_chunked, run_greedy_with, TinyLlama};
+use tpinfer_tests::{rel_error, run_greedy, run_greedy_with, TinyLlama};
 
 const PROMPT: &[u32] = &[
     256, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10, 5, 300, 17,
@@ -138,7 +138,7 @@ fn chunked_prompt_equals_whole_prompt() {
     let path = model.write(dir.path());
     let whole = run_greedy(&path, 1, DType::F32, PROMPT, DECODE_STEPS);
     for tp in [1, 2, 3] {
-        let chunked = run_greedy_chunked(&path, tp, DType::F32, PROMPT, DECODE_STEPS, Some(5));
+        let chunked = run_greedy_with(&path, tp, DType::F32, PROMPT, DECODE_STEPS, Some(5), false);
         for (step, (got, want)) in chunked.logits.iter().zip(&whole.logits).enumerate() {
             let err = rel_error(got, want);
             assert!(err < 1e-5, "TP {tp} step {step}: relative error {err:e}");
