@@ -3,10 +3,13 @@
 //!
 //! - `speed`: prefill ms and decode tok/s per TP width, as a Markdown table for RESULTS.md.
 //! - `attention`: the fused flash-attention kernel's error and speed.
+//! - `sweep`: a grid over TP width and prompt lengths or frame counts, as JSON, CSV and plots.
 //! - `logits`: the prefill logits and greedy tokens of one run, as safetensors, for comparison
 //!   with a reference implementation (`scripts/reference_llama.py`).
 
 mod attention;
+mod plots;
+mod sweep;
 
 use std::path::PathBuf;
 
@@ -32,6 +35,8 @@ enum Command {
     Dit(DitArgs),
     /// The fused flash-attention kernel: error against an f32 reference, ms and TFLOP/s.
     Attention(attention::AttentionArgs),
+    /// A grid of Llama and DiT runs from a TOML file: JSON, CSV and SVG plots.
+    Sweep(sweep::SweepArgs),
 }
 
 #[derive(Args)]
@@ -477,5 +482,6 @@ fn main() -> Result<()> {
         Command::Logits(args) => logits(args),
         Command::Dit(args) => dit(args),
         Command::Attention(args) => attention::run(args),
+        Command::Sweep(args) => sweep::run(args),
     }
 }

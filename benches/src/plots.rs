@@ -1,0 +1,166 @@
+//! The sweep's plots, as SVG: DiT step time and speed-up against TP width, memory per rank
+//! against frames; Llama decode tok/s and prefill time against TP width.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{anyhow, Result};
+use plotters::prelude::*;
+
+use crate::sweep::Point;
+
+type Series = Vec<(String, Vec<(f64, f64)>)>;
+
+pub fn draw(points: &[Point], out: &Path) -> Result<()> {
+    let mut step: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    let mut memory: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    let mut decode: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    let mut prefill: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    for point in points {
+        match point {
+            Point::Dit {
+                tp,
+                frames,
+                width,
+                height,
+                steps,
+                step_ms,
+                memory: ranks,
+                ..
+            } => {
+                let label = format!("{frames} frames {width}x{height}, {steps} steps");
+                step.entry(label).or_default().push((*tp as f64, step_ms.median));
+                let fullest = |f: fn(&crate::sweep::RankMemory) -> Option<f64>| {
+                    ranks
+                        .iter()
+                        .filter_map(f)
+                        .fold(None, |a: Option<f64>, v| Some(a.map_or(v, |a| a.max(v))))
+                };
+                if let Some(planned) = fullest(|m| Some(m.planned_mib)) {
+                    memory
+                        .entry(format!("TP {tp} planned"))
+                        .or_default()
+                        .push((*frames as f64, planned));
+                }
+                if let Some(measured) = fullest(|m| m.measured_mib) {
+                    memory
+                        .entry(format!("TP {tp} measured"))
+                        .or_default()
+                        .push((*frames as f64, measured));
+                }
+            }
+            Point::Llama {
+                tp,
+                prompt,
+                new,
+                prefill_ms,
+                decode_tokens_per_s,
+                ..
+            } => {
+                let label = format!("prompt {prompt}, {new} new");
+                decode
+                    .entry(label.clone())
+                    .or_default()
+                    .push((*tp as f64, decode_tokens_per_s.median));
+                prefill.entry(label).or_default().push((*tp as f64, prefill_ms.median));
+            }
+        }
+    }
+    let series = |m: BTreeMap<String, Vec<(f64, f64)>>| -> Series {
+        m.into_iter()
+            .map(|(k, mut v)| {
+                v.sort_by(|a, b| a.0.total_cmp(&b.0));
+                (k, v)
+            })
+            .collect()
+    };
+    if !step.is_empty() {
+        let step = series(step);
+        // Speed-up against the narrowest width measured for the same video.
+        let speedup: Series = step
+            .iter()
+            .map(|(k, v)| (k.clone(), v.iter().map(|&(tp, ms)| (tp, v[0].1 / ms)).collect()))
+            .collect();
+        line_chart(
+            &out.join("dit_step_time.svg"),
+            "DiT step time",
+            "TP width",
+            "ms per step",
+            &step,
+        )?;
+        line_chart(
+            &out.join("dit_speedup.svg"),
+            "DiT speed-up",
+            "TP width",
+            "× narrowest width",
+            &speedup,
+        )?;
+        line_chart(
+            &out.join("dit_memory.svg"),
+            "DiT memory, fullest rank",
+            "frames",
+            "MiB",
+            &series(memory),
+        )?;
+    }
+    if !decode.is_empty() {
+        line_chart(
+            &out.join("llama_decode.svg"),
+            "Llama decode",
+            "TP width",
+            "tokens/s",
+            &series(decode),
+        )?;
+        line_chart(
+            &out.join("llama_prefill.svg"),
+            "Llama prefill",
+            "TP width",
+            "ms",
+            &series(prefill),
+        )?;
+    }
+    Ok(())
+}
+
+fn line_chart(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &Series) -> Result<()> {
+    let err = |e: &dyn std::fmt::Display| anyhow!("plotting {}: {e}", path.display());
+    let xs = series.iter().flat_map(|(_, v)| v.iter().map(|p| p.0));
+    let ys = series.iter().flat_map(|(_, v)| v.iter().map(|p| p.1));
+    let (x_lo, x_hi) = xs.fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(x), hi.max(x)));
+    let y_hi = ys.fold(0f64, f64::max);
+    let x_pad = ((x_hi - x_lo) * 0.05).max(0.5);
+    let root = SVGBackend::new(path, (720, 440)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(60)
+        .build_cartesian_2d(x_lo - x_pad..x_hi + x_pad, 0f64..(y_hi * 1.1).max(1e-9))
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (i, (label, points)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        chart
+            .draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))
+            .map_err(|e| err(&e))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}

@@ -1,0 +1,370 @@
+//! `tpinfer-bench sweep`: a grid of runs from a small TOML file, each point measured after a
+//! warm-up, written as JSON and CSV with SVG plots.
+//!
+//! ```toml
+//! [llama]                       # TP width × prompt length × new tokens (× batch: 1 only)
+//! model = "path/to/llama"
+//! tp = [1, 2]
+//! prompt = [128, 2048]
+//! new = [256]
+//! cuda = true
+//! dtype = "bf16"
+//! repeats = 3
+//!
+//! [dit]                         # TP width × frames × size × steps
+//! model = "path/to/wan/transformer"
+//! tp = [1, 2]
+//! frames = [21, 41, 81]
+//! size = ["832x480"]
+//! steps = [4]
+//! cuda = true
+//! repeats = 2
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use tpinfer_engine::{GenerateRequest, Prompt, Solver, StreamEvent, VideoEngine, VideoRequest, VideoShape};
+
+use crate::plots;
+
+#[derive(Args)]
+pub struct SweepArgs {
+    /// The grid, as TOML: `[llama]` (model, tp, prompt, new, batch, cuda, dtype, repeats)
+    /// and/or `[dit]` (model, tp, frames, size, steps, cuda, dtype, repeats); see the README.
+    #[arg(long)]
+    config: PathBuf,
+    /// Folder for sweep.json, sweep.csv and the plots.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SweepConfig {
+    llama: Option<LlamaGrid>,
+    dit: Option<DitGrid>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LlamaGrid {
+    model: PathBuf,
+    tp: Vec<usize>,
+    prompt: Vec<usize>,
+    new: Vec<usize>,
+    #[serde(default = "one")]
+    batch: Vec<usize>,
+    #[serde(default)]
+    cuda: bool,
+    dtype: Option<String>,
+    #[serde(default = "three")]
+    repeats: usize,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DitGrid {
+    model: PathBuf,
+    tp: Vec<usize>,
+    frames: Vec<usize>,
+    size: Vec<String>,
+    #[serde(default = "one")]
+    steps: Vec<usize>,
+    #[serde(default)]
+    cuda: bool,
+    dtype: Option<String>,
+    #[serde(default = "three")]
+    repeats: usize,
+}
+
+fn one() -> Vec<usize> {
+    vec![1]
+}
+
+fn three() -> usize {
+    3
+}
+
+/// Median and spread of a measurement over the repeats.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Stat {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Stat {
+    fn of(values: &[f64]) -> Result<Self> {
+        let mut v = values.to_vec();
+        v.sort_by(f64::total_cmp);
+        match (v.first(), v.last()) {
+            (Some(&min), Some(&max)) => Ok(Self {
+                median: v[v.len() / 2],
+                min,
+                max,
+            }),
+            _ => bail!("no measurements (repeats must be at least 1)"),
+        }
+    }
+}
+
+/// One rank's device memory: the plan, and the measured peak on GPUs.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct RankMemory {
+    pub rank: usize,
+    pub planned_mib: f64,
+    pub measured_mib: Option<f64>,
+}
+
+/// One point of the grid.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "model")]
+pub enum Point {
+    #[serde(rename = "llama")]
+    Llama {
+        tp: usize,
+        prompt: usize,
+        new: usize,
+        batch: usize,
+        prefill_ms: Stat,
+        decode_tokens_per_s: Stat,
+        memory: Vec<RankMemory>,
+    },
+    #[serde(rename = "dit")]
+    Dit {
+        tp: usize,
+        frames: usize,
+        width: usize,
+        height: usize,
+        steps: usize,
+        video_tokens: usize,
+        /// One denoising step (two forwards: CFG).
+        step_ms: Stat,
+        total_ms: Stat,
+        memory: Vec<RankMemory>,
+    },
+}
+
+pub fn run(args: SweepArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&args.config).with_context(|| format!("reading {}", args.config.display()))?;
+    let config: SweepConfig = toml::from_str(&text).with_context(|| format!("parsing {}", args.config.display()))?;
+    if config.llama.is_none() && config.dit.is_none() {
+        bail!("{}: give a [llama] and/or a [dit] grid", args.config.display());
+    }
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    let mut points = Vec::new();
+    if let Some(grid) = &config.llama {
+        llama(grid, &mut points)?;
+    }
+    if let Some(grid) = &config.dit {
+        dit(grid, &mut points)?;
+    }
+    let json = serde_json::to_string_pretty(&points)?;
+    std::fs::write(args.out.join("sweep.json"), json)?;
+    std::fs::write(args.out.join("sweep.csv"), csv(&points))?;
+    plots::draw(&points, &args.out)?;
+    eprintln!("wrote {} points to {}", points.len(), args.out.display());
+    Ok(())
+}
+
+fn dtype(name: &Option<String>) -> Result<Option<crate::DtypeArg>> {
+    Ok(match name.as_deref() {
+        None => None,
+        Some("f32") => Some(crate::DtypeArg::F32),
+        Some("f16") => Some(crate::DtypeArg::F16),
+        Some("bf16") => Some(crate::DtypeArg::Bf16),
+        Some(other) => bail!("dtype `{other}`: f32, f16 or bf16"),
+    })
+}
+
+fn memory(measured: Vec<Option<tpinfer_engine::DeviceMemory>>, planned: &tpinfer_engine::Plan) -> Vec<RankMemory> {
+    planned
+        .ranks
+        .iter()
+        .zip(measured)
+        .map(|(p, m)| RankMemory {
+            rank: p.rank,
+            planned_mib: tpinfer_plan::mib(p.total()),
+            measured_mib: m.map(|m| tpinfer_plan::mib(m.peak())),
+        })
+        .collect()
+}
+
+fn llama(grid: &LlamaGrid, points: &mut Vec<Point>) -> Result<()> {
+    if let Some(&batch) = grid.batch.iter().find(|&&b| b != 1) {
+        bail!(
+            "[llama] batch {batch}: the engine serves one sequence at a time; plan larger batches with \
+             `tpinfer plan --batch {batch}`"
+        );
+    }
+    let longest = grid.prompt.iter().max().copied().unwrap_or(0) + grid.new.iter().max().copied().unwrap_or(0);
+    for &tp in &grid.tp {
+        let engine = crate::builder(&grid.model, tp, grid.cuda, dtype(&grid.dtype)?)
+            .max_context(longest)
+            .build()
+            .with_context(|| format!("loading {} at TP {tp}", grid.model.display()))?;
+        for &prompt in &grid.prompt {
+            for &new in &grid.new {
+                let ids = crate::prompt(&engine, prompt);
+                let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+                for run in 0..=grid.repeats {
+                    let request = GenerateRequest::new(Prompt::Tokens(ids.clone()), new);
+                    let mut stats = None;
+                    for event in engine.generate(request)? {
+                        if let StreamEvent::Done(s) = event? {
+                            stats = Some(s);
+                        }
+                    }
+                    let stats = stats.context("generation ended without stats")?;
+                    if run > 0 {
+                        prefill.push(stats.prefill.as_secs_f64() * 1e3);
+                        decode.push(stats.decode_tokens_per_second());
+                    }
+                }
+                let point = Point::Llama {
+                    tp,
+                    prompt,
+                    new,
+                    batch: 1,
+                    prefill_ms: Stat::of(&prefill)?,
+                    decode_tokens_per_s: Stat::of(&decode)?,
+                    memory: memory(engine.device_memory(), engine.plan()),
+                };
+                eprintln!("{point:?}");
+                points.push(point);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn parse_size(size: &str) -> Result<(usize, usize)> {
+    let (w, h) = size
+        .split_once(['x', 'X'])
+        .with_context(|| format!("size `{size}`: WIDTHxHEIGHT"))?;
+    Ok((w.trim().parse()?, h.trim().parse()?))
+}
+
+/// Seeded text states `[512, text_dim]` standing in for umT5's (speed does not depend on them).
+fn text_states(model: &Path, seed: u64) -> Result<Tensor> {
+    let config = tpinfer_wan::WanConfig::from_dir(model).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let noise = tpinfer_wan::sampler::seeded_noise(&[512, config.text_dim], seed)?;
+    Ok((noise * 0.5)?.to_device(&Device::Cpu)?)
+}
+
+fn dit(grid: &DitGrid, points: &mut Vec<Point>) -> Result<()> {
+    let (text, negative) = (text_states(&grid.model, 1)?, text_states(&grid.model, 2)?);
+    for &tp in &grid.tp {
+        for size in &grid.size {
+            let (width, height) = parse_size(size)?;
+            for &frames in &grid.frames {
+                let shape = VideoShape { frames, width, height };
+                let builder = crate::builder(&grid.model, tp, grid.cuda, dtype(&grid.dtype)?);
+                let engine = VideoEngine::start(builder, shape)
+                    .with_context(|| format!("loading {} at TP {tp} for {frames} frames", grid.model.display()))?;
+                for &steps in &grid.steps {
+                    let (mut step, mut total) = (Vec::new(), Vec::new());
+                    for run in 0..=grid.repeats {
+                        let request = VideoRequest {
+                            text: text.clone(),
+                            negative: Some(negative.clone()),
+                            steps,
+                            shift: 5.0,
+                            guide_scale: 5.0,
+                            solver: Solver::UniPc(2),
+                            seed: 7,
+                        };
+                        let mut step_times = Vec::new();
+                        let start = std::time::Instant::now();
+                        let latents = engine.generate(request, |r| step_times.push(r.elapsed.as_secs_f64() * 1e3))?;
+                        let elapsed = start.elapsed().as_secs_f64() * 1e3;
+                        if latents.dtype() != DType::F32 || latents.dims() != engine.latent_shape() {
+                            bail!("latents {:?} {:?} at TP {tp}", latents.dtype(), latents.dims());
+                        }
+                        if run > 0 {
+                            step.extend(step_times);
+                            total.push(elapsed);
+                        }
+                    }
+                    let [_, f, h, w] = engine.latent_shape();
+                    let point = Point::Dit {
+                        tp,
+                        frames,
+                        width,
+                        height,
+                        steps,
+                        video_tokens: f * (h / 2) * (w / 2),
+                        step_ms: Stat::of(&step)?,
+                        total_ms: Stat::of(&total)?,
+                        memory: memory(engine.device_memory(), engine.plan()),
+                    };
+                    eprintln!("{point:?}");
+                    points.push(point);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One row per point and rank.
+fn csv(points: &[Point]) -> String {
+    let mut out = String::from(
+        "model,tp,prompt,new,frames,width,height,steps,rank,prefill_ms,decode_tok_s,step_ms,step_ms_min,step_ms_max,\
+         total_ms,planned_mib,measured_mib\n",
+    );
+    let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.3}"));
+    for point in points {
+        match point {
+            Point::Llama {
+                tp,
+                prompt,
+                new,
+                prefill_ms,
+                decode_tokens_per_s,
+                memory,
+                ..
+            } => {
+                for m in memory {
+                    out.push_str(&format!(
+                        "llama,{tp},{prompt},{new},,,,,{},{:.3},{:.3},,,,,{:.1},{}\n",
+                        m.rank,
+                        prefill_ms.median,
+                        decode_tokens_per_s.median,
+                        m.planned_mib,
+                        opt(m.measured_mib)
+                    ));
+                }
+            }
+            Point::Dit {
+                tp,
+                frames,
+                width,
+                height,
+                steps,
+                step_ms,
+                total_ms,
+                memory,
+                ..
+            } => {
+                for m in memory {
+                    out.push_str(&format!(
+                        "dit,{tp},,,{frames},{width},{height},{steps},{},,,{:.3},{:.3},{:.3},{:.3},{:.1},{}\n",
+                        m.rank,
+                        step_ms.median,
+                        step_ms.min,
+                        step_ms.max,
+                        total_ms.median,
+                        m.planned_mib,
+                        opt(m.measured_mib)
+                    ));
+                }
+            }
+        }
+    }
+    out
+}

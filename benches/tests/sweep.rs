@@ -1,0 +1,118 @@
+//! `tpinfer-bench sweep` on CPU ranks with tiny models: the grid's every point is measured and
+//! written as JSON, CSV and SVG plots with sane numbers (the CI smoke test of the suite).
+
+use std::process::Command;
+
+use serde_json::Value;
+use tpinfer_tests::{TinyLlama, TinyWan};
+
+#[test]
+fn sweep_on_cpu_ranks_writes_every_point_and_plot() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let llama = TinyLlama {
+        heads: 4,
+        kv_heads: 2,
+        ..TinyLlama::default()
+    }
+    .write(&dir.path().join("llama"));
+    let wan = dir.path().join("wan");
+    TinyWan::default().write(&wan);
+    let config = dir.path().join("sweep.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[llama]\nmodel = {llama:?}\ntp = [1, 2]\nprompt = [8, 20]\nnew = [4]\nrepeats = 2\n\n\
+             [dit]\nmodel = {wan:?}\ntp = [1, 2]\nframes = [5, 9]\nsize = [\"64x32\"]\nsteps = [2]\nrepeats = 2\n"
+        ),
+    )
+    .expect("config");
+    let out = dir.path().join("out");
+    let run = Command::new(env!("CARGO_BIN_EXE_tpinfer-bench"))
+        .args(["sweep", "--config"])
+        .arg(&config)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("run tpinfer-bench");
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+
+    let points: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("sweep.json")).expect("json")).expect("parse");
+    let of = |kind: &str| points.iter().filter(|p| p["model"] == kind).collect::<Vec<_>>();
+    let (llama_points, dit_points) = (of("llama"), of("dit"));
+    assert_eq!(llama_points.len(), 2 * 2, "TP × prompt × new");
+    assert_eq!(dit_points.len(), 2 * 2, "TP × frames × size × steps");
+    let stat_ok = |s: &Value| {
+        let (lo, mid, hi) = (s["min"].as_f64(), s["median"].as_f64(), s["max"].as_f64());
+        matches!((lo, mid, hi), (Some(lo), Some(mid), Some(hi)) if 0.0 < lo && lo <= mid && mid <= hi)
+    };
+    for p in &llama_points {
+        assert!(stat_ok(&p["prefill_ms"]) && stat_ok(&p["decode_tokens_per_s"]), "{p}");
+    }
+    for p in &dit_points {
+        assert!(stat_ok(&p["step_ms"]) && stat_ok(&p["total_ms"]), "{p}");
+        // Two steps, each at least as long as the fastest step.
+        assert!(p["total_ms"]["median"].as_f64() >= Some(2.0 * p["step_ms"]["min"].as_f64().unwrap_or(0.0)));
+    }
+    for p in llama_points.iter().chain(&dit_points) {
+        let tp = p["tp"].as_u64().expect("tp") as usize;
+        let memory = p["memory"].as_array().expect("memory");
+        assert_eq!(memory.len(), tp, "{p}");
+        // CPU ranks: planned bytes, nothing measured on a device.
+        assert!(memory
+            .iter()
+            .all(|m| m["planned_mib"].as_f64() > Some(0.0) && m["measured_mib"].is_null()));
+    }
+    // More frames plan more memory at the same width.
+    let planned = |frames: u64, tp: u64| {
+        dit_points
+            .iter()
+            .find(|p| p["frames"] == frames && p["tp"] == tp)
+            .and_then(|p| p["memory"][0]["planned_mib"].as_f64())
+            .expect("point")
+    };
+    assert!(planned(9, 1) > planned(5, 1) && planned(5, 1) > planned(5, 2));
+
+    let csv = std::fs::read_to_string(out.join("sweep.csv")).expect("csv");
+    let rows: Vec<&str> = csv.lines().collect();
+    assert!(rows[0].starts_with("model,tp,"));
+    // One row per point and rank: (1 + 2) ranks × 2 points, for each model.
+    assert_eq!(rows.len(), 1 + 6 + 6);
+    let columns = rows[0].split(',').count();
+    assert!(rows.iter().all(|r| r.split(',').count() == columns));
+
+    for (plot, label) in [
+        ("dit_step_time.svg", "9 frames 64x32, 2 steps"),
+        ("dit_speedup.svg", "5 frames 64x32, 2 steps"),
+        ("dit_memory.svg", "TP 2 planned"),
+        ("llama_decode.svg", "prompt 20, 4 new"),
+        ("llama_prefill.svg", "prompt 8, 4 new"),
+    ] {
+        let svg = std::fs::read_to_string(out.join(plot)).unwrap_or_else(|e| panic!("{plot}: {e}"));
+        assert!(svg.starts_with("<svg") && svg.contains(label), "{plot} lacks `{label}`");
+    }
+}
+
+#[test]
+fn sweep_refuses_a_batch_the_engine_cannot_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let llama = TinyLlama::default().write(&dir.path().join("llama"));
+    let config = dir.path().join("sweep.toml");
+    std::fs::write(
+        &config,
+        format!("[llama]\nmodel = {llama:?}\ntp = [1]\nprompt = [8]\nnew = [2]\nbatch = [1, 4]\n"),
+    )
+    .expect("config");
+    let run = Command::new(env!("CARGO_BIN_EXE_tpinfer-bench"))
+        .args(["sweep", "--config"])
+        .arg(&config)
+        .arg("--out")
+        .arg(dir.path().join("out"))
+        .output()
+        .expect("run");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        !run.status.success() && stderr.contains("tpinfer plan --batch 4"),
+        "{stderr}"
+    );
+}
