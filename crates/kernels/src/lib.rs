@@ -67,6 +67,9 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: b
             q.device().location()
         );
     }
+    if q_len == 0 {
+        return q.contiguous();
+    }
     q.apply_op3_no_bwd(k, v, &FlashAttention { scale, causal })
 }
 

@@ -60,8 +60,8 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 }
 
 fn check(x: &Tensor, op: &str) -> Result<()> {
-    if x.rank() != 2 {
-        candle_core::bail!("{op} takes [rows, cols], got {:?}", x.dims());
+    if x.rank() != 2 || x.elem_count() == 0 {
+        candle_core::bail!("{op} takes a non-empty [rows, cols], got {:?}", x.dims());
     }
     Ok(())
 }

@@ -1,0 +1,143 @@
+//! The CPU twins of the fused ops against the same math written with candle's own ops
+//! (f32, so agreement must be close to rounding).
+
+use candle_core::{DType, Device, Tensor, D};
+use tpinfer_kernels::{flash_attention, gated_residual, layer_norm, row_sum_squares, scale_rows_cols};
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    // A small LCG: deterministic inputs without a random-number crate.
+    let n: usize = shape.iter().product();
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(values, shape, &Device::Cpu).expect("tensor")
+}
+
+fn rel(a: &Tensor, b: &Tensor) -> f32 {
+    let diff = (a - b)
+        .and_then(|d| d.sqr()?.sum_all()?.to_scalar::<f32>())
+        .expect("diff");
+    let norm = b.sqr().and_then(|n| n.sum_all()?.to_scalar::<f32>()).expect("norm");
+    (diff / norm).sqrt()
+}
+
+#[test]
+fn row_wise_ops_match_candle() {
+    let (x, y) = (randn(&[37, 96], 1), randn(&[37, 96], 2));
+    let (w, b, g) = (randn(&[96], 3), randn(&[96], 4), randn(&[96], 5));
+    let r = (randn(&[37, 1], 6).abs().expect("abs") + 0.5).expect("rows");
+
+    let want = (&x + y.broadcast_mul(&g).expect("mul")).expect("add");
+    assert!(rel(&gated_residual(&x, &y, &g).expect("gated"), &want) < 1e-6);
+
+    let want = x.sqr().and_then(|s| s.sum_keepdim(1)).expect("sum");
+    assert!(rel(&row_sum_squares(&x).expect("sums"), &want) < 1e-6);
+
+    let want = x.broadcast_mul(&r).and_then(|t| t.broadcast_mul(&w)).expect("scale");
+    assert!(rel(&scale_rows_cols(&x, &r, &w).expect("scale"), &want) < 1e-6);
+
+    let mean = x.mean_keepdim(1).expect("mean");
+    let centered = x.broadcast_sub(&mean).expect("center");
+    let var = centered.sqr().and_then(|c| c.mean_keepdim(1)).expect("var");
+    let normed = centered
+        .broadcast_div(&(var + 1e-6).and_then(|v| v.sqrt()).expect("std"))
+        .expect("div");
+    let want = normed
+        .broadcast_mul(&w)
+        .and_then(|t| t.broadcast_add(&b))
+        .expect("affine");
+    assert!(rel(&layer_norm(&x, &w, &b, 1e-6).expect("norm"), &want) < 1e-5);
+
+    // 16-bit storage, f32 arithmetic: the result is the f32 result rounded once.
+    let xb = x.to_dtype(DType::BF16).expect("bf16");
+    let yb = y.to_dtype(DType::BF16).expect("bf16");
+    let exact = (xb.to_dtype(DType::F32).expect("f32")
+        + yb.to_dtype(DType::F32).expect("f32").broadcast_mul(&g).expect("mul"))
+    .expect("add");
+    let got = gated_residual(&xb, &yb, &g)
+        .expect("gated")
+        .to_dtype(DType::F32)
+        .expect("f32");
+    assert!(rel(&got, &exact) < 4e-3);
+
+    assert!(gated_residual(&x, &y.narrow(1, 0, 95).expect("narrow"), &g).is_err());
+    assert!(layer_norm(&x.flatten_all().expect("flat"), &w, &b, 1e-6).is_err());
+}
+
+/// Softmax attention with the scores materialized, per head, with an optional causal mask
+/// (queries are the last `s` of `t` positions) and GQA.
+fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Tensor {
+    let (s, heads, _) = q.dims3().expect("q");
+    let (t, kv_heads, _) = k.dims3().expect("k");
+    let head = |x: &Tensor, h: usize| x.narrow(1, h, 1).and_then(|x| x.squeeze(1)).expect("head");
+    let mask: Vec<f32> = (0..s * t)
+        .map(|i| {
+            if causal && i % t > t - s + i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (s, t), &Device::Cpu).expect("mask");
+    let outs: Vec<Tensor> = (0..heads)
+        .map(|h| {
+            let kv = h / (heads / kv_heads);
+            let scores = (head(q, h) * scale)
+                .and_then(|q| q.matmul(&head(k, kv).t()?))
+                .expect("scores");
+            let probs = candle_nn_softmax((scores + &mask).expect("mask"));
+            probs.matmul(&head(v, kv)).expect("out")
+        })
+        .collect();
+    Tensor::stack(&outs, 1).expect("stack")
+}
+
+fn candle_nn_softmax(x: Tensor) -> Tensor {
+    let max = x.max_keepdim(D::Minus1).expect("max");
+    let e = x.broadcast_sub(&max).and_then(|d| d.exp()).expect("exp");
+    let sum = e.sum_keepdim(D::Minus1).expect("sum");
+    e.broadcast_div(&sum).expect("div")
+}
+
+#[test]
+fn flash_attention_matches_materialized_scores() {
+    for (s, t, heads, kv_heads, d, causal) in [
+        (5, 5, 2, 2, 16, false),
+        (7, 19, 4, 2, 8, true),
+        (19, 19, 6, 3, 32, true),
+        (1, 11, 4, 1, 16, true),
+        (13, 3, 2, 1, 24, false),
+    ] {
+        let q = randn(&[s, heads, d], 10 + s as u64);
+        let k = randn(&[t, kv_heads, d], 20 + t as u64);
+        let v = randn(&[t, kv_heads, d], 30 + t as u64);
+        let scale = 1.0 / (d as f64).sqrt();
+        let want = reference(&q, &k, &v, scale, causal);
+        let got = flash_attention(&q, &k, &v, scale, causal).expect("flash");
+        let err = rel(&got, &want);
+        assert!(
+            err < 1e-5,
+            "s {s} t {t} heads {heads}/{kv_heads} causal {causal}: {err:e}"
+        );
+        // Strided views (`[heads, len, d]` transposed) give the same.
+        let qt = q.transpose(0, 1).and_then(|x| x.contiguous()).expect("contiguous");
+        let strided = flash_attention(&qt.transpose(0, 1).expect("view"), &k, &v, scale, causal).expect("flash");
+        assert!(rel(&strided, &want) < 1e-5);
+    }
+    let q = randn(&[4, 2, 8], 1);
+    assert!(
+        flash_attention(&q, &randn(&[3, 2, 8], 2), &randn(&[3, 2, 8], 3), 1.0, true).is_err(),
+        "more queries than keys"
+    );
+    assert!(
+        flash_attention(&q, &randn(&[4, 3, 8], 2), &randn(&[4, 3, 8], 3), 1.0, false).is_err(),
+        "heads not a multiple"
+    );
+}
