@@ -1,3 +1,6 @@
+// Helpers of these tests panic on failure, as the tests themselves do.
+#![allow(clippy::expect_used)]
+
 //! The CPU twins of the fused ops against the same math written with candle's own ops
 //! (f32, so agreement must be close to rounding).
 
