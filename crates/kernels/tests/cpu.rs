@@ -1,8 +1,8 @@
-// Helpers of these tests panic on failure, as the tests themselves do.
-#![allow(clippy::expect_used)]
-
 //! The CPU twins of the fused ops against the same math written with candle's own ops
 //! (f32, so agreement must be close to rounding).
+
+// Helpers of these tests panic on failure, as the tests themselves do.
+#![allow(clippy::expect_used)]
 
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{flash_attention, gated_residual, layer_norm, row_sum_squares, scale_rows_cols};
