@@ -47,35 +47,26 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 template <typename T>
 struct Mma;
 
-template <>
-struct Mma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-};
+// D += A·B for one m16n8k16 tile (A 16×16 row-major, B 16×8 column-major, f32 accumulate),
+// and the packing of two f32 values into one register of T.
+#define MMA(T, PTX_TYPE, PAIR, TO_PAIR)                                                                      \
+    template <>                                                                                            \
+    struct Mma<T> {                                                                                        \
+        static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,     \
+                                                   uint32_t b1) {                                          \
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE                    \
+                         ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                    \
+                         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                  \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                  \
+        }                                                                                                  \
+        static __device__ __forceinline__ uint32_t pack(float lo, float hi) {                             \
+            PAIR v = TO_PAIR(lo, hi);                                                                      \
+            return *reinterpret_cast<uint32_t*>(&v);                                                       \
+        }                                                                                                  \
+    };
 
-template <>
-struct Mma<__half> {
-    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-};
+MMA(__nv_bfloat16, "bf16", __nv_bfloat162, __floats2bfloat162_rn)
+MMA(__half, "f16", __half2, __floats2half2_rn)
 
 // Copies ROWS rows of D elements starting at `row0` into a padded tile; rows at or past
 // `len` become zeros so that masked keys can never inject NaN through V.
