@@ -157,6 +157,7 @@ fn dit_forward_allocates_what_the_memory_model_says() {
         frames: (frames - 1) * 4 + 1,
         width: width * 8,
         height: height * 8,
+        cfg: true,
     };
     let dtype = DType::F32;
     let shard = WanShard::new(&config, 1, 0).expect("shard");

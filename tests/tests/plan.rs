@@ -103,6 +103,7 @@ fn s2v_on_five_24_gib_gpus() {
         frames: 81,
         width: 832,
         height: 480,
+        cfg: true,
     };
     let plan = Plan::new(&model, 5, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
     assert_eq!(plan.tokens_per_forward, 32_760);
@@ -211,4 +212,31 @@ fn batch_multiplies_the_kv_cache_and_names_the_batch_that_fits() {
         DeviceProfile::cuda(),
     );
     assert!(zero.is_err());
+}
+
+/// Guidance runs its unconditional pass after the conditional one: it adds the negative
+/// prompt's states and two latent buffers, never activations.
+#[test]
+fn cfg_adds_prompt_states_and_latents_only() {
+    let model = ModelSpec::open("wan2.1-t2v-14b").expect("preset");
+    let plan = |cfg: bool| {
+        let placement = Placement::Dit {
+            frames: 81,
+            width: 832,
+            height: 480,
+            cfg,
+        };
+        Plan::new(&model, 2, DType::BF16, placement, DeviceProfile::cuda()).expect("plan")
+    };
+    let (with, without) = (plan(true), plan(false));
+    for (a, b) in with.ranks.iter().zip(&without.ranks) {
+        assert_eq!(
+            (a.weights, a.activations, a.buffers),
+            (b.weights, b.activations, b.buffers)
+        );
+        // 512 × 4096 f32 text states and their 512 × 5120 bf16 embedding, two f32 latents
+        // of 16 × 21 × 60 × 104.
+        let latents = 2 * 16 * 21 * 60 * 104 * 4;
+        assert_eq!(a.cache - b.cache, (512 * 4096 * 4 + 512 * 5120 * 2 + latents) as u64);
+    }
 }

@@ -35,6 +35,9 @@ pub struct PlanArgs {
     /// DiT: WIDTHxHEIGHT in pixels (default 832x480).
     #[arg(long, value_parser = parse_size)]
     size: Option<(usize, usize)>,
+    /// DiT: plan without classifier-free guidance (no negative prompt, one pass per step).
+    #[arg(long)]
+    no_cfg: bool,
     /// Plan for CPU ranks (no CUDA context or library workspace).
     #[arg(long)]
     cpu: bool,
@@ -64,6 +67,9 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         true => DeviceProfile::cpu(),
         false => DeviceProfile::cuda(),
     };
+    if args.no_cfg && matches!(model.default_placement(), Placement::Llm { .. }) {
+        bail!("--no-cfg is for video DiT models");
+    }
     let placement = match (model.default_placement(), args.max_context, args.frames, args.size) {
         (Placement::Llm { max_context, batch }, context, None, None) => Placement::Llm {
             max_context: context.unwrap_or(max_context),
@@ -72,12 +78,20 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         (Placement::Dit { .. }, ..) if args.batch.is_some() => {
             bail!("--batch is for LLMs; a DiT runs one video, its CFG passes in turn")
         }
-        (Placement::Dit { frames, width, height }, None, f, size) => {
+        (
+            Placement::Dit {
+                frames, width, height, ..
+            },
+            None,
+            f,
+            size,
+        ) => {
             let (width, height) = size.unwrap_or((width, height));
             Placement::Dit {
                 frames: f.unwrap_or(frames),
                 width,
                 height,
+                cfg: !args.no_cfg,
             }
         }
         (Placement::Llm { .. }, ..) => bail!("--frames and --size are for video DiT models; give an LLM --max-context"),
@@ -133,8 +147,14 @@ fn describe(placement: Placement, tokens: usize) -> String {
         Placement::Llm { max_context, batch } => {
             format!("batch {batch} × max context {max_context} (prompts in chunks of {tokens})")
         }
-        Placement::Dit { frames, width, height } => {
-            format!("{frames} frames at {width}x{height} ({tokens} video tokens)")
+        Placement::Dit {
+            frames,
+            width,
+            height,
+            cfg,
+        } => {
+            let guidance = if cfg { "" } else { ", without CFG" };
+            format!("{frames} frames at {width}x{height} ({tokens} video tokens{guidance})")
         }
     }
 }

@@ -98,10 +98,12 @@ impl VideoEngine {
             name: b.model.display().to_string(),
             config: config.clone(),
         };
+        // Requests choose their guidance; plan for the larger case.
         let placement = Placement::Dit {
             frames: shape.frames,
             width: shape.width,
             height: shape.height,
+            cfg: true,
         };
         let plan = check_plan(&model, placement, &devices, dtype, b.gpu_mem)?;
         let latent_shape = [

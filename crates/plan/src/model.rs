@@ -42,8 +42,14 @@ pub enum Placement {
     /// An LLM holding `batch` sequences of up to `max_context` positions each (the engine
     /// serves batch 1; larger batches are planning figures).
     Llm { max_context: usize, batch: usize },
-    /// A DiT denoising `frames` frames of `width` × `height` pixels, CFG passes in turn.
-    Dit { frames: usize, width: usize, height: usize },
+    /// A DiT denoising `frames` frames of `width` × `height` pixels, with classifier-free
+    /// guidance (`cfg`: its unconditional passes run in turn with the conditional ones).
+    Dit {
+        frames: usize,
+        width: usize,
+        height: usize,
+        cfg: bool,
+    },
 }
 
 fn llama_preset(json: &str, name: &str) -> Result<LlamaConfig, PlanError> {
@@ -138,6 +144,7 @@ impl ModelSpec {
                 frames: 81,
                 width: 832,
                 height: 480,
+                cfg: true,
             },
         }
     }

@@ -157,14 +157,27 @@ impl Plan {
                 let fsdp = llama_fsdp(config, tp, dtype, max_context, batch, device)?;
                 (ranks, fsdp, rank0_chunk)
             }
-            (ModelSpec::Wan { config, .. }, Placement::Dit { frames, width, height }) => {
+            (
+                ModelSpec::Wan { config, .. },
+                Placement::Dit {
+                    frames,
+                    width,
+                    height,
+                    cfg,
+                },
+            ) => {
                 if frames % 4 != 1 || width % 16 != 0 || height % 16 != 0 || width == 0 || height == 0 {
                     return Err(PlanError::Placement(format!(
                         "--frames {frames} --size {width}x{height}: frames must be 4k + 1 (e.g. 21, 41, 81) and the \
                          size multiples of 16 (e.g. 832x480, 1280x720)"
                     )));
                 }
-                let video = Video { frames, width, height };
+                let video = Video {
+                    frames,
+                    width,
+                    height,
+                    cfg,
+                };
                 let mut ranks = Vec::with_capacity(tp);
                 for rank in 0..tp {
                     let shard = WanShard::new(config, tp, rank).map_err(|detail| PlanError::Sharding { tp, detail })?;

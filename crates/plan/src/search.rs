@@ -34,9 +34,10 @@ pub fn fit_table(
             let peak = plan.peak().total();
             let (max_context, max_frames) = match placement {
                 Placement::Llm { batch, .. } => (largest_context(model, tp, dtype, device, budget, batch), None),
-                Placement::Dit { width, height, .. } => {
-                    (None, most_frames(model, tp, dtype, device, budget, width, height))
-                }
+                Placement::Dit { width, height, cfg, .. } => (
+                    None,
+                    most_frames(model, tp, dtype, device, budget, (width, height, cfg)),
+                ),
             };
             Some(WidthFit {
                 tp,
@@ -94,14 +95,14 @@ fn most_frames(
     dtype: DType,
     device: DeviceProfile,
     budget: u64,
-    width: usize,
-    height: usize,
+    (width, height, cfg): (usize, usize, bool),
 ) -> Option<usize> {
     let fits = |k: usize| {
         let placement = Placement::Dit {
             frames: 4 * k + 1,
             width,
             height,
+            cfg,
         };
         Plan::new(model, tp, dtype, placement, device)
             .map(|p| p.fits(budget))
@@ -173,8 +174,8 @@ pub fn over_budget_message(model: &ModelSpec, plan: &Plan, dtype: DType, budget:
                 }
             }
         }
-        Placement::Dit { width, height, .. } => {
-            if let Some(frames) = most_frames(model, plan.tp, dtype, plan.device, budget, width, height) {
+        Placement::Dit { width, height, cfg, .. } => {
+            if let Some(frames) = most_frames(model, plan.tp, dtype, plan.device, budget, (width, height, cfg)) {
                 options.push(format!("--frames {frames}"));
             }
         }

@@ -18,8 +18,10 @@ pub const SCORE_BUFFER_BYTES: usize = 256 << 20;
 /// Text tokens of the umT5 embeddings the DiT cross-attends to.
 pub const TEXT_TOKENS: usize = 512;
 /// f32 latent-sized buffers the sampler keeps: the latents, the conditional and
-/// unconditional predictions, the guided velocity and two steps of UniPC history.
+/// unconditional predictions, the guided velocity and two steps of UniPC history; without
+/// guidance, the latents, the velocity and the history.
 pub const SAMPLER_BUFFERS: usize = 6;
+const SAMPLER_BUFFERS_WITHOUT_CFG: usize = 4;
 
 /// A video to denoise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +29,9 @@ pub struct Video {
     pub frames: usize,
     pub width: usize,
     pub height: usize,
+    /// Classifier-free guidance: an unconditional pass after each conditional one (in turn,
+    /// so it adds the negative prompt's states and two latent buffers, not activations).
+    pub cfg: bool,
 }
 
 /// How a rank runs attention, which decides whether score buffers exist.
@@ -121,11 +126,14 @@ impl DitMemory {
 
         let mut sizes = [x, l, 2 * l, f];
         sizes.sort_unstable();
+        let (buffers, prompts) = match video.cfg {
+            true => (SAMPLER_BUFFERS, 2),
+            false => (SAMPLER_BUFFERS_WITHOUT_CFG, 1),
+        };
         Self {
             buffers: 2 * s * (hd / 2) * e,
-            latents: SAMPLER_BUFFERS * c.latent_elements(video.frames, video.width, video.height) * 4
-                + 2 * text * c.text_dim * 4
-                + 2 * context,
+            latents: buffers * c.latent_elements(video.frames, video.width, video.height) * 4
+                + prompts * (text * c.text_dim * 4 + context),
             activations: block,
             pool_slack: sizes[sizes.len() - 1] + sizes[sizes.len() - 2],
         }
