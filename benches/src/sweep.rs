@@ -132,6 +132,8 @@ pub enum Point {
         batch: usize,
         prefill_ms: Stat,
         decode_tokens_per_s: Stat,
+        /// Rank 0's host time in collectives over the request's time.
+        collective_share: Stat,
         memory: Vec<RankMemory>,
     },
     #[serde(rename = "dit")]
@@ -145,6 +147,8 @@ pub enum Point {
         /// One denoising step (two forwards: CFG).
         step_ms: Stat,
         total_ms: Stat,
+        /// Rank 0's host time in collectives over the step's time.
+        collective_share: Stat,
         memory: Vec<RankMemory>,
     },
 }
@@ -210,7 +214,7 @@ fn llama(grid: &LlamaGrid, points: &mut Vec<Point>) -> Result<()> {
         for &prompt in &grid.prompt {
             for &new in &grid.new {
                 let ids = crate::prompt(&engine, prompt);
-                let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+                let (mut prefill, mut decode, mut share) = (Vec::new(), Vec::new(), Vec::new());
                 for run in 0..=grid.repeats {
                     let request = GenerateRequest::new(Prompt::Tokens(ids.clone()), new);
                     let mut stats = None;
@@ -223,6 +227,8 @@ fn llama(grid: &LlamaGrid, points: &mut Vec<Point>) -> Result<()> {
                     if run > 0 {
                         prefill.push(stats.prefill.as_secs_f64() * 1e3);
                         decode.push(stats.decode_tokens_per_second());
+                        let total = (stats.prefill + stats.decode).as_secs_f64();
+                        share.push(stats.collectives.as_secs_f64() / total.max(1e-9));
                     }
                 }
                 let point = Point::Llama {
@@ -232,6 +238,7 @@ fn llama(grid: &LlamaGrid, points: &mut Vec<Point>) -> Result<()> {
                     batch: 1,
                     prefill_ms: Stat::of(&prefill)?,
                     decode_tokens_per_s: Stat::of(&decode)?,
+                    collective_share: Stat::of(&share)?,
                     memory: memory(engine.device_memory(), engine.plan()),
                 };
                 eprintln!("{point:?}");
@@ -267,7 +274,7 @@ fn dit(grid: &DitGrid, points: &mut Vec<Point>) -> Result<()> {
                 let engine = VideoEngine::start(builder, shape)
                     .with_context(|| format!("loading {} at TP {tp} for {frames} frames", grid.model.display()))?;
                 for &steps in &grid.steps {
-                    let (mut step, mut total) = (Vec::new(), Vec::new());
+                    let (mut step, mut total, mut share) = (Vec::new(), Vec::new(), Vec::new());
                     for run in 0..=grid.repeats {
                         let request = VideoRequest {
                             text: text.clone(),
@@ -278,15 +285,18 @@ fn dit(grid: &DitGrid, points: &mut Vec<Point>) -> Result<()> {
                             solver: Solver::UniPc(2),
                             seed: 7,
                         };
-                        let mut step_times = Vec::new();
+                        let mut reports = Vec::new();
                         let start = std::time::Instant::now();
-                        let latents = engine.generate(request, |r| step_times.push(r.elapsed.as_secs_f64() * 1e3))?;
+                        let latents = engine.generate(request, |r| reports.push(r))?;
                         let elapsed = start.elapsed().as_secs_f64() * 1e3;
                         if latents.dtype() != DType::F32 || latents.dims() != engine.latent_shape() {
                             bail!("latents {:?} {:?} at TP {tp}", latents.dtype(), latents.dims());
                         }
                         if run > 0 {
-                            step.extend(step_times);
+                            for r in &reports {
+                                step.push(r.elapsed.as_secs_f64() * 1e3);
+                                share.push(r.collectives.as_secs_f64() / r.elapsed.as_secs_f64().max(1e-9));
+                            }
                             total.push(elapsed);
                         }
                     }
@@ -300,6 +310,7 @@ fn dit(grid: &DitGrid, points: &mut Vec<Point>) -> Result<()> {
                         video_tokens: f * (h / 2) * (w / 2),
                         step_ms: Stat::of(&step)?,
                         total_ms: Stat::of(&total)?,
+                        collective_share: Stat::of(&share)?,
                         memory: memory(engine.device_memory(), engine.plan()),
                     };
                     eprintln!("{point:?}");
@@ -315,7 +326,7 @@ fn dit(grid: &DitGrid, points: &mut Vec<Point>) -> Result<()> {
 fn csv(points: &[Point]) -> String {
     let mut out = String::from(
         "model,tp,prompt,new,frames,width,height,steps,rank,prefill_ms,decode_tok_s,step_ms,step_ms_min,step_ms_max,\
-         total_ms,planned_mib,measured_mib\n",
+         total_ms,collective_share,planned_mib,measured_mib\n",
     );
     let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.3}"));
     for point in points {
@@ -326,15 +337,17 @@ fn csv(points: &[Point]) -> String {
                 new,
                 prefill_ms,
                 decode_tokens_per_s,
+                collective_share,
                 memory,
                 ..
             } => {
                 for m in memory {
                     out.push_str(&format!(
-                        "llama,{tp},{prompt},{new},,,,,{},{:.3},{:.3},,,,,{:.1},{}\n",
+                        "llama,{tp},{prompt},{new},,,,,{},{:.3},{:.3},,,,,{:.4},{:.1},{}\n",
                         m.rank,
                         prefill_ms.median,
                         decode_tokens_per_s.median,
+                        collective_share.median,
                         m.planned_mib,
                         opt(m.measured_mib)
                     ));
@@ -348,17 +361,19 @@ fn csv(points: &[Point]) -> String {
                 steps,
                 step_ms,
                 total_ms,
+                collective_share,
                 memory,
                 ..
             } => {
                 for m in memory {
                     out.push_str(&format!(
-                        "dit,{tp},,,{frames},{width},{height},{steps},{},,,{:.3},{:.3},{:.3},{:.3},{:.1},{}\n",
+                        "dit,{tp},,,{frames},{width},{height},{steps},{},,,{:.3},{:.3},{:.3},{:.3},{:.4},{:.1},{}\n",
                         m.rank,
                         step_ms.median,
                         step_ms.min,
                         step_ms.max,
                         total_ms.median,
+                        collective_share.median,
                         m.planned_mib,
                         opt(m.measured_mib)
                     ));

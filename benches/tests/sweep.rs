@@ -56,6 +56,13 @@ fn sweep_on_cpu_ranks_writes_every_point_and_plot() {
     }
     for p in llama_points.iter().chain(&dit_points) {
         let tp = p["tp"].as_u64().expect("tp") as usize;
+        // A share of the time: CPU ranks at TP 2 spend some of it summing and waiting.
+        let share = &p["collective_share"];
+        let within = |v: Option<f64>| v.is_some_and(|v| (0.0..=1.0).contains(&v));
+        assert!(within(share["min"].as_f64()) && within(share["max"].as_f64()), "{p}");
+        if tp > 1 {
+            assert!(share["max"].as_f64() > Some(0.0), "{p}");
+        }
         let memory = p["memory"].as_array().expect("memory");
         assert_eq!(memory.len(), tp, "{p}");
         // CPU ranks: planned bytes, nothing measured on a device.

@@ -193,6 +193,7 @@ fn run_job(
     let sample_err = |e: candle_core::Error| EngineError::Sampling(e.to_string());
     model.clear_cache();
     let start = Instant::now();
+    let before = comm.stats().snapshot();
     let mut logits = model.forward(&job.prompt).map_err(layer_err)?;
     let mut processor = LogitsProcessor::from_sampling(job.sampling.seed, job.sampling.sampling());
     let mut context = job.prompt.clone();
@@ -240,6 +241,7 @@ fn run_job(
                     generated_tokens: context.len() - job.prompt.len(),
                     prefill: prefill_time,
                     decode: start.elapsed() - prefill_time,
+                    collectives: comm.stats().snapshot().since(&before).time,
                     stop_reason: reason,
                 };
                 let _ = job.events.send(RankEvent::Done(stats));

@@ -28,6 +28,10 @@ pub struct GenerationStats {
     pub prefill: Duration,
     /// Time for the remaining tokens.
     pub decode: Duration,
+    /// Rank 0's host time inside collectives over the request: on CPU ranks the reductions
+    /// and the waits for peers; on NCCL ranks the launches (and the waits of gathers), not
+    /// the reductions' GPU time.
+    pub collectives: Duration,
     pub stop_reason: StopReason,
 }
 

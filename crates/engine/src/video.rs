@@ -48,6 +48,9 @@ pub struct StepReport {
     pub steps: usize,
     pub timestep: f64,
     pub elapsed: Duration,
+    /// Rank 0's host time inside collectives during the step (see
+    /// [`crate::GenerationStats::collectives`]).
+    pub collectives: Duration,
 }
 
 /// What the ranks run.
@@ -330,6 +333,7 @@ fn denoise(
     let mut sampler = Sampler::new(Schedule::new(r.steps, r.shift), r.solver);
     for index in 0..r.steps {
         let start = Instant::now();
+        let before = comm.stats().snapshot();
         let timestep = sampler.schedule().timestep(index);
         let cond = model.forward(&x, timestep, &context).map_err(err)?;
         let v = match &negative {
@@ -348,6 +352,7 @@ fn denoise(
                     steps: r.steps,
                     timestep,
                     elapsed: start.elapsed(),
+                    collectives: comm.stats().snapshot().since(&before).time,
                 });
             }
         }
