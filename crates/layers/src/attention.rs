@@ -77,9 +77,9 @@ pub fn grouped_attention(
 }
 
 /// Non-causal attention of `q` `[s, h, d]` over `k`, `v` `[t, h, d]` (any strides with `d`
-/// contiguous); returns `[s, h, d]`. On CUDA in bf16/f16 this is the fused flash-attention
-/// kernel, which keeps scores on chip; elsewhere [`blockwise_attention`]. Either way no
-/// `s × t` matrix per head group is ever materialized at video lengths.
+/// contiguous); returns `[s, h, d]`. This is flash attention where it runs (CUDA in bf16/f16,
+/// and its one-pass twin on CPU), which keeps no scores at all; otherwise (CUDA in f32)
+/// [`blockwise_attention`]. Either way no `s × t` matrix per head group is materialized.
 pub fn full_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, score_bytes: usize) -> Result<Tensor> {
     if tpinfer_kernels::flash_attention_supported(q) {
         return Ok(tpinfer_kernels::flash_attention(q, k, v, scale, false)?);
