@@ -94,19 +94,21 @@ def compare(args):
 
 @torch.no_grad()
 def speed(args):
+    """Decode tok/s after a --prompt-tokens prompt (128), prefill ms of --prefill-tokens (2048)."""
     model = load(args.model, "bf16")
     vocab = model.config.vocab_size
-    ids = torch.tensor([prompt_ids(vocab, 128)], device="cuda")
+    ids = torch.tensor([prompt_ids(vocab, args.prompt_tokens)], device="cuda")
     model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
     torch.cuda.synchronize(); t = time.perf_counter()
     model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
     torch.cuda.synchronize(); decode = args.new_tokens / (time.perf_counter() - t)
-    long = torch.tensor([prompt_ids(vocab, 2048)], device="cuda")
+    long = torch.tensor([prompt_ids(vocab, args.prefill_tokens)], device="cuda")
     model(long); torch.cuda.synchronize()
     times = []
     for _ in range(3):
         t = time.perf_counter(); model(long); torch.cuda.synchronize(); times.append((time.perf_counter() - t) * 1e3)
-    result = dict(decode_tok_s=decode, prefill_2048_ms=sorted(times)[1], peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    result = dict(decode_tok_s=decode, prefill_ms=sorted(times)[1], prefill_tokens=args.prefill_tokens,
+                  peak_gib=torch.cuda.max_memory_allocated() / 2**30)
     print(json.dumps(result))
     if args.out_json:
         Path(args.out_json).write_text(json.dumps(result))
@@ -124,6 +126,7 @@ def main():
     c = sub.add_parser("compare"); c.add_argument("--ref", required=True); c.add_argument("--out-json", required=True)
     c.add_argument("runs", nargs="+")
     s = sub.add_parser("speed"); s.add_argument("--model", required=True); s.add_argument("--new-tokens", type=int, default=256)
+    s.add_argument("--prompt-tokens", type=int, default=128); s.add_argument("--prefill-tokens", type=int, default=2048)
     s.add_argument("--out-json")
     args = p.parse_args()
     dict(make=make, logits=logits, compare=compare, speed=speed)[args.cmd](args)

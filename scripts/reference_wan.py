@@ -108,8 +108,12 @@ def forward(args):
         save_file({"velocity": out[0].float().cpu().contiguous()}, out_path)
         del out
         times = sorted(times[1:]) or times
-        print(f"diffusers {args.dtype}, {tuple(latents.shape[2:])} latents: {times[len(times) // 2]:.1f} ms per "
+        median = times[len(times) // 2]
+        print(f"diffusers {args.dtype}, {tuple(latents.shape[2:])} latents: {median:.1f} ms per "
               f"forward (median of {len(times)}), peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB allocated")
+        if args.out_json:
+            path = args.out_json if len(paths) == 1 else args.out_json.replace(".json", f"_{index}.json")
+            json.dump(dict(ms_per_forward=median, peak_mib=torch.cuda.max_memory_allocated() / 2**20), open(path, "w"))
 
 
 def compare(args):
@@ -151,6 +155,7 @@ def main():
     f.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     f.add_argument("--repeats", type=int, default=2)
     f.add_argument("--out", required=True)
+    f.add_argument("--out-json")
     c = sub.add_parser("compare")
     c.add_argument("--ref", required=True)
     c.add_argument("--out-json")

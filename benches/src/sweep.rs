@@ -20,6 +20,10 @@
 //! cuda = true
 //! repeats = 2
 //! ```
+//!
+//! `baseline = true` in a grid also runs the reference implementation on the same shapes
+//! (`scripts/reference_llama.py speed`: transformers; `scripts/reference_wan.py forward`:
+//! diffusers; `python` and `scripts` say where they are) and reports each point's ratio.
 
 use std::path::{Path, PathBuf};
 
@@ -63,6 +67,28 @@ struct LlamaGrid {
     dtype: Option<String>,
     #[serde(default = "three")]
     repeats: usize,
+    /// Also run the reference implementation on the same shapes.
+    #[serde(default)]
+    baseline: bool,
+    #[serde(default = "python")]
+    python: String,
+    /// The folder of `reference_llama.py` and `reference_wan.py`.
+    #[serde(default = "scripts")]
+    scripts: PathBuf,
+}
+
+/// Where the reference implementation is.
+struct Reference<'a> {
+    python: &'a str,
+    scripts: &'a Path,
+}
+
+fn python() -> String {
+    "python3".into()
+}
+
+fn scripts() -> PathBuf {
+    "scripts".into()
 }
 
 #[derive(Deserialize)]
@@ -79,6 +105,14 @@ struct DitGrid {
     dtype: Option<String>,
     #[serde(default = "three")]
     repeats: usize,
+    /// Also run the reference implementation on the same shapes.
+    #[serde(default)]
+    baseline: bool,
+    #[serde(default = "python")]
+    python: String,
+    /// The folder of `reference_llama.py` and `reference_wan.py`.
+    #[serde(default = "scripts")]
+    scripts: PathBuf,
 }
 
 fn one() -> Vec<usize> {
@@ -135,6 +169,8 @@ pub enum Point {
         /// Rank 0's host time in collectives over the request's time.
         collective_share: Stat,
         memory: Vec<RankMemory>,
+        /// transformers on one GPU, same shapes, and tpinfer's median over it.
+        baseline: Option<LlamaBaseline>,
     },
     #[serde(rename = "dit")]
     Dit {
@@ -150,7 +186,30 @@ pub enum Point {
         /// Rank 0's host time in collectives over the step's time.
         collective_share: Stat,
         memory: Vec<RankMemory>,
+        /// diffusers on one GPU, same latents, and tpinfer's median step over its step.
+        baseline: Option<DitBaseline>,
     },
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct LlamaBaseline {
+    pub prefill_ms: f64,
+    #[serde(alias = "decode_tok_s")]
+    pub decode_tokens_per_s: f64,
+    /// tpinfer's prefill ms over the baseline's (below 1: faster).
+    #[serde(default)]
+    pub prefill_ratio: f64,
+    /// tpinfer's decode tok/s over the baseline's (above 1: faster).
+    #[serde(default)]
+    pub decode_ratio: f64,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct DitBaseline {
+    /// Two forwards (CFG), the scheduler's step not included.
+    pub step_ms: f64,
+    /// tpinfer's step ms over the baseline's (below 1: faster).
+    pub step_ratio: f64,
 }
 
 pub fn run(args: SweepArgs) -> Result<()> {
@@ -206,6 +265,14 @@ fn llama(grid: &LlamaGrid, points: &mut Vec<Point>) -> Result<()> {
         );
     }
     let longest = grid.prompt.iter().max().copied().unwrap_or(0) + grid.new.iter().max().copied().unwrap_or(0);
+    let mut baselines = std::collections::HashMap::new();
+    if grid.baseline {
+        for &prompt in &grid.prompt {
+            for &new in &grid.new {
+                baselines.insert((prompt, new), llama_baseline(grid, prompt, new)?);
+            }
+        }
+    }
     for &tp in &grid.tp {
         let engine = crate::builder(&grid.model, tp, grid.cuda, dtype(&grid.dtype)?)
             .max_context(longest)
@@ -231,15 +298,22 @@ fn llama(grid: &LlamaGrid, points: &mut Vec<Point>) -> Result<()> {
                         share.push(stats.collectives.as_secs_f64() / total.max(1e-9));
                     }
                 }
+                let (prefill_ms, decode_tokens_per_s) = (Stat::of(&prefill)?, Stat::of(&decode)?);
+                let baseline = baselines.get(&(prompt, new)).map(|b: &LlamaBaseline| LlamaBaseline {
+                    prefill_ratio: prefill_ms.median / b.prefill_ms,
+                    decode_ratio: decode_tokens_per_s.median / b.decode_tokens_per_s,
+                    ..*b
+                });
                 let point = Point::Llama {
                     tp,
                     prompt,
                     new,
                     batch: 1,
-                    prefill_ms: Stat::of(&prefill)?,
-                    decode_tokens_per_s: Stat::of(&decode)?,
+                    prefill_ms,
+                    decode_tokens_per_s,
                     collective_share: Stat::of(&share)?,
                     memory: memory(engine.device_memory(), engine.plan()),
+                    baseline,
                 };
                 eprintln!("{point:?}");
                 points.push(point);
@@ -265,10 +339,14 @@ fn text_states(model: &Path, seed: u64) -> Result<Tensor> {
 
 fn dit(grid: &DitGrid, points: &mut Vec<Point>) -> Result<()> {
     let (text, negative) = (text_states(&grid.model, 1)?, text_states(&grid.model, 2)?);
+    let mut baselines = std::collections::HashMap::new();
     for &tp in &grid.tp {
         for size in &grid.size {
             let (width, height) = parse_size(size)?;
             for &frames in &grid.frames {
+                if grid.baseline && !baselines.contains_key(&(frames, width, height)) {
+                    baselines.insert((frames, width, height), dit_baseline(grid, frames, size)?);
+                }
                 let shape = VideoShape { frames, width, height };
                 let builder = crate::builder(&grid.model, tp, grid.cuda, dtype(&grid.dtype)?);
                 let engine = VideoEngine::start(builder, shape)
@@ -301,6 +379,11 @@ fn dit(grid: &DitGrid, points: &mut Vec<Point>) -> Result<()> {
                         }
                     }
                     let [_, f, h, w] = engine.latent_shape();
+                    let step_ms = Stat::of(&step)?;
+                    let baseline = baselines.get(&(frames, width, height)).map(|&base: &f64| DitBaseline {
+                        step_ms: base,
+                        step_ratio: step_ms.median / base,
+                    });
                     let point = Point::Dit {
                         tp,
                         frames,
@@ -308,10 +391,11 @@ fn dit(grid: &DitGrid, points: &mut Vec<Point>) -> Result<()> {
                         height,
                         steps,
                         video_tokens: f * (h / 2) * (w / 2),
-                        step_ms: Stat::of(&step)?,
+                        step_ms,
                         total_ms: Stat::of(&total)?,
                         collective_share: Stat::of(&share)?,
                         memory: memory(engine.device_memory(), engine.plan()),
+                        baseline,
                     };
                     eprintln!("{point:?}");
                     points.push(point);
@@ -322,11 +406,110 @@ fn dit(grid: &DitGrid, points: &mut Vec<Point>) -> Result<()> {
     Ok(())
 }
 
+/// Runs the reference script `script` with `args`; its failure is an error carrying the end
+/// of what it printed.
+fn run_script(reference: &Reference, script: &str, args: &[String]) -> Result<()> {
+    let path = reference.scripts.join(script);
+    let output = std::process::Command::new(reference.python)
+        .arg(&path)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {} {}", reference.python, path.display()))?;
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let tail: Vec<&str> = stderr.lines().rev().take(5).collect();
+        bail!(
+            "the baseline `{} {} {}` failed ({}): {}",
+            reference.python,
+            path.display(),
+            args.join(" "),
+            output.status,
+            tail.into_iter().rev().collect::<Vec<_>>().join(" / ")
+        );
+    }
+    Ok(())
+}
+
+/// [`run_script`], then what it wrote to `json` (its `--out-json`).
+fn reference_report(reference: &Reference, script: &str, args: &[String], json: &Path) -> Result<serde_json::Value> {
+    run_script(reference, script, args)?;
+    let text = std::fs::read_to_string(json).with_context(|| format!("the baseline wrote no {}", json.display()))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+fn llama_baseline(grid: &LlamaGrid, prompt: usize, new: usize) -> Result<LlamaBaseline> {
+    let dir = tempfile::tempdir()?;
+    let json = dir.path().join("baseline.json");
+    let args = [
+        "speed".to_string(),
+        "--model".into(),
+        grid.model.display().to_string(),
+        "--prompt-tokens".into(),
+        prompt.to_string(),
+        "--prefill-tokens".into(),
+        prompt.to_string(),
+        "--new-tokens".into(),
+        new.to_string(),
+        "--out-json".into(),
+        json.display().to_string(),
+    ];
+    let refs = Reference {
+        python: &grid.python,
+        scripts: &grid.scripts,
+    };
+    let value = reference_report(&refs, "reference_llama.py", &args, &json)?;
+    Ok(serde_json::from_value(value)?)
+}
+
+/// diffusers' step for `frames` at `size`: two forwards (CFG) of the same latents.
+fn dit_baseline(grid: &DitGrid, frames: usize, size: &str) -> Result<f64> {
+    let dir = tempfile::tempdir()?;
+    let path = |name: &str| dir.path().join(name).display().to_string();
+    let (inputs, json) = (path("inputs.st"), dir.path().join("baseline.json"));
+    let make = [
+        "inputs".to_string(),
+        "--frames".into(),
+        frames.to_string(),
+        "--size".into(),
+        size.to_string(),
+        "--out".into(),
+        inputs.clone(),
+    ];
+    let refs = Reference {
+        python: &grid.python,
+        scripts: &grid.scripts,
+    };
+    run_script(&refs, "reference_wan.py", &make)?;
+    if !Path::new(&inputs).exists() {
+        bail!("the baseline's `reference_wan.py inputs` wrote no {inputs}");
+    }
+    let forward = [
+        "forward".to_string(),
+        "--model".into(),
+        grid.model.display().to_string(),
+        "--inputs".into(),
+        inputs,
+        "--dtype".into(),
+        grid.dtype.clone().unwrap_or_else(|| "bf16".into()),
+        "--repeats".into(),
+        grid.repeats.max(1).to_string(),
+        "--out".into(),
+        path("velocity.st"),
+        "--out-json".into(),
+        json.display().to_string(),
+    ];
+    let value = reference_report(&refs, "reference_wan.py", &forward, &json)?;
+    let ms = value["ms_per_forward"]
+        .as_f64()
+        .context("the baseline's report lacks ms_per_forward")?;
+    Ok(2.0 * ms)
+}
+
 /// One row per point and rank.
 fn csv(points: &[Point]) -> String {
     let mut out = String::from(
         "model,tp,prompt,new,frames,width,height,steps,rank,prefill_ms,decode_tok_s,step_ms,step_ms_min,step_ms_max,\
-         total_ms,collective_share,planned_mib,measured_mib\n",
+         total_ms,collective_share,planned_mib,measured_mib,prefill_ratio,decode_ratio,step_ratio\n",
     );
     let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.3}"));
     for point in points {
@@ -339,11 +522,15 @@ fn csv(points: &[Point]) -> String {
                 decode_tokens_per_s,
                 collective_share,
                 memory,
+                baseline,
                 ..
             } => {
+                let ratios = baseline.map_or(",,".into(), |b| {
+                    format!("{:.4},{:.4},", b.prefill_ratio, b.decode_ratio)
+                });
                 for m in memory {
                     out.push_str(&format!(
-                        "llama,{tp},{prompt},{new},,,,,{},{:.3},{:.3},,,,,{:.4},{:.1},{}\n",
+                        "llama,{tp},{prompt},{new},,,,,{},{:.3},{:.3},,,,,{:.4},{:.1},{},{ratios}\n",
                         m.rank,
                         prefill_ms.median,
                         decode_tokens_per_s.median,
@@ -363,11 +550,13 @@ fn csv(points: &[Point]) -> String {
                 total_ms,
                 collective_share,
                 memory,
+                baseline,
                 ..
             } => {
+                let ratio = baseline.map_or(String::new(), |b| format!("{:.4}", b.step_ratio));
                 for m in memory {
                     out.push_str(&format!(
-                        "dit,{tp},,,{frames},{width},{height},{steps},{},,,{:.3},{:.3},{:.3},{:.3},{:.4},{:.1},{}\n",
+                        "dit,{tp},,,{frames},{width},{height},{steps},{},,,{:.3},{:.3},{:.3},{:.3},{:.4},{:.1},{},,,{ratio}\n",
                         m.rank,
                         step_ms.median,
                         step_ms.min,

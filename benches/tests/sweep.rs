@@ -123,3 +123,88 @@ fn sweep_refuses_a_batch_the_engine_cannot_run() {
         "{stderr}"
     );
 }
+
+/// With `baseline = true` the sweep runs the reference scripts on the same shapes and
+/// reports tpinfer over them; here a stand-in interpreter plays transformers and diffusers
+/// (the real scripts need torch and a GPU) and checks the arguments it is given.
+#[test]
+fn sweep_reports_its_ratio_to_the_baseline() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let llama = TinyLlama::default().write(&dir.path().join("llama"));
+    let wan = dir.path().join("wan");
+    TinyWan::default().write(&wan);
+    let fake = dir.path().join("fake-python");
+    std::fs::write(
+        &fake,
+        r#"#!/bin/sh
+script=$(basename "$1"); cmd=$2; shift 2; all="$*"; out=""; json=""
+while [ $# -gt 0 ]; do case "$1" in --out) out=$2; shift;; --out-json) json=$2; shift;; esac; shift; done
+case "$script $cmd" in
+  "reference_llama.py speed")
+    case "$all" in *"--prompt-tokens 8 --prefill-tokens 8 --new-tokens 3"*) ;; *) echo "bad: $all" >&2; exit 4;; esac
+    echo '{"decode_tok_s": 50.0, "prefill_ms": 4.0}' > "$json";;
+  "reference_wan.py inputs") : > "$out";;
+  "reference_wan.py forward") echo '{"ms_per_forward": 2.5}' > "$json";;
+  *) echo "unexpected $script $cmd" >&2; exit 3;;
+esac
+"#,
+    )
+    .expect("fake");
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let config = dir.path().join("sweep.toml");
+    let write = |python: &str| {
+        std::fs::write(
+            &config,
+            format!(
+                "[llama]\nmodel = {llama:?}\ntp = [1]\nprompt = [8]\nnew = [3]\nrepeats = 1\nbaseline = true\n\
+                 python = {python:?}\n\n[dit]\nmodel = {wan:?}\ntp = [1]\nframes = [5]\nsize = [\"64x32\"]\n\
+                 steps = [1]\nrepeats = 1\nbaseline = true\npython = {python:?}\n"
+            ),
+        )
+        .expect("config")
+    };
+    let sweep = || {
+        Command::new(env!("CARGO_BIN_EXE_tpinfer-bench"))
+            .args(["sweep", "--config"])
+            .arg(&config)
+            .arg("--out")
+            .arg(dir.path().join("out"))
+            .output()
+            .expect("run")
+    };
+    write(&fake.display().to_string());
+    let run = sweep();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let points: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("out/sweep.json")).expect("json"))
+            .expect("parse");
+    let close = |a: Option<f64>, b: Option<f64>| matches!((a, b), (Some(a), Some(b)) if (a - b).abs() < 1e-9 * b.abs().max(1.0));
+    for p in &points {
+        let b = &p["baseline"];
+        match p["model"].as_str() {
+            Some("llama") => {
+                let decode = p["decode_tokens_per_s"]["median"].as_f64().map(|v| v / 50.0);
+                let prefill = p["prefill_ms"]["median"].as_f64().map(|v| v / 4.0);
+                assert!(
+                    close(b["decode_ratio"].as_f64(), decode) && close(b["prefill_ratio"].as_f64(), prefill),
+                    "{p}"
+                );
+            }
+            _ => {
+                // Two forwards per guided step.
+                assert_eq!(b["step_ms"].as_f64(), Some(5.0), "{p}");
+                let ratio = p["step_ms"]["median"].as_f64().map(|v| v / 5.0);
+                assert!(close(b["step_ratio"].as_f64(), ratio), "{p}");
+            }
+        }
+    }
+    // A baseline that fails stops the sweep with its command and status.
+    write("false");
+    let run = sweep();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        !run.status.success() && stderr.contains("the baseline `false"),
+        "{stderr}"
+    );
+}
