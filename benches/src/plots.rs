@@ -1,10 +1,11 @@
-//! The sweep's plots, as SVG: DiT step time and speed-up against TP width, memory per rank
-//! against frames; Llama decode tok/s and prefill time against TP width.
+//! The sweep's plots, as SVG and PNG: DiT step time and speed-up against TP width, memory per
+//! rank against frames; Llama decode tok/s and prefill time against TP width.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{anyhow, Result};
+use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use crate::sweep::Point;
@@ -12,6 +13,9 @@ use crate::sweep::Point;
 type Series = Vec<(String, Vec<(f64, f64)>)>;
 
 pub fn draw(points: &[Point], out: &Path) -> Result<()> {
+    // PNG text needs a font in the process, not on the machine: egui's bundled Ubuntu Light.
+    plotters::style::register_font("sans-serif", FontStyle::Normal, epaint_default_fonts::UBUNTU_LIGHT)
+        .map_err(|_| anyhow!("the plot font did not load"))?;
     let mut step: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     let mut memory: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     let mut decode: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
@@ -81,22 +85,18 @@ pub fn draw(points: &[Point], out: &Path) -> Result<()> {
             .iter()
             .map(|(k, v)| (k.clone(), v.iter().map(|&(tp, ms)| (tp, v[0].1 / ms)).collect()))
             .collect();
+        line_chart(out, "dit_step_time", "DiT step time", "TP width", "ms per step", &step)?;
         line_chart(
-            &out.join("dit_step_time.svg"),
-            "DiT step time",
-            "TP width",
-            "ms per step",
-            &step,
-        )?;
-        line_chart(
-            &out.join("dit_speedup.svg"),
+            out,
+            "dit_speedup",
             "DiT speed-up",
             "TP width",
             "× narrowest width",
             &speedup,
         )?;
         line_chart(
-            &out.join("dit_memory.svg"),
+            out,
+            "dit_memory",
             "DiT memory, fullest rank",
             "frames",
             "MiB",
@@ -105,14 +105,16 @@ pub fn draw(points: &[Point], out: &Path) -> Result<()> {
     }
     if !decode.is_empty() {
         line_chart(
-            &out.join("llama_decode.svg"),
+            out,
+            "llama_decode",
             "Llama decode",
             "TP width",
             "tokens/s",
             &series(decode),
         )?;
         line_chart(
-            &out.join("llama_prefill.svg"),
+            out,
+            "llama_prefill",
             "Llama prefill",
             "TP width",
             "ms",
@@ -122,14 +124,29 @@ pub fn draw(points: &[Point], out: &Path) -> Result<()> {
     Ok(())
 }
 
-fn line_chart(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &Series) -> Result<()> {
-    let err = |e: &dyn std::fmt::Display| anyhow!("plotting {}: {e}", path.display());
+/// `{name}.svg` and `{name}.png` in `out`.
+fn line_chart(out: &Path, name: &str, title: &str, x_desc: &str, y_desc: &str, series: &Series) -> Result<()> {
+    let (svg, png) = (out.join(format!("{name}.svg")), out.join(format!("{name}.png")));
+    let labels = (title, x_desc, y_desc);
+    chart(SVGBackend::new(&svg, SIZE).into_drawing_area(), labels, series)
+        .map_err(|e| anyhow!("plotting {}: {e}", svg.display()))?;
+    chart(BitMapBackend::new(&png, SIZE).into_drawing_area(), labels, series)
+        .map_err(|e| anyhow!("plotting {}: {e}", png.display()))
+}
+
+const SIZE: (u32, u32) = (720, 440);
+
+fn chart<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    (title, x_desc, y_desc): (&str, &str, &str),
+    series: &Series,
+) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
     let xs = series.iter().flat_map(|(_, v)| v.iter().map(|p| p.0));
     let ys = series.iter().flat_map(|(_, v)| v.iter().map(|p| p.1));
     let (x_lo, x_hi) = xs.fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(x), hi.max(x)));
     let y_hi = ys.fold(0f64, f64::max);
     let x_pad = ((x_hi - x_lo) * 0.05).max(0.5);
-    let root = SVGBackend::new(path, (720, 440)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))

@@ -1,5 +1,5 @@
 //! `tpinfer-bench sweep`: a grid of runs from a small TOML file, each point measured after a
-//! warm-up, written as JSON and CSV with SVG plots.
+//! warm-up, written as JSON and CSV with plots (SVG and PNG).
 //!
 //! ```toml
 //! [llama]                       # TP width × prompt length × new tokens (× batch: 1 only)

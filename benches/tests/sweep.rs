@@ -97,6 +97,11 @@ fn sweep_on_cpu_ranks_writes_every_point_and_plot() {
     ] {
         let svg = std::fs::read_to_string(out.join(plot)).unwrap_or_else(|e| panic!("{plot}: {e}"));
         assert!(svg.starts_with("<svg") && svg.contains(label), "{plot} lacks `{label}`");
+        let png = std::fs::read(out.join(plot.replace(".svg", ".png"))).expect("png");
+        assert!(
+            png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 5_000,
+            "{plot} as PNG"
+        );
     }
 }
 
