@@ -35,7 +35,7 @@ enum Command {
     Dit(DitArgs),
     /// The fused flash-attention kernel: error against an f32 reference, ms and TFLOP/s.
     Attention(attention::AttentionArgs),
-    /// A grid of Llama and DiT runs from a TOML file: JSON, CSV and SVG plots.
+    /// A grid of Llama and DiT runs from a TOML file: JSON, CSV and plots (SVG, PNG).
     Sweep(sweep::SweepArgs),
 }
 
