@@ -157,6 +157,11 @@ fn chart<DB: DrawingBackend>(
         .map_err(|e| err(&e))?;
     chart
         .configure_mesh()
+        // TP widths and frame counts are whole numbers: label only those.
+        .x_label_formatter(&|x| match x.fract() == 0.0 {
+            true => format!("{x:.0}"),
+            false => String::new(),
+        })
         .x_desc(x_desc)
         .y_desc(y_desc)
         .draw()

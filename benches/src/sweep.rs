@@ -315,7 +315,10 @@ fn llama(grid: &LlamaGrid, points: &mut Vec<Point>) -> Result<()> {
                     memory: memory(engine.device_memory(), engine.plan()),
                     baseline,
                 };
-                eprintln!("{point:?}");
+                eprintln!(
+                    "llama TP {tp}, prompt {prompt}, {new} new: prefill {:.1} ms, decode {:.1} tok/s",
+                    prefill_ms.median, decode_tokens_per_s.median
+                );
                 points.push(point);
             }
         }
@@ -397,7 +400,10 @@ fn dit(grid: &DitGrid, points: &mut Vec<Point>) -> Result<()> {
                         memory: memory(engine.device_memory(), engine.plan()),
                         baseline,
                     };
-                    eprintln!("{point:?}");
+                    eprintln!(
+                        "dit TP {tp}, {frames} frames at {width}x{height}, {steps} steps: {:.1} ms a step",
+                        step_ms.median
+                    );
                     points.push(point);
                 }
             }
