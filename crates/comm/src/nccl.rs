@@ -20,7 +20,7 @@ use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 use crate::{Collective, CommError, CommStats, Communicator};
 
 /// All-reduces of 16-bit tensors up to this size are summed in f32 (see `all_reduce_sum`).
-pub const F32_SUM_MAX_BYTES: usize = 1 << 20;
+const F32_SUM_MAX_BYTES: usize = 1 << 20;
 
 fn sum<T: NcclType>(comm: &Comm, input: &CudaView<'_, T>, output: &mut CudaSlice<T>) -> Result<(), NcclError> {
     comm.all_reduce(input, output, &ReduceOp::Sum).map(|_| ())

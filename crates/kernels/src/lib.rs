@@ -14,8 +14,11 @@ pub use rowwise::{gated_residual, layer_norm, row_sum_squares, scale_rows_cols};
 
 use candle_core::{DType, Device, Result, Tensor};
 
-/// Head sizes the kernel is compiled for.
-const HEAD_DIMS: [usize; 2] = [64, 128];
+/// Whether the CUDA flash-attention kernel is compiled for `dtype` and `head_dim`: bf16 or
+/// f16, head size 64 or 128. Device-free, so that memory plans can ask it too.
+pub fn cuda_flash_attention_covers(dtype: DType, head_dim: usize) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128)
+}
 
 /// Whether [`flash_attention`] runs for queries like `q` (`[len, heads, head_dim]`): any
 /// float CPU tensor; on CUDA (a build with the `cuda` feature), bf16 or f16 with a head size
@@ -25,11 +28,7 @@ pub fn flash_attention_supported(q: &Tensor) -> bool {
     q.rank() == 3
         && match q.device() {
             Device::Cpu => float,
-            Device::Cuda(_) => {
-                cfg!(feature = "cuda")
-                    && matches!(q.dtype(), DType::BF16 | DType::F16)
-                    && HEAD_DIMS.contains(&q.dims()[2])
-            }
+            Device::Cuda(_) => cfg!(feature = "cuda") && cuda_flash_attention_covers(q.dtype(), q.dims()[2]),
             _ => false,
         }
 }

@@ -26,9 +26,7 @@ pub fn prefill_chunk(q_heads: usize, max_positions: usize, flash: bool) -> usize
 /// bf16/f16 with a head size of 64 or 128, when each KV head serves whole groups of the
 /// rank's Q heads. Otherwise the unfused f32 path with score buffers.
 pub fn flash_attention(cuda: bool, dtype: DType, head_dim: usize, shard: &LlamaShard) -> bool {
-    cuda && matches!(dtype, DType::BF16 | DType::F16)
-        && matches!(head_dim, 64 | 128)
-        && shard.heads.uniform_group().is_some()
+    cuda && tpinfer_layers::cuda_flash_attention_covers(dtype, head_dim) && shard.heads.uniform_group().is_some()
 }
 
 /// One rank's device bytes apart from its weight slices.

@@ -46,7 +46,7 @@ pub enum AttentionPath {
 impl AttentionPath {
     /// The path `full_attention` takes on a CUDA device (`cuda`) or CPU ranks in `dtype`.
     pub fn for_device(cuda: bool, dtype: DType, head_dim: usize) -> Self {
-        match !cuda || (matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128)) {
+        match !cuda || tpinfer_kernels::cuda_flash_attention_covers(dtype, head_dim) {
             true => Self::Flash,
             false => Self::Blockwise,
         }
