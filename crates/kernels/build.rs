@@ -5,7 +5,7 @@ use std::env;
 use std::path::PathBuf;
 use std::process::Command;
 
-const SOURCES: [&str; 2] = ["flash_attention", "rowwise"];
+const SOURCES: [&str; 3] = ["flash_attention", "rowwise", "rotary"];
 
 fn main() {
     println!("cargo::rerun-if-env-changed=CUDA_COMPUTE_CAP");
@@ -17,6 +17,7 @@ fn main() {
     let cap = env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
     let cap = cap.trim().trim_start_matches("sm_").trim_end_matches('a');
     let nvcc = nvcc();
+    println!("cargo::rerun-if-changed=cuda/convert.cuh");
     for name in SOURCES {
         let source = format!("cuda/{name}.cu");
         println!("cargo::rerun-if-changed={source}");

@@ -19,7 +19,8 @@ use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 
 use crate::{Collective, CommError, CommStats, Communicator};
 
-/// All-reduces of 16-bit tensors up to this size are summed in f32 (see `all_reduce_sum`).
+/// All-reduces of 16-bit tensors up to this size over more than two ranks are summed in f32
+/// (see `all_reduce_sum`).
 const F32_SUM_MAX_BYTES: usize = 1 << 20;
 
 fn sum<T: NcclType>(comm: &Comm, input: &CudaView<'_, T>, output: &mut CudaSlice<T>) -> Result<(), NcclError> {
@@ -263,18 +264,16 @@ impl Communicator for NcclComm {
             _ => {
                 let op = Collective::AllReduceSum;
                 let n = x.elem_count();
+                // Large messages (prompts, video activations) are bandwidth-bound: summing in
+                // f32 would double the bytes on the link. Between two ranks each element is a
+                // single addition, rounded once either way, so f32 would only add two casts.
+                let native = bytes > F32_SUM_MAX_BYTES || self.group.world_size == 2;
                 match x.dtype() {
                     DType::F32 => self.run::<f32>(op, x, n, x.dims(), sum::<f32>)?,
-                    // Large messages (prompts, video activations) are bandwidth-bound: summing
-                    // in f32 would double the bytes on the link.
-                    DType::BF16 if bytes > F32_SUM_MAX_BYTES => {
-                        self.run::<half::bf16>(op, x, n, x.dims(), sum::<half::bf16>)?
-                    }
-                    DType::F16 if bytes > F32_SUM_MAX_BYTES => {
-                        self.run::<half::f16>(op, x, n, x.dims(), sum::<half::f16>)?
-                    }
-                    // Small ones (decode) are latency-bound: summing in f32 costs nothing and
-                    // keeps a 16-bit reduction as exact as the f32 path.
+                    DType::BF16 if native => self.run::<half::bf16>(op, x, n, x.dims(), sum::<half::bf16>)?,
+                    DType::F16 if native => self.run::<half::f16>(op, x, n, x.dims(), sum::<half::f16>)?,
+                    // Small ones (decode) over more ranks are latency-bound: summing in f32
+                    // costs nothing and keeps a 16-bit reduction as exact as the f32 path.
                     _ => {
                         let x32 = x.to_dtype(DType::F32).map_err(self.tensor_error(op))?;
                         let total = self.run::<f32>(op, &x32, n, x.dims(), sum::<f32>)?;

@@ -1,25 +1,14 @@
-// Fused row-wise kernels for the DiT's replicated work, each one pass over a `[rows, cols]`
-// activation instead of candle's chain of casts and broadcasts (five to seven passes each):
-// f32 arithmetic whatever the storage type, as diffusers' FP32LayerNorm and gated residuals do.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+// Fused row-wise kernels, each one pass over a `[rows, cols]` activation instead of candle's
+// chain of casts and broadcasts (two to seven passes each): the DiT's replicated norms and
+// residuals, and a gated MLP's activation. f32 arithmetic whatever the storage type, as
+// diffusers' FP32LayerNorm and gated residuals do.
 #include <stdint.h>
+
+#include "convert.cuh"
 
 namespace {
 
 constexpr int THREADS = 256;
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-template <typename T>
-__device__ __forceinline__ T from_f32(float x);
-template <>
-__device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
 
 // Sum over the block; every thread gets the result.
 __device__ __forceinline__ float block_sum(float v) {
@@ -85,6 +74,19 @@ __device__ void layer_norm(const T* x, const float* weight, const float* bias, T
     for (int j = threadIdx.x; j < cols; j += THREADS) o[j] = from_f32<T>((to_f32(r[j]) - mean) * rstd * weight[j] + bias[j]);
 }
 
+// out[row, j] = T(silu(x[row, j]) · x[row, half + j]) for x `[rows, 2 · half]`: a gated
+// MLP's activation on its fused gate/up output, rounded once.
+template <typename T>
+__device__ void silu_mul(const T* x, T* out, long n, int half) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const long row = i / half;
+        const int j = i % half;
+        const float g = to_f32(x[row * 2 * half + j]);
+        const float u = to_f32(x[row * 2 * half + half + j]);
+        out[i] = from_f32<T>(g / (1.f + expf(-g)) * u);
+    }
+}
+
 }  // namespace
 
 #define ROWWISE(SUFFIX, T)                                                                                      \
@@ -102,6 +104,9 @@ __device__ void layer_norm(const T* x, const float* weight, const float* bias, T
     extern "C" __global__ void layer_norm_##SUFFIX(const T* x, const float* w, const float* b, T* out,         \
                                                     int cols, float eps) {                                    \
         layer_norm<T>(x, w, b, out, cols, eps);                                                                \
+    }                                                                                                          \
+    extern "C" __global__ void silu_mul_##SUFFIX(const T* x, T* out, long n, int half) {                       \
+        silu_mul<T>(x, out, n, half);                                                                          \
     }
 
 ROWWISE(f32, float)

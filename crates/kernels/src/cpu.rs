@@ -159,3 +159,109 @@ pub(crate) fn flash_attention(
         Ok(T::to_cpu_storage_owned(out))
     })
 }
+
+pub(crate) fn silu_mul(x: (&CpuStorage, &Layout), half: usize) -> Result<CpuStorage> {
+    typed!(x.0, T => {
+        let xs = contiguous::<T>(x.0, x.1)?;
+        let mut out = vec![T::from_f64(0.0); xs.len() / 2];
+        out.par_chunks_mut(half).zip(xs.par_chunks(2 * half)).for_each(|(o, row)| {
+            for j in 0..half {
+                let (g, u) = (f(row[j]), f(row[half + j]));
+                o[j] = T::from_f64((g / (1.0 + (-g).exp()) * u) as f64);
+            }
+        });
+        Ok(T::to_cpu_storage_owned(out))
+    })
+}
+
+/// `x1 · cos − x2 · sin`, `x2 · cos + x1 · sin` for a head's halves `x`, into `out`.
+fn rotate<T: WithDType>(x: &[T], cos: &[T], sin: &[T], out: &mut [T]) {
+    let half = cos.len();
+    for j in 0..half {
+        let (x1, x2, c, s) = (f(x[j]), f(x[j + half]), f(cos[j]), f(sin[j]));
+        out[j] = T::from_f64((x1 * c - x2 * s) as f64);
+        out[j + half] = T::from_f64((x2 * c + x1 * s) as f64);
+    }
+}
+
+/// The cos and sin rows of `position` in a `[2, positions, half]` table.
+fn rotation<T>(table: &[T], positions: usize, half: usize, position: usize) -> (&[T], &[T]) {
+    let at = position * half;
+    (&table[at..at + half], &table[(positions + position) * half..][..half])
+}
+
+pub(crate) fn rotary_queries(
+    qkv: (&CpuStorage, &Layout),
+    table: (&CpuStorage, &Layout),
+    g: &crate::rotary::Geometry,
+) -> Result<CpuStorage> {
+    let d = g.head_dim;
+    typed!(qkv.0, T => {
+        let (xs, ts) = (contiguous::<T>(qkv.0, qkv.1)?, contiguous::<T>(table.0, table.1)?);
+        let mut out = vec![T::from_f64(0.0); g.rows * g.q_heads * d];
+        out.par_chunks_mut(g.q_heads * d).enumerate().for_each(|(r, o)| {
+            let (cos, sin) = rotation(ts, g.positions, d / 2, g.offset + r);
+            let row = &xs[r * g.width()..];
+            for h in 0..g.q_heads {
+                rotate(&row[h * d..(h + 1) * d], cos, sin, &mut o[h * d..(h + 1) * d]);
+            }
+        });
+        Ok(T::to_cpu_storage_owned(out))
+    })
+}
+
+pub(crate) fn append_rotated_kv(
+    cache: (&mut CpuStorage, &Layout),
+    qkv: (&CpuStorage, &Layout),
+    table: (&CpuStorage, &Layout),
+    g: &crate::rotary::Geometry,
+    capacity: usize,
+) -> Result<()> {
+    fn append<T: WithDType>(cache: &mut [T], xs: &[T], ts: &[T], g: &crate::rotary::Geometry, capacity: usize) {
+        let d = g.head_dim;
+        let (keys, values) = cache.split_at_mut(g.kv_heads * capacity * d);
+        for (h, (k_head, v_head)) in keys
+            .chunks_mut(capacity * d)
+            .zip(values.chunks_mut(capacity * d))
+            .enumerate()
+        {
+            for r in 0..g.rows {
+                let slot = (g.offset + r) * d;
+                let row = &xs[r * g.width()..];
+                let k = &row[(g.q_heads + h) * d..][..d];
+                let v = &row[(g.q_heads + g.kv_heads + h) * d..][..d];
+                let (cos, sin) = rotation(ts, g.positions, d / 2, g.offset + r);
+                rotate(k, cos, sin, &mut k_head[slot..slot + d]);
+                v_head[slot..slot + d].copy_from_slice(v);
+            }
+        }
+    }
+    let Some((start, end)) = cache.1.contiguous_offsets() else {
+        candle_core::bail!("append_rotated_kv: the cache must be contiguous");
+    };
+    match cache.0 {
+        CpuStorage::F32(c) => append(
+            &mut c[start..end],
+            contiguous(qkv.0, qkv.1)?,
+            contiguous(table.0, table.1)?,
+            g,
+            capacity,
+        ),
+        CpuStorage::BF16(c) => append(
+            &mut c[start..end],
+            contiguous(qkv.0, qkv.1)?,
+            contiguous(table.0, table.1)?,
+            g,
+            capacity,
+        ),
+        CpuStorage::F16(c) => append(
+            &mut c[start..end],
+            contiguous(qkv.0, qkv.1)?,
+            contiguous(table.0, table.1)?,
+            g,
+            capacity,
+        ),
+        other => candle_core::bail!("append_rotated_kv: unsupported dtype {:?}", other.dtype()),
+    }
+    Ok(())
+}

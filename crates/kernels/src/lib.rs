@@ -1,16 +1,19 @@
 //! Fused CUDA kernels behind candle custom ops, for the hot paths candle's own kernels leave
 //! unfused: flash attention (FlashAttention-2's scheme), which the video DiT needs at tens of
-//! thousands of tokens and which never writes a score matrix to memory; and one-pass row-wise
-//! ops (modulated LayerNorm, gated residual, the sums and scales of a sharded RMSNorm) for the
-//! DiT's replicated work, which candle would run as chains of casts and broadcasts.
+//! thousands of tokens and which never writes a score matrix to memory; one-pass row-wise ops
+//! (modulated LayerNorm, gated residual, the sums and scales of a sharded RMSNorm, a gated
+//! MLP's SiLU product), which candle would run as chains of casts and broadcasts; and rotary
+//! embedding fused with the KV-cache write, which keeps a decode step's launches few.
 //!
 //! Every op also runs on CPU tensors, in one pass that allocates only its output as the CUDA
 //! kernel does, so that CPU ranks run (and the tests check) the same memory behaviour.
 
 mod cpu;
+mod rotary;
 mod rowwise;
 
-pub use rowwise::{gated_residual, layer_norm, row_sum_squares, scale_rows_cols};
+pub use rotary::{append_rotated_kv, rotary_queries};
+pub use rowwise::{gated_residual, layer_norm, row_sum_squares, scale_rows_cols, silu_mul};
 
 use candle_core::{DType, Device, Result, Tensor};
 

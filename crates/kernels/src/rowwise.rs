@@ -59,6 +59,17 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
         .apply_op3_no_bwd(&weight.contiguous()?, &bias.contiguous()?, &op)
 }
 
+/// `silu(x[:, j]) · x[:, n + j]` for `x` `[rows, 2n]`: a gated MLP's activation on its fused
+/// gate/up output, `[rows, n]`.
+pub fn silu_mul(x: &Tensor) -> Result<Tensor> {
+    check(x, "silu_mul")?;
+    let (rows, cols) = x.dims2()?;
+    if cols % 2 != 0 {
+        candle_core::bail!("silu_mul takes [rows, 2n], got {:?}", x.dims());
+    }
+    x.contiguous()?.apply_op1_no_bwd(&SiluMul { rows, half: cols / 2 })
+}
+
 fn check(x: &Tensor, op: &str) -> Result<()> {
     if x.rank() != 2 || x.elem_count() == 0 {
         candle_core::bail!("{op} takes a non-empty [rows, cols], got {:?}", x.dims());
@@ -73,6 +84,11 @@ enum Rowwise {
 }
 
 struct RowSumSquares;
+
+struct SiluMul {
+    rows: usize,
+    half: usize,
+}
 
 impl candle_core::CustomOp3 for Rowwise {
     fn name(&self) -> &'static str {
@@ -127,6 +143,23 @@ impl candle_core::CustomOp1 for RowSumSquares {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, x: &candle_core::CudaStorage, xl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         cuda::row_sum_squares(x, xl)
+    }
+}
+
+impl candle_core::CustomOp1 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu_mul"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = crate::cpu::silu_mul((x, xl), self.half)?;
+        Ok((out, Shape::from((self.rows, self.half))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, x: &candle_core::CudaStorage, xl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = cuda::silu_mul(x, xl, self.rows * self.half, self.half)?;
+        Ok((out, Shape::from((self.rows, self.half))))
     }
 }
 
@@ -239,6 +272,34 @@ mod cuda {
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             Shape::from((rows, cols)),
         ))
+    }
+
+    pub(super) fn silu_mul(x: &CudaStorage, xl: &Layout, n: usize, half: usize) -> Result<CudaStorage> {
+        match x.dtype() {
+            DType::F32 => silu_mul_typed::<f32>((x, xl), n, half),
+            DType::BF16 => silu_mul_typed::<bf16>((x, xl), n, half),
+            DType::F16 => silu_mul_typed::<f16>((x, xl), n, half),
+            other => candle_core::bail!("silu_mul: unsupported dtype {other:?}"),
+        }
+    }
+
+    fn silu_mul_typed<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+        x: Input,
+        n: usize,
+        half: usize,
+    ) -> Result<CudaStorage> {
+        let dev = x.0.device();
+        let func =
+            dev.get_or_load_custom_func(&format!("silu_mul_{}", suffix(x.0.dtype())?), "tpinfer_rowwise", PTX)?;
+        let xs = view::<T>(x)?;
+        // SAFETY: every element is written by the kernel.
+        let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+        let (n_i, half_i) = (n as i64, half as i32);
+        let mut builder = func.builder();
+        builder.arg(&xs).arg(&out).arg(&n_i).arg(&half_i);
+        // SAFETY: the arguments match the kernel's signature; `xs` holds 2n elements.
+        unsafe { builder.launch(elementwise(n)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 
     pub(super) fn row_sum_squares(x: &CudaStorage, xl: &Layout) -> Result<(CudaStorage, Shape)> {

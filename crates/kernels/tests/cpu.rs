@@ -5,7 +5,10 @@
 #![allow(clippy::expect_used)]
 
 use candle_core::{DType, Device, Tensor, D};
-use tpinfer_kernels::{flash_attention, gated_residual, layer_norm, row_sum_squares, scale_rows_cols};
+use tpinfer_kernels::{
+    append_rotated_kv, flash_attention, gated_residual, layer_norm, rotary_queries, row_sum_squares, scale_rows_cols,
+    silu_mul,
+};
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
     // A small LCG: deterministic inputs without a random-number crate.
@@ -71,6 +74,73 @@ fn row_wise_ops_match_candle() {
 
     assert!(gated_residual(&x, &y.narrow(1, 0, 95).expect("narrow"), &g).is_err());
     assert!(layer_norm(&x.flatten_all().expect("flat"), &w, &b, 1e-6).is_err());
+}
+
+#[test]
+fn silu_product_matches_candle() {
+    let x = randn(&[13, 96], 7);
+    let (g, u) = (x.narrow(1, 0, 48).expect("gate"), x.narrow(1, 48, 48).expect("up"));
+    let sigmoid = (g.neg().and_then(|n| n.exp()).expect("exp") + 1.0).expect("denominator");
+    let want = (g.div(&sigmoid).expect("silu") * &u).expect("product");
+    assert!(rel(&silu_mul(&x).expect("silu_mul"), &want) < 1e-6);
+    assert!(silu_mul(&randn(&[13, 95], 7)).is_err());
+}
+
+/// Rotates each head of `x` `[rows, heads · d]` (halves layout) by `cos`, `sin` `[rows, d / 2]`.
+fn rotate_heads(x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let (rows, width) = x.dims2().expect("x");
+    let d = width / heads;
+    let x = x.reshape((rows, heads, d)).expect("heads");
+    let (x1, x2) = (
+        x.narrow(2, 0, d / 2).expect("x1"),
+        x.narrow(2, d / 2, d / 2).expect("x2"),
+    );
+    let (c, s) = (cos.unsqueeze(1).expect("cos"), sin.unsqueeze(1).expect("sin"));
+    let first = (x1.broadcast_mul(&c).expect("mul") - x2.broadcast_mul(&s).expect("mul")).expect("sub");
+    let second = (x2.broadcast_mul(&c).expect("mul") + x1.broadcast_mul(&s).expect("mul")).expect("add");
+    Tensor::cat(&[first, second], 2).expect("cat")
+}
+
+#[test]
+fn rotary_kernels_split_rotate_and_cache_a_fused_projection() {
+    let (q_heads, kv_heads, d, rows, offset, capacity) = (3, 1, 8, 5, 4, 12);
+    let qkv = randn(&[rows, (q_heads + 2 * kv_heads) * d], 8);
+    let angles = (randn(&[capacity, d / 2], 9) * 3.0).expect("angles");
+    let table = Tensor::stack(&[angles.cos().expect("cos"), angles.sin().expect("sin")], 0).expect("table");
+    let (cos, sin) = (
+        angles.cos().and_then(|c| c.narrow(0, offset, rows)).expect("cos"),
+        angles.sin().and_then(|s| s.narrow(0, offset, rows)).expect("sin"),
+    );
+    let part = |from: usize, heads: usize| qkv.narrow(1, from * d, heads * d).expect("part");
+
+    let want = rotate_heads(&part(0, q_heads), q_heads, &cos, &sin);
+    let got = rotary_queries(&qkv, &table, offset, q_heads, kv_heads).expect("queries");
+    assert_eq!(got.dims(), [rows, q_heads, d]);
+    assert!(rel(&got, &want) < 1e-6);
+
+    let cache = Tensor::zeros((2, kv_heads, capacity, d), DType::F32, &Device::Cpu).expect("cache");
+    append_rotated_kv(&cache, &qkv, &table, offset, q_heads).expect("append");
+    let slots = |i: usize| {
+        cache
+            .get(i)
+            .and_then(|c| c.narrow(1, offset, rows)?.transpose(0, 1)?.flatten_from(1))
+            .expect("slots")
+    };
+    let keys = rotate_heads(&part(q_heads, kv_heads), kv_heads, &cos, &sin)
+        .flatten_from(1)
+        .expect("keys");
+    assert!(rel(&slots(0), &keys) < 1e-6);
+    assert_eq!(rel(&slots(1), &part(q_heads + kv_heads, kv_heads)), 0.0);
+    // Slots outside offset..offset + rows stay untouched.
+    let outside = cache
+        .narrow(2, 0, offset)
+        .and_then(|c| c.abs()?.sum_all()?.to_scalar::<f32>())
+        .expect("outside");
+    assert_eq!(outside, 0.0);
+
+    // A cache too short, or a projection of the wrong width, is refused.
+    assert!(append_rotated_kv(&cache, &qkv, &table, capacity - 2, q_heads).is_err());
+    assert!(rotary_queries(&qkv, &table, offset, q_heads + 1, kv_heads).is_err());
 }
 
 /// Softmax attention with the scores materialized, per head, with an optional causal mask

@@ -68,9 +68,10 @@ impl MergedColumnParallelLinear {
         })
     }
 
-    /// The outputs of the merged linears, in the order of their prefixes.
+    /// The outputs of the merged linears, in the order of their prefixes (views of
+    /// [`Self::forward_merged`]'s output).
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let y = self.linear.forward(x)?;
+        let y = self.forward_merged(x)?;
         let last = y.rank() - 1;
         let mut start = 0;
         let mut outs = Vec::with_capacity(self.out_sizes.len());
@@ -79,6 +80,16 @@ impl MergedColumnParallelLinear {
             start += size;
         }
         Ok(outs)
+    }
+
+    /// The outputs side by side in the last dim, for fused kernels that split them themselves.
+    pub fn forward_merged(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.linear.forward(x)?)
+    }
+
+    /// The local output size of each merged linear.
+    pub fn out_sizes(&self) -> &[usize] {
+        &self.out_sizes
     }
 }
 

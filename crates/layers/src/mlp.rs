@@ -36,15 +36,30 @@ impl GatedMlp {
     }
 
     pub fn load(weights: &mut ShardLoader, names: &GatedMlpNames, comm: Arc<dyn Communicator>) -> Result<Self> {
+        let gate_up = MergedColumnParallelLinear::load(weights, &[names.gate, names.up], false)?;
+        if let [gate, up] = gate_up.out_sizes() {
+            if gate != up {
+                return Err(crate::Error::Shard(format!(
+                    "{} has {gate} local columns but {} has {up}",
+                    names.gate, names.up
+                )));
+            }
+        }
         Ok(Self {
-            gate_up: MergedColumnParallelLinear::load(weights, &[names.gate, names.up], false)?,
+            gate_up,
             down: RowParallelLinear::load(weights, names.down, false, comm)?,
         })
     }
 
+    /// `x` `[..., hidden]`; the SiLU product runs as one fused kernel on the gate/up output.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate_up = self.gate_up.forward(x)?;
-        let hidden = (candle_nn::ops::silu(&gate_up[0])? * &gate_up[1])?;
-        self.down.forward(&hidden)
+        let gate_up = self.gate_up.forward_merged(x)?;
+        let mut dims = gate_up.dims().to_vec();
+        let cols = dims.pop().unwrap_or(0);
+        let rows = dims.iter().product::<usize>();
+        let hidden = tpinfer_kernels::silu_mul(&gate_up.reshape((rows, cols))?)?;
+        drop(gate_up);
+        dims.push(cols / 2);
+        self.down.forward(&hidden.reshape(dims)?)
     }
 }

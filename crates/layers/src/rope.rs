@@ -16,10 +16,11 @@ pub enum RopeScaling {
 }
 
 /// Rotary position embedding over halves of each head (the Hugging Face layout), with cos/sin
-/// tables computed once for every position up to `max_positions`.
+/// tables computed once for every position up to `max_positions`. Applied by the fused QKV
+/// kernels of `tpinfer_kernels`: [`Self::rotate_queries`] and [`crate::KvCache::append_rotated`].
 pub struct Rope {
-    cos: Tensor,
-    sin: Tensor,
+    /// `[2, max_positions, head_dim / 2]`: cos, then sin.
+    table: Tensor,
 }
 
 impl Rope {
@@ -42,23 +43,30 @@ impl Rope {
             .to_dtype(DType::F32)?
             .reshape((max_positions, 1))?;
         let angles = positions.broadcast_mul(&inv_freq)?;
-        Ok(Self {
-            cos: angles.cos()?.to_dtype(dtype)?,
-            sin: angles.sin()?.to_dtype(dtype)?,
-        })
+        let table = Tensor::stack(&[angles.cos()?, angles.sin()?], 0)?.to_dtype(dtype)?;
+        Ok(Self { table })
     }
 
-    /// Rotates `x` of shape `[batch, heads, seq, head_dim]` whose first token is at `offset`.
-    pub fn apply(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
-        let seq = x.dim(2)?;
-        let cos = self.cos.narrow(0, offset, seq)?;
-        let sin = self.sin.narrow(0, offset, seq)?;
-        Ok(candle_nn::rotary_emb::rope(&x.contiguous()?, &cos, &sin)?)
+    /// The rotated query heads of a fused QKV projection `qkv` `[s, (q_heads + 2 · kv_heads) ·
+    /// head_dim]` whose first row is at position `offset`: `[s, q_heads, head_dim]`.
+    pub fn rotate_queries(&self, qkv: &Tensor, offset: usize, q_heads: usize, kv_heads: usize) -> Result<Tensor> {
+        Ok(tpinfer_kernels::rotary_queries(
+            qkv,
+            &self.table,
+            offset,
+            q_heads,
+            kv_heads,
+        )?)
+    }
+
+    /// The cos/sin table, `[2, max_positions, head_dim / 2]`.
+    pub fn table(&self) -> &Tensor {
+        &self.table
     }
 
     /// The number of positions the tables cover.
     pub fn max_positions(&self) -> usize {
-        self.cos.dims()[0]
+        self.table.dims()[1]
     }
 }
 

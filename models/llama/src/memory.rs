@@ -74,7 +74,7 @@ impl RankMemory {
     ) -> Self {
         let (t, d, e) = (max_positions, config.head_dim, dtype.size_in_bytes());
         let (nq, nkv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
-        // `Rope::new`: cos and sin, `[t, d / 2]` each; `kv_index`: one u32 per local Q head.
+        // `Rope::new`: cos and sin, `[2, t, d / 2]`; `kv_index`: one u32 per local Q head.
         let buffers = 2 * t * (d / 2) * e + nq * 4;
         let kv_cache = batch.max(1) * config.num_hidden_layers * KvCache::bytes(nkv, t, d, dtype);
         let prefill = forward_memory(config, shard, e, chunk.min(t), t, flash);
@@ -166,16 +166,17 @@ fn forward_memory(c: &LlamaConfig, shard: &LlamaShard, e: usize, s: usize, t: us
             kv32,
         ),
     };
-    // Before that: the fused QKV output with the rotated queries and keys and their
-    // contiguous copies.
+    // Before that: the fused QKV output beside the normed input (during the GEMM), then beside
+    // the rotated queries (keys and values go straight into the cache).
     let qkv = s * (nq + 2 * nkv) * d * e;
-    let projection = x + qkv + 2 * q + 2 * s * nkv * d * e;
+    let projection = x + qkv + x.max(q);
     let attention = attention.max(projection);
 
-    // `DecoderLayer::mlp_block` on the post-attention residual: norm, fused gate/up, SiLU and
-    // product, then the down projection and its f32 all-reduce (input and output).
+    // `DecoderLayer::mlp_block` on the post-attention residual: norm, fused gate/up, the fused
+    // SiLU product beside it, then (gate/up freed) the down projection and its f32 all-reduce
+    // (input and output).
     let gate_up = 2 * s * ffn * e;
-    let mlp = x + x + gate_up + (2 * s * ffn * e).max(s * ffn * e + x + 2 * s * h * 4);
+    let mlp = x + x + (gate_up + s * ffn * e).max(s * ffn * e + x + 2 * s * h * 4);
 
     let mut sizes = [scores, gathered / 2, kv32, gate_up, qkv, mask, s * h * 4];
     sizes.sort_unstable();

@@ -249,36 +249,32 @@ impl DecoderLayer {
     }
 
     fn attention(&mut self, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
-        let (c, shard, rope, offset) = (ctx.config, ctx.shard, ctx.rope, ctx.offset);
+        let (c, shard) = (ctx.config, ctx.shard);
         let (b, s, _) = x.dims3()?;
         let d = c.head_dim;
-        let heads = |t: &Tensor, n: usize| t.reshape((b, s, n, d))?.transpose(1, 2);
         let h = rms_norm(x, &self.input_norm, c.rms_norm_eps as f32)?;
-        let qkv = self.qkv.forward(&h)?;
+        let qkv = self.qkv.forward_merged(&h)?.reshape((b * s, ()))?;
         drop(h);
         let (n_q, n_kv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
-        let q = rope.apply(&heads(&qkv[0], n_q)?, offset)?;
-        let (k, v) = {
-            let k = rope.apply(&heads(&qkv[1], n_kv)?, offset)?;
-            self.cache.append(&k, &heads(&qkv[2], n_kv)?)?
-        };
+        // Two fused kernels: the rotated queries `[s, n_q, d]`, and the rotated keys and the
+        // values written into the cache.
+        let q = ctx.rope.rotate_queries(&qkv, ctx.offset, n_q, n_kv)?;
+        let (k, v) = self.cache.append_rotated(&qkv, ctx.rope, n_q)?;
         drop(qkv);
+        let scale = 1.0 / (d as f64).sqrt();
         if ctx.flash {
-            // `[positions, heads, d]` views of the rotated queries and the cache, no copies.
+            // `[positions, heads, d]` views of the cache, no copies.
             let tokens = |t: &Tensor| t.squeeze(0)?.transpose(0, 1);
-            let attn = flash_attention(&tokens(&q)?, &tokens(&k)?, &tokens(&v)?, 1.0 / (d as f64).sqrt(), true)?;
+            let attn = flash_attention(&q, &tokens(&k)?, &tokens(&v)?, scale, true)?;
             drop(q);
             return self.o_proj.forward(&attn.reshape((b, s, n_q * d))?);
         }
-        let attn = grouped_attention(
-            &q,
-            &k,
-            &v,
-            &shard.heads,
-            ctx.kv_index,
-            ctx.mask,
-            1.0 / (d as f64).sqrt(),
-        )?;
+        // The unfused path's `[1, n_q, s, d]`; the token-major queries are freed.
+        let q = {
+            let tokens = q;
+            tokens.transpose(0, 1)?.contiguous()?.unsqueeze(0)?
+        };
+        let attn = grouped_attention(&q, &k, &v, &shard.heads, ctx.kv_index, ctx.mask, scale)?;
         let attn = attn.transpose(1, 2)?.reshape((b, s, n_q * d))?;
         self.o_proj.forward(&attn)
     }

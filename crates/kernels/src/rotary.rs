@@ -1,0 +1,267 @@
+//! Rotary position embedding (the Hugging Face layout: each head's two halves rotate together)
+//! fused with the split of a QKV projection and the KV-cache write: the queries come out
+//! rotated and contiguous, the rotated keys and the values go straight into the cache. Two
+//! launches where candle needs seven (a copy of each head slice, two rotations, two writes).
+//!
+//! `qkv` is `[rows, (q_heads + 2 · kv_heads) · d]`, contiguous, row `r` at position
+//! `offset + r`; `table` is `[2, positions, d / 2]` (cos, then sin) in `qkv`'s dtype.
+//! f32 arithmetic, one rounding.
+
+use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
+
+/// The shapes one rotary launch works on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Geometry {
+    pub rows: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// The position of row 0 (and its KV-cache slot).
+    pub offset: usize,
+    /// The positions the table covers.
+    pub positions: usize,
+}
+
+impl Geometry {
+    fn of(qkv: &Tensor, table: &Tensor, offset: usize, q_heads: usize, kv_heads: usize) -> Result<Self> {
+        let (rows, width) = qkv.dims2()?;
+        let (two, positions, half) = table.dims3()?;
+        let head_dim = 2 * half;
+        if two != 2 || width != (q_heads + 2 * kv_heads) * head_dim || offset + rows > positions {
+            candle_core::bail!(
+                "rotary: qkv {:?} is not [rows, ({q_heads} + 2 · {kv_heads}) · d], or the table {:?} is not \
+                 [2, positions ≥ {}, d / 2]",
+                qkv.dims(),
+                table.dims(),
+                offset + rows
+            );
+        }
+        if qkv.dtype() != table.dtype() {
+            candle_core::bail!("rotary: qkv is {:?} but the table {:?}", qkv.dtype(), table.dtype());
+        }
+        Ok(Self {
+            rows,
+            q_heads,
+            kv_heads,
+            head_dim,
+            offset,
+            positions,
+        })
+    }
+
+    pub fn width(&self) -> usize {
+        (self.q_heads + 2 * self.kv_heads) * self.head_dim
+    }
+}
+
+/// The query heads of `qkv`, rotated: `[rows, q_heads, d]`.
+pub fn rotary_queries(qkv: &Tensor, table: &Tensor, offset: usize, q_heads: usize, kv_heads: usize) -> Result<Tensor> {
+    let geometry = Geometry::of(qkv, table, offset, q_heads, kv_heads)?;
+    qkv.contiguous()?
+        .apply_op2_no_bwd(&table.contiguous()?, &RotaryQueries(geometry))
+}
+
+/// Writes the rotated key heads and the value heads of `qkv` into `cache` `[2, kv_heads,
+/// capacity, d]` (keys, then values; contiguous), at slots `offset..offset + rows`.
+pub fn append_rotated_kv(cache: &Tensor, qkv: &Tensor, table: &Tensor, offset: usize, q_heads: usize) -> Result<()> {
+    let (two, kv_heads, capacity, d) = cache.dims4()?;
+    let geometry = Geometry::of(qkv, table, offset, q_heads, kv_heads)?;
+    if two != 2 || d != geometry.head_dim || offset + geometry.rows > capacity || !cache.is_contiguous() {
+        candle_core::bail!(
+            "append_rotated_kv: the cache {:?} is not a contiguous [2, {kv_heads}, capacity ≥ {}, {}]",
+            cache.dims(),
+            offset + geometry.rows,
+            geometry.head_dim
+        );
+    }
+    if cache.dtype() != qkv.dtype() {
+        candle_core::bail!(
+            "append_rotated_kv: the cache is {:?} but qkv {:?}",
+            cache.dtype(),
+            qkv.dtype()
+        );
+    }
+    cache.inplace_op3(
+        &qkv.contiguous()?,
+        &table.contiguous()?,
+        &AppendRotatedKv { geometry, capacity },
+    )
+}
+
+struct RotaryQueries(Geometry);
+
+struct AppendRotatedKv {
+    geometry: Geometry,
+    capacity: usize,
+}
+
+impl candle_core::CustomOp2 for RotaryQueries {
+    fn name(&self) -> &'static str {
+        "rotary_queries"
+    }
+
+    fn cpu_fwd(&self, qkv: &CpuStorage, ql: &Layout, table: &CpuStorage, tl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = &self.0;
+        let out = crate::cpu::rotary_queries((qkv, ql), (table, tl), g)?;
+        Ok((out, Shape::from((g.rows, g.q_heads, g.head_dim))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qkv: &candle_core::CudaStorage,
+        ql: &Layout,
+        table: &candle_core::CudaStorage,
+        tl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let g = &self.0;
+        let out = cuda::rotary_queries(g, (qkv, ql), (table, tl))?;
+        Ok((out, Shape::from((g.rows, g.q_heads, g.head_dim))))
+    }
+}
+
+impl candle_core::InplaceOp3 for AppendRotatedKv {
+    fn name(&self) -> &'static str {
+        "append_rotated_kv"
+    }
+
+    fn cpu_fwd(
+        &self,
+        cache: &mut CpuStorage,
+        cl: &Layout,
+        qkv: &CpuStorage,
+        ql: &Layout,
+        table: &CpuStorage,
+        tl: &Layout,
+    ) -> Result<()> {
+        crate::cpu::append_rotated_kv((cache, cl), (qkv, ql), (table, tl), &self.geometry, self.capacity)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        cache: &mut candle_core::CudaStorage,
+        cl: &Layout,
+        qkv: &candle_core::CudaStorage,
+        ql: &Layout,
+        table: &candle_core::CudaStorage,
+        tl: &Layout,
+    ) -> Result<()> {
+        cuda::append_rotated_kv(&self.geometry, self.capacity, (cache, cl), (qkv, ql), (table, tl))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaStorage, DType, Layout, Result};
+    use half::{bf16, f16};
+
+    use super::Geometry;
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rotary.ptx"));
+    const THREADS: u32 = 256;
+
+    type Input<'a> = (&'a CudaStorage, &'a Layout);
+
+    fn suffix(dtype: DType) -> Result<&'static str> {
+        Ok(match dtype {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            other => candle_core::bail!("rotary kernels: unsupported dtype {other:?}"),
+        })
+    }
+
+    /// One thread per (row, head, j < d/2).
+    fn config(g: &Geometry, heads: usize) -> LaunchConfig {
+        let n = g.rows * heads * g.head_dim / 2;
+        LaunchConfig {
+            grid_dim: (n.div_ceil(THREADS as usize).clamp(1, 1 << 16) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn ints(g: &Geometry) -> [i32; 6] {
+        [g.rows, g.q_heads, g.kv_heads, g.head_dim, g.offset, g.positions].map(|v| v as i32)
+    }
+
+    pub(super) fn rotary_queries(g: &Geometry, qkv: Input, table: Input) -> Result<CudaStorage> {
+        match qkv.0.dtype() {
+            DType::F32 => queries::<f32>(g, qkv, table),
+            DType::BF16 => queries::<bf16>(g, qkv, table),
+            DType::F16 => queries::<f16>(g, qkv, table),
+            other => candle_core::bail!("rotary_queries: unsupported dtype {other:?}"),
+        }
+    }
+
+    fn queries<T: CudaDType + DeviceRepr>(g: &Geometry, (qkv, ql): Input, (table, tl): Input) -> Result<CudaStorage> {
+        let dev = qkv.device();
+        let func = dev.get_or_load_custom_func(
+            &format!("rotary_queries_{}", suffix(qkv.dtype())?),
+            "tpinfer_rotary",
+            PTX,
+        )?;
+        let xs = qkv.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
+        let ts = table.as_cuda_slice::<T>()?.slice(tl.start_offset()..);
+        // SAFETY: every element is written by the kernel (each row, head and half-dim pair).
+        let out = unsafe { dev.alloc::<T>(g.rows * g.q_heads * g.head_dim)? };
+        let ints = ints(g);
+        let mut b = func.builder();
+        b.arg(&xs).arg(&ts).arg(&out);
+        ints.iter().for_each(|v| {
+            b.arg(v);
+        });
+        // SAFETY: the arguments match the kernel's signature; `Geometry::of` checked that qkv
+        // and the table cover every row and position the kernel reads.
+        unsafe { b.launch(config(g, g.q_heads)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
+    pub(super) fn append_rotated_kv(
+        g: &Geometry,
+        capacity: usize,
+        (cache, cl): (&mut CudaStorage, &Layout),
+        qkv: Input,
+        table: Input,
+    ) -> Result<()> {
+        match qkv.0.dtype() {
+            DType::F32 => append::<f32>(g, capacity, (cache, cl), qkv, table),
+            DType::BF16 => append::<bf16>(g, capacity, (cache, cl), qkv, table),
+            DType::F16 => append::<f16>(g, capacity, (cache, cl), qkv, table),
+            other => candle_core::bail!("append_rotated_kv: unsupported dtype {other:?}"),
+        }
+    }
+
+    fn append<T: CudaDType + DeviceRepr>(
+        g: &Geometry,
+        capacity: usize,
+        (cache, cl): (&mut CudaStorage, &Layout),
+        (qkv, ql): Input,
+        (table, tl): Input,
+    ) -> Result<()> {
+        let dev = qkv.device().clone();
+        let func = dev.get_or_load_custom_func(
+            &format!("append_rotated_kv_{}", suffix(qkv.dtype())?),
+            "tpinfer_rotary",
+            PTX,
+        )?;
+        let xs = qkv.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
+        let ts = table.as_cuda_slice::<T>()?.slice(tl.start_offset()..);
+        let mut cs = cache.as_cuda_slice_mut::<T>()?.slice_mut(cl.start_offset()..);
+        let (ints, capacity) = (ints(g), capacity as i32);
+        let mut b = func.builder();
+        b.arg(&xs).arg(&ts).arg(&mut cs);
+        ints.iter().for_each(|v| {
+            b.arg(v);
+        });
+        b.arg(&capacity);
+        // SAFETY: the arguments match the kernel's signature; the caller checked that the
+        // cache is a contiguous [2, kv_heads, capacity, d] with room for every row.
+        unsafe { b.launch(config(g, g.kv_heads)) }.w()?;
+        Ok(())
+    }
+}
