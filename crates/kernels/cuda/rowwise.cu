@@ -1,6 +1,6 @@
 // Fused row-wise kernels, each one pass over a `[rows, cols]` activation instead of candle's
 // chain of casts and broadcasts (two to seven passes each): the DiT's replicated norms and
-// residuals, and a gated MLP's activation. f32 arithmetic whatever the storage type, as
+// residuals, an LLM's residual add with its RMSNorm, and a gated MLP's activation. f32 arithmetic whatever the storage type, as
 // diffusers' FP32LayerNorm and gated residuals do.
 #include <stdint.h>
 
@@ -74,6 +74,25 @@ __device__ void layer_norm(const T* x, const float* weight, const float* bias, T
     for (int j = threadIdx.x; j < cols; j += THREADS) o[j] = from_f32<T>((to_f32(r[j]) - mean) * rstd * weight[j] + bias[j]);
 }
 
+// The residual stream's sum and its RMSNorm in one pass, one block per row:
+// out[0] = T(x + y), out[1] = T(out[0] · rsqrt(mean(out[0]²) + eps) · weight), the norm taken
+// over the rounded sum, as an add followed by an RMSNorm would.
+template <typename T>
+__device__ void add_rms_norm(const T* x, const T* y, const T* weight, T* out, int rows, int cols, float eps) {
+    const long at = (long)blockIdx.x * cols;
+    T* sum = out + at;
+    T* normed = out + (long)rows * cols + at;
+    float q = 0.f;
+    for (int j = threadIdx.x; j < cols; j += THREADS) {
+        const T s = from_f32<T>(to_f32(x[at + j]) + to_f32(y[at + j]));
+        sum[j] = s;
+        const float v = to_f32(s);
+        q += v * v;
+    }
+    const float rstd = rsqrtf(block_sum(q) / cols + eps);
+    for (int j = threadIdx.x; j < cols; j += THREADS) normed[j] = from_f32<T>(to_f32(sum[j]) * rstd * to_f32(weight[j]));
+}
+
 // out[row, j] = T(silu(x[row, j]) · x[row, half + j]) for x `[rows, 2 · half]`: a gated
 // MLP's activation on its fused gate/up output, rounded once.
 template <typename T>
@@ -107,6 +126,10 @@ __device__ void silu_mul(const T* x, T* out, long n, int half) {
     }                                                                                                          \
     extern "C" __global__ void silu_mul_##SUFFIX(const T* x, T* out, long n, int half) {                       \
         silu_mul<T>(x, out, n, half);                                                                          \
+    }                                                                                                          \
+    extern "C" __global__ void add_rms_norm_##SUFFIX(const T* x, const T* y, const T* w, T* out, int rows,     \
+                                                      int cols, float eps) {                                  \
+        add_rms_norm<T>(x, y, w, out, rows, cols, eps);                                                        \
     }
 
 ROWWISE(f32, float)

@@ -265,3 +265,32 @@ pub(crate) fn append_rotated_kv(
     }
     Ok(())
 }
+
+/// `[2, rows, cols]`: the sum `x + y` (rounded), then its RMSNorm times `weight`.
+pub(crate) fn add_rms_norm(
+    x: (&CpuStorage, &Layout),
+    y: (&CpuStorage, &Layout),
+    weight: (&CpuStorage, &Layout),
+    eps: f32,
+) -> Result<CpuStorage> {
+    typed!(x.0, T => {
+        let (xs, ys, w) = (contiguous::<T>(x.0, x.1)?, contiguous::<T>(y.0, y.1)?, contiguous::<T>(weight.0, weight.1)?);
+        let cols = w.len();
+        let mut out = vec![T::from_f64(0.0); 2 * xs.len()];
+        let (sums, normed) = out.split_at_mut(xs.len());
+        sums.par_chunks_mut(cols)
+            .zip(normed.par_chunks_mut(cols))
+            .zip(xs.par_chunks(cols).zip(ys.par_chunks(cols)))
+            .for_each(|((sum, norm), (a, b))| {
+                for j in 0..cols {
+                    sum[j] = T::from_f64((f(a[j]) + f(b[j])) as f64);
+                }
+                let mean = sum.iter().map(|&v| f(v) * f(v)).sum::<f32>() / cols as f32;
+                let rstd = 1.0 / (mean + eps).sqrt();
+                for j in 0..cols {
+                    norm[j] = T::from_f64((f(sum[j]) * rstd * f(w[j])) as f64);
+                }
+            });
+        Ok(T::to_cpu_storage_owned(out))
+    })
+}

@@ -13,7 +13,7 @@ mod rotary;
 mod rowwise;
 
 pub use rotary::{append_rotated_kv, rotary_queries};
-pub use rowwise::{gated_residual, layer_norm, row_sum_squares, scale_rows_cols, silu_mul};
+pub use rowwise::{add_rms_norm, gated_residual, layer_norm, row_sum_squares, scale_rows_cols, silu_mul};
 
 use candle_core::{DType, Device, Result, Tensor};
 

@@ -59,6 +59,30 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
         .apply_op3_no_bwd(&weight.contiguous()?, &bias.contiguous()?, &op)
 }
 
+/// The residual stream's next value `x + y` and its RMSNorm times `weight` (`[cols]`, `x`'s
+/// dtype), in one pass; both are views of one `[2, rows, cols]` buffer, so the norm lives as
+/// long as the sum does.
+pub fn add_rms_norm(x: &Tensor, y: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    check(x, "add_rms_norm")?;
+    let (rows, cols) = x.dims2()?;
+    if y.dims() != x.dims() || weight.dims() != [cols] || y.dtype() != x.dtype() || weight.dtype() != x.dtype() {
+        candle_core::bail!(
+            "add_rms_norm: y {:?} {:?} and weight {:?} {:?} do not match x {:?} {:?}",
+            y.dims(),
+            y.dtype(),
+            weight.dims(),
+            weight.dtype(),
+            x.dims(),
+            x.dtype()
+        );
+    }
+    let op = AddRmsNorm { rows, eps: eps as f32 };
+    let both = x
+        .contiguous()?
+        .apply_op3_no_bwd(&y.contiguous()?, &weight.contiguous()?, &op)?;
+    Ok((both.get(0)?, both.get(1)?))
+}
+
 /// `silu(x[:, j]) · x[:, n + j]` for `x` `[rows, 2n]`: a gated MLP's activation on its fused
 /// gate/up output, `[rows, n]`.
 pub fn silu_mul(x: &Tensor) -> Result<Tensor> {
@@ -84,6 +108,11 @@ enum Rowwise {
 }
 
 struct RowSumSquares;
+
+struct AddRmsNorm {
+    rows: usize,
+    eps: f32,
+}
 
 struct SiluMul {
     rows: usize,
@@ -143,6 +172,40 @@ impl candle_core::CustomOp1 for RowSumSquares {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, x: &candle_core::CudaStorage, xl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         cuda::row_sum_squares(x, xl)
+    }
+}
+
+impl candle_core::CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "add_rms_norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        y: &CpuStorage,
+        yl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = crate::cpu::add_rms_norm((x, xl), (y, yl), (w, wl), self.eps)?;
+        Ok((out, Shape::from((2, self.rows, wl.shape().elem_count()))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        y: &candle_core::CudaStorage,
+        yl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let cols = wl.shape().elem_count();
+        let out = cuda::add_rms_norm((x, xl), (y, yl), (w, wl), self.rows, cols, self.eps)?;
+        Ok((out, Shape::from((2, self.rows, cols))))
     }
 }
 
@@ -272,6 +335,57 @@ mod cuda {
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             Shape::from((rows, cols)),
         ))
+    }
+
+    pub(super) fn add_rms_norm(
+        x: Input,
+        y: Input,
+        w: Input,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<CudaStorage> {
+        match x.0.dtype() {
+            DType::F32 => add_rms_norm_typed::<f32>(x, y, w, rows, cols, eps),
+            DType::BF16 => add_rms_norm_typed::<bf16>(x, y, w, rows, cols, eps),
+            DType::F16 => add_rms_norm_typed::<f16>(x, y, w, rows, cols, eps),
+            other => candle_core::bail!("add_rms_norm: unsupported dtype {other:?}"),
+        }
+    }
+
+    fn add_rms_norm_typed<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+        x: Input,
+        y: Input,
+        w: Input,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<CudaStorage> {
+        let dev = x.0.device();
+        let func = dev.get_or_load_custom_func(
+            &format!("add_rms_norm_{}", suffix(x.0.dtype())?),
+            "tpinfer_rowwise",
+            PTX,
+        )?;
+        let (xs, ys, ws) = (view::<T>(x)?, view::<T>(y)?, view::<T>(w)?);
+        if xs.len() != rows * cols || ys.len() != rows * cols || ws.len() != cols {
+            candle_core::bail!("add_rms_norm: inputs do not match [{rows}, {cols}]");
+        }
+        // SAFETY: every element of both halves is written by the kernel.
+        let out: CudaSlice<T> = unsafe { dev.alloc::<T>(2 * rows * cols)? };
+        let (rows_i, cols_i) = (rows as i32, cols as i32);
+        let mut builder = func.builder();
+        builder
+            .arg(&xs)
+            .arg(&ys)
+            .arg(&ws)
+            .arg(&out)
+            .arg(&rows_i)
+            .arg(&cols_i)
+            .arg(&eps);
+        // SAFETY: the arguments match the kernel's signature and sizes were checked.
+        unsafe { builder.launch(per_row(rows)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 
     pub(super) fn silu_mul(x: &CudaStorage, xl: &Layout, n: usize, half: usize) -> Result<CudaStorage> {

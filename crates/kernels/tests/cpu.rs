@@ -6,8 +6,8 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
-    append_rotated_kv, flash_attention, gated_residual, layer_norm, rotary_queries, row_sum_squares, scale_rows_cols,
-    silu_mul,
+    add_rms_norm, append_rotated_kv, flash_attention, gated_residual, layer_norm, rotary_queries, row_sum_squares,
+    scale_rows_cols, silu_mul,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -74,6 +74,22 @@ fn row_wise_ops_match_candle() {
 
     assert!(gated_residual(&x, &y.narrow(1, 0, 95).expect("narrow"), &g).is_err());
     assert!(layer_norm(&x.flatten_all().expect("flat"), &w, &b, 1e-6).is_err());
+}
+
+#[test]
+fn residual_add_and_rms_norm_match_candle() {
+    let (x, y, w) = (randn(&[11, 64], 10), randn(&[11, 64], 11), randn(&[64], 12));
+    let sum = (&x + &y).expect("sum");
+    let rms = sum
+        .sqr()
+        .and_then(|s| s.mean_keepdim(1))
+        .and_then(|m| (m + 1e-5)?.sqrt())
+        .expect("rms");
+    let want = sum.broadcast_div(&rms).and_then(|n| n.broadcast_mul(&w)).expect("norm");
+    let (got_sum, got_norm) = add_rms_norm(&x, &y, &w, 1e-5).expect("add_rms_norm");
+    assert_eq!(rel(&got_sum, &sum), 0.0);
+    assert!(rel(&got_norm, &want) < 1e-6);
+    assert!(add_rms_norm(&x, &y, &randn(&[63], 12), 1e-5).is_err());
 }
 
 #[test]

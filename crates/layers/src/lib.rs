@@ -25,4 +25,4 @@ pub use partition::{split_aligned, split_evenly, HeadShard};
 pub use rope::{Rope, RopeScaling};
 
 pub use candle_nn::ops::rms_norm;
-pub use tpinfer_kernels::{cuda_flash_attention_covers, flash_attention};
+pub use tpinfer_kernels::{add_rms_norm, cuda_flash_attention_covers, flash_attention};

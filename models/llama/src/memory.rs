@@ -140,10 +140,12 @@ fn forward_memory(c: &LlamaConfig, shard: &LlamaShard, e: usize, s: usize, t: us
     let (h, d) = (c.hidden_size, c.head_dim);
     let (nq, nkv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
     let ffn = shard.ffn_cols.len();
-    // `hidden_states`: the causal mask (f32 `[s, t]`; flash attention masks in the kernel)
-    // and the layer input, for every layer.
+    // `hidden_states`: the causal mask (f32 `[s, t]`; flash attention masks in the kernel);
+    // through each layer, the residual stream and its norm in one buffer (`add_norm`), and
+    // while a norm makes the next pair, the old pair and the addend beside it.
     let mask = if s > 1 && !flash { s * t * 4 } else { 0 };
     let x = s * h * e;
+    let (pair, join) = (2 * x, 5 * x);
 
     // `DecoderLayer::attention` once `qkv` is dropped: the rotated queries, then in
     // `causal_attention` the scaled f32 queries and two score buffers (scores → masked →
@@ -166,22 +168,20 @@ fn forward_memory(c: &LlamaConfig, shard: &LlamaShard, e: usize, s: usize, t: us
             kv32,
         ),
     };
-    // Before that: the fused QKV output beside the normed input (during the GEMM), then beside
-    // the rotated queries (keys and values go straight into the cache).
+    // Before that: the fused QKV output, then beside it the rotated queries (keys and values
+    // go straight into the cache).
     let qkv = s * (nq + 2 * nkv) * d * e;
-    let projection = x + qkv + x.max(q);
-    let attention = attention.max(projection);
+    let attention = attention.max(qkv + q);
 
-    // `DecoderLayer::mlp_block` on the post-attention residual: norm, fused gate/up, the fused
-    // SiLU product beside it, then (gate/up freed) the down projection and its f32 all-reduce
-    // (input and output).
+    // The MLP on the post-attention pair: fused gate/up, the fused SiLU product beside it,
+    // then (gate/up freed) the down projection and its f32 all-reduce (input and output).
     let gate_up = 2 * s * ffn * e;
-    let mlp = x + x + (gate_up + s * ffn * e).max(s * ffn * e + x + 2 * s * h * 4);
+    let mlp = (gate_up + s * ffn * e).max(s * ffn * e + x + 2 * s * h * 4);
 
     let mut sizes = [scores, gathered / 2, kv32, gate_up, qkv, mask, s * h * 4];
     sizes.sort_unstable();
     ForwardMemory {
-        peak: mask + x + attention.max(mlp),
+        peak: mask + join.max(pair + attention.max(mlp)),
         largest: sizes[sizes.len() - 1],
         second: sizes[sizes.len() - 2],
     }

@@ -3,8 +3,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
-    causal_mask, flash_attention, grouped_attention, rms_norm, GatedMlp, KvCache, MergedColumnParallelLinear, Result,
-    Rope, RowParallelLinear, VocabParallelEmbedding,
+    add_rms_norm, causal_mask, flash_attention, grouped_attention, rms_norm, GatedMlp, KvCache,
+    MergedColumnParallelLinear, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -194,17 +194,16 @@ impl LlamaRank {
             last = Some(self.hidden_states(chunk)?);
         }
         let x = last.ok_or_else(|| candle_core::Error::Msg("forward of an empty sequence".into()))?;
-        let x = rms_norm(&x, &self.norm, self.config.rms_norm_eps as f32)?;
         let seq = x.dim(1)?;
         let last = x.narrow(1, seq - 1, 1)?.squeeze(1)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         Ok(head.project(&last)?.to_dtype(DType::F32)?)
     }
 
-    /// The last layer's output for `ids`, `[1, s, hidden]`, after caching their keys and values.
+    /// The final norm's output for `ids`, `[1, s, hidden]`, after caching their keys and values.
     fn hidden_states(&mut self, ids: &[u32]) -> Result<Tensor> {
         let offset = self.cached_positions();
-        let mut x = self.embed.embed(ids, 1)?;
+        let x = self.embed.embed(ids, 1)?;
         let seq = ids.len();
         let mask = match seq {
             1 => None,
@@ -220,11 +219,31 @@ impl LlamaRank {
             kv_index: &self.kv_index,
             config: &self.config,
         };
+        let eps = self.config.rms_norm_eps;
+        // The residual stream, and the last MLP's output not yet added to it: the next input
+        // norm adds it in the same pass.
+        let (mut x, mut pending) = (x, None);
         for layer in &mut self.layers {
-            x = layer.forward(&x, &ctx)?;
+            let (residual, h) = add_norm(x, pending.take(), &layer.input_norm, eps)?;
+            let (residual, mlp) = layer.forward(residual, h, &ctx)?;
+            (x, pending) = (residual, Some(mlp));
         }
-        Ok(x)
+        Ok(add_norm(x, pending, &self.norm, eps)?.1)
     }
+}
+
+/// The residual stream `x + y` (or `x` alone) and its RMSNorm times `weight`. With `y`, one
+/// fused pass whose two outputs share a buffer; both inputs are consumed, so the old stream is
+/// freed as soon as the new one exists.
+fn add_norm(x: Tensor, y: Option<Tensor>, weight: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let Some(y) = y else {
+        let h = rms_norm(&x, weight, eps as f32)?;
+        return Ok((x, h));
+    };
+    let (b, s, hidden) = x.dims3()?;
+    let rows = |t: &Tensor| t.reshape((b * s, hidden));
+    let (sum, normed) = add_rms_norm(&rows(&x)?, &rows(&y)?, weight, eps)?;
+    Ok((sum.reshape((b, s, hidden))?, normed.reshape((b, s, hidden))?))
 }
 
 /// What every layer of one forward shares.
@@ -239,20 +258,22 @@ struct LayerContext<'a> {
     config: &'a LlamaConfig,
 }
 
-// Each half of a layer is its own function so that its temporaries are freed when it returns:
-// the activation model in `memory.rs` counts on it.
+// Attention is its own function so that its temporaries are freed when it returns: the
+// activation model in `memory.rs` counts on it.
 impl DecoderLayer {
-    fn forward(&mut self, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
-        let x = (x + self.attention(x, ctx)?)?;
-        let mlp = self.mlp_block(&x, ctx)?;
-        Ok((&x + mlp)?)
+    /// The residual stream and its input norm `h` in; out, the stream after attention and the
+    /// MLP's output, which the next norm adds to it.
+    fn forward(&mut self, residual: Tensor, h: Tensor, ctx: &LayerContext) -> Result<(Tensor, Tensor)> {
+        let attn = self.attention(h, ctx)?;
+        let (residual, h) = add_norm(residual, Some(attn), &self.post_norm, ctx.config.rms_norm_eps)?;
+        let mlp = self.mlp.forward(&h)?;
+        Ok((residual, mlp))
     }
 
-    fn attention(&mut self, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
+    fn attention(&mut self, h: Tensor, ctx: &LayerContext) -> Result<Tensor> {
         let (c, shard) = (ctx.config, ctx.shard);
-        let (b, s, _) = x.dims3()?;
+        let (b, s, _) = h.dims3()?;
         let d = c.head_dim;
-        let h = rms_norm(x, &self.input_norm, c.rms_norm_eps as f32)?;
         let qkv = self.qkv.forward_merged(&h)?.reshape((b * s, ()))?;
         drop(h);
         let (n_q, n_kv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
@@ -277,10 +298,5 @@ impl DecoderLayer {
         let attn = grouped_attention(&q, &k, &v, &shard.heads, ctx.kv_index, ctx.mask, scale)?;
         let attn = attn.transpose(1, 2)?.reshape((b, s, n_q * d))?;
         self.o_proj.forward(&attn)
-    }
-
-    fn mlp_block(&self, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
-        let h = rms_norm(x, &self.post_norm, ctx.config.rms_norm_eps as f32)?;
-        self.mlp.forward(&h)
     }
 }
