@@ -274,6 +274,9 @@ mod cuda {
         }
     }
 
+    /// Must match NORM_THREADS in cuda/rowwise.cu.
+    const NORM_THREADS: u32 = 1024;
+
     pub(super) fn rowwise(op: &Rowwise, x: Input, a: Input, b: Input) -> Result<(CudaStorage, Shape)> {
         match x.0.dtype() {
             DType::F32 => rowwise_typed::<f32>(op, x, a, b),
@@ -383,8 +386,12 @@ mod cuda {
             .arg(&rows_i)
             .arg(&cols_i)
             .arg(&eps);
+        let cfg = LaunchConfig {
+            block_dim: (NORM_THREADS, 1, 1),
+            ..per_row(rows)
+        };
         // SAFETY: the arguments match the kernel's signature and sizes were checked.
-        unsafe { builder.launch(per_row(rows)) }.w()?;
+        unsafe { builder.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 
