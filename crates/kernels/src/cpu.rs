@@ -18,6 +18,21 @@ fn f(x: impl WithDType) -> f32 {
     x.to_f64() as f32
 }
 
+/// Below this many elements of work an op runs on the calling thread: a rank thread that hands
+/// a one-row op (a decode step's) to a rayon pool busy with the other ranks' GEMMs waits
+/// longer than the op takes.
+const PARALLEL_MIN_WORK: usize = 1 << 16;
+
+/// Runs `f(i, chunk)` on each `size`-element chunk of `out`, across the rayon pool when the op
+/// reads at least [`PARALLEL_MIN_WORK`] elements (`work`), else on this thread.
+fn for_each_chunk<T: Send>(out: &mut [T], size: usize, work: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    if work >= PARALLEL_MIN_WORK {
+        out.par_chunks_mut(size).enumerate().for_each(|(i, c)| f(i, c));
+    } else {
+        out.chunks_mut(size).enumerate().for_each(|(i, c)| f(i, c));
+    }
+}
+
 /// Runs `$body` with `$t` bound to the element type of `$storage` (f32, bf16 or f16).
 macro_rules! typed {
     ($storage:expr, $t:ident => $body:expr) => {
@@ -48,12 +63,13 @@ pub(crate) fn gated_residual(
     typed!(x.0, T => {
         let (xs, ys) = (contiguous::<T>(x.0, x.1)?, contiguous::<T>(y.0, y.1)?);
         let cols = g.len();
-        let out: Vec<T> = xs
-            .par_iter()
-            .zip(ys.par_iter())
-            .enumerate()
-            .map(|(i, (&a, &b))| T::from_f64((f(a) + f(b) * g[i % cols]) as f64))
-            .collect();
+        let mut out = vec![T::from_f64(0.0); xs.len()];
+        for_each_chunk(&mut out, cols, xs.len(), |r, o| {
+            let (a, b) = (&xs[r * cols..][..cols], &ys[r * cols..][..cols]);
+            for j in 0..cols {
+                o[j] = T::from_f64((f(a[j]) + f(b[j]) * g[j]) as f64);
+            }
+        });
         Ok(T::to_cpu_storage_owned(out))
     })
 }
@@ -61,7 +77,10 @@ pub(crate) fn gated_residual(
 pub(crate) fn row_sum_squares(x: (&CpuStorage, &Layout), cols: usize) -> Result<CpuStorage> {
     typed!(x.0, T => {
         let xs = contiguous::<T>(x.0, x.1)?;
-        let out: Vec<f32> = xs.par_chunks(cols).map(|row| row.iter().map(|&v| f(v) * f(v)).sum()).collect();
+        let mut out = vec![0f32; xs.len() / cols];
+        for_each_chunk(&mut out, 1, xs.len(), |r, o| {
+            o[0] = xs[r * cols..][..cols].iter().map(|&v| f(v) * f(v)).sum();
+        });
         Ok(f32::to_cpu_storage_owned(out))
     })
 }
@@ -75,11 +94,12 @@ pub(crate) fn scale_rows_cols(
     typed!(x.0, T => {
         let xs = contiguous::<T>(x.0, x.1)?;
         let n = c.len();
-        let out: Vec<T> = xs
-            .par_iter()
-            .enumerate()
-            .map(|(i, &v)| T::from_f64((f(v) * r[i / n] * c[i % n]) as f64))
-            .collect();
+        let mut out = vec![T::from_f64(0.0); xs.len()];
+        for_each_chunk(&mut out, n, xs.len(), |i, o| {
+            for (j, v) in xs[i * n..][..n].iter().enumerate() {
+                o[j] = T::from_f64((f(*v) * r[i] * c[j]) as f64);
+            }
+        });
         Ok(T::to_cpu_storage_owned(out))
     })
 }
@@ -98,7 +118,8 @@ pub(crate) fn layer_norm(
         let xs = contiguous::<T>(x.0, x.1)?;
         let cols = w.len();
         let mut out = vec![T::from_f64(0.0); xs.len()];
-        out.par_chunks_mut(cols).zip(xs.par_chunks(cols)).for_each(|(o, row)| {
+        for_each_chunk(&mut out, cols, xs.len(), |r, o| {
+            let row = &xs[r * cols..][..cols];
             let mean = row.iter().map(|&v| f(v)).sum::<f32>() / cols as f32;
             let var = row.iter().map(|&v| (f(v) - mean) * (f(v) - mean)).sum::<f32>() / cols as f32;
             let rstd = 1.0 / (var + eps).sqrt();
@@ -132,7 +153,7 @@ pub(crate) fn flash_attention(
     typed!(q.0, T => {
         let (qs, ks, vs) = (q.0.as_slice::<T>()?, k.0.as_slice::<T>()?, v.0.as_slice::<T>()?);
         let mut out = vec![T::from_f64(0.0); s * heads * d];
-        out.par_chunks_mut(heads * d).enumerate().for_each(|(i, row)| {
+        for_each_chunk(&mut out, heads * d, s * t * heads * d, |i, row| {
             let keys = if causal { t - s + i + 1 } else { t };
             let mut acc = vec![0f32; d];
             for h in 0..heads {
@@ -164,7 +185,8 @@ pub(crate) fn silu_mul(x: (&CpuStorage, &Layout), half: usize) -> Result<CpuStor
     typed!(x.0, T => {
         let xs = contiguous::<T>(x.0, x.1)?;
         let mut out = vec![T::from_f64(0.0); xs.len() / 2];
-        out.par_chunks_mut(half).zip(xs.par_chunks(2 * half)).for_each(|(o, row)| {
+        for_each_chunk(&mut out, half, xs.len(), |r, o| {
+            let row = &xs[r * 2 * half..][..2 * half];
             for j in 0..half {
                 let (g, u) = (f(row[j]), f(row[half + j]));
                 o[j] = T::from_f64((g / (1.0 + (-g).exp()) * u) as f64);
@@ -199,7 +221,7 @@ pub(crate) fn rotary_queries(
     typed!(qkv.0, T => {
         let (xs, ts) = (contiguous::<T>(qkv.0, qkv.1)?, contiguous::<T>(table.0, table.1)?);
         let mut out = vec![T::from_f64(0.0); g.rows * g.q_heads * d];
-        out.par_chunks_mut(g.q_heads * d).enumerate().for_each(|(r, o)| {
+        for_each_chunk(&mut out, g.q_heads * d, g.rows * g.q_heads * d, |r, o| {
             let (cos, sin) = rotation(ts, g.positions, d / 2, g.offset + r);
             let row = &xs[r * g.width()..];
             for h in 0..g.q_heads {
@@ -276,21 +298,24 @@ pub(crate) fn add_rms_norm(
     typed!(x.0, T => {
         let (xs, ys, w) = (contiguous::<T>(x.0, x.1)?, contiguous::<T>(y.0, y.1)?, contiguous::<T>(weight.0, weight.1)?);
         let cols = w.len();
-        let mut out = vec![T::from_f64(0.0); 2 * xs.len()];
-        let (sums, normed) = out.split_at_mut(xs.len());
-        sums.par_chunks_mut(cols)
-            .zip(normed.par_chunks_mut(cols))
-            .zip(xs.par_chunks(cols).zip(ys.par_chunks(cols)))
-            .for_each(|((sum, norm), (a, b))| {
-                for j in 0..cols {
-                    sum[j] = T::from_f64((f(a[j]) + f(b[j])) as f64);
-                }
-                let mean = sum.iter().map(|&v| f(v) * f(v)).sum::<f32>() / cols as f32;
-                let rstd = 1.0 / (mean + eps).sqrt();
-                for j in 0..cols {
-                    norm[j] = T::from_f64((f(sum[j]) * rstd * f(w[j])) as f64);
-                }
-            });
+        let n = xs.len();
+        let mut out = vec![T::from_f64(0.0); 2 * n];
+        let (sums, normed) = out.split_at_mut(n);
+        for_each_chunk(sums, cols, n, |r, sum| {
+            let (a, b) = (&xs[r * cols..][..cols], &ys[r * cols..][..cols]);
+            for j in 0..cols {
+                sum[j] = T::from_f64((f(a[j]) + f(b[j])) as f64);
+            }
+        });
+        let sums = &*sums;
+        for_each_chunk(normed, cols, n, |r, norm| {
+            let sum = &sums[r * cols..][..cols];
+            let mean = sum.iter().map(|&v| f(v) * f(v)).sum::<f32>() / cols as f32;
+            let rstd = 1.0 / (mean + eps).sqrt();
+            for j in 0..cols {
+                norm[j] = T::from_f64((f(sum[j]) * rstd * f(w[j])) as f64);
+            }
+        });
         Ok(T::to_cpu_storage_owned(out))
     })
 }

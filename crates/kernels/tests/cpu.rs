@@ -33,11 +33,20 @@ fn rel(a: &Tensor, b: &Tensor) -> f32 {
     (diff / norm).sqrt()
 }
 
+/// Shapes below and above the work at which the CPU ops go parallel (2¹⁶ elements).
+const SHAPES: [(usize, usize); 2] = [(37, 96), (300, 256)];
+
 #[test]
 fn row_wise_ops_match_candle() {
-    let (x, y) = (randn(&[37, 96], 1), randn(&[37, 96], 2));
-    let (w, b, g) = (randn(&[96], 3), randn(&[96], 4), randn(&[96], 5));
-    let r = (randn(&[37, 1], 6).abs().expect("abs") + 0.5).expect("rows");
+    for (rows, cols) in SHAPES {
+        row_wise_ops_match_candle_at(rows, cols);
+    }
+}
+
+fn row_wise_ops_match_candle_at(rows: usize, cols: usize) {
+    let (x, y) = (randn(&[rows, cols], 1), randn(&[rows, cols], 2));
+    let (w, b, g) = (randn(&[cols], 3), randn(&[cols], 4), randn(&[cols], 5));
+    let r = (randn(&[rows, 1], 6).abs().expect("abs") + 0.5).expect("rows");
 
     let want = (&x + y.broadcast_mul(&g).expect("mul")).expect("add");
     assert!(rel(&gated_residual(&x, &y, &g).expect("gated"), &want) < 1e-6);
@@ -72,13 +81,19 @@ fn row_wise_ops_match_candle() {
         .expect("f32");
     assert!(rel(&got, &exact) < 4e-3);
 
-    assert!(gated_residual(&x, &y.narrow(1, 0, 95).expect("narrow"), &g).is_err());
+    assert!(gated_residual(&x, &y.narrow(1, 0, cols - 1).expect("narrow"), &g).is_err());
     assert!(layer_norm(&x.flatten_all().expect("flat"), &w, &b, 1e-6).is_err());
 }
 
 #[test]
 fn residual_add_and_rms_norm_match_candle() {
-    let (x, y, w) = (randn(&[11, 64], 10), randn(&[11, 64], 11), randn(&[64], 12));
+    for (rows, cols) in SHAPES {
+        residual_add_and_rms_norm_match_candle_at(rows, cols);
+    }
+}
+
+fn residual_add_and_rms_norm_match_candle_at(rows: usize, cols: usize) {
+    let (x, y, w) = (randn(&[rows, cols], 10), randn(&[rows, cols], 11), randn(&[cols], 12));
     let sum = (&x + &y).expect("sum");
     let rms = sum
         .sqr()
@@ -89,17 +104,27 @@ fn residual_add_and_rms_norm_match_candle() {
     let (got_sum, got_norm) = add_rms_norm(&x, &y, &w, 1e-5).expect("add_rms_norm");
     assert_eq!(rel(&got_sum, &sum), 0.0);
     assert!(rel(&got_norm, &want) < 1e-6);
-    assert!(add_rms_norm(&x, &y, &randn(&[63], 12), 1e-5).is_err());
+    assert!(add_rms_norm(&x, &y, &randn(&[cols - 1], 12), 1e-5).is_err());
 }
 
 #[test]
 fn silu_product_matches_candle() {
-    let x = randn(&[13, 96], 7);
-    let (g, u) = (x.narrow(1, 0, 48).expect("gate"), x.narrow(1, 48, 48).expect("up"));
+    for (rows, cols) in SHAPES {
+        silu_product_matches_candle_at(rows, cols);
+    }
+}
+
+fn silu_product_matches_candle_at(rows: usize, cols: usize) {
+    let x = randn(&[rows, cols], 7);
+    let half = cols / 2;
+    let (g, u) = (
+        x.narrow(1, 0, half).expect("gate"),
+        x.narrow(1, half, half).expect("up"),
+    );
     let sigmoid = (g.neg().and_then(|n| n.exp()).expect("exp") + 1.0).expect("denominator");
     let want = (g.div(&sigmoid).expect("silu") * &u).expect("product");
     assert!(rel(&silu_mul(&x).expect("silu_mul"), &want) < 1e-6);
-    assert!(silu_mul(&randn(&[13, 95], 7)).is_err());
+    assert!(silu_mul(&randn(&[rows, cols - 1], 7)).is_err());
 }
 
 /// Rotates each head of `x` `[rows, heads · d]` (halves layout) by `cos`, `sin` `[rows, d / 2]`.
@@ -119,7 +144,14 @@ fn rotate_heads(x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Tensor 
 
 #[test]
 fn rotary_kernels_split_rotate_and_cache_a_fused_projection() {
-    let (q_heads, kv_heads, d, rows, offset, capacity) = (3, 1, 8, 5, 4, 12);
+    // A prompt chunk, and one large enough for the CPU op to go parallel.
+    for (rows, offset, capacity) in [(5, 4, 12), (3000, 7, 3010)] {
+        rotary_kernels_at(rows, offset, capacity);
+    }
+}
+
+fn rotary_kernels_at(rows: usize, offset: usize, capacity: usize) {
+    let (q_heads, kv_heads, d) = (3, 1, 8);
     let qkv = randn(&[rows, (q_heads + 2 * kv_heads) * d], 8);
     let angles = (randn(&[capacity, d / 2], 9) * 3.0).expect("angles");
     let table = Tensor::stack(&[angles.cos().expect("cos"), angles.sin().expect("sin")], 0).expect("table");
