@@ -9,6 +9,8 @@
 //! kernel does, so that CPU ranks run (and the tests check) the same memory behaviour.
 
 mod cpu;
+#[cfg(feature = "cuda")]
+mod launch;
 mod rotary;
 mod rowwise;
 

@@ -160,29 +160,15 @@ mod cuda {
     use half::{bf16, f16};
 
     use super::Geometry;
+    use crate::launch::{elementwise, suffix};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rotary.ptx"));
-    const THREADS: u32 = 256;
 
     type Input<'a> = (&'a CudaStorage, &'a Layout);
 
-    fn suffix(dtype: DType) -> Result<&'static str> {
-        Ok(match dtype {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-            other => candle_core::bail!("rotary kernels: unsupported dtype {other:?}"),
-        })
-    }
-
     /// One thread per (row, head, j < d/2).
     fn config(g: &Geometry, heads: usize) -> LaunchConfig {
-        let n = g.rows * heads * g.head_dim / 2;
-        LaunchConfig {
-            grid_dim: (n.div_ceil(THREADS as usize).clamp(1, 1 << 16) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        }
+        elementwise(g.rows * heads * g.head_dim / 2)
     }
 
     fn ints(g: &Geometry) -> [i32; 6] {

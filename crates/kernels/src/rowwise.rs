@@ -235,10 +235,9 @@ mod cuda {
     use half::{bf16, f16};
 
     use super::Rowwise;
+    use crate::launch::{elementwise, suffix, THREADS};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rowwise.ptx"));
-    /// Must match THREADS in cuda/rowwise.cu.
-    const THREADS: u32 = 256;
 
     type Input<'a> = (&'a CudaStorage, &'a Layout);
 
@@ -246,23 +245,6 @@ mod cuda {
         match l.contiguous_offsets() {
             Some((start, end)) => Ok(s.as_cuda_slice::<T>()?.slice(start..end)),
             None => candle_core::bail!("row-wise kernels need contiguous inputs"),
-        }
-    }
-
-    fn suffix(dtype: DType) -> Result<&'static str> {
-        Ok(match dtype {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-            other => candle_core::bail!("row-wise kernels: unsupported dtype {other:?}"),
-        })
-    }
-
-    fn elementwise(n: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (n.div_ceil(THREADS as usize).min(1 << 16) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
         }
     }
 

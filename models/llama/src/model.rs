@@ -203,7 +203,7 @@ impl LlamaRank {
     /// The final norm's output for `ids`, `[1, s, hidden]`, after caching their keys and values.
     fn hidden_states(&mut self, ids: &[u32]) -> Result<Tensor> {
         let offset = self.cached_positions();
-        let x = self.embed.embed(ids, 1)?;
+        let mut x = self.embed.embed(ids, 1)?;
         let seq = ids.len();
         let mask = match seq {
             1 => None,
@@ -220,9 +220,9 @@ impl LlamaRank {
             config: &self.config,
         };
         let eps = self.config.rms_norm_eps;
-        // The residual stream, and the last MLP's output not yet added to it: the next input
-        // norm adds it in the same pass.
-        let (mut x, mut pending) = (x, None);
+        // The last MLP's output, not yet added to the residual stream `x`: the next input norm
+        // adds it in the same pass.
+        let mut pending = None;
         for layer in &mut self.layers {
             let (residual, h) = add_norm(x, pending.take(), &layer.input_norm, eps)?;
             let (residual, mlp) = layer.forward(residual, h, &ctx)?;
