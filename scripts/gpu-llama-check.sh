@@ -26,18 +26,26 @@ run $REF compare --ref "$W/r1b.st" --out-json "$OUT/f32_1b.json" tp1="$W/t1b_tp1
 [ -f "$W/t1b_tp2.st" ] || { log "TP 2 failed on the small model: stopping"; kill $SMI; exit 1; }
 
 [ -d "$W/m8b" ] || run $REF make --shape 8b --dtype bf16 --out "$W/m8b" --tokenizer $TOK || exit 1
+# Decode steps 2.. replay a captured CUDA graph; --enforce-eager runs them kernel by kernel.
 for tp in 1 2; do
-  run "$BIN/tpinfer-bench" logits --model "$W/m8b" --cuda --dtype bf16 --tp $tp --steps 4 --out "$W/t8b_tp$tp.st"
+  run "$BIN/tpinfer-bench" logits --model "$W/m8b" --cuda --dtype bf16 --tp $tp --steps 8 --out "$W/t8b_tp$tp.st"
+  run "$BIN/tpinfer-bench" logits --model "$W/m8b" --cuda --dtype bf16 --tp $tp --steps 8 --enforce-eager \
+    --out "$W/t8b_tp${tp}_eager.st"
 done
-run $REF logits --model "$W/m8b" --dtype f32 --steps 4 --out "$W/r8b_f32.st"
-run $REF logits --model "$W/m8b" --dtype bf16 --steps 4 --out "$W/r8b_bf16.st"
+run $REF logits --model "$W/m8b" --dtype f32 --steps 8 --out "$W/r8b_f32.st"
+run $REF logits --model "$W/m8b" --dtype bf16 --steps 8 --out "$W/r8b_bf16.st"
 run $REF compare --ref "$W/r8b_f32.st" --out-json "$OUT/bf16_8b.json" \
-  tp1="$W/t8b_tp1.st" tp2="$W/t8b_tp2.st" transformers_bf16="$W/r8b_bf16.st"
+  tp1="$W/t8b_tp1.st" tp2="$W/t8b_tp2.st" tp1_eager="$W/t8b_tp1_eager.st" tp2_eager="$W/t8b_tp2_eager.st" \
+  transformers_bf16="$W/r8b_bf16.st"
+run $REF compare --ref "$W/t8b_tp1_eager.st" --out-json "$OUT/graph_vs_eager.json" \
+  tp1="$W/t8b_tp1.st" tp2="$W/t8b_tp2.st" tp2_eager="$W/t8b_tp2_eager.st"
 fi
 [ -d "$W/m8b" ] || run $REF make --shape 8b --dtype bf16 --out "$W/m8b" --tokenizer $TOK || exit 1
 
 [ -n "${SKIP_SPEED:-}" ] && { kill $SMI; log done; exit 0; }
 LIMIT=200 run "$BIN/tpinfer-bench" speed --model "$W/m8b" --cuda --tp 1,2 --prompt-tokens 128 --new-tokens 256 --repeats 2
+[ -n "${SKIP_EAGER:-}" ] || LIMIT=200 run "$BIN/tpinfer-bench" speed --model "$W/m8b" --cuda --tp 1,2 --prompt-tokens 128 \
+  --new-tokens 256 --repeats 2 --enforce-eager
 LIMIT=120 run "$BIN/tpinfer-bench" speed --model "$W/m8b" --cuda --tp 1,2 --prompt-tokens 2048 --new-tokens 2 --repeats 3
 [ -n "${SKIP_TORCH:-}" ] || LIMIT=120 run $REF speed --model "$W/m8b" --out-json "$OUT/torch_speed.json"
 kill $SMI

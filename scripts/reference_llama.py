@@ -65,12 +65,16 @@ def logits(args):
     ids = torch.tensor([prompt_ids(model.config.vocab_size, args.prompt_tokens)], device="cuda")
     out = model(ids, use_cache=True)
     prefill = out.logits[0, -1].float()
-    past, tokens, nxt = out.past_key_values, [], prefill.argmax().view(1, 1)
+    past, tokens, nxt, steps = out.past_key_values, [], prefill.argmax().view(1, 1), []
     for _ in range(args.steps):
         tokens.append(int(nxt))
         out = model(nxt, past_key_values=past, use_cache=True)
         past, nxt = out.past_key_values, out.logits[0, -1].argmax().view(1, 1)
-    save_file({"prefill_logits": prefill.cpu().contiguous(), "tokens": torch.tensor(tokens, dtype=torch.int64)}, args.out)
+        steps.append(out.logits[0, -1].float().cpu())
+    # As tpinfer traces them: the logits of each decode step that produced a returned token.
+    decode = torch.stack(steps[: args.steps - 1]) if args.steps > 1 else torch.zeros(0, prefill.numel())
+    save_file({"prefill_logits": prefill.cpu().contiguous(), "tokens": torch.tensor(tokens, dtype=torch.int64),
+               "decode_logits": decode.contiguous()}, args.out)
     print(f"{args.model} {args.dtype}: tokens {tokens[:8]}...")
 
 
@@ -89,6 +93,14 @@ def compare(args):
             same += 1
         result[name] = dict(rel_error=rel, same_greedy_prefix=same, steps=len(ref["tokens"]))
         print(f"{name}: rel error {rel:.3e}, greedy tokens equal for {same}/{len(ref['tokens'])} steps")
+        # The logits of each decode step (tpinfer's come from its captured CUDA graph) are
+        # comparable while the greedy tokens agree.
+        if "decode_logits" in run and "decode_logits" in ref:
+            n = min(same, len(run["decode_logits"]), len(ref["decode_logits"]))
+            a, b = run["decode_logits"][:n].double(), ref["decode_logits"][:n].double()
+            worst = max((float((x - y).norm() / y.norm()) for x, y in zip(a, b)), default=float("nan"))
+            result[name].update(decode_steps_compared=n, decode_worst_rel_error=worst)
+            print(f"{name}: decode logits over {n} steps, worst rel error {worst:.3e}")
     Path(args.out_json).write_text(json.dumps(result, indent=1))
 
 

@@ -6,8 +6,10 @@
 //! - `sweep`: a grid over TP width and prompt lengths or frame counts, as JSON, CSV and plots.
 //! - `logits`: the prefill logits and greedy tokens of one run, as safetensors, for comparison
 //!   with a reference implementation (`scripts/reference_llama.py`).
+//! - `decode-profile`: one rank's decode step taken apart (graph, eager, sampling, GEMVs).
 
 mod attention;
+mod decode;
 mod plots;
 mod sweep;
 
@@ -37,6 +39,8 @@ enum Command {
     Attention(attention::AttentionArgs),
     /// A grid of Llama and DiT runs from a TOML file: JSON, CSV and plots (SVG, PNG).
     Sweep(sweep::SweepArgs),
+    /// Where one rank's decode step goes: the step (graph and eager), sampling, the GEMVs.
+    DecodeProfile(decode::DecodeProfileArgs),
 }
 
 #[derive(Args)]
@@ -88,6 +92,9 @@ struct Common {
     prompt_tokens: usize,
     #[arg(long)]
     max_context: Option<usize>,
+    /// Decode kernel by kernel instead of replaying a captured CUDA graph.
+    #[arg(long)]
+    enforce_eager: bool,
     /// Test switch: inject a fault, KIND:RANK:STEP with KIND one of error, panic, oom, exit.
     #[arg(long, value_parser = parse_fault)]
     fault: Option<Fault>,
@@ -157,7 +164,8 @@ fn builder(model: &std::path::Path, tp: usize, cuda: bool, dtype: Option<DtypeAr
 
 fn engine(common: &Common, tp: usize) -> Result<Engine> {
     let mut builder = builder(&common.model, tp, common.cuda, common.dtype)
-        .comm_timeout(std::time::Duration::from_secs(common.comm_timeout));
+        .comm_timeout(std::time::Duration::from_secs(common.comm_timeout))
+        .enforce_eager(common.enforce_eager);
     if let Some(fault) = common.fault {
         builder = builder.inject_fault(fault);
     }
@@ -294,6 +302,9 @@ fn logits(args: LogitsArgs) -> Result<()> {
     let (_, tokens, stats) = stream.collect_text()?;
     let prefill: Vec<f32> = trace.recv().context("no logits traced")?;
     let prefill_bytes: Vec<u8> = prefill.iter().flat_map(|v| v.to_le_bytes()).collect();
+    // The logits of every decode step after the prompt's: where a captured graph runs.
+    let steps: Vec<Vec<f32>> = trace.try_iter().collect();
+    let step_bytes: Vec<u8> = steps.iter().flatten().flat_map(|v| v.to_le_bytes()).collect();
     let token_bytes: Vec<u8> = tokens.iter().flat_map(|&t| i64::from(t).to_le_bytes()).collect();
     use safetensors::tensor::TensorView as view;
     let tensors = vec![
@@ -304,6 +315,10 @@ fn logits(args: LogitsArgs) -> Result<()> {
         (
             "tokens",
             view::new(safetensors::Dtype::I64, vec![tokens.len()], &token_bytes)?,
+        ),
+        (
+            "decode_logits",
+            view::new(safetensors::Dtype::F32, vec![steps.len(), prefill.len()], &step_bytes)?,
         ),
     ];
     safetensors::serialize_to_file(tensors, None, &args.out)?;
@@ -483,5 +498,6 @@ fn main() -> Result<()> {
         Command::Dit(args) => dit(args),
         Command::Attention(args) => attention::run(args),
         Command::Sweep(args) => sweep::run(args),
+        Command::DecodeProfile(args) => decode::run(args),
     }
 }

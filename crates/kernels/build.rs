@@ -5,7 +5,7 @@ use std::env;
 use std::path::PathBuf;
 use std::process::Command;
 
-const SOURCES: [&str; 3] = ["flash_attention", "rowwise", "rotary"];
+const SOURCES: [&str; 5] = ["flash_attention", "rowwise", "rotary", "gemv", "decode_attention"];
 
 fn main() {
     println!("cargo::rerun-if-env-changed=CUDA_COMPUTE_CAP");

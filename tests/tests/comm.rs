@@ -74,6 +74,24 @@ fn all_gather_joins_uneven_shards_in_rank_order() {
 }
 
 #[test]
+fn a_gather_of_known_sizes_equals_the_gather_and_checks_them() {
+    let results = on_ranks(3, Duration::from_secs(10), |c| {
+        let x = Tensor::full(c.rank() as f32, (2, 3 - c.rank()), &Device::Cpu).expect("t");
+        let gathered = c.all_gather_sized(&x, 1, &[3, 2, 1]).expect("gather");
+        // Sizes that do not match this rank's tensor, or the group, are refused up front.
+        let wrong = c.all_gather_sized(&x, 1, &[4, 4, 4]).err();
+        let short = c.all_gather_sized(&x, 1, &[3, 2]).err();
+        c.wait().expect("CPU ranks have nothing queued");
+        (values(&gathered), wrong, short)
+    });
+    for (rank, (got, wrong, short)) in results.into_iter().enumerate() {
+        assert_eq!(got, vec![0., 0., 0., 1., 1., 2., 0., 0., 0., 1., 1., 2.]);
+        assert!(matches!(wrong, Some(CommError::Shape { .. })), "rank {rank}: {wrong:?}");
+        assert!(matches!(short, Some(CommError::Shape { .. })), "rank {rank}: {short:?}");
+    }
+}
+
+#[test]
 fn broadcast_and_barrier() {
     let results = on_ranks(4, Duration::from_secs(10), |c| {
         c.barrier().expect("barrier");

@@ -92,6 +92,10 @@ struct GenerateArgs {
     /// The placement is planned first and refused, with what would fit, if over it.
     #[arg(long, value_parser = tpinfer_plan::parse_bytes)]
     gpu_mem: Option<u64>,
+    /// Run each decode step kernel by kernel, not as a replayed CUDA graph (slower; for
+    /// debugging).
+    #[arg(long)]
+    enforce_eager: bool,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
@@ -170,7 +174,10 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
             gpus: args.gpus.clone(),
         },
     };
-    let mut builder = Engine::builder(&args.model).tp(args.tp).device(device);
+    let mut builder = Engine::builder(&args.model)
+        .tp(args.tp)
+        .device(device)
+        .enforce_eager(args.enforce_eager);
     if let Some(dtype) = args.dtype {
         builder = builder.dtype(dtype.dtype());
     }

@@ -5,9 +5,15 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Collective {
     AllReduceSum,
-    AllGather { dim: usize },
-    Broadcast { root: usize },
+    AllGather {
+        dim: usize,
+    },
+    Broadcast {
+        root: usize,
+    },
     Barrier,
+    /// Not a collective: the host's wait for a rank's queued device work (collectives included).
+    Wait,
 }
 
 impl fmt::Display for Collective {
@@ -17,6 +23,7 @@ impl fmt::Display for Collective {
             Self::AllGather { dim } => write!(f, "all_gather(dim {dim})"),
             Self::Broadcast { root } => write!(f, "broadcast(root {root})"),
             Self::Barrier => write!(f, "barrier"),
+            Self::Wait => write!(f, "the wait for the device"),
         }
     }
 }

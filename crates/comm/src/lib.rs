@@ -39,13 +39,40 @@ pub trait Communicator {
     /// The ranks' tensors concatenated along `dim`, in rank order. Sizes along `dim` may
     /// differ between ranks (uneven shards); all other dims must agree.
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor, CommError>;
+    /// [`Communicator::all_gather`] when every rank already knows every rank's size along
+    /// `dim` (`sizes`, in rank order): no exchange of sizes and no host wait, so it may run
+    /// inside a captured CUDA graph. Read the result on the host only after
+    /// [`Communicator::wait`].
+    fn all_gather_sized(&self, x: &Tensor, dim: usize, sizes: &[usize]) -> Result<Tensor, CommError>;
     /// The `root` rank's tensor, on every rank. Other ranks pass a tensor of the same shape.
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor, CommError>;
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<(), CommError>;
+    /// Returns once the work this rank has queued on its device, collectives included, has
+    /// finished, so that the host may read its results; fails, naming the rank, when a peer
+    /// has failed or stalled meanwhile. CPU ranks have nothing queued.
+    fn wait(&self) -> Result<(), CommError>;
     /// Marks this rank as failed with `cause`, so that every peer's pending and next collective
     /// fails at once with this rank named instead of waiting for it.
     fn abort(&self, cause: &str);
     /// Counters of the collectives this rank has entered.
     fn stats(&self) -> &CommStats;
+}
+
+/// Checks the `sizes` of an [`Communicator::all_gather_sized`]: one per rank, this rank's
+/// matching `x`.
+fn check_gather_sizes(rank: usize, world: usize, x: &Tensor, dim: usize, sizes: &[usize]) -> Result<(), CommError> {
+    let own = x.dim(dim).map_err(|source| CommError::Tensor {
+        rank,
+        op: Collective::AllGather { dim },
+        source,
+    })?;
+    if sizes.len() != world || sizes[rank] != own {
+        return Err(CommError::Shape {
+            rank,
+            op: Collective::AllGather { dim },
+            detail: format!("sizes {sizes:?} for {world} ranks, but this rank has {own} along dim {dim}"),
+        });
+    }
+    Ok(())
 }

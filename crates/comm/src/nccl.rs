@@ -2,8 +2,9 @@
 //!
 //! NCCL calls are asynchronous: a rank whose peer died would spin in its kernel forever, and
 //! its host thread would block at the next stream sync. So the collectives whose results the
-//! host reads ([`NcclComm::broadcast`] and [`NcclComm::all_gather`], once per decode step) end
-//! by polling the stream with a deadline while watching the group's shared failure board; on a
+//! host reads ([`NcclComm::broadcast`] and [`NcclComm::all_gather`], once per decode step), and
+//! [`Communicator::wait`] before the host reads a captured graph's output, end by polling the
+//! stream with a deadline while watching the group's shared failure board; on a
 //! peer's failure or a timeout the rank aborts its own communicator (`ncclCommAbort`), which
 //! releases the kernel, and names the culprit. All-reduces stay asynchronous.
 
@@ -287,23 +288,42 @@ impl Communicator for NcclComm {
     }
 
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor, CommError> {
-        let start = Instant::now();
         let op = Collective::AllGather { dim };
         let err = self.tensor_error(op);
-        let world = self.group.world_size;
-        if world == 1 {
+        if self.group.world_size == 1 {
             return Ok(x.clone());
         }
-        // NCCL gathers equal parts: share each rank's size along `dim`, pad to the largest,
-        // gather with `dim` moved to the front, then cut the padding away.
+        // NCCL gathers equal parts: share each rank's size along `dim` first.
         let size =
             Tensor::new(&[x.dim(dim).map_err(&err)? as u32], &Device::Cuda(self.device.clone())).map_err(&err)?;
+        let world = self.group.world_size;
         let sizes = self.run::<u32>(op, &size, world, &[world], |c, i, o| c.all_gather(i, o).map(|_| ()))?;
         // Reading device memory blocks the host until the stream gets there: wait boundedly
         // first, or a dead peer would hang this rank in the copy.
         self.wait_for_stream(op)?;
-        let sizes: Vec<u32> = sizes.to_vec1().map_err(&err)?;
-        let max = sizes.iter().copied().max().unwrap_or(0) as usize;
+        let sizes: Vec<usize> = sizes
+            .to_vec1::<u32>()
+            .map_err(&err)?
+            .into_iter()
+            .map(|n| n as usize)
+            .collect();
+        let out = self.all_gather_sized(x, dim, &sizes)?;
+        // Callers read gathered logits on the host; make that read safe in the same way.
+        self.wait_for_stream(op)?;
+        Ok(out)
+    }
+
+    fn all_gather_sized(&self, x: &Tensor, dim: usize, sizes: &[usize]) -> Result<Tensor, CommError> {
+        let start = Instant::now();
+        let op = Collective::AllGather { dim };
+        let err = self.tensor_error(op);
+        let world = self.group.world_size;
+        crate::check_gather_sizes(self.rank, world, x, dim, sizes)?;
+        if world == 1 {
+            return Ok(x.clone());
+        }
+        // Pad to the largest part, gather with `dim` moved to the front, cut the padding away.
+        let max = sizes.iter().copied().max().unwrap_or(0);
         let front = x.transpose(0, dim).map_err(&err)?.contiguous().map_err(&err)?;
         let pad = max - front.dim(0).map_err(&err)?;
         let front = front
@@ -319,7 +339,7 @@ impl Communicator for NcclComm {
         let parts = sizes
             .iter()
             .enumerate()
-            .map(|(r, &n)| all.narrow(0, r * max, n as usize))
+            .map(|(r, &n)| all.narrow(0, r * max, n))
             .collect::<candle_core::Result<Vec<_>>>()
             .map_err(&err)?;
         let out = Tensor::cat(&parts, 0)
@@ -327,8 +347,6 @@ impl Communicator for NcclComm {
             .and_then(|t| t.contiguous())
             .and_then(|t| t.to_dtype(x.dtype()))
             .map_err(&err)?;
-        // Callers read gathered logits on the host; make that read safe in the same way.
-        self.wait_for_stream(op)?;
         self.stats.record_all_gather(start.elapsed());
         Ok(out)
     }
@@ -365,6 +383,10 @@ impl Communicator for NcclComm {
             Tensor::new(&[1f32], &Device::Cuda(self.device.clone())).map_err(self.tensor_error(Collective::Barrier))?;
         self.all_reduce_sum(&one)?;
         self.wait_for_stream(Collective::Barrier)
+    }
+
+    fn wait(&self) -> Result<(), CommError> {
+        self.wait_for_stream(Collective::Wait)
     }
 
     fn abort(&self, cause: &str) {

@@ -183,6 +183,7 @@ fn combine(op: Collective, inputs: &[Option<Tensor>]) -> Result<Tensor, String> 
             sum_in_rank_order(&tensors)
         }
         Collective::AllGather { dim } => Tensor::cat(&tensors, dim),
+        Collective::Wait => return Err("a wait is not a collective".into()),
         Collective::Broadcast { root } => {
             return inputs[root]
                 .clone()
@@ -232,6 +233,11 @@ impl Communicator for ThreadComm {
         Ok(out)
     }
 
+    fn all_gather_sized(&self, x: &Tensor, dim: usize, sizes: &[usize]) -> Result<Tensor, CommError> {
+        crate::check_gather_sizes(self.rank, self.shared.world_size, x, dim, sizes)?;
+        self.all_gather(x, dim)
+    }
+
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor, CommError> {
         let world = self.shared.world_size;
         if root >= world {
@@ -250,6 +256,10 @@ impl Communicator for ThreadComm {
         if self.shared.world_size > 1 {
             self.collective(Collective::Barrier, None)?;
         }
+        Ok(())
+    }
+
+    fn wait(&self) -> Result<(), CommError> {
         Ok(())
     }
 

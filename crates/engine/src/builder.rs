@@ -54,6 +54,7 @@ pub struct EngineBuilder {
     pub(crate) init_timeout: Duration,
     pub(crate) fault: Option<Fault>,
     pub(crate) gpu_mem: Option<u64>,
+    pub(crate) enforce_eager: bool,
 }
 
 /// Context used when none is given, so that a 128k-context model does not reserve rotary
@@ -73,6 +74,7 @@ impl EngineBuilder {
             init_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
             fault: None,
             gpu_mem: None,
+            enforce_eager: false,
         }
     }
 
@@ -119,6 +121,13 @@ impl EngineBuilder {
     /// CPU ranks are checked only against this.
     pub fn gpu_mem(mut self, bytes: u64) -> Self {
         self.gpu_mem = Some(bytes);
+        self
+    }
+
+    /// Runs every decode step kernel by kernel instead of replaying it as a captured CUDA
+    /// graph (the default on GPUs with flash attention): slower, for debugging and comparison.
+    pub fn enforce_eager(mut self, eager: bool) -> Self {
+        self.enforce_eager = eager;
         self
     }
 

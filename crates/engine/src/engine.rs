@@ -86,6 +86,7 @@ impl Engine {
                 dtype,
                 max_context,
                 fault: b.fault,
+                enforce_eager: b.enforce_eager,
                 plan: plan.ranks[rank],
             };
             let ready = ready_tx.clone();
@@ -332,7 +333,11 @@ fn nccl_connectors(b: &EngineBuilder, devices: &[Device]) -> Result<Vec<Connect>
             let (group, device) = (group.clone(), device.clone());
             Box::new(move || {
                 let comm = tpinfer_comm::NcclComm::connect(group, &device, rank)?;
-                Ok(Arc::new(comm) as Arc<dyn Communicator>)
+                // Shared only among the layers of this rank's thread, which built it: an NCCL
+                // communicator must stay on one thread, so it is deliberately neither Send nor Sync.
+                #[allow(clippy::arc_with_non_send_sync)]
+                let comm = Arc::new(comm) as Arc<dyn Communicator>;
+                Ok(comm)
             }) as Connect
         })
         .collect())

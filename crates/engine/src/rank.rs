@@ -39,6 +39,8 @@ pub(crate) struct RankSetup {
     pub dtype: DType,
     pub max_context: usize,
     pub fault: Option<Fault>,
+    /// No CUDA graph for the decode step.
+    pub enforce_eager: bool,
     /// This rank's planned device bytes.
     pub plan: tpinfer_plan::RankPlan,
 }
@@ -66,16 +68,18 @@ pub(crate) fn rank_main(
     let rank = setup.rank;
     let _span = tracing::info_span!("rank", rank, world = setup.world).entered();
     let load = |comm: Arc<dyn Communicator>| {
-        LlamaRank::load(
+        let mut model = LlamaRank::load(
             &setup.checkpoint,
             setup.shard.clone(),
             comm,
             setup.dtype,
             &setup.device,
             setup.max_context,
-        )
-        .map_err(|source| EngineError::Rank { rank, source })
+        )?;
+        model.set_cuda_graphs(!setup.enforce_eager)?;
+        Ok(model)
     };
+    let load = |comm| load(comm).map_err(|source| EngineError::Rank { rank, source });
     let Some((comm, mut model)) = start_rank(rank, connect, &ready, load, LlamaRank::bytes_loaded) else {
         return;
     };

@@ -1,9 +1,11 @@
 // Rotary position embedding (the Hugging Face layout: each head's halves rotate together) on
 // the output of a fused QKV projection, `[rows, (q_heads + 2 · kv_heads) · d]`, where row `r`
-// is position `offset + r`. Two kernels replace candle's seven launches per layer (copies of
+// is position `*position + r`: read from device memory, so that a captured CUDA graph replays
+// at every decode position. Two kernels replace candle's seven launches per layer (copies of
 // each head slice, two rotations, two cache writes): the queries come out rotated and
 // contiguous, and the keys (rotated) and values go straight into the KV cache.
-// `table` is `[2, positions, d / 2]`: cos, then sin. f32 arithmetic, one rounding.
+// `table` is `[2, positions, d / 2]`: cos, then sin. f32 arithmetic, one rounding. Rows past
+// the table or the cache are skipped (the host checks the position before it launches).
 #include "convert.cuh"
 
 namespace {
@@ -21,12 +23,14 @@ __device__ __forceinline__ Rotation rotation(const T* table, int positions, int 
 // `out[r, h, :]` = the rotated query head `h` of row `r`; one thread per (row, head, j < d/2).
 template <typename T>
 __device__ void rotary_queries(const T* qkv, const T* table, T* out, int rows, int q_heads, int kv_heads, int d,
-                               int offset, int positions) {
+                               const unsigned* position, int positions) {
     const int half = d / 2, width = (q_heads + 2 * kv_heads) * d;
+    const long offset = *position;
     const long n = (long)rows * q_heads * half;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         const int j = i % half, h = (i / half) % q_heads;
         const long r = i / half / q_heads;
+        if (offset + r >= positions) continue;
         const T* x = qkv + r * width + h * d;
         const Rotation t = rotation(table, positions, half, offset + r, j);
         const float x1 = to_f32(x[j]), x2 = to_f32(x[j + half]);
@@ -37,15 +41,17 @@ __device__ void rotary_queries(const T* qkv, const T* table, T* out, int rows, i
 }
 
 // Rotated keys and the values of each row into `cache` `[2, kv_heads, capacity, d]` at slot
-// `offset + r`; one thread per (row, KV head, j < d/2).
+// `*position + r`; one thread per (row, KV head, j < d/2).
 template <typename T>
 __device__ void append_rotated_kv(const T* qkv, const T* table, T* cache, int rows, int q_heads, int kv_heads, int d,
-                                  int offset, int positions, int capacity) {
+                                  const unsigned* position, int positions, int capacity) {
     const int half = d / 2, width = (q_heads + 2 * kv_heads) * d;
+    const long offset = *position;
     const long n = (long)rows * kv_heads * half;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         const int j = i % half, h = (i / half) % kv_heads;
         const long r = i / half / kv_heads;
+        if (offset + r >= positions || offset + r >= capacity) continue;
         const T* k = qkv + r * width + (q_heads + h) * d;
         const T* v = k + kv_heads * d;
         const Rotation t = rotation(table, positions, half, offset + r, j);
@@ -63,14 +69,15 @@ __device__ void append_rotated_kv(const T* qkv, const T* table, T* cache, int ro
 
 #define ROTARY(SUFFIX, T)                                                                                      \
     extern "C" __global__ void rotary_queries_##SUFFIX(const T* qkv, const T* table, T* out, int rows,         \
-                                                        int q_heads, int kv_heads, int d, int offset,          \
-                                                        int positions) {                                       \
-        rotary_queries<T>(qkv, table, out, rows, q_heads, kv_heads, d, offset, positions);                     \
+                                                        int q_heads, int kv_heads, int d,                      \
+                                                        const unsigned* position, int positions) {             \
+        rotary_queries<T>(qkv, table, out, rows, q_heads, kv_heads, d, position, positions);                   \
     }                                                                                                          \
     extern "C" __global__ void append_rotated_kv_##SUFFIX(const T* qkv, const T* table, T* cache, int rows,    \
-                                                           int q_heads, int kv_heads, int d, int offset,       \
-                                                           int positions, int capacity) {                      \
-        append_rotated_kv<T>(qkv, table, cache, rows, q_heads, kv_heads, d, offset, positions, capacity);      \
+                                                           int q_heads, int kv_heads, int d,                   \
+                                                           const unsigned* position, int positions,            \
+                                                           int capacity) {                                     \
+        append_rotated_kv<T>(qkv, table, cache, rows, q_heads, kv_heads, d, position, positions, capacity);    \
     }
 
 ROTARY(f32, float)

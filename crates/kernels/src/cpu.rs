@@ -139,9 +139,12 @@ pub(crate) fn flash_attention(
     v: (&CpuStorage, &Layout),
     scale: f32,
     causal: bool,
+    keys: Option<usize>,
 ) -> Result<CpuStorage> {
     let (s, heads, d) = q.1.shape().dims3()?;
-    let (t, kv_heads, _) = k.1.shape().dims3()?;
+    let (slots, kv_heads, _) = k.1.shape().dims3()?;
+    // With `keys`, K and V are a cache of which only the first `keys` slots count.
+    let t = keys.unwrap_or(slots);
     let strides = |l: &Layout| -> Result<(usize, usize, usize)> {
         match l.stride() {
             [row, head, 1] => Ok((l.start_offset(), *row, *head)),
@@ -216,13 +219,21 @@ pub(crate) fn rotary_queries(
     qkv: (&CpuStorage, &Layout),
     table: (&CpuStorage, &Layout),
     g: &crate::rotary::Geometry,
+    offset: usize,
 ) -> Result<CpuStorage> {
     let d = g.head_dim;
+    if offset + g.rows > g.positions {
+        candle_core::bail!(
+            "rotary_queries: positions {offset}..{} exceed the table's {}",
+            offset + g.rows,
+            g.positions
+        );
+    }
     typed!(qkv.0, T => {
         let (xs, ts) = (contiguous::<T>(qkv.0, qkv.1)?, contiguous::<T>(table.0, table.1)?);
         let mut out = vec![T::from_f64(0.0); g.rows * g.q_heads * d];
         for_each_chunk(&mut out, g.q_heads * d, g.rows * g.q_heads * d, |r, o| {
-            let (cos, sin) = rotation(ts, g.positions, d / 2, g.offset + r);
+            let (cos, sin) = rotation(ts, g.positions, d / 2, offset + r);
             let row = &xs[r * g.width()..];
             for h in 0..g.q_heads {
                 rotate(&row[h * d..(h + 1) * d], cos, sin, &mut o[h * d..(h + 1) * d]);
@@ -237,9 +248,24 @@ pub(crate) fn append_rotated_kv(
     qkv: (&CpuStorage, &Layout),
     table: (&CpuStorage, &Layout),
     g: &crate::rotary::Geometry,
+    offset: usize,
     capacity: usize,
 ) -> Result<()> {
-    fn append<T: WithDType>(cache: &mut [T], xs: &[T], ts: &[T], g: &crate::rotary::Geometry, capacity: usize) {
+    let last = offset + g.rows;
+    if last > capacity.min(g.positions) {
+        candle_core::bail!(
+            "append_rotated_kv: slots {offset}..{last} exceed the cache's {capacity} or the table's {}",
+            g.positions
+        );
+    }
+    fn append<T: WithDType>(
+        cache: &mut [T],
+        xs: &[T],
+        ts: &[T],
+        g: &crate::rotary::Geometry,
+        offset: usize,
+        capacity: usize,
+    ) {
         let d = g.head_dim;
         let (keys, values) = cache.split_at_mut(g.kv_heads * capacity * d);
         for (h, (k_head, v_head)) in keys
@@ -248,11 +274,11 @@ pub(crate) fn append_rotated_kv(
             .enumerate()
         {
             for r in 0..g.rows {
-                let slot = (g.offset + r) * d;
+                let slot = (offset + r) * d;
                 let row = &xs[r * g.width()..];
                 let k = &row[(g.q_heads + h) * d..][..d];
                 let v = &row[(g.q_heads + g.kv_heads + h) * d..][..d];
-                let (cos, sin) = rotation(ts, g.positions, d / 2, g.offset + r);
+                let (cos, sin) = rotation(ts, g.positions, d / 2, offset + r);
                 rotate(k, cos, sin, &mut k_head[slot..slot + d]);
                 v_head[slot..slot + d].copy_from_slice(v);
             }
@@ -267,6 +293,7 @@ pub(crate) fn append_rotated_kv(
             contiguous(qkv.0, qkv.1)?,
             contiguous(table.0, table.1)?,
             g,
+            offset,
             capacity,
         ),
         CpuStorage::BF16(c) => append(
@@ -274,6 +301,7 @@ pub(crate) fn append_rotated_kv(
             contiguous(qkv.0, qkv.1)?,
             contiguous(table.0, table.1)?,
             g,
+            offset,
             capacity,
         ),
         CpuStorage::F16(c) => append(
@@ -281,6 +309,7 @@ pub(crate) fn append_rotated_kv(
             contiguous(qkv.0, qkv.1)?,
             contiguous(table.0, table.1)?,
             g,
+            offset,
             capacity,
         ),
         other => candle_core::bail!("append_rotated_kv: unsupported dtype {:?}", other.dtype()),
@@ -314,6 +343,22 @@ pub(crate) fn add_rms_norm(
             let rstd = 1.0 / (mean + eps).sqrt();
             for j in 0..cols {
                 norm[j] = T::from_f64((f(sum[j]) * rstd * f(w[j])) as f64);
+            }
+        });
+        Ok(T::to_cpu_storage_owned(out))
+    })
+}
+
+/// `x · wᵀ` for one row `x` of `k` and `w` `[n, k]`, f32 accumulation, rows across the pool.
+pub(crate) fn gemv(x: (&CpuStorage, &Layout), w: (&CpuStorage, &Layout), n: usize, k: usize) -> Result<CpuStorage> {
+    typed!(x.0, T => {
+        let (xs, ws) = (contiguous::<T>(x.0, x.1)?, contiguous::<T>(w.0, w.1)?);
+        let xf: Vec<f32> = xs.iter().map(|&v| f(v)).collect();
+        let mut out = vec![T::from_f64(0.0); n];
+        for_each_chunk(&mut out, 64, n * k, |c, o| {
+            for (i, y) in o.iter_mut().enumerate() {
+                let row = &ws[(c * 64 + i) * k..][..k];
+                *y = T::from_f64(row.iter().zip(&xf).map(|(&a, &b)| f(a) * b).sum::<f32>() as f64);
             }
         });
         Ok(T::to_cpu_storage_owned(out))

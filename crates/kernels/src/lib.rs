@@ -2,18 +2,25 @@
 //! unfused: flash attention (FlashAttention-2's scheme), which the video DiT needs at tens of
 //! thousands of tokens and which never writes a score matrix to memory; one-pass row-wise ops
 //! (modulated LayerNorm, gated residual, the sums and scales of a sharded RMSNorm, a gated
-//! MLP's SiLU product), which candle would run as chains of casts and broadcasts; and rotary
-//! embedding fused with the KV-cache write, which keeps a decode step's launches few.
+//! MLP's SiLU product), which candle would run as chains of casts and broadcasts; rotary
+//! embedding fused with the KV-cache write, which keeps a decode step's launches few; and the
+//! one-row weight product of a decode step, bound by reading the weight.
 //!
 //! Every op also runs on CPU tensors, in one pass that allocates only its output as the CUDA
 //! kernel does, so that CPU ranks run (and the tests check) the same memory behaviour.
 
 mod cpu;
+mod gemv;
+#[cfg(feature = "cuda")]
+pub mod graph;
 #[cfg(feature = "cuda")]
 mod launch;
+mod position;
 mod rotary;
 mod rowwise;
 
+pub use gemv::{gemv, gemv_on_cuda};
+pub use position::write_u32s;
 pub use rotary::{append_rotated_kv, rotary_queries};
 pub use rowwise::{add_rms_norm, gated_residual, layer_norm, row_sum_squares, scale_rows_cols, silu_mul};
 
@@ -52,6 +59,27 @@ pub fn flash_attention_supported(q: &Tensor) -> bool {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+    attention(q, k, v, scale, causal, None)
+}
+
+/// Causal [`flash_attention`] of the queries at positions `position..position + q_len` over
+/// a KV cache's full capacity `k`, `v` `[capacity, kv_heads, d]`, of which the first
+/// `position + q_len` slots count. The position (a one-element u32 tensor, see
+/// [`write_u32s`]) is read when the kernel runs, so the call's shapes do not depend on it: a
+/// decode step captured as a CUDA graph replays at every position. The caller checks that the
+/// queries fit the cache; CPU tensors are checked again here.
+pub fn flash_attention_cached(q: &Tensor, k: &Tensor, v: &Tensor, position: &Tensor, scale: f64) -> Result<Tensor> {
+    position::check(position, q, "flash attention")?;
+    if q.device().is_cpu() {
+        let (at, queries, slots) = (position::on_host(position)?, q.dim(0)?, k.dim(0)?);
+        if at + queries > slots {
+            candle_core::bail!("flash attention: {queries} queries at position {at} exceed the cache's {slots} slots");
+        }
+    }
+    attention(q, k, v, scale, true, Some(position.clone()))
+}
+
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, position: Option<Tensor>) -> Result<Tensor> {
     let (q_len, heads, d) = q.dims3()?;
     let (kv_len, kv_heads, kd) = k.dims3()?;
     if v.dims() != k.dims() || kd != d || kv_heads == 0 || heads % kv_heads != 0 || kv_len < q_len && causal {
@@ -74,12 +102,22 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: b
     if q_len == 0 {
         return q.contiguous();
     }
-    q.apply_op3_no_bwd(k, v, &FlashAttention { scale, causal })
+    q.apply_op3_no_bwd(
+        k,
+        v,
+        &FlashAttention {
+            scale,
+            causal,
+            position,
+        },
+    )
 }
 
 struct FlashAttention {
     scale: f64,
     causal: bool,
+    /// With a cache's full capacity as K and V: the position of the first query.
+    position: Option<Tensor>,
 }
 
 impl candle_core::CustomOp3 for FlashAttention {
@@ -96,7 +134,13 @@ impl candle_core::CustomOp3 for FlashAttention {
         v: &candle_core::CpuStorage,
         vl: &candle_core::Layout,
     ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let out = cpu::flash_attention((q, ql), (k, kl), (v, vl), self.scale as f32, self.causal)?;
+        let keys = self
+            .position
+            .as_ref()
+            .map(position::on_host)
+            .transpose()?
+            .map(|p| p + ql.dims()[0]);
+        let out = cpu::flash_attention((q, ql), (k, kl), (v, vl), self.scale as f32, self.causal, keys)?;
         Ok((out, ql.shape().clone()))
     }
 
@@ -110,14 +154,23 @@ impl candle_core::CustomOp3 for FlashAttention {
         v: &candle_core::CudaStorage,
         vl: &candle_core::Layout,
     ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        cuda::launch(self, (q, ql), (k, kl), (v, vl))
+        match &self.position {
+            // One query over a cache: the split-KV decode kernels.
+            Some(position) if cuda::decode_covers(ql, kl) => {
+                position::with_device_view(position, |p| cuda::decode(self, p, (q, ql), (k, kl), (v, vl)))
+            }
+            Some(position) => {
+                position::with_device_view(position, |p| cuda::launch(self, Some(p), (q, ql), (k, kl), (v, vl)))
+            }
+            None => cuda::launch(self, None, (q, ql), (k, kl), (v, vl)),
+        }
     }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, DType, Layout, Result, Shape};
     use half::{bf16, f16};
@@ -125,15 +178,30 @@ mod cuda {
     use super::FlashAttention;
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx"));
+    const DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode_attention.ptx"));
+    /// Query heads per KV head the decode kernels handle (MAX_GROUP in cuda/decode_attention.cu).
+    const DECODE_MAX_GROUP: usize = 8;
+    /// Filled keys above which a decode step's attention runs split along the keys; at or
+    /// below, the flash kernel (one CTA per head) is faster. The crossover measured on an H200
+    /// for Llama-3-8B's heads (benches/RESULTS.md): flash 9 µs vs split 21 µs at 256 keys,
+    /// 62 µs vs 35 µs at 2,048.
+    const DECODE_SPLIT_ABOVE: i32 = 768;
     /// Query rows per CTA, 16 per warp (cuda/flash_attention.cu).
     const QUERY_ROWS: usize = 64;
 
     type Input<'a> = (&'a CudaStorage, &'a Layout);
+    type Position<'a, 'b> = Option<&'a CudaView<'b, u32>>;
 
-    pub(crate) fn launch(op: &FlashAttention, q: Input, k: Input, v: Input) -> Result<(CudaStorage, Shape)> {
+    pub(crate) fn launch(
+        op: &FlashAttention,
+        position: Position,
+        q: Input,
+        k: Input,
+        v: Input,
+    ) -> Result<(CudaStorage, Shape)> {
         match q.0.dtype() {
-            DType::BF16 => launch_typed::<bf16>("bf16", op, q, k, v),
-            DType::F16 => launch_typed::<f16>("f16", op, q, k, v),
+            DType::BF16 => launch_typed::<bf16>("bf16", op, position, q, k, v, i32::MAX),
+            DType::F16 => launch_typed::<f16>("f16", op, position, q, k, v, i32::MAX),
             other => candle_core::bail!("flash attention: unsupported dtype {other:?}"),
         }
     }
@@ -151,12 +219,130 @@ mod cuda {
         }
     }
 
-    fn launch_typed<T: CudaDType + DeviceRepr>(
+    /// Whether the split-KV decode kernels take `q` over `k`: one query row, a GQA group of at
+    /// most [`DECODE_MAX_GROUP`], and `q` contiguous on a 16-byte boundary.
+    pub(crate) fn decode_covers(ql: &Layout, kl: &Layout) -> bool {
+        let (q_len, heads, d) = ql.shape().dims3().unwrap_or((0, 0, 0));
+        let kv_heads = kl.shape().dims()[1];
+        q_len == 1
+            && heads / kv_heads <= DECODE_MAX_GROUP
+            && ql.is_contiguous()
+            && ql.start_offset().is_multiple_of(8)
+            && d.is_multiple_of(8)
+    }
+
+    pub(crate) fn decode(
+        op: &FlashAttention,
+        position: &CudaView<'_, u32>,
+        q: Input,
+        k: Input,
+        v: Input,
+    ) -> Result<(CudaStorage, Shape)> {
+        match q.0.dtype() {
+            DType::BF16 => decode_typed::<bf16>("bf16", op, position, q, k, v),
+            DType::F16 => decode_typed::<f16>("f16", op, position, q, k, v),
+            other => candle_core::bail!("flash attention: unsupported dtype {other:?}"),
+        }
+    }
+
+    fn decode_typed<T: CudaDType + DeviceRepr>(
         suffix: &str,
         op: &FlashAttention,
+        position: &CudaView<'_, u32>,
         (q, ql): Input,
         (k, kl): Input,
         (v, vl): Input,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (_, heads, d) = ql.shape().dims3()?;
+        let (capacity, kv_heads, _) = kl.shape().dims3()?;
+        let ((k_row, k_head), (v_row, v_head)) = (strides(kl, "k")?, strides(vl, "v")?);
+        // Short caches: the flash kernel writes the output; longer ones: the split kernels.
+        // All three are launched and each reads the filled length on the device.
+        let (flash, shape) = launch_typed::<T>(
+            suffix,
+            op,
+            Some(position),
+            (q, ql),
+            (k, kl),
+            (v, vl),
+            DECODE_SPLIT_ABOVE,
+        )?;
+        let out = flash.as_cuda_slice::<T>()?;
+        let dev = q.device();
+        let split =
+            dev.get_or_load_custom_func(&format!("decode_split_{suffix}_d{d}"), "tpinfer_decode", DECODE_PTX)?;
+        let merge =
+            dev.get_or_load_custom_func(&format!("decode_merge_{suffix}_d{d}"), "tpinfer_decode", DECODE_PTX)?;
+        // About four CTAs per SM of an H100/H200 in all, fewer for short caches (a CTA takes
+        // at least 32 keys); at most MAX_SPLITS (cuda/decode_attention.cu).
+        let splits = (512 / kv_heads).min(capacity.div_ceil(32)).clamp(1, 128);
+        let qs = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
+        let ks = k.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
+        let vs = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
+        // SAFETY: CTA (s, g) writes the partials of split s for every query head of group g,
+        // and every head belongs to one group.
+        let (part_o, part_ml) = unsafe {
+            (
+                dev.alloc::<f32>(heads * splits * d)?,
+                dev.alloc::<f32>(heads * splits * 2)?,
+            )
+        };
+        let group = (heads / kv_heads) as i32;
+        let scale_log2 = (op.scale * std::f64::consts::LOG2_E) as f32;
+        let mut b = split.builder();
+        b.arg(&qs)
+            .arg(&ks)
+            .arg(&vs)
+            .arg(position)
+            .arg(&part_o)
+            .arg(&part_ml)
+            .arg(&group);
+        b.arg(&k_row)
+            .arg(&k_head)
+            .arg(&v_row)
+            .arg(&v_head)
+            .arg(&scale_log2)
+            .arg(&DECODE_SPLIT_ABOVE);
+        let threads = (d as u32, 1, 1);
+        // SAFETY: the arguments match the kernel's signature; k and v cover `capacity` rows
+        // and the kernel reads at most *position + 1 ≤ capacity of them (checked by the caller).
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (splits as u32, kv_heads as u32, 1),
+                block_dim: threads,
+                shared_mem_bytes: 0,
+            })
+        }
+        .w()?;
+        let splits_i = splits as i32;
+        let mut b = merge.builder();
+        b.arg(&part_o)
+            .arg(&part_ml)
+            .arg(out)
+            .arg(position)
+            .arg(&splits_i)
+            .arg(&DECODE_SPLIT_ABOVE);
+        // SAFETY: the arguments match the kernel's signature; the partials are `heads · splits`,
+        // the output (the flash launch's buffer) `heads · d`.
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (heads as u32, 1, 1),
+                block_dim: threads,
+                shared_mem_bytes: 0,
+            })
+        }
+        .w()?;
+        Ok((flash, shape))
+    }
+
+    fn launch_typed<T: CudaDType + DeviceRepr>(
+        suffix: &str,
+        op: &FlashAttention,
+        position: Position,
+        (q, ql): Input,
+        (k, kl): Input,
+        (v, vl): Input,
+        defer_above: i32,
     ) -> Result<(CudaStorage, Shape)> {
         let (q_len, heads, d) = ql.shape().dims3()?;
         let (kv_len, kv_heads, _) = kl.shape().dims3()?;
@@ -182,8 +368,13 @@ mod cuda {
             (q_len as i32, kv_len as i32, heads as i32, (heads / kv_heads) as i32);
         let scale_log2 = (op.scale * std::f64::consts::LOG2_E) as f32;
         let causal = op.causal as i32;
+        let null = 0u64;
         let mut b = func.builder();
         b.arg(&qs).arg(&ks).arg(&vs).arg(&out);
+        match position {
+            Some(p) => b.arg(p),
+            None => b.arg(&null),
+        };
         b.arg(&q_len_i).arg(&kv_len_i).arg(&heads_i).arg(&group);
         b.arg(&q_row)
             .arg(&q_head)
@@ -191,7 +382,7 @@ mod cuda {
             .arg(&k_head)
             .arg(&v_row)
             .arg(&v_head);
-        b.arg(&scale_log2).arg(&causal);
+        b.arg(&scale_log2).arg(&causal).arg(&defer_above);
         // SAFETY: the argument list matches the kernel's signature; all pointers cover the
         // rows and heads the strides address.
         unsafe { b.launch(cfg) }.w()?;

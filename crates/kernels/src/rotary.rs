@@ -4,8 +4,10 @@
 //! launches where candle needs seven (a copy of each head slice, two rotations, two writes).
 //!
 //! `qkv` is `[rows, (q_heads + 2 · kv_heads) · d]`, contiguous, row `r` at position
-//! `offset + r`; `table` is `[2, positions, d / 2]` (cos, then sin) in `qkv`'s dtype.
-//! f32 arithmetic, one rounding.
+//! `position + r`; `table` is `[2, positions, d / 2]` (cos, then sin) in `qkv`'s dtype.
+//! f32 arithmetic, one rounding. The position is a one-element u32 tensor that the kernels read
+//! at run time (see [`crate::position`]); the caller checks that the rows fit the table and
+//! the cache at that position (CPU twins check it again; CUDA kernels skip rows that do not).
 
 use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
 
@@ -16,24 +18,23 @@ pub(crate) struct Geometry {
     pub q_heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
-    /// The position of row 0 (and its KV-cache slot).
-    pub offset: usize,
     /// The positions the table covers.
     pub positions: usize,
 }
 
 impl Geometry {
-    fn of(qkv: &Tensor, table: &Tensor, offset: usize, q_heads: usize, kv_heads: usize) -> Result<Self> {
+    fn of(qkv: &Tensor, table: &Tensor, position: &Tensor, q_heads: usize, kv_heads: usize) -> Result<Self> {
+        crate::position::check(position, qkv, "rotary")?;
         let (rows, width) = qkv.dims2()?;
         let (two, positions, half) = table.dims3()?;
         let head_dim = 2 * half;
-        if two != 2 || width != (q_heads + 2 * kv_heads) * head_dim || offset + rows > positions {
+        if two != 2 || width != (q_heads + 2 * kv_heads) * head_dim || rows > positions {
             candle_core::bail!(
                 "rotary: qkv {:?} is not [rows, ({q_heads} + 2 · {kv_heads}) · d], or the table {:?} is not \
                  [2, positions ≥ {}, d / 2]",
                 qkv.dims(),
                 table.dims(),
-                offset + rows
+                rows
             );
         }
         if qkv.dtype() != table.dtype() {
@@ -44,7 +45,6 @@ impl Geometry {
             q_heads,
             kv_heads,
             head_dim,
-            offset,
             positions,
         })
     }
@@ -54,23 +54,40 @@ impl Geometry {
     }
 }
 
-/// The query heads of `qkv`, rotated: `[rows, q_heads, d]`.
-pub fn rotary_queries(qkv: &Tensor, table: &Tensor, offset: usize, q_heads: usize, kv_heads: usize) -> Result<Tensor> {
-    let geometry = Geometry::of(qkv, table, offset, q_heads, kv_heads)?;
-    qkv.contiguous()?
-        .apply_op2_no_bwd(&table.contiguous()?, &RotaryQueries(geometry))
+/// The query heads of `qkv`, rotated for positions `position..`: `[rows, q_heads, d]`.
+pub fn rotary_queries(
+    qkv: &Tensor,
+    table: &Tensor,
+    position: &Tensor,
+    q_heads: usize,
+    kv_heads: usize,
+) -> Result<Tensor> {
+    let geometry = Geometry::of(qkv, table, position, q_heads, kv_heads)?;
+    qkv.contiguous()?.apply_op2_no_bwd(
+        &table.contiguous()?,
+        &RotaryQueries {
+            geometry,
+            position: position.clone(),
+        },
+    )
 }
 
 /// Writes the rotated key heads and the value heads of `qkv` into `cache` `[2, kv_heads,
-/// capacity, d]` (keys, then values; contiguous), at slots `offset..offset + rows`.
-pub fn append_rotated_kv(cache: &Tensor, qkv: &Tensor, table: &Tensor, offset: usize, q_heads: usize) -> Result<()> {
+/// capacity, d]` (keys, then values; contiguous), at slots `position..position + rows`.
+pub fn append_rotated_kv(
+    cache: &Tensor,
+    qkv: &Tensor,
+    table: &Tensor,
+    position: &Tensor,
+    q_heads: usize,
+) -> Result<()> {
     let (two, kv_heads, capacity, d) = cache.dims4()?;
-    let geometry = Geometry::of(qkv, table, offset, q_heads, kv_heads)?;
-    if two != 2 || d != geometry.head_dim || offset + geometry.rows > capacity || !cache.is_contiguous() {
+    let geometry = Geometry::of(qkv, table, position, q_heads, kv_heads)?;
+    if two != 2 || d != geometry.head_dim || geometry.rows > capacity || !cache.is_contiguous() {
         candle_core::bail!(
             "append_rotated_kv: the cache {:?} is not a contiguous [2, {kv_heads}, capacity ≥ {}, {}]",
             cache.dims(),
-            offset + geometry.rows,
+            geometry.rows,
             geometry.head_dim
         );
     }
@@ -84,15 +101,23 @@ pub fn append_rotated_kv(cache: &Tensor, qkv: &Tensor, table: &Tensor, offset: u
     cache.inplace_op3(
         &qkv.contiguous()?,
         &table.contiguous()?,
-        &AppendRotatedKv { geometry, capacity },
+        &AppendRotatedKv {
+            geometry,
+            capacity,
+            position: position.clone(),
+        },
     )
 }
 
-struct RotaryQueries(Geometry);
+struct RotaryQueries {
+    geometry: Geometry,
+    position: Tensor,
+}
 
 struct AppendRotatedKv {
     geometry: Geometry,
     capacity: usize,
+    position: Tensor,
 }
 
 impl candle_core::CustomOp2 for RotaryQueries {
@@ -101,8 +126,9 @@ impl candle_core::CustomOp2 for RotaryQueries {
     }
 
     fn cpu_fwd(&self, qkv: &CpuStorage, ql: &Layout, table: &CpuStorage, tl: &Layout) -> Result<(CpuStorage, Shape)> {
-        let g = &self.0;
-        let out = crate::cpu::rotary_queries((qkv, ql), (table, tl), g)?;
+        let g = &self.geometry;
+        let offset = crate::position::on_host(&self.position)?;
+        let out = crate::cpu::rotary_queries((qkv, ql), (table, tl), g, offset)?;
         Ok((out, Shape::from((g.rows, g.q_heads, g.head_dim))))
     }
 
@@ -114,8 +140,10 @@ impl candle_core::CustomOp2 for RotaryQueries {
         table: &candle_core::CudaStorage,
         tl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let g = &self.0;
-        let out = cuda::rotary_queries(g, (qkv, ql), (table, tl))?;
+        let g = &self.geometry;
+        let out = crate::position::with_device_view(&self.position, |position| {
+            cuda::rotary_queries(g, position, (qkv, ql), (table, tl))
+        })?;
         Ok((out, Shape::from((g.rows, g.q_heads, g.head_dim))))
     }
 }
@@ -134,7 +162,15 @@ impl candle_core::InplaceOp3 for AppendRotatedKv {
         table: &CpuStorage,
         tl: &Layout,
     ) -> Result<()> {
-        crate::cpu::append_rotated_kv((cache, cl), (qkv, ql), (table, tl), &self.geometry, self.capacity)
+        let offset = crate::position::on_host(&self.position)?;
+        crate::cpu::append_rotated_kv(
+            (cache, cl),
+            (qkv, ql),
+            (table, tl),
+            &self.geometry,
+            offset,
+            self.capacity,
+        )
     }
 
     #[cfg(feature = "cuda")]
@@ -147,14 +183,23 @@ impl candle_core::InplaceOp3 for AppendRotatedKv {
         table: &candle_core::CudaStorage,
         tl: &Layout,
     ) -> Result<()> {
-        cuda::append_rotated_kv(&self.geometry, self.capacity, (cache, cl), (qkv, ql), (table, tl))
+        crate::position::with_device_view(&self.position, |position| {
+            cuda::append_rotated_kv(
+                &self.geometry,
+                self.capacity,
+                position,
+                (cache, cl),
+                (qkv, ql),
+                (table, tl),
+            )
+        })
     }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, DType, Layout, Result};
     use half::{bf16, f16};
@@ -165,26 +210,32 @@ mod cuda {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rotary.ptx"));
 
     type Input<'a> = (&'a CudaStorage, &'a Layout);
+    type Position<'a, 'b> = &'a CudaView<'b, u32>;
 
     /// One thread per (row, head, j < d/2).
     fn config(g: &Geometry, heads: usize) -> LaunchConfig {
         elementwise(g.rows * heads * g.head_dim / 2)
     }
 
-    fn ints(g: &Geometry) -> [i32; 6] {
-        [g.rows, g.q_heads, g.kv_heads, g.head_dim, g.offset, g.positions].map(|v| v as i32)
+    fn shape(g: &Geometry) -> [i32; 4] {
+        [g.rows, g.q_heads, g.kv_heads, g.head_dim].map(|v| v as i32)
     }
 
-    pub(super) fn rotary_queries(g: &Geometry, qkv: Input, table: Input) -> Result<CudaStorage> {
+    pub(super) fn rotary_queries(g: &Geometry, position: Position, qkv: Input, table: Input) -> Result<CudaStorage> {
         match qkv.0.dtype() {
-            DType::F32 => queries::<f32>(g, qkv, table),
-            DType::BF16 => queries::<bf16>(g, qkv, table),
-            DType::F16 => queries::<f16>(g, qkv, table),
+            DType::F32 => queries::<f32>(g, position, qkv, table),
+            DType::BF16 => queries::<bf16>(g, position, qkv, table),
+            DType::F16 => queries::<f16>(g, position, qkv, table),
             other => candle_core::bail!("rotary_queries: unsupported dtype {other:?}"),
         }
     }
 
-    fn queries<T: CudaDType + DeviceRepr>(g: &Geometry, (qkv, ql): Input, (table, tl): Input) -> Result<CudaStorage> {
+    fn queries<T: CudaDType + DeviceRepr>(
+        g: &Geometry,
+        position: Position,
+        (qkv, ql): Input,
+        (table, tl): Input,
+    ) -> Result<CudaStorage> {
         let dev = qkv.device();
         let func = dev.get_or_load_custom_func(
             &format!("rotary_queries_{}", suffix(qkv.dtype())?),
@@ -195,14 +246,15 @@ mod cuda {
         let ts = table.as_cuda_slice::<T>()?.slice(tl.start_offset()..);
         // SAFETY: every element is written by the kernel (each row, head and half-dim pair).
         let out = unsafe { dev.alloc::<T>(g.rows * g.q_heads * g.head_dim)? };
-        let ints = ints(g);
+        let (shape, positions) = (shape(g), g.positions as i32);
         let mut b = func.builder();
         b.arg(&xs).arg(&ts).arg(&out);
-        ints.iter().for_each(|v| {
+        shape.iter().for_each(|v| {
             b.arg(v);
         });
+        b.arg(position).arg(&positions);
         // SAFETY: the arguments match the kernel's signature; `Geometry::of` checked that qkv
-        // and the table cover every row and position the kernel reads.
+        // covers every row, and the kernel skips positions past the table.
         unsafe { b.launch(config(g, g.q_heads)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
@@ -210,14 +262,15 @@ mod cuda {
     pub(super) fn append_rotated_kv(
         g: &Geometry,
         capacity: usize,
+        position: Position,
         (cache, cl): (&mut CudaStorage, &Layout),
         qkv: Input,
         table: Input,
     ) -> Result<()> {
         match qkv.0.dtype() {
-            DType::F32 => append::<f32>(g, capacity, (cache, cl), qkv, table),
-            DType::BF16 => append::<bf16>(g, capacity, (cache, cl), qkv, table),
-            DType::F16 => append::<f16>(g, capacity, (cache, cl), qkv, table),
+            DType::F32 => append::<f32>(g, capacity, position, (cache, cl), qkv, table),
+            DType::BF16 => append::<bf16>(g, capacity, position, (cache, cl), qkv, table),
+            DType::F16 => append::<f16>(g, capacity, position, (cache, cl), qkv, table),
             other => candle_core::bail!("append_rotated_kv: unsupported dtype {other:?}"),
         }
     }
@@ -225,6 +278,7 @@ mod cuda {
     fn append<T: CudaDType + DeviceRepr>(
         g: &Geometry,
         capacity: usize,
+        position: Position,
         (cache, cl): (&mut CudaStorage, &Layout),
         (qkv, ql): Input,
         (table, tl): Input,
@@ -238,15 +292,15 @@ mod cuda {
         let xs = qkv.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
         let ts = table.as_cuda_slice::<T>()?.slice(tl.start_offset()..);
         let mut cs = cache.as_cuda_slice_mut::<T>()?.slice_mut(cl.start_offset()..);
-        let (ints, capacity) = (ints(g), capacity as i32);
+        let (shape, positions, capacity) = (shape(g), g.positions as i32, capacity as i32);
         let mut b = func.builder();
         b.arg(&xs).arg(&ts).arg(&mut cs);
-        ints.iter().for_each(|v| {
+        shape.iter().for_each(|v| {
             b.arg(v);
         });
-        b.arg(&capacity);
-        // SAFETY: the arguments match the kernel's signature; the caller checked that the
-        // cache is a contiguous [2, kv_heads, capacity, d] with room for every row.
+        b.arg(position).arg(&positions).arg(&capacity);
+        // SAFETY: the arguments match the kernel's signature; the cache is a contiguous
+        // [2, kv_heads, capacity, d] and the kernel skips slots past its capacity.
         unsafe { b.launch(config(g, g.kv_heads)) }.w()?;
         Ok(())
     }

@@ -6,8 +6,8 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
-    add_rms_norm, append_rotated_kv, flash_attention, gated_residual, layer_norm, rotary_queries, row_sum_squares,
-    scale_rows_cols, silu_mul,
+    add_rms_norm, append_rotated_kv, flash_attention, flash_attention_cached, gated_residual, gemv, layer_norm,
+    rotary_queries, row_sum_squares, scale_rows_cols, silu_mul, write_u32s,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -23,6 +23,11 @@ fn randn(shape: &[usize], seed: u64) -> Tensor {
         })
         .collect();
     Tensor::from_vec(values, shape, &Device::Cpu).expect("tensor")
+}
+
+/// A position tensor as the kernels read it: one u32.
+fn position(value: usize) -> Tensor {
+    Tensor::new(&[value as u32], &Device::Cpu).expect("position")
 }
 
 fn rel(a: &Tensor, b: &Tensor) -> f32 {
@@ -162,12 +167,12 @@ fn rotary_kernels_at(rows: usize, offset: usize, capacity: usize) {
     let part = |from: usize, heads: usize| qkv.narrow(1, from * d, heads * d).expect("part");
 
     let want = rotate_heads(&part(0, q_heads), q_heads, &cos, &sin);
-    let got = rotary_queries(&qkv, &table, offset, q_heads, kv_heads).expect("queries");
+    let got = rotary_queries(&qkv, &table, &position(offset), q_heads, kv_heads).expect("queries");
     assert_eq!(got.dims(), [rows, q_heads, d]);
     assert!(rel(&got, &want) < 1e-6);
 
     let cache = Tensor::zeros((2, kv_heads, capacity, d), DType::F32, &Device::Cpu).expect("cache");
-    append_rotated_kv(&cache, &qkv, &table, offset, q_heads).expect("append");
+    append_rotated_kv(&cache, &qkv, &table, &position(offset), q_heads).expect("append");
     let slots = |i: usize| {
         cache
             .get(i)
@@ -186,9 +191,13 @@ fn rotary_kernels_at(rows: usize, offset: usize, capacity: usize) {
         .expect("outside");
     assert_eq!(outside, 0.0);
 
-    // A cache too short, or a projection of the wrong width, is refused.
-    assert!(append_rotated_kv(&cache, &qkv, &table, capacity - 2, q_heads).is_err());
-    assert!(rotary_queries(&qkv, &table, offset, q_heads + 1, kv_heads).is_err());
+    // A cache too short, a position past the table, a projection of the wrong width, or a
+    // position that is not one u32 is refused.
+    assert!(append_rotated_kv(&cache, &qkv, &table, &position(capacity - 2), q_heads).is_err());
+    assert!(rotary_queries(&qkv, &table, &position(capacity - 2), q_heads, kv_heads).is_err());
+    assert!(rotary_queries(&qkv, &table, &position(offset), q_heads + 1, kv_heads).is_err());
+    let two = Tensor::new(&[offset as u32, 0], &Device::Cpu).expect("two");
+    assert!(rotary_queries(&qkv, &table, &two, q_heads, kv_heads).is_err());
 }
 
 /// Softmax attention with the scores materialized, per head, with an optional causal mask
@@ -261,4 +270,53 @@ fn flash_attention_matches_materialized_scores() {
         flash_attention(&q, &randn(&[4, 3, 8], 2), &randn(&[4, 3, 8], 3), 1.0, false).is_err(),
         "heads not a multiple"
     );
+}
+
+#[test]
+fn cached_flash_attention_reads_only_the_filled_slots() {
+    // Queries at positions 9..12 over a cache of 20 slots: slots 12.. hold garbage that must
+    // not count, and the answer equals causal attention over the 12 filled keys.
+    let (s, filled, capacity, heads, kv_heads, d) = (3, 12, 20, 4, 2, 16);
+    let q = randn(&[s, heads, d], 40);
+    let (k, v) = (randn(&[capacity, kv_heads, d], 41), randn(&[capacity, kv_heads, d], 42));
+    let scale = 1.0 / (d as f64).sqrt();
+    let keys = |t: &Tensor| t.narrow(0, 0, filled).expect("filled");
+    let want = reference(&q, &keys(&k), &keys(&v), scale, true);
+    let at = position(filled - s);
+    let got = flash_attention_cached(&q, &k, &v, &at, scale).expect("cached");
+    assert!(rel(&got, &want) < 1e-5, "{:e}", rel(&got, &want));
+
+    // The position is read when the op runs: rewriting it moves the window.
+    write_u32s(&at, &[5]).expect("write");
+    let want = reference(
+        &q,
+        &k.narrow(0, 0, 8).expect("k"),
+        &v.narrow(0, 0, 8).expect("v"),
+        scale,
+        true,
+    );
+    let got = flash_attention_cached(&q, &k, &v, &at, scale).expect("cached");
+    assert!(rel(&got, &want) < 1e-5);
+
+    // Queries past the cache's end are refused.
+    write_u32s(&at, &[(capacity - 1) as u32]).expect("write");
+    assert!(flash_attention_cached(&q, &k, &v, &at, scale).is_err());
+    // Writes must fill a contiguous u32 tensor exactly.
+    assert!(write_u32s(&at, &[1, 2]).is_err());
+    assert!(write_u32s(&q, &[1]).is_err());
+}
+
+#[test]
+fn one_row_products_match_candle_matmul() {
+    // Below and above the parallel threshold, with n not a multiple of the 64-row chunks.
+    for (n, k) in [(37, 96), (1000, 256)] {
+        let (x, w) = (randn(&[1, 1, k], 50), randn(&[n, k], 51));
+        let want = x.broadcast_matmul(&w.t().expect("t")).expect("matmul");
+        let got = gemv(&x, &w).expect("gemv");
+        assert_eq!(got.dims(), [1, 1, n]);
+        assert!(rel(&got, &want) < 1e-6, "n {n} k {k}: {:e}", rel(&got, &want));
+    }
+    let w = randn(&[8, 16], 52);
+    assert!(gemv(&randn(&[2, 16], 53), &w).is_err(), "two rows");
+    assert!(gemv(&randn(&[1, 8], 53), &w).is_err(), "k mismatch");
 }

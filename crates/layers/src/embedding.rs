@@ -12,7 +12,11 @@ use crate::Result;
 /// head, each rank scores its own slice of the vocabulary and an all-gather joins the logits.
 pub struct VocabParallelEmbedding {
     weight: Tensor,
-    rows: Range<usize>,
+    /// This rank's first and last vocabulary rows, `[1]` u32 tensors each.
+    first: Tensor,
+    last: Tensor,
+    /// Every rank's number of rows, in rank order.
+    sizes: Vec<usize>,
     comm: Arc<dyn Communicator>,
 }
 
@@ -21,40 +25,53 @@ impl VocabParallelEmbedding {
         vec![WeightDecl::new(name, &[vocab, hidden], ShardSpec::range(0, rows))]
     }
 
+    /// Loads this rank's part of `parts`, every rank's rows in rank order.
     pub fn load(
         weights: &mut ShardLoader,
         name: &str,
-        rows: Range<usize>,
+        parts: &[Range<usize>],
         comm: Arc<dyn Communicator>,
     ) -> Result<Self> {
+        let rows = parts.get(comm.rank()).filter(|r| !r.is_empty()).ok_or_else(|| {
+            crate::Error::Shard(format!(
+                "rank {} has no rows of the vocabulary split {parts:?}",
+                comm.rank()
+            ))
+        })?;
+        let weight = weights.take(name)?;
+        let bound = |row: usize| Tensor::new(&[row as u32], weight.device());
         Ok(Self {
-            weight: weights.take(name)?,
-            rows,
+            first: bound(rows.start)?,
+            last: bound(rows.end - 1)?,
+            sizes: parts.iter().map(|p| p.len()).collect(),
+            weight,
             comm,
         })
     }
 
-    /// The embeddings of `ids` (a batch of `batch` equal-length sequences), `[batch, seq, hidden]`.
-    pub fn embed(&self, ids: &[u32], batch: usize) -> Result<Tensor> {
-        let device = self.weight.device();
-        let (local, owned): (Vec<u32>, Vec<f32>) = ids
-            .iter()
-            .map(|&id| match self.rows.contains(&(id as usize)) {
-                true => (id - self.rows.start as u32, 1.0),
-                false => (0, 0.0),
-            })
-            .unzip();
-        let local = Tensor::from_vec(local, ids.len(), device)?;
-        let owned = Tensor::from_vec(owned, (ids.len(), 1), device)?.to_dtype(self.weight.dtype())?;
-        let rows = self.weight.index_select(&local, 0)?.broadcast_mul(&owned)?;
-        let hidden = self.weight.dim(1)?;
-        let rows = rows.reshape((batch, ids.len() / batch, hidden))?;
+    /// The embeddings of token ids `[batch, seq]` (u32, on this rank's device): `[batch, seq,
+    /// hidden]`. The ids are matched against this rank's rows on the device, so a captured
+    /// CUDA graph can embed whatever token its input buffer holds.
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let owned = ids.broadcast_ge(&self.first)?.mul(&ids.broadcast_le(&self.last)?)?;
+        // Clamped into this rank's rows first: the subtraction must not wrap.
+        let local = ids
+            .broadcast_maximum(&self.first)?
+            .broadcast_minimum(&self.last)?
+            .broadcast_sub(&self.first)?;
+        let rows = self.weight.index_select(&local.flatten_all()?, 0)?;
+        let owned = owned.flatten_all()?.unsqueeze(1)?.to_dtype(self.weight.dtype())?;
+        let (batch, seq) = ids.dims2()?;
+        let rows = rows.broadcast_mul(&owned)?.reshape((batch, seq, ()))?;
         Ok(self.comm.all_reduce_sum(&rows)?)
     }
 
-    /// Logits over the full vocabulary for hidden states `x` of shape `[.., hidden]`.
+    /// Logits over the full vocabulary for hidden states `x` of shape `[.., hidden]`. No host
+    /// wait: read them on the host after [`Communicator::wait`].
     pub fn project(&self, x: &Tensor) -> Result<Tensor> {
         let local = x.broadcast_matmul(&self.weight.t()?)?;
-        Ok(self.comm.all_gather(&local.contiguous()?, local.rank() - 1)?)
+        Ok(self
+            .comm
+            .all_gather_sized(&local.contiguous()?, local.rank() - 1, &self.sizes)?)
     }
 }

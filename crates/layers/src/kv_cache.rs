@@ -1,13 +1,13 @@
 use candle_core::{DType, Device, Tensor};
 
-use crate::{Error, Result, Rope};
+use crate::{Error, Position, Result, Rope};
 
 /// Keys and values of past positions for one layer, `[2, heads, capacity, head_dim]` (keys,
 /// then values), allocated once for the whole context: its bytes are known before the first
-/// request, and a long generation cannot run out of memory halfway through it.
+/// request, and a long generation cannot run out of memory halfway through it. The model
+/// counts the filled positions; the cache only holds them.
 pub struct KvCache {
     kv: Tensor,
-    len: usize,
 }
 
 impl KvCache {
@@ -15,7 +15,6 @@ impl KvCache {
     pub fn new(heads: usize, capacity: usize, head_dim: usize, dtype: DType, device: &Device) -> Result<Self> {
         Ok(Self {
             kv: Tensor::zeros((2, heads, capacity, head_dim), dtype, device)?,
-            len: 0,
         })
     }
 
@@ -24,32 +23,33 @@ impl KvCache {
         2 * heads * capacity * head_dim * dtype.size_in_bytes()
     }
 
-    /// Appends the keys (rotated by `rope`) and values of a fused QKV projection `qkv` `[s,
-    /// (q_heads + 2 · heads) · head_dim]` at the next `s` positions, and returns views of all
-    /// cached keys and values, `[1, heads, len, head_dim]` each.
-    pub fn append_rotated(&mut self, qkv: &Tensor, rope: &Rope, q_heads: usize) -> Result<(Tensor, Tensor)> {
-        let needed = self.len + qkv.dim(0)?;
-        let capacity = self.kv.dim(2)?;
+    /// The number of positions the cache holds.
+    pub fn capacity(&self) -> usize {
+        self.kv.dims()[2]
+    }
+
+    /// Writes the keys (rotated by `rope`) and values of a fused QKV projection `qkv` `[s,
+    /// (q_heads + 2 · heads) · head_dim]` at slots `at..at + s`.
+    pub fn append_rotated(&self, qkv: &Tensor, rope: &Rope, at: &Position, q_heads: usize) -> Result<()> {
+        let needed = at.value() + qkv.dim(0)?;
+        let capacity = self.capacity();
         if needed > capacity {
             return Err(Error::CacheFull { needed, capacity });
         }
-        tpinfer_kernels::append_rotated_kv(&self.kv, qkv, rope.table(), self.len, q_heads)?;
-        self.len = needed;
-        let cached = |i: usize| self.kv.narrow(0, i, 1)?.narrow(2, 0, needed);
-        Ok((cached(0)?, cached(1)?))
+        tpinfer_kernels::append_rotated_kv(&self.kv, qkv, rope.table(), at.tensor(), q_heads)?;
+        Ok(())
     }
 
-    /// The number of cached positions.
-    pub fn len(&self) -> usize {
-        self.len
+    /// Views of the keys and values of the first `len` positions, `[1, heads, len, head_dim]`.
+    pub fn filled(&self, len: usize) -> Result<(Tensor, Tensor)> {
+        let part = |i: usize| self.kv.narrow(0, i, 1)?.narrow(2, 0, len);
+        Ok((part(0)?, part(1)?))
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Forgets the cached positions, keeping the buffers for the next sequence.
-    pub fn clear(&mut self) {
-        self.len = 0;
+    /// Views of the keys and values over the full capacity, `[capacity, heads, head_dim]`
+    /// (token-major, no copies), for attention that reads the filled length at run time.
+    pub fn slots(&self) -> Result<(Tensor, Tensor)> {
+        let part = |i: usize| self.kv.get(i)?.transpose(0, 1);
+        Ok((part(0)?, part(1)?))
     }
 }

@@ -13,6 +13,7 @@ mod kv_cache;
 mod linear;
 mod mlp;
 mod partition;
+mod position;
 mod rope;
 
 pub use attention::{blockwise_attention, causal_attention, causal_mask, full_attention, grouped_attention};
@@ -22,7 +23,12 @@ pub use kv_cache::KvCache;
 pub use linear::{ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear};
 pub use mlp::{GatedMlp, GatedMlpNames};
 pub use partition::{split_aligned, split_evenly, HeadShard};
+pub use position::Position;
 pub use rope::{Rope, RopeScaling};
 
 pub use candle_nn::ops::rms_norm;
-pub use tpinfer_kernels::{add_rms_norm, cuda_flash_attention_covers, flash_attention};
+#[cfg(feature = "cuda")]
+pub use tpinfer_kernels::graph;
+pub use tpinfer_kernels::{
+    add_rms_norm, cuda_flash_attention_covers, flash_attention, flash_attention_cached, write_u32s,
+};

@@ -8,6 +8,19 @@ use tpinfer_weights::{ShardLoader, ShardSpec, WeightDecl};
 
 use crate::Result;
 
+/// `x · wᵀ (+ b)` through `linear`: one input row on CUDA in 16 bits (a decode step's
+/// products) through the GEMV kernel, everything else through candle's (cuBLAS) matmul.
+fn apply(linear: &Linear, x: &Tensor) -> Result<Tensor> {
+    if !tpinfer_kernels::gemv_on_cuda(x, linear.weight()) {
+        return Ok(linear.forward(x)?);
+    }
+    let y = tpinfer_kernels::gemv(x, linear.weight())?;
+    Ok(match linear.bias() {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    })
+}
+
 /// `y = x Aᵀ + b` with `A` split along its output rows: the rank holds `A[out_range, :]` and
 /// produces its slice of `y`. No communication.
 pub struct ColumnParallelLinear {
@@ -34,7 +47,7 @@ impl ColumnParallelLinear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.linear.forward(x)?)
+        apply(&self.linear, x)
     }
 }
 
@@ -84,7 +97,7 @@ impl MergedColumnParallelLinear {
 
     /// The outputs side by side in the last dim, for fused kernels that split them themselves.
     pub fn forward_merged(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.linear.forward(x)?)
+        apply(&self.linear, x)
     }
 
     /// The local output size of each merged linear.
@@ -130,7 +143,7 @@ impl RowParallelLinear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let partial = self.linear.forward(x)?;
+        let partial = apply(&self.linear, x)?;
         let y = self.comm.all_reduce_sum(&partial)?;
         drop(partial);
         Ok(match &self.bias {

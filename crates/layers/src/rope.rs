@@ -1,6 +1,6 @@
 use candle_core::{DType, Device, Tensor};
 
-use crate::Result;
+use crate::{Position, Result};
 
 /// How rotary frequencies are rescaled for long context.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -48,12 +48,19 @@ impl Rope {
     }
 
     /// The rotated query heads of a fused QKV projection `qkv` `[s, (q_heads + 2 · kv_heads) ·
-    /// head_dim]` whose first row is at position `offset`: `[s, q_heads, head_dim]`.
-    pub fn rotate_queries(&self, qkv: &Tensor, offset: usize, q_heads: usize, kv_heads: usize) -> Result<Tensor> {
+    /// head_dim]` whose first row is at position `at`: `[s, q_heads, head_dim]`.
+    pub fn rotate_queries(&self, qkv: &Tensor, at: &Position, q_heads: usize, kv_heads: usize) -> Result<Tensor> {
+        let (rows, positions) = (qkv.dim(0)?, self.max_positions());
+        if at.value() + rows > positions {
+            return Err(crate::Error::CacheFull {
+                needed: at.value() + rows,
+                capacity: positions,
+            });
+        }
         Ok(tpinfer_kernels::rotary_queries(
             qkv,
             &self.table,
-            offset,
+            at.tensor(),
             q_heads,
             kv_heads,
         )?)

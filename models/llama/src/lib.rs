@@ -6,6 +6,8 @@
 
 mod checkpoint;
 mod config;
+#[cfg(feature = "cuda")]
+mod graph;
 pub mod memory;
 mod model;
 mod shard;

@@ -32,7 +32,9 @@ pub fn flash_attention(cuda: bool, dtype: DType, head_dim: usize, shard: &LlamaS
 /// One rank's device bytes apart from its weight slices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RankMemory {
-    /// Rotary tables and the GQA index: allocated at load.
+    /// Rotary tables and the GQA index, allocated at load; with flash attention (CUDA), also
+    /// what the decode step's CUDA graph keeps: its f32 logits output and a memory pool of
+    /// its own for one step's temporaries.
     pub buffers: usize,
     /// Keys and values for every layer, allocated at load for the whole context.
     pub kv_cache: usize,
@@ -78,9 +80,14 @@ impl RankMemory {
         let buffers = 2 * t * (d / 2) * e + nq * 4;
         let kv_cache = batch.max(1) * config.num_hidden_layers * KvCache::bytes(nkv, t, d, dtype);
         let prefill = forward_memory(config, shard, e, chunk.min(t), t, flash);
-        let worst = prefill.max(forward_memory(config, shard, e, batch.max(1), t, flash));
+        let decode = forward_memory(config, shard, e, batch.max(1), t, flash);
+        let worst = prefill.max(decode);
+        let graph = match flash {
+            true => config.vocab_size * 4 + forward_memory(config, shard, e, 1, t, flash).peak,
+            false => 0,
+        };
         Self {
-            buffers,
+            buffers: buffers + graph,
             kv_cache,
             activations: worst.peak,
             pool_slack: worst.pool_slack(),

@@ -3,8 +3,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
-    add_rms_norm, causal_mask, flash_attention, grouped_attention, rms_norm, GatedMlp, KvCache,
-    MergedColumnParallelLinear, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
+    add_rms_norm, causal_mask, flash_attention_cached, grouped_attention, rms_norm, GatedMlp, KvCache,
+    MergedColumnParallelLinear, Position, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -27,6 +27,14 @@ pub struct LlamaRank {
     prefill_chunk: usize,
     /// Attention through the fused flash kernel (see `memory::flash_attention`).
     flash: bool,
+    /// The number of positions in the KV cache.
+    cached: usize,
+    /// Where the next forward pass starts, for the kernels.
+    position: Position,
+    /// The captured decode step (CUDA with flash attention), once there is one.
+    #[cfg(feature = "cuda")]
+    decode: Option<crate::graph::DecodeGraph>,
+    comm: Arc<dyn Communicator>,
     dtype: DType,
     bytes_loaded: usize,
     bytes_on_device: usize,
@@ -58,13 +66,14 @@ impl LlamaRank {
         let mut w = ShardLoader::new(&*checkpoint.store, &decls, dtype, device);
         let n_kv = shard.heads.kv_heads.len();
         let flash = crate::memory::flash_attention(device.is_cuda(), dtype, c.head_dim, &shard);
-        let embed = VocabParallelEmbedding::load(&mut w, names::EMBED, shard.vocab_rows.clone(), comm.clone())?;
+        let vocab_parts = LlamaShard::vocab_parts(c, shard.world);
+        let embed = VocabParallelEmbedding::load(&mut w, names::EMBED, &vocab_parts, comm.clone())?;
         let lm_head = match c.tie_word_embeddings {
             true => None,
             false => Some(VocabParallelEmbedding::load(
                 &mut w,
                 names::LM_HEAD,
-                shard.vocab_rows.clone(),
+                &vocab_parts,
                 comm.clone(),
             )?),
         };
@@ -99,6 +108,11 @@ impl LlamaRank {
             kv_index,
             prefill_chunk: crate::memory::prefill_chunk(shard.heads.q_heads.len(), max_positions, flash),
             flash,
+            cached: 0,
+            position: Position::new(device)?,
+            #[cfg(feature = "cuda")]
+            decode: crate::graph::DecodeGraph::new(device, flash, c.vocab_size)?,
+            comm,
             dtype,
             shard,
             bytes_loaded: w.bytes_read(),
@@ -160,12 +174,33 @@ impl LlamaRank {
             ));
         }
         self.flash = on;
+        #[cfg(feature = "cuda")]
+        if !on {
+            self.decode = None;
+        }
+        Ok(())
+    }
+
+    /// Runs each decode step as one replay of a CUDA graph (`on`, the default on CUDA with
+    /// flash attention) or kernel by kernel. The graph is captured on the second decode step,
+    /// after a first eager one, and kept across requests.
+    /// CPU ranks have no graphs: there it changes nothing.
+    pub fn set_cuda_graphs(&mut self, on: bool) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            self.decode = match on {
+                true => crate::graph::DecodeGraph::new(self.norm.device(), self.flash, self.config.vocab_size)?,
+                false => None,
+            };
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = on;
         Ok(())
     }
 
     /// The number of positions in the KV cache.
     pub fn cached_positions(&self) -> usize {
-        self.layers.first().map_or(0, |l| l.cache.len())
+        self.cached
     }
 
     /// The number of positions the rotary tables cover: the context limit.
@@ -175,14 +210,30 @@ impl LlamaRank {
 
     /// Empties the KV cache for a new sequence.
     pub fn clear_cache(&mut self) {
-        self.layers.iter_mut().for_each(|l| l.cache.clear());
+        self.cached = 0;
     }
 
     /// Runs `ids` (continuing what is cached) and returns the f32 logits over the full
-    /// vocabulary at the last position, `[1, vocab]`. Every rank returns the same logits. Long
-    /// inputs run in chunks of [`Self::prefill_chunk`] positions. Per chunk: two all-reduces
-    /// per layer plus one for the embedding; one all-gather for the logits.
+    /// vocabulary at the last position, `[1, vocab]`, ready to read on the host. Every rank
+    /// returns the same logits. Long inputs run in chunks of [`Self::prefill_chunk`]
+    /// positions. Per chunk: two all-reduces per layer plus one for the embedding; one
+    /// all-gather for the logits.
     pub fn forward(&mut self, ids: &[u32]) -> Result<Tensor> {
+        if self.cached + ids.len() > self.max_positions() {
+            return Err(tpinfer_layers::Error::CacheFull {
+                needed: self.cached + ids.len(),
+                capacity: self.max_positions(),
+            });
+        }
+        #[cfg(feature = "cuda")]
+        if let ([token], Some(mut decode)) = (ids, self.decode.take()) {
+            let logits = decode.step(self, *token);
+            self.decode = Some(decode);
+            let logits = logits?;
+            self.cached += 1;
+            self.comm.wait()?;
+            return Ok(logits);
+        }
         let mut last: Option<Tensor> = None;
         for chunk in ids.chunks(self.prefill_chunk) {
             if let Some(previous) = last.take() {
@@ -191,9 +242,27 @@ impl LlamaRank {
                 // beside the new ones.
                 previous.device().synchronize()?;
             }
-            last = Some(self.hidden_states(chunk)?);
+            self.position.set(self.cached)?;
+            let chunk_ids = Tensor::new(chunk, self.norm.device())?.unsqueeze(0)?;
+            last = Some(self.logits(&chunk_ids)?);
+            self.cached += chunk.len();
         }
-        let x = last.ok_or_else(|| candle_core::Error::Msg("forward of an empty sequence".into()))?;
+        let logits = last.ok_or_else(|| candle_core::Error::Msg("forward of an empty sequence".into()))?;
+        self.comm.wait()?;
+        Ok(logits)
+    }
+
+    /// Where the next forward pass starts, for the captured decode step.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn position_mut(&mut self) -> &mut Position {
+        &mut self.position
+    }
+
+    /// The f32 logits of the last of `ids` `[1, s]`, `[1, vocab]`, after caching the keys and
+    /// values of all of them at [`Self::position`]. Queues work without waiting on the host:
+    /// a captured decode step is exactly this call.
+    pub(crate) fn logits(&self, ids: &Tensor) -> Result<Tensor> {
+        let x = self.hidden_states(ids)?;
         let seq = x.dim(1)?;
         let last = x.narrow(1, seq - 1, 1)?.squeeze(1)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
@@ -201,17 +270,17 @@ impl LlamaRank {
     }
 
     /// The final norm's output for `ids`, `[1, s, hidden]`, after caching their keys and values.
-    fn hidden_states(&mut self, ids: &[u32]) -> Result<Tensor> {
-        let offset = self.cached_positions();
-        let mut x = self.embed.embed(ids, 1)?;
-        let seq = ids.len();
+    fn hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
+        let offset = self.position.value();
+        let mut x = self.embed.embed(ids)?;
+        let seq = ids.dim(1)?;
         let mask = match seq {
             1 => None,
             _ if self.flash => None,
             _ => Some(causal_mask(seq, offset + seq, x.device())?),
         };
         let ctx = LayerContext {
-            offset,
+            at: &self.position,
             flash: self.flash,
             mask: mask.as_ref(),
             rope: &self.rope,
@@ -223,7 +292,7 @@ impl LlamaRank {
         // The last MLP's output, not yet added to the residual stream `x`: the next input norm
         // adds it in the same pass.
         let mut pending = None;
-        for layer in &mut self.layers {
+        for layer in &self.layers {
             let (residual, h) = add_norm(x, pending.take(), &layer.input_norm, eps)?;
             let (residual, mlp) = layer.forward(residual, h, &ctx)?;
             (x, pending) = (residual, Some(mlp));
@@ -248,7 +317,7 @@ fn add_norm(x: Tensor, y: Option<Tensor>, weight: &Tensor, eps: f64) -> Result<(
 
 /// What every layer of one forward shares.
 struct LayerContext<'a> {
-    offset: usize,
+    at: &'a Position,
     /// Attention through the fused kernel (causal in the kernel; no mask).
     flash: bool,
     mask: Option<&'a Tensor>,
@@ -263,14 +332,14 @@ struct LayerContext<'a> {
 impl DecoderLayer {
     /// The residual stream and its input norm `h` in; out, the stream after attention and the
     /// MLP's output, which the next norm adds to it.
-    fn forward(&mut self, residual: Tensor, h: Tensor, ctx: &LayerContext) -> Result<(Tensor, Tensor)> {
+    fn forward(&self, residual: Tensor, h: Tensor, ctx: &LayerContext) -> Result<(Tensor, Tensor)> {
         let attn = self.attention(h, ctx)?;
         let (residual, h) = add_norm(residual, Some(attn), &self.post_norm, ctx.config.rms_norm_eps)?;
         let mlp = self.mlp.forward(&h)?;
         Ok((residual, mlp))
     }
 
-    fn attention(&mut self, h: Tensor, ctx: &LayerContext) -> Result<Tensor> {
+    fn attention(&self, h: Tensor, ctx: &LayerContext) -> Result<Tensor> {
         let (c, shard) = (ctx.config, ctx.shard);
         let (b, s, _) = h.dims3()?;
         let d = c.head_dim;
@@ -279,17 +348,19 @@ impl DecoderLayer {
         let (n_q, n_kv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
         // Two fused kernels: the rotated queries `[s, n_q, d]`, and the rotated keys and the
         // values written into the cache.
-        let q = ctx.rope.rotate_queries(&qkv, ctx.offset, n_q, n_kv)?;
-        let (k, v) = self.cache.append_rotated(&qkv, ctx.rope, n_q)?;
+        let q = ctx.rope.rotate_queries(&qkv, ctx.at, n_q, n_kv)?;
+        self.cache.append_rotated(&qkv, ctx.rope, ctx.at, n_q)?;
         drop(qkv);
         let scale = 1.0 / (d as f64).sqrt();
         if ctx.flash {
-            // `[positions, heads, d]` views of the cache, no copies.
-            let tokens = |t: &Tensor| t.squeeze(0)?.transpose(0, 1);
-            let attn = flash_attention(&q, &tokens(&k)?, &tokens(&v)?, scale, true)?;
+            // Over the cache's full capacity: the kernel reads the filled length from the
+            // device, so the shapes do not depend on the position.
+            let (k, v) = self.cache.slots()?;
+            let attn = flash_attention_cached(&q, &k, &v, ctx.at.tensor(), scale)?;
             drop(q);
             return self.o_proj.forward(&attn.reshape((b, s, n_q * d))?);
         }
+        let (k, v) = self.cache.filled(ctx.at.value() + s)?;
         // The unfused path's `[1, n_q, s, d]`; the token-major queries are freed.
         let q = {
             let tokens = q;

@@ -28,8 +28,13 @@ impl LlamaShard {
             world,
             heads,
             ffn_cols: split_aligned(config.intermediate_size, world)[rank].clone(),
-            vocab_rows: split_aligned(config.vocab_size, world)[rank].clone(),
+            vocab_rows: Self::vocab_parts(config, world)[rank].clone(),
         })
+    }
+
+    /// Every rank's rows of the vocabulary, in rank order.
+    pub fn vocab_parts(config: &LlamaConfig, world: usize) -> Vec<Range<usize>> {
+        split_aligned(config.vocab_size, world)
     }
 
     /// Every tensor this rank reads, with the full shape the config implies and its slice.

@@ -1,0 +1,247 @@
+//! `decode-profile`: where a decode step's time goes on one rank holding the whole model: the
+//! model's step (captured graph and eager), sampling, and the kernels alone (each timed inside
+//! a captured graph of many calls, as the step runs them).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Module, Tensor};
+use clap::Args;
+use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
+
+#[derive(Args)]
+pub(crate) struct DecodeProfileArgs {
+    /// A Llama directory.
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long)]
+    cuda: bool,
+    /// Timed decode steps per measurement.
+    #[arg(long, default_value_t = 100)]
+    steps: usize,
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+}
+
+/// One kernel call under test.
+type Kernel<'a> = dyn Fn() -> candle_core::Result<Tensor> + 'a;
+
+/// Milliseconds per call of `f` as a decode step's graph runs it: on CUDA, `calls` calls
+/// captured in one graph and replayed; on CPU, back to back. After a warm-up call.
+fn time_in_graph(device: &Device, calls: usize, f: impl Fn() -> candle_core::Result<Tensor>) -> Result<f64> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        {
+            let _uploads = tpinfer_kernels::graph::upload_cache(device)?;
+            f()?;
+        }
+        let graph = tpinfer_kernels::graph::Graph::capture(device, || {
+            for _ in 0..calls {
+                f()?;
+            }
+            Ok::<_, candle_core::Error>(())
+        })?;
+        graph.replay()?;
+        device.synchronize()?;
+        let replays = 10;
+        let start = Instant::now();
+        for _ in 0..replays {
+            graph.replay()?;
+        }
+        device.synchronize()?;
+        return Ok(start.elapsed().as_secs_f64() * 1e3 / (replays * calls) as f64);
+    }
+    f()?;
+    let start = Instant::now();
+    for _ in 0..calls {
+        f()?;
+    }
+    device.synchronize()?;
+    Ok(start.elapsed().as_secs_f64() * 1e3 / calls as f64)
+}
+
+/// Milliseconds per call of `f`, after two warm-up calls, each call ending in a device sync.
+fn time_ms(device: &Device, calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    device.synchronize()?;
+    let start = Instant::now();
+    for _ in 0..calls {
+        f()?;
+        device.synchronize()?;
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e3 / calls as f64)
+}
+
+pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
+    let device = match args.cuda {
+        true => crate::gpu()?,
+        false => Device::Cpu,
+    };
+    let dtype = if args.cuda { DType::BF16 } else { DType::F32 };
+    let checkpoint = LlamaCheckpoint::open(&args.model)?;
+    let c = checkpoint.config.clone();
+    let shard = LlamaShard::new(&c, 1, 0)?;
+    let comm = tpinfer_comm::ThreadGroup::ranks(1, std::time::Duration::from_secs(60))
+        .pop()
+        .context("no rank")?;
+    let context = args.prompt_tokens + 3 * (args.steps + 2) + 8;
+    let mut model = LlamaRank::load(&checkpoint, shard, Arc::new(comm), dtype, &device, context)?;
+    let prompt: Vec<u32> = (0..args.prompt_tokens)
+        .map(|i| ((7919 * i + 13) % c.vocab_size.min(30000)) as u32)
+        .collect();
+    println!(
+        "| part (TP 1, {dtype:?}; steps synchronized, kernels timed in a graph) | ms | per token |\n|---|---|---|"
+    );
+    let step = |model: &mut LlamaRank, graphs: bool| -> Result<f64> {
+        model.set_cuda_graphs(graphs)?;
+        model.clear_cache();
+        model.forward(&prompt)?;
+        time_ms(&device, args.steps, || {
+            model.forward(&[1])?;
+            Ok(())
+        })
+    };
+    let graph = step(&mut model, true)?;
+    let eager = step(&mut model, false)?;
+    println!(
+        "| decode step, captured graph | {graph:.3} | {:.1} tok/s |",
+        1e3 / graph
+    );
+    println!("| decode step, eager | {eager:.3} | {:.1} tok/s |", 1e3 / eager);
+    let logits = model.forward(&[1])?;
+    let mut sampler = candle_transformers::generation::LogitsProcessor::from_sampling(
+        1,
+        candle_transformers::generation::Sampling::ArgMax,
+    );
+    let sample = time_ms(&device, args.steps, || {
+        sampler.sample(&logits.squeeze(0)?)?;
+        Ok(())
+    })?;
+    println!("| greedy sampling of the logits | {sample:.3} | |");
+    let (h, ffn, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
+    let qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * d;
+    let mut totals = [0.0; 2];
+    for (name, rows, cols, per_layer) in [
+        ("qkv", qkv, h, true),
+        ("o_proj", c.num_attention_heads * d, h, true),
+        ("gate_up", 2 * ffn, h, true),
+        ("down", h, ffn, true),
+        ("lm_head", c.vocab_size, h, false),
+    ] {
+        let weight = Tensor::randn(0f32, 0.02, (rows, cols), &device)?.to_dtype(dtype)?;
+        let x = Tensor::randn(0f32, 1.0, (1, 1, cols), &device)?.to_dtype(dtype)?;
+        let exact = x
+            .to_dtype(DType::F32)?
+            .broadcast_matmul(&weight.to_dtype(DType::F32)?.t()?)?;
+        let linear = candle_nn::Linear::new(weight.clone(), None);
+        let bytes = (rows * cols * dtype.size_in_bytes()) as f64;
+        let layers = if per_layer { c.num_hidden_layers } else { 1 };
+        let kernels: [(&str, &Kernel); 2] = [
+            ("candle/cuBLAS", &|| linear.forward(&x)),
+            ("tpinfer_kernels::gemv", &|| tpinfer_kernels::gemv(&x, &weight)),
+        ];
+        for (i, (kernel, f)) in kernels.into_iter().enumerate() {
+            let ms = time_in_graph(&device, args.steps, f)?;
+            let err = rel_error(&f()?, &exact)?;
+            totals[i] += ms * layers as f64;
+            println!(
+                "| GEMV {name} [{rows} x {cols}] ({kernel}, rel. error vs f32 {err:.1e}) | {ms:.4} | {:.0} GB/s, x{layers} = {:.2} ms |",
+                bytes / ms / 1e6,
+                ms * layers as f64
+            );
+        }
+    }
+    println!(
+        "| all weight GEMVs of a step, cuBLAS / tpinfer_kernels::gemv | {:.3} / {:.3} | |",
+        totals[0], totals[1]
+    );
+    small_kernels(&device, dtype, &c, args.steps)?;
+    decode_attention(&device, dtype, &c, args.steps)
+}
+
+/// The fused one-row kernels of a decode step's layer.
+fn small_kernels(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: usize) -> Result<()> {
+    let (h, ffn, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
+    let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
+    let row = |n: usize| -> Result<Tensor> { Ok(Tensor::randn(0f32, 1.0, (1, n), device)?.to_dtype(dtype)?) };
+    let (x, y, w, gate_up) = (row(h)?, row(h)?, row(h)?.squeeze(0)?, row(2 * ffn)?);
+    let qkv = row((heads + 2 * kv_heads) * d)?;
+    let table = Tensor::randn(0f32, 1.0, (2, 4096, d / 2), device)?.to_dtype(dtype)?;
+    let position = Tensor::new(&[100u32], device)?;
+    let kernels: [(&str, usize, &Kernel); 3] = [
+        ("add_rms_norm", 2, &|| {
+            Ok(tpinfer_kernels::add_rms_norm(&x, &y, &w, 1e-5)?.0)
+        }),
+        ("silu_mul", 1, &|| tpinfer_kernels::silu_mul(&gate_up)),
+        ("rotary_queries", 1, &|| {
+            tpinfer_kernels::rotary_queries(&qkv, &table, &position, heads, kv_heads)
+        }),
+    ];
+    for (name, per_layer, f) in kernels {
+        let ms = time_in_graph(device, calls, f)?;
+        let n = per_layer * c.num_hidden_layers;
+        println!("| {name} (one row) | {ms:.4} | x{n} = {:.2} ms |", ms * n as f64);
+    }
+    Ok(())
+}
+
+/// One layer's decode attention over a cache at two lengths: the flash kernel over the filled
+/// rows against the cache kernels (split-KV on CUDA), each against an f32 reference.
+fn decode_attention(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: usize) -> Result<()> {
+    let (heads, kv_heads, d, capacity) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, 4096);
+    let scale = 1.0 / (d as f64).sqrt();
+    let q = Tensor::randn(0f32, 1.0, (1, heads, d), device)?.to_dtype(dtype)?;
+    let k = Tensor::randn(0f32, 1.0, (capacity, kv_heads, d), device)?.to_dtype(dtype)?;
+    let v = Tensor::randn(0f32, 1.0, (capacity, kv_heads, d), device)?.to_dtype(dtype)?;
+    for filled in [256, 2048] {
+        let keys = |t: &Tensor| t.narrow(0, 0, filled);
+        let exact = reference_attention(&q, &keys(&k)?, &keys(&v)?, scale)?;
+        let position = Tensor::new(&[filled as u32 - 1], device)?;
+        let kernels: [(&str, &Kernel); 2] = [
+            ("flash kernel over the filled rows", &|| {
+                tpinfer_kernels::flash_attention(&q, &keys(&k)?, &keys(&v)?, scale, true)
+            }),
+            ("cache kernel (split-KV on CUDA)", &|| {
+                tpinfer_kernels::flash_attention_cached(&q, &k, &v, &position, scale)
+            }),
+        ];
+        for (kernel, f) in kernels {
+            let ms = time_in_graph(device, calls, f)?;
+            let err = rel_error(&f()?, &exact)?;
+            println!(
+                "| decode attention, {filled} keys, {kernel} (rel. error vs f32 {err:.1e}) | {ms:.4} | x{} = {:.2} ms |",
+                c.num_hidden_layers,
+                ms * c.num_hidden_layers as f64
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Softmax attention of `q` `[1, heads, d]` over `k`, `v` `[t, kv_heads, d]` in f32.
+fn reference_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let (_, heads, d) = q.dims3()?;
+    let kv_heads = k.dim(1)?;
+    let f = |t: &Tensor| t.to_dtype(DType::F32);
+    let q = f(q)?.reshape((kv_heads, heads / kv_heads, d))?;
+    let (k, v) = (
+        f(k)?.transpose(0, 1)?.contiguous()?,
+        f(v)?.transpose(0, 1)?.contiguous()?,
+    );
+    let scores = (q.matmul(&k.t()?)? * scale)?;
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+    Ok(probs.matmul(&v)?.reshape((1, heads, d))?)
+}
+
+/// ‖a − b‖ / ‖b‖ in f64 on the host.
+fn rel_error(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a: Vec<f32> = a.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+    let b: Vec<f32> = b.flatten_all()?.to_vec1()?;
+    let diff: f64 = a.iter().zip(&b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
+    let norm: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
+    Ok((diff / norm).sqrt())
+}

@@ -1,0 +1,76 @@
+//! The decode step as a CUDA graph. Issued kernel by kernel, a step of Llama-3-8B is some 300
+//! launches and 65 collectives, and the host takes longer to issue them than the GPU takes to
+//! run them; replayed as one graph, the GPU runs them back to back. The step's shapes do not
+//! depend on the position (attention reads the filled length from the device), so one graph
+//! serves every step of every request; the host rewrites the token and the position between
+//! replays.
+
+use candle_core::{DType, Device, Tensor};
+use tpinfer_layers::graph::{upload_cache, Graph};
+use tpinfer_layers::Result;
+
+use crate::LlamaRank;
+
+pub(crate) struct DecodeGraph {
+    /// The token to run, `[1, 1]` u32: the graph's input.
+    token: Tensor,
+    /// The logits, `[1, vocab]` f32: the graph's output.
+    logits: Tensor,
+    stage: Stage,
+}
+
+enum Stage {
+    /// No step has run yet.
+    Cold,
+    /// One step ran eagerly and left in device memory the shapes and strides that candle
+    /// would otherwise upload from the host during capture.
+    Warm,
+    Captured(Graph),
+}
+
+impl DecodeGraph {
+    /// `None` where graphs do not apply: CPU ranks, and unfused attention, whose shapes grow
+    /// with the position.
+    pub(crate) fn new(device: &Device, flash: bool, vocab: usize) -> Result<Option<Self>> {
+        if !device.is_cuda() || !flash {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            token: Tensor::zeros((1, 1), DType::U32, device)?,
+            logits: Tensor::zeros((1, vocab), DType::F32, device)?,
+            stage: Stage::Cold,
+        }))
+    }
+
+    /// Runs `token` through `model` at its cached length: eagerly on the first step, captured
+    /// and replayed on the second, replayed after that. Returns the logits as
+    /// [`LlamaRank::forward`] does (a copy: the next replay overwrites the graph's output).
+    pub(crate) fn step(&mut self, model: &mut LlamaRank, token: u32) -> Result<Tensor> {
+        let at = model.cached_positions();
+        model.position_mut().set(at)?;
+        tpinfer_layers::write_u32s(&self.token, &[token])?;
+        let device = self.token.device().clone();
+        let model = &*model;
+        let graph = match std::mem::replace(&mut self.stage, Stage::Cold) {
+            Stage::Cold => {
+                let _uploads = upload_cache(&device)?;
+                let logits = model.logits(&self.token)?;
+                self.stage = Stage::Warm;
+                return Ok(logits);
+            }
+            Stage::Warm => Graph::capture(&device, || {
+                let logits = model.logits(&self.token)?;
+                Ok::<_, tpinfer_layers::Error>(self.logits.slice_set(&logits, 0, 0)?)
+            })
+            .map_err(|e| {
+                candle_core::Error::Msg(format!(
+                    "capturing the decode step as a CUDA graph failed ({e}); --enforce-eager runs without graphs"
+                ))
+            })?,
+            Stage::Captured(graph) => graph,
+        };
+        graph.replay()?;
+        self.stage = Stage::Captured(graph);
+        Ok(self.logits.copy()?)
+    }
+}
