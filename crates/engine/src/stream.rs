@@ -30,7 +30,8 @@ pub struct GenerationStats {
     pub decode: Duration,
     /// Rank 0's host time inside collectives over the request: on CPU ranks the reductions
     /// and the waits for peers; on NCCL ranks the launches (and the waits of gathers), not
-    /// the reductions' GPU time.
+    /// the reductions' GPU time. Decode steps replayed from a CUDA graph enter no collective
+    /// on the host: of a decode step only its broadcast of the sampled token counts.
     pub collectives: Duration,
     pub stop_reason: StopReason,
 }
