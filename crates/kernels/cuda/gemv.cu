@@ -4,6 +4,9 @@
 // for it reach 1.4–3.3 TB/s on an H200 (benches/RESULTS.md); this one keeps more loads in
 // flight: each CTA owns ROWS outputs and its 256 threads split k between them, every thread
 // issuing UNROLL · ROWS 16-byte loads before it uses any.
+// GATED: the input is a gated MLP's fused gate/up output `[gate (k) | up (k)]` and the row
+// multiplied is silu(gate) · up, rounded to T element by element exactly as the unfused
+// silu_mul kernel rounds it, so fused and unfused give the same bits.
 // Needs k % 8 == 0 and 16-byte aligned rows (the launcher checks).
 #include "convert.cuh"
 
@@ -26,7 +29,26 @@ struct Vec8 {
     }
 };
 
-template <typename T>
+// Chunk c (8 values) of the row that multiplies w.
+template <typename T, bool GATED>
+__device__ __forceinline__ Vec8<T> input(const uint4* x, int c, int chunks) {
+    Vec8<T> v;
+    v.raw = __ldg(x + c);
+    if (GATED) {
+        Vec8<T> up;
+        up.raw = __ldg(x + chunks + c);
+        T* g = reinterpret_cast<T*>(&v.raw);
+        const T* u = reinterpret_cast<const T*>(&up.raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float gf = to_f32(g[i]);
+            g[i] = from_f32<T>(gf / (1.f + expf(-gf)) * to_f32(u[i]));
+        }
+    }
+    return v;
+}
+
+template <typename T, bool GATED>
 __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int n, int k) {
     const int chunks = k / 8;
     const int row0 = blockIdx.x * ROWS;
@@ -38,18 +60,20 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __rest
     float acc[ROWS] = {};
     for (int c0 = threadIdx.x; c0 < chunks; c0 += THREADS * UNROLL) {
         Vec8<T> xs[UNROLL], ws[UNROLL][ROWS];
+        // The weight loads go out first; the input (and, gated, its SiLU) while they fly.
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int c = c0 + u * THREADS;
             if (c < chunks) {
-                xs[u].raw = __ldg(xv + c);
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) ws[u][r].raw = __ldcs(wv[r] + c);  // streamed: read once
             }
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (c0 + u * THREADS < chunks) {
+            const int c = c0 + u * THREADS;
+            if (c < chunks) {
+                xs[u] = input<T, GATED>(xv, c, chunks);
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) acc[r] += ws[u][r].dot(xs[u]);
             }
@@ -78,7 +102,11 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __rest
 #define GEMV(SUFFIX, T)                                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS) gemv_##SUFFIX(const T* x, const T* w, T* y, int n, \
                                                                          int k) {                           \
-        gemv<T>(x, w, y, n, k);                                                                              \
+        gemv<T, false>(x, w, y, n, k);                                                                       \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                    \
+        gemv_silu_mul_##SUFFIX(const T* gate_up, const T* w, T* y, int n, int k) {                            \
+        gemv<T, true>(gate_up, w, y, n, k);                                                                  \
     }
 
 GEMV(bf16, __nv_bfloat16)

@@ -350,10 +350,26 @@ pub(crate) fn add_rms_norm(
 }
 
 /// `x · wᵀ` for one row `x` of `k` and `w` `[n, k]`, f32 accumulation, rows across the pool.
-pub(crate) fn gemv(x: (&CpuStorage, &Layout), w: (&CpuStorage, &Layout), n: usize, k: usize) -> Result<CpuStorage> {
+/// `gated`: `x` is `[gate | up]` of `2k` and the row is silu(gate) · up rounded as `silu_mul`
+/// rounds it.
+pub(crate) fn gemv(
+    x: (&CpuStorage, &Layout),
+    w: (&CpuStorage, &Layout),
+    n: usize,
+    k: usize,
+    gated: bool,
+) -> Result<CpuStorage> {
     typed!(x.0, T => {
         let (xs, ws) = (contiguous::<T>(x.0, x.1)?, contiguous::<T>(w.0, w.1)?);
-        let xf: Vec<f32> = xs.iter().map(|&v| f(v)).collect();
+        let xf: Vec<f32> = match gated {
+            false => xs.iter().map(|&v| f(v)).collect(),
+            true => (0..k)
+                .map(|j| {
+                    let (g, u) = (f(xs[j]), f(xs[k + j]));
+                    f(T::from_f64((g / (1.0 + (-g).exp()) * u) as f64))
+                })
+                .collect(),
+        };
         let mut out = vec![T::from_f64(0.0); n];
         for_each_chunk(&mut out, 64, n * k, |c, o| {
             for (i, y) in o.iter_mut().enumerate() {

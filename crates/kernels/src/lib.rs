@@ -19,7 +19,7 @@ mod position;
 mod rotary;
 mod rowwise;
 
-pub use gemv::{gemv, gemv_on_cuda};
+pub use gemv::{gemv, gemv_on_cuda, gemv_silu_mul, gemv_silu_mul_on_cuda};
 pub use position::write_u32s;
 pub use rotary::{append_rotated_kv, rotary_queries};
 pub use rowwise::{add_rms_norm, gated_residual, layer_norm, row_sum_squares, scale_rows_cols, silu_mul};
@@ -219,12 +219,14 @@ mod cuda {
         }
     }
 
-    /// Whether the split-KV decode kernels take `q` over `k`: one query row, a GQA group of at
-    /// most [`DECODE_MAX_GROUP`], and `q` contiguous on a 16-byte boundary.
+    /// Whether the split-KV decode kernels take `q` over `k`: one query row, a cache that can
+    /// hold more than [`DECODE_SPLIT_ABOVE`] keys (else they would never run), a GQA group of
+    /// at most [`DECODE_MAX_GROUP`], and `q` contiguous on a 16-byte boundary.
     pub(crate) fn decode_covers(ql: &Layout, kl: &Layout) -> bool {
         let (q_len, heads, d) = ql.shape().dims3().unwrap_or((0, 0, 0));
-        let kv_heads = kl.shape().dims()[1];
+        let (capacity, kv_heads) = (kl.shape().dims()[0], kl.shape().dims()[1]);
         q_len == 1
+            && capacity > DECODE_SPLIT_ABOVE as usize
             && heads / kv_heads <= DECODE_MAX_GROUP
             && ql.is_contiguous()
             && ql.start_offset().is_multiple_of(8)

@@ -6,8 +6,8 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
-    add_rms_norm, append_rotated_kv, flash_attention, flash_attention_cached, gated_residual, gemv, layer_norm,
-    rotary_queries, row_sum_squares, scale_rows_cols, silu_mul, write_u32s,
+    add_rms_norm, append_rotated_kv, flash_attention, flash_attention_cached, gated_residual, gemv, gemv_silu_mul,
+    layer_norm, rotary_queries, row_sum_squares, scale_rows_cols, silu_mul, write_u32s,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -319,4 +319,29 @@ fn one_row_products_match_candle_matmul() {
     let w = randn(&[8, 16], 52);
     assert!(gemv(&randn(&[2, 16], 53), &w).is_err(), "two rows");
     assert!(gemv(&randn(&[1, 8], 53), &w).is_err(), "k mismatch");
+}
+
+#[test]
+fn the_fused_silu_product_gives_the_unfused_bits() {
+    // f32 and bf16 (where the product's rounding matters), below and above the threshold.
+    for dtype in [DType::F32, DType::BF16] {
+        for (n, k) in [(37, 96), (1000, 256)] {
+            let cast = |t: Tensor| t.to_dtype(dtype).expect("cast");
+            let (gate_up, w) = (cast(randn(&[1, 1, 2 * k], 54)), cast(randn(&[n, k], 55)));
+            let hidden = silu_mul(&gate_up.reshape((1, 2 * k)).expect("rows")).expect("silu");
+            let want = gemv(&hidden.reshape((1, 1, k)).expect("row"), &w).expect("gemv");
+            let got = gemv_silu_mul(&gate_up, &w).expect("fused");
+            assert_eq!(got.dims(), [1, 1, n]);
+            let bits = |t: &Tensor| {
+                t.to_dtype(DType::F32)
+                    .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+                    .expect("v")
+            };
+            assert_eq!(bits(&got), bits(&want), "{dtype:?} n {n} k {k}");
+        }
+    }
+    assert!(
+        gemv_silu_mul(&randn(&[1, 16], 56), &randn(&[8, 16], 57)).is_err(),
+        "not 2k wide"
+    );
 }

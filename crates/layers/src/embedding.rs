@@ -69,7 +69,10 @@ impl VocabParallelEmbedding {
     /// Logits over the full vocabulary for hidden states `x` of shape `[.., hidden]`. No host
     /// wait: read them on the host after [`Communicator::wait`].
     pub fn project(&self, x: &Tensor) -> Result<Tensor> {
-        let local = x.broadcast_matmul(&self.weight.t()?)?;
+        let local = match tpinfer_kernels::gemv_on_cuda(x, &self.weight) {
+            true => tpinfer_kernels::gemv(x, &self.weight)?,
+            false => x.broadcast_matmul(&self.weight.t()?)?,
+        };
         Ok(self
             .comm
             .all_gather_sized(&local.contiguous()?, local.rank() - 1, &self.sizes)?)

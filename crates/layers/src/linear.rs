@@ -144,6 +144,32 @@ impl RowParallelLinear {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let partial = apply(&self.linear, x)?;
+        self.reduce(partial)
+    }
+
+    /// [`Self::forward`] of `silu(gate) · up` for a gated MLP's fused gate/up output
+    /// `[.., 2n]` (gate, then up): one row on CUDA in 16 bits is one kernel with the product
+    /// (a decode step's MLP), anything else runs `silu_mul`, then the product. Takes `gate_up`
+    /// to free it before the product, as the activation model in the Llama crate counts.
+    pub fn forward_silu_mul(&self, gate_up: Tensor) -> Result<Tensor> {
+        if tpinfer_kernels::gemv_silu_mul_on_cuda(&gate_up, self.linear.weight()) {
+            let partial = tpinfer_kernels::gemv_silu_mul(&gate_up, self.linear.weight())?;
+            drop(gate_up);
+            return self.reduce(partial);
+        }
+        let mut dims = gate_up.dims().to_vec();
+        let cols = dims.pop().unwrap_or(0);
+        let rows = dims.iter().product::<usize>();
+        let hidden = tpinfer_kernels::silu_mul(&gate_up.reshape((rows, cols))?)?;
+        drop(gate_up);
+        dims.push(cols / 2);
+        let partial = apply(&self.linear, &hidden.reshape(dims)?)?;
+        drop(hidden);
+        self.reduce(partial)
+    }
+
+    /// The sum of the ranks' partial products, plus the bias once.
+    fn reduce(&self, partial: Tensor) -> Result<Tensor> {
         let y = self.comm.all_reduce_sum(&partial)?;
         drop(partial);
         Ok(match &self.bias {

@@ -51,15 +51,10 @@ impl GatedMlp {
         })
     }
 
-    /// `x` `[..., hidden]`; the SiLU product runs as one fused kernel on the gate/up output.
+    /// `x` `[..., hidden]`; the SiLU product runs fused on the gate/up output (with the down
+    /// projection too for one row on CUDA).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let gate_up = self.gate_up.forward_merged(x)?;
-        let mut dims = gate_up.dims().to_vec();
-        let cols = dims.pop().unwrap_or(0);
-        let rows = dims.iter().product::<usize>();
-        let hidden = tpinfer_kernels::silu_mul(&gate_up.reshape((rows, cols))?)?;
-        drop(gate_up);
-        dims.push(cols / 2);
-        self.down.forward(&hidden.reshape(dims)?)
+        self.down.forward_silu_mul(gate_up)
     }
 }
