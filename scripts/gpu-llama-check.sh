@@ -2,7 +2,9 @@
 # Llama on CUDA ranks against PyTorch/transformers on the same host (issue #3): f32 and bf16
 # numerics at TP 1 and 2, then decode/prefill speed side by side. Needs 2 GPUs, torch +
 # transformers, and the binaries of scripts/build-cuda.sh in .dist/. Results go to $OUT.
-# SKIP_NUMERICS=1: speed only; SKIP_SPEED=1: numerics only; SKIP_TORCH=1: no torch speed run.
+# SKIP_NUMERICS=1: speed only; SKIP_SPEED=1: numerics only; SKIP_TORCH=1: no torch speed run;
+# SKIP_EAGER=1: no --enforce-eager speed run; MIXING=1: also TP 2 with NCCL_GRAPH_MIXING_SUPPORT=0
+# (safe here: every rank waits for its graph before the step's eager broadcast).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
@@ -46,7 +48,10 @@ fi
 LIMIT=200 run "$BIN/tpinfer-bench" speed --model "$W/m8b" --cuda --tp 1,2 --prompt-tokens 128 --new-tokens 256 --repeats 2
 [ -n "${SKIP_EAGER:-}" ] || LIMIT=200 run "$BIN/tpinfer-bench" speed --model "$W/m8b" --cuda --tp 1,2 --prompt-tokens 128 \
   --new-tokens 256 --repeats 2 --enforce-eager
+[ -z "${MIXING:-}" ] || NCCL_GRAPH_MIXING_SUPPORT=0 LIMIT=150 run "$BIN/tpinfer-bench" speed --model "$W/m8b" --cuda --tp 2 \
+  --prompt-tokens 128 --new-tokens 256 --repeats 2
 LIMIT=120 run "$BIN/tpinfer-bench" speed --model "$W/m8b" --cuda --tp 1,2 --prompt-tokens 2048 --new-tokens 2 --repeats 3
+LIMIT=120 run "$BIN/tpinfer-bench" decode-profile --model "$W/m8b" --cuda --steps 64
 [ -n "${SKIP_TORCH:-}" ] || LIMIT=120 run $REF speed --model "$W/m8b" --out-json "$OUT/torch_speed.json"
 kill $SMI
 log done
