@@ -234,20 +234,26 @@ impl LlamaRank {
             self.comm.wait()?;
             return Ok(logits);
         }
-        let mut last: Option<Tensor> = None;
-        for chunk in ids.chunks(self.prefill_chunk) {
-            if let Some(previous) = last.take() {
-                // Each chunk's score buffers are larger than the last one's; waiting here lets
-                // a stream-ordered allocator hand the freed ones back instead of holding them
-                // beside the new ones.
-                previous.device().synchronize()?;
-            }
+        let device = self.norm.device().clone();
+        let mut chunks = ids.chunks(self.prefill_chunk).peekable();
+        let mut logits = None;
+        while let Some(chunk) = chunks.next() {
             self.position.set(self.cached)?;
-            let chunk_ids = Tensor::new(chunk, self.norm.device())?.unsqueeze(0)?;
-            last = Some(self.logits(&chunk_ids)?);
+            let chunk_ids = Tensor::new(chunk, &device)?.unsqueeze(0)?;
+            match chunks.peek() {
+                // Only the last chunk's last position needs the LM head.
+                None => logits = Some(self.logits(&chunk_ids)?),
+                Some(_) => {
+                    drop(self.hidden_states(&chunk_ids)?);
+                    // Each chunk's score buffers are larger than the last one's; waiting here
+                    // lets a stream-ordered allocator hand the freed ones back instead of
+                    // holding them beside the new ones.
+                    device.synchronize()?;
+                }
+            }
             self.cached += chunk.len();
         }
-        let logits = last.ok_or_else(|| candle_core::Error::Msg("forward of an empty sequence".into()))?;
+        let logits = logits.ok_or_else(|| candle_core::Error::Msg("forward of an empty sequence".into()))?;
         self.comm.wait()?;
         Ok(logits)
     }
