@@ -287,31 +287,23 @@ pub(crate) fn append_rotated_kv(
     let Some((start, end)) = cache.1.contiguous_offsets() else {
         candle_core::bail!("append_rotated_kv: the cache must be contiguous");
     };
+    // The same call for each element type of the cache.
+    macro_rules! append_to {
+        ($c:expr) => {
+            append(
+                &mut $c[start..end],
+                contiguous(qkv.0, qkv.1)?,
+                contiguous(table.0, table.1)?,
+                g,
+                offset,
+                capacity,
+            )
+        };
+    }
     match cache.0 {
-        CpuStorage::F32(c) => append(
-            &mut c[start..end],
-            contiguous(qkv.0, qkv.1)?,
-            contiguous(table.0, table.1)?,
-            g,
-            offset,
-            capacity,
-        ),
-        CpuStorage::BF16(c) => append(
-            &mut c[start..end],
-            contiguous(qkv.0, qkv.1)?,
-            contiguous(table.0, table.1)?,
-            g,
-            offset,
-            capacity,
-        ),
-        CpuStorage::F16(c) => append(
-            &mut c[start..end],
-            contiguous(qkv.0, qkv.1)?,
-            contiguous(table.0, table.1)?,
-            g,
-            offset,
-            capacity,
-        ),
+        CpuStorage::F32(c) => append_to!(c),
+        CpuStorage::BF16(c) => append_to!(c),
+        CpuStorage::F16(c) => append_to!(c),
         other => candle_core::bail!("append_rotated_kv: unsupported dtype {:?}", other.dtype()),
     }
     Ok(())

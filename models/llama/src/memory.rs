@@ -79,11 +79,11 @@ impl RankMemory {
         // `Rope::new`: cos and sin, `[2, t, d / 2]`; `kv_index`: one u32 per local Q head.
         let buffers = 2 * t * (d / 2) * e + nq * 4;
         let kv_cache = batch.max(1) * config.num_hidden_layers * KvCache::bytes(nkv, t, d, dtype);
-        let prefill = forward_memory(config, shard, e, chunk.min(t), t, flash);
-        let decode = forward_memory(config, shard, e, batch.max(1), t, flash);
-        let worst = prefill.max(decode);
+        let forward = |positions: usize| forward_memory(config, shard, e, positions, t, flash);
+        let worst = forward(chunk.min(t)).max(forward(batch.max(1)));
+        // The captured step is one sequence's.
         let graph = match flash {
-            true => config.vocab_size * 4 + forward_memory(config, shard, e, 1, t, flash).peak,
+            true => config.vocab_size * 4 + forward(1).peak,
             false => 0,
         };
         Self {
