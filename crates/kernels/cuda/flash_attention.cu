@@ -12,65 +12,13 @@
 // past `defer_above` keys the kernel does nothing (a decode step's split-KV kernels, launched
 // beside it, take over: a graph cannot choose on the host).
 // GQA: query head h reads KV head h / group.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
+#include "tile.cuh"
 
 namespace {
 
 // BLOCK_M query rows per CTA (a template parameter: 64 or 128), 16 per warp, so each K/V
 // tile serves BLOCK_M / 16 warps.
 constexpr int BLOCK_N = 64;  // keys per tile
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared; zero-filled when !valid (rows past the end).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-
-template <typename T>
-struct Mma;
-
-// D += A·B for one m16n8k16 tile (A 16×16 row-major, B 16×8 column-major, f32 accumulate),
-// and the packing of two f32 values into one register of T.
-#define MMA(T, PTX_TYPE, PAIR, TO_PAIR)                                                                      \
-    template <>                                                                                            \
-    struct Mma<T> {                                                                                        \
-        static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,     \
-                                                   uint32_t b1) {                                          \
-            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE                    \
-                         ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                    \
-                         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                  \
-                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                  \
-        }                                                                                                  \
-        static __device__ __forceinline__ uint32_t pack(float lo, float hi) {                             \
-            PAIR v = TO_PAIR(lo, hi);                                                                      \
-            return *reinterpret_cast<uint32_t*>(&v);                                                       \
-        }                                                                                                  \
-    };
-
-MMA(__nv_bfloat16, "bf16", __nv_bfloat162, __floats2bfloat162_rn)
-MMA(__half, "f16", __half2, __floats2half2_rn)
 
 // Copies ROWS rows of D elements starting at `row0` into a padded tile; rows at or past
 // `len` become zeros so that masked keys can never inject NaN through V.
@@ -81,7 +29,7 @@ __device__ __forceinline__ void load_tile(T* tile, const T* base, int row0, int 
         int r = c / CHUNKS, col = (c % CHUNKS) * 8;
         bool valid = row0 + r < len;
         const T* src = valid ? base + (long)(row0 + r) * row_stride + col : base;
-        cp_async16(tile + r * ROW + col, src, valid);
+        cp_async16(smem_addr(tile + r * ROW + col), src, valid);
     }
 }
 
@@ -124,12 +72,12 @@ __device__ void flash_forward(const T* __restrict__ q, const T* __restrict__ k, 
     int kv_end = kv_len;
     if (causal) kv_end = min(kv_len, offset + m0 + BLOCK_M);
     const int n_tiles = (kv_end + BLOCK_N - 1) / BLOCK_N;
-    const int row_a = m0 + warp * 16 + g, row_b = row_a + 8;  // this thread's two query rows
+    const int row_a = m0 + warp * 16 + g;  // this thread's first query row; the second is 8 below
 
     float o[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float max_a = -INFINITY, max_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
+    OnlineSoftmax softmax;
 
     load_tile<T, D, ROW, BLOCK_N, THREADS>(k_tile, kh, 0, kv_len, k_row);
     cp_async_commit();
@@ -155,54 +103,10 @@ __device__ void flash_forward(const T* __restrict__ q, const T* __restrict__ k, 
             }
         }
 
-        // Online softmax in base 2; masked entries (past kv_len, or after the query) are -inf.
-        const bool masked = n0 + BLOCK_N > kv_len || (causal && n0 + BLOCK_N - 1 > offset + m0);
-        float tile_a = -INFINITY, tile_b = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < BLOCK_N / 8; ++i) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[i][e] * scale_log2;
-                if (masked) {
-                    int key = n0 + i * 8 + 2 * t + (e & 1);
-                    int row = e < 2 ? row_a : row_b;
-                    if (key >= kv_len || (causal && key > offset + row)) x = -INFINITY;
-                }
-                s[i][e] = x;
-            }
-            tile_a = fmaxf(tile_a, fmaxf(s[i][0], s[i][1]));
-            tile_b = fmaxf(tile_b, fmaxf(s[i][2], s[i][3]));
-        }
-#pragma unroll
-        for (int w = 1; w < 4; w *= 2) {
-            tile_a = fmaxf(tile_a, __shfl_xor_sync(0xffffffff, tile_a, w));
-            tile_b = fmaxf(tile_b, __shfl_xor_sync(0xffffffff, tile_b, w));
-        }
-        const float new_a = fmaxf(max_a, tile_a), new_b = fmaxf(max_b, tile_b);
-        // A row with no visible key yet keeps max -inf; subtract 0 instead to avoid inf - inf.
-        const float base_a = new_a == -INFINITY ? 0.f : new_a, base_b = new_b == -INFINITY ? 0.f : new_b;
-        const float alpha_a = exp2f(max_a - base_a), alpha_b = exp2f(max_b - base_b);
-        max_a = new_a;
-        max_b = new_b;
-        sum_a *= alpha_a;
-        sum_b *= alpha_b;
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-            o[i][0] *= alpha_a;
-            o[i][1] *= alpha_a;
-            o[i][2] *= alpha_b;
-            o[i][3] *= alpha_b;
-        }
         uint32_t pf[BLOCK_N / 16][4];  // P as A fragments: the accumulator layout of two n-tiles
-#pragma unroll
-        for (int i = 0; i < BLOCK_N / 8; ++i) {
-            float p0 = exp2f(s[i][0] - base_a), p1 = exp2f(s[i][1] - base_a);
-            float p2 = exp2f(s[i][2] - base_b), p3 = exp2f(s[i][3] - base_b);
-            sum_a += p0 + p1;
-            sum_b += p2 + p3;
-            pf[i / 2][(i % 2) * 2] = Mma<T>::pack(p0, p1);
-            pf[i / 2][(i % 2) * 2 + 1] = Mma<T>::pack(p2, p3);
-        }
+        const bool masked = n0 + BLOCK_N > kv_len || (causal && n0 + BLOCK_N - 1 > offset + m0);
+        OnlineSoftmax::rescale(o, softmax.update(s, scale_log2, masked, n0, kv_len, causal ? offset : -1, row_a, t));
+        OnlineSoftmax::fragments<T>(s, pf);
 
         cp_async_wait<0>();  // V tile j has landed
         __syncthreads();     // every warp is done with K tile j
@@ -223,22 +127,7 @@ __device__ void flash_forward(const T* __restrict__ q, const T* __restrict__ k, 
         __syncthreads();  // every warp is done with V tile j
     }
 
-#pragma unroll
-    for (int w = 1; w < 4; w *= 2) {
-        sum_a += __shfl_xor_sync(0xffffffff, sum_a, w);
-        sum_b += __shfl_xor_sync(0xffffffff, sum_b, w);
-    }
-    const float inv_a = sum_a > 0.f ? 1.f / sum_a : 0.f, inv_b = sum_b > 0.f ? 1.f / sum_b : 0.f;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-        const int col = i * 8 + 2 * t;
-        if (row_a < q_len)
-            *reinterpret_cast<uint32_t*>(out + ((long)row_a * heads + head) * D + col) =
-                Mma<T>::pack(o[i][0] * inv_a, o[i][1] * inv_a);
-        if (row_b < q_len)
-            *reinterpret_cast<uint32_t*>(out + ((long)row_b * heads + head) * D + col) =
-                Mma<T>::pack(o[i][2] * inv_b, o[i][3] * inv_b);
-    }
+    softmax.store<T>(o, out, row_a, q_len, heads, head, t);
 }
 
 }  // namespace
