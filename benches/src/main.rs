@@ -10,6 +10,7 @@
 
 mod attention;
 mod decode;
+mod linear;
 mod plots;
 mod sweep;
 
@@ -37,6 +38,8 @@ enum Command {
     Dit(DitArgs),
     /// The fused flash-attention kernel: error against an f32 reference, ms and TFLOP/s.
     Attention(attention::AttentionArgs),
+    /// A biased linear (and GELU) as one cuBLASLt GEMM against candle's matmul and add.
+    Linear(linear::LinearArgs),
     /// A grid of Llama and DiT runs from a TOML file: JSON, CSV and plots (SVG, PNG).
     Sweep(sweep::SweepArgs),
     /// Where one rank's decode step goes: the step (graph and eager), sampling, the GEMVs.
@@ -469,18 +472,20 @@ fn dit_profile(args: &DitArgs, latents: &candle_core::Tensor, timestep: f64, tex
     )?;
     let context = model.embed_text(&text.to_device(&device)?)?;
     let latents = latents.to_device(&device)?;
-    let times = tpinfer_wan::StageTimes::new(&device);
+    let times = tpinfer_wan::StageTimes::new(&device)?;
     model.forward_profiled(&latents, timestep, &context, &times)?;
+    device.synchronize()?;
     times.reset()?;
     let start = std::time::Instant::now();
     model.forward_profiled(&latents, timestep, &context, &times)?;
+    let stages = times.stages()?;
     let total = start.elapsed().as_secs_f64() * 1e3;
-    println!("\n| stage (TP 1, {dtype:?}, synchronized) | ms | share |\n|---|---|---|");
-    for (stage, spent) in times.stages() {
+    println!("\n| stage (TP 1, {dtype:?}, device time) | ms | share |\n|---|---|---|");
+    for (stage, spent) in stages {
         let ms = spent.as_secs_f64() * 1e3;
         println!("| {stage} | {ms:.1} | {:.0}% |", 100.0 * ms / total);
     }
-    println!("| total | {total:.1} | |");
+    println!("| total (wall) | {total:.1} | |");
     Ok(())
 }
 
@@ -497,6 +502,7 @@ fn main() -> Result<()> {
         Command::Logits(args) => logits(args),
         Command::Dit(args) => dit(args),
         Command::Attention(args) => attention::run(args),
+        Command::Linear(args) => linear::run(args),
         Command::Sweep(args) => sweep::run(args),
         Command::DecodeProfile(args) => decode::run(args),
     }

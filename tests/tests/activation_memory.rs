@@ -154,7 +154,7 @@ fn assert_close(measured: usize, expected: usize, case: &str) {
 fn dit_forward_allocates_what_the_memory_model_says() {
     let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     use tpinfer_tests::{open_wan, wan_inputs, TinyWan};
-    use tpinfer_wan::memory::{AttentionPath, DitMemory, Video};
+    use tpinfer_wan::memory::{DitMemory, ForwardPath, Video};
     use tpinfer_wan::{WanRank, WanShard};
 
     let model = TinyWan {
@@ -191,7 +191,7 @@ fn dit_forward_allocates_what_the_memory_model_says() {
         dtype,
         video,
         text.dim(0).expect("tokens"),
-        AttentionPath::Flash,
+        ForwardPath::for_device(false, dtype, config.attention_head_dim),
     );
     assert_close(measured, m.buffers + m.activations, &format!("DiT {dtype:?}"));
 }

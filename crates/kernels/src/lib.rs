@@ -1,6 +1,8 @@
 //! Fused CUDA kernels behind candle custom ops, for the hot paths candle's own kernels leave
-//! unfused: flash attention (FlashAttention-2's scheme), which the video DiT needs at tens of
-//! thousands of tokens and which never writes a score matrix to memory; one-pass row-wise ops
+//! unfused: flash attention (FlashAttention-2's scheme, and on Hopper the same on warpgroup
+//! tensor-core instructions), which the video DiT needs at tens of thousands of tokens and
+//! which never writes a score matrix to memory; a linear layer's bias and GELU in cuBLASLt's
+//! GEMM epilogue; one-pass row-wise ops
 //! (modulated LayerNorm, gated residual, the sums and scales of a sharded RMSNorm, a gated
 //! MLP's SiLU product), which candle would run as chains of casts and broadcasts; rotary
 //! embedding fused with the KV-cache write, which keeps a decode step's launches few; and the
@@ -15,11 +17,13 @@ mod gemv;
 pub mod graph;
 #[cfg(feature = "cuda")]
 mod launch;
+mod linear;
 mod position;
 mod rotary;
 mod rowwise;
 
 pub use gemv::{gemv, gemv_on_cuda, gemv_silu_mul, gemv_silu_mul_on_cuda};
+pub use linear::{fused_linear_on_cuda, linear_bias};
 pub use position::write_u32s;
 pub use rotary::{append_rotated_kv, rotary_queries};
 pub use rowwise::{add_rms_norm, gated_residual, layer_norm, row_sum_squares, scale_rows_cols, silu_mul};
@@ -188,6 +192,16 @@ mod cuda {
     const DECODE_SPLIT_ABOVE: i32 = 768;
     /// Query rows per CTA, 16 per warp (cuda/flash_attention.cu).
     const QUERY_ROWS: usize = 64;
+    /// The Hopper kernel (cuda/flash_attention_sm90.cu): built for compute capability 9.0 only.
+    #[cfg(tpinfer_sm90)]
+    const SM90_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention_sm90.ptx"));
+    /// Its query rows per CTA: two warpgroups of 64.
+    #[cfg(tpinfer_sm90)]
+    const SM90_QUERY_ROWS: usize = 128;
+    /// Its dynamic shared memory: three stages of a K and a V tile (64 keys × 128 values of 2
+    /// bytes each), plus 1 KiB to align the swizzle atoms.
+    #[cfg(tpinfer_sm90)]
+    const SM90_SMEM_BYTES: u32 = 3 * 2 * 64 * 128 * 2 + 1024;
 
     type Input<'a> = (&'a CudaStorage, &'a Layout);
     type Position<'a, 'b> = Option<&'a CudaView<'b, u32>>;
@@ -337,6 +351,49 @@ mod cuda {
         Ok((flash, shape))
     }
 
+    /// The attention kernel of one launch and its shape.
+    struct Kernel {
+        name: String,
+        module: &'static str,
+        ptx: &'static str,
+        rows: usize,
+        threads: u32,
+        smem_bytes: u32,
+    }
+
+    impl Kernel {
+        /// The Hopper (wgmma) kernel on an sm_90 GPU in a build for it, in bf16 with head size
+        /// 128 and at least one warpgroup's worth of queries (a decode step's single row stays
+        /// on the mma.sync kernel, whose CTAs are half as tall); the mma.sync kernel otherwise.
+        fn pick(dev: &candle_core::CudaDevice, suffix: &str, d: usize, q_len: usize) -> Result<Self> {
+            #[cfg(tpinfer_sm90)]
+            if suffix == "bf16"
+                && d == 128
+                && q_len >= 64
+                && dev.cuda_stream().context().compute_capability().w()? == (9, 0)
+            {
+                return Ok(Self {
+                    name: format!("flash_attention_sm90_{suffix}_d{d}"),
+                    module: "tpinfer_flash_attention_sm90",
+                    ptx: SM90_PTX,
+                    rows: SM90_QUERY_ROWS,
+                    threads: SM90_QUERY_ROWS as u32 / 64 * 128,
+                    smem_bytes: SM90_SMEM_BYTES,
+                });
+            }
+            #[cfg(not(tpinfer_sm90))]
+            let _ = (dev, q_len);
+            Ok(Self {
+                name: format!("flash_attention_{suffix}_d{d}"),
+                module: "tpinfer_flash_attention",
+                ptx: PTX,
+                rows: QUERY_ROWS,
+                threads: QUERY_ROWS as u32 / 16 * 32,
+                smem_bytes: 0,
+            })
+        }
+    }
+
     fn launch_typed<T: CudaDType + DeviceRepr>(
         suffix: &str,
         op: &FlashAttention,
@@ -351,20 +408,25 @@ mod cuda {
         let ((q_row, q_head), (k_row, k_head), (v_row, v_head)) =
             (strides(ql, "q")?, strides(kl, "k")?, strides(vl, "v")?);
         let dev = q.device();
-        let func = dev.get_or_load_custom_func(
-            &format!("flash_attention_{suffix}_d{d}"),
-            "tpinfer_flash_attention",
-            PTX,
-        )?;
+        let kernel = Kernel::pick(dev, suffix, d, q_len)?;
+        let func = dev.get_or_load_custom_func(&kernel.name, kernel.module, kernel.ptx)?;
+        if kernel.smem_bytes > 0 {
+            use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as Attr;
+            func.set_attribute(
+                Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                kernel.smem_bytes as i32,
+            )
+            .w()?;
+        }
         let qs = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
         let ks = k.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
         let vs = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
         // SAFETY: every element is written by the kernel (rows < q_len of every head).
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(q_len * heads * d)? };
         let cfg = LaunchConfig {
-            grid_dim: (q_len.div_ceil(QUERY_ROWS) as u32, heads as u32, 1),
-            block_dim: (QUERY_ROWS as u32 / 16 * 32, 1, 1),
-            shared_mem_bytes: 0,
+            grid_dim: (q_len.div_ceil(kernel.rows) as u32, heads as u32, 1),
+            block_dim: (kernel.threads, 1, 1),
+            shared_mem_bytes: kernel.smem_bytes,
         };
         let (q_len_i, kv_len_i, heads_i, group) =
             (q_len as i32, kv_len as i32, heads as i32, (heads / kv_heads) as i32);

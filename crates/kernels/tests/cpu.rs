@@ -7,7 +7,7 @@
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
     add_rms_norm, append_rotated_kv, flash_attention, flash_attention_cached, gated_residual, gemv, gemv_silu_mul,
-    layer_norm, rotary_queries, row_sum_squares, scale_rows_cols, silu_mul, write_u32s,
+    layer_norm, linear_bias, rotary_queries, row_sum_squares, scale_rows_cols, silu_mul, write_u32s,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -343,5 +343,24 @@ fn the_fused_silu_product_gives_the_unfused_bits() {
     assert!(
         gemv_silu_mul(&randn(&[1, 16], 56), &randn(&[8, 16], 57)).is_err(),
         "not 2k wide"
+    );
+}
+
+#[test]
+fn biased_linear_keeps_leading_dims_and_applies_gelu_after_the_bias() {
+    let (x, w, b) = (randn(&[2, 3, 16], 31), randn(&[5, 16], 32), randn(&[5], 33));
+    let flat = x.reshape((6, 16)).expect("flat");
+    let expected = flat
+        .matmul(&w.t().expect("t"))
+        .and_then(|y| y.broadcast_add(&b))
+        .expect("reference");
+    let y = linear_bias(&x, &w, &b, false).expect("linear");
+    assert_eq!(y.dims(), [2, 3, 5]);
+    assert!(rel(&y.reshape((6, 5)).expect("flat"), &expected) < 1e-6);
+    let y = linear_bias(&x, &w, &b, true).expect("linear + gelu");
+    assert!(rel(&y.reshape((6, 5)).expect("flat"), &expected.gelu().expect("gelu")) < 1e-6);
+    assert!(
+        linear_bias(&x, &w, &randn(&[4], 34), false).is_err(),
+        "a bias of the wrong size is refused"
     );
 }

@@ -9,16 +9,21 @@ use tpinfer_weights::{ShardLoader, ShardSpec, WeightDecl};
 use crate::Result;
 
 /// `x · wᵀ (+ b)` through `linear`: one input row on CUDA in 16 bits (a decode step's
-/// products) through the GEMV kernel, everything else through candle's (cuBLAS) matmul.
+/// products) through the GEMV kernel; more rows with a bias through one cuBLASLt GEMM with
+/// the bias in its epilogue; everything else through candle's (cuBLAS) matmul.
 fn apply(linear: &Linear, x: &Tensor) -> Result<Tensor> {
-    if !tpinfer_kernels::gemv_on_cuda(x, linear.weight()) {
-        return Ok(linear.forward(x)?);
+    let w = linear.weight();
+    if tpinfer_kernels::gemv_on_cuda(x, w) {
+        let y = tpinfer_kernels::gemv(x, w)?;
+        return Ok(match linear.bias() {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        });
     }
-    let y = tpinfer_kernels::gemv(x, linear.weight())?;
-    Ok(match linear.bias() {
-        Some(b) => y.broadcast_add(b)?,
-        None => y,
-    })
+    match linear.bias() {
+        Some(b) if tpinfer_kernels::fused_linear_on_cuda(x, w) => Ok(tpinfer_kernels::linear_bias(x, w, b, false)?),
+        _ => Ok(linear.forward(x)?),
+    }
 }
 
 /// `y = x Aᵀ + b` with `A` split along its output rows: the rank holds `A[out_range, :]` and
@@ -48,6 +53,16 @@ impl ColumnParallelLinear {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         apply(&self.linear, x)
+    }
+
+    /// GELU (tanh approximation) of [`Self::forward`]: with a bias, on CUDA, in the GEMM's
+    /// epilogue.
+    pub fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
+        let w = self.linear.weight();
+        match self.linear.bias() {
+            Some(b) if tpinfer_kernels::fused_linear_on_cuda(x, w) => Ok(tpinfer_kernels::linear_bias(x, w, b, true)?),
+            _ => Ok(apply(&self.linear, x)?.gelu()?),
+        }
     }
 }
 
@@ -143,6 +158,18 @@ impl RowParallelLinear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let w = self.linear.weight();
+        if let Some(b) = &self.bias {
+            if tpinfer_kernels::fused_linear_on_cuda(x, w) {
+                // Rank 0 adds the bias in its GEMM's epilogue, before the sum: still once.
+                let partial = match self.comm.rank() {
+                    0 => tpinfer_kernels::linear_bias(x, w, b, false)?,
+                    _ => apply(&self.linear, x)?,
+                };
+                let y = self.comm.all_reduce_sum(&partial)?;
+                return Ok(y);
+            }
+        }
         let partial = apply(&self.linear, x)?;
         self.reduce(partial)
     }

@@ -4,7 +4,7 @@ use candle_core::DType;
 use serde::Serialize;
 use tpinfer_llama::memory::{flash_attention, prefill_chunk, RankMemory};
 use tpinfer_llama::{LlamaConfig, LlamaShard};
-use tpinfer_wan::memory::{AttentionPath, DitMemory, Video};
+use tpinfer_wan::memory::{DitMemory, ForwardPath, Video};
 use tpinfer_wan::{WanConfig, WanShard};
 use tpinfer_weights::{ShardLoader, WeightDecl};
 
@@ -182,7 +182,7 @@ impl Plan {
                 for rank in 0..tp {
                     let shard = WanShard::new(config, tp, rank).map_err(|detail| PlanError::Sharding { tp, detail })?;
                     let weights = weight_bytes(&shard.weight_decls(config), dtype)?;
-                    let m = DitMemory::new(config, &shard, dtype, video, attention_path(config, dtype, device));
+                    let m = DitMemory::new(config, &shard, dtype, video, forward_path(config, dtype, device));
                     let temporaries = [m.buffers, m.latents, m.activations, m.pool_slack];
                     ranks.push(RankPlan::on_device(rank, weights, temporaries, device, tp));
                 }
@@ -280,8 +280,8 @@ fn llama_fsdp(
     Ok(fsdp_estimate(world, total, unit, name, temporaries, device))
 }
 
-fn attention_path(config: &WanConfig, dtype: DType, device: DeviceProfile) -> AttentionPath {
-    AttentionPath::for_device(device.is_cuda(), dtype, config.attention_head_dim)
+fn forward_path(config: &WanConfig, dtype: DType, device: DeviceProfile) -> ForwardPath {
+    ForwardPath::for_device(device.is_cuda(), dtype, config.attention_head_dim)
 }
 
 fn wan_fsdp(
@@ -293,7 +293,7 @@ fn wan_fsdp(
 ) -> Result<Fsdp, PlanError> {
     let whole = WanShard::new(config, 1, 0).map_err(PlanError::Model)?;
     let (total, unit, name) = fsdp_units(&whole.weight_decls(config), dtype, |n| numbered_unit(n, "blocks."))?;
-    let memory = DitMemory::new(config, &whole, dtype, video, attention_path(config, dtype, device));
+    let memory = DitMemory::new(config, &whole, dtype, video, forward_path(config, dtype, device));
     let temporaries = [memory.buffers, memory.latents, memory.activations, memory.pool_slack];
     Ok(fsdp_estimate(world, total, unit, name, temporaries, device))
 }

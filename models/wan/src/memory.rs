@@ -43,21 +43,38 @@ pub enum AttentionPath {
     Blockwise,
 }
 
-impl AttentionPath {
-    /// The path `full_attention` takes on a CUDA device (`cuda`) or CPU ranks in `dtype`.
+/// How a rank runs its forward, which decides its temporaries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForwardPath {
+    pub attention: AttentionPath,
+    /// Linear layers with a bias add it (and the FFN its GELU) in the GEMM's epilogue,
+    /// allocating only their output (`tpinfer_kernels::linear_bias`): CUDA ranks in bf16/f16.
+    pub fused_linear: bool,
+}
+
+impl ForwardPath {
+    /// The path on a CUDA device (`cuda`) or CPU ranks in `dtype`.
     pub fn for_device(cuda: bool, dtype: DType, head_dim: usize) -> Self {
-        match !cuda || tpinfer_kernels::cuda_flash_attention_covers(dtype, head_dim) {
-            true => Self::Flash,
-            false => Self::Blockwise,
+        let attention = match !cuda || tpinfer_kernels::cuda_flash_attention_covers(dtype, head_dim) {
+            true => AttentionPath::Flash,
+            false => AttentionPath::Blockwise,
+        };
+        Self {
+            attention,
+            fused_linear: cuda && matches!(dtype, DType::BF16 | DType::F16),
         }
     }
 }
+
+/// cuBLASLt's workspace per rank for the fused linears (cudarc allocates 32 MiB on Hopper
+/// and 4 MiB before it; the plan takes the larger).
+pub const FUSED_LINEAR_WORKSPACE: usize = 32 << 20;
 
 /// One rank's device bytes apart from its weight slices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DitMemory {
     /// The 3-D RoPE tables (cos and sin per token in the compute dtype), built at the start
-    /// of each forward and alive through it.
+    /// of each forward and alive through it, and the fused linears' workspace.
     pub buffers: usize,
     /// The sampler's latents, the text states (conditional and negative, f32) and their
     /// embeddings.
@@ -71,7 +88,7 @@ pub struct DitMemory {
 
 impl DitMemory {
     /// The plan's case: [`TEXT_TOKENS`] of text.
-    pub fn new(c: &WanConfig, shard: &WanShard, dtype: DType, video: Video, path: AttentionPath) -> Self {
+    pub fn new(c: &WanConfig, shard: &WanShard, dtype: DType, video: Video, path: ForwardPath) -> Self {
         Self::with_text(c, shard, dtype, video, TEXT_TOKENS, path)
     }
 
@@ -82,7 +99,7 @@ impl DitMemory {
         dtype: DType,
         video: Video,
         text: usize,
-        path: AttentionPath,
+        path: ForwardPath,
     ) -> Self {
         let s = c.video_tokens(video.frames, video.width, video.height);
         let (d, hd, e) = (c.hidden_size(), c.attention_head_dim, dtype.size_in_bytes());
@@ -92,16 +109,16 @@ impl DitMemory {
         let (text_l, context) = (text * heads * hd * e, text * d * e);
 
         // `Attention::forward` on the modulated norm `n` (X), self-attention:
-        // Q's GEMM output and Q with its bias (2L); then with Q alive, the merged K/V GEMM
-        // output and K/V with its bias (4L); `full_width_rms_norm`: normalized Q, then a
-        // contiguous copy of K and normalized K beside the merged K/V (4L + Q' = 5L);
-        // the V copy and the rotations each replace one of those.
+        // Q's GEMM output and Q with its bias (2L; fused: L); then with Q alive, the merged
+        // K/V GEMM output and K/V with its bias (4L; fused: 2L); `full_width_rms_norm`:
+        // normalized Q, then a contiguous copy of K and normalized K beside the merged K/V
+        // (4L + Q' = 5L); the V copy and the rotations each replace one of those.
         let projections = x + 5 * l;
         // The attention output beside Q, K, V (4L), or the blockwise path's f32 work: within
         // the loop over heads, one head's scaled queries, keys (and a transposed copy) and
         // values, two score buffers and the f32 outputs of the heads so far; after it, those
         // outputs and their stacked copy.
-        let attention = match path {
+        let attention = match path.attention {
             AttentionPath::Flash => x + 4 * l,
             AttentionPath::Blockwise => {
                 let t = s;
@@ -111,15 +128,24 @@ impl DitMemory {
                 x + 3 * l + (head + 2 * scores + outputs).max(2 * outputs)
             }
         };
-        // `RowParallelLinear::forward` beside the attention output (L): the partial product,
-        // then the all-reduce's output and the biased sum (2X).
-        let output = x + l + 2 * x;
+        // `RowParallelLinear::forward` beside its input (the attention output, L; the FFN's
+        // hidden, F): the partial product, then the all-reduce's output and the biased sum
+        // (2X); fused, the partial (with the bias on rank 0) and the sum, which at TP 1 is
+        // the partial itself (X).
+        let reduced = match path.fused_linear && shard.world == 1 {
+            true => x,
+            false => 2 * x,
+        };
+        let output = x + l + reduced;
         let self_attn = projections.max(attention).max(output);
         // Cross-attention: the same with keys over the text.
         let cross = (x + 2 * l + 4 * text_l).max(output);
         // `Block::forward`'s FFN: the up GEMM's output and its bias beside `n` (X + 2F); GELU
-        // (2F); the down projection's partial and reduced sums beside the hidden (F + 2X).
-        let ffn = (x + 2 * f).max(2 * f).max(f + 2 * x);
+        // (2F); fused, the hidden alone (X + F); the down projection beside the hidden.
+        let ffn = match path.fused_linear {
+            true => (x + f).max(f + reduced),
+            false => (x + 2 * f).max(2 * f).max(f + reduced),
+        };
         // A residual update: old and new stream and the attention or FFN output (3X).
         let residual = 3 * x;
         let block = (x + self_attn.max(cross).max(ffn)).max(residual);
@@ -130,8 +156,9 @@ impl DitMemory {
             true => (SAMPLER_BUFFERS, 2),
             false => (SAMPLER_BUFFERS_WITHOUT_CFG, 1),
         };
+        let workspace = if path.fused_linear { FUSED_LINEAR_WORKSPACE } else { 0 };
         Self {
-            buffers: 2 * s * (hd / 2) * e,
+            buffers: 2 * s * (hd / 2) * e + workspace,
             latents: buffers * c.latent_elements(video.frames, video.width, video.height) * 4
                 + prompts * (text * c.text_dim * 4 + context),
             activations: block,

@@ -184,8 +184,8 @@ impl WanRank {
         self.forward_with(latents, timestep, context, None)
     }
 
-    /// [`Self::forward`] with the time of each stage recorded in `times` (which synchronizes
-    /// the device at every stage: for finding where a step's time goes).
+    /// [`Self::forward`] with the time of each stage recorded in `times` (CUDA events on a GPU):
+    /// for finding where a step's time goes.
     pub fn forward_profiled(
         &self,
         latents: &Tensor,
@@ -343,10 +343,8 @@ impl Block {
         // FFN (GELU, tanh approximation), gated.
         let n = modulated_norm(&x, &row(3)?, &row(4)?, c.eps)?;
         step.mark("norms and residuals")?;
-        let up = self.ffn_up.forward(&n)?;
+        let hidden = self.ffn_up.forward_gelu(&n)?;
         drop(n);
-        let hidden = up.gelu()?;
-        drop(up);
         step.mark("ffn up + gelu")?;
         let ffn = self.ffn_down.forward(&hidden)?;
         drop(hidden);

@@ -1,0 +1,187 @@
+//! `x · wᵀ + b`, optionally followed by GELU (tanh approximation), as one cuBLASLt call on
+//! CUDA: the bias and the activation run in the GEMM's epilogue. candle adds a bias with a
+//! broadcast kernel that took about 2 ms per 32,760 × 5,120 bf16 output on an H200 (PyTorch's
+//! add 0.4 ms), about a tenth of a Wan-14B block's projections. On CPU the same result comes
+//! from candle's ops.
+
+use candle_core::{DType, Layout, Result, Shape, Tensor};
+
+/// Whether [`linear_bias`] runs as one fused GEMM for `x` and `w`: CUDA in bf16 or f16 (a
+/// build with the `cuda` feature), more than one row (one row goes through [`crate::gemv`]).
+pub fn fused_linear_on_cuda(x: &Tensor, w: &Tensor) -> bool {
+    let k = w.dims().get(1).copied().unwrap_or(0);
+    cfg!(feature = "cuda")
+        && x.device().is_cuda()
+        && matches!(x.dtype(), DType::BF16 | DType::F16)
+        && w.dtype() == x.dtype()
+        && x.dims().last() == Some(&k)
+        && x.elem_count() > k
+}
+
+/// `x · wᵀ + b` for `x` `[.., k]`, `w` `[n, k]` and `b` `[n]`, then GELU with the tanh
+/// approximation when `gelu`: `[.., n]`.
+pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor, gelu: bool) -> Result<Tensor> {
+    let (n, k) = w.dims2()?;
+    if x.dims().last() != Some(&k) || b.dims() != [n] || w.dtype() != x.dtype() || b.dtype() != x.dtype() {
+        candle_core::bail!(
+            "linear: x {:?} {:?}, w {:?} {:?} and b {:?} {:?} do not fit",
+            x.dims(),
+            x.dtype(),
+            w.dims(),
+            w.dtype(),
+            b.dims(),
+            b.dtype()
+        );
+    }
+    let mut shape = x.dims().to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = n;
+    }
+    let rows = x.elem_count() / k;
+    let x2 = x.reshape((rows, k))?;
+    let y = if fused_linear_on_cuda(x, w) {
+        x2.contiguous()?
+            .apply_op3_no_bwd(&w.contiguous()?, &b.contiguous()?, &FusedLinear { rows, n, k, gelu })?
+    } else {
+        let y = x2.matmul(&w.t()?)?.broadcast_add(b)?;
+        match gelu {
+            true => y.gelu()?,
+            false => y,
+        }
+    };
+    y.reshape(shape)
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct FusedLinear {
+    rows: usize,
+    n: usize,
+    k: usize,
+    gelu: bool,
+}
+
+impl candle_core::CustomOp3 for FusedLinear {
+    fn name(&self) -> &'static str {
+        "fused-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("fused-linear runs on CUDA only; linear_bias uses candle's ops on CPU")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+        b: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            cuda::linear(self, (x, xl), (w, wl), (b, bl))?,
+            Shape::from((self.rows, self.n)),
+        ))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::cell::RefCell;
+    use std::sync::Arc;
+
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::cublaslt::result::CublasError;
+    use candle_core::cuda_backend::cudarc::cublaslt::{Activation, CudaBlasLT, Matmul, MatmulConfig};
+    use candle_core::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr};
+    use candle_core::cuda_backend::CudaDType;
+    use candle_core::{CudaStorage, DType, Layout, Result};
+    use half::{bf16, f16};
+
+    use super::FusedLinear;
+
+    type Input<'a> = (&'a CudaStorage, &'a Layout);
+
+    thread_local! {
+        /// One cuBLASLt handle (and its 32 MiB workspace on Hopper) per stream this thread
+        /// launches on: a rank's thread has one.
+        static HANDLES: RefCell<Vec<(Arc<CudaStream>, Arc<CudaBlasLT>)>> = const { RefCell::new(Vec::new()) };
+    }
+
+    fn cublas_error(e: CublasError) -> candle_core::Error {
+        candle_core::Error::Msg(format!("cuBLASLt: {e:?}"))
+    }
+
+    fn handle(stream: &Arc<CudaStream>) -> Result<Arc<CudaBlasLT>> {
+        HANDLES.with(|handles| {
+            let mut handles = handles.borrow_mut();
+            if let Some((_, lt)) = handles.iter().find(|(s, _)| Arc::ptr_eq(s, stream)) {
+                return Ok(lt.clone());
+            }
+            let lt = Arc::new(CudaBlasLT::new(stream.clone()).map_err(cublas_error)?);
+            handles.push((stream.clone(), lt.clone()));
+            Ok(lt)
+        })
+    }
+
+    pub(super) fn linear(op: &FusedLinear, x: Input, w: Input, b: Input) -> Result<CudaStorage> {
+        match x.0.dtype() {
+            DType::BF16 => typed::<bf16>(op, x, w, b),
+            DType::F16 => typed::<f16>(op, x, w, b),
+            other => candle_core::bail!("fused-linear: unsupported dtype {other:?} on CUDA"),
+        }
+    }
+
+    fn typed<T: CudaDType + DeviceRepr>(
+        op: &FusedLinear,
+        (x, xl): Input,
+        (w, wl): Input,
+        (b, bl): Input,
+    ) -> Result<CudaStorage>
+    where
+        CudaBlasLT: Matmul<T>,
+    {
+        let dev = x.device();
+        let lt = handle(&dev.cuda_stream())?;
+        let xs = x.as_cuda_slice::<T>()?.slice(xl.start_offset()..);
+        let ws = w.as_cuda_slice::<T>()?.slice(wl.start_offset()..);
+        let bs = b.as_cuda_slice::<T>()?.slice(bl.start_offset()..);
+        // SAFETY: the GEMM writes every element (beta = 0).
+        let mut out = unsafe { dev.alloc::<T>(op.rows * op.n)? };
+        // Column-major, as cuBLAS sees row-major data: yᵀ [n, rows] = w [k, n]ᵀ · xᵀ [k, rows];
+        // the epilogue adds b along yᵀ's rows, i.e. per output feature.
+        let (n, rows, k) = (op.n as u64, op.rows as u64, op.k as u64);
+        let cfg = MatmulConfig {
+            transa: true,
+            transb: false,
+            transc: false,
+            m: n,
+            n: rows,
+            k,
+            alpha: 1.0,
+            lda: k as i64,
+            ldb: k as i64,
+            beta: 0.0,
+            ldc: n as i64,
+            stride_a: None,
+            stride_b: None,
+            stride_c: None,
+            stride_bias: None,
+            batch_size: None,
+        };
+        let act = op.gelu.then_some(Activation::Gelu);
+        // SAFETY: w holds n rows of k, x rows of k, b n values, all contiguous from their
+        // offsets (the caller made them so); out holds rows × n.
+        unsafe { lt.matmul(cfg, &ws, &xs, &mut out, Some(&bs), act.as_ref()) }.map_err(cublas_error)?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+}
