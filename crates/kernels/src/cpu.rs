@@ -372,3 +372,65 @@ pub(crate) fn gemv(
         Ok(T::to_cpu_storage_owned(out))
     })
 }
+
+/// `x · wᵀ + b` for `x` `[rows, k]`, `w` `[n, k]`, `b` `[n]` in f32, then GELU (tanh
+/// approximation, candle's formula) when `gelu`: the output starts as the broadcast bias and
+/// the GEMM (candle's own, the `gemm` crate) accumulates into it, so that, as with cuBLASLt's
+/// epilogue on CUDA, the output is the only allocation.
+pub(crate) fn linear_bias(
+    x: (&CpuStorage, &Layout),
+    w: (&CpuStorage, &Layout),
+    b: (&CpuStorage, &Layout),
+    (rows, n, k): (usize, usize, usize),
+    gelu: bool,
+) -> Result<CpuStorage> {
+    let (xs, ws, bs) = (
+        contiguous::<f32>(x.0, x.1)?,
+        contiguous::<f32>(w.0, w.1)?,
+        contiguous::<f32>(b.0, b.1)?,
+    );
+    let mut out = Vec::with_capacity(rows * n);
+    for _ in 0..rows {
+        out.extend_from_slice(bs);
+    }
+    // As candle's matmul calls it.
+    let parallelism = match rayon::current_num_threads() {
+        1 => gemm::Parallelism::None,
+        threads => gemm::Parallelism::Rayon(threads),
+    };
+    // SAFETY: out is rows × n (row stride n), x rows × k (row stride k), and wᵀ is read as
+    // k × n with element (kk, j) at w[j · k + kk]; the gemm crate computes
+    // out = 1 · out + 1 · x · wᵀ.
+    unsafe {
+        gemm::gemm(
+            rows,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            true,
+            xs.as_ptr(),
+            1,
+            k as isize,
+            ws.as_ptr(),
+            k as isize,
+            1,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    };
+    if gelu {
+        const SQRT_TWO_OVER_PI: f32 = 0.797_884_6;
+        for_each_chunk(&mut out, 4096, rows * n, |_, chunk| {
+            for v in chunk {
+                *v = 0.5 * *v * (1.0 + (SQRT_TWO_OVER_PI * *v * (1.0 + 0.044715 * *v * *v)).tanh());
+            }
+        });
+    }
+    Ok(CpuStorage::F32(out))
+}

@@ -23,7 +23,7 @@ mod rotary;
 mod rowwise;
 
 pub use gemv::{gemv, gemv_on_cuda, gemv_silu_mul, gemv_silu_mul_on_cuda};
-pub use linear::{fused_linear_on_cuda, linear_bias};
+pub use linear::{fused_linear_covers, linear_bias};
 pub use position::write_u32s;
 pub use rotary::{append_rotated_kv, rotary_queries};
 pub use rowwise::{add_rms_norm, gated_residual, layer_norm, row_sum_squares, scale_rows_cols, silu_mul};

@@ -1,21 +1,23 @@
-//! `x · wᵀ + b`, optionally followed by GELU (tanh approximation), as one cuBLASLt call on
-//! CUDA: the bias and the activation run in the GEMM's epilogue. candle adds a bias with a
-//! broadcast kernel that took about 2 ms per 32,760 × 5,120 bf16 output on an H200 (PyTorch's
-//! add 0.4 ms), about a tenth of a Wan-14B block's projections. On CPU the same result comes
-//! from candle's ops.
+//! `x · wᵀ + b`, optionally followed by GELU (tanh approximation), in one op that allocates
+//! only its output. On CUDA that is one cuBLASLt call with the bias and the activation in the
+//! GEMM's epilogue: candle adds a bias with a broadcast kernel that took about 2 ms per
+//! 32,760 × 5,120 bf16 output on an H200 (PyTorch's add 0.4 ms), and its matmul with the add
+//! ran at half cuBLASLt's speed (benches/RESULTS.md). On CPU in f32 the GEMM accumulates into
+//! the broadcast bias, so that the DiT's memory model holds on both.
 
 use candle_core::{DType, Layout, Result, Shape, Tensor};
 
-/// Whether [`linear_bias`] runs as one fused GEMM for `x` and `w`: CUDA in bf16 or f16 (a
-/// build with the `cuda` feature), more than one row (one row goes through [`crate::gemv`]).
-pub fn fused_linear_on_cuda(x: &Tensor, w: &Tensor) -> bool {
+/// Whether [`linear_bias`] runs as one fused op for `x` and `w`: on CUDA in bf16 or f16 (a
+/// build with the `cuda` feature) with more than one row (one row goes through
+/// [`crate::gemv`]), or on CPU in f32. Elsewhere it runs as candle's matmul and add.
+pub fn fused_linear_covers(x: &Tensor, w: &Tensor) -> bool {
     let k = w.dims().get(1).copied().unwrap_or(0);
-    cfg!(feature = "cuda")
-        && x.device().is_cuda()
-        && matches!(x.dtype(), DType::BF16 | DType::F16)
-        && w.dtype() == x.dtype()
-        && x.dims().last() == Some(&k)
-        && x.elem_count() > k
+    let dtype_ok = match x.device() {
+        candle_core::Device::Cpu => x.dtype() == DType::F32,
+        candle_core::Device::Cuda(_) => cfg!(feature = "cuda") && matches!(x.dtype(), DType::BF16 | DType::F16),
+        _ => false,
+    };
+    dtype_ok && w.dtype() == x.dtype() && x.dims().last() == Some(&k) && x.elem_count() > k
 }
 
 /// `x · wᵀ + b` for `x` `[.., k]`, `w` `[n, k]` and `b` `[n]`, then GELU with the tanh
@@ -39,7 +41,7 @@ pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor, gelu: bool) -> Result<Ten
     }
     let rows = x.elem_count() / k;
     let x2 = x.reshape((rows, k))?;
-    let y = if fused_linear_on_cuda(x, w) {
+    let y = if fused_linear_covers(x, w) {
         x2.contiguous()?
             .apply_op3_no_bwd(&w.contiguous()?, &b.contiguous()?, &FusedLinear { rows, n, k, gelu })?
     } else {
@@ -52,7 +54,6 @@ pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor, gelu: bool) -> Result<Ten
     y.reshape(shape)
 }
 
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct FusedLinear {
     rows: usize,
     n: usize,
@@ -67,14 +68,18 @@ impl candle_core::CustomOp3 for FusedLinear {
 
     fn cpu_fwd(
         &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
+        x: &candle_core::CpuStorage,
+        xl: &Layout,
+        w: &candle_core::CpuStorage,
+        wl: &Layout,
+        b: &candle_core::CpuStorage,
+        bl: &Layout,
     ) -> Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("fused-linear runs on CUDA only; linear_bias uses candle's ops on CPU")
+        let dims = (self.rows, self.n, self.k);
+        Ok((
+            crate::cpu::linear_bias((x, xl), (w, wl), (b, bl), dims, self.gelu)?,
+            Shape::from((self.rows, self.n)),
+        ))
     }
 
     #[cfg(feature = "cuda")]

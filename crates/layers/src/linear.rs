@@ -9,8 +9,9 @@ use tpinfer_weights::{ShardLoader, ShardSpec, WeightDecl};
 use crate::Result;
 
 /// `x · wᵀ (+ b)` through `linear`: one input row on CUDA in 16 bits (a decode step's
-/// products) through the GEMV kernel; more rows with a bias through one cuBLASLt GEMM with
-/// the bias in its epilogue; everything else through candle's (cuBLAS) matmul.
+/// products) through the GEMV kernel; more rows with a bias through the fused linear (one
+/// cuBLASLt GEMM with the bias in its epilogue on CUDA); everything else through candle's
+/// matmul.
 fn apply(linear: &Linear, x: &Tensor) -> Result<Tensor> {
     let w = linear.weight();
     if tpinfer_kernels::gemv_on_cuda(x, w) {
@@ -21,7 +22,7 @@ fn apply(linear: &Linear, x: &Tensor) -> Result<Tensor> {
         });
     }
     match linear.bias() {
-        Some(b) if tpinfer_kernels::fused_linear_on_cuda(x, w) => Ok(tpinfer_kernels::linear_bias(x, w, b, false)?),
+        Some(b) if tpinfer_kernels::fused_linear_covers(x, w) => Ok(tpinfer_kernels::linear_bias(x, w, b, false)?),
         _ => Ok(linear.forward(x)?),
     }
 }
@@ -55,12 +56,12 @@ impl ColumnParallelLinear {
         apply(&self.linear, x)
     }
 
-    /// GELU (tanh approximation) of [`Self::forward`]: with a bias, on CUDA, in the GEMM's
-    /// epilogue.
+    /// GELU (tanh approximation) of [`Self::forward`]: with a bias, inside the fused linear
+    /// (on CUDA, the GEMM's epilogue).
     pub fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
         let w = self.linear.weight();
         match self.linear.bias() {
-            Some(b) if tpinfer_kernels::fused_linear_on_cuda(x, w) => Ok(tpinfer_kernels::linear_bias(x, w, b, true)?),
+            Some(b) if tpinfer_kernels::fused_linear_covers(x, w) => Ok(tpinfer_kernels::linear_bias(x, w, b, true)?),
             _ => Ok(apply(&self.linear, x)?.gelu()?),
         }
     }
@@ -160,7 +161,7 @@ impl RowParallelLinear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let w = self.linear.weight();
         if let Some(b) = &self.bias {
-            if tpinfer_kernels::fused_linear_on_cuda(x, w) {
+            if tpinfer_kernels::fused_linear_covers(x, w) {
                 // Rank 0 adds the bias in its GEMM's epilogue, before the sum: still once.
                 let partial = match self.comm.rank() {
                     0 => tpinfer_kernels::linear_bias(x, w, b, false)?,

@@ -47,9 +47,12 @@ pub enum AttentionPath {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ForwardPath {
     pub attention: AttentionPath,
-    /// Linear layers with a bias add it (and the FFN its GELU) in the GEMM's epilogue,
-    /// allocating only their output (`tpinfer_kernels::linear_bias`): CUDA ranks in bf16/f16.
+    /// Linear layers with a bias add it (and the FFN its GELU) inside the GEMM, allocating
+    /// only their output (`tpinfer_kernels::linear_bias`): CUDA ranks in bf16/f16, CPU ranks
+    /// in f32.
     pub fused_linear: bool,
+    /// The fused linears' library workspace: cuBLASLt's on CUDA, none on CPU.
+    pub linear_workspace: usize,
 }
 
 impl ForwardPath {
@@ -59,9 +62,18 @@ impl ForwardPath {
             true => AttentionPath::Flash,
             false => AttentionPath::Blockwise,
         };
+        let fused_linear = match cuda {
+            true => matches!(dtype, DType::BF16 | DType::F16),
+            false => dtype == DType::F32,
+        };
         Self {
             attention,
-            fused_linear: cuda && matches!(dtype, DType::BF16 | DType::F16),
+            fused_linear,
+            linear_workspace: if fused_linear && cuda {
+                FUSED_LINEAR_WORKSPACE
+            } else {
+                0
+            },
         }
     }
 }
@@ -82,7 +94,10 @@ pub struct DitMemory {
     /// The peak of a forward's other temporaries: the residual stream and one block's.
     pub activations: usize,
     /// What a stream-ordered allocator may hold beyond the live tensors: the two largest
-    /// temporaries (as for the Llama forward).
+    /// temporaries (as for the Llama forward); with the fused linears, whose allocations
+    /// repeat in size block after block, the largest one. That figure is calibrated: on the
+    /// H200 host the fused bf16 forward's peak (Wan-14B at 81 frames, TP 1 and 2; 1.3B at 21)
+    /// sat 1.5–3.9% under the plan with two (benches/RESULTS.md).
     pub pool_slack: usize,
 }
 
@@ -111,8 +126,9 @@ impl DitMemory {
         // `Attention::forward` on the modulated norm `n` (X), self-attention:
         // Q's GEMM output and Q with its bias (2L; fused: L); then with Q alive, the merged
         // K/V GEMM output and K/V with its bias (4L; fused: 2L); `full_width_rms_norm`:
-        // normalized Q, then a contiguous copy of K and normalized K beside the merged K/V
-        // (4L + Q' = 5L); the V copy and the rotations each replace one of those.
+        // normalized Q beside Q and the merged K/V (4L), then, Q dropped, a contiguous copy of
+        // K and normalized K beside Q' and K/V (5L); rotating Q or K replaces one of those
+        // at a time.
         let projections = x + 5 * l;
         // The attention output beside Q, K, V (4L), or the blockwise path's f32 work: within
         // the loop over heads, one head's scaled queries, keys (and a transposed copy) and
@@ -156,13 +172,15 @@ impl DitMemory {
             true => (SAMPLER_BUFFERS, 2),
             false => (SAMPLER_BUFFERS_WITHOUT_CFG, 1),
         };
-        let workspace = if path.fused_linear { FUSED_LINEAR_WORKSPACE } else { 0 };
         Self {
-            buffers: 2 * s * (hd / 2) * e + workspace,
+            buffers: 2 * s * (hd / 2) * e + path.linear_workspace,
             latents: buffers * c.latent_elements(video.frames, video.width, video.height) * 4
                 + prompts * (text * c.text_dim * 4 + context),
             activations: block,
-            pool_slack: sizes[sizes.len() - 1] + sizes[sizes.len() - 2],
+            pool_slack: match path.fused_linear {
+                true => sizes[sizes.len() - 1],
+                false => sizes[sizes.len() - 1] + sizes[sizes.len() - 2],
+            },
         }
     }
 }

@@ -374,11 +374,13 @@ impl Attention {
         step.mark("qk rms-norm")?;
         // `[tokens, heads, head_dim]` throughout: no transposes before or after attention.
         let hd = c.attention_head_dim;
-        let heads = |t: &Tensor| -> Result<Tensor> {
+        // Consumes its input, so that the rotations below free the unrotated Q and K.
+        let heads = |t: Tensor| -> Result<Tensor> {
             let (s, width) = t.dims2()?;
             Ok(t.reshape((s, width / hd, hd))?)
         };
-        let (mut q, mut k, v) = (heads(&q)?, heads(&k)?, heads(&kv[1])?);
+        // V stays a view into the merged K/V output, which lives until attention ends.
+        let (mut q, mut k, v) = (heads(q)?, heads(k)?, heads(kv[1].clone())?);
         drop(kv);
         if let Some((cos, sin)) = rope {
             // rope_i over `[tokens, heads, 1, d]` with per-token tables `[tokens, 1, d/2]`.
@@ -418,9 +420,10 @@ fn full_width_rms_norm(
     let sums = comm.all_reduce_sum(&Tensor::cat(&[row_sum_squares(&q)?, row_sum_squares(k)?], 0)?)?;
     let s = q.dim(0)?;
     let inv = ((sums / c.hidden_size() as f64)? + c.eps)?.sqrt()?.recip()?;
-    let q = scale_rows_cols(&q, &inv.narrow(0, 0, s)?, wq)?;
+    let q_normed = scale_rows_cols(&q, &inv.narrow(0, 0, s)?, wq)?;
+    drop(q);
     let k = scale_rows_cols(k, &inv.narrow(0, s, k.dim(0)?)?, wk)?;
-    Ok((q, k))
+    Ok((q_normed, k))
 }
 
 /// LayerNorm modulated per channel, `norm(x) · (1 + scale) + shift`, in f32 as diffusers'
