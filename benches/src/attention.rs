@@ -78,15 +78,8 @@ pub fn run(args: AttentionArgs) -> Result<()> {
             true => ("—".to_string(), "—".to_string()),
             false => {
                 let reference = reference(&q, &k, &v, scale, c.causal)?;
-                let rel = |x: &Tensor| -> Result<f64> {
-                    let diff = (x.to_dtype(DType::F32)? - &reference)?
-                        .sqr()?
-                        .sum_all()?
-                        .to_scalar::<f32>()?;
-                    let norm = reference.sqr()?.sum_all()?.to_scalar::<f32>()?;
-                    Ok((diff as f64 / norm as f64).sqrt())
-                };
                 let rounded = reference.to_dtype(DType::BF16)?;
+                let rel = |x: &Tensor| crate::relative_error(x, &reference);
                 (format!("{:.2e}", rel(&out)?), format!("{:.2e}", rel(&rounded)?))
             }
         };

@@ -146,7 +146,7 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
         ];
         for (i, (kernel, f)) in kernels.into_iter().enumerate() {
             let ms = time_in_graph(&device, args.steps, f)?;
-            let err = rel_error(&f()?, &exact)?;
+            let err = crate::relative_error(&f()?, &exact)?;
             totals[i] += ms * layers as f64;
             println!(
                 "| GEMV {name} [{rows} x {cols}] ({kernel}, rel. error vs f32 {err:.1e}) | {ms:.4} | {:.0} GB/s, x{layers} = {:.2} ms |",
@@ -211,7 +211,7 @@ fn decode_attention(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfi
         ];
         for (kernel, f) in kernels {
             let ms = time_in_graph(device, calls, f)?;
-            let err = rel_error(&f()?, &exact)?;
+            let err = crate::relative_error(&f()?, &exact)?;
             println!(
                 "| decode attention, {filled} keys, {kernel} (rel. error vs f32 {err:.1e}) | {ms:.4} | x{} = {:.2} ms |",
                 c.num_hidden_layers,
@@ -235,13 +235,4 @@ fn reference_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result
     let scores = (q.matmul(&k.t()?)? * scale)?;
     let probs = candle_nn::ops::softmax_last_dim(&scores)?;
     Ok(probs.matmul(&v)?.reshape((1, heads, d))?)
-}
-
-/// ‖a − b‖ / ‖b‖ in f64 on the host.
-fn rel_error(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let a: Vec<f32> = a.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
-    let b: Vec<f32> = b.flatten_all()?.to_vec1()?;
-    let diff: f64 = a.iter().zip(&b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
-    let norm: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
-    Ok((diff / norm).sqrt())
 }

@@ -70,21 +70,13 @@ pub fn run(args: LinearArgs) -> Result<()> {
                 y
             }
         };
-        let rel = |y: &Tensor| -> Result<f64> {
-            let diff = (y.to_dtype(DType::F32)? - &reference)?
-                .sqr()?
-                .sum_all()?
-                .to_scalar::<f32>()?;
-            let norm = reference.sqr()?.sum_all()?.to_scalar::<f32>()?;
-            Ok((diff as f64 / norm as f64).sqrt())
-        };
         let flops = 2.0 * (rows * k * out) as f64;
         println!(
             "| {rows} × {k} → {out} | {gelu} | {ms_candle:.3} | {:.0} | {ms_fused:.3} | {:.0} | {:.2e} | {:.2e} |",
             flops / ms_candle / 1e9,
             flops / ms_fused / 1e9,
-            rel(&y_candle)?,
-            rel(&y_fused)?
+            crate::relative_error(&y_candle, &reference)?,
+            crate::relative_error(&y_fused, &reference)?
         );
     }
     Ok(())

@@ -440,6 +440,16 @@ fn dit(args: DitArgs) -> Result<()> {
 }
 
 /// GPU 0.
+/// ‖a − reference‖ / ‖reference‖, `a` taken to f32 (sums on the tensors' device).
+pub(crate) fn relative_error(a: &candle_core::Tensor, reference: &candle_core::Tensor) -> Result<f64> {
+    let diff = (a.to_dtype(DType::F32)? - reference)?
+        .sqr()?
+        .sum_all()?
+        .to_scalar::<f32>()?;
+    let norm = reference.sqr()?.sum_all()?.to_scalar::<f32>()?;
+    Ok((diff as f64 / norm as f64).sqrt())
+}
+
 pub(crate) fn gpu() -> Result<candle_core::Device> {
     Ok(candle_core::Device::new_cuda(0)?)
 }

@@ -20,19 +20,6 @@ namespace {
 // tile serves BLOCK_M / 16 warps.
 constexpr int BLOCK_N = 64;  // keys per tile
 
-// Copies ROWS rows of D elements starting at `row0` into a padded tile; rows at or past
-// `len` become zeros so that masked keys can never inject NaN through V.
-template <typename T, int D, int ROW, int ROWS, int THREADS>
-__device__ __forceinline__ void load_tile(T* tile, const T* base, int row0, int len, long row_stride) {
-    constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
-    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
-        int r = c / CHUNKS, col = (c % CHUNKS) * 8;
-        bool valid = row0 + r < len;
-        const T* src = valid ? base + (long)(row0 + r) * row_stride + col : base;
-        cp_async16(smem_addr(tile + r * ROW + col), src, valid);
-    }
-}
-
 template <typename T, int D, int BLOCK_M>
 __device__ void flash_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                               T* __restrict__ out, const unsigned* __restrict__ position, int q_len, int kv_len,
@@ -57,16 +44,8 @@ __device__ void flash_forward(const T* __restrict__ q, const T* __restrict__ k, 
     const T* kh = k + kv_head * k_head;
     const T* vh = v + kv_head * v_head;
 
-    // Queries: through shared memory into registers, as A fragments for D/16 k-steps.
-    load_tile<T, D, ROW, BLOCK_M, THREADS>(tiles, qh, m0, q_len, q_row);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
     uint32_t qf[D / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-        ldmatrix_x4(qf[kk], tiles + (warp * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8);
-    __syncthreads();
+    load_queries<T, D, BLOCK_M, THREADS>(qf, tiles, qh, m0, q_len, q_row);
 
     const int offset = kv_len - q_len;  // causal position of query 0
     int kv_end = kv_len;

@@ -134,8 +134,7 @@ __device__ void flash_forward_sm90(const T* __restrict__ q, const T* __restrict_
     constexpr int BLOCK_M = 64 * WARPGROUPS;
     constexpr int THREADS = 128 * WARPGROUPS;
     constexpr int TILE_BYTES = BLOCK_N * D * 2;
-    constexpr int Q_ROW = D + 8;  // the queries' staging rows, padded for ldmatrix
-    static_assert(BLOCK_M * Q_ROW * 2 <= 2 * STAGES * TILE_BYTES, "the queries pass through the tile buffers");
+    static_assert(BLOCK_M * (D + 8) * 2 <= 2 * STAGES * TILE_BYTES, "the queries pass through the tile buffers");
     extern __shared__ uint8_t dynamic_smem[];
     // Swizzle atoms must start on 1,024-byte boundaries: the XOR uses address bits 7-9.
     const uint32_t smem = (smem_addr(dynamic_smem) + SWIZZLE_ATOM - 1) & ~(uint32_t)(SWIZZLE_ATOM - 1);
@@ -154,24 +153,8 @@ __device__ void flash_forward_sm90(const T* __restrict__ q, const T* __restrict_
     const T* kh = k + kv_head * k_head;
     const T* vh = v + kv_head * v_head;
 
-    // Queries: through shared memory into registers, as A fragments for D/16 k-steps.
-    {
-        T* staging = reinterpret_cast<T*>(smem_ptr);
-        constexpr int CHUNKS = D / 8;
-        for (int c = threadIdx.x; c < BLOCK_M * CHUNKS; c += THREADS) {
-            const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
-            const bool valid = m0 + r < q_len;
-            cp_async16(smem_addr(staging + r * Q_ROW + col), valid ? qh + (long)(m0 + r) * q_row + col : qh, valid);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-    }
     uint32_t qf[D / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-        ldmatrix_x4(qf[kk], reinterpret_cast<T*>(smem_ptr) + (warp * 16 + lane % 16) * Q_ROW + kk * 16 + (lane / 16) * 8);
-    __syncthreads();
+    load_queries<T, D, BLOCK_M, THREADS>(qf, reinterpret_cast<T*>(smem_ptr), qh, m0, q_len, q_row);
 
     const int offset = kv_len - q_len;  // causal position of query 0
     int kv_end = kv_len;
