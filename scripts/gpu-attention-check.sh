@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The fused flash-attention kernel on one GPU: relative error against an f32 reference on the
+# The fused flash-attention kernels on one GPU: relative error against an f32 reference on the
 # same bf16 inputs (non-causal, causal, GQA, ragged lengths, head sizes 64 and 128), then
-# its speed at video lengths (Wan-14B's self-attention: 40 heads × 128 at 480p × 81 frames)
+# their speed at video lengths (Wan-14B's self-attention: 40 heads × 128 at 480p × 81 frames).
+# On an H100/H200 with a CUDA_COMPUTE_CAP=90 build, head size 128 with 64 or more queries runs
+# the Hopper (wgmma) kernel, the rest the mma.sync one.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia

@@ -42,8 +42,8 @@ pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor, gelu: bool) -> Result<Ten
     let rows = x.elem_count() / k;
     let x2 = x.reshape((rows, k))?;
     let y = if fused_linear_covers(x, w) {
-        x2.contiguous()?
-            .apply_op3_no_bwd(&w.contiguous()?, &b.contiguous()?, &FusedLinear { rows, n, k, gelu })?
+        let op = FusedLinear { rows, n, k, gelu };
+        aligned(&x2)?.apply_op3_no_bwd(&aligned(w)?, &aligned(b)?, &op)?
     } else {
         let y = x2.matmul(&w.t()?)?.broadcast_add(b)?;
         match gelu {
@@ -52,6 +52,17 @@ pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor, gelu: bool) -> Result<Ten
         }
     };
     y.reshape(shape)
+}
+
+/// `t` contiguous and, on CUDA, starting on a 256-byte boundary of its buffer: cuBLASLt's
+/// heuristic assumes operands aligned so (fresh allocations are); a view at another offset
+/// is copied.
+fn aligned(t: &Tensor) -> Result<Tensor> {
+    let t = t.contiguous()?;
+    match t.device().is_cuda() && !(t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(256) {
+        true => t.copy(),
+        false => Ok(t),
+    }
 }
 
 struct FusedLinear {

@@ -363,4 +363,10 @@ fn biased_linear_keeps_leading_dims_and_applies_gelu_after_the_bias() {
         linear_bias(&x, &w, &randn(&[4], 34), false).is_err(),
         "a bias of the wrong size is refused"
     );
+    // A strided view (every row shifted by one element of a wider buffer) gives the same.
+    let wide = randn(&[2, 3, 17], 35);
+    let view = wide.narrow(2, 1, 16).expect("view");
+    let from_view = linear_bias(&view, &w, &b, true).expect("view");
+    let from_copy = linear_bias(&view.contiguous().expect("copy"), &w, &b, true).expect("copy");
+    assert!(rel(&from_view, &from_copy) < 1e-7);
 }
