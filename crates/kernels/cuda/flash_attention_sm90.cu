@@ -157,14 +157,10 @@ __device__ void flash_forward_sm90(const T* __restrict__ q, const T* __restrict_
     load_queries<T, D, BLOCK_M, THREADS>(qf, reinterpret_cast<T*>(smem_ptr), qh, m0, q_len, q_row);
 
     const int offset = kv_len - q_len;  // causal position of query 0
-    int kv_end = kv_len;
-    if (causal) kv_end = min(kv_len, offset + m0 + BLOCK_M);
-    const int n_tiles = (kv_end + BLOCK_N - 1) / BLOCK_N;
+    const int n_tiles = key_tiles(kv_len, causal ? offset + m0 + BLOCK_M : kv_len, BLOCK_N);
     const int row_a = m0 + warp * 16 + g;  // this thread's first query row; the second is 8 below
 
-    float o[D / 8][4];
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float o[D / 8][4] = {};
     OnlineSoftmax softmax;
     const int causal_offset = causal ? offset : -1;
     const auto masked = [&](int n0) {

@@ -90,6 +90,12 @@ __device__ __forceinline__ void load_queries(uint32_t (&qf)[D / 16][4], T* stagi
     __syncthreads();
 }
 
+// Tiles of `block_n` keys a CTA visits: those holding any of the first `visible` keys (all
+// `kv_len`, or under a causal mask up to its last query's position), at most all of them.
+__device__ __forceinline__ int key_tiles(int kv_len, int visible, int block_n) {
+    return (min(kv_len, visible) + block_n - 1) / block_n;
+}
+
 // 2^x in one MUFU instruction (relative error about 2^-22; 2^-inf = 0). exp2f would add range
 // checks for denormal results, which the softmax flushes anyway.
 __device__ __forceinline__ float exp2_approx(float x) {

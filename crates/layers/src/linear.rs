@@ -160,16 +160,17 @@ impl RowParallelLinear {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let w = self.linear.weight();
-        if let Some(b) = &self.bias {
-            if tpinfer_kernels::fused_linear_covers(x, w) {
-                // Rank 0 adds the bias in its GEMM's epilogue, before the sum: still once.
-                let partial = match self.comm.rank() {
-                    0 => tpinfer_kernels::linear_bias(x, w, b, false)?,
-                    _ => apply(&self.linear, x)?,
-                };
-                let y = self.comm.all_reduce_sum(&partial)?;
-                return Ok(y);
-            }
+        if let Some(b) = self
+            .bias
+            .as_ref()
+            .filter(|_| tpinfer_kernels::fused_linear_covers(x, w))
+        {
+            // Rank 0 adds the bias in its GEMM's epilogue, before the sum: still once.
+            let partial = match self.comm.rank() {
+                0 => tpinfer_kernels::linear_bias(x, w, b, false)?,
+                _ => apply(&self.linear, x)?,
+            };
+            return Ok(self.comm.all_reduce_sum(&partial)?);
         }
         let partial = apply(&self.linear, x)?;
         self.reduce(partial)
