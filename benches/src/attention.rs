@@ -1,6 +1,7 @@
 //! `tpinfer-bench attention`: the fused flash-attention kernel against an f32 reference
 //! computed from the same bf16 inputs (one head at a time, scores materialized), for numerics,
-//! and its time per call in ms and TFLOP/s.
+//! and its time per call in ms and TFLOP/s. A `cached` case runs the KV-cache entry point over
+//! a cache whose slots past the filled keys hold NaN, which must not reach the output.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
@@ -8,7 +9,8 @@ use clap::Args;
 
 #[derive(Args)]
 pub struct AttentionArgs {
-    /// Cases `Q_LEN:KV_LEN:HEADS:KV_HEADS:HEAD_DIM[:causal]`.
+    /// Cases `Q_LEN:KV_LEN:HEADS:KV_HEADS:HEAD_DIM[:causal|:cached]`; `cached`: causal, the
+    /// last Q_LEN of KV_LEN keys through a KV cache with 77 unfilled (NaN) slots after them.
     #[arg(long, value_delimiter = ',', required = true)]
     cases: Vec<String>,
     /// Timed calls per case, after one warm-up.
@@ -19,6 +21,10 @@ pub struct AttentionArgs {
     no_reference: bool,
 }
 
+/// Unfilled slots after the keys in a `cached` case: not a multiple of the kernels' key tiles,
+/// so that the last tile holds filled and unfilled rows.
+const SPARE_SLOTS: usize = 77;
+
 struct Case {
     q_len: usize,
     kv_len: usize,
@@ -26,14 +32,16 @@ struct Case {
     kv_heads: usize,
     head_dim: usize,
     causal: bool,
+    cached: bool,
 }
 
 fn parse(case: &str) -> Result<Case> {
     let parts: Vec<&str> = case.split(':').collect();
     let n = |i: usize| -> Result<usize> { parts.get(i).context("too few fields")?.parse().context("not a number") };
-    let causal = match parts.get(5) {
-        None => false,
-        Some(&"causal") => true,
+    let (causal, cached) = match parts.get(5) {
+        None => (false, false),
+        Some(&"causal") => (true, false),
+        Some(&"cached") => (true, true),
         Some(other) => bail!("unknown flag {other} in {case}"),
     };
     Ok(Case {
@@ -43,13 +51,13 @@ fn parse(case: &str) -> Result<Case> {
         kv_heads: n(3)?,
         head_dim: n(4)?,
         causal,
+        cached,
     })
 }
 
 pub fn run(args: AttentionArgs) -> Result<()> {
     let device = crate::gpu().context("the attention benchmark needs a CUDA build and a GPU")?;
-    let attend = tpinfer_kernels::flash_attention;
-    println!("| q × kv tokens | heads (KV) | d | causal | ms | TFLOP/s | ‖out−ref‖/‖ref‖ | bf16(ref) error |");
+    println!("| q × kv tokens | heads (KV) | d | mask | ms | TFLOP/s | ‖out−ref‖/‖ref‖ | bf16(ref) error |");
     println!("|---|---|---|---|---|---|---|---|");
     for text in &args.cases {
         let c = parse(text).with_context(|| format!("case {text}"))?;
@@ -62,11 +70,12 @@ pub fn run(args: AttentionArgs) -> Result<()> {
             randn(c.kv_len, c.kv_heads)?,
         );
         let scale = 1.0 / (c.head_dim as f64).sqrt();
-        let out = attend(&q, &k, &v, scale, c.causal)?;
+        let call = Call::new(&c, &k, &v, scale)?;
+        let out = call.run(&q)?;
         device.synchronize()?;
         let start = std::time::Instant::now();
         for _ in 0..args.repeats {
-            attend(&q, &k, &v, scale, c.causal)?;
+            call.run(&q)?;
         }
         device.synchronize()?;
         let ms = start.elapsed().as_secs_f64() * 1e3 / args.repeats as f64;
@@ -90,11 +99,61 @@ pub fn run(args: AttentionArgs) -> Result<()> {
             c.heads,
             c.kv_heads,
             c.head_dim,
-            c.causal,
+            if c.cached {
+                "cached"
+            } else if c.causal {
+                "causal"
+            } else {
+                "none"
+            },
             flops / ms / 1e9
         );
     }
     Ok(())
+}
+
+/// The call a case times: [`tpinfer_kernels::flash_attention`] over `k`, `v`, or for a
+/// `cached` case [`tpinfer_kernels::flash_attention_cached`] over a cache holding them and
+/// NaN in [`SPARE_SLOTS`] slots after them.
+struct Call {
+    k: Tensor,
+    v: Tensor,
+    scale: f64,
+    causal: bool,
+    /// A `cached` case's position of the first query.
+    position: Option<Tensor>,
+}
+
+impl Call {
+    fn new(c: &Case, k: &Tensor, v: &Tensor, scale: f64) -> Result<Self> {
+        let (k, v, causal) = (k.clone(), v.clone(), c.causal);
+        if !c.cached {
+            return Ok(Self {
+                k,
+                v,
+                scale,
+                causal,
+                position: None,
+            });
+        }
+        let spare = Tensor::full(f32::NAN, (SPARE_SLOTS, c.kv_heads, c.head_dim), k.device())?.to_dtype(DType::BF16)?;
+        let position = Tensor::zeros(1, DType::U32, k.device())?;
+        tpinfer_kernels::write_u32s(&position, &[(c.kv_len - c.q_len) as u32])?;
+        Ok(Self {
+            k: Tensor::cat(&[&k, &spare], 0)?,
+            v: Tensor::cat(&[&v, &spare], 0)?,
+            scale,
+            causal,
+            position: Some(position),
+        })
+    }
+
+    fn run(&self, q: &Tensor) -> Result<Tensor> {
+        Ok(match &self.position {
+            Some(position) => tpinfer_kernels::flash_attention_cached(q, &self.k, &self.v, position, self.scale)?,
+            None => tpinfer_kernels::flash_attention(q, &self.k, &self.v, self.scale, self.causal)?,
+        })
+    }
 }
 
 /// Unfused attention in f32, one head at a time with its whole score matrix.

@@ -45,7 +45,7 @@ __device__ void flash_forward(const T* __restrict__ q, const T* __restrict__ k, 
     const T* vh = v + kv_head * v_head;
 
     uint32_t qf[D / 16][4];
-    load_queries<T, D, BLOCK_M, THREADS>(qf, tiles, qh, m0, q_len, q_row);
+    load_queries<T, D, BLOCK_M, THREADS>(qf, tiles, qh, m0, q_len, q_row, threadIdx.x, [] { __syncthreads(); });
 
     const int offset = kv_len - q_len;  // causal position of query 0
     const int n_tiles = key_tiles(kv_len, causal ? offset + m0 + BLOCK_M : kv_len, BLOCK_N);

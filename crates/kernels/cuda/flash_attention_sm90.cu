@@ -1,22 +1,38 @@
 // Fused attention forward for Hopper (sm_90a): flash_attention.cu's scheme with both products
 // on warpgroup tensor-core instructions (wgmma), which mma.sync cannot feed fast enough on
-// an H100/H200. Each warpgroup (4 warps) owns 64 query rows; its queries stay in registers as
-// the A operand of S = Q·Kᵀ, and P, the softmax of S, is the register A operand of O += P·V.
-// K and V tiles of 64 keys arrive by cp.async into 128-byte-swizzled shared memory that
-// wgmma reads as its B operand: K as stored (K-major), V as stored too (MN-major, through
-// wgmma's B transpose), so nothing is transposed. Tiles are double-buffered: the next one
-// loads while this one's products run. WARPGROUPS warpgroups per CTA share each tile.
+// an H100/H200, organized as FlashAttention-3 does. A CTA has three warpgroups: a producer
+// that only moves K and V tiles of 64 keys with the tensor memory accelerator (TMA) into a
+// ring of shared-memory stages, and two consumers of 64 query rows each. Stages change hands
+// on mbarriers (a "full" one the TMA completes by its byte count, an "empty" one every
+// consumer thread arrives on), so the consumers never wait for each other: while one does
+// its softmax the other keeps the tensor cores busy. setmaxnreg hands the producer's
+// registers to the consumers.
 //
-// Same arguments, layouts, masking and GQA as flash_attention.cu, which the launcher picks
+// A consumer's queries stay in registers as the A operand of S = Q·Kᵀ, and P, the softmax of
+// S, is the register A operand of O += P·V. The TMA writes the tiles 128-byte-swizzled, as
+// wgmma reads its B operand: K as stored (K-major), V as stored too (MN-major, through
+// wgmma's B transpose), so nothing is transposed.
+//
+// K and V come as 3-D tensor maps (dims innermost first: d, rows, KV heads; boxes of 64 × 64
+// × 1), which the launcher encodes (src/lib.rs); rows past the map's end arrive as zeros.
+// Otherwise the same layouts, masking and GQA as flash_attention.cu, which the launcher picks
 // on other GPUs.
+#include <cuda.h>
+
 #include "tile.cuh"
 
 namespace {
 
+constexpr int D = 128;                   // head size
 constexpr int BLOCK_N = 64;              // keys per tile
-constexpr int STAGES = 3;                // tiles in flight: one in use, two loading
+constexpr int STAGES = 4;                // K/V tile pairs in the ring
 constexpr int SWIZZLE_ROW = 128;         // bytes per row of a swizzle atom (64 16-bit values)
 constexpr int SWIZZLE_ATOM = 8 * 128;    // 8 rows: the unit the XOR pattern repeats over
+constexpr int TILE_BYTES = BLOCK_N * D * 2;
+constexpr int STAGING_ROW = D + 8;       // a query staging row, padded for ldmatrix
+// Registers per thread after setmaxnreg: 128 · 40 + 256 · 232 ≤ 65,536.
+constexpr int PRODUCER_REGS = 40;
+constexpr int CONSUMER_REGS = 232;
 
 // The descriptor of a 128-byte-swizzled shared-memory operand (sm_90 GMMA descriptor):
 // start address, leading and stride byte offsets (each in 16-byte units) and the layout type.
@@ -92,91 +108,119 @@ __device__ __forceinline__ void fence_registers(float (&d)[N][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
 
-// Where this thread copies from and to in every tile: BLOCK_N rows of D elements go to a
-// swizzled tile, column block c (64 values) of row r at tile + c · BLOCK_N · 128 + r · 128,
-// its 16-byte chunk j stored at chunk j ^ (r % 8). The same pieces every tile, so computed
-// once. Rows at or past `len` become zeros (masked keys must not bring NaN through V).
-template <typename T, int D, int THREADS>
-struct TileCopy {
-    static constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
-    static constexpr int PIECES = BLOCK_N * CHUNKS / THREADS;
-    static_assert(BLOCK_N * CHUNKS % THREADS == 0, "every thread copies the same number of chunks");
-    int row[PIECES];
-    uint32_t dst[PIECES];
-    long src[PIECES];
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of `bar` with this parity has completed (a fresh barrier counts as
+// having completed the phase before its first, parity 1).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// One box of a 3-D tensor map (coordinates innermost first) into shared memory, counted
+// against `bar`'s expected bytes.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::
+            "r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+// A barrier among the 128 threads of one warpgroup (ids 1, 2; 0 is __syncthreads').
+__device__ __forceinline__ void warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 
-    __device__ __forceinline__ TileCopy(long row_stride) {
-#pragma unroll
-        for (int i = 0; i < PIECES; ++i) {
-            const int c = threadIdx.x + i * THREADS, r = c / CHUNKS, chunk = c % CHUNKS;
-            row[i] = r;
-            dst[i] = (chunk / 8) * (BLOCK_N * SWIZZLE_ROW) + r * SWIZZLE_ROW + (((chunk % 8) ^ (r % 8)) * 16);
-            src[i] = r * row_stride + chunk * 8;
-        }
-    }
+}  // namespace
 
-    __device__ __forceinline__ void run(uint32_t tile, const T* base, int row0, int len) const {
-#pragma unroll
-        for (int i = 0; i < PIECES; ++i) {
-            const bool valid = row0 + row[i] < len;
-            cp_async16(tile + dst[i], valid ? base + src[i] : base, valid);
-        }
-    }
-};
-
-template <typename T, int D, int WARPGROUPS>
-__device__ void flash_forward_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                   T* __restrict__ out, const unsigned* __restrict__ position, int q_len, int kv_len,
-                                   int heads, int group, long q_row, long q_head, long k_row, long k_head,
-                                   long v_row, long v_head, float scale_log2, int causal, int defer_above) {
+// Grid: (q_len / 128 rounded up, heads); 384 threads. Dynamic shared memory (SM90_SMEM_BYTES
+// in src/lib.rs): 1 KiB to align the swizzle atoms, STAGES pairs of K and V tiles, the two
+// consumers' query staging, 2 · STAGES mbarriers. `position`, when not null, is a KV cache's
+// device-side position of query 0: the maps then span the cache's capacity (`kv_len`) and
+// only its first *position + q_len rows count.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_attention_sm90_bf16_d128(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
+                                   const __nv_bfloat16* __restrict__ q, __nv_bfloat16* __restrict__ out,
+                                   const unsigned* __restrict__ position, int q_len, int kv_len, int heads, int group,
+                                   long q_row, long q_head, float scale_log2, int causal) {
+    using T = __nv_bfloat16;
+    constexpr int BLOCK_M = 128;
+    constexpr int Q_STAGING = 64 * STAGING_ROW * 2;
+    const int capacity = kv_len;
     if (position) kv_len = min(kv_len, (int)*position + q_len);
-    if (kv_len > defer_above) return;
-    constexpr int BLOCK_M = 64 * WARPGROUPS;
-    constexpr int THREADS = 128 * WARPGROUPS;
-    constexpr int TILE_BYTES = BLOCK_N * D * 2;
-    static_assert(BLOCK_M * (D + 8) * 2 <= 2 * STAGES * TILE_BYTES, "the queries pass through the tile buffers");
     extern __shared__ uint8_t dynamic_smem[];
     // Swizzle atoms must start on 1,024-byte boundaries: the XOR uses address bits 7-9.
     const uint32_t smem = (smem_addr(dynamic_smem) + SWIZZLE_ATOM - 1) & ~(uint32_t)(SWIZZLE_ATOM - 1);
     uint8_t* smem_ptr = dynamic_smem + (smem - smem_addr(dynamic_smem));
-    // Stage i: K tile at smem + 2i · TILE_BYTES, V tile right after it.
+    // Stage i: K tile at smem + 2i · TILE_BYTES, V tile right after it; each tile is two
+    // column blocks of 64 rows × 128 bytes (d 0..63, then 64..127).
     const auto k_tile = [&](int stage) { return smem + 2 * stage * TILE_BYTES; };
     const auto v_tile = [&](int stage) { return smem + (2 * stage + 1) * TILE_BYTES; };
+    T* staging = reinterpret_cast<T*>(smem_ptr + 2 * STAGES * TILE_BYTES);
+    const uint32_t bars = smem + 2 * STAGES * TILE_BYTES + 2 * Q_STAGING;
+    const auto full = [&](int stage) { return bars + 8 * stage; };
+    const auto empty = [&](int stage) { return bars + 8 * (STAGES + stage); };
 
-    const int head = blockIdx.y;
-    const int kv_head = head / group;
-    const int m0 = blockIdx.x * BLOCK_M;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int wg_row0 = m0 + (warp / 4) * 64;  // this warpgroup's first query row
-    const int g = lane / 4, t = lane % 4;
-    const T* qh = q + head * q_head;
-    const T* kh = k + kv_head * k_head;
-    const T* vh = v + kv_head * v_head;
-
-    uint32_t qf[D / 16][4];
-    load_queries<T, D, BLOCK_M, THREADS>(qf, reinterpret_cast<T*>(smem_ptr), qh, m0, q_len, q_row);
-
+    const int head = blockIdx.y, kv_head = head / group, m0 = blockIdx.x * BLOCK_M;
+    const int warpgroup = threadIdx.x / 128;
     const int offset = kv_len - q_len;  // causal position of query 0
     const int n_tiles = key_tiles(kv_len, causal ? offset + m0 + BLOCK_M : kv_len, BLOCK_N);
-    const int row_a = m0 + warp * 16 + g;  // this thread's first query row; the second is 8 below
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full(s), 1);
+            mbar_init(empty(s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {  // the producer: one thread issues every copy
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+        if (threadIdx.x == 0) {
+            for (int j = 0; j < n_tiles; ++j) {
+                const int stage = j % STAGES;
+                mbar_wait(empty(stage), ((j / STAGES) & 1) ^ 1);
+                mbar_expect_tx(full(stage), 2 * TILE_BYTES);
+                for (int block = 0; block < 2; ++block) {
+                    const uint32_t at = block * BLOCK_N * SWIZZLE_ROW;
+                    tma_load(k_tile(stage) + at, &k_map, full(stage), block * 64, j * BLOCK_N, kv_head);
+                    tma_load(v_tile(stage) + at, &v_map, full(stage), block * 64, j * BLOCK_N, kv_head);
+                }
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+
+    // Consumer c (0, 1): query rows wg_row0 .. wg_row0 + 63; tid is the thread's index in it.
+    const int c = warpgroup - 1, tid = threadIdx.x - 128 * warpgroup;
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int wg_row0 = m0 + 64 * c;
+    uint32_t qf[D / 16][4];
+    load_queries<T, D, 64, 128>(qf, staging + c * 64 * STAGING_ROW, q + head * q_head, wg_row0, q_len, q_row, tid,
+                                [c] { warpgroup_sync(1 + c); });
+    const int row_a = wg_row0 + warp * 16 + g;  // this thread's first query row; the second is 8 below
 
     float o[D / 8][4] = {};
     OnlineSoftmax softmax;
+    if (n_tiles == 0) {  // no visible key: zeros
+        softmax.store<T>(o, out, row_a, q_len, heads, head, t);
+        return;
+    }
     const int causal_offset = causal ? offset : -1;
     const auto masked = [&](int n0) {
         return n0 + BLOCK_N > kv_len || (causal && n0 + BLOCK_N - 1 > offset + wg_row0);
     };
-    // Tile j lives in stage j % STAGES, one cp.async group per tile (empty past the last), so
-    // that waiting for a tile is always waiting until the same number of groups is pending.
-    const TileCopy<T, D, THREADS> copy_k(k_row), copy_v(v_row);
-    const auto load = [&](int j, int stage) {
-        if (j < n_tiles) {
-            copy_k.run(k_tile(stage), kh + (long)j * BLOCK_N * k_row, j * BLOCK_N, kv_len);
-            copy_v.run(v_tile(stage), vh + (long)j * BLOCK_N * v_row, j * BLOCK_N, kv_len);
-        }
-        cp_async_commit();
-    };
-    // S = Q Kᵀ of tile j into s, issued but not waited for: B is the K tile as stored,
+    // S = Q Kᵀ of a stage's tile into s, issued but not waited for: B is the K tile as stored,
     // K-major; a k16 step moves 32 bytes along a row (inside one swizzle atom), each 64 values
     // of d are one column block.
     const auto issue_scores = [&](float (&s)[BLOCK_N / 8][4], int stage) {
@@ -185,38 +229,15 @@ __device__ void flash_forward_sm90(const T* __restrict__ q, const T* __restrict_
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             // The address field counts 16-byte units; these offsets never carry out of it.
-            const uint32_t offset = (kk / 4) * (BLOCK_N * SWIZZLE_ROW) + (kk % 4) * 32;
-            Wgmma<T, BLOCK_N>::template run<0>(s, qf[kk], desc + (offset >> 4), kk > 0);
+            const uint32_t at = (kk / 4) * (BLOCK_N * SWIZZLE_ROW) + (kk % 4) * 32;
+            Wgmma<T, BLOCK_N>::template run<0>(s, qf[kk], desc + (at >> 4), kk > 0);
         }
         wgmma_commit();
     };
-    // Waits until tile j is in shared memory, for every thread's copies and for wgmma's reads
-    // (cp.async writes through the generic proxy, wgmma reads through the async one).
-    const auto landed = [&]() {
-        cp_async_wait<STAGES - 2>();
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-    };
-
-    if (n_tiles == 0) {  // no visible key: zeros
-        softmax.store<T>(o, out, row_a, q_len, heads, head, t);
-        return;
-    }
-#pragma unroll
-    for (int j = 0; j < STAGES; ++j) load(j, j);
-    cp_async_wait<STAGES - 1>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    float s[BLOCK_N / 8][4];  // S of a tile, then (softmax) its P until the next S is issued
+    // O += P V of a stage's tile, issued but not waited for: B is the V tile as stored,
+    // MN-major (d contiguous); a k16 step is 16 rows of keys (two 8-row groups, SWIZZLE_ATOM
+    // apart), the two 64-value halves of d a column block apart.
     uint32_t pf[BLOCK_N / 16][4];  // P as the A operand of P·V
-    issue_scores(s, 0);
-    wgmma_wait<0>();
-    fence_registers(s);
-    softmax.update(s, scale_log2, masked(0), 0, kv_len, causal_offset, row_a, t);
-
-    // O += P V of tile j, issued but not waited for: B is the V tile as stored, MN-major (d
-    // contiguous); a k16 step is 16 rows of keys (two 8-row groups, SWIZZLE_ATOM apart), the
-    // two 64-value halves of d a column block apart.
     const auto issue_values = [&](int stage) {
         const uint64_t desc = smem_desc(v_tile(stage), BLOCK_N * SWIZZLE_ROW, SWIZZLE_ATOM);
         fence_registers(o);
@@ -227,14 +248,21 @@ __device__ void flash_forward_sm90(const T* __restrict__ q, const T* __restrict_
         wgmma_commit();
     };
 
+    float s[BLOCK_N / 8][4];  // S of a tile, then (softmax) its P until the next S is issued
+    mbar_wait(full(0), 0);
+    issue_scores(s, 0);
+    wgmma_wait<0>();
+    fence_registers(s);
+    softmax.update(s, scale_log2, masked(0), 0, kv_len, causal_offset, row_a, t);
     // Iteration j: S of tile j + 1 and P·V of tile j run on the tensor cores while the
-    // softmax of tile j + 1 runs on the other units; O is rescaled once its product ends.
+    // softmax of tile j + 1 runs on the other units; O is rescaled once its product ends, and
+    // then tile j's stage goes back to the producer.
     // (No branch inside: ptxas serializes wgmma when it cannot prove which group a wait ends.)
-    int stage = 0, next_stage = 1;  // j % STAGES, (j + 1) % STAGES
     for (int j = 0; j + 1 < n_tiles; ++j) {
-        landed();  // tile j + 1
+        const int stage = j % STAGES, next = (j + 1) % STAGES;
+        mbar_wait(full(next), ((j + 1) / STAGES) & 1);
         OnlineSoftmax::fragments<T>(s, pf);  // before s takes the next scores
-        issue_scores(s, next_stage);
+        issue_scores(s, next);
         issue_values(stage);
         wgmma_wait<1>();  // the scores (committed first) are done; P·V may still run
         fence_registers(s);
@@ -243,29 +271,27 @@ __device__ void flash_forward_sm90(const T* __restrict__ q, const T* __restrict_
         wgmma_wait<0>();
         fence_registers(o);
         OnlineSoftmax::rescale(o, alpha);
-        __syncthreads();  // every warpgroup is done with tile j's stage before it is refilled
-        load(j + STAGES, stage);
-        stage = next_stage;
-        next_stage = next_stage + 1 == STAGES ? 0 : next_stage + 1;
+        mbar_arrive(empty(stage));
+    }
+    const int last = (n_tiles - 1) % STAGES;
+    // A cache's rows between its filled length and its capacity arrive as whatever the cache
+    // holds: their P is zero, but 0 · NaN is not, so the last V tile's rows past the length
+    // become zeros (the other consumer writes the same zeros; S ignores them, being masked).
+    const int filled = kv_len - (n_tiles - 1) * BLOCK_N;
+    if (filled < BLOCK_N && kv_len < capacity) {
+        uint8_t* v_last = smem_ptr + (v_tile(last) - smem);
+        for (int i = tid; i < 2 * (BLOCK_N - filled) * 8; i += 128) {
+            const int block = i / ((BLOCK_N - filled) * 8), row = filled + i / 8 % (BLOCK_N - filled);
+            *reinterpret_cast<uint4*>(v_last + block * BLOCK_N * SWIZZLE_ROW + row * SWIZZLE_ROW + (i % 8) * 16) =
+                make_uint4(0, 0, 0, 0);
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma's reads
+        warpgroup_sync(1 + c);
     }
     OnlineSoftmax::fragments<T>(s, pf);
-    issue_values(stage);
+    issue_values(last);
     wgmma_wait<0>();
     fence_registers(o);
+    mbar_arrive(empty(last));
     softmax.store<T>(o, out, row_a, q_len, heads, head, t);
 }
-
-}  // namespace
-
-// Dynamic shared memory: STAGES stages of K and V tiles plus alignment slack (see
-// `flash_attention_sm90_smem_bytes` in src/lib.rs).
-#define FLASH_SM90_KERNEL(NAME, T, D, WG)                                                                     \
-    extern "C" __global__ void __launch_bounds__(WG * 128)                                                    \
-        NAME(const T* q, const T* k, const T* v, T* out, const unsigned* position, int q_len, int kv_len,     \
-             int heads, int group, long q_row, long q_head, long k_row, long k_head, long v_row, long v_head, \
-             float scale_log2, int causal, int defer_above) {                                                 \
-        flash_forward_sm90<T, D, WG>(q, k, v, out, position, q_len, kv_len, heads, group, q_row, q_head,      \
-                                     k_row, k_head, v_row, v_head, scale_log2, causal, defer_above);          \
-    }
-
-FLASH_SM90_KERNEL(flash_attention_sm90_bf16_d128, __nv_bfloat16, 128, 2)

@@ -59,12 +59,14 @@ MMA(__nv_bfloat16, "bf16", __nv_bfloat162, __floats2bfloat162_rn)
 MMA(__half, "f16", __half2, __floats2half2_rn)
 #undef MMA
 
-// Copies ROWS rows of D elements starting at `row0` into a padded tile; rows at or past
-// `len` become zeros so that masked keys can never inject NaN through V.
+// Copies ROWS rows of D elements starting at `row0` into a padded tile, THREADS threads
+// (`tid` is this one's index among them); rows at or past `len` become zeros so that masked
+// keys can never inject NaN through V.
 template <typename T, int D, int ROW, int ROWS, int THREADS>
-__device__ __forceinline__ void load_tile(T* tile, const T* base, int row0, int len, long row_stride) {
+__device__ __forceinline__ void load_tile(T* tile, const T* base, int row0, int len, long row_stride,
+                                          int tid = threadIdx.x) {
     constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
-    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+    for (int c = tid; c < ROWS * CHUNKS; c += THREADS) {
         int r = c / CHUNKS, col = (c % CHUNKS) * 8;
         bool valid = row0 + r < len;
         const T* src = valid ? base + (long)(row0 + r) * row_stride + col : base;
@@ -74,20 +76,21 @@ __device__ __forceinline__ void load_tile(T* tile, const T* base, int row0, int 
 
 // The queries of rows m0.. of one head into registers, as the A fragments of D/16 k16 steps
 // (warp w: rows 16w..16w+15), through shared memory `staging` (ROWS padded rows; free again
-// on return). Rows at or past `q_len` are zeros.
-template <typename T, int D, int ROWS, int THREADS>
+// on return). Rows at or past `q_len` are zeros. THREADS threads take part (`tid` is this
+// one's index among them) and `sync` is a barrier among them.
+template <typename T, int D, int ROWS, int THREADS, typename Sync>
 __device__ __forceinline__ void load_queries(uint32_t (&qf)[D / 16][4], T* staging, const T* qh, int m0, int q_len,
-                                             long q_row) {
+                                             long q_row, int tid, Sync sync) {
     constexpr int ROW = D + 8;  // padding: ldmatrix's 8 row addresses fall in distinct banks
-    load_tile<T, D, ROW, ROWS, THREADS>(staging, qh, m0, q_len, q_row);
+    load_tile<T, D, ROW, ROWS, THREADS>(staging, qh, m0, q_len, q_row, tid);
     cp_async_commit();
     cp_async_wait<0>();
-    __syncthreads();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    sync();
+    const int warp = tid / 32, lane = tid % 32;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
         ldmatrix_x4(qf[kk], staging + (warp * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8);
-    __syncthreads();
+    sync();
 }
 
 // Tiles of `block_n` keys a CTA visits: those holding any of the first `visible` keys (all

@@ -192,16 +192,6 @@ mod cuda {
     const DECODE_SPLIT_ABOVE: i32 = 768;
     /// Query rows per CTA, 16 per warp (cuda/flash_attention.cu).
     const QUERY_ROWS: usize = 64;
-    /// The Hopper kernel (cuda/flash_attention_sm90.cu): built for compute capability 9.0 only.
-    #[cfg(tpinfer_sm90)]
-    const SM90_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention_sm90.ptx"));
-    /// Its query rows per CTA: two warpgroups of 64.
-    #[cfg(tpinfer_sm90)]
-    const SM90_QUERY_ROWS: usize = 128;
-    /// Its dynamic shared memory: three stages of a K and a V tile (64 keys × 128 values of 2
-    /// bytes each), plus 1 KiB to align the swizzle atoms.
-    #[cfg(tpinfer_sm90)]
-    const SM90_SMEM_BYTES: u32 = 3 * 2 * 64 * 128 * 2 + 1024;
 
     type Input<'a> = (&'a CudaStorage, &'a Layout);
     type Position<'a, 'b> = Option<&'a CudaView<'b, u32>>;
@@ -351,49 +341,6 @@ mod cuda {
         Ok((flash, shape))
     }
 
-    /// The attention kernel of one launch and its shape.
-    struct Kernel {
-        name: String,
-        module: &'static str,
-        ptx: &'static str,
-        rows: usize,
-        threads: u32,
-        smem_bytes: u32,
-    }
-
-    impl Kernel {
-        /// The Hopper (wgmma) kernel on an sm_90 GPU in a build for it, in bf16 with head size
-        /// 128 and at least one warpgroup's worth of queries (a decode step's single row stays
-        /// on the mma.sync kernel, whose CTAs are half as tall); the mma.sync kernel otherwise.
-        fn pick(dev: &candle_core::CudaDevice, suffix: &str, d: usize, q_len: usize) -> Result<Self> {
-            #[cfg(tpinfer_sm90)]
-            if suffix == "bf16"
-                && d == 128
-                && q_len >= 64
-                && dev.cuda_stream().context().compute_capability().w()? == (9, 0)
-            {
-                return Ok(Self {
-                    name: format!("flash_attention_sm90_{suffix}_d{d}"),
-                    module: "tpinfer_flash_attention_sm90",
-                    ptx: SM90_PTX,
-                    rows: SM90_QUERY_ROWS,
-                    threads: SM90_QUERY_ROWS as u32 / 64 * 128,
-                    smem_bytes: SM90_SMEM_BYTES,
-                });
-            }
-            #[cfg(not(tpinfer_sm90))]
-            let _ = (dev, q_len);
-            Ok(Self {
-                name: format!("flash_attention_{suffix}_d{d}"),
-                module: "tpinfer_flash_attention",
-                ptx: PTX,
-                rows: QUERY_ROWS,
-                threads: QUERY_ROWS as u32 / 16 * 32,
-                smem_bytes: 0,
-            })
-        }
-    }
-
     fn launch_typed<T: CudaDType + DeviceRepr>(
         suffix: &str,
         op: &FlashAttention,
@@ -408,25 +355,24 @@ mod cuda {
         let ((q_row, q_head), (k_row, k_head), (v_row, v_head)) =
             (strides(ql, "q")?, strides(kl, "k")?, strides(vl, "v")?);
         let dev = q.device();
-        let kernel = Kernel::pick(dev, suffix, d, q_len)?;
-        let func = dev.get_or_load_custom_func(&kernel.name, kernel.module, kernel.ptx)?;
-        if kernel.smem_bytes > 0 {
-            use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as Attr;
-            func.set_attribute(
-                Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                kernel.smem_bytes as i32,
-            )
-            .w()?;
+        #[cfg(tpinfer_sm90)]
+        if hopper::covers(dev, suffix, d, q_len)? {
+            return hopper::launch(op, position, (q, ql), (k, kl), (v, vl));
         }
+        let func = dev.get_or_load_custom_func(
+            &format!("flash_attention_{suffix}_d{d}"),
+            "tpinfer_flash_attention",
+            PTX,
+        )?;
         let qs = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
         let ks = k.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
         let vs = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
         // SAFETY: every element is written by the kernel (rows < q_len of every head).
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(q_len * heads * d)? };
         let cfg = LaunchConfig {
-            grid_dim: (q_len.div_ceil(kernel.rows) as u32, heads as u32, 1),
-            block_dim: (kernel.threads, 1, 1),
-            shared_mem_bytes: kernel.smem_bytes,
+            grid_dim: (q_len.div_ceil(QUERY_ROWS) as u32, heads as u32, 1),
+            block_dim: (QUERY_ROWS as u32 / 16 * 32, 1, 1),
+            shared_mem_bytes: 0,
         };
         let (q_len_i, kv_len_i, heads_i, group) =
             (q_len as i32, kv_len as i32, heads as i32, (heads / kv_heads) as i32);
@@ -454,5 +400,137 @@ mod cuda {
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             Shape::from((q_len, heads, d)),
         ))
+    }
+
+    /// The Hopper kernel (cuda/flash_attention_sm90.cu), built for compute capability 9.0 only.
+    #[cfg(tpinfer_sm90)]
+    mod hopper {
+        use std::ffi::c_void;
+        use std::mem::MaybeUninit;
+
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::cudarc::driver::sys::{self, CUfunction_attribute_enum as Attr};
+        use candle_core::cuda_backend::cudarc::driver::{
+            CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+        };
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::{CudaStorage, Result, Shape};
+        use half::bf16;
+
+        use super::{strides, FlashAttention, Input, Position};
+
+        const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention_sm90.ptx"));
+        /// Query rows per CTA: two consumer warpgroups of 64.
+        const QUERY_ROWS: usize = 128;
+        /// A producer warpgroup and the two consumers.
+        const THREADS: u32 = 3 * 128;
+        /// Dynamic shared memory: 1 KiB to align the swizzle atoms, four stages of a K and a V
+        /// tile (64 keys × 128 values of 2 bytes), the consumers' query staging (64 rows of
+        /// 136 values each), eight mbarriers.
+        const SMEM_BYTES: u32 = 1024 + 4 * 2 * 64 * 128 * 2 + 2 * 64 * 136 * 2 + 8 * 8;
+
+        /// Whether the Hopper kernel runs this launch: an sm_90 GPU, bf16, head size 128 and at
+        /// least one warpgroup's worth of queries (a decode step's single row stays on the
+        /// mma.sync kernel, whose CTAs are a quarter as tall).
+        pub(super) fn covers(dev: &candle_core::CudaDevice, suffix: &str, d: usize, q_len: usize) -> Result<bool> {
+            Ok(suffix == "bf16"
+                && d == 128
+                && q_len >= 64
+                && dev.cuda_stream().context().compute_capability().w()? == (9, 0))
+        }
+
+        /// K or V as the kernel's TMA operand: a 3-D tensor map over (d, rows, KV heads),
+        /// innermost first, copied in boxes of 64 × 64 × 1 into 128-byte-swizzled shared
+        /// memory; rows past `rows` arrive as zeros.
+        #[repr(transparent)]
+        struct TensorMap(sys::CUtensorMap);
+
+        // SAFETY: the kernel takes the map by value (__grid_constant__); it is plain bytes with
+        // the alignment CUDA's own CUtensorMap declares.
+        unsafe impl DeviceRepr for TensorMap {}
+
+        impl TensorMap {
+            fn kv(base: sys::CUdeviceptr, rows: usize, kv_heads: usize, (row, head): (i64, i64)) -> Result<Self> {
+                let dims = [128u64, rows as u64, kv_heads as u64];
+                let byte_strides = [row as u64 * 2, head as u64 * 2];
+                let boxes = [64u32, 64, 1];
+                let element_strides = [1u32; 3];
+                let mut map = MaybeUninit::<sys::CUtensorMap>::uninit();
+                // SAFETY: every array holds `rank` (or rank − 1 strides) entries; the launcher's
+                // stride check makes the address and strides multiples of 16 bytes, as TMA needs.
+                unsafe {
+                    sys::cuTensorMapEncodeTiled(
+                        map.as_mut_ptr(),
+                        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                        3,
+                        base as *mut c_void,
+                        dims.as_ptr(),
+                        byte_strides.as_ptr(),
+                        boxes.as_ptr(),
+                        element_strides.as_ptr(),
+                        sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                        sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+                    )
+                    .result()
+                    .w()?;
+                    Ok(Self(map.assume_init()))
+                }
+            }
+        }
+
+        pub(super) fn launch(
+            op: &FlashAttention,
+            position: Position,
+            (q, ql): Input,
+            (k, kl): Input,
+            (v, vl): Input,
+        ) -> Result<(CudaStorage, Shape)> {
+            let (q_len, heads, d) = ql.shape().dims3()?;
+            let (kv_len, kv_heads, _) = kl.shape().dims3()?;
+            let (q_row, q_head) = strides(ql, "q")?;
+            let dev = q.device();
+            let func =
+                dev.get_or_load_custom_func("flash_attention_sm90_bf16_d128", "tpinfer_flash_attention_sm90", PTX)?;
+            func.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM_BYTES as i32)
+                .w()?;
+            let stream = dev.cuda_stream();
+            let qs = q.as_cuda_slice::<bf16>()?.slice(ql.start_offset()..);
+            let ks = k.as_cuda_slice::<bf16>()?.slice(kl.start_offset()..);
+            let vs = v.as_cuda_slice::<bf16>()?.slice(vl.start_offset()..);
+            // The guards order K's and V's reads after their writers and before later writers,
+            // as passing the slices themselves would.
+            let ((k_ptr, _k_guard), (v_ptr, _v_guard)) = (ks.device_ptr(&stream), vs.device_ptr(&stream));
+            let k_map = TensorMap::kv(k_ptr, kv_len, kv_heads, strides(kl, "k")?)?;
+            let v_map = TensorMap::kv(v_ptr, kv_len, kv_heads, strides(vl, "v")?)?;
+            // SAFETY: every element is written by the kernel (rows < q_len of every head).
+            let out: CudaSlice<bf16> = unsafe { dev.alloc::<bf16>(q_len * heads * d)? };
+            let (q_len_i, kv_len_i, heads_i, group) =
+                (q_len as i32, kv_len as i32, heads as i32, (heads / kv_heads) as i32);
+            let scale_log2 = (op.scale * std::f64::consts::LOG2_E) as f32;
+            let causal = op.causal as i32;
+            let null = 0u64;
+            let mut b = func.builder();
+            b.arg(&k_map).arg(&v_map).arg(&qs).arg(&out);
+            match position {
+                Some(p) => b.arg(p),
+                None => b.arg(&null),
+            };
+            b.arg(&q_len_i).arg(&kv_len_i).arg(&heads_i).arg(&group);
+            b.arg(&q_row).arg(&q_head).arg(&scale_log2).arg(&causal);
+            let cfg = LaunchConfig {
+                grid_dim: (q_len.div_ceil(QUERY_ROWS) as u32, heads as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: SMEM_BYTES,
+            };
+            // SAFETY: the argument list matches the kernel's signature; the maps span the
+            // `kv_len` rows of every KV head that the strides address.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok((
+                CudaStorage::wrap_cuda_slice(out, dev.clone()),
+                Shape::from((q_len, heads, d)),
+            ))
+        }
     }
 }
