@@ -29,50 +29,116 @@ __device__ __forceinline__ float block_sum(float v) {
     return result;
 }
 
-// out = T(x + y · gate[col]): a gated residual.
-template <typename T>
-__device__ void gated_residual(const T* x, const T* y, const float* gate, T* out, long n, int cols) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        out[i] = from_f32<T>(to_f32(x[i]) + to_f32(y[i]) * gate[i % cols]);
+// N consecutive values of T, moved as one access: 16 bytes for the packed kernels (N = 16 /
+// sizeof(T)), which a launcher picks when every row starts on a pack boundary.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+    T v[N];
+};
+template <typename T, int N>
+__device__ __forceinline__ void load_pack(const T* p, float (&f)[N]) {
+    const Pack<T, N> pack = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+    for (int i = 0; i < N; ++i) f[i] = to_f32(pack.v[i]);
+}
+template <typename T, int N>
+__device__ __forceinline__ void store_pack(T* p, const float (&f)[N]) {
+    Pack<T, N> pack;
+#pragma unroll
+    for (int i = 0; i < N; ++i) pack.v[i] = from_f32<T>(f[i]);
+    *reinterpret_cast<Pack<T, N>*>(p) = pack;
 }
 
-// out[row] = Σ_col x²: one block per row.
-template <typename T>
-__device__ void row_sum_squares(const T* x, float* out, int cols) {
-    const T* r = x + (long)blockIdx.x * cols;
+// The row-wise kernels below run one block of THREADS per row, each thread N values at a time.
+
+// out = T(x + y · gate[col]): a gated residual.
+template <typename T, int N>
+__device__ void gated_residual(const T* x, const T* y, const float* gate, T* out, int cols) {
+    const long at = (long)blockIdx.x * cols;
+    for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
+        float a[N], b[N];
+        load_pack<T, N>(x + at + j, a);
+        load_pack<T, N>(y + at + j, b);
+#pragma unroll
+        for (int i = 0; i < N; ++i) a[i] += b[i] * gate[j + i];
+        store_pack<T, N>(out + at + j, a);
+    }
+}
+
+// out[row] = Σ_col x²; rows `row_stride` apart.
+template <typename T, int N>
+__device__ void row_sum_squares(const T* x, long row_stride, float* out, int cols) {
+    const T* r = x + blockIdx.x * row_stride;
     float s = 0.f;
-    for (int j = threadIdx.x; j < cols; j += THREADS) {
-        float v = to_f32(r[j]);
-        s += v * v;
+    for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
+        float v[N];
+        load_pack<T, N>(r + j, v);
+#pragma unroll
+        for (int i = 0; i < N; ++i) s += v[i] * v[i];
     }
     s = block_sum(s);
     if (threadIdx.x == 0) out[blockIdx.x] = s;
 }
 
-// out = T(x · row_scale[row] · col_scale[col]).
-template <typename T>
-__device__ void scale_rows_cols(const T* x, const float* row_scale, const float* col_scale, T* out, long n,
-                                int cols) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        out[i] = from_f32<T>(to_f32(x[i]) * row_scale[i / cols] * col_scale[i % cols]);
+// out = T(x · row_scale[row] · col_scale[col]) for x's rows `row_stride` apart; with a `rope`
+// table ([rows, 2, pairs] f32: cos, then sin), each pair (2p, 2p + 1) of a row's values is
+// then rotated by the row's angle p mod pairs (interleaved RoPE, every head alike), rounded
+// once. N is even: a pack holds whole pairs.
+template <typename T, int N>
+__device__ void scale_rows_cols(const T* x, long row_stride, const float* row_scale, const float* col_scale,
+                                const float* rope, int pairs, T* out, int cols) {
+    const T* r = x + blockIdx.x * row_stride;
+    T* o = out + (long)blockIdx.x * cols;
+    const float scale = row_scale[blockIdx.x];
+    const float* cos = rope ? rope + (long)blockIdx.x * 2 * pairs : nullptr;
+    const float* sin = cos + pairs;
+    for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
+        float v[N];
+        load_pack<T, N>(r + j, v);
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] *= scale * col_scale[j + i];
+        if (rope) {
+#pragma unroll
+            for (int i = 0; i < N; i += 2) {
+                const int p = (j + i) / 2 % pairs;
+                const float a = v[i], b = v[i + 1];
+                v[i] = a * cos[p] - b * sin[p];
+                v[i + 1] = a * sin[p] + b * cos[p];
+            }
+        }
+        store_pack<T, N>(o + j, v);
+    }
 }
 
 // LayerNorm over each row in f32 (two passes: mean, then variance about it), then
-// `· weight + bias`: one block per row.
-template <typename T>
+// `· weight + bias`.
+template <typename T, int N>
 __device__ void layer_norm(const T* x, const float* weight, const float* bias, T* out, int cols, float eps) {
     const T* r = x + (long)blockIdx.x * cols;
     T* o = out + (long)blockIdx.x * cols;
     float s = 0.f;
-    for (int j = threadIdx.x; j < cols; j += THREADS) s += to_f32(r[j]);
+    for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
+        float v[N];
+        load_pack<T, N>(r + j, v);
+#pragma unroll
+        for (int i = 0; i < N; ++i) s += v[i];
+    }
     const float mean = block_sum(s) / cols;
     float q = 0.f;
-    for (int j = threadIdx.x; j < cols; j += THREADS) {
-        float d = to_f32(r[j]) - mean;
-        q += d * d;
+    for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
+        float v[N];
+        load_pack<T, N>(r + j, v);
+#pragma unroll
+        for (int i = 0; i < N; ++i) q += (v[i] - mean) * (v[i] - mean);
     }
     const float rstd = rsqrtf(block_sum(q) / cols + eps);
-    for (int j = threadIdx.x; j < cols; j += THREADS) o[j] = from_f32<T>((to_f32(r[j]) - mean) * rstd * weight[j] + bias[j]);
+    for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
+        float v[N];
+        load_pack<T, N>(r + j, v);
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = (v[i] - mean) * rstd * weight[j + i] + bias[j + i];
+        store_pack<T, N>(o + j, v);
+    }
 }
 
 // Threads per row of `add_rms_norm`, and the values each keeps in registers between its two
@@ -134,22 +200,34 @@ __device__ void silu_mul(const T* x, T* out, long n, int half) {
 
 }  // namespace
 
+// Each row-wise kernel as `NAME_SUFFIX` (one value at a time; scale_rows_cols two) and
+// `NAME_SUFFIX_packed` (16 bytes at a time).
+#define ROW_KERNELS(SUFFIX, T, N)                                                                          \
+    extern "C" __global__ void gated_residual_##SUFFIX(const T* x, const T* y, const float* gate, T* out,  \
+                                                        int cols) {                                       \
+        gated_residual<T, N>(x, y, gate, out, cols);                                                       \
+    }                                                                                                      \
+    extern "C" __global__ void row_sum_squares_##SUFFIX(const T* x, long row_stride, float* out, int cols) { \
+        row_sum_squares<T, N>(x, row_stride, out, cols);                                                   \
+    }                                                                                                      \
+    extern "C" __global__ void scale_rows_cols_##SUFFIX(const T* x, long row_stride, const float* r,       \
+                                                         const float* c, const float* rope, int pairs,    \
+                                                         T* out, int cols) {                              \
+        scale_rows_cols<T, (N < 2 ? 2 : N)>(x, row_stride, r, c, rope, pairs, out, cols);                  \
+    }                                                                                                      \
+    extern "C" __global__ void layer_norm_##SUFFIX(const T* x, const float* w, const float* b, T* out,     \
+                                                    int cols, float eps) {                                \
+        layer_norm<T, N>(x, w, b, out, cols, eps);                                                         \
+    }
+
+ROW_KERNELS(f32, float, 1)
+ROW_KERNELS(bf16, __nv_bfloat16, 1)
+ROW_KERNELS(f16, __half, 1)
+ROW_KERNELS(f32_packed, float, 4)
+ROW_KERNELS(bf16_packed, __nv_bfloat16, 8)
+ROW_KERNELS(f16_packed, __half, 8)
+
 #define ROWWISE(SUFFIX, T)                                                                                      \
-    extern "C" __global__ void gated_residual_##SUFFIX(const T* x, const T* y, const float* gate, T* out,      \
-                                                        long n, int cols) {                                   \
-        gated_residual<T>(x, y, gate, out, n, cols);                                                           \
-    }                                                                                                          \
-    extern "C" __global__ void row_sum_squares_##SUFFIX(const T* x, float* out, int cols) {                   \
-        row_sum_squares<T>(x, out, cols);                                                                      \
-    }                                                                                                          \
-    extern "C" __global__ void scale_rows_cols_##SUFFIX(const T* x, const float* r, const float* c, T* out,    \
-                                                         long n, int cols) {                                  \
-        scale_rows_cols<T>(x, r, c, out, n, cols);                                                             \
-    }                                                                                                          \
-    extern "C" __global__ void layer_norm_##SUFFIX(const T* x, const float* w, const float* b, T* out,         \
-                                                    int cols, float eps) {                                    \
-        layer_norm<T>(x, w, b, out, cols, eps);                                                                \
-    }                                                                                                          \
     extern "C" __global__ void silu_mul_##SUFFIX(const T* x, T* out, long n, int half) {                       \
         silu_mul<T>(x, out, n, half);                                                                          \
     }                                                                                                          \

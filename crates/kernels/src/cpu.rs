@@ -74,30 +74,58 @@ pub(crate) fn gated_residual(
     })
 }
 
-pub(crate) fn row_sum_squares(x: (&CpuStorage, &Layout), cols: usize) -> Result<CpuStorage> {
+/// Row `i` of a `[rows, cols]` layout with contiguous columns, rows any distance apart.
+fn row<'a, T: WithDType>(all: &'a [T], l: &Layout, i: usize) -> &'a [T] {
+    let (_, cols) = l.shape().dims2().unwrap_or((0, 0));
+    let stride = crate::rowwise::row_stride(l).unwrap_or(cols);
+    &all[l.start_offset() + i * stride..][..cols]
+}
+
+pub(crate) fn row_sum_squares(x: (&CpuStorage, &Layout)) -> Result<CpuStorage> {
+    let (rows, cols) = x.1.shape().dims2()?;
     typed!(x.0, T => {
-        let xs = contiguous::<T>(x.0, x.1)?;
-        let mut out = vec![0f32; xs.len() / cols];
-        for_each_chunk(&mut out, 1, xs.len(), |r, o| {
-            o[0] = xs[r * cols..][..cols].iter().map(|&v| f(v) * f(v)).sum();
+        let all = x.0.as_slice::<T>()?;
+        let mut out = vec![0f32; rows];
+        for_each_chunk(&mut out, 1, rows * cols, |r, o| {
+            o[0] = row(all, x.1, r).iter().map(|&v| f(v) * f(v)).sum();
         });
         Ok(f32::to_cpu_storage_owned(out))
     })
 }
 
+/// See [`crate::scale_rows_cols`]; `rope` is the `[rows, 2, pairs]` table, contiguous.
 pub(crate) fn scale_rows_cols(
     x: (&CpuStorage, &Layout),
     rows: (&CpuStorage, &Layout),
     cols: (&CpuStorage, &Layout),
+    rope: Option<(&CpuStorage, &Layout)>,
 ) -> Result<CpuStorage> {
     let (r, c) = (contiguous::<f32>(rows.0, rows.1)?, contiguous::<f32>(cols.0, cols.1)?);
+    let rope = match rope {
+        Some((s, l)) => Some((contiguous::<f32>(s, l)?, l.dims()[2])),
+        None => None,
+    };
+    let n = c.len();
     typed!(x.0, T => {
-        let xs = contiguous::<T>(x.0, x.1)?;
-        let n = c.len();
-        let mut out = vec![T::from_f64(0.0); xs.len()];
-        for_each_chunk(&mut out, n, xs.len(), |i, o| {
-            for (j, v) in xs[i * n..][..n].iter().enumerate() {
-                o[j] = T::from_f64((f(*v) * r[i] * c[j]) as f64);
+        let all = x.0.as_slice::<T>()?;
+        let mut out = vec![T::from_f64(0.0); r.len() * n];
+        for_each_chunk(&mut out, n, r.len() * n, |i, o| {
+            let xr = row(all, x.1, i);
+            let scaled = |j: usize| f(xr[j]) * r[i] * c[j];
+            match rope {
+                Some((table, pairs)) => {
+                    let (cos, sin) = table[i * 2 * pairs..][..2 * pairs].split_at(pairs);
+                    for p in 0..n / 2 {
+                        let (a, b, k) = (scaled(2 * p), scaled(2 * p + 1), p % pairs);
+                        o[2 * p] = T::from_f64((a * cos[k] - b * sin[k]) as f64);
+                        o[2 * p + 1] = T::from_f64((a * sin[k] + b * cos[k]) as f64);
+                    }
+                }
+                None => {
+                    for (j, o) in o.iter_mut().enumerate() {
+                        *o = T::from_f64(scaled(j) as f64);
+                    }
+                }
             }
         });
         Ok(T::to_cpu_storage_owned(out))

@@ -19,14 +19,19 @@ pub fn gated_residual(x: &Tensor, y: &Tensor, gate: &Tensor) -> Result<Tensor> {
         .apply_op3_no_bwd(&y.contiguous()?, &gate.contiguous()?, &Rowwise::GatedResidual)
 }
 
-/// `Σ_j x[i, j]²` in f32, `[rows, 1]`.
+/// `Σ_j x[i, j]²` in f32, `[rows, 1]`. Rows may lie any distance apart (a view of some
+/// columns of a wider matrix is read in place).
 pub fn row_sum_squares(x: &Tensor) -> Result<Tensor> {
     check(x, "row_sum_squares")?;
-    x.contiguous()?.apply_op1_no_bwd(&RowSumSquares)
+    rows_in_place(x)?.apply_op1_no_bwd(&RowSumSquares)
 }
 
-/// `x[i, j] · rows[i] · cols[j]` with `rows` `[rows, 1]` and `cols` `[cols]`, both f32.
-pub fn scale_rows_cols(x: &Tensor, rows: &Tensor, cols: &Tensor) -> Result<Tensor> {
+/// `x[i, j] · rows[i] · cols[j]` with `rows` `[rows, 1]` and `cols` `[cols]`, both f32; with
+/// `rope` (`[rows, 2, pairs]` f32: cos, then sin), each pair of values `(2p, 2p + 1)` of row i
+/// is then rotated by row i's angle `p mod pairs`: interleaved RoPE of every head of width
+/// `2 · pairs`, fused with the scaling (a QK RMSNorm) and rounded once. Rows of `x` may lie any
+/// distance apart; the result is contiguous.
+pub fn scale_rows_cols(x: &Tensor, rows: &Tensor, cols: &Tensor, rope: Option<&Tensor>) -> Result<Tensor> {
     check(x, "scale_rows_cols")?;
     let (r, c) = x.dims2()?;
     if rows.elem_count() != r || cols.dims() != [c] {
@@ -37,8 +42,43 @@ pub fn scale_rows_cols(x: &Tensor, rows: &Tensor, cols: &Tensor) -> Result<Tenso
             x.dims()
         );
     }
-    x.contiguous()?
-        .apply_op3_no_bwd(&rows.contiguous()?, &cols.contiguous()?, &Rowwise::ScaleRowsCols)
+    let rope = match rope {
+        None => None,
+        Some(table) => match table.dims() {
+            &[tr, 2, pairs]
+                if tr == r && pairs > 0 && c % (2 * pairs) == 0 && table.dtype() == candle_core::DType::F32 =>
+            {
+                Some(table.contiguous()?)
+            }
+            _ => candle_core::bail!(
+                "scale_rows_cols: rope table {:?} {:?} is not [{r}, 2, pairs] f32 with {c} a multiple of 2 · pairs",
+                table.dims(),
+                table.dtype()
+            ),
+        },
+    };
+    rows_in_place(x)?.apply_op3_no_bwd(
+        &rows.contiguous()?,
+        &cols.contiguous()?,
+        &Rowwise::ScaleRowsCols { rope },
+    )
+}
+
+/// `x` itself when its rows are contiguous (any distance apart), else a contiguous copy.
+fn rows_in_place(x: &Tensor) -> Result<Tensor> {
+    match row_stride(x.layout()) {
+        Some(_) => Ok(x.clone()),
+        None => x.contiguous(),
+    }
+}
+
+/// The distance between the rows of a `[rows, cols]` layout whose columns are contiguous.
+pub(crate) fn row_stride(layout: &Layout) -> Option<usize> {
+    let (rows, cols) = layout.shape().dims2().ok()?;
+    match layout.stride() {
+        &[stride, 1] if stride >= cols || rows == 1 => Some(stride),
+        _ => None,
+    }
 }
 
 /// LayerNorm over each row in f32, then `· weight + bias` (`[cols]` f32 each); with
@@ -103,8 +143,13 @@ fn check(x: &Tensor, op: &str) -> Result<()> {
 
 enum Rowwise {
     GatedResidual,
-    ScaleRowsCols,
-    LayerNorm { eps: f32 },
+    /// With a RoPE table `[rows, 2, pairs]` f32, contiguous.
+    ScaleRowsCols {
+        rope: Option<Tensor>,
+    },
+    LayerNorm {
+        eps: f32,
+    },
 }
 
 struct RowSumSquares;
@@ -123,7 +168,7 @@ impl candle_core::CustomOp3 for Rowwise {
     fn name(&self) -> &'static str {
         match self {
             Self::GatedResidual => "gated_residual",
-            Self::ScaleRowsCols => "scale_rows_cols",
+            Self::ScaleRowsCols { .. } => "scale_rows_cols",
             Self::LayerNorm { .. } => "layer_norm",
         }
     }
@@ -139,7 +184,17 @@ impl candle_core::CustomOp3 for Rowwise {
     ) -> Result<(CpuStorage, Shape)> {
         let out = match self {
             Self::GatedResidual => crate::cpu::gated_residual((x, xl), (a, al), (b, bl))?,
-            Self::ScaleRowsCols => crate::cpu::scale_rows_cols((x, xl), (a, al), (b, bl))?,
+            Self::ScaleRowsCols { rope } => {
+                let table = rope.as_ref().map(|t| t.storage_and_layout());
+                let table = match &table {
+                    Some((storage, layout)) => match &**storage {
+                        candle_core::Storage::Cpu(s) => Some((s, *layout)),
+                        _ => candle_core::bail!("scale_rows_cols: the rope table is not on the CPU"),
+                    },
+                    None => None,
+                };
+                crate::cpu::scale_rows_cols((x, xl), (a, al), (b, bl), table)?
+            }
             Self::LayerNorm { eps } => crate::cpu::layer_norm((x, xl), (a, al), (b, bl), *eps)?,
         };
         Ok((out, xl.shape().clone()))
@@ -165,8 +220,7 @@ impl candle_core::CustomOp1 for RowSumSquares {
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (rows, cols) = xl.shape().dims2()?;
-        Ok((crate::cpu::row_sum_squares((x, xl), cols)?, Shape::from((rows, 1))))
+        Ok((crate::cpu::row_sum_squares((x, xl))?, Shape::from((xl.dims()[0], 1))))
     }
 
     #[cfg(feature = "cuda")]
@@ -268,6 +322,41 @@ mod cuda {
         }
     }
 
+    /// Values of T per 16-byte pack (the `_packed` kernels).
+    fn pack<T>() -> usize {
+        16 / std::mem::size_of::<T>()
+    }
+
+    /// The rows of a `[rows, cols]` input whose columns are contiguous: its elements from the
+    /// first and the distance between rows.
+    fn rows_view<'a, T: CudaDType>((s, l): Input<'a>) -> Result<(CudaView<'a, T>, usize)> {
+        let (rows, cols) = l.shape().dims2()?;
+        let Some(stride) = super::row_stride(l) else {
+            candle_core::bail!(
+                "row-wise kernels need rows of contiguous columns, got strides {:?}",
+                l.stride()
+            );
+        };
+        let all = s.as_cuda_slice::<T>()?;
+        if l.start_offset() + (rows - 1) * stride + cols > all.len() {
+            candle_core::bail!(
+                "row-wise kernels: a [{rows}, {cols}] view with row stride {stride} overruns its buffer"
+            );
+        }
+        Ok((all.slice(l.start_offset()..), stride))
+    }
+
+    /// The name of kernel `name` for `dtype`: its 16-byte-pack version when every row of every
+    /// T input starts on a pack (`starts`: their element offsets and row strides).
+    fn row_kernel<T>(name: &str, dtype: DType, cols: usize, starts: &[usize]) -> Result<String> {
+        let packed = cols.is_multiple_of(pack::<T>()) && starts.iter().all(|s| s.is_multiple_of(pack::<T>()));
+        Ok(format!(
+            "{name}_{}{}",
+            suffix(dtype)?,
+            if packed { "_packed" } else { "" }
+        ))
+    }
+
     fn rowwise_typed<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
         op: &Rowwise,
         x: Input,
@@ -277,40 +366,73 @@ mod cuda {
         let (rows, cols) = x.1.shape().dims2()?;
         let n = rows * cols;
         let dev: &CudaDevice = x.0.device();
-        let func = dev.get_or_load_custom_func(
-            &format!("{}_{}", candle_core::CustomOp3::name(op), suffix(x.0.dtype())?),
-            "tpinfer_rowwise",
-            PTX,
-        )?;
-        let xs = view::<T>(x)?;
+        let dtype = x.0.dtype();
+        let name = candle_core::CustomOp3::name(op);
         // SAFETY: every element is written by the kernel.
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
-        let (n_i, cols_i) = (n as i64, cols as i32);
-        let mut builder = func.builder();
+        let cols_i = cols as i32;
         match op {
             Rowwise::GatedResidual => {
-                let (y, gate) = (view::<T>(a)?, view::<f32>(b)?);
+                let (xs, y, gate) = (view::<T>(x)?, view::<T>(a)?, view::<f32>(b)?);
                 if y.len() != n || gate.len() != cols {
                     candle_core::bail!("gated_residual: y or gate do not match x [{rows}, {cols}]");
                 }
-                builder.arg(&xs).arg(&y).arg(&gate).arg(&out).arg(&n_i).arg(&cols_i);
+                let starts = [x.1.start_offset(), a.1.start_offset()];
+                let func =
+                    dev.get_or_load_custom_func(&row_kernel::<T>(name, dtype, cols, &starts)?, "tpinfer_rowwise", PTX)?;
+                let mut builder = func.builder();
+                builder.arg(&xs).arg(&y).arg(&gate).arg(&out).arg(&cols_i);
                 // SAFETY: the arguments match the kernel's signature and sizes were checked.
-                unsafe { builder.launch(elementwise(n)) }.w()?;
+                unsafe { builder.launch(per_row(rows)) }.w()?;
             }
-            Rowwise::ScaleRowsCols => {
-                let (r, c) = (view::<f32>(a)?, view::<f32>(b)?);
+            Rowwise::ScaleRowsCols { rope } => {
+                let ((xs, stride), r, c) = (rows_view::<T>(x)?, view::<f32>(a)?, view::<f32>(b)?);
                 if r.len() != rows || c.len() != cols {
                     candle_core::bail!("scale_rows_cols: scales do not match x [{rows}, {cols}]");
                 }
-                builder.arg(&xs).arg(&r).arg(&c).arg(&out).arg(&n_i).arg(&cols_i);
-                // SAFETY: as above.
-                unsafe { builder.launch(elementwise(n)) }.w()?;
+                if [cols, stride, x.1.start_offset()].iter().any(|n| !n.is_multiple_of(2)) {
+                    candle_core::bail!(
+                        "scale_rows_cols on CUDA takes pairs: {cols} columns, row stride {stride} and offset {} must be even",
+                        x.1.start_offset()
+                    );
+                }
+                let starts = [x.1.start_offset(), stride];
+                let func =
+                    dev.get_or_load_custom_func(&row_kernel::<T>(name, dtype, cols, &starts)?, "tpinfer_rowwise", PTX)?;
+                let (stride_i, null) = (stride as i64, 0u64);
+                let table = rope.as_ref().map(|t| t.storage_and_layout());
+                let table = match &table {
+                    Some((storage, layout)) => {
+                        let candle_core::Storage::Cuda(storage) = &**storage else {
+                            candle_core::bail!("scale_rows_cols: the rope table is not on the GPU");
+                        };
+                        let pairs = layout.dims()[2] as i32;
+                        Some((storage.as_cuda_slice::<f32>()?.slice(layout.start_offset()..), pairs))
+                    }
+                    None => None,
+                };
+                let no_pairs = 1i32;
+                let mut builder = func.builder();
+                builder.arg(&xs).arg(&stride_i).arg(&r).arg(&c);
+                match &table {
+                    Some((view, pairs)) => builder.arg(view).arg(pairs),
+                    None => builder.arg(&null).arg(&no_pairs),
+                };
+                builder.arg(&out).arg(&cols_i);
+                // SAFETY: as above; the table (checked by the caller) holds `2 · pairs` values a row.
+                unsafe { builder.launch(per_row(rows)) }.w()?;
             }
             Rowwise::LayerNorm { eps } => {
-                let (w, bias) = (view::<f32>(a)?, view::<f32>(b)?);
+                let (xs, w, bias) = (view::<T>(x)?, view::<f32>(a)?, view::<f32>(b)?);
                 if w.len() != cols || bias.len() != cols {
                     candle_core::bail!("layer_norm: weight or bias do not match x [{rows}, {cols}]");
                 }
+                let func = dev.get_or_load_custom_func(
+                    &row_kernel::<T>(name, dtype, cols, &[x.1.start_offset()])?,
+                    "tpinfer_rowwise",
+                    PTX,
+                )?;
+                let mut builder = func.builder();
                 builder.arg(&xs).arg(&w).arg(&bias).arg(&out).arg(&cols_i).arg(eps);
                 // SAFETY: as above.
                 unsafe { builder.launch(per_row(rows)) }.w()?;
@@ -419,18 +541,18 @@ mod cuda {
     ) -> Result<(CudaStorage, Shape)> {
         let (rows, cols) = x.1.shape().dims2()?;
         let dev = x.0.device();
+        let (xs, stride) = rows_view::<T>(x)?;
         let func = dev.get_or_load_custom_func(
-            &format!("row_sum_squares_{}", suffix(x.0.dtype())?),
+            &row_kernel::<T>("row_sum_squares", x.0.dtype(), cols, &[x.1.start_offset(), stride])?,
             "tpinfer_rowwise",
             PTX,
         )?;
-        let xs = view::<T>(x)?;
         // SAFETY: one value per row, every row written.
         let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows)? };
-        let cols_i = cols as i32;
+        let (stride_i, cols_i) = (stride as i64, cols as i32);
         let mut builder = func.builder();
-        builder.arg(&xs).arg(&out).arg(&cols_i);
-        // SAFETY: the arguments match the kernel's signature.
+        builder.arg(&xs).arg(&stride_i).arg(&out).arg(&cols_i);
+        // SAFETY: the arguments match the kernel's signature; the view covers every row.
         unsafe { builder.launch(per_row(rows)) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((rows, 1))))
     }

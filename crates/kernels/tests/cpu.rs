@@ -60,7 +60,28 @@ fn row_wise_ops_match_candle_at(rows: usize, cols: usize) {
     assert!(rel(&row_sum_squares(&x).expect("sums"), &want) < 1e-6);
 
     let want = x.broadcast_mul(&r).and_then(|t| t.broadcast_mul(&w)).expect("scale");
-    assert!(rel(&scale_rows_cols(&x, &r, &w).expect("scale"), &want) < 1e-6);
+    assert!(rel(&scale_rows_cols(&x, &r, &w, None).expect("scale"), &want) < 1e-6);
+
+    // Rows of a wider matrix, read in place; then RoPE over heads of 16 after the scaling,
+    // against candle's interleaved RoPE of the scaled rows.
+    let wide = randn(&[rows, 2 * cols], 8);
+    let view = wide.narrow(1, cols, cols).expect("view");
+    let want = view.sqr().and_then(|s| s.sum_keepdim(1)).expect("sum");
+    assert!(rel(&row_sum_squares(&view).expect("sums"), &want) < 1e-6);
+    let (pairs, heads) = (8, cols / 16);
+    let angles = (randn(&[rows, pairs], 9) * 3.0).expect("angles");
+    let (cos, sin) = (angles.cos().expect("cos"), angles.sin().expect("sin"));
+    let table = Tensor::stack(&[&cos, &sin], 1).expect("table");
+    let scaled = view.broadcast_mul(&r).and_then(|t| t.broadcast_mul(&w)).expect("scale");
+    let want = candle_nn::rotary_emb::rope_i(
+        &scaled.reshape((rows, heads, 1, 2 * pairs)).expect("heads"),
+        &cos.reshape((rows, 1, pairs)).expect("cos"),
+        &sin.reshape((rows, 1, pairs)).expect("sin"),
+    )
+    .and_then(|t| t.reshape((rows, cols)))
+    .expect("rope");
+    let got = scale_rows_cols(&view, &r, &w, Some(&table)).expect("scale + rope");
+    assert!(rel(&got, &want) < 1e-6, "{}", rel(&got, &want));
 
     let mean = x.mean_keepdim(1).expect("mean");
     let centered = x.broadcast_sub(&mean).expect("center");

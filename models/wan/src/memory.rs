@@ -85,8 +85,8 @@ pub const FUSED_LINEAR_WORKSPACE: usize = 32 << 20;
 /// One rank's device bytes apart from its weight slices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DitMemory {
-    /// The 3-D RoPE tables (cos and sin per token in the compute dtype), built at the start
-    /// of each forward and alive through it, and the fused linears' workspace.
+    /// The 3-D RoPE table (cos and sin per token, f32), built at the start of each forward
+    /// and alive through it, and the fused linears' workspace.
     pub buffers: usize,
     /// The sampler's latents, the text states (conditional and negative, f32) and their
     /// embeddings.
@@ -126,9 +126,9 @@ impl DitMemory {
         // `Attention::forward` on the modulated norm `n` (X), self-attention:
         // Q's GEMM output and Q with its bias (2L; fused: L); then with Q alive, the merged
         // K/V GEMM output and K/V with its bias (4L; fused: 2L); `full_width_rms_norm`:
-        // normalized Q beside Q and the merged K/V (4L), then, Q dropped, a contiguous copy of
-        // K and normalized K beside Q' and K/V (5L); rotating Q or K replaces one of those
-        // at a time.
+        // normalized (and rotated) Q beside Q and the merged K/V (4L), then, Q dropped,
+        // normalized K beside them (4L; K is read in place); then V's contiguous copy for
+        // the heads' view beside Q, K and the merged K/V (5L), which is dropped after it.
         let projections = x + 5 * l;
         // The attention output beside Q, K, V (4L), or the blockwise path's f32 work: within
         // the loop over heads, one head's scaled queries, keys (and a transposed copy) and
@@ -173,7 +173,7 @@ impl DitMemory {
             false => (SAMPLER_BUFFERS_WITHOUT_CFG, 1),
         };
         Self {
-            buffers: 2 * s * (hd / 2) * e + path.linear_workspace,
+            buffers: 2 * s * (hd / 2) * 4 + path.linear_workspace,
             latents: buffers * c.latent_elements(video.frames, video.width, video.height) * 4
                 + prompts * (text * c.text_dim * 4 + context),
             activations: block,

@@ -71,9 +71,8 @@ struct Block {
 
 /// What every block of one forward shares.
 struct Step<'a> {
-    /// RoPE tables per token, `[s, 1, head_dim / 2]` in the compute dtype.
-    cos: &'a Tensor,
-    sin: &'a Tensor,
+    /// The RoPE table, `[s, 2, head_dim / 2]` f32: each token's cos, then sin.
+    rope: &'a Tensor,
     /// The embedded text, `[text_tokens, dim]`.
     context: &'a Tensor,
     /// The time projection, `[6, dim]` f32.
@@ -224,7 +223,10 @@ impl WanRank {
             .reshape(vec![channels, f, pt, h, ph, w, pw])?
             .permute(vec![1, 3, 5, 0, 2, 4, 6])?
             .reshape((f * h * w, channels * pt * ph * pw))?;
-        let mut x = patches.matmul(&self.patch.t()?)?.broadcast_add(&self.patch_bias)?;
+        let mut x = match tpinfer_kernels::fused_linear_covers(&patches, &self.patch) {
+            true => tpinfer_kernels::linear_bias(&patches, &self.patch, &self.patch_bias, false)?,
+            false => patches.matmul(&self.patch.t()?)?.broadcast_add(&self.patch_bias)?,
+        };
         drop(patches);
 
         let temb = self.time_embedding(timestep, device)?;
@@ -233,10 +235,9 @@ impl WanRank {
             .forward(&candle_nn::ops::silu(&temb)?)?
             .to_dtype(DType::F32)?
             .reshape((6, d))?;
-        let (cos, sin) = self.rope_tables(f, h, w, device)?;
+        let rope = rope_table(c.attention_head_dim, (f, h, w), device)?;
         let step = Step {
-            cos: &cos,
-            sin: &sin,
+            rope: &rope,
             context,
             time: &time,
             times,
@@ -273,35 +274,6 @@ impl WanRank {
         self.time_2.forward(&h)
     }
 
-    /// 3-D RoPE: each head's pairs split into time, height and width parts (`d − 4⌊d/6⌋`,
-    /// `2⌊d/6⌋`, `2⌊d/6⌋` channels), each rotated by its coordinate. `[s, 1, d/2]` cos and sin.
-    fn rope_tables(&self, f: usize, h: usize, w: usize, device: &Device) -> Result<(Tensor, Tensor)> {
-        let hd = self.config.attention_head_dim;
-        let hw_dim = 2 * (hd / 6);
-        let t_dim = hd - 2 * hw_dim;
-        let inv = |dim: usize| -> Vec<f64> {
-            (0..dim / 2)
-                .map(|j| 1.0 / 10_000f64.powf(2.0 * j as f64 / dim as f64))
-                .collect()
-        };
-        let (ti, hi, wi) = (inv(t_dim), inv(hw_dim), inv(hw_dim));
-        let mut angles = Vec::with_capacity(f * h * w * hd / 2);
-        for ft in 0..f {
-            for y in 0..h {
-                for xw in 0..w {
-                    angles.extend(ti.iter().map(|v| ft as f64 * v));
-                    angles.extend(hi.iter().map(|v| y as f64 * v));
-                    angles.extend(wi.iter().map(|v| xw as f64 * v));
-                }
-            }
-        }
-        let table = |g: fn(f64) -> f64| -> Result<Tensor> {
-            let values: Vec<f32> = angles.iter().map(|&a| g(a) as f32).collect();
-            Ok(Tensor::from_vec(values, (f * h * w, 1, hd / 2), device)?.to_dtype(self.dtype)?)
-        };
-        Ok((table(f64::cos)?, table(f64::sin)?))
-    }
-
     /// The weight bytes this rank copied out of the checkpoint.
     pub fn bytes_loaded(&self) -> usize {
         self.bytes_loaded
@@ -323,9 +295,7 @@ impl Block {
         // Self-attention, gated.
         let n = modulated_norm(&x, &row(0)?, &row(1)?, c.eps)?;
         step.mark("norms and residuals")?;
-        let attn = self
-            .self_attn
-            .forward(&n, &n, Some((step.cos, step.sin)), c, comm, step)?;
+        let attn = self.self_attn.forward(&n, &n, Some(step.rope), c, comm, step)?;
         drop(n);
         x = gated_residual(&x, &attn, &row(2)?)?;
         drop(attn);
@@ -356,13 +326,14 @@ impl Block {
 }
 
 impl Attention {
-    /// Attention of `x` over `source` (itself, or the embedded text), with RoPE for
-    /// self-attention. Returns the full-width output after the row-parallel all-reduce.
+    /// Attention of `x` over `source` (itself, or the embedded text), with RoPE (`rope`, see
+    /// [`Step`]) for self-attention. Returns the full-width output after the row-parallel
+    /// all-reduce.
     fn forward(
         &self,
         x: &Tensor,
         source: &Tensor,
-        rope: Option<(&Tensor, &Tensor)>,
+        rope: Option<&Tensor>,
         c: &WanConfig,
         comm: &dyn Communicator,
         step: &Step,
@@ -370,28 +341,21 @@ impl Attention {
         let q = self.q.forward(x)?;
         let kv = self.kv.forward(source)?;
         step.mark("q/k/v projections")?;
-        let (q, k) = full_width_rms_norm(q, &kv[0], &self.norm_q, &self.norm_k, c, comm)?;
-        step.mark("qk rms-norm")?;
+        let (q, k) = full_width_rms_norm(q, &kv[0], &self.norm_q, &self.norm_k, rope, c, comm)?;
+        step.mark(if rope.is_some() {
+            "qk rms-norm + rope"
+        } else {
+            "qk rms-norm"
+        })?;
         // `[tokens, heads, head_dim]` throughout: no transposes before or after attention.
         let hd = c.attention_head_dim;
-        // Consumes its input, so that the rotations below free the unrotated Q and K.
-        let heads = |t: Tensor| -> Result<Tensor> {
+        let heads = |t: &Tensor| -> Result<Tensor> {
             let (s, width) = t.dims2()?;
             Ok(t.reshape((s, width / hd, hd))?)
         };
         // V stays a view into the merged K/V output, which lives until attention ends.
-        let (mut q, mut k, v) = (heads(q)?, heads(k)?, heads(kv[1].clone())?);
+        let (q, k, v) = (heads(&q)?, heads(&k)?, heads(&kv[1])?);
         drop(kv);
-        if let Some((cos, sin)) = rope {
-            // rope_i over `[tokens, heads, 1, d]` with per-token tables `[tokens, 1, d/2]`.
-            let rotate = |t: &Tensor| -> Result<Tensor> {
-                let (s, n, d) = t.dims3()?;
-                Ok(candle_nn::rotary_emb::rope_i(&t.reshape((s, n, 1, d))?, cos, sin)?.reshape((s, n, d))?)
-            };
-            q = rotate(&q)?;
-            k = rotate(&k)?;
-            step.mark("rope")?;
-        }
         let out = full_attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), SCORE_BUFFER_BYTES)?;
         drop((q, k, v));
         step.mark(if rope.is_some() {
@@ -407,27 +371,96 @@ impl Attention {
 }
 
 /// RMSNorm of `q` and `k` over the model's full width although each rank holds only its
-/// heads' channels: the per-token sums of squares of both go through one all-reduce.
-/// Takes `q` by value to free it once normalized; `k` is a view into the merged K/V output.
+/// heads' channels: the per-token sums of squares of both go through one all-reduce. With a
+/// RoPE table, both are rotated in the same pass. Takes `q` by value to free it once
+/// normalized; `k` is a view into the merged K/V output, read in place.
 fn full_width_rms_norm(
     q: Tensor,
     k: &Tensor,
     wq: &Tensor,
     wk: &Tensor,
+    rope: Option<&Tensor>,
     c: &WanConfig,
     comm: &dyn Communicator,
 ) -> Result<(Tensor, Tensor)> {
     let sums = comm.all_reduce_sum(&Tensor::cat(&[row_sum_squares(&q)?, row_sum_squares(k)?], 0)?)?;
     let s = q.dim(0)?;
     let inv = ((sums / c.hidden_size() as f64)? + c.eps)?.sqrt()?.recip()?;
-    let q_normed = scale_rows_cols(&q, &inv.narrow(0, 0, s)?, wq)?;
+    let q_normed = scale_rows_cols(&q, &inv.narrow(0, 0, s)?, wq, rope)?;
     drop(q);
-    let k = scale_rows_cols(k, &inv.narrow(0, s, k.dim(0)?)?, wk)?;
+    let k = scale_rows_cols(k, &inv.narrow(0, s, k.dim(0)?)?, wk, rope)?;
     Ok((q_normed, k))
+}
+
+/// 3-D RoPE for a `f × h × w` grid of patches and heads of `hd`: each head's pairs split into time, height and width parts (`d − 4⌊d/6⌋`,
+/// `2⌊d/6⌋`, `2⌊d/6⌋` channels), each rotated by its coordinate. `[s, 2, d/2]` f32, cos
+/// then sin per token. The angles' cos and sin are computed per axis in f64 on the host
+/// (as diffusers does) and laid out over the `f × h × w` grid on the device.
+fn rope_table(hd: usize, (f, h, w): (usize, usize, usize), device: &Device) -> Result<Tensor> {
+    let hw_dim = 2 * (hd / 6);
+    let t_dim = hd - 2 * hw_dim;
+    // `[positions, 2, dim / 2]`: cos and sin of position · 10000^(−2j / dim).
+    let axis = |positions: usize, dim: usize| -> Result<Tensor> {
+        let mut values = Vec::with_capacity(positions * dim);
+        for p in 0..positions {
+            let angles: Vec<f64> = (0..dim / 2)
+                .map(|j| p as f64 / 10_000f64.powf(2.0 * j as f64 / dim as f64))
+                .collect();
+            values.extend(angles.iter().map(|a| a.cos() as f32));
+            values.extend(angles.iter().map(|a| a.sin() as f32));
+        }
+        Ok(Tensor::from_vec(values, (positions, 2, dim / 2), device)?)
+    };
+    let time = axis(f, t_dim)?.reshape((f, 1, 1, 2, t_dim / 2))?;
+    let height = axis(h, hw_dim)?.reshape((1, h, 1, 2, hw_dim / 2))?;
+    let width = axis(w, hw_dim)?.reshape((1, 1, w, 2, hw_dim / 2))?;
+    let table = Tensor::cat(
+        &[
+            time.broadcast_as((f, h, w, 2, t_dim / 2))?,
+            height.broadcast_as((f, h, w, 2, hw_dim / 2))?,
+            width.broadcast_as((f, h, w, 2, hw_dim / 2))?,
+        ],
+        4,
+    )?;
+    Ok(table.reshape((f * h * w, 2, hd / 2))?)
 }
 
 /// LayerNorm modulated per channel, `norm(x) · (1 + scale) + shift`, in f32 as diffusers'
 /// FP32LayerNorm: one fused LayerNorm with weight `1 + scale` and bias `shift`.
 fn modulated_norm(x: &Tensor, shift: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(layer_norm(x, &(scale + 1.0)?, shift, eps)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The table against each token's angles written out one by one.
+    #[test]
+    fn rope_table_rotates_each_axis_by_its_coordinate() -> Result<()> {
+        let (hd, f, h, w) = (12, 3, 4, 5);
+        let table = rope_table(hd, (f, h, w), &Device::Cpu)?;
+        assert_eq!(table.dims(), [f * h * w, 2, hd / 2]);
+        let table = table.flatten_all()?.to_vec1::<f32>()?;
+        let (hw_dim, t_dim) = (2 * (hd / 6), hd - 4 * (hd / 6));
+        let freq = |dim: usize, j: usize| 1.0 / 10_000f64.powf(2.0 * j as f64 / dim as f64);
+        for (token, at) in (0..f)
+            .flat_map(|t| (0..h).flat_map(move |y| (0..w).map(move |x| (t, y, x))))
+            .enumerate()
+        {
+            let angles: Vec<f64> = (0..t_dim / 2)
+                .map(|j| at.0 as f64 * freq(t_dim, j))
+                .chain((0..hw_dim / 2).map(|j| at.1 as f64 * freq(hw_dim, j)))
+                .chain((0..hw_dim / 2).map(|j| at.2 as f64 * freq(hw_dim, j)))
+                .collect();
+            for (j, a) in angles.iter().enumerate() {
+                let (cos, sin) = (table[token * hd + j], table[token * hd + hd / 2 + j]);
+                assert!(
+                    (cos as f64 - a.cos()).abs() < 1e-6 && (sin as f64 - a.sin()).abs() < 1e-6,
+                    "token {token} pair {j}"
+                );
+            }
+        }
+        Ok(())
+    }
 }
