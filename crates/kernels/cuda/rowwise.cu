@@ -49,42 +49,35 @@ __device__ __forceinline__ void store_pack(T* p, const float (&f)[N]) {
     *reinterpret_cast<Pack<T, N>*>(p) = pack;
 }
 
-// The row-wise kernels below run blocks of THREADS over the rows (block b takes rows b,
-// b + gridDim.x, ...: a launch of about one wave, not one short-lived block per row), each
-// thread N values of a row at a time.
-#define FOR_EACH_ROW for (long row = blockIdx.x; row < rows; row += gridDim.x)
+// The row-wise kernels below run one block of THREADS per row, each thread N values at a time.
 
 // out = T(x + y · gate[col]): a gated residual.
 template <typename T, int N>
-__device__ void gated_residual(const T* x, const T* y, const float* gate, T* out, int rows, int cols) {
-    FOR_EACH_ROW {
-        const long at = row * cols;
-        for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
-            float a[N], b[N];
-            load_pack<T, N>(x + at + j, a);
-            load_pack<T, N>(y + at + j, b);
+__device__ void gated_residual(const T* x, const T* y, const float* gate, T* out, int cols) {
+    const long at = (long)blockIdx.x * cols;
+    for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
+        float a[N], b[N];
+        load_pack<T, N>(x + at + j, a);
+        load_pack<T, N>(y + at + j, b);
 #pragma unroll
-            for (int i = 0; i < N; ++i) a[i] += b[i] * gate[j + i];
-            store_pack<T, N>(out + at + j, a);
-        }
+        for (int i = 0; i < N; ++i) a[i] += b[i] * gate[j + i];
+        store_pack<T, N>(out + at + j, a);
     }
 }
 
 // out[row] = Σ_col x²; rows `row_stride` apart.
 template <typename T, int N>
-__device__ void row_sum_squares(const T* x, long row_stride, float* out, int rows, int cols) {
-    FOR_EACH_ROW {
-        const T* r = x + row * row_stride;
-        float s = 0.f;
-        for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
-            float v[N];
-            load_pack<T, N>(r + j, v);
+__device__ void row_sum_squares(const T* x, long row_stride, float* out, int cols) {
+    const T* r = x + blockIdx.x * row_stride;
+    float s = 0.f;
+    for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
+        float v[N];
+        load_pack<T, N>(r + j, v);
 #pragma unroll
-            for (int i = 0; i < N; ++i) s += v[i] * v[i];
-        }
-        s = block_sum(s);
-        if (threadIdx.x == 0) out[row] = s;
+        for (int i = 0; i < N; ++i) s += v[i] * v[i];
     }
+    s = block_sum(s);
+    if (threadIdx.x == 0) out[blockIdx.x] = s;
 }
 
 // out = T(x · row_scale[row] · col_scale[col]) for x's rows `row_stride` apart; with a `rope`
@@ -93,63 +86,58 @@ __device__ void row_sum_squares(const T* x, long row_stride, float* out, int row
 // once. N is even: a pack holds whole pairs.
 template <typename T, int N>
 __device__ void scale_rows_cols(const T* x, long row_stride, const float* row_scale, const float* col_scale,
-                                const float* rope, int pairs, T* out, int rows, int cols) {
-    FOR_EACH_ROW {
-        const T* r = x + row * row_stride;
-        T* o = out + row * cols;
-        const float scale = row_scale[row];
-        const float* cos = rope ? rope + row * 2 * pairs : nullptr;
-        const float* sin = cos + pairs;
-        for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
-            float v[N];
-            load_pack<T, N>(r + j, v);
+                                const float* rope, int pairs, T* out, int cols) {
+    const T* r = x + blockIdx.x * row_stride;
+    T* o = out + (long)blockIdx.x * cols;
+    const float scale = row_scale[blockIdx.x];
+    const float* cos = rope ? rope + (long)blockIdx.x * 2 * pairs : nullptr;
+    const float* sin = cos + pairs;
+    for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
+        float v[N];
+        load_pack<T, N>(r + j, v);
 #pragma unroll
-            for (int i = 0; i < N; ++i) v[i] *= scale * col_scale[j + i];
-            if (rope) {
+        for (int i = 0; i < N; ++i) v[i] *= scale * col_scale[j + i];
+        if (rope) {
 #pragma unroll
-                for (int i = 0; i < N; i += 2) {
-                    const int p = (j + i) / 2 % pairs;
-                    const float a = v[i], b = v[i + 1];
-                    v[i] = a * cos[p] - b * sin[p];
-                    v[i + 1] = a * sin[p] + b * cos[p];
-                }
+            for (int i = 0; i < N; i += 2) {
+                const int p = (j + i) / 2 % pairs;
+                const float a = v[i], b = v[i + 1];
+                v[i] = a * cos[p] - b * sin[p];
+                v[i + 1] = a * sin[p] + b * cos[p];
             }
-            store_pack<T, N>(o + j, v);
         }
+        store_pack<T, N>(o + j, v);
     }
 }
 
 // LayerNorm over each row in f32 (two passes: mean, then variance about it), then
 // `· weight + bias`.
 template <typename T, int N>
-__device__ void layer_norm(const T* x, const float* weight, const float* bias, T* out, int rows, int cols,
-                           float eps) {
-    FOR_EACH_ROW {
-        const T* r = x + row * cols;
-        T* o = out + row * cols;
-        float s = 0.f;
-        for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
-            float v[N];
-            load_pack<T, N>(r + j, v);
+__device__ void layer_norm(const T* x, const float* weight, const float* bias, T* out, int cols, float eps) {
+    const T* r = x + (long)blockIdx.x * cols;
+    T* o = out + (long)blockIdx.x * cols;
+    float s = 0.f;
+    for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
+        float v[N];
+        load_pack<T, N>(r + j, v);
 #pragma unroll
-            for (int i = 0; i < N; ++i) s += v[i];
-        }
-        const float mean = block_sum(s) / cols;
-        float q = 0.f;
-        for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
-            float v[N];
-            load_pack<T, N>(r + j, v);
+        for (int i = 0; i < N; ++i) s += v[i];
+    }
+    const float mean = block_sum(s) / cols;
+    float q = 0.f;
+    for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
+        float v[N];
+        load_pack<T, N>(r + j, v);
 #pragma unroll
-            for (int i = 0; i < N; ++i) q += (v[i] - mean) * (v[i] - mean);
-        }
-        const float rstd = rsqrtf(block_sum(q) / cols + eps);
-        for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
-            float v[N];
-            load_pack<T, N>(r + j, v);
+        for (int i = 0; i < N; ++i) q += (v[i] - mean) * (v[i] - mean);
+    }
+    const float rstd = rsqrtf(block_sum(q) / cols + eps);
+    for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
+        float v[N];
+        load_pack<T, N>(r + j, v);
 #pragma unroll
-            for (int i = 0; i < N; ++i) v[i] = (v[i] - mean) * rstd * weight[j + i] + bias[j + i];
-            store_pack<T, N>(o + j, v);
-        }
+        for (int i = 0; i < N; ++i) v[i] = (v[i] - mean) * rstd * weight[j + i] + bias[j + i];
+        store_pack<T, N>(o + j, v);
     }
 }
 
@@ -216,21 +204,20 @@ __device__ void silu_mul(const T* x, T* out, long n, int half) {
 // `NAME_SUFFIX_packed` (16 bytes at a time).
 #define ROW_KERNELS(SUFFIX, T, N)                                                                          \
     extern "C" __global__ void gated_residual_##SUFFIX(const T* x, const T* y, const float* gate, T* out,  \
-                                                        int rows, int cols) {                             \
-        gated_residual<T, N>(x, y, gate, out, rows, cols);                                                 \
+                                                        int cols) {                                       \
+        gated_residual<T, N>(x, y, gate, out, cols);                                                       \
     }                                                                                                      \
-    extern "C" __global__ void row_sum_squares_##SUFFIX(const T* x, long row_stride, float* out, int rows, \
-                                                         int cols) {                                      \
-        row_sum_squares<T, N>(x, row_stride, out, rows, cols);                                             \
+    extern "C" __global__ void row_sum_squares_##SUFFIX(const T* x, long row_stride, float* out, int cols) { \
+        row_sum_squares<T, N>(x, row_stride, out, cols);                                                   \
     }                                                                                                      \
     extern "C" __global__ void scale_rows_cols_##SUFFIX(const T* x, long row_stride, const float* r,       \
                                                          const float* c, const float* rope, int pairs,    \
-                                                         T* out, int rows, int cols) {                    \
-        scale_rows_cols<T, (N < 2 ? 2 : N)>(x, row_stride, r, c, rope, pairs, out, rows, cols);            \
+                                                         T* out, int cols) {                              \
+        scale_rows_cols<T, (N < 2 ? 2 : N)>(x, row_stride, r, c, rope, pairs, out, cols);                  \
     }                                                                                                      \
     extern "C" __global__ void layer_norm_##SUFFIX(const T* x, const float* w, const float* b, T* out,     \
-                                                    int rows, int cols, float eps) {                      \
-        layer_norm<T, N>(x, w, b, out, rows, cols, eps);                                                   \
+                                                    int cols, float eps) {                                \
+        layer_norm<T, N>(x, w, b, out, cols, eps);                                                         \
     }
 
 ROW_KERNELS(f32, float, 1)

@@ -302,23 +302,6 @@ mod cuda {
         }
     }
 
-    /// Blocks of [`THREADS`] that loop over `rows` (the row-wise kernels' `FOR_EACH_ROW`):
-    /// as many as the GPU holds at once, at most one per row.
-    fn over_rows(dev: &CudaDevice, rows: usize) -> Result<LaunchConfig> {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as Attr;
-        let sms = dev
-            .cuda_stream()
-            .context()
-            .attribute(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .w()? as usize;
-        let resident = sms * (2048 / THREADS as usize);
-        Ok(LaunchConfig {
-            grid_dim: (rows.min(resident) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        })
-    }
-
     fn per_row(rows: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
@@ -387,7 +370,7 @@ mod cuda {
         let name = candle_core::CustomOp3::name(op);
         // SAFETY: every element is written by the kernel.
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
-        let (rows_i, cols_i) = (rows as i32, cols as i32);
+        let cols_i = cols as i32;
         match op {
             Rowwise::GatedResidual => {
                 let (xs, y, gate) = (view::<T>(x)?, view::<T>(a)?, view::<f32>(b)?);
@@ -398,9 +381,9 @@ mod cuda {
                 let func =
                     dev.get_or_load_custom_func(&row_kernel::<T>(name, dtype, cols, &starts)?, "tpinfer_rowwise", PTX)?;
                 let mut builder = func.builder();
-                builder.arg(&xs).arg(&y).arg(&gate).arg(&out).arg(&rows_i).arg(&cols_i);
+                builder.arg(&xs).arg(&y).arg(&gate).arg(&out).arg(&cols_i);
                 // SAFETY: the arguments match the kernel's signature and sizes were checked.
-                unsafe { builder.launch(over_rows(dev, rows)?) }.w()?;
+                unsafe { builder.launch(per_row(rows)) }.w()?;
             }
             Rowwise::ScaleRowsCols { rope } => {
                 let ((xs, stride), r, c) = (rows_view::<T>(x)?, view::<f32>(a)?, view::<f32>(b)?);
@@ -435,9 +418,9 @@ mod cuda {
                     Some((view, pairs)) => builder.arg(view).arg(pairs),
                     None => builder.arg(&null).arg(&no_pairs),
                 };
-                builder.arg(&out).arg(&rows_i).arg(&cols_i);
+                builder.arg(&out).arg(&cols_i);
                 // SAFETY: as above; the table (checked by the caller) holds `2 · pairs` values a row.
-                unsafe { builder.launch(over_rows(dev, rows)?) }.w()?;
+                unsafe { builder.launch(per_row(rows)) }.w()?;
             }
             Rowwise::LayerNorm { eps } => {
                 let (xs, w, bias) = (view::<T>(x)?, view::<f32>(a)?, view::<f32>(b)?);
@@ -450,16 +433,9 @@ mod cuda {
                     PTX,
                 )?;
                 let mut builder = func.builder();
-                builder
-                    .arg(&xs)
-                    .arg(&w)
-                    .arg(&bias)
-                    .arg(&out)
-                    .arg(&rows_i)
-                    .arg(&cols_i)
-                    .arg(eps);
+                builder.arg(&xs).arg(&w).arg(&bias).arg(&out).arg(&cols_i).arg(eps);
                 // SAFETY: as above.
-                unsafe { builder.launch(over_rows(dev, rows)?) }.w()?;
+                unsafe { builder.launch(per_row(rows)) }.w()?;
             }
         }
         Ok((
@@ -575,10 +551,9 @@ mod cuda {
         let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows)? };
         let (stride_i, cols_i) = (stride as i64, cols as i32);
         let mut builder = func.builder();
-        let rows_i = rows as i32;
-        builder.arg(&xs).arg(&stride_i).arg(&out).arg(&rows_i).arg(&cols_i);
+        builder.arg(&xs).arg(&stride_i).arg(&out).arg(&cols_i);
         // SAFETY: the arguments match the kernel's signature; the view covers every row.
-        unsafe { builder.launch(over_rows(dev, rows)?) }.w()?;
+        unsafe { builder.launch(per_row(rows)) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((rows, 1))))
     }
 }

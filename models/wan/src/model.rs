@@ -77,9 +77,6 @@ struct Step<'a> {
     context: &'a Tensor,
     /// The time projection, `[6, dim]` f32.
     time: &'a Tensor,
-    /// `[dim]` f32 ones: the cross-attention's plain residual as a gated one (one 16-byte
-    /// pass, where candle's add moves 2 bytes per access).
-    ones: &'a Tensor,
     times: Option<&'a StageTimes>,
 }
 
@@ -239,10 +236,8 @@ impl WanRank {
             .to_dtype(DType::F32)?
             .reshape((6, d))?;
         let rope = rope_table(c.attention_head_dim, (f, h, w), device)?;
-        let ones = Tensor::ones(d, DType::F32, device)?;
         let step = Step {
             rope: &rope,
-            ones: &ones,
             context,
             time: &time,
             times,
@@ -313,8 +308,7 @@ impl Block {
         step.mark("norms and residuals")?;
         let attn = self.cross_attn.forward(&n, step.context, None, c, comm, step)?;
         drop(n);
-        x = gated_residual(&x, &attn, step.ones)?;
-        drop(attn);
+        x = (x + attn)?;
 
         // FFN (GELU, tanh approximation), gated.
         let n = modulated_norm(&x, &row(3)?, &row(4)?, c.eps)?;
