@@ -229,13 +229,18 @@ fn run_job(
             };
             step = [token, encode(reason)];
         }
-        let step_tensor = Tensor::new(&step, device).map_err(sample_err)?;
-        let shared = comm.broadcast(&step_tensor, 0)?;
-        let [token, code]: [u32; 2] = shared
-            .to_vec1::<u32>()
-            .map_err(sample_err)?
-            .try_into()
-            .map_err(|_| EngineError::Sampling("malformed step broadcast".into()))?;
+        // A lone rank has its step already: no trip to the device and back.
+        let [token, code] = match comm.world_size() {
+            1 => step,
+            _ => {
+                let step_tensor = Tensor::new(&step, device).map_err(sample_err)?;
+                comm.broadcast(&step_tensor, 0)?
+                    .to_vec1::<u32>()
+                    .map_err(sample_err)?
+                    .try_into()
+                    .map_err(|_| EngineError::Sampling("malformed step broadcast".into()))?
+            }
+        };
         context.push(token);
         let prefill_time = *prefill.get_or_insert_with(|| start.elapsed());
         if let Some(reason) = decode(code) {
