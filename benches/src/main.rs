@@ -67,8 +67,8 @@ struct DitArgs {
     /// Writes `{out}_tp{N}.safetensors` (tensor `velocity`) for each width.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Also time each stage of a forward of the last inputs (one rank holding the whole model,
-    /// a device sync per stage).
+    /// Also time each stage of rank 0's forward of the last inputs at every width (CUDA events
+    /// on a GPU, read after the forward).
     #[arg(long)]
     profile: bool,
 }
@@ -431,11 +431,25 @@ fn dit(args: DitArgs) -> Result<()> {
                 velocity.save_safetensors("velocity", &path)?;
             }
         }
+        if args.profile {
+            dit_profile(&engine, tp, inputs.last().context("no inputs")?)?;
+        }
     }
-    if args.profile {
-        let input = inputs.last().context("no inputs")?;
-        dit_profile(&args, &input.latents, input.timestep, &input.text)?;
+    Ok(())
+}
+
+/// Where rank 0's forward spends its time at this TP width, stage by stage (the last input,
+/// after that input's timed runs).
+fn dit_profile(engine: &tpinfer_engine::VideoEngine, tp: usize, input: &DitInputs) -> Result<()> {
+    let start = std::time::Instant::now();
+    let (_, stages) = engine.velocity_profiled(&input.latents, input.timestep, &input.text)?;
+    let total = start.elapsed().as_secs_f64() * 1e3;
+    println!("\n| stage (TP {tp}, rank 0, device time) | ms | share |\n|---|---|---|");
+    for (stage, spent) in stages {
+        let ms = spent.as_secs_f64() * 1e3;
+        println!("| {stage} | {ms:.1} | {:.0}% |", 100.0 * ms / total);
     }
+    println!("| total (wall) | {total:.1} | |");
     Ok(())
 }
 
@@ -452,51 +466,6 @@ pub(crate) fn relative_error(a: &candle_core::Tensor, reference: &candle_core::T
 
 pub(crate) fn gpu() -> Result<candle_core::Device> {
     Ok(candle_core::Device::new_cuda(0)?)
-}
-
-/// Where one forward's time goes, stage by stage, for a single rank holding the whole model.
-fn dit_profile(args: &DitArgs, latents: &candle_core::Tensor, timestep: f64, text: &candle_core::Tensor) -> Result<()> {
-    let device = match args.cuda {
-        true => gpu()?,
-        false => candle_core::Device::Cpu,
-    };
-    let dtype = match args.dtype {
-        Some(DtypeArg::F32) => DType::F32,
-        Some(DtypeArg::F16) => DType::F16,
-        Some(DtypeArg::Bf16) => DType::BF16,
-        None if args.cuda => DType::BF16,
-        None => DType::F32,
-    };
-    let checkpoint = tpinfer_wan::WanCheckpoint::open(&args.model).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let shard = tpinfer_wan::WanShard::new(&checkpoint.config, 1, 0).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let comm = tpinfer_comm::ThreadGroup::ranks(1, std::time::Duration::from_secs(60))
-        .pop()
-        .context("no rank")?;
-    let model = tpinfer_wan::WanRank::load(
-        &checkpoint.config,
-        &*checkpoint.store,
-        shard,
-        std::sync::Arc::new(comm),
-        dtype,
-        &device,
-    )?;
-    let context = model.embed_text(&text.to_device(&device)?)?;
-    let latents = latents.to_device(&device)?;
-    let times = tpinfer_wan::StageTimes::new(&device)?;
-    model.forward_profiled(&latents, timestep, &context, &times)?;
-    device.synchronize()?;
-    times.reset()?;
-    let start = std::time::Instant::now();
-    model.forward_profiled(&latents, timestep, &context, &times)?;
-    let stages = times.stages()?;
-    let total = start.elapsed().as_secs_f64() * 1e3;
-    println!("\n| stage (TP 1, {dtype:?}, device time) | ms | share |\n|---|---|---|");
-    for (stage, spent) in stages {
-        let ms = spent.as_secs_f64() * 1e3;
-        println!("| {stage} | {ms:.1} | {:.0}% |", 100.0 * ms / total);
-    }
-    println!("| total (wall) | {total:.1} | |");
-    Ok(())
 }
 
 fn main() -> Result<()> {

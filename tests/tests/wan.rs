@@ -127,3 +127,36 @@ mod sampling {
         assert!(uni2_20 < 5e-3, "UniPC-2, 20 steps: {uni2_20:e}");
     }
 }
+
+/// The engine's profiled velocity at TP 2: the same velocity as the plain one, and rank 0's
+/// stages, the collectives' among them.
+#[test]
+fn profiled_velocity_names_rank_0s_stages() {
+    use tpinfer_engine::{Engine, VideoEngine, VideoShape};
+    let model = TinyWan::default();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(dir.path());
+    let (latents, text) = wan_inputs(&model, 3, 8, 8, 4);
+    let shape = VideoShape {
+        frames: 9,
+        width: 64,
+        height: 64,
+    };
+    let engine = VideoEngine::start(Engine::builder(&path).tp(2), shape).expect("engine");
+    let plain = engine.velocity(&latents, 500.0, &text).expect("velocity");
+    let (profiled, stages) = engine.velocity_profiled(&latents, 500.0, &text).expect("profiled");
+    let values = |t: &candle_core::Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values");
+    assert_eq!(values(&plain), values(&profiled));
+    let names: Vec<&str> = stages.iter().map(|(name, _)| *name).collect();
+    for stage in [
+        "embeddings",
+        "qk rms-norm + rope",
+        "self-attention",
+        "out projection + all-reduce",
+        "ffn down + all-reduce",
+        "head",
+    ] {
+        assert!(names.contains(&stage), "no stage {stage} in {names:?}");
+    }
+    assert!(stages.iter().map(|(_, t)| t.as_secs_f64()).sum::<f64>() > 0.0);
+}

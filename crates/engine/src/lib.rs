@@ -33,4 +33,4 @@ pub use stream::{GenerationStats, StopReason, StreamEvent, TokenStream};
 pub use tpinfer_plan::{Plan, RankPlan};
 pub use tpinfer_tokenizer::ChatMessage;
 pub use tpinfer_wan::sampler::Solver;
-pub use video::{StepReport, VideoEngine, VideoRequest, VideoShape};
+pub use video::{StageProfile, StepReport, VideoEngine, VideoRequest, VideoShape};

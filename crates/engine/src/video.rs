@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_plan::{ModelSpec, Placement, Plan, RankPlan};
 use tpinfer_wan::sampler::{guide, seeded_noise, Sampler, Schedule, Solver};
-use tpinfer_wan::{WanCheckpoint, WanRank, WanShard};
+use tpinfer_wan::{StageTimes, WanCheckpoint, WanRank, WanShard};
 
 use crate::engine::{await_startup, check_plan, connectors, rank_devices, root_cause};
 use crate::rank::{guarded, start_rank, Connect, Startup};
@@ -56,20 +56,26 @@ pub struct StepReport {
 /// What the ranks run.
 enum Work {
     Denoise(VideoRequest),
-    /// One velocity evaluation (no sampler, no guidance): for numerics and step timing.
+    /// One velocity evaluation (no sampler, no guidance): for numerics and step timing;
+    /// with `profile`, each rank times the stages of its forward.
     Velocity {
         latents: Tensor,
         timestep: f64,
         text: Tensor,
+        profile: bool,
     },
 }
+
+/// Time per named stage of one rank's forward, in first-seen order.
+pub type StageProfile = Vec<(&'static str, Duration)>;
 
 struct VideoJob {
     work: Work,
     steps: Option<Sender<StepReport>>,
 }
 
-type JobResult = Result<Option<Tensor>, EngineError>;
+/// Rank 0's result: the latents (or velocity), and its stage profile when one was asked for.
+type JobResult = Result<Option<(Tensor, StageProfile)>, EngineError>;
 
 /// A Wan DiT loaded on its ranks.
 pub struct VideoEngine {
@@ -174,21 +180,44 @@ impl VideoEngine {
         if request.steps == 0 {
             return Err(EngineError::InvalidRequest("--steps must be at least 1".into()));
         }
-        self.run(Work::Denoise(request), &mut on_step)
+        Ok(self.run(Work::Denoise(request), &mut on_step)?.0)
     }
 
     /// The model's velocity for `latents` `[channels, latent frames, h, w]` at `timestep`
     /// given text states `[tokens, text_dim]`: one forward on every rank, f32 on the CPU.
     pub fn velocity(&self, latents: &Tensor, timestep: f64, text: &Tensor) -> Result<Tensor, EngineError> {
+        Ok(self.velocity_with(latents, timestep, text, false)?.0)
+    }
+
+    /// [`Self::velocity`] with the time of each stage of rank 0's forward (CUDA events on a
+    /// GPU): where a step's time goes at this TP width, collectives included. Run a velocity
+    /// first: this forward is not a warm-up.
+    pub fn velocity_profiled(
+        &self,
+        latents: &Tensor,
+        timestep: f64,
+        text: &Tensor,
+    ) -> Result<(Tensor, StageProfile), EngineError> {
+        self.velocity_with(latents, timestep, text, true)
+    }
+
+    fn velocity_with(
+        &self,
+        latents: &Tensor,
+        timestep: f64,
+        text: &Tensor,
+        profile: bool,
+    ) -> Result<(Tensor, StageProfile), EngineError> {
         let work = Work::Velocity {
             latents: latents.clone(),
             timestep,
             text: text.clone(),
+            profile,
         };
         self.run(work, &mut |_| {})
     }
 
-    fn run(&self, work: Work, on_step: &mut dyn FnMut(StepReport)) -> Result<Tensor, EngineError> {
+    fn run(&self, work: Work, on_step: &mut dyn FnMut(StepReport)) -> Result<(Tensor, StageProfile), EngineError> {
         let (steps_tx, steps_rx) = mpsc::channel();
         let job = Arc::new(VideoJob {
             work,
@@ -304,14 +333,24 @@ fn denoise(
             latents,
             timestep,
             text,
+            profile,
         } => {
             let context = model
                 .embed_text(&text.to_device(device).map_err(tensor_err)?)
                 .map_err(err)?;
             let latents = latents.to_device(device).map_err(tensor_err)?;
-            let v = model.forward(&latents, *timestep, &context).map_err(err)?;
+            let (v, stages) = match profile {
+                true => {
+                    let times = StageTimes::new(device).map_err(err)?;
+                    let v = model
+                        .forward_profiled(&latents, *timestep, &context, &times)
+                        .map_err(err)?;
+                    (v, times.stages().map_err(err)?)
+                }
+                false => (model.forward(&latents, *timestep, &context).map_err(err)?, Vec::new()),
+            };
             return match rank {
-                0 => Ok(Some(v.to_device(&Device::Cpu).map_err(tensor_err)?)),
+                0 => Ok(Some((v.to_device(&Device::Cpu).map_err(tensor_err)?, stages))),
                 _ => Ok(None),
             };
         }
@@ -358,7 +397,7 @@ fn denoise(
         }
     }
     match rank {
-        0 => Ok(Some(x.to_device(&Device::Cpu).map_err(tensor_err)?)),
+        0 => Ok(Some((x.to_device(&Device::Cpu).map_err(tensor_err)?, Vec::new()))),
         _ => Ok(None),
     }
 }
