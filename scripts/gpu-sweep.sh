@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The published sweep (issue #7) on the GPU host: random-weight Llama-3-8B and Wan-14B shapes,
-# TP 1 and 2, with transformers / diffusers baselines in the same run. SWEEP=llama or dit
-# picks one grid (each fits one 10-minute call); results under $OUT/sweep-$SWEEP.
+# TP 1 and 2 (TP_LIST="1, 2, 4" for others), with transformers / diffusers baselines in the
+# same run. SWEEP=llama or dit picks one grid (each fits one 10-minute call at TP 1 and 2);
+# results under $OUT/sweep-$SWEEP.
 LOG=sweep.log LIMIT=${LIMIT:-560}
 . "$(dirname "$0")/gpu-wan-env.sh"
 case "${SWEEP:-llama}" in
@@ -11,7 +12,7 @@ case "${SWEEP:-llama}" in
     cat > "$W/sweep-llama.toml" <<TOML
 [llama]
 model = "$W/m8b"
-tp = [1, 2]
+tp = [${TP_LIST:-1, 2}]
 prompt = [128, 2048]
 new = [256]
 cuda = true
@@ -26,7 +27,7 @@ TOML
     cat > "$W/sweep-dit.toml" <<TOML
 [dit]
 model = "$W/wan14"
-tp = [1, 2]
+tp = [${TP_LIST:-1, 2}]
 frames = [21, 41, 81]
 size = ["832x480"]
 steps = [1]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reference numerics for tpinfer's Llama, with PyTorch/transformers, on any CUDA host.
 
-  make    --shape 8b|1b --out DIR [--dtype bf16|f32]   random-weight Llama checkpoint (HF format)
+  make    --shape 70b|8b|1b --out DIR [--dtype bf16|f32]   random-weight Llama checkpoint (HF format)
   logits  --model DIR --dtype f32|bf16 --out FILE      transformers' prefill logits + greedy tokens
   compare --ref FILE --out-json FILE NAME=FILE ...     relative errors of tpinfer runs vs a reference
   speed   --model DIR                                  transformers decode tok/s and 2048-token prefill ms
@@ -15,6 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 SHAPES = {
+    # Llama-3-70B: 80 layers, 8192 wide, 64 heads over 8 KV heads, 28672 FFN, 128256 vocab. Too
+    # large to build as a transformers model on one GPU: written tensor by tensor (see make).
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, tie_word_embeddings=False),
     # Llama-3-8B: 32 layers, 4096 wide, 32 heads over 8 KV heads, 14336 FFN, 128256 vocab.
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, tie_word_embeddings=False),
@@ -39,17 +43,71 @@ def make(args):
         cfg = LlamaConfig(rope_parameters=dict(rope, rope_theta=500000.0), **common)
     else:
         cfg = LlamaConfig(rope_theta=500000.0, rope_scaling=rope, **common)
-    torch.manual_seed(args.seed)
     dtype = dict(bf16=torch.bfloat16, f32=torch.float32)[args.dtype]
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(dtype)
     out = Path(args.out)
-    model.save_pretrained(out, safe_serialization=True)
+    if args.shape == "70b":
+        params = write_random(cfg, out, dtype, args.seed)
+        setattr(cfg, "dtype" if hasattr(cfg, "dtype") else "torch_dtype", dtype)
+        cfg.save_pretrained(out)
+    else:
+        torch.manual_seed(args.seed)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg).to(dtype)
+        model.save_pretrained(out, safe_serialization=True)
+        params = sum(p.numel() for p in model.parameters())
     if args.tokenizer:
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(Path(args.tokenizer) / f, out / f)
-    print(f"wrote {out} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, {args.dtype})")
+    print(f"wrote {out} ({params / 1e9:.2f} B params, {args.dtype})")
     print((out / "config.json").read_text())
+
+
+def write_random(cfg, out, dtype, seed, shard_bytes=5 << 30):
+    """transformers' initialization (normal(0, initializer_range) weights, unit norms), drawn on
+    the GPU one tensor at a time and written as safetensors shards with their index: a 70B
+    checkpoint never exists whole in GPU memory. Returns the parameter count."""
+    h, kv = cfg.hidden_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    shapes = [("model.embed_tokens.weight", (cfg.vocab_size, h))]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes += [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.self_attn.q_proj.weight", (h, h)),
+                   (f"{p}.self_attn.k_proj.weight", (kv, h)), (f"{p}.self_attn.v_proj.weight", (kv, h)),
+                   (f"{p}.self_attn.o_proj.weight", (h, h)), (f"{p}.post_attention_layernorm.weight", (h,)),
+                   (f"{p}.mlp.gate_proj.weight", (cfg.intermediate_size, h)),
+                   (f"{p}.mlp.up_proj.weight", (cfg.intermediate_size, h)),
+                   (f"{p}.mlp.down_proj.weight", (h, cfg.intermediate_size))]
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (cfg.vocab_size, h))]
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    size = torch.tensor([], dtype=dtype).element_size()
+    groups, current, current_bytes = [], [], 0
+    for name, shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        if current and current_bytes + n * size > shard_bytes:
+            groups.append(current); current, current_bytes = [], 0
+        current.append((name, shape)); current_bytes += n * size
+    groups.append(current)
+    weight_map, total, params = {}, 0, 0
+    for k, group in enumerate(groups):
+        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for name, shape in group:
+            if name.endswith("norm.weight"):
+                t = torch.ones(shape, dtype=dtype)
+            else:
+                t = (torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+                     * cfg.initializer_range).to(dtype).cpu()
+            tensors[name] = t
+            weight_map[name] = file
+            total += t.numel() * t.element_size(); params += t.numel()
+        save_file(tensors, out / file, metadata={"format": "pt"})
+        print(f"  {file}: {len(group)} tensors", flush=True)
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps(dict(metadata=dict(total_size=total), weight_map=weight_map), indent=1))
+    return params
 
 
 def load(model_dir, dtype):
