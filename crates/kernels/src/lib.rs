@@ -223,6 +223,31 @@ mod cuda {
         }
     }
 
+    /// The arguments every attention kernel takes after its tensors: the lengths, the query
+    /// heads, the GQA group, the scale in base 2 and the causal flag.
+    struct Scalars {
+        q_len: i32,
+        kv_len: i32,
+        heads: i32,
+        group: i32,
+        scale_log2: f32,
+        causal: i32,
+    }
+
+    impl Scalars {
+        fn new(op: &FlashAttention, q: &Layout, k: &Layout) -> Result<Self> {
+            let ((q_len, heads, _), (kv_len, kv_heads, _)) = (q.shape().dims3()?, k.shape().dims3()?);
+            Ok(Self {
+                q_len: q_len as i32,
+                kv_len: kv_len as i32,
+                heads: heads as i32,
+                group: (heads / kv_heads) as i32,
+                scale_log2: (op.scale * std::f64::consts::LOG2_E) as f32,
+                causal: op.causal as i32,
+            })
+        }
+    }
+
     /// Whether the split-KV decode kernels take `q` over `k`: one query row, a cache that can
     /// hold more than [`DECODE_SPLIT_ABOVE`] keys (else they would never run), a GQA group of
     /// at most [`DECODE_MAX_GROUP`], and `q` contiguous on a 16-byte boundary.
@@ -351,7 +376,6 @@ mod cuda {
         defer_above: i32,
     ) -> Result<(CudaStorage, Shape)> {
         let (q_len, heads, d) = ql.shape().dims3()?;
-        let (kv_len, kv_heads, _) = kl.shape().dims3()?;
         let ((q_row, q_head), (k_row, k_head), (v_row, v_head)) =
             (strides(ql, "q")?, strides(kl, "k")?, strides(vl, "v")?);
         let dev = q.device();
@@ -374,10 +398,7 @@ mod cuda {
             block_dim: (QUERY_ROWS as u32 / 16 * 32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (q_len_i, kv_len_i, heads_i, group) =
-            (q_len as i32, kv_len as i32, heads as i32, (heads / kv_heads) as i32);
-        let scale_log2 = (op.scale * std::f64::consts::LOG2_E) as f32;
-        let causal = op.causal as i32;
+        let n = Scalars::new(op, ql, kl)?;
         let null = 0u64;
         let mut b = func.builder();
         b.arg(&qs).arg(&ks).arg(&vs).arg(&out);
@@ -385,14 +406,14 @@ mod cuda {
             Some(p) => b.arg(p),
             None => b.arg(&null),
         };
-        b.arg(&q_len_i).arg(&kv_len_i).arg(&heads_i).arg(&group);
+        b.arg(&n.q_len).arg(&n.kv_len).arg(&n.heads).arg(&n.group);
         b.arg(&q_row)
             .arg(&q_head)
             .arg(&k_row)
             .arg(&k_head)
             .arg(&v_row)
             .arg(&v_head);
-        b.arg(&scale_log2).arg(&causal).arg(&defer_above);
+        b.arg(&n.scale_log2).arg(&n.causal).arg(&defer_above);
         // SAFETY: the argument list matches the kernel's signature; all pointers cover the
         // rows and heads the strides address.
         unsafe { b.launch(cfg) }.w()?;
@@ -417,7 +438,7 @@ mod cuda {
         use candle_core::{CudaStorage, Result, Shape};
         use half::bf16;
 
-        use super::{strides, FlashAttention, Input, Position};
+        use super::{strides, FlashAttention, Input, Position, Scalars};
 
         const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention_sm90.ptx"));
         /// Query rows per CTA: two consumer warpgroups of 64.
@@ -506,10 +527,7 @@ mod cuda {
             let v_map = TensorMap::kv(v_ptr, kv_len, kv_heads, strides(vl, "v")?)?;
             // SAFETY: every element is written by the kernel (rows < q_len of every head).
             let out: CudaSlice<bf16> = unsafe { dev.alloc::<bf16>(q_len * heads * d)? };
-            let (q_len_i, kv_len_i, heads_i, group) =
-                (q_len as i32, kv_len as i32, heads as i32, (heads / kv_heads) as i32);
-            let scale_log2 = (op.scale * std::f64::consts::LOG2_E) as f32;
-            let causal = op.causal as i32;
+            let n = Scalars::new(op, ql, kl)?;
             let null = 0u64;
             let mut b = func.builder();
             b.arg(&k_map).arg(&v_map).arg(&qs).arg(&out);
@@ -517,8 +535,8 @@ mod cuda {
                 Some(p) => b.arg(p),
                 None => b.arg(&null),
             };
-            b.arg(&q_len_i).arg(&kv_len_i).arg(&heads_i).arg(&group);
-            b.arg(&q_row).arg(&q_head).arg(&scale_log2).arg(&causal);
+            b.arg(&n.q_len).arg(&n.kv_len).arg(&n.heads).arg(&n.group);
+            b.arg(&q_row).arg(&q_head).arg(&n.scale_log2).arg(&n.causal);
             let cfg = LaunchConfig {
                 grid_dim: (q_len.div_ceil(QUERY_ROWS) as u32, heads as u32, 1),
                 block_dim: (THREADS, 1, 1),
