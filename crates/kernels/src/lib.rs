@@ -381,7 +381,9 @@ mod cuda {
         let dev = q.device();
         #[cfg(tpinfer_sm90)]
         if hopper::covers(dev, suffix, d, q_len)? {
-            return hopper::launch(op, position, (q, ql), (k, kl), (v, vl));
+            if let Some(done) = hopper::launch(op, position, (q, ql), (k, kl), (v, vl))? {
+                return Ok(done);
+            }
         }
         let func = dev.get_or_load_custom_func(
             &format!("flash_attention_{suffix}_d{d}"),
@@ -462,7 +464,8 @@ mod cuda {
 
         /// K or V as the kernel's TMA operand: a 3-D tensor map over (d, rows, KV heads),
         /// innermost first, copied in boxes of 64 × 64 × 1 into 128-byte-swizzled shared
-        /// memory; rows past `rows` arrive as zeros.
+        /// memory; rows past `rows` arrive as zeros. `None` for a layout the driver will not
+        /// map (no rows, or strides it rejects, such as a broadcast's zero).
         #[repr(transparent)]
         struct TensorMap(sys::CUtensorMap);
 
@@ -471,14 +474,15 @@ mod cuda {
         unsafe impl DeviceRepr for TensorMap {}
 
         impl TensorMap {
-            fn kv(base: sys::CUdeviceptr, rows: usize, kv_heads: usize, (row, head): (i64, i64)) -> Result<Self> {
+            fn kv(base: sys::CUdeviceptr, rows: usize, kv_heads: usize, (row, head): (i64, i64)) -> Option<Self> {
                 let dims = [128u64, rows as u64, kv_heads as u64];
                 let byte_strides = [row as u64 * 2, head as u64 * 2];
                 let boxes = [64u32, 64, 1];
                 let element_strides = [1u32; 3];
                 let mut map = MaybeUninit::<sys::CUtensorMap>::uninit();
                 // SAFETY: every array holds `rank` (or rank − 1 strides) entries; the launcher's
-                // stride check makes the address and strides multiples of 16 bytes, as TMA needs.
+                // stride check makes the address and strides multiples of 16 bytes, as TMA needs;
+                // the map is read only if the driver filled it.
                 unsafe {
                     sys::cuTensorMapEncodeTiled(
                         map.as_mut_ptr(),
@@ -495,19 +499,20 @@ mod cuda {
                         sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
                     )
                     .result()
-                    .w()?;
-                    Ok(Self(map.assume_init()))
+                    .ok()?;
+                    Some(Self(map.assume_init()))
                 }
             }
         }
 
+        /// The launch, or `None` when K or V cannot be mapped (the mma.sync kernel takes it).
         pub(super) fn launch(
             op: &FlashAttention,
             position: Position,
             (q, ql): Input,
             (k, kl): Input,
             (v, vl): Input,
-        ) -> Result<(CudaStorage, Shape)> {
+        ) -> Result<Option<(CudaStorage, Shape)>> {
             let (q_len, heads, d) = ql.shape().dims3()?;
             let (kv_len, kv_heads, _) = kl.shape().dims3()?;
             let (q_row, q_head) = strides(ql, "q")?;
@@ -523,8 +528,18 @@ mod cuda {
             // The guards order K's and V's reads after their writers and before later writers,
             // as passing the slices themselves would.
             let ((k_ptr, _k_guard), (v_ptr, _v_guard)) = (ks.device_ptr(&stream), vs.device_ptr(&stream));
-            let k_map = TensorMap::kv(k_ptr, kv_len, kv_heads, strides(kl, "k")?)?;
-            let v_map = TensorMap::kv(v_ptr, kv_len, kv_heads, strides(vl, "v")?)?;
+            let maps = match kv_len {
+                0 => None,
+                _ => TensorMap::kv(k_ptr, kv_len, kv_heads, strides(kl, "k")?).zip(TensorMap::kv(
+                    v_ptr,
+                    kv_len,
+                    kv_heads,
+                    strides(vl, "v")?,
+                )),
+            };
+            let Some((k_map, v_map)) = maps else {
+                return Ok(None);
+            };
             // SAFETY: every element is written by the kernel (rows < q_len of every head).
             let out: CudaSlice<bf16> = unsafe { dev.alloc::<bf16>(q_len * heads * d)? };
             let n = Scalars::new(op, ql, kl)?;
@@ -545,10 +560,10 @@ mod cuda {
             // SAFETY: the argument list matches the kernel's signature; the maps span the
             // `kv_len` rows of every KV head that the strides address.
             unsafe { b.launch(cfg) }.w()?;
-            Ok((
+            Ok(Some((
                 CudaStorage::wrap_cuda_slice(out, dev.clone()),
                 Shape::from((q_len, heads, d)),
-            ))
+            )))
         }
     }
 }
