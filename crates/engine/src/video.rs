@@ -57,7 +57,7 @@ pub struct StepReport {
 enum Work {
     Denoise(VideoRequest),
     /// One velocity evaluation (no sampler, no guidance): for numerics and step timing;
-    /// with `profile`, each rank times the stages of its forward.
+    /// with `profile`, rank 0 times the stages of its forward.
     Velocity {
         latents: Tensor,
         timestep: f64,
@@ -339,7 +339,8 @@ fn denoise(
                 .embed_text(&text.to_device(device).map_err(tensor_err)?)
                 .map_err(err)?;
             let latents = latents.to_device(device).map_err(tensor_err)?;
-            let (v, stages) = match profile {
+            // Only rank 0's stages are returned; the others run their forward unmarked.
+            let (v, stages) = match *profile && rank == 0 {
                 true => {
                     let times = StageTimes::new(device).map_err(err)?;
                     let v = model

@@ -392,10 +392,11 @@ fn full_width_rms_norm(
     Ok((q_normed, k))
 }
 
-/// 3-D RoPE for a `f × h × w` grid of patches and heads of `hd`: each head's pairs split into time, height and width parts (`d − 4⌊d/6⌋`,
-/// `2⌊d/6⌋`, `2⌊d/6⌋` channels), each rotated by its coordinate. `[s, 2, d/2]` f32, cos
-/// then sin per token. The angles' cos and sin are computed per axis in f64 on the host
-/// (as diffusers does) and laid out over the `f × h × w` grid on the device.
+/// 3-D RoPE for an `f × h × w` grid of patches and heads of `hd` channels: each head's pairs
+/// split into time, height and width parts (`hd − 4⌊hd/6⌋`, `2⌊hd/6⌋`, `2⌊hd/6⌋` channels),
+/// each rotated by its coordinate. `[s, 2, hd/2]` f32, cos then sin per token. The angles'
+/// cos and sin are computed per axis in f64 on the host (as diffusers does) and laid out
+/// over the grid on the device.
 fn rope_table(hd: usize, (f, h, w): (usize, usize, usize), device: &Device) -> Result<Tensor> {
     let hw_dim = 2 * (hd / 6);
     let t_dim = hd - 2 * hw_dim;
