@@ -1,5 +1,5 @@
 //! The NCCL smoke test a doctor child process runs: join a communicator over some GPUs, check
-//! an all-reduce's sums, time all-reduces from decode-sized to bandwidth-sized messages.
+//! the sums of all-reduces from decode-sized to bandwidth-sized messages and time them.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -88,14 +88,17 @@ fn rank_smoke(
     let summed = comm.all_reduce_sum(&ones).map_err(|e| e.to_string())?;
     // Reading the sums back bounds this wait by the communicator's timeout.
     let gathered = comm.all_gather(&summed, 0).map_err(|e| e.to_string())?;
-    let sum_correct = gathered
+    let mut sum_correct = gathered
         .to_vec1::<f32>()
         .map_err(err)?
         .iter()
         .all(|&v| v == world as f32);
     let mut table = Vec::new();
     for &bytes in sizes {
-        let x = Tensor::ones(bytes / 4, DType::F32, &device).map_err(err)?;
+        // Each rank adds its own value, so that a sum that read one rank's buffer twice shows
+        // (NCCL's protocols and channels differ with the size).
+        let x = Tensor::full((rank + 1) as f32, bytes / 4, &device).map_err(err)?;
+        let mut last = None;
         // Few repeats for large messages: the timing is stable and the link is the bottleneck.
         let per_batch = if bytes >= 64 << 20 { 5 } else { 20 };
         let mut batches = Vec::new();
@@ -103,13 +106,21 @@ fn rank_smoke(
             device.synchronize().map_err(err)?;
             let t = Instant::now();
             for _ in 0..per_batch {
-                comm.all_reduce_sum(&x).map_err(|e| e.to_string())?;
+                last = Some(comm.all_reduce_sum(&x).map_err(|e| e.to_string())?);
             }
             device.synchronize().map_err(err)?;
             // The first batch warms up NCCL's buffers and channels for this size.
             if batch > 0 {
                 batches.push(t.elapsed().as_secs_f64() / per_batch as f64);
             }
+        }
+        if let Some(sum) = last {
+            let worst = (sum - (world * (world + 1) / 2) as f64)
+                .and_then(|d| d.abs())
+                .and_then(|d| d.max(0))
+                .and_then(|d| d.to_scalar::<f32>())
+                .map_err(err)?;
+            sum_correct &= worst == 0.0;
         }
         batches.sort_by(f64::total_cmp);
         let seconds = batches[batches.len() / 2];
