@@ -61,6 +61,33 @@ fn all_reduce_is_deterministic_and_identical_on_all_ranks() {
 }
 
 #[test]
+fn reduce_scatter_gives_each_rank_its_rows_of_the_sum() {
+    // 7 rows over 3 ranks: 3, 2 and 2; each row r of rank k's input is [k, r].
+    let sizes = [3, 2, 2];
+    let results = on_ranks(3, Duration::from_secs(10), |c| {
+        let k = c.rank() as f32;
+        let rows: Vec<f32> = (0..7).flat_map(|r| [k, r as f32]).collect();
+        let x = Tensor::from_vec(rows, (7, 2), &Device::Cpu).expect("tensor");
+        let mine = c.reduce_scatter_sum(&x, &sizes).expect("reduce_scatter");
+        let bad = c
+            .reduce_scatter_sum(&x, &[3, 3, 3])
+            .expect_err("sizes that do not add up");
+        (mine.dims().to_vec(), values(&mine), bad.to_string())
+    });
+    let mut first = 0;
+    for (rank, (dims, got, bad)) in results.into_iter().enumerate() {
+        assert_eq!(dims, vec![sizes[rank], 2]);
+        // Sum over ranks: [0 + 1 + 2, 3 · r].
+        let expected: Vec<f32> = (first..first + sizes[rank])
+            .flat_map(|r| [3.0, 3.0 * r as f32])
+            .collect();
+        assert_eq!(got, expected, "rank {rank}");
+        assert!(bad.contains("do not split 7 rows"), "{bad}");
+        first += sizes[rank];
+    }
+}
+
+#[test]
 fn all_gather_joins_uneven_shards_in_rank_order() {
     let results = on_ranks(3, Duration::from_secs(10), |c| {
         let len = 3 - c.rank(); // 3, 2, 1 columns

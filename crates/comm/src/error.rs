@@ -5,6 +5,7 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Collective {
     AllReduceSum,
+    ReduceScatterSum,
     AllGather {
         dim: usize,
     },
@@ -20,6 +21,7 @@ impl fmt::Display for Collective {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::AllReduceSum => write!(f, "all_reduce_sum"),
+            Self::ReduceScatterSum => write!(f, "reduce_scatter_sum"),
             Self::AllGather { dim } => write!(f, "all_gather(dim {dim})"),
             Self::Broadcast { root } => write!(f, "broadcast(root {root})"),
             Self::Barrier => write!(f, "barrier"),

@@ -28,6 +28,14 @@ fn sum<T: NcclType>(comm: &Comm, input: &CudaView<'_, T>, output: &mut CudaSlice
     comm.all_reduce(input, output, &ReduceOp::Sum).map(|_| ())
 }
 
+fn scatter<T: NcclType>(comm: &Comm, input: &CudaView<'_, T>, output: &mut CudaSlice<T>) -> Result<(), NcclError> {
+    comm.reduce_scatter(input, output, &ReduceOp::Sum).map(|_| ())
+}
+
+fn gather<T: NcclType>(comm: &Comm, input: &CudaView<'_, T>, output: &mut CudaSlice<T>) -> Result<(), NcclError> {
+    comm.all_gather(input, output).map(|_| ())
+}
+
 /// What every rank of an in-process NCCL group shares: the unique id, and a board where a
 /// failing rank posts its cause so that its peers stop waiting for it.
 pub struct NcclGroup {
@@ -313,6 +321,55 @@ impl Communicator for NcclComm {
         Ok(out)
     }
 
+    fn reduce_scatter_sum(&self, x: &Tensor, sizes: &[usize]) -> Result<Tensor, CommError> {
+        let start = Instant::now();
+        let op = Collective::ReduceScatterSum;
+        let err = self.tensor_error(op);
+        let world = self.group.world_size;
+        crate::check_scatter_sizes(self.rank, world, x, sizes)?;
+        let bytes = x.elem_count() * x.dtype().size_in_bytes();
+        if world == 1 {
+            self.stats.record_all_reduce(bytes, start.elapsed());
+            return Ok(x.clone());
+        }
+        // NCCL scatters equal parts: each rank's rows padded to the largest part.
+        let max = sizes.iter().copied().max().unwrap_or(0);
+        let input = match sizes.iter().all(|&n| n == max) {
+            true => x.clone(),
+            false => {
+                let mut parts = Vec::with_capacity(world);
+                let mut at = 0;
+                for &n in sizes {
+                    parts.push(
+                        x.narrow(0, at, n)
+                            .and_then(|p| p.pad_with_zeros(0, 0, max - n))
+                            .map_err(&err)?,
+                    );
+                    at += n;
+                }
+                Tensor::cat(&parts, 0).map_err(&err)?
+            }
+        };
+        let mut shape = x.dims().to_vec();
+        shape[0] = max;
+        let n = shape.iter().product::<usize>();
+        let out = match x.dtype() {
+            DType::F32 => self.run::<f32>(op, &input, n, &shape, scatter::<f32>)?,
+            DType::BF16 => self.run::<half::bf16>(op, &input, n, &shape, scatter::<half::bf16>)?,
+            DType::F16 => self.run::<half::f16>(op, &input, n, &shape, scatter::<half::f16>)?,
+            other => return Err(err(candle_core::Error::Msg(format!("reduce-scatter of {other:?}")))),
+        };
+        let out = match max == sizes[self.rank] {
+            true => out,
+            false => out
+                .narrow(0, 0, sizes[self.rank])
+                .and_then(|t| t.contiguous())
+                .map_err(&err)?,
+        };
+        self.stats.record_all_reduce(bytes, start.elapsed());
+        Ok(out)
+    }
+
     fn all_gather_sized(&self, x: &Tensor, dim: usize, sizes: &[usize]) -> Result<Tensor, CommError> {
         let start = Instant::now();
         let op = Collective::AllGather { dim };
@@ -326,27 +383,41 @@ impl Communicator for NcclComm {
         let max = sizes.iter().copied().max().unwrap_or(0);
         let front = x.transpose(0, dim).map_err(&err)?.contiguous().map_err(&err)?;
         let pad = max - front.dim(0).map_err(&err)?;
-        let front = front
-            .pad_with_zeros(0, 0, pad)
-            .map_err(&err)?
-            .to_dtype(DType::F32)
-            .map_err(&err)?;
+        let front = match pad {
+            0 => front,
+            _ => front.pad_with_zeros(0, 0, pad).map_err(&err)?,
+        };
         let mut shape = front.dims().to_vec();
         shape[0] = max * world;
-        let all = self.run::<f32>(op, &front, front.elem_count() * world, &shape, |c, i, o| {
-            c.all_gather(i, o).map(|_| ())
-        })?;
-        let parts = sizes
-            .iter()
-            .enumerate()
-            .map(|(r, &n)| all.narrow(0, r * max, n))
-            .collect::<candle_core::Result<Vec<_>>>()
-            .map_err(&err)?;
-        let out = Tensor::cat(&parts, 0)
-            .and_then(|t| t.transpose(0, dim))
-            .and_then(|t| t.contiguous())
-            .and_then(|t| t.to_dtype(x.dtype()))
-            .map_err(&err)?;
+        let n = front.elem_count() * world;
+        // Activations (sequence parallelism) gather in their own type; anything else in f32.
+        let all = match front.dtype() {
+            DType::F32 => self.run::<f32>(op, &front, n, &shape, gather::<f32>)?,
+            DType::BF16 => self.run::<half::bf16>(op, &front, n, &shape, gather::<half::bf16>)?,
+            DType::F16 => self.run::<half::f16>(op, &front, n, &shape, gather::<half::f16>)?,
+            _ => {
+                let front = front.to_dtype(DType::F32).map_err(&err)?;
+                self.run::<f32>(op, &front, n, &shape, gather::<f32>)?
+                    .to_dtype(x.dtype())
+                    .map_err(&err)?
+            }
+        };
+        let all = match sizes.iter().all(|&n| n == max) {
+            true => all,
+            false => {
+                let parts = sizes
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &n)| all.narrow(0, r * max, n))
+                    .collect::<candle_core::Result<Vec<_>>>()
+                    .map_err(&err)?;
+                Tensor::cat(&parts, 0).map_err(&err)?
+            }
+        };
+        let out = match dim {
+            0 => all,
+            _ => all.transpose(0, dim).and_then(|t| t.contiguous()).map_err(&err)?,
+        };
         self.stats.record_all_gather(start.elapsed());
         Ok(out)
     }

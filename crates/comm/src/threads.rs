@@ -175,7 +175,7 @@ fn combine(op: Collective, inputs: &[Option<Tensor>]) -> Result<Tensor, String> 
     let tensors: Vec<&Tensor> = inputs.iter().flatten().collect();
     let result = match op {
         Collective::Barrier => Tensor::zeros((), DType::U8, &Device::Cpu),
-        Collective::AllReduceSum => {
+        Collective::AllReduceSum | Collective::ReduceScatterSum => {
             let first = tensors.first().ok_or("no inputs")?;
             if let Some(other) = tensors.iter().find(|t| t.shape() != first.shape()) {
                 return Err(format!("shapes differ: {:?} vs {:?}", first.shape(), other.shape()));
@@ -219,6 +219,27 @@ impl Communicator for ThreadComm {
             1 => x.clone(),
             _ => self.collective(Collective::AllReduceSum, Some(x))?,
         };
+        self.stats.record_all_reduce(bytes, start.elapsed());
+        Ok(out)
+    }
+
+    /// The full sum, as an all-reduce computes it, cut to this rank's rows.
+    fn reduce_scatter_sum(&self, x: &Tensor, sizes: &[usize]) -> Result<Tensor, CommError> {
+        let start = Instant::now();
+        let first = crate::check_scatter_sizes(self.rank, self.shared.world_size, x, sizes)?;
+        let bytes = x.elem_count() * x.dtype().size_in_bytes();
+        let total = match self.shared.world_size {
+            1 => x.clone(),
+            _ => self.collective(Collective::ReduceScatterSum, Some(x))?,
+        };
+        let out = total
+            .narrow(0, first, sizes[self.rank])
+            .and_then(|t| t.contiguous())
+            .map_err(|source| CommError::Tensor {
+                rank: self.rank,
+                op: Collective::ReduceScatterSum,
+                source,
+            })?;
         self.stats.record_all_reduce(bytes, start.elapsed());
         Ok(out)
     }

@@ -197,6 +197,25 @@ impl RowParallelLinear {
         self.reduce(partial)
     }
 
+    /// [`Self::forward`] with the sum scattered by rows (sequence parallelism): this rank
+    /// receives its `sizes[rank]` rows of the output, as
+    /// [`Communicator::reduce_scatter_sum`] splits them.
+    pub fn forward_scattered(&self, x: &Tensor, sizes: &[usize]) -> Result<Tensor> {
+        let w = self.linear.weight();
+        let fused = self.bias.is_some() && tpinfer_kernels::fused_linear_covers(x, w);
+        let partial = match (&self.bias, self.comm.rank()) {
+            // Rank 0 adds the bias in its GEMM's epilogue, before the sum: still once.
+            (Some(b), 0) if fused => tpinfer_kernels::linear_bias(x, w, b, false)?,
+            _ => apply(&self.linear, x)?,
+        };
+        let y = self.comm.reduce_scatter_sum(&partial, sizes)?;
+        drop(partial);
+        Ok(match (&self.bias, fused) {
+            (Some(b), false) => y.broadcast_add(b)?,
+            _ => y,
+        })
+    }
+
     /// The sum of the ranks' partial products, plus the bias once.
     fn reduce(&self, partial: Tensor) -> Result<Tensor> {
         let y = self.comm.all_reduce_sum(&partial)?;

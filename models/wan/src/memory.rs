@@ -119,11 +119,17 @@ impl DitMemory {
         let s = c.video_tokens(video.frames, video.width, video.height);
         let (d, hd, e) = (c.hidden_size(), c.attention_head_dim, dtype.size_in_bytes());
         let heads = shard.heads.len();
-        // Per-token sizes: the residual stream X, this rank's attention width L, FFN width F.
+        // Per-token sizes: a full-width activation X, this rank's attention width L, FFN width
+        // F. At TP > 1 the residual stream is this rank's rows of it, R (sequence
+        // parallelism, `Rows` in `model.rs`): the norms run on R and are all-gathered to X.
         let (x, l, f) = (s * d * e, s * heads * hd * e, s * shard.ffn_cols.len() * e);
+        let r = match shard.world {
+            1 => x,
+            world => s.div_ceil(world) * d * e,
+        };
         let (text_l, context) = (text * heads * hd * e, text * d * e);
 
-        // `Attention::forward` on the modulated norm `n` (X), self-attention:
+        // `Attention::forward` on the modulated norm `n` (X, all rows), self-attention:
         // Q's GEMM output and Q with its bias (2L; fused: L); then with Q alive, the merged
         // K/V GEMM output and K/V with its bias (4L; fused: 2L); `full_width_rms_norm`:
         // normalized (and rotated) Q beside Q and the merged K/V (4L), then, Q dropped,
@@ -145,12 +151,13 @@ impl DitMemory {
             }
         };
         // `RowParallelLinear::forward` beside its input (the attention output, L; the FFN's
-        // hidden, F): the partial product, then the all-reduce's output and the biased sum
-        // (2X); fused, the partial (with the bias on rank 0) and the sum, which at TP 1 is
-        // the partial itself (X).
-        let reduced = match path.fused_linear && shard.world == 1 {
-            true => x,
-            false => 2 * x,
+        // hidden, F): the partial product, then the sum (this rank's rows of it at TP > 1, R)
+        // and, unfused, the biased sum; fused, the bias is added on rank 0 in the GEMM, and at
+        // TP 1 the sum is the partial itself.
+        let reduced = match (path.fused_linear, shard.world) {
+            (true, 1) => x,
+            (true, _) => x + r,
+            (false, _) => x + 2 * r,
         };
         let output = x + l + reduced;
         let self_attn = projections.max(attention).max(output);
@@ -162,9 +169,10 @@ impl DitMemory {
             true => (x + f).max(f + reduced),
             false => (x + 2 * f).max(2 * f).max(f + reduced),
         };
-        // A residual update: old and new stream and the attention or FFN output (3X).
-        let residual = 3 * x;
-        let block = (x + self_attn.max(cross).max(ffn)).max(residual);
+        // A residual update: old and new stream and the attention or FFN output (3R).
+        let residual = 3 * r;
+        // Beside the residual stream (R) the block's peak; a norm's gather (R + X) is below.
+        let block = (r + self_attn.max(cross).max(ffn)).max(residual);
 
         let mut sizes = [x, l, 2 * l, f];
         sizes.sort_unstable();

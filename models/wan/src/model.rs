@@ -77,7 +77,35 @@ struct Step<'a> {
     context: &'a Tensor,
     /// The time projection, `[6, dim]` f32.
     time: &'a Tensor,
+    /// This rank's rows of the residual stream at TP > 1 (sequence parallelism).
+    rows: Option<&'a Rows>,
     times: Option<&'a StageTimes>,
+}
+
+/// Sequence parallelism at TP > 1: each rank keeps its own rows of the residual stream (an
+/// even split of the tokens) and runs the replicated norms, modulation and residuals on them
+/// alone. The row-parallel outputs are reduce-scattered to these rows instead of all-reduced,
+/// and the norms' outputs all-gathered before the column-parallel GEMMs that need every
+/// token: the same bytes on the link as the all-reduces, a rank's share of the rest.
+struct Rows {
+    /// Every rank's number of rows, in rank order.
+    sizes: Vec<usize>,
+    /// This rank's first row.
+    start: usize,
+}
+
+impl Rows {
+    fn new(tokens: usize, world: usize, rank: usize) -> Self {
+        let ranges = tpinfer_layers::split_evenly(tokens, world);
+        Self {
+            sizes: ranges.iter().map(|r| r.len()).collect(),
+            start: ranges[rank].start,
+        }
+    }
+
+    fn len(&self, rank: usize) -> usize {
+        self.sizes[rank]
+    }
 }
 
 impl Step<'_> {
@@ -86,6 +114,27 @@ impl Step<'_> {
         match self.times {
             Some(times) => times.mark(stage),
             None => Ok(()),
+        }
+    }
+
+    /// Every token's rows of `x`, this rank's rows under sequence parallelism.
+    fn gather(&self, x: Tensor, comm: &dyn Communicator) -> Result<Tensor> {
+        match self.rows {
+            Some(rows) => {
+                let all = comm.all_gather_sized(&x, 0, &rows.sizes)?;
+                self.mark("all-gather")?;
+                Ok(all)
+            }
+            None => Ok(x),
+        }
+    }
+
+    /// A row-parallel linear's output: summed over the ranks, scattered to this rank's rows
+    /// under sequence parallelism.
+    fn sum(&self, linear: &RowParallelLinear, x: &Tensor) -> Result<Tensor> {
+        match self.rows {
+            Some(rows) => linear.forward_scattered(x, &rows.sizes),
+            None => linear.forward(x),
         }
     }
 }
@@ -177,8 +226,10 @@ impl WanRank {
 
     /// The velocity for `latents` `[channels, frames, height, width]` (f32) at flow time
     /// `timestep` (0–1000), attending to `context` from [`Self::embed_text`]. Returns f32 of
-    /// the latents' shape; every rank returns the same. Three activation all-reduces per block
-    /// (self-attention, cross-attention, FFN outputs) and two of per-token norms.
+    /// the latents' shape; every rank returns the same. Per block, three sums of activations
+    /// (self-attention, cross-attention, FFN outputs: all-reduces at TP 1, reduce-scatters
+    /// with an all-gather each under sequence parallelism) and two all-reduces of per-token
+    /// norms.
     pub fn forward(&self, latents: &Tensor, timestep: f64, context: &Tensor) -> Result<Tensor> {
         self.forward_with(latents, timestep, context, None)
     }
@@ -223,6 +274,12 @@ impl WanRank {
             .reshape(vec![channels, f, pt, h, ph, w, pw])?
             .permute(vec![1, 3, 5, 0, 2, 4, 6])?
             .reshape((f * h * w, channels * pt * ph * pw))?;
+        let (world, rank) = (self.comm.world_size(), self.comm.rank());
+        let rows = (world > 1 && f * h * w >= world).then(|| Rows::new(f * h * w, world, rank));
+        let patches = match &rows {
+            Some(r) => patches.narrow(0, r.start, r.len(rank))?.contiguous()?,
+            None => patches,
+        };
         let mut x = match tpinfer_kernels::fused_linear_covers(&patches, &self.patch) {
             true => tpinfer_kernels::linear_bias(&patches, &self.patch, &self.patch_bias, false)?,
             false => patches.matmul(&self.patch.t()?)?.broadcast_add(&self.patch_bias)?,
@@ -240,6 +297,7 @@ impl WanRank {
             rope: &rope,
             context,
             time: &time,
+            rows: rows.as_ref(),
             times,
         };
         step.mark("embeddings")?;
@@ -254,6 +312,7 @@ impl WanRank {
         let x = modulated_norm(&x, &shift, &scale, c.eps)?;
         let out = self.proj_out.forward(&x)?;
         step.mark("head")?;
+        let out = step.gather(out, &*self.comm)?;
         Ok(out
             .reshape(vec![f, h, w, pt, ph, pw, c.out_channels])?
             .permute(vec![6, 0, 3, 1, 4, 2, 5])?
@@ -286,8 +345,9 @@ impl WanRank {
 }
 
 impl Block {
-    /// Takes the residual stream by value so that each version is freed as soon as the next
-    /// exists (the memory model in `memory.rs` counts on it).
+    /// Takes the residual stream (this rank's rows of it under sequence parallelism) by value
+    /// so that each version is freed as soon as the next exists (the memory model in
+    /// `memory.rs` counts on it).
     fn forward(&self, mut x: Tensor, step: &Step, c: &WanConfig, comm: &dyn Communicator) -> Result<Tensor> {
         let e = self.table.broadcast_add(step.time)?;
         let row = |i: usize| e.get(i);
@@ -295,6 +355,7 @@ impl Block {
         // Self-attention, gated.
         let n = modulated_norm(&x, &row(0)?, &row(1)?, c.eps)?;
         step.mark("norms and residuals")?;
+        let n = step.gather(n, comm)?;
         let attn = self.self_attn.forward(&n, &n, Some(step.rope), c, comm, step)?;
         drop(n);
         x = gated_residual(&x, &attn, &row(2)?)?;
@@ -306,6 +367,7 @@ impl Block {
             None => x.clone(),
         };
         step.mark("norms and residuals")?;
+        let n = step.gather(n, comm)?;
         let attn = self.cross_attn.forward(&n, step.context, None, c, comm, step)?;
         drop(n);
         x = (x + attn)?;
@@ -313,12 +375,13 @@ impl Block {
         // FFN (GELU, tanh approximation), gated.
         let n = modulated_norm(&x, &row(3)?, &row(4)?, c.eps)?;
         step.mark("norms and residuals")?;
+        let n = step.gather(n, comm)?;
         let hidden = self.ffn_up.forward_gelu(&n)?;
         drop(n);
         step.mark("ffn up + gelu")?;
-        let ffn = self.ffn_down.forward(&hidden)?;
+        let ffn = step.sum(&self.ffn_down, &hidden)?;
         drop(hidden);
-        step.mark("ffn down + all-reduce")?;
+        step.mark("ffn down + sum")?;
         x = gated_residual(&x, &ffn, &row(5)?)?;
         step.mark("norms and residuals")?;
         Ok(x)
@@ -327,8 +390,8 @@ impl Block {
 
 impl Attention {
     /// Attention of `x` over `source` (itself, or the embedded text), with RoPE (`rope`, see
-    /// [`Step`]) for self-attention. Returns the full-width output after the row-parallel
-    /// all-reduce.
+    /// [`Step`]) for self-attention. Returns the full-width output summed over the ranks
+    /// (this rank's rows of it under sequence parallelism).
     fn forward(
         &self,
         x: &Tensor,
@@ -364,8 +427,8 @@ impl Attention {
             "cross-attention"
         })?;
         let (s, n, _) = out.dims3()?;
-        let out = self.o.forward(&out.reshape((s, n * hd))?)?;
-        step.mark("out projection + all-reduce")?;
+        let out = step.sum(&self.o, &out.reshape((s, n * hd))?)?;
+        step.mark("out projection + sum")?;
         Ok(out)
     }
 }
