@@ -9,6 +9,8 @@
 mod error;
 #[cfg(feature = "nccl")]
 mod nccl;
+#[cfg(any(feature = "nccl", test))]
+mod parts;
 mod stats;
 mod threads;
 

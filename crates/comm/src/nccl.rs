@@ -334,22 +334,7 @@ impl Communicator for NcclComm {
         }
         // NCCL scatters equal parts: each rank's rows padded to the largest part.
         let max = sizes.iter().copied().max().unwrap_or(0);
-        let input = match sizes.iter().all(|&n| n == max) {
-            true => x.clone(),
-            false => {
-                let mut parts = Vec::with_capacity(world);
-                let mut at = 0;
-                for &n in sizes {
-                    parts.push(
-                        x.narrow(0, at, n)
-                            .and_then(|p| p.pad_with_zeros(0, 0, max - n))
-                            .map_err(&err)?,
-                    );
-                    at += n;
-                }
-                Tensor::cat(&parts, 0).map_err(&err)?
-            }
-        };
+        let input = crate::parts::pad_parts(x, sizes).map_err(&err)?;
         let mut shape = x.dims().to_vec();
         shape[0] = max;
         let n = shape.iter().product::<usize>();
@@ -402,18 +387,7 @@ impl Communicator for NcclComm {
                     .map_err(&err)?
             }
         };
-        let all = match sizes.iter().all(|&n| n == max) {
-            true => all,
-            false => {
-                let parts = sizes
-                    .iter()
-                    .enumerate()
-                    .map(|(r, &n)| all.narrow(0, r * max, n))
-                    .collect::<candle_core::Result<Vec<_>>>()
-                    .map_err(&err)?;
-                Tensor::cat(&parts, 0).map_err(&err)?
-            }
-        };
+        let all = crate::parts::unpad_parts(&all, sizes).map_err(&err)?;
         let out = match dim {
             0 => all,
             _ => all.transpose(0, dim).and_then(|t| t.contiguous()).map_err(&err)?,
