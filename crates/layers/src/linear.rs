@@ -159,21 +159,10 @@ impl RowParallelLinear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let w = self.linear.weight();
-        if let Some(b) = self
-            .bias
-            .as_ref()
-            .filter(|_| tpinfer_kernels::fused_linear_covers(x, w))
-        {
-            // Rank 0 adds the bias in its GEMM's epilogue, before the sum: still once.
-            let partial = match self.comm.rank() {
-                0 => tpinfer_kernels::linear_bias(x, w, b, false)?,
-                _ => apply(&self.linear, x)?,
-            };
-            return Ok(self.comm.all_reduce_sum(&partial)?);
-        }
-        let partial = apply(&self.linear, x)?;
-        self.reduce(partial)
+        let (partial, biased) = self.partial(x)?;
+        let y = self.comm.all_reduce_sum(&partial)?;
+        drop(partial);
+        self.add_bias(y, biased)
     }
 
     /// [`Self::forward`] of `silu(gate) · up` for a gated MLP's fused gate/up output
@@ -201,28 +190,40 @@ impl RowParallelLinear {
     /// receives its `sizes[rank]` rows of the output, as
     /// [`Communicator::reduce_scatter_sum`] splits them.
     pub fn forward_scattered(&self, x: &Tensor, sizes: &[usize]) -> Result<Tensor> {
-        let w = self.linear.weight();
-        let fused = self.bias.is_some() && tpinfer_kernels::fused_linear_covers(x, w);
-        let partial = match (&self.bias, self.comm.rank()) {
-            // Rank 0 adds the bias in its GEMM's epilogue, before the sum: still once.
-            (Some(b), 0) if fused => tpinfer_kernels::linear_bias(x, w, b, false)?,
-            _ => apply(&self.linear, x)?,
-        };
+        let (partial, biased) = self.partial(x)?;
         let y = self.comm.reduce_scatter_sum(&partial, sizes)?;
         drop(partial);
-        Ok(match (&self.bias, fused) {
+        self.add_bias(y, biased)
+    }
+
+    /// This rank's partial product of `x`, and whether it carries the bias: where the fused
+    /// GEMM covers `x`, rank 0 adds it in the epilogue, before the sum (still once).
+    fn partial(&self, x: &Tensor) -> Result<(Tensor, bool)> {
+        let w = self.linear.weight();
+        match &self.bias {
+            Some(b) if tpinfer_kernels::fused_linear_covers(x, w) => Ok((
+                match self.comm.rank() {
+                    0 => tpinfer_kernels::linear_bias(x, w, b, false)?,
+                    _ => apply(&self.linear, x)?,
+                },
+                true,
+            )),
+            _ => Ok((apply(&self.linear, x)?, false)),
+        }
+    }
+
+    /// The summed `y`, plus the bias unless a partial product carried it.
+    fn add_bias(&self, y: Tensor, biased: bool) -> Result<Tensor> {
+        Ok(match (&self.bias, biased) {
             (Some(b), false) => y.broadcast_add(b)?,
             _ => y,
         })
     }
 
-    /// The sum of the ranks' partial products, plus the bias once.
+    /// The sum of the ranks' partial products (none carrying the bias), plus the bias once.
     fn reduce(&self, partial: Tensor) -> Result<Tensor> {
         let y = self.comm.all_reduce_sum(&partial)?;
         drop(partial);
-        Ok(match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        })
+        self.add_bias(y, false)
     }
 }
