@@ -88,7 +88,7 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
     let comm = tpinfer_comm::ThreadGroup::ranks(1, std::time::Duration::from_secs(60))
         .pop()
         .context("no rank")?;
-    let context = args.prompt_tokens + 3 * (args.steps + 2) + 8;
+    let context = args.prompt_tokens + 4 * (args.steps + 2) + 8;
     let mut model = LlamaRank::load(&checkpoint, shard, Arc::new(comm), dtype, &device, context)?;
     let prompt: Vec<u32> = (0..args.prompt_tokens)
         .map(|i| ((7919 * i + 13) % c.vocab_size.min(30000)) as u32)
@@ -106,10 +106,23 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
         })
     };
     let graph = step(&mut model, true)?;
+    let greedy = {
+        model.clear_cache();
+        let logits = model.forward(&prompt)?;
+        model.greedy_start(&logits)?;
+        time_ms(&device, args.steps, || {
+            model.greedy_step(0)?;
+            Ok(())
+        })?
+    };
     let eager = step(&mut model, false)?;
     println!(
         "| decode step, captured graph | {graph:.3} | {:.1} tok/s |",
         1e3 / graph
+    );
+    println!(
+        "| decode step, captured graph, greedy token on the device | {greedy:.3} | {:.1} tok/s |",
+        1e3 / greedy
     );
     println!("| decode step, eager | {eager:.3} | {:.1} tok/s |", 1e3 / eager);
     let logits = model.forward(&[1])?;

@@ -377,6 +377,53 @@ pub fn run_greedy_with(
     traces.into_iter().next().expect("rank 0")
 }
 
+/// Greedy decoding kept on the device ([`LlamaRank::greedy_step`]) at TP `tp` on CPU rank
+/// threads: the prompt, then `steps` steps, rank r passing the flag r + 1 at every step. Rank
+/// 0's trace, and every rank's summed flags per step.
+pub fn run_device_greedy(
+    model: &Path,
+    tp: usize,
+    dtype: DType,
+    prompt: &[u32],
+    steps: usize,
+) -> (LogitsTrace, Vec<Vec<u32>>) {
+    let checkpoint = Arc::new(LlamaCheckpoint::open(model).expect("open checkpoint"));
+    let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
+    let runs: Vec<(LogitsTrace, Vec<u32>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let checkpoint = checkpoint.clone();
+                s.spawn(move || {
+                    let comm: Arc<dyn Communicator> = Arc::new(comm);
+                    let flag = comm.rank() as u32 + 1;
+                    let shard = LlamaShard::new(&checkpoint.config, tp, comm.rank()).expect("shard");
+                    let mut rank =
+                        LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &Device::Cpu, 512).expect("load");
+                    let logits = rank.forward(prompt).expect("prefill");
+                    let values = |l: &Tensor| l.squeeze(0).and_then(|l| l.to_vec1::<f32>()).expect("logits");
+                    let mut trace = LogitsTrace {
+                        logits: vec![values(&logits)],
+                        tokens: vec![rank.greedy_start(&logits).expect("greedy start")],
+                        prefill_all_reduces: 0,
+                    };
+                    let mut flags = Vec::new();
+                    for _ in 0..steps {
+                        let step = rank.greedy_step(flag).expect("greedy step");
+                        trace.logits.push(values(&step.logits));
+                        trace.tokens.push(step.token);
+                        flags.push(step.flags);
+                    }
+                    (trace, flags)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    });
+    let flags = runs.iter().map(|(_, f)| f.clone()).collect();
+    (runs.into_iter().next().expect("rank 0").0, flags)
+}
+
 pub fn argmax(values: &[f32]) -> u32 {
     values
         .iter()

@@ -1,7 +1,7 @@
 //! The same tiny model at every TP width gives the logits of TP 1.
 
 use candle_core::DType;
-use tpinfer_tests::{rel_error, run_greedy, run_greedy_with, TinyLlama};
+use tpinfer_tests::{rel_error, run_device_greedy, run_greedy, run_greedy_with, TinyLlama};
 
 const PROMPT: &[u32] = &[
     256, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10, 5, 300, 17,
@@ -173,5 +173,27 @@ fn flash_attention_path_equals_unfused_path() {
             assert!(err < 1e-5, "TP {tp} step {step}: relative error {err:e}");
         }
         assert_eq!(fused.tokens, unfused.tokens, "TP {tp}");
+    }
+}
+
+/// Greedy decoding on the device (each step's argmax left there as the next input, the ranks'
+/// flags summed within the step) picks the tokens the host picks from the same logits, at
+/// every width, and every rank reads the same flag sum.
+#[test]
+fn device_greedy_steps_equal_host_greedy_steps() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let host = run_greedy(&path, 1, DType::F32, PROMPT, 10);
+    for tp in [1, 2, 3] {
+        let (device, flags) = run_device_greedy(&path, tp, DType::F32, PROMPT, 10);
+        assert_eq!(device.tokens, host.tokens, "TP {tp}");
+        for (step, (got, want)) in device.logits.iter().zip(&host.logits).enumerate() {
+            let err = rel_error(got, want);
+            assert!(err < 1e-5, "TP {tp} step {step}: {err:e}");
+        }
+        let sum = (1..=tp as u32).sum::<u32>();
+        for rank_flags in &flags {
+            assert_eq!(rank_flags, &vec![sum; 10], "TP {tp}");
+        }
     }
 }

@@ -242,8 +242,9 @@ impl NcclComm {
                     missing,
                 });
             }
-            // Spin (yielding) through the usual wait of a decode step, then back off.
-            match deadline.saturating_duration_since(Instant::now()) + Duration::from_millis(2) > self.group.timeout {
+            // Spin (yielding) through a decode step and well beyond: a sleep overshoots by tens
+            // of µs, which a 3–5 ms step would pay every time. Back off only in long waits.
+            match deadline.saturating_duration_since(Instant::now()) + Duration::from_millis(50) > self.group.timeout {
                 true => std::thread::yield_now(),
                 false => std::thread::sleep(Duration::from_micros(50)),
             }

@@ -182,58 +182,176 @@ fn decode(code: u32) -> Option<StopReason> {
     }
 }
 
-/// Prefill, then one token per step: rank 0 samples from the gathered logits and broadcasts
-/// the token and whether to stop, so all ranks step in lockstep and stop together. Returns
-/// the number of positions the request reached.
+/// Prefill, then one token per step, every rank in lockstep. Greedy requests keep each token
+/// on the device ([`run_greedy`]); the others sample on rank 0's host, which broadcasts the
+/// token and whether to stop. Returns the number of positions the request reached.
 fn run_job(
     model: &mut LlamaRank,
     comm: &dyn Communicator,
     setup: &RankSetup,
     job: &RankJob,
 ) -> Result<usize, EngineError> {
-    let device = &setup.device;
-    let rank = comm.rank();
-    let layer_err = |source| rank_error(rank, source);
-    let sample_err = |e: candle_core::Error| EngineError::Sampling(e.to_string());
     model.clear_cache();
-    let start = Instant::now();
-    let before = comm.stats().snapshot();
-    let mut logits = model.forward(&job.prompt).map_err(layer_err)?;
+    let run = JobRun::start(comm, job);
+    let logits = model.forward(&job.prompt).map_err(run.layer_err())?;
+    match job.sampling.is_greedy() {
+        true => run_greedy(model, comm, setup, run, logits),
+        false => run_sampled(model, comm, setup, job, run, logits),
+    }
+}
+
+/// A request as one rank runs it: the tokens so far and the clocks of its statistics.
+struct JobRun<'a> {
+    rank: usize,
+    job: &'a RankJob,
+    /// The prompt, then every generated token.
+    context: Vec<u32>,
+    start: Instant,
+    prefill: Option<std::time::Duration>,
+    collectives_before: tpinfer_comm::StatsSnapshot,
+}
+
+impl<'a> JobRun<'a> {
+    fn start(comm: &dyn Communicator, job: &'a RankJob) -> Self {
+        Self {
+            rank: comm.rank(),
+            job,
+            context: job.prompt.clone(),
+            start: Instant::now(),
+            prefill: None,
+            collectives_before: comm.stats().snapshot(),
+        }
+    }
+
+    fn layer_err(&self) -> impl Fn(tpinfer_layers::Error) -> EngineError {
+        let rank = self.rank;
+        move |source| rank_error(rank, source)
+    }
+
+    /// Rank 0's part of a new `token`: streams it and says whether the request stops here
+    /// (the token itself is kept either way). `cached` is the number of positions in the
+    /// KV cache, `capacity` the most it holds.
+    fn accept(&mut self, token: u32, cached: usize, capacity: usize) -> Option<StopReason> {
+        self.prefill.get_or_insert_with(|| self.start.elapsed());
+        let generated = self.context.len() + 1 - self.job.prompt.len();
+        let cancelled = self.job.events.send(RankEvent::Token(token)).is_err();
+        if self.job.eos.contains(&token) {
+            Some(StopReason::Eos)
+        } else if generated >= self.job.max_new_tokens {
+            Some(StopReason::MaxTokens)
+        } else if cached + 1 > capacity {
+            Some(StopReason::ContextFull)
+        } else if cancelled {
+            Some(StopReason::Cancelled)
+        } else {
+            None
+        }
+    }
+
+    /// Rank 0 sends the logits a token is chosen from, when the request asked for them.
+    fn trace(&self, logits: &Tensor) -> Result<(), EngineError> {
+        if let (0, Some(trace)) = (self.rank, &self.job.logits) {
+            let _ = trace.send(logits.squeeze(0).and_then(|l| l.to_vec1::<f32>()).map_err(sample_err)?);
+        }
+        Ok(())
+    }
+
+    /// Ends the request: rank 0 reports its statistics.
+    fn finish(&self, comm: &dyn Communicator, reason: StopReason) {
+        if self.rank != 0 {
+            return;
+        }
+        let prefill = self.prefill.unwrap_or_default();
+        let stats = GenerationStats {
+            prompt_tokens: self.job.prompt.len(),
+            generated_tokens: self.context.len() - self.job.prompt.len(),
+            prefill,
+            decode: self.start.elapsed() - prefill,
+            collectives: comm.stats().snapshot().since(&self.collectives_before).time,
+            stop_reason: reason,
+        };
+        let _ = self.job.events.send(RankEvent::Done(stats));
+    }
+
+    /// Injects the configured fault before decode step `n` (the forward of the (n + 1)-th
+    /// generated token).
+    fn maybe_fault(&self, setup: &RankSetup) -> Result<(), EngineError> {
+        let step = self.context.len() - self.job.prompt.len() - 1;
+        match setup.fault.filter(|f| f.at(self.rank, step)) {
+            Some(fault) => inject(fault, self.rank, &setup.device),
+            None => Ok(()),
+        }
+    }
+}
+
+fn sample_err(e: candle_core::Error) -> EngineError {
+    EngineError::Sampling(e.to_string())
+}
+
+/// Greedy decoding on the device: each step's argmax stays there as the next step's input, so
+/// the host only reads the token (8 bytes with the stop flag) and never sends one back. Rank
+/// 0's stop decision for a token rides on the next step's flag sum, so that every rank leaves
+/// after the same step; that step's token is discarded. A step that would overflow the KV
+/// cache is never run: every rank sees that alike.
+fn run_greedy(
+    model: &mut LlamaRank,
+    comm: &dyn Communicator,
+    setup: &RankSetup,
+    mut run: JobRun,
+    logits: Tensor,
+) -> Result<usize, EngineError> {
+    run.trace(&logits)?;
+    let mut token = model.greedy_start(&logits).map_err(run.layer_err())?;
+    loop {
+        let capacity = model.max_positions();
+        let reason = match run.rank {
+            0 => run.accept(token, model.cached_positions(), capacity),
+            _ => None,
+        };
+        run.context.push(token);
+        if model.cached_positions() + 1 > capacity {
+            run.finish(comm, reason.unwrap_or(StopReason::ContextFull));
+            return Ok(model.cached_positions());
+        }
+        run.maybe_fault(setup)?;
+        let step = model.greedy_step(encode(reason)).map_err(run.layer_err())?;
+        if let Some(reason) = decode(step.flags) {
+            run.finish(comm, reason);
+            return Ok(model.cached_positions());
+        }
+        run.trace(&step.logits)?;
+        token = step.token;
+    }
+}
+
+/// Sampling on rank 0's host: it broadcasts each token and whether to stop.
+fn run_sampled(
+    model: &mut LlamaRank,
+    comm: &dyn Communicator,
+    setup: &RankSetup,
+    job: &RankJob,
+    mut run: JobRun,
+    mut logits: Tensor,
+) -> Result<usize, EngineError> {
     let mut processor = LogitsProcessor::from_sampling(job.sampling.seed, job.sampling.sampling());
-    let mut context = job.prompt.clone();
-    let mut prefill = None;
     loop {
         let mut step = [0u32, 0u32];
-        if rank == 0 {
+        if run.rank == 0 {
+            run.trace(&logits)?;
             let mut scores = logits.squeeze(0).map_err(sample_err)?;
-            if let Some(trace) = &job.logits {
-                let _ = trace.send(scores.to_vec1::<f32>().map_err(sample_err)?);
-            }
             if job.sampling.repetition_penalty != 1.0 {
-                let window = &context[context.len().saturating_sub(job.sampling.repetition_window)..];
+                let window = &run.context[run.context.len().saturating_sub(job.sampling.repetition_window)..];
                 scores = apply_repeat_penalty(&scores, job.sampling.repetition_penalty, window).map_err(sample_err)?;
             }
             let token = processor.sample(&scores).map_err(sample_err)?;
-            let generated = context.len() + 1 - job.prompt.len();
-            let cancelled = job.events.send(RankEvent::Token(token)).is_err();
-            let reason = if job.eos.contains(&token) {
-                Some(StopReason::Eos)
-            } else if generated >= job.max_new_tokens {
-                Some(StopReason::MaxTokens)
-            } else if context.len() + 1 > model.max_positions() {
-                Some(StopReason::ContextFull)
-            } else if cancelled {
-                Some(StopReason::Cancelled)
-            } else {
-                None
-            };
+            let reason = run.accept(token, model.cached_positions(), model.max_positions());
             step = [token, encode(reason)];
         }
         // A lone rank has its step already: no trip to the device and back.
         let [token, code] = match comm.world_size() {
             1 => step,
             _ => {
-                let step_tensor = Tensor::new(&step, device).map_err(sample_err)?;
+                let step_tensor = Tensor::new(&step, &setup.device).map_err(sample_err)?;
                 comm.broadcast(&step_tensor, 0)?
                     .to_vec1::<u32>()
                     .map_err(sample_err)?
@@ -241,28 +359,14 @@ fn run_job(
                     .map_err(|_| EngineError::Sampling("malformed step broadcast".into()))?
             }
         };
-        context.push(token);
-        let prefill_time = *prefill.get_or_insert_with(|| start.elapsed());
+        run.context.push(token);
         if let Some(reason) = decode(code) {
-            if rank == 0 {
-                let stats = GenerationStats {
-                    prompt_tokens: job.prompt.len(),
-                    generated_tokens: context.len() - job.prompt.len(),
-                    prefill: prefill_time,
-                    decode: start.elapsed() - prefill_time,
-                    collectives: comm.stats().snapshot().since(&before).time,
-                    stop_reason: reason,
-                };
-                let _ = job.events.send(RankEvent::Done(stats));
-            }
+            run.finish(comm, reason);
             // The last token was sampled but never run through the model.
-            return Ok(context.len() - 1);
+            return Ok(run.context.len() - 1);
         }
-        // Decode step n is the forward after the (n + 1)-th generated token.
-        if let Some(fault) = setup.fault.filter(|f| f.at(rank, context.len() - job.prompt.len() - 1)) {
-            inject(fault, rank, device)?;
-        }
-        logits = model.forward(&[token]).map_err(layer_err)?;
+        run.maybe_fault(setup)?;
+        logits = model.forward(&[token]).map_err(run.layer_err())?;
     }
 }
 

@@ -51,6 +51,11 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// Greedy decoding with nothing to apply on the host: the token can stay on the device.
+    pub(crate) fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 && self.repetition_penalty == 1.0
+    }
+
     pub(crate) fn sampling(&self) -> Sampling {
         let temperature = self.temperature;
         match (temperature > 0.0, self.top_k, self.top_p) {

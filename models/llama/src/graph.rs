@@ -2,8 +2,8 @@
 //! launches and 65 collectives, and the host takes longer to issue them than the GPU takes to
 //! run them; replayed as one graph, the GPU runs them back to back. The step's shapes do not
 //! depend on the position (attention reads the filled length from the device), so one graph
-//! serves every step of every request; the host rewrites the token and the position between
-//! replays.
+//! serves every step of every request; the host rewrites the position between replays, and
+//! the token too unless the previous replay's argmax left it there (greedy decoding).
 
 use candle_core::{DType, Device, Tensor};
 use tpinfer_layers::graph::{upload_cache, Graph};
@@ -12,9 +12,7 @@ use tpinfer_layers::Result;
 use crate::LlamaRank;
 
 pub(crate) struct DecodeGraph {
-    /// The token to run, `[1, 1]` u32: the graph's input.
-    token: Tensor,
-    /// The logits, `[1, vocab]` f32: the graph's output.
+    /// The logits, `[1, vocab]` f32: the graph's output beside the step's own buffers.
     logits: Tensor,
     stage: Stage,
 }
@@ -36,30 +34,25 @@ impl DecodeGraph {
             return Ok(None);
         }
         Ok(Some(Self {
-            token: Tensor::zeros((1, 1), DType::U32, device)?,
             logits: Tensor::zeros((1, vocab), DType::F32, device)?,
             stage: Stage::Cold,
         }))
     }
 
-    /// Runs `token` through `model` at its cached length: eagerly on the first step, captured
-    /// and replayed on the second, replayed after that. Returns the logits as
-    /// [`LlamaRank::forward`] does (a copy: the next replay overwrites the graph's output).
-    pub(crate) fn step(&mut self, model: &mut LlamaRank, token: u32) -> Result<Tensor> {
-        let at = model.cached_positions();
-        model.position_mut().set(at)?;
-        tpinfer_layers::write_u32s(&self.token, &[token])?;
-        let device = self.token.device().clone();
-        let model = &*model;
+    /// Queues `model`'s decode step ([`LlamaRank::queue_decode_step`]): eagerly on the first
+    /// step, captured and replayed on the second, replayed after that. Returns the logits: on
+    /// a replay, the graph's output buffer, which the next replay overwrites.
+    pub(crate) fn step(&mut self, model: &LlamaRank) -> Result<Tensor> {
+        let device = self.logits.device().clone();
         let graph = match std::mem::replace(&mut self.stage, Stage::Cold) {
             Stage::Cold => {
                 let _uploads = upload_cache(&device)?;
-                let logits = model.logits(&self.token)?;
+                let logits = model.queue_decode_step()?;
                 self.stage = Stage::Warm;
                 return Ok(logits);
             }
             Stage::Warm => Graph::capture(&device, || {
-                let logits = model.logits(&self.token)?;
+                let logits = model.queue_decode_step()?;
                 Ok::<_, tpinfer_layers::Error>(self.logits.slice_set(&logits, 0, 0)?)
             })
             .map_err(|e| {
@@ -71,6 +64,6 @@ impl DecodeGraph {
         };
         graph.replay()?;
         self.stage = Stage::Captured(graph);
-        Ok(self.logits.copy()?)
+        Ok(self.logits.clone())
     }
 }

@@ -14,5 +14,5 @@ mod shard;
 
 pub use checkpoint::{CheckpointError, LlamaCheckpoint, ModelFormat};
 pub use config::{ConfigError, LlamaConfig};
-pub use model::LlamaRank;
+pub use model::{GreedyStep, LlamaRank};
 pub use shard::LlamaShard;

@@ -1,9 +1,9 @@
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, D};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
-    add_rms_norm, causal_mask, flash_attention_cached, grouped_attention, rms_norm, GatedMlp, KvCache,
+    add_rms_norm, causal_mask, flash_attention_cached, grouped_attention, rms_norm, write_u32s, GatedMlp, KvCache,
     MergedColumnParallelLinear, Position, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
@@ -31,6 +31,8 @@ pub struct LlamaRank {
     cached: usize,
     /// Where the next forward pass starts, for the kernels.
     position: Position,
+    /// The decode step's inputs and outputs on the device.
+    step_io: StepIo,
     /// The captured decode step (CUDA with flash attention), once there is one.
     #[cfg(feature = "cuda")]
     decode: Option<crate::graph::DecodeGraph>,
@@ -38,6 +40,41 @@ pub struct LlamaRank {
     dtype: DType,
     bytes_loaded: usize,
     bytes_on_device: usize,
+}
+
+/// The device buffers a decode step reads and writes, at fixed addresses so that a captured
+/// step can be replayed.
+struct StepIo {
+    /// The token to run, `[1, 1]` u32: written by the host when it samples, or by the previous
+    /// step's argmax under greedy decoding on the device.
+    token: Tensor,
+    /// This rank's word to its peers, `[1]` u32, summed over the ranks within the step: how
+    /// rank 0 tells the others to stop without a collective of its own.
+    flag: Tensor,
+    /// The step's greedy token and the summed flags, `[2]` u32: all the host reads of a
+    /// greedy step.
+    out: Tensor,
+}
+
+impl StepIo {
+    fn new(device: &Device) -> Result<Self> {
+        Ok(Self {
+            token: Tensor::zeros((1, 1), DType::U32, device)?,
+            flag: Tensor::zeros(1, DType::U32, device)?,
+            out: Tensor::zeros(2, DType::U32, device)?,
+        })
+    }
+}
+
+/// What a greedy decode step returns.
+pub struct GreedyStep {
+    /// The argmax of the step's logits, already queued as the next step's input.
+    pub token: u32,
+    /// The sum over the ranks of the `flag`s they passed to [`LlamaRank::greedy_step`].
+    pub flags: u32,
+    /// The step's f32 logits `[1, vocab]`; on a captured step, the graph's output buffer,
+    /// which the next step overwrites.
+    pub logits: Tensor,
 }
 
 struct DecoderLayer {
@@ -110,6 +147,7 @@ impl LlamaRank {
             flash,
             cached: 0,
             position: Position::new(device)?,
+            step_io: StepIo::new(device)?,
             #[cfg(feature = "cuda")]
             decode: crate::graph::DecodeGraph::new(device, flash, c.vocab_size)?,
             comm,
@@ -225,14 +263,10 @@ impl LlamaRank {
                 capacity: self.max_positions(),
             });
         }
-        #[cfg(feature = "cuda")]
-        if let ([token], Some(mut decode)) = (ids, self.decode.take()) {
-            let logits = decode.step(self, *token);
-            self.decode = Some(decode);
-            let logits = logits?;
-            self.cached += 1;
-            self.comm.wait()?;
-            return Ok(logits);
+        if let [token] = ids {
+            write_u32s(&self.step_io.token, &[*token])?;
+            // A copy: a captured step's output buffer is overwritten by the next replay.
+            return Ok(self.decode_step()?.copy()?);
         }
         let device = self.norm.device().clone();
         let mut chunks = ids.chunks(self.prefill_chunk).peekable();
@@ -258,16 +292,77 @@ impl LlamaRank {
         Ok(logits)
     }
 
-    /// Where the next forward pass starts, for the captured decode step.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn position_mut(&mut self) -> &mut Position {
-        &mut self.position
+    /// Starts greedy decoding on the device after a prompt's `logits` (from
+    /// [`Self::forward`]): their argmax becomes the next step's input. Returns that token. Every
+    /// rank holds the same logits, so every rank queues the same token.
+    pub fn greedy_start(&mut self, logits: &Tensor) -> Result<u32> {
+        let token = logits.argmax_keepdim(D::Minus1)?;
+        self.step_io.token.slice_set(&token, 0, 0)?;
+        Ok(token.flatten_all()?.to_vec1::<u32>()?[0])
+    }
+
+    /// One step of greedy decoding on the device: runs the queued token (from
+    /// [`Self::greedy_start`] or the previous step), queues the argmax of its logits as the
+    /// next input, and sums each rank's `flag` over the ranks. The host reads 8 bytes per
+    /// step and never sends a token back, so ranks need no broadcast to stay in lockstep.
+    pub fn greedy_step(&mut self, flag: u32) -> Result<GreedyStep> {
+        if self.cached + 1 > self.max_positions() {
+            return Err(tpinfer_layers::Error::CacheFull {
+                needed: self.cached + 1,
+                capacity: self.max_positions(),
+            });
+        }
+        write_u32s(&self.step_io.flag, &[flag])?;
+        let logits = self.decode_step()?;
+        let out = self.step_io.out.to_vec1::<u32>()?;
+        Ok(GreedyStep {
+            token: out[0],
+            flags: out[1],
+            logits,
+        })
+    }
+
+    /// Runs the token in `step_io` at the cached position (as a captured graph where there is
+    /// one) and waits for it. Returns the logits.
+    fn decode_step(&mut self) -> Result<Tensor> {
+        self.position.set(self.cached)?;
+        #[cfg(feature = "cuda")]
+        let logits = match self.decode.take() {
+            Some(mut graph) => {
+                let logits = graph.step(self);
+                self.decode = Some(graph);
+                logits?
+            }
+            None => self.queue_decode_step()?,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let logits = self.queue_decode_step()?;
+        self.cached += 1;
+        self.comm.wait()?;
+        Ok(logits)
+    }
+
+    /// Queues a decode step of the token in `step_io` at [`Self::position`] without waiting
+    /// on the host: a captured step is exactly this call. Writes the argmax of the logits to
+    /// `step_io.token` and, beside it, the ranks' summed flags to `step_io.out`; returns the
+    /// logits.
+    pub(crate) fn queue_decode_step(&self) -> Result<Tensor> {
+        let io = &self.step_io;
+        let logits = self.logits(&io.token)?;
+        let next = logits.argmax_keepdim(D::Minus1)?;
+        io.token.slice_set(&next, 0, 0)?;
+        let flags = self
+            .comm
+            .all_reduce_sum(&io.flag.to_dtype(DType::F32)?)?
+            .to_dtype(DType::U32)?;
+        io.out
+            .slice_set(&Tensor::cat(&[next.flatten_all()?, flags], 0)?, 0, 0)?;
+        Ok(logits)
     }
 
     /// The f32 logits of the last of `ids` `[1, s]`, `[1, vocab]`, after caching the keys and
-    /// values of all of them at [`Self::position`]. Queues work without waiting on the host:
-    /// a captured decode step is exactly this call.
-    pub(crate) fn logits(&self, ids: &Tensor) -> Result<Tensor> {
+    /// values of all of them at [`Self::position`]. Queues work without waiting on the host.
+    fn logits(&self, ids: &Tensor) -> Result<Tensor> {
         let x = self.hidden_states(ids)?;
         let seq = x.dim(1)?;
         let last = x.narrow(1, seq - 1, 1)?.squeeze(1)?;
