@@ -379,17 +379,17 @@ pub fn run_greedy_with(
 
 /// Greedy decoding kept on the device ([`LlamaRank::greedy_step`]) at TP `tp` on CPU rank
 /// threads: the prompt, then `steps` steps, rank r passing the flag r + 1 at every step. Rank
-/// 0's trace, and every rank's summed flags per step.
+/// 0's trace, every rank's summed flags per step, and rank 0's all-reduces over the steps.
 pub fn run_device_greedy(
     model: &Path,
     tp: usize,
     dtype: DType,
     prompt: &[u32],
     steps: usize,
-) -> (LogitsTrace, Vec<Vec<u32>>) {
+) -> (LogitsTrace, Vec<Vec<u32>>, u64) {
     let checkpoint = Arc::new(LlamaCheckpoint::open(model).expect("open checkpoint"));
     let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
-    let runs: Vec<(LogitsTrace, Vec<u32>)> = std::thread::scope(|s| {
+    let runs: Vec<(LogitsTrace, Vec<u32>, u64)> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
             .map(|comm| {
@@ -408,20 +408,22 @@ pub fn run_device_greedy(
                         prefill_all_reduces: 0,
                     };
                     let mut flags = Vec::new();
+                    let before = comm.stats().snapshot();
                     for _ in 0..steps {
                         let step = rank.greedy_step(flag).expect("greedy step");
                         trace.logits.push(values(&step.logits));
                         trace.tokens.push(step.token);
                         flags.push(step.flags);
                     }
-                    (trace, flags)
+                    (trace, flags, comm.stats().snapshot().since(&before).all_reduces)
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
     });
-    let flags = runs.iter().map(|(_, f)| f.clone()).collect();
-    (runs.into_iter().next().expect("rank 0").0, flags)
+    let flags = runs.iter().map(|(_, f, _)| f.clone()).collect();
+    let (trace, _, all_reduces) = runs.into_iter().next().expect("rank 0");
+    (trace, flags, all_reduces)
 }
 
 pub fn argmax(values: &[f32]) -> u32 {

@@ -178,14 +178,17 @@ fn flash_attention_path_equals_unfused_path() {
 
 /// Greedy decoding on the device (each step's argmax left there as the next input, the ranks'
 /// flags summed within the step) picks the tokens the host picks from the same logits, at
-/// every width, and every rank reads the same flag sum.
+/// every width, every rank reads the same flag sum, and a step adds one all-reduce.
 #[test]
 fn device_greedy_steps_equal_host_greedy_steps() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = TinyLlama::default().write(dir.path());
     let host = run_greedy(&path, 1, DType::F32, PROMPT, 10);
     for tp in [1, 2, 3] {
-        let (device, flags) = run_device_greedy(&path, tp, DType::F32, PROMPT, 10);
+        let (device, flags, all_reduces) = run_device_greedy(&path, tp, DType::F32, PROMPT, 10);
+        // Per step: the embedding's, two per layer, and the flags' sum.
+        let layers = TinyLlama::default().layers as u64;
+        assert_eq!(all_reduces, 10 * (2 + 2 * layers), "TP {tp}");
         assert_eq!(device.tokens, host.tokens, "TP {tp}");
         for (step, (got, want)) in device.logits.iter().zip(&host.logits).enumerate() {
             let err = rel_error(got, want);

@@ -1,5 +1,5 @@
 //! The decode step as a CUDA graph. Issued kernel by kernel, a step of Llama-3-8B is some 300
-//! launches and 65 collectives, and the host takes longer to issue them than the GPU takes to
+//! launches and 67 collectives, and the host takes longer to issue them than the GPU takes to
 //! run them; replayed as one graph, the GPU runs them back to back. The step's shapes do not
 //! depend on the position (attention reads the filled length from the device), so one graph
 //! serves every step of every request; the host rewrites the position between replays, and

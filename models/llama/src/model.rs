@@ -255,7 +255,8 @@ impl LlamaRank {
     /// vocabulary at the last position, `[1, vocab]`, ready to read on the host. Every rank
     /// returns the same logits. Long inputs run in chunks of [`Self::prefill_chunk`]
     /// positions. Per chunk: two all-reduces per layer plus one for the embedding; one
-    /// all-gather for the logits.
+    /// all-gather for the logits. A single token runs as a decode step, which adds the
+    /// flag sum of [`Self::greedy_step`].
     pub fn forward(&mut self, ids: &[u32]) -> Result<Tensor> {
         if self.cached + ids.len() > self.max_positions() {
             return Err(tpinfer_layers::Error::CacheFull {
