@@ -333,46 +333,31 @@ pub fn run_greedy_with(
     prefill_chunk: Option<usize>,
     flash: bool,
 ) -> LogitsTrace {
-    let checkpoint = Arc::new(LlamaCheckpoint::open(model).expect("open checkpoint"));
-    let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
-    let traces: Vec<LogitsTrace> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let checkpoint = checkpoint.clone();
-                s.spawn(move || {
-                    let comm: Arc<dyn Communicator> = Arc::new(comm);
-                    let shard = LlamaShard::new(&checkpoint.config, tp, comm.rank()).expect("shard");
-                    let mut rank =
-                        LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &Device::Cpu, 512).expect("load");
-                    if let Some(chunk) = prefill_chunk {
-                        rank.set_prefill_chunk(chunk);
-                    }
-                    if flash {
-                        rank.set_flash_attention(true).expect("flash attention");
-                    }
-                    let before = comm.stats().snapshot();
-                    let mut logits = rank.forward(prompt).expect("prefill");
-                    let prefill_all_reduces = comm.stats().snapshot().since(&before).all_reduces;
-                    let mut trace = LogitsTrace {
-                        logits: Vec::new(),
-                        tokens: Vec::new(),
-                        prefill_all_reduces,
-                    };
-                    for step in 0..=steps {
-                        let values = logits.squeeze(0).and_then(|l| l.to_vec1::<f32>()).expect("logits");
-                        let token = argmax(&values);
-                        trace.logits.push(values);
-                        trace.tokens.push(token);
-                        if step < steps {
-                            logits = rank.forward(&[token]).expect("decode");
-                        }
-                    }
-                    trace
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    let traces = on_cpu_ranks(model, tp, dtype, |mut rank, comm| {
+        if let Some(chunk) = prefill_chunk {
+            rank.set_prefill_chunk(chunk);
+        }
+        if flash {
+            rank.set_flash_attention(true).expect("flash attention");
+        }
+        let before = comm.stats().snapshot();
+        let mut logits = rank.forward(prompt).expect("prefill");
+        let prefill_all_reduces = comm.stats().snapshot().since(&before).all_reduces;
+        let mut trace = LogitsTrace {
+            logits: Vec::new(),
+            tokens: Vec::new(),
+            prefill_all_reduces,
+        };
+        for step in 0..=steps {
+            let values = logits.squeeze(0).and_then(|l| l.to_vec1::<f32>()).expect("logits");
+            let token = argmax(&values);
+            trace.logits.push(values);
+            trace.tokens.push(token);
+            if step < steps {
+                logits = rank.forward(&[token]).expect("decode");
+            }
+        }
+        trace
     });
     traces.into_iter().next().expect("rank 0")
 }
@@ -387,43 +372,56 @@ pub fn run_device_greedy(
     prompt: &[u32],
     steps: usize,
 ) -> (LogitsTrace, Vec<Vec<u32>>, u64) {
-    let checkpoint = Arc::new(LlamaCheckpoint::open(model).expect("open checkpoint"));
-    let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
-    let runs: Vec<(LogitsTrace, Vec<u32>, u64)> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let checkpoint = checkpoint.clone();
-                s.spawn(move || {
-                    let comm: Arc<dyn Communicator> = Arc::new(comm);
-                    let flag = comm.rank() as u32 + 1;
-                    let shard = LlamaShard::new(&checkpoint.config, tp, comm.rank()).expect("shard");
-                    let mut rank =
-                        LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &Device::Cpu, 512).expect("load");
-                    let logits = rank.forward(prompt).expect("prefill");
-                    let values = |l: &Tensor| l.squeeze(0).and_then(|l| l.to_vec1::<f32>()).expect("logits");
-                    let mut trace = LogitsTrace {
-                        logits: vec![values(&logits)],
-                        tokens: vec![rank.greedy_start(&logits).expect("greedy start")],
-                        prefill_all_reduces: 0,
-                    };
-                    let mut flags = Vec::new();
-                    let before = comm.stats().snapshot();
-                    for _ in 0..steps {
-                        let step = rank.greedy_step(flag).expect("greedy step");
-                        trace.logits.push(values(&step.logits));
-                        trace.tokens.push(step.token);
-                        flags.push(step.flags);
-                    }
-                    (trace, flags, comm.stats().snapshot().since(&before).all_reduces)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    let runs = on_cpu_ranks(model, tp, dtype, |mut rank, comm| {
+        let flag = comm.rank() as u32 + 1;
+        let logits = rank.forward(prompt).expect("prefill");
+        let values = |l: &Tensor| l.squeeze(0).and_then(|l| l.to_vec1::<f32>()).expect("logits");
+        let mut trace = LogitsTrace {
+            logits: vec![values(&logits)],
+            tokens: vec![rank.greedy_start(&logits).expect("greedy start")],
+            prefill_all_reduces: 0,
+        };
+        let mut flags = Vec::new();
+        let before = comm.stats().snapshot();
+        for _ in 0..steps {
+            let step = rank.greedy_step(flag).expect("greedy step");
+            trace.logits.push(values(&step.logits));
+            trace.tokens.push(step.token);
+            flags.push(step.flags);
+        }
+        (trace, flags, comm.stats().snapshot().since(&before).all_reduces)
     });
     let flags = runs.iter().map(|(_, f, _)| f.clone()).collect();
     let (trace, _, all_reduces) = runs.into_iter().next().expect("rank 0");
     (trace, flags, all_reduces)
+}
+
+/// Loads `model` at TP `tp` on CPU rank threads (a 512-position cache each) and runs `f` on
+/// every rank with its communicator. The ranks' results, in rank order.
+fn on_cpu_ranks<T: Send>(
+    model: &Path,
+    tp: usize,
+    dtype: DType,
+    f: impl Fn(LlamaRank, &dyn Communicator) -> T + Sync,
+) -> Vec<T> {
+    let checkpoint = Arc::new(LlamaCheckpoint::open(model).expect("open checkpoint"));
+    let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (checkpoint, f) = (checkpoint.clone(), &f);
+                s.spawn(move || {
+                    let comm: Arc<dyn Communicator> = Arc::new(comm);
+                    let shard = LlamaShard::new(&checkpoint.config, tp, comm.rank()).expect("shard");
+                    let rank =
+                        LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &Device::Cpu, 512).expect("load");
+                    f(rank, &*comm)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
 }
 
 pub fn argmax(values: &[f32]) -> u32 {
