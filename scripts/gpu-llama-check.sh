@@ -52,6 +52,7 @@ LIMIT=200 run "$BIN/tpinfer-bench" speed --model "$W/m8b" --cuda --tp 1,2 --prom
   --prompt-tokens 128 --new-tokens 256 --repeats 2
 LIMIT=120 run "$BIN/tpinfer-bench" speed --model "$W/m8b" --cuda --tp 1,2 --prompt-tokens 2048 --new-tokens 2 --repeats 3
 LIMIT=120 run "$BIN/tpinfer-bench" decode-profile --model "$W/m8b" --cuda --steps 64
+LIMIT=120 run "$BIN/tpinfer-bench" decode-profile --model "$W/m8b" --cuda --steps 64 --tp 2
 [ -n "${SKIP_TORCH:-}" ] || LIMIT=120 run $REF speed --model "$W/m8b" --out-json "$OUT/torch_speed.json"
 kill $SMI
 log done

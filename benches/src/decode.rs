@@ -1,6 +1,7 @@
 //! `decode-profile`: where a decode step's time goes on one rank holding the whole model: the
 //! model's step (captured graph and eager), sampling, and the kernels alone (each timed inside
-//! a captured graph of many calls, as the step runs them).
+//! a captured graph of many calls, as the step runs them). At TP > 1: every rank's bare step
+//! and the step's decode-size all-reduces alone.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -23,6 +24,10 @@ pub(crate) struct DecodeProfileArgs {
     steps: usize,
     #[arg(long, default_value_t = 128)]
     prompt_tokens: usize,
+    /// Ranks (GPUs 0..tp on CUDA, NCCL between them; threads on CPU). Above 1, only the
+    /// step and its all-reduces are timed.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
 }
 
 /// One kernel call under test.
@@ -77,6 +82,9 @@ fn time_ms(device: &Device, calls: usize, mut f: impl FnMut() -> Result<()>) -> 
 }
 
 pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
+    if args.tp > 1 {
+        return run_sharded(&args);
+    }
     let device = match args.cuda {
         true => crate::gpu()?,
         false => Device::Cpu,
@@ -174,6 +182,101 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
     );
     small_kernels(&device, dtype, &c, args.steps)?;
     decode_attention(&device, dtype, &c, args.steps)
+}
+
+/// The step at TP > 1, every rank on its own thread: the greedy step on the device (synchronized
+/// each step), and the step's all-reduces of one hidden row timed alone in a captured graph.
+fn run_sharded(args: &DecodeProfileArgs) -> Result<()> {
+    let checkpoint = Arc::new(LlamaCheckpoint::open(&args.model)?);
+    let c = checkpoint.config.clone();
+    let dtype = if args.cuda { DType::BF16 } else { DType::F32 };
+    let ranks = ranks(args.tp, args.cuda)?;
+    let prompt: Vec<u32> = (0..args.prompt_tokens)
+        .map(|i| ((7919 * i + 13) % c.vocab_size.min(30000)) as u32)
+        .collect();
+    let context = args.prompt_tokens + args.steps + 8;
+    // Per step: the embedding's, two per layer, and the greedy step's flag sum.
+    let sums = 2 * c.num_hidden_layers + 2;
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .enumerate()
+            .map(|(rank, connect)| {
+                let (checkpoint, prompt) = (checkpoint.clone(), &prompt);
+                s.spawn(move || -> Result<(f64, f64)> {
+                    let (comm, device) = connect()?;
+                    let shard = LlamaShard::new(&checkpoint.config, args.tp, rank)?;
+                    let mut model = LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &device, context)?;
+                    let logits = model.forward(prompt)?;
+                    model.greedy_start(&logits)?;
+                    let step = time_ms(&device, args.steps, || {
+                        model.greedy_step(0)?;
+                        Ok(())
+                    })?;
+                    let row = Tensor::randn(0f32, 1.0, (1, c.hidden_size), &device)?.to_dtype(dtype)?;
+                    let sum = time_in_graph(&device, args.steps, || {
+                        comm.all_reduce_sum(&row)
+                            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+                    })?;
+                    Ok((step, sum))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| anyhow::anyhow!("a rank panicked"))?)
+            .collect::<Result<Vec<_>>>()
+    })?;
+    println!(
+        "| part (TP {}, {dtype:?}; steps synchronized, collectives timed in a graph) | ms per rank | per token |\n|---|---|---|",
+        args.tp
+    );
+    let steps: Vec<String> = results.iter().map(|(step, _)| format!("{step:.3}")).collect();
+    let slowest = results.iter().map(|(step, _)| *step).fold(0.0, f64::max);
+    println!(
+        "| decode step, captured graph, greedy token on the device | {} | {:.1} tok/s |",
+        steps.join(" / "),
+        1e3 / slowest
+    );
+    let sum = results.iter().map(|(_, sum)| *sum).fold(0.0, f64::max);
+    println!(
+        "| all-reduce of one {}-wide row | {sum:.4} | x{sums} = {:.2} ms |",
+        c.hidden_size,
+        sum * sums as f64
+    );
+    Ok(())
+}
+
+/// Connects rank r of `tp` on its own thread: NCCL on CUDA device r, or a CPU thread rank.
+type Connect = Box<dyn FnOnce() -> Result<(Arc<dyn tpinfer_comm::Communicator>, Device)> + Send>;
+
+fn ranks(tp: usize, cuda: bool) -> Result<Vec<Connect>> {
+    let timeout = std::time::Duration::from_secs(120);
+    if !cuda {
+        return Ok(tpinfer_comm::ThreadGroup::ranks(tp, timeout)
+            .into_iter()
+            .map(|comm| -> Connect { Box::new(move || Ok((Arc::new(comm) as _, Device::Cpu))) })
+            .collect());
+    }
+    #[cfg(feature = "nccl")]
+    {
+        let group = tpinfer_comm::NcclGroup::new(tp, timeout)?;
+        Ok((0..tp)
+            .map(|rank| -> Connect {
+                let group = group.clone();
+                Box::new(move || {
+                    let device = Device::new_cuda(rank)?;
+                    let comm = tpinfer_comm::NcclComm::connect(group, &device, rank)?;
+                    // Stays on this rank's thread, which built it (NCCL communicators must).
+                    #[allow(clippy::arc_with_non_send_sync)]
+                    let comm = Arc::new(comm) as Arc<dyn tpinfer_comm::Communicator>;
+                    Ok((comm, device))
+                })
+            })
+            .collect())
+    }
+    #[cfg(not(feature = "nccl"))]
+    anyhow::bail!("decode-profile --cuda --tp {tp} needs a build with the nccl feature")
 }
 
 /// The fused one-row kernels of a decode step's layer.

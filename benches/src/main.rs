@@ -6,7 +6,8 @@
 //! - `sweep`: a grid over TP width and prompt lengths or frame counts, as JSON, CSV and plots.
 //! - `logits`: the prefill logits and greedy tokens of one run, as safetensors, for comparison
 //!   with a reference implementation (`scripts/reference_llama.py`).
-//! - `decode-profile`: one rank's decode step taken apart (graph, eager, sampling, GEMVs).
+//! - `decode-profile`: one rank's decode step taken apart (graph, eager, sampling, GEMVs); at
+//!   TP > 1, every rank's step and the step's all-reduces.
 
 mod attention;
 mod decode;
