@@ -2,8 +2,9 @@
 
 use std::sync::Arc;
 
+use candle_core::DType;
 use tpinfer_engine::{Engine, GenerateRequest, Prompt, SamplingParams, StopReason, StreamEvent};
-use tpinfer_tests::TinyLlama;
+use tpinfer_tests::{run_greedy, TinyLlama};
 
 fn tiny_engine(tp: usize) -> (tempfile::TempDir, Engine) {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -42,6 +43,29 @@ fn requests_from_many_threads_get_the_same_tokens_as_tp1() {
         .collect();
     for h in handles {
         assert_eq!(h.join().expect("thread"), expected);
+    }
+}
+
+/// The engine's greedy requests (steps queued ahead of the host on the device path) give the
+/// tokens of a plain host loop that waits for every step and takes the argmax itself, at every
+/// width, up to the last token and through a stop in mid-pipeline.
+#[test]
+fn engine_greedy_tokens_equal_a_host_argmax_loop() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let prompt = vec![256, 72, 101, 108, 108, 111];
+    let expected = run_greedy(&path, 1, DType::F32, &prompt, 15).tokens;
+    for tp in [1, 2, 3] {
+        let engine = Engine::builder(&path).tp(tp).build().expect("engine");
+        for n in [1, 2, 7, 16] {
+            let (_, ids, stats) = engine
+                .generate(GenerateRequest::new(Prompt::Tokens(prompt.clone()), n))
+                .expect("generate")
+                .collect_text()
+                .expect("stream");
+            assert_eq!(ids, expected[..n], "TP {tp}, {n} tokens");
+            assert_eq!(stats.stop_reason, StopReason::MaxTokens, "TP {tp}, {n} tokens");
+        }
     }
 }
 
