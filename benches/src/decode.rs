@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use clap::Args;
 use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
@@ -114,6 +114,14 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
         })
     };
     let graph = step(&mut model, true)?;
+    // A prompt once dropped the graph, and every later step ran eagerly unnoticed.
+    if device.is_cuda() && model.decode_graph_replays() < args.steps {
+        bail!(
+            "only {} of {} decode steps replayed the captured graph",
+            model.decode_graph_replays(),
+            args.steps
+        );
+    }
     let greedy = {
         model.clear_cache();
         let logits = model.forward(&prompt)?;
@@ -213,6 +221,9 @@ fn run_sharded(args: &DecodeProfileArgs) -> Result<()> {
                         model.greedy_step(0)?;
                         Ok(())
                     })?;
+                    if device.is_cuda() && model.decode_graph_replays() < args.steps {
+                        bail!("rank {rank}: the decode steps did not replay the captured graph");
+                    }
                     let row = Tensor::randn(0f32, 1.0, (1, c.hidden_size), &device)?.to_dtype(dtype)?;
                     let sum = time_in_graph(&device, args.steps, || {
                         comm.all_reduce_sum(&row)

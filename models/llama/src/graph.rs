@@ -15,6 +15,8 @@ pub(crate) struct DecodeGraph {
     /// The logits, `[1, vocab]` f32: the graph's output beside the step's own buffers.
     logits: Tensor,
     stage: Stage,
+    /// Steps run as replays so far.
+    replays: usize,
 }
 
 enum Stage {
@@ -36,6 +38,7 @@ impl DecodeGraph {
         Ok(Some(Self {
             logits: Tensor::zeros((1, vocab), DType::F32, device)?,
             stage: Stage::Cold,
+            replays: 0,
         }))
     }
 
@@ -63,7 +66,12 @@ impl DecodeGraph {
             Stage::Captured(graph) => graph,
         };
         graph.replay()?;
+        self.replays += 1;
         self.stage = Stage::Captured(graph);
         Ok(self.logits.clone())
+    }
+
+    pub(crate) fn replays(&self) -> usize {
+        self.replays
     }
 }

@@ -236,6 +236,16 @@ impl LlamaRank {
         Ok(())
     }
 
+    /// How many decode steps ran as replays of the captured graph since it was made (0 on CPU
+    /// ranks, with `--enforce-eager`, or while the graph is not yet captured).
+    pub fn decode_graph_replays(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        if let Some(graph) = &self.decode {
+            return graph.replays();
+        }
+        0
+    }
+
     /// The number of positions in the KV cache.
     pub fn cached_positions(&self) -> usize {
         self.cached
