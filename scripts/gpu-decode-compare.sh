@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Llama-3-8B-shaped decode for several builds side by side on one 2-GPU host (issue #3): each
+# NAME=DIR in $BINS (DIR holding that build's tpinfer and tpinfer-bench) runs `tpinfer doctor`
+# (NCCL and peer all-reduce sums with rank-dependent values), then decode speed at TP 1 and 2
+# and `decode-profile --tp 2`, the builds alternating, $ROUNDS times. Needs torch (for the
+# random-weight model) and the builds' binaries. Results: $OUT/compare.log.
+# Example: BINS="main=.dist/main next=.dist/next" bash scripts/gpu-decode-compare.sh
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+[ -d "$NV" ] && export LD_LIBRARY_PATH=$NV/cu13/lib:$NV/nccl/lib:${LD_LIBRARY_PATH:-}
+W=${WORK:-/tmp/tpinfer-gpu} PY=${PY:-python3} TOK=${TOK:-.dist/llama3-tokenizer}
+mkdir -p "$W"
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/compare.log"; }
+run() { log "$*"; timeout "${LIMIT:-150}" "$@" 2>&1 | grep -v " WARN \| INFO " | tee -a "$OUT/compare.log"; }
+[ -f "$W/m8b/config.json" ] || run $PY scripts/reference_llama.py make --shape 8b --dtype bf16 --out "$W/m8b" --tokenizer "$TOK"
+for bin in ${BINS:?set BINS=\"NAME=DIR ...\"}; do
+  LIMIT=120 run "${bin#*=}/tpinfer" doctor --timeout 60
+done
+for round in $(seq "${ROUNDS:-2}"); do
+  for bin in $BINS; do
+    log "round $round: ${bin%%=*}"
+    run "${bin#*=}/tpinfer-bench" speed --model "$W/m8b" --cuda --tp 1,2 --prompt-tokens 128 --new-tokens 256 --repeats 2
+    run "${bin#*=}/tpinfer-bench" decode-profile --model "$W/m8b" --cuda --steps 64 --tp 2
+  done
+done
+log done
