@@ -17,6 +17,8 @@ run() { log "$*"; timeout "${LIMIT:-150}" "$@" 2>&1 | grep -v " WARN \| INFO " |
 for bin in ${BINS:?set BINS=\"NAME=DIR ...\"}; do
   LIMIT=120 run "${bin#*=}/tpinfer" doctor --timeout 60
 done
+# The same all-reduce table with every size on NCCL (builds with the peer all-reduce).
+TPINFER_PEER_ALL_REDUCE=0 LIMIT=120 run "${bin#*=}/tpinfer" doctor --timeout 60
 for round in $(seq "${ROUNDS:-2}"); do
   for bin in $BINS; do
     log "round $round: ${bin%%=*}"
