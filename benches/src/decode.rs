@@ -68,7 +68,7 @@ fn time_in_graph(device: &Device, calls: usize, f: impl Fn() -> candle_core::Res
 }
 
 /// Milliseconds per call of `f`, after two warm-up calls, each call ending in a device sync.
-fn time_ms(device: &Device, calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+pub(crate) fn time_ms(device: &Device, calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     for _ in 0..2 {
         f()?;
     }
@@ -259,9 +259,9 @@ fn run_sharded(args: &DecodeProfileArgs) -> Result<()> {
 }
 
 /// Connects rank r of `tp` on its own thread: NCCL on CUDA device r, or a CPU thread rank.
-type Connect = Box<dyn FnOnce() -> Result<(Arc<dyn tpinfer_comm::Communicator>, Device)> + Send>;
+pub(crate) type Connect = Box<dyn FnOnce() -> Result<(Arc<dyn tpinfer_comm::Communicator>, Device)> + Send>;
 
-fn ranks(tp: usize, cuda: bool) -> Result<Vec<Connect>> {
+pub(crate) fn ranks(tp: usize, cuda: bool) -> Result<Vec<Connect>> {
     let timeout = std::time::Duration::from_secs(120);
     if !cuda {
         return Ok(tpinfer_comm::ThreadGroup::ranks(tp, timeout)

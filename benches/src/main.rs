@@ -6,10 +6,12 @@
 //! - `sweep`: a grid over TP width and prompt lengths or frame counts, as JSON, CSV and plots.
 //! - `logits`: the prefill logits and greedy tokens of one run, as safetensors, for comparison
 //!   with a reference implementation (`scripts/reference_llama.py`).
+//! - `collectives`: all-reduce, reduce-scatter and all-gather at the models' message sizes.
 //! - `decode-profile`: one rank's decode step taken apart (graph, eager, sampling, GEMVs); at
 //!   TP > 1, every rank's step and the step's all-reduces.
 
 mod attention;
+mod collectives;
 mod decode;
 mod linear;
 mod plots;
@@ -45,6 +47,8 @@ enum Command {
     Sweep(sweep::SweepArgs),
     /// Where one rank's decode step goes: the step (graph and eager), sampling, the GEMVs.
     DecodeProfile(decode::DecodeProfileArgs),
+    /// All-reduce, reduce-scatter and all-gather at the models' message sizes, checked.
+    Collectives(collectives::CollectivesArgs),
 }
 
 #[derive(Args)]
@@ -485,5 +489,6 @@ fn main() -> Result<()> {
         Command::Linear(args) => linear::run(args),
         Command::Sweep(args) => sweep::run(args),
         Command::DecodeProfile(args) => decode::run(args),
+        Command::Collectives(args) => collectives::run(args),
     }
 }
