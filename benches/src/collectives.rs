@@ -7,7 +7,7 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Tensor};
 use clap::Args;
 
-use crate::decode::{ranks, time_ms};
+use crate::decode::{on_ranks, time_ms};
 
 #[derive(Args)]
 pub(crate) struct CollectivesArgs {
@@ -33,71 +33,56 @@ type Times = Vec<[f64; 3]>;
 
 pub(crate) fn run(args: CollectivesArgs) -> Result<()> {
     let dtype = if args.cuda { DType::BF16 } else { DType::F32 };
-    let connects = ranks(args.tp, args.cuda)?;
     let args = &args;
-    let results: Vec<Times> = std::thread::scope(|s| {
-        let handles: Vec<_> = connects
-            .into_iter()
-            .map(|connect| {
-                s.spawn(move || -> Result<Times> {
-                    let (comm, device) = connect()?;
-                    let (rank, world) = (comm.rank(), comm.world_size());
-                    let mut times = Vec::new();
-                    for &rows in &args.rows {
-                        let sizes: Vec<usize> = tpinfer_layers::split_evenly(rows, world)
-                            .iter()
-                            .map(|r| r.len())
-                            .collect();
-                        // Rank r sends r + 1 everywhere: every sum is world (world + 1) / 2.
-                        let value = (rank + 1) as f64;
-                        let full = Tensor::full(value, (rows, args.width), &device)?.to_dtype(dtype)?;
-                        let own = Tensor::full(value, (sizes[rank], args.width), &device)?.to_dtype(dtype)?;
-                        let total = (world * (world + 1) / 2) as f32;
-                        let rows_of = |t: &Tensor| -> Result<Vec<Vec<f32>>> { Ok(t.to_dtype(DType::F32)?.to_vec2()?) };
-                        let all_are =
-                            |t: &Tensor, v: f32| -> Result<bool> { Ok(rows_of(t)?.iter().flatten().all(|&x| x == v)) };
-                        ensure!(
-                            all_are(&comm.all_reduce_sum(&full)?, total)?,
-                            "rank {rank}: wrong all-reduce"
-                        );
-                        ensure!(
-                            all_are(&comm.reduce_scatter_sum(&full, &sizes)?, total)?,
-                            "rank {rank}: wrong reduce-scatter"
-                        );
-                        let owner: Vec<f32> = sizes
-                            .iter()
-                            .enumerate()
-                            .flat_map(|(r, &n)| std::iter::repeat_n((r + 1) as f32, n))
-                            .collect();
-                        let gathered = rows_of(&comm.all_gather_sized(&own, 0, &sizes)?)?;
-                        ensure!(
-                            gathered.len() == rows
-                                && gathered.iter().zip(&owner).all(|(row, &v)| row.iter().all(|&x| x == v)),
-                            "rank {rank}: wrong all-gather"
-                        );
-                        let calls = args.calls;
-                        let reduce = time_ms(&device, calls, || {
-                            comm.all_reduce_sum(&full)?;
-                            Ok(())
-                        })?;
-                        let scatter = time_ms(&device, calls, || {
-                            comm.reduce_scatter_sum(&full, &sizes)?;
-                            Ok(())
-                        })?;
-                        let gather = time_ms(&device, calls, || {
-                            comm.all_gather_sized(&own, 0, &sizes)?;
-                            Ok(())
-                        })?;
-                        times.push([reduce, scatter, gather]);
-                    }
-                    Ok(times)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().map_err(|_| anyhow::anyhow!("a rank panicked"))?)
-            .collect::<Result<Vec<_>>>()
+    let results: Vec<Times> = on_ranks(args.tp, args.cuda, |comm, device| -> Result<Times> {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let mut times = Vec::new();
+        for &rows in &args.rows {
+            let sizes: Vec<usize> = tpinfer_layers::split_evenly(rows, world)
+                .iter()
+                .map(|r| r.len())
+                .collect();
+            // Rank r sends r + 1 everywhere: every sum is world (world + 1) / 2.
+            let value = (rank + 1) as f64;
+            let full = Tensor::full(value, (rows, args.width), &device)?.to_dtype(dtype)?;
+            let own = Tensor::full(value, (sizes[rank], args.width), &device)?.to_dtype(dtype)?;
+            let total = (world * (world + 1) / 2) as f32;
+            let rows_of = |t: &Tensor| -> Result<Vec<Vec<f32>>> { Ok(t.to_dtype(DType::F32)?.to_vec2()?) };
+            let all_are = |t: &Tensor, v: f32| -> Result<bool> { Ok(rows_of(t)?.iter().flatten().all(|&x| x == v)) };
+            ensure!(
+                all_are(&comm.all_reduce_sum(&full)?, total)?,
+                "rank {rank}: wrong all-reduce"
+            );
+            ensure!(
+                all_are(&comm.reduce_scatter_sum(&full, &sizes)?, total)?,
+                "rank {rank}: wrong reduce-scatter"
+            );
+            let owner: Vec<f32> = sizes
+                .iter()
+                .enumerate()
+                .flat_map(|(r, &n)| std::iter::repeat_n((r + 1) as f32, n))
+                .collect();
+            let gathered = rows_of(&comm.all_gather_sized(&own, 0, &sizes)?)?;
+            ensure!(
+                gathered.len() == rows && gathered.iter().zip(&owner).all(|(row, &v)| row.iter().all(|&x| x == v)),
+                "rank {rank}: wrong all-gather"
+            );
+            let calls = args.calls;
+            let reduce = time_ms(&device, calls, || {
+                comm.all_reduce_sum(&full)?;
+                Ok(())
+            })?;
+            let scatter = time_ms(&device, calls, || {
+                comm.reduce_scatter_sum(&full, &sizes)?;
+                Ok(())
+            })?;
+            let gather = time_ms(&device, calls, || {
+                comm.all_gather_sized(&own, 0, &sizes)?;
+                Ok(())
+            })?;
+            times.push([reduce, scatter, gather]);
+        }
+        Ok(times)
     })?;
     let world = args.tp as f64;
     println!(

@@ -198,45 +198,31 @@ fn run_sharded(args: &DecodeProfileArgs) -> Result<()> {
     let checkpoint = Arc::new(LlamaCheckpoint::open(&args.model)?);
     let c = checkpoint.config.clone();
     let dtype = if args.cuda { DType::BF16 } else { DType::F32 };
-    let ranks = ranks(args.tp, args.cuda)?;
     let prompt: Vec<u32> = (0..args.prompt_tokens)
         .map(|i| ((7919 * i + 13) % c.vocab_size.min(30000)) as u32)
         .collect();
     let context = args.prompt_tokens + args.steps + 8;
     // Per step: the embedding's, two per layer, and the greedy step's flag sum.
     let sums = 2 * c.num_hidden_layers + 2;
-    let results = std::thread::scope(|s| {
-        let handles: Vec<_> = ranks
-            .into_iter()
-            .enumerate()
-            .map(|(rank, connect)| {
-                let (checkpoint, prompt) = (checkpoint.clone(), &prompt);
-                s.spawn(move || -> Result<(f64, f64)> {
-                    let (comm, device) = connect()?;
-                    let shard = LlamaShard::new(&checkpoint.config, args.tp, rank)?;
-                    let mut model = LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &device, context)?;
-                    let logits = model.forward(prompt)?;
-                    model.greedy_start(&logits)?;
-                    let step = time_ms(&device, args.steps, || {
-                        model.greedy_step(0)?;
-                        Ok(())
-                    })?;
-                    if device.is_cuda() && model.decode_graph_replays() < args.steps {
-                        bail!("rank {rank}: the decode steps did not replay the captured graph");
-                    }
-                    let row = Tensor::randn(0f32, 1.0, (1, c.hidden_size), &device)?.to_dtype(dtype)?;
-                    let sum = time_in_graph(&device, args.steps, || {
-                        comm.all_reduce_sum(&row)
-                            .map_err(|e| candle_core::Error::Msg(e.to_string()))
-                    })?;
-                    Ok((step, sum))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().map_err(|_| anyhow::anyhow!("a rank panicked"))?)
-            .collect::<Result<Vec<_>>>()
+    let results = on_ranks(args.tp, args.cuda, |comm, device| -> Result<(f64, f64)> {
+        let rank = comm.rank();
+        let shard = LlamaShard::new(&checkpoint.config, args.tp, rank)?;
+        let mut model = LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &device, context)?;
+        let logits = model.forward(&prompt)?;
+        model.greedy_start(&logits)?;
+        let step = time_ms(&device, args.steps, || {
+            model.greedy_step(0)?;
+            Ok(())
+        })?;
+        if device.is_cuda() && model.decode_graph_replays() < args.steps {
+            bail!("rank {rank}: the decode steps did not replay the captured graph");
+        }
+        let row = Tensor::randn(0f32, 1.0, (1, c.hidden_size), &device)?.to_dtype(dtype)?;
+        let sum = time_in_graph(&device, args.steps, || {
+            comm.all_reduce_sum(&row)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))
+        })?;
+        Ok((step, sum))
     })?;
     println!(
         "| part (TP {}, {dtype:?}; steps synchronized, collectives timed in a graph) | ms per rank | per token |\n|---|---|---|",
@@ -258,10 +244,36 @@ fn run_sharded(args: &DecodeProfileArgs) -> Result<()> {
     Ok(())
 }
 
-/// Connects rank r of `tp` on its own thread: NCCL on CUDA device r, or a CPU thread rank.
-pub(crate) type Connect = Box<dyn FnOnce() -> Result<(Arc<dyn tpinfer_comm::Communicator>, Device)> + Send>;
+/// Runs `f` on `tp` ranks, each on its own thread with its communicator and device (NCCL on
+/// CUDA devices 0..tp, or CPU thread ranks). The ranks' results, in rank order.
+pub(crate) fn on_ranks<T: Send>(
+    tp: usize,
+    cuda: bool,
+    f: impl Fn(Arc<dyn tpinfer_comm::Communicator>, Device) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let connects = ranks(tp, cuda)?;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = connects
+            .into_iter()
+            .map(|connect| {
+                let f = &f;
+                s.spawn(move || {
+                    let (comm, device) = connect()?;
+                    f(comm, device)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| anyhow::anyhow!("a rank panicked"))?)
+            .collect()
+    })
+}
 
-pub(crate) fn ranks(tp: usize, cuda: bool) -> Result<Vec<Connect>> {
+/// Connects rank r of `tp` on its own thread: NCCL on CUDA device r, or a CPU thread rank.
+type Connect = Box<dyn FnOnce() -> Result<(Arc<dyn tpinfer_comm::Communicator>, Device)> + Send>;
+
+fn ranks(tp: usize, cuda: bool) -> Result<Vec<Connect>> {
     let timeout = std::time::Duration::from_secs(120);
     if !cuda {
         return Ok(tpinfer_comm::ThreadGroup::ranks(tp, timeout)
