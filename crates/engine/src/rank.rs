@@ -301,9 +301,9 @@ fn run_greedy(
     logits: Tensor,
 ) -> Result<usize, EngineError> {
     run.trace(&logits)?;
+    let capacity = model.max_positions();
     let mut token = model.greedy_start(&logits).map_err(run.layer_err())?;
     loop {
-        let capacity = model.max_positions();
         let reason = match run.rank {
             0 => run.accept(token, model.cached_positions(), capacity),
             _ => None,

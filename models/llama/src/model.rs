@@ -268,12 +268,7 @@ impl LlamaRank {
     /// all-gather for the logits. A single token runs as a decode step, which adds the
     /// flag sum of [`Self::greedy_step`].
     pub fn forward(&mut self, ids: &[u32]) -> Result<Tensor> {
-        if self.cached + ids.len() > self.max_positions() {
-            return Err(tpinfer_layers::Error::CacheFull {
-                needed: self.cached + ids.len(),
-                capacity: self.max_positions(),
-            });
-        }
+        self.check_room(ids.len())?;
         if let [token] = ids {
             write_u32s(&self.step_io.token, &[*token])?;
             // A copy: a captured step's output buffer is overwritten by the next replay.
@@ -317,12 +312,7 @@ impl LlamaRank {
     /// next input, and sums each rank's `flag` over the ranks. The host reads 8 bytes per
     /// step and never sends a token back, so ranks need no broadcast to stay in lockstep.
     pub fn greedy_step(&mut self, flag: u32) -> Result<GreedyStep> {
-        if self.cached + 1 > self.max_positions() {
-            return Err(tpinfer_layers::Error::CacheFull {
-                needed: self.cached + 1,
-                capacity: self.max_positions(),
-            });
-        }
+        self.check_room(1)?;
         write_u32s(&self.step_io.flag, &[flag])?;
         let logits = self.decode_step()?;
         let out = self.step_io.out.to_vec1::<u32>()?;
@@ -331,6 +321,17 @@ impl LlamaRank {
             flags: out[1],
             logits,
         })
+    }
+
+    /// Fails unless the KV cache has room for `positions` more.
+    fn check_room(&self, positions: usize) -> Result<()> {
+        match self.cached + positions > self.max_positions() {
+            true => Err(tpinfer_layers::Error::CacheFull {
+                needed: self.cached + positions,
+                capacity: self.max_positions(),
+            }),
+            false => Ok(()),
+        }
     }
 
     /// Runs the token in `step_io` at the cached position (as a captured graph where there is
