@@ -7,7 +7,14 @@ use std::env;
 use std::path::PathBuf;
 use std::process::Command;
 
-const SOURCES: [&str; 5] = ["flash_attention", "rowwise", "rotary", "gemv", "decode_attention"];
+const SOURCES: [&str; 6] = [
+    "flash_attention",
+    "rowwise",
+    "rotary",
+    "gemv",
+    "decode_attention",
+    "argmax",
+];
 
 fn main() {
     println!("cargo::rerun-if-env-changed=CUDA_COMPUTE_CAP");

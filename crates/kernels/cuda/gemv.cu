@@ -4,86 +4,70 @@
 // for it reach 1.4–3.3 TB/s on an H200 (benches/RESULTS.md); this one keeps more loads in
 // flight: each CTA owns ROWS outputs and its 256 threads split k between them, every thread
 // issuing UNROLL · ROWS 16-byte loads before it uses any.
-// GATED: the input is a gated MLP's fused gate/up output `[gate (k) | up (k)]` and the row
-// multiplied is silu(gate) · up, rounded to T element by element exactly as the unfused
-// silu_mul kernel rounds it, so fused and unfused give the same bits.
+// GATE_UP: w is a gated MLP's merged `[gate (n) | up (n)]` weight `[2n, k]` and output i is
+// silu(gate_i) · up_i, each product rounded to T first and the SiLU product rounded as the
+// silu_mul kernel rounds it: the bits of this kernel without GATE_UP followed by silu_mul,
+// in one pass that writes n values instead of 2n (and leaves the down projection a plain
+// product, where it had to recompute the SiLU product of its input in every CTA).
 // Needs k % 8 == 0 and 16-byte aligned rows (the launcher checks).
 #include "convert.cuh"
 
 namespace {
 
 constexpr int THREADS = 256;
-constexpr int ROWS = 4;    // outputs per CTA
 constexpr int UNROLL = 2;  // 16-byte chunks of k per thread per step
 
 template <typename T>
-struct Vec8 {
-    uint4 raw;
-    __device__ __forceinline__ float dot(const Vec8& other) const {
-        const T* a = reinterpret_cast<const T*>(&raw);
-        const T* b = reinterpret_cast<const T*>(&other.raw);
-        float s = 0.f;
+__device__ __forceinline__ float dot8(uint4 a_raw, uint4 b_raw) {
+    const T* a = reinterpret_cast<const T*>(&a_raw);
+    const T* b = reinterpret_cast<const T*>(&b_raw);
+    float s = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) s += to_f32(a[i]) * to_f32(b[i]);
-        return s;
-    }
-};
-
-// Chunk c (8 values) of the row that multiplies w.
-template <typename T, bool GATED>
-__device__ __forceinline__ Vec8<T> input(const uint4* x, int c, int chunks) {
-    Vec8<T> v;
-    v.raw = __ldg(x + c);
-    if (GATED) {
-        Vec8<T> up;
-        up.raw = __ldg(x + chunks + c);
-        T* g = reinterpret_cast<T*>(&v.raw);
-        const T* u = reinterpret_cast<const T*>(&up.raw);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float gf = to_f32(g[i]);
-            g[i] = from_f32<T>(gf / (1.f + expf(-gf)) * to_f32(u[i]));
-        }
-    }
-    return v;
+    for (int i = 0; i < 8; ++i) s += to_f32(a[i]) * to_f32(b[i]);
+    return s;
 }
 
-template <typename T, bool GATED>
+// ROWS outputs per CTA; with GATE_UP each output reads two weight rows (gate_i and up_i).
+template <typename T, int ROWS, bool GATE_UP>
 __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int n, int k) {
+    constexpr int W_ROWS = GATE_UP ? 2 * ROWS : ROWS;
     const int chunks = k / 8;
     const int row0 = blockIdx.x * ROWS;
     const uint4* xv = reinterpret_cast<const uint4*>(x);
-    const uint4* wv[ROWS];
+    const uint4* wv[W_ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) wv[r] = reinterpret_cast<const uint4*>(w + (long)min(row0 + r, n - 1) * k);
+    for (int r = 0; r < W_ROWS; ++r) {
+        const int row = min(row0 + r % ROWS, n - 1) + (r < ROWS ? 0 : n);
+        wv[r] = reinterpret_cast<const uint4*>(w + (long)row * k);
+    }
 
-    float acc[ROWS] = {};
+    float acc[W_ROWS] = {};
     for (int c0 = threadIdx.x; c0 < chunks; c0 += THREADS * UNROLL) {
-        Vec8<T> xs[UNROLL], ws[UNROLL][ROWS];
-        // The weight loads go out first; the input (and, gated, its SiLU) while they fly.
+        uint4 ws[UNROLL][W_ROWS];
+        // The weight loads go out first; the input while they fly.
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int c = c0 + u * THREADS;
             if (c < chunks) {
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) ws[u][r].raw = __ldcs(wv[r] + c);  // streamed: read once
+                for (int r = 0; r < W_ROWS; ++r) ws[u][r] = __ldcs(wv[r] + c);  // streamed: read once
             }
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int c = c0 + u * THREADS;
             if (c < chunks) {
-                xs[u] = input<T, GATED>(xv, c, chunks);
+                const uint4 xs = __ldg(xv + c);
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) acc[r] += ws[u][r].dot(xs[u]);
+                for (int r = 0; r < W_ROWS; ++r) acc[r] += dot8<T>(ws[u][r], xs);
             }
         }
     }
 
-    __shared__ float partial[THREADS / 32][ROWS];
+    __shared__ float partial[THREADS / 32][W_ROWS];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
+    for (int r = 0; r < W_ROWS; ++r) {
 #pragma unroll
         for (int o = 16; o > 0; o /= 2) acc[r] += __shfl_xor_sync(0xffffffff, acc[r], o);
         if (lane == 0) partial[warp][r] = acc[r];
@@ -93,21 +77,33 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __rest
         float s = 0.f;
 #pragma unroll
         for (int i = 0; i < THREADS / 32; ++i) s += partial[i][threadIdx.x];
-        y[row0 + threadIdx.x] = from_f32<T>(s);
+        if (GATE_UP) {
+            float u = 0.f;
+#pragma unroll
+            for (int i = 0; i < THREADS / 32; ++i) u += partial[i][ROWS + threadIdx.x];
+            const float g = to_f32(from_f32<T>(s));
+            y[row0 + threadIdx.x] = from_f32<T>(g / (1.f + expf(-g)) * to_f32(from_f32<T>(u)));
+        } else {
+            y[row0 + threadIdx.x] = from_f32<T>(s);
+        }
     }
 }
 
 }  // namespace
 
-#define GEMV(SUFFIX, T)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(THREADS) gemv_##SUFFIX(const T* x, const T* w, T* y, int n, \
-                                                                         int k) {                           \
-        gemv<T, false>(x, w, y, n, k);                                                                       \
-    }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                                    \
-        gemv_silu_mul_##SUFFIX(const T* gate_up, const T* w, T* y, int n, int k) {                            \
-        gemv<T, true>(gate_up, w, y, n, k);                                                                  \
+#define GEMV(SUFFIX, T, ROWS)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(THREADS) gemv_##SUFFIX##_r##ROWS(const T* x, const T* w,      \
+                                                                                   T* y, int n, int k) {      \
+        gemv<T, ROWS, false>(x, w, y, n, k);                                                                   \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                      \
+        gemv_gate_up_silu_##SUFFIX##_r##ROWS(const T* x, const T* w, T* y, int n, int k) {                      \
+        gemv<T, ROWS, true>(x, w, y, n, k);                                                                    \
     }
 
-GEMV(bf16, __nv_bfloat16)
-GEMV(f16, __half)
+GEMV(bf16, __nv_bfloat16, 2)
+GEMV(bf16, __nv_bfloat16, 4)
+GEMV(bf16, __nv_bfloat16, 8)
+GEMV(f16, __half, 2)
+GEMV(f16, __half, 4)
+GEMV(f16, __half, 8)

@@ -198,6 +198,17 @@ __device__ void silu_mul(const T* x, T* out, long n, int half) {
     }
 }
 
+// out[t] = w[ids[t] - first] where first <= ids[t] < end, else zeros: a vocabulary-parallel
+// embedding's rows on the rank that holds them, one CTA per token.
+template <typename T>
+__device__ void embed_owned_rows(const unsigned* ids, const T* w, T* out, unsigned first, unsigned end, int cols) {
+    const unsigned id = ids[blockIdx.x];
+    const bool owned = id >= first && id < end;
+    const T* row = w + (long)(owned ? id - first : 0) * cols;
+    T* o = out + (long)blockIdx.x * cols;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = owned ? row[j] : from_f32<T>(0.f);
+}
+
 }  // namespace
 
 // Each row-wise kernel as `NAME_SUFFIX` (one value at a time; scale_rows_cols two) and
@@ -234,6 +245,10 @@ ROW_KERNELS(f16_packed, __half, 8)
     extern "C" __global__ void add_rms_norm_##SUFFIX(const T* x, const T* y, const T* w, T* out, int rows,     \
                                                       int cols, float eps) {                                  \
         add_rms_norm<T>(x, y, w, out, rows, cols, eps);                                                        \
+    }                                                                                                          \
+    extern "C" __global__ void embed_owned_rows_##SUFFIX(const unsigned* ids, const T* w, T* out,              \
+                                                          unsigned first, unsigned end, int cols) {            \
+        embed_owned_rows<T>(ids, w, out, first, end, cols);                                                    \
     }
 
 ROWWISE(f32, float)

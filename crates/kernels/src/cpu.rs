@@ -227,6 +227,26 @@ pub(crate) fn silu_mul(x: (&CpuStorage, &Layout), half: usize) -> Result<CpuStor
     })
 }
 
+pub(crate) fn embed_owned_rows(
+    ids: (&CpuStorage, &Layout),
+    w: (&CpuStorage, &Layout),
+    first: u32,
+    end: u32,
+) -> Result<CpuStorage> {
+    let ids = contiguous::<u32>(ids.0, ids.1)?;
+    let cols = w.1.shape().dims2()?.1;
+    typed!(w.0, T => {
+        let ws = contiguous::<T>(w.0, w.1)?;
+        let mut out = vec![T::from_f64(0.0); ids.len() * cols];
+        for (&id, o) in ids.iter().zip(out.chunks_mut(cols)) {
+            if (first..end).contains(&id) {
+                o.copy_from_slice(&ws[(id - first) as usize * cols..][..cols]);
+            }
+        }
+        Ok(T::to_cpu_storage_owned(out))
+    })
+}
+
 /// `x1 · cos − x2 · sin`, `x2 · cos + x1 · sin` for a head's halves `x`, into `out`.
 fn rotate<T: WithDType>(x: &[T], cos: &[T], sin: &[T], out: &mut [T]) {
     let half = cos.len();
@@ -370,31 +390,34 @@ pub(crate) fn add_rms_norm(
 }
 
 /// `x · wᵀ` for one row `x` of `k` and `w` `[n, k]`, f32 accumulation, rows across the pool.
-/// `gated`: `x` is `[gate | up]` of `2k` and the row is silu(gate) · up rounded as `silu_mul`
-/// rounds it.
+/// `gate_up`: `w` is `[gate (n) | up (n)]`, `[2n, k]`, and output i is silu(gate_i) · up_i,
+/// each product rounded to the dtype first and the SiLU product as `silu_mul` rounds it.
 pub(crate) fn gemv(
     x: (&CpuStorage, &Layout),
     w: (&CpuStorage, &Layout),
     n: usize,
     k: usize,
-    gated: bool,
+    gate_up: bool,
 ) -> Result<CpuStorage> {
     typed!(x.0, T => {
         let (xs, ws) = (contiguous::<T>(x.0, x.1)?, contiguous::<T>(w.0, w.1)?);
-        let xf: Vec<f32> = match gated {
-            false => xs.iter().map(|&v| f(v)).collect(),
-            true => (0..k)
-                .map(|j| {
-                    let (g, u) = (f(xs[j]), f(xs[k + j]));
-                    f(T::from_f64((g / (1.0 + (-g).exp()) * u) as f64))
-                })
-                .collect(),
+        let xf: Vec<f32> = xs.iter().map(|&v| f(v)).collect();
+        let product = |row: usize| {
+            let row = &ws[row * k..][..k];
+            T::from_f64(row.iter().zip(&xf).map(|(&a, &b)| f(a) * b).sum::<f32>() as f64)
         };
         let mut out = vec![T::from_f64(0.0); n];
-        for_each_chunk(&mut out, 64, n * k, |c, o| {
+        let work = if gate_up { 2 * n * k } else { n * k };
+        for_each_chunk(&mut out, 64, work, |c, o| {
             for (i, y) in o.iter_mut().enumerate() {
-                let row = &ws[(c * 64 + i) * k..][..k];
-                *y = T::from_f64(row.iter().zip(&xf).map(|(&a, &b)| f(a) * b).sum::<f32>() as f64);
+                let row = c * 64 + i;
+                *y = match gate_up {
+                    false => product(row),
+                    true => {
+                        let (g, u) = (f(product(row)), f(product(n + row)));
+                        T::from_f64((g / (1.0 + (-g).exp()) * u) as f64)
+                    }
+                };
             }
         });
         Ok(T::to_cpu_storage_owned(out))

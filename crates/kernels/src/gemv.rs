@@ -4,69 +4,86 @@
 
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 
+/// Outputs per CTA that the CUDA kernel is compiled for ([`gemv_tiled`]).
+pub const GEMV_TILES: [usize; 3] = [2, 4, 8];
+/// The tile [`gemv`] and [`gemv_gate_up_silu`] use.
+const DEFAULT_TILE: usize = 4;
+
 /// Whether [`gemv`] runs on CUDA for `x` and `w`: one row, bf16 or f16 on both, `k` a multiple
 /// of 8. On CPU it always runs (the twin that the tests check the kernel's math with).
 pub fn gemv_on_cuda(x: &Tensor, w: &Tensor) -> bool {
-    one_row_on_cuda(x, w, 1)
-}
-
-/// Whether [`gemv_silu_mul`] runs on CUDA for `gate_up` and `w`, as [`gemv_on_cuda`].
-pub fn gemv_silu_mul_on_cuda(gate_up: &Tensor, w: &Tensor) -> bool {
-    one_row_on_cuda(gate_up, w, 2)
-}
-
-/// `x` holds `parts` rows' worth of `w`'s input and lives on CUDA in 16 bits.
-fn one_row_on_cuda(x: &Tensor, w: &Tensor, parts: usize) -> bool {
     let k = w.dims().get(1).copied().unwrap_or(0);
     cfg!(feature = "cuda")
         && x.device().is_cuda()
         && matches!(x.dtype(), DType::BF16 | DType::F16)
         && w.dtype() == x.dtype()
-        && x.dims().last() == Some(&(parts * k))
-        && x.elem_count() == parts * k
+        && x.dims().last() == Some(&k)
+        && x.elem_count() == k
         && k.is_multiple_of(8)
+}
+
+/// Whether [`gemv_gate_up_silu`] runs on CUDA, as [`gemv_on_cuda`], with `w`'s rows even.
+pub fn gemv_gate_up_silu_on_cuda(x: &Tensor, w: &Tensor) -> bool {
+    gemv_on_cuda(x, w) && w.dim(0).is_ok_and(|rows| rows.is_multiple_of(2))
 }
 
 /// `x · wᵀ` for `x` `[.., k]` holding one row and `w` `[n, k]`: `[.., n]`, accumulated in f32.
 pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    apply(x, w, false)
+    apply(x, w, DEFAULT_TILE, false)
 }
 
-/// `(silu(gate) · up) · wᵀ` for a gated MLP's fused output `gate_up` `[.., 2k]` holding one
-/// row (gate, then up) and `w` `[n, k]`: [`crate::silu_mul`] and [`gemv`] in one pass, with the
-/// same rounding of the product as `silu_mul`, so the same result.
-pub fn gemv_silu_mul(gate_up: &Tensor, w: &Tensor) -> Result<Tensor> {
-    apply(gate_up, w, true)
+/// [`gemv`] with `tile` outputs per CUDA thread block, one of [`GEMV_TILES`] (the tile is
+/// a speed choice only: every tile gives the same bits). For benchmarks.
+pub fn gemv_tiled(x: &Tensor, w: &Tensor, tile: usize) -> Result<Tensor> {
+    apply(x, w, tile, false)
 }
 
-fn apply(x: &Tensor, w: &Tensor, gated: bool) -> Result<Tensor> {
+/// `silu(x · gateᵀ) · (x · upᵀ)` for `x` `[.., k]` holding one row and a gated MLP's merged
+/// weight `w` `[gate (n) | up (n)]`, `[2n, k]`: `[.., n]`. The bits of [`gemv`] followed by
+/// [`crate::silu_mul`] (each product rounded to the dtype, then the SiLU product), in one
+/// pass.
+pub fn gemv_gate_up_silu(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    apply(x, w, DEFAULT_TILE, true)
+}
+
+fn apply(x: &Tensor, w: &Tensor, tile: usize, gate_up: bool) -> Result<Tensor> {
     let width = x.dims().last().copied().unwrap_or(0);
-    let (n, k) = w.dims2()?;
-    let parts = if gated { 2 } else { 1 };
-    if x.elem_count() != width || width != parts * k || w.dtype() != x.dtype() {
+    let (rows, k) = w.dims2()?;
+    if x.elem_count() != width || width != k || w.dtype() != x.dtype() || (gate_up && rows % 2 != 0) {
         candle_core::bail!(
-            "gemv: x {:?} {:?} is not one row of {parts} × w {:?} {:?}'s input",
+            "gemv: x {:?} {:?} is not one row of w {:?} {:?}'s input{}",
             x.dims(),
             x.dtype(),
             w.dims(),
-            w.dtype()
+            w.dtype(),
+            if gate_up {
+                " (or w's rows are not [gate | up])"
+            } else {
+                ""
+            }
         );
     }
+    if !GEMV_TILES.contains(&tile) {
+        candle_core::bail!("gemv: no kernel for {tile} outputs per block (tiles: {GEMV_TILES:?})");
+    }
+    let n = if gate_up { rows / 2 } else { rows };
     let mut shape = x.dims().to_vec();
     if let Some(last) = shape.last_mut() {
         *last = n;
     }
-    let y = x
-        .contiguous()?
-        .apply_op2_no_bwd(&w.contiguous()?, &Gemv { n, k, gated })?;
+    let op = Gemv { n, k, tile, gate_up };
+    let y = x.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &op)?;
     y.reshape(shape)
 }
 
 struct Gemv {
     n: usize,
     k: usize,
-    /// The input is `[gate | up]`, multiplied as silu(gate) · up.
-    gated: bool,
+    /// Outputs per CUDA thread block.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    tile: usize,
+    /// `w` is `[gate | up]` and the output silu(gate) · up.
+    gate_up: bool,
 }
 
 impl candle_core::CustomOp2 for Gemv {
@@ -76,7 +93,7 @@ impl candle_core::CustomOp2 for Gemv {
 
     fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout, w: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
         Ok((
-            crate::cpu::gemv((x, xl), (w, wl), self.n, self.k, self.gated)?,
+            crate::cpu::gemv((x, xl), (w, wl), self.n, self.k, self.gate_up)?,
             Shape::from(self.n),
         ))
     }
@@ -89,10 +106,7 @@ impl candle_core::CustomOp2 for Gemv {
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((
-            cuda::gemv((x, xl), (w, wl), self.n, self.k, self.gated)?,
-            Shape::from(self.n),
-        ))
+        Ok((cuda::gemv(self, (x, xl), (w, wl))?, Shape::from(self.n)))
     }
 }
 
@@ -104,30 +118,25 @@ mod cuda {
     use candle_core::{CudaStorage, DType, Layout, Result};
     use half::{bf16, f16};
 
+    use super::Gemv;
     use crate::launch::suffix;
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
-    /// Outputs per CTA and threads per CTA (cuda/gemv.cu).
-    const ROWS: usize = 4;
+    /// Threads per CTA (cuda/gemv.cu).
     const THREADS: u32 = 256;
 
     type Input<'a> = (&'a CudaStorage, &'a Layout);
 
-    pub(super) fn gemv(x: Input, w: Input, n: usize, k: usize, gated: bool) -> Result<CudaStorage> {
+    pub(super) fn gemv(op: &Gemv, x: Input, w: Input) -> Result<CudaStorage> {
         match x.0.dtype() {
-            DType::BF16 => typed::<bf16>(x, w, n, k, gated),
-            DType::F16 => typed::<f16>(x, w, n, k, gated),
+            DType::BF16 => typed::<bf16>(op, x, w),
+            DType::F16 => typed::<f16>(op, x, w),
             other => candle_core::bail!("gemv: unsupported dtype {other:?} on CUDA"),
         }
     }
 
-    fn typed<T: CudaDType + DeviceRepr>(
-        (x, xl): Input,
-        (w, wl): Input,
-        n: usize,
-        k: usize,
-        gated: bool,
-    ) -> Result<CudaStorage> {
+    fn typed<T: CudaDType + DeviceRepr>(op: &Gemv, (x, xl): Input, (w, wl): Input) -> Result<CudaStorage> {
+        let (n, k) = (op.n, op.k);
         // Rows are read in 16-byte pieces.
         if !(k.is_multiple_of(8) && xl.start_offset().is_multiple_of(8) && wl.start_offset().is_multiple_of(8)) {
             candle_core::bail!(
@@ -137,22 +146,23 @@ mod cuda {
             );
         }
         let dev = x.device();
-        let kernel = if gated { "gemv_silu_mul" } else { "gemv" };
-        let func = dev.get_or_load_custom_func(&format!("{kernel}_{}", suffix(x.dtype())?), "tpinfer_gemv", PTX)?;
+        let kernel = if op.gate_up { "gemv_gate_up_silu" } else { "gemv" };
+        let name = format!("{kernel}_{}_r{}", suffix(x.dtype())?, op.tile);
+        let func = dev.get_or_load_custom_func(&name, "tpinfer_gemv", PTX)?;
         let xs = x.as_cuda_slice::<T>()?.slice(xl.start_offset()..);
         let ws = w.as_cuda_slice::<T>()?.slice(wl.start_offset()..);
         // SAFETY: every output is written by the CTA that owns it.
         let out = unsafe { dev.alloc::<T>(n)? };
         let (n_i, k_i) = (n as i32, k as i32);
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(ROWS) as u32, 1, 1),
+            grid_dim: (n.div_ceil(op.tile) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = func.builder();
         b.arg(&xs).arg(&ws).arg(&out).arg(&n_i).arg(&k_i);
-        // SAFETY: the arguments match the kernel's signature; x holds k values (2k gated) and w
-        // n rows of k.
+        // SAFETY: the arguments match the kernel's signature; x holds k values and w n rows of
+        // k (2n with gate_up).
         unsafe { b.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }

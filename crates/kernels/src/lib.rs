@@ -11,6 +11,7 @@
 //! Every op also runs on CPU tensors, in one pass that allocates only its output as the CUDA
 //! kernel does, so that CPU ranks run (and the tests check) the same memory behaviour.
 
+mod argmax;
 mod cpu;
 mod gemv;
 #[cfg(feature = "cuda")]
@@ -22,11 +23,14 @@ mod position;
 mod rotary;
 mod rowwise;
 
-pub use gemv::{gemv, gemv_on_cuda, gemv_silu_mul, gemv_silu_mul_on_cuda};
+pub use argmax::argmax;
+pub use gemv::{gemv, gemv_gate_up_silu, gemv_gate_up_silu_on_cuda, gemv_on_cuda, gemv_tiled, GEMV_TILES};
 pub use linear::{fused_linear_covers, linear_bias};
 pub use position::write_u32s;
 pub use rotary::{append_rotated_kv, rotary_queries};
-pub use rowwise::{add_rms_norm, gated_residual, layer_norm, row_sum_squares, scale_rows_cols, silu_mul};
+pub use rowwise::{
+    add_rms_norm, embed_owned_rows, gated_residual, layer_norm, row_sum_squares, scale_rows_cols, silu_mul,
+};
 
 use candle_core::{DType, Device, Result, Tensor};
 

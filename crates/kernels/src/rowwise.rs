@@ -134,6 +134,29 @@ pub fn silu_mul(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1_no_bwd(&SiluMul { rows, half: cols / 2 })
 }
 
+/// The rows of a vocabulary-parallel embedding's slice `weight` `[vocab rows, hidden]`, which
+/// holds the vocabulary's rows `first..first + vocab rows`, for the u32 token `ids` (any
+/// shape): `[ids, hidden]`, zeros for the ids another rank holds (an all-reduce over the ranks
+/// then assembles the embeddings). The ids are read on the device, so a captured CUDA graph
+/// embeds whatever its input buffer holds.
+pub fn embed_owned_rows(ids: &Tensor, weight: &Tensor, first: usize) -> Result<Tensor> {
+    let (rows, _) = weight.dims2()?;
+    let end = first + rows;
+    if ids.dtype() != candle_core::DType::U32 || end > u32::MAX as usize {
+        candle_core::bail!(
+            "embed_owned_rows: ids must be u32 and rows {first}..{end} must fit u32, got {:?}",
+            ids.dtype()
+        );
+    }
+    let op = EmbedOwnedRows {
+        first: first as u32,
+        end: end as u32,
+    };
+    ids.flatten_all()?
+        .contiguous()?
+        .apply_op2_no_bwd(&weight.contiguous()?, &op)
+}
+
 fn check(x: &Tensor, op: &str) -> Result<()> {
     if x.rank() != 2 || x.elem_count() == 0 {
         candle_core::bail!("{op} takes a non-empty [rows, cols], got {:?}", x.dims());
@@ -162,6 +185,11 @@ struct AddRmsNorm {
 struct SiluMul {
     rows: usize,
     half: usize,
+}
+
+struct EmbedOwnedRows {
+    first: u32,
+    end: u32,
 }
 
 impl candle_core::CustomOp3 for Rowwise {
@@ -277,6 +305,30 @@ impl candle_core::CustomOp1 for SiluMul {
     fn cuda_fwd(&self, x: &candle_core::CudaStorage, xl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let out = cuda::silu_mul(x, xl, self.rows * self.half, self.half)?;
         Ok((out, Shape::from((self.rows, self.half))))
+    }
+}
+
+impl candle_core::CustomOp2 for EmbedOwnedRows {
+    fn name(&self) -> &'static str {
+        "embed_owned_rows"
+    }
+
+    fn cpu_fwd(&self, ids: &CpuStorage, il: &Layout, w: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = crate::cpu::embed_owned_rows((ids, il), (w, wl), self.first, self.end)?;
+        Ok((out, Shape::from((il.shape().elem_count(), wl.shape().dims2()?.1))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ids: &candle_core::CudaStorage,
+        il: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let cols = wl.shape().dims2()?.1;
+        let out = cuda::embed_owned_rows((ids, il), (w, wl), self.first, self.end, cols)?;
+        Ok((out, Shape::from((il.shape().elem_count(), cols))))
     }
 }
 
@@ -524,6 +576,44 @@ mod cuda {
         builder.arg(&xs).arg(&out).arg(&n_i).arg(&half_i);
         // SAFETY: the arguments match the kernel's signature; `xs` holds 2n elements.
         unsafe { builder.launch(elementwise(n)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
+    pub(super) fn embed_owned_rows(ids: Input, w: Input, first: u32, end: u32, cols: usize) -> Result<CudaStorage> {
+        match w.0.dtype() {
+            DType::F32 => embed_typed::<f32>(ids, w, first, end, cols),
+            DType::BF16 => embed_typed::<bf16>(ids, w, first, end, cols),
+            DType::F16 => embed_typed::<f16>(ids, w, first, end, cols),
+            other => candle_core::bail!("embed_owned_rows: unsupported dtype {other:?}"),
+        }
+    }
+
+    fn embed_typed<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+        ids: Input,
+        w: Input,
+        first: u32,
+        end: u32,
+        cols: usize,
+    ) -> Result<CudaStorage> {
+        let dev = w.0.device();
+        let func = dev.get_or_load_custom_func(
+            &format!("embed_owned_rows_{}", suffix(w.0.dtype())?),
+            "tpinfer_rowwise",
+            PTX,
+        )?;
+        let (ids, ws) = (view::<u32>(ids)?, view::<T>(w)?);
+        let tokens = ids.len();
+        if ws.len() != (end - first) as usize * cols {
+            candle_core::bail!("embed_owned_rows: the weight does not hold rows {first}..{end} of {cols}");
+        }
+        // SAFETY: every token's row is written, copied or zeroed.
+        let out: CudaSlice<T> = unsafe { dev.alloc::<T>(tokens * cols)? };
+        let cols_i = cols as i32;
+        let mut builder = func.builder();
+        builder.arg(&ids).arg(&ws).arg(&out).arg(&first).arg(&end).arg(&cols_i);
+        // SAFETY: the arguments match the kernel's signature; ids hold `tokens` values and the
+        // kernel reads only rows below `end - first`.
+        unsafe { builder.launch(per_row(tokens)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 

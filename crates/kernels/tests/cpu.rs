@@ -6,8 +6,9 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
-    add_rms_norm, append_rotated_kv, flash_attention, flash_attention_cached, gated_residual, gemv, gemv_silu_mul,
-    layer_norm, linear_bias, rotary_queries, row_sum_squares, scale_rows_cols, silu_mul, write_u32s,
+    add_rms_norm, append_rotated_kv, argmax, embed_owned_rows, flash_attention, flash_attention_cached, gated_residual,
+    gemv, gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, rotary_queries, row_sum_squares, scale_rows_cols,
+    silu_mul, write_u32s,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -343,15 +344,15 @@ fn one_row_products_match_candle_matmul() {
 }
 
 #[test]
-fn the_fused_silu_product_gives_the_unfused_bits() {
-    // f32 and bf16 (where the product's rounding matters), below and above the threshold.
+fn the_fused_gate_up_silu_product_gives_the_unfused_bits() {
+    // f32 and bf16 (where the products' rounding matters), below and above the threshold.
     for dtype in [DType::F32, DType::BF16] {
         for (n, k) in [(37, 96), (1000, 256)] {
             let cast = |t: Tensor| t.to_dtype(dtype).expect("cast");
-            let (gate_up, w) = (cast(randn(&[1, 1, 2 * k], 54)), cast(randn(&[n, k], 55)));
-            let hidden = silu_mul(&gate_up.reshape((1, 2 * k)).expect("rows")).expect("silu");
-            let want = gemv(&hidden.reshape((1, 1, k)).expect("row"), &w).expect("gemv");
-            let got = gemv_silu_mul(&gate_up, &w).expect("fused");
+            let (x, w) = (cast(randn(&[1, 1, k], 54)), cast(randn(&[2 * n, k], 55)));
+            let gate_up = gemv(&x, &w).expect("gemv");
+            let want = silu_mul(&gate_up.reshape((1, 2 * n)).expect("rows")).expect("silu");
+            let got = gemv_gate_up_silu(&x, &w).expect("fused");
             assert_eq!(got.dims(), [1, 1, n]);
             let bits = |t: &Tensor| {
                 t.to_dtype(DType::F32)
@@ -362,8 +363,12 @@ fn the_fused_silu_product_gives_the_unfused_bits() {
         }
     }
     assert!(
-        gemv_silu_mul(&randn(&[1, 16], 56), &randn(&[8, 16], 57)).is_err(),
-        "not 2k wide"
+        gemv_gate_up_silu(&randn(&[1, 16], 56), &randn(&[7, 16], 57)).is_err(),
+        "an odd number of rows is not [gate | up]"
+    );
+    assert!(
+        gemv_tiled(&randn(&[1, 16], 58), &randn(&[8, 16], 59), 3).is_err(),
+        "no such tile"
     );
 }
 
@@ -390,4 +395,40 @@ fn biased_linear_keeps_leading_dims_and_applies_gelu_after_the_bias() {
     let from_view = linear_bias(&view, &w, &b, true).expect("view");
     let from_copy = linear_bias(&view.contiguous().expect("copy"), &w, &b, true).expect("copy");
     assert!(rel(&from_view, &from_copy) < 1e-7);
+}
+
+#[test]
+fn owned_embedding_rows_are_looked_up_and_the_rest_zeroed() {
+    // A rank holding vocabulary rows 4..9 of a 12-row vocabulary.
+    let (first, hidden) = (4usize, 6usize);
+    for dtype in [DType::F32, DType::BF16] {
+        let weight = randn(&[5, hidden], 60).to_dtype(dtype).expect("cast");
+        let ids = Tensor::new(&[[0u32, 4, 8, 9], [11, 6, 3, 5]], &Device::Cpu).expect("ids");
+        let got = embed_owned_rows(&ids, &weight, first).expect("embed");
+        assert_eq!(got.dims(), [8, hidden]);
+        let rows = got.to_dtype(DType::F32).and_then(|t| t.to_vec2::<f32>()).expect("rows");
+        let table = weight
+            .to_dtype(DType::F32)
+            .and_then(|t| t.to_vec2::<f32>())
+            .expect("table");
+        for (row, id) in rows.iter().zip([0usize, 4, 8, 9, 11, 6, 3, 5]) {
+            match (first..first + 5).contains(&id) {
+                true => assert_eq!(row, &table[id - first], "{dtype:?} id {id}"),
+                false => assert!(row.iter().all(|v| *v == 0.0), "{dtype:?} id {id} is not ours"),
+            }
+        }
+    }
+    let weight = randn(&[5, hidden], 61);
+    assert!(
+        embed_owned_rows(&Tensor::new(&[1f32], &Device::Cpu).expect("ids"), &weight, 0).is_err(),
+        "float ids are refused"
+    );
+}
+
+#[test]
+fn argmax_takes_the_first_of_tied_maxima() {
+    let x = Tensor::new(&[[1f32, 3., 3., -2.], [f32::NEG_INFINITY, 0., 5., 5.]], &Device::Cpu).expect("x");
+    let got = argmax(&x).expect("argmax");
+    assert_eq!(got.dims(), [2, 1]);
+    assert_eq!(got.flatten_all().and_then(|t| t.to_vec1::<u32>()).expect("v"), [1, 2]);
 }

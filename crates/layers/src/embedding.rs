@@ -12,9 +12,8 @@ use crate::Result;
 /// head, each rank scores its own slice of the vocabulary and an all-gather joins the logits.
 pub struct VocabParallelEmbedding {
     weight: Tensor,
-    /// This rank's first and last vocabulary rows, `[1]` u32 tensors each.
-    first: Tensor,
-    last: Tensor,
+    /// This rank's first vocabulary row.
+    first: usize,
     /// Every rank's number of rows, in rank order.
     sizes: Vec<usize>,
     comm: Arc<dyn Communicator>,
@@ -39,10 +38,8 @@ impl VocabParallelEmbedding {
             ))
         })?;
         let weight = weights.take(name)?;
-        let bound = |row: usize| Tensor::new(&[row as u32], weight.device());
         Ok(Self {
-            first: bound(rows.start)?,
-            last: bound(rows.end - 1)?,
+            first: rows.start,
             sizes: parts.iter().map(|p| p.len()).collect(),
             weight,
             comm,
@@ -53,17 +50,9 @@ impl VocabParallelEmbedding {
     /// hidden]`. The ids are matched against this rank's rows on the device, so a captured
     /// CUDA graph can embed whatever token its input buffer holds.
     pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        let owned = ids.broadcast_ge(&self.first)?.mul(&ids.broadcast_le(&self.last)?)?;
-        // Clamped into this rank's rows first: the subtraction must not wrap.
-        let local = ids
-            .broadcast_maximum(&self.first)?
-            .broadcast_minimum(&self.last)?
-            .broadcast_sub(&self.first)?;
-        let rows = self.weight.index_select(&local.flatten_all()?, 0)?;
-        let owned = owned.flatten_all()?.unsqueeze(1)?.to_dtype(self.weight.dtype())?;
         let (batch, seq) = ids.dims2()?;
-        let rows = rows.broadcast_mul(&owned)?.reshape((batch, seq, ()))?;
-        Ok(self.comm.all_reduce_sum(&rows)?)
+        let rows = tpinfer_kernels::embed_owned_rows(ids, &self.weight, self.first)?;
+        Ok(self.comm.all_reduce_sum(&rows.reshape((batch, seq, ()))?)?)
     }
 
     /// Logits over the full vocabulary for hidden states `x` of shape `[.., hidden]`. No host

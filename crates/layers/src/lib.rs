@@ -30,5 +30,5 @@ pub use candle_nn::ops::rms_norm;
 #[cfg(feature = "cuda")]
 pub use tpinfer_kernels::graph;
 pub use tpinfer_kernels::{
-    add_rms_norm, cuda_flash_attention_covers, flash_attention, flash_attention_cached, write_u32s,
+    add_rms_norm, argmax, cuda_flash_attention_covers, flash_attention, flash_attention_cached, write_u32s,
 };

@@ -116,6 +116,20 @@ impl MergedColumnParallelLinear {
         apply(&self.linear, x)
     }
 
+    /// For a gated MLP's `[gate | up]` (two merged linears of one size, no bias) and one
+    /// input row on CUDA in 16 bits, a decode step's: `silu(gate) · up` from one kernel, with
+    /// the bits of [`Self::forward_merged`] and `silu_mul`. `None` where it does not cover `x`.
+    pub fn forward_silu_product(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let w = self.linear.weight();
+        let covered = matches!(self.out_sizes[..], [gate, up] if gate == up)
+            && self.linear.bias().is_none()
+            && tpinfer_kernels::gemv_gate_up_silu_on_cuda(x, w);
+        Ok(match covered {
+            true => Some(tpinfer_kernels::gemv_gate_up_silu(x, w)?),
+            false => None,
+        })
+    }
+
     /// The local output size of each merged linear.
     pub fn out_sizes(&self) -> &[usize] {
         &self.out_sizes
@@ -166,15 +180,9 @@ impl RowParallelLinear {
     }
 
     /// [`Self::forward`] of `silu(gate) · up` for a gated MLP's fused gate/up output
-    /// `[.., 2n]` (gate, then up): one row on CUDA in 16 bits is one kernel with the product
-    /// (a decode step's MLP), anything else runs `silu_mul`, then the product. Takes `gate_up`
-    /// to free it before the product, as the activation model in the Llama crate counts.
+    /// `[.., 2n]` (gate, then up), through one `silu_mul` pass. Takes `gate_up` to free it
+    /// before the product, as the activation model in the Llama crate counts.
     pub fn forward_silu_mul(&self, gate_up: Tensor) -> Result<Tensor> {
-        if tpinfer_kernels::gemv_silu_mul_on_cuda(&gate_up, self.linear.weight()) {
-            let partial = tpinfer_kernels::gemv_silu_mul(&gate_up, self.linear.weight())?;
-            drop(gate_up);
-            return self.reduce(partial);
-        }
         let mut dims = gate_up.dims().to_vec();
         let cols = dims.pop().unwrap_or(0);
         let rows = dims.iter().product::<usize>();

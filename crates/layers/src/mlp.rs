@@ -51,9 +51,12 @@ impl GatedMlp {
         })
     }
 
-    /// `x` `[..., hidden]`; the SiLU product runs fused on the gate/up output (with the down
-    /// projection too for one row on CUDA).
+    /// `x` `[..., hidden]`; the SiLU product runs fused on the gate/up output (inside the
+    /// gate/up product for one row on CUDA).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(hidden) = self.gate_up.forward_silu_product(x)? {
+            return self.down.forward(&hidden);
+        }
         let gate_up = self.gate_up.forward_merged(x)?;
         self.down.forward_silu_mul(gate_up)
     }

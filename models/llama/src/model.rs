@@ -1,10 +1,10 @@
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
-    add_rms_norm, causal_mask, flash_attention_cached, grouped_attention, rms_norm, write_u32s, GatedMlp, KvCache,
-    MergedColumnParallelLinear, Position, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
+    add_rms_norm, argmax, causal_mask, flash_attention_cached, grouped_attention, rms_norm, write_u32s, GatedMlp,
+    KvCache, MergedColumnParallelLinear, Position, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -302,7 +302,7 @@ impl LlamaRank {
     /// [`Self::forward`]): their argmax becomes the next step's input. Returns that token. Every
     /// rank holds the same logits, so every rank queues the same token.
     pub fn greedy_start(&mut self, logits: &Tensor) -> Result<u32> {
-        let token = logits.argmax_keepdim(D::Minus1)?;
+        let token = argmax(logits)?;
         self.step_io.token.slice_set(&token, 0, 0)?;
         Ok(token.flatten_all()?.to_vec1::<u32>()?[0])
     }
@@ -361,7 +361,7 @@ impl LlamaRank {
     pub(crate) fn queue_decode_step(&self) -> Result<Tensor> {
         let io = &self.step_io;
         let logits = self.logits(&io.token)?;
-        let next = logits.argmax_keepdim(D::Minus1)?;
+        let next = argmax(&logits)?;
         io.token.slice_set(&next, 0, 0)?;
         let flags = self
             .comm
