@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use clap::Args;
 use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
 
@@ -141,16 +141,56 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
         1e3 / greedy
     );
     println!("| decode step, eager | {eager:.3} | {:.1} tok/s |", 1e3 / eager);
-    let logits = model.forward(&[1])?;
-    let mut sampler = candle_transformers::generation::LogitsProcessor::from_sampling(
-        1,
-        candle_transformers::generation::Sampling::ArgMax,
-    );
-    let sample = time_ms(&device, args.steps, || {
-        sampler.sample(&logits.squeeze(0)?)?;
-        Ok(())
-    })?;
-    println!("| greedy sampling of the logits | {sample:.3} | |");
+    argmax(&device, c.vocab_size, args.steps)?;
+    gemvs(&device, dtype, &c, args.steps)?;
+    small_kernels(&device, dtype, &c, args.steps)?;
+    decode_attention(&device, dtype, &c, args.steps)
+}
+
+/// The greedy token's argmax over `vocab` f32 logits: candle's against `tpinfer_kernels`',
+/// which must pick the same token as candle's CPU argmax (the first of tied maxima) on rows
+/// rounded to bf16, where ties are common, and with a planted tie.
+fn argmax(device: &Device, vocab: usize, calls: usize) -> Result<()> {
+    for seed in 0..8u32 {
+        let row = Tensor::randn(0f32, 3.0, (1, vocab), device)?
+            .to_dtype(DType::BF16)?
+            .to_dtype(DType::F32)?;
+        let mut values = row.flatten_all()?.to_vec1::<f32>()?;
+        let top = values.iter().cloned().fold(f32::MIN, f32::max);
+        // A tie with the maximum, before or after it.
+        values[(seed as usize * 7919 + 11) % vocab] = top;
+        let row = Tensor::from_vec(values, (1, vocab), device)?;
+        let want = row.to_device(&Device::Cpu)?.argmax_keepdim(candle_core::D::Minus1)?;
+        let got = tpinfer_kernels::argmax(&row)?.to_device(&Device::Cpu)?;
+        let (want, got) = (
+            want.flatten_all()?.to_vec1::<u32>()?,
+            got.flatten_all()?.to_vec1::<u32>()?,
+        );
+        if want != got {
+            bail!("argmax: tpinfer_kernels picked {got:?}, the CPU argmax {want:?} (row {seed})");
+        }
+    }
+    let logits = Tensor::randn(0f32, 3.0, (1, vocab), device)?;
+    let kernels: [(&str, &Kernel); 2] = [
+        ("candle", &|| logits.argmax_keepdim(candle_core::D::Minus1)),
+        ("tpinfer_kernels", &|| tpinfer_kernels::argmax(&logits)),
+    ];
+    for (name, f) in kernels {
+        let ms = time_in_graph(device, calls, f)?;
+        println!("| greedy argmax of {vocab} logits ({name}; equal to the CPU's on 8 tied rows) | {ms:.4} | |");
+    }
+    Ok(())
+}
+
+/// Copies of a weight that together exceed the GPU's L2 cache (50 MiB on an H200), so that
+/// each call of a timed loop reads its weight from HBM, as a decode step does.
+fn cold_copies(bytes: usize) -> usize {
+    (256usize << 20).div_ceil(bytes).max(2)
+}
+
+/// The step's weight products: cuBLAS against the GEMV kernel at each tile, each weight read
+/// from HBM; and the MLP's gate/up product with its SiLU product in one kernel against the two.
+fn gemvs(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: usize) -> Result<()> {
     let (h, ffn, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
     let qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * d;
     let mut totals = [0.0; 2];
@@ -161,26 +201,65 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
         ("down", h, ffn, true),
         ("lm_head", c.vocab_size, h, false),
     ] {
-        let weight = Tensor::randn(0f32, 0.02, (rows, cols), &device)?.to_dtype(dtype)?;
-        let x = Tensor::randn(0f32, 1.0, (1, 1, cols), &device)?.to_dtype(dtype)?;
+        let bytes = rows * cols * dtype.size_in_bytes();
+        let weights = (0..cold_copies(bytes))
+            .map(|_| Tensor::randn(0f32, 0.02, (rows, cols), device)?.to_dtype(dtype))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let x = Tensor::randn(0f32, 1.0, (1, 1, cols), device)?.to_dtype(dtype)?;
         let exact = x
             .to_dtype(DType::F32)?
-            .broadcast_matmul(&weight.to_dtype(DType::F32)?.t()?)?;
-        let linear = candle_nn::Linear::new(weight.clone(), None);
-        let bytes = (rows * cols * dtype.size_in_bytes()) as f64;
+            .broadcast_matmul(&weights[0].to_dtype(DType::F32)?.t()?)?;
+        let next = std::cell::Cell::new(0);
+        let weight = || {
+            next.set((next.get() + 1) % weights.len());
+            &weights[next.get()]
+        };
         let layers = if per_layer { c.num_hidden_layers } else { 1 };
-        let kernels: [(&str, &Kernel); 2] = [
-            ("candle/cuBLAS", &|| linear.forward(&x)),
-            ("tpinfer_kernels::gemv", &|| tpinfer_kernels::gemv(&x, &weight)),
-        ];
-        for (i, (kernel, f)) in kernels.into_iter().enumerate() {
-            let ms = time_in_graph(&device, args.steps, f)?;
-            let err = crate::relative_error(&f()?, &exact)?;
-            totals[i] += ms * layers as f64;
+        let row = |kernel: String, ms: f64, y: Tensor| -> Result<()> {
+            let err = crate::relative_error(&y, &exact)?;
             println!(
                 "| GEMV {name} [{rows} x {cols}] ({kernel}, rel. error vs f32 {err:.1e}) | {ms:.4} | {:.0} GB/s, x{layers} = {:.2} ms |",
-                bytes / ms / 1e6,
+                bytes as f64 / ms / 1e6,
                 ms * layers as f64
+            );
+            Ok(())
+        };
+        let cublas = time_in_graph(device, calls, || x.broadcast_matmul(&weight().t()?))?;
+        row("candle/cuBLAS".into(), cublas, x.broadcast_matmul(&weights[0].t()?)?)?;
+        let mut best = f64::MAX;
+        for tile in tpinfer_kernels::GEMV_TILES {
+            let ms = time_in_graph(device, calls, || tpinfer_kernels::gemv_tiled(&x, weight(), tile))?;
+            row(
+                format!("tpinfer_kernels::gemv, {tile} rows per block"),
+                ms,
+                tpinfer_kernels::gemv_tiled(&x, &weights[0], tile)?,
+            )?;
+            best = best.min(ms);
+        }
+        let ms = time_in_graph(device, calls, || tpinfer_kernels::gemv(&x, weight()))?;
+        row(
+            "tpinfer_kernels::gemv as the step runs it".into(),
+            ms,
+            tpinfer_kernels::gemv(&x, &weights[0])?,
+        )?;
+        totals[0] += cublas * layers as f64;
+        totals[1] += ms * layers as f64;
+        if name == "gate_up" {
+            let unfused = time_in_graph(device, calls, || {
+                tpinfer_kernels::silu_mul(&tpinfer_kernels::gemv(&x, weight())?.reshape((1, rows))?)
+            })?;
+            let fused = time_in_graph(device, calls, || tpinfer_kernels::gemv_gate_up_silu(&x, weight()))?;
+            let want = tpinfer_kernels::silu_mul(&tpinfer_kernels::gemv(&x, &weights[0])?.reshape((1, rows))?)?;
+            let got = tpinfer_kernels::gemv_gate_up_silu(&x, &weights[0])?;
+            let bits =
+                |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+            if bits(&got)? != bits(&want)? {
+                bail!("gemv_gate_up_silu does not give the bits of gemv + silu_mul");
+            }
+            println!(
+                "| gate_up and SiLU product: gemv + silu_mul / gemv_gate_up_silu (same bits) | {unfused:.4} / {fused:.4} | x{layers} = {:.2} / {:.2} ms |",
+                unfused * layers as f64,
+                fused * layers as f64
             );
         }
     }
@@ -188,8 +267,7 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
         "| all weight GEMVs of a step, cuBLAS / tpinfer_kernels::gemv | {:.3} / {:.3} | |",
         totals[0], totals[1]
     );
-    small_kernels(&device, dtype, &c, args.steps)?;
-    decode_attention(&device, dtype, &c, args.steps)
+    Ok(())
 }
 
 /// The step at TP > 1, every rank on its own thread: the greedy step on the device (synchronized
