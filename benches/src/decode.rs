@@ -142,6 +142,7 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
     );
     println!("| decode step, eager | {eager:.3} | {:.1} tok/s |", 1e3 / eager);
     argmax(&device, c.vocab_size, args.steps)?;
+    embedding(&device, dtype, &c, args.steps)?;
     gemvs(&device, dtype, &c, args.steps)?;
     small_kernels(&device, dtype, &c, args.steps)?;
     decode_attention(&device, dtype, &c, args.steps)
@@ -179,6 +180,36 @@ fn argmax(device: &Device, vocab: usize, calls: usize) -> Result<()> {
         let ms = time_in_graph(device, calls, f)?;
         println!("| greedy argmax of {vocab} logits ({name}; equal to the CPU's on 8 tied rows) | {ms:.4} | |");
     }
+    Ok(())
+}
+
+/// The embedding lookup of a step as the second of two ranks runs it (its half of the
+/// vocabulary; ids inside and outside it), which must give the CPU's rows.
+fn embedding(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: usize) -> Result<()> {
+    let (first, rows) = (c.vocab_size / 2, c.vocab_size - c.vocab_size / 2);
+    let weight = Tensor::randn(0f32, 1.0, (rows, c.hidden_size), device)?.to_dtype(dtype)?;
+    let ids = Tensor::new(
+        &[[
+            3u32,
+            first as u32,
+            (c.vocab_size - 1) as u32,
+            (first - 1) as u32,
+            77_777,
+        ]],
+        device,
+    )?;
+    let got = tpinfer_kernels::embed_owned_rows(&ids, &weight, first)?;
+    let want =
+        tpinfer_kernels::embed_owned_rows(&ids.to_device(&Device::Cpu)?, &weight.to_device(&Device::Cpu)?, first)?;
+    let bits = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+    if bits(&got.to_device(&Device::Cpu)?)? != bits(&want)? {
+        bail!("embed_owned_rows on the device does not give the CPU's rows");
+    }
+    let one = Tensor::new(&[[first as u32 + 5]], device)?;
+    let ms = time_in_graph(device, calls, || {
+        tpinfer_kernels::embed_owned_rows(&one, &weight, first)
+    })?;
+    println!("| embedding lookup of one token, rank 1 of 2 (equal to the CPU's) | {ms:.4} | |");
     Ok(())
 }
 

@@ -37,6 +37,7 @@ fn decode_profile_at_tp_1_times_every_part() {
     for part in [
         "decode step, captured graph",
         "greedy argmax of",
+        "embedding lookup",
         "GEMV qkv",
         "GEMV down",
         "gate_up and SiLU product",

@@ -5,8 +5,9 @@
 //! GEMM epilogue; one-pass row-wise ops
 //! (modulated LayerNorm, gated residual, the sums and scales of a sharded RMSNorm, a gated
 //! MLP's SiLU product), which candle would run as chains of casts and broadcasts; rotary
-//! embedding fused with the KV-cache write, which keeps a decode step's launches few; and the
-//! one-row weight product of a decode step, bound by reading the weight.
+//! embedding fused with the KV-cache write, which keeps a decode step's launches few; the
+//! one-row weight product of a decode step, bound by reading the weight; and the step's
+//! embedding lookup and greedy argmax, one kernel or two where candle runs ten or one CTA.
 //!
 //! Every op also runs on CPU tensors, in one pass that allocates only its output as the CUDA
 //! kernel does, so that CPU ranks run (and the tests check) the same memory behaviour.
