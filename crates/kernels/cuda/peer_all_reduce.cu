@@ -5,10 +5,10 @@
 // the kernel replays inside a captured CUDA graph like any other.
 //
 // A rank's buffer (`Peers::base[rank]`): two data slots of `slot_bytes`, then the flags
-// `[2 slots][MAX_BLOCKS][MAX_RANKS]` u32, then a counter per block. Call k of a block uses
-// epoch k + 1 and slot (k + 1) & 1: a rank writes a slot again two calls later, after every
-// peer has raised its flag for the call in between, which it does only once it has finished
-// reading that slot in the call before.
+// `[2 slots][MAX_BLOCKS][MAX_RANKS]` u32, then a counter per block. Every call runs all
+// MAX_BLOCKS blocks; call k uses epoch k + 1 and slot (k + 1) & 1. A rank writes a slot again
+// two calls later, after every peer has raised its flags for the call in between, which a
+// peer does only once its kernel of the call before (all its reads of that slot) has ended.
 #include <cstdint>
 
 #include "convert.cuh"

@@ -13,12 +13,12 @@ use crate::launch::suffix;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/peer_all_reduce.ptx"));
 
-/// The most ranks, and the most blocks a call runs (cuda/peer_all_reduce.cu).
+/// The most ranks, and the blocks of every call (cuda/peer_all_reduce.cu). Every call runs all
+/// blocks, even those with no elements: each block's handshake with its peers is what lets the
+/// next calls reuse the buffers.
 pub const MAX_RANKS: usize = 8;
 const MAX_BLOCKS: usize = 16;
 const THREADS: u32 = 512;
-/// Elements a block sums at the least, so that small rows take one block.
-const BLOCK_ELEMENTS: usize = 2048;
 /// The largest message, in bytes: a data slot of a rank's buffer.
 pub const MAX_BYTES: usize = 64 << 10;
 /// A rank's buffer: two data slots, the flags and the per-block counters.
@@ -102,7 +102,7 @@ unsafe fn typed<T: CudaDType + DeviceRepr>(
     let out = unsafe { dev.alloc::<T>(n)? };
     let (n_i, rank_i, world_i, slot) = (n as i32, rank as i32, world as i32, MAX_BYTES as u64);
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(BLOCK_ELEMENTS).clamp(1, MAX_BLOCKS) as u32, 1, 1),
+        grid_dim: (MAX_BLOCKS as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
