@@ -7,13 +7,14 @@ use std::env;
 use std::path::PathBuf;
 use std::process::Command;
 
-const SOURCES: [&str; 6] = [
+const SOURCES: [&str; 7] = [
     "flash_attention",
     "rowwise",
     "rotary",
     "gemv",
     "decode_attention",
     "argmax",
+    "peer_all_reduce",
 ];
 
 fn main() {

@@ -11,12 +11,16 @@ mod error;
 mod nccl;
 #[cfg(any(feature = "nccl", test))]
 mod parts;
+#[cfg(feature = "nccl")]
+mod peer;
 mod stats;
 mod threads;
 
 pub use error::{Collective, CommError};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclComm, NcclGroup};
+#[cfg(feature = "nccl")]
+pub use peer::PEER_ALL_REDUCE_ENV;
 pub use stats::{CommStats, StatsSnapshot};
 pub use threads::{ThreadComm, ThreadGroup, DEFAULT_TIMEOUT};
 

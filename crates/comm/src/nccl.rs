@@ -18,6 +18,7 @@ use candle_core::cuda::CudaDType;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 
+use crate::peer::PeerReduce;
 use crate::{Collective, CommError, CommStats, Communicator};
 
 /// All-reduces of 16-bit tensors up to this size over more than two ranks are summed in f32
@@ -50,6 +51,8 @@ struct Board {
     /// How many synchronizing collectives each rank has entered: on a timeout, the ranks
     /// behind are the ones that stopped calling.
     entered: Vec<u64>,
+    /// The values ranks post at each of their set-up meetings, by meeting and rank.
+    meetings: Vec<Vec<Option<u64>>>,
 }
 
 impl NcclGroup {
@@ -63,6 +66,7 @@ impl NcclGroup {
             board: Mutex::new(Board {
                 failure: None,
                 entered: vec![0; world_size],
+                meetings: Vec::new(),
             }),
         }))
     }
@@ -90,6 +94,8 @@ pub struct NcclComm {
     group: Arc<NcclGroup>,
     /// `None` once aborted.
     comm: RefCell<Option<Comm>>,
+    /// Small all-reduces between GPUs with peer access, where every pair has it.
+    peer_reduce: Option<PeerReduce>,
     stats: CommStats,
 }
 
@@ -132,15 +138,55 @@ impl NcclComm {
             op: "bind the rank's CUDA device".into(),
             detail: format!("{e:?}"),
         })?;
+        let context = stream.context().clone();
         let comm = Comm::from_rank(stream, rank, group.world_size, group.id)
             .map_err(|e| nccl_error(rank, "ncclCommInitRank", e))?;
-        Ok(Self {
+        let mut this = Self {
             rank,
             device: cuda.clone(),
             group,
             comm: RefCell::new(Some(comm)),
+            peer_reduce: None,
             stats: CommStats::default(),
-        })
+        };
+        let mut meeting = 0;
+        this.peer_reduce = PeerReduce::set_up(&context, rank, this.group.world_size, |value| {
+            meeting += 1;
+            this.meet(meeting - 1, value)
+        })?;
+        Ok(this)
+    }
+
+    /// Posts `value` as this rank's at set-up meeting `meeting` and returns every rank's, once
+    /// all have posted; fails, naming them, when a peer fails or stays away past the timeout.
+    fn meet(&self, meeting: usize, value: u64) -> Result<Vec<u64>, CommError> {
+        let deadline = Instant::now() + self.group.timeout;
+        let world = self.group.world_size;
+        loop {
+            {
+                let mut board = self.group.board();
+                if board.meetings.len() <= meeting {
+                    board.meetings.resize(meeting + 1, vec![None; world]);
+                }
+                board.meetings[meeting][self.rank] = Some(value);
+                if let Some(all) = board.meetings[meeting].iter().copied().collect::<Option<Vec<_>>>() {
+                    return Ok(all);
+                }
+                if let Some((rank, cause)) = board.failure.clone().filter(|(r, _)| *r != self.rank) {
+                    return Err(CommError::PeerFailed { rank, cause });
+                }
+                if Instant::now() >= deadline {
+                    let missing = (0..world).filter(|&r| board.meetings[meeting][r].is_none()).collect();
+                    return Err(CommError::Timeout {
+                        rank: self.rank,
+                        op: Collective::Barrier,
+                        waited: self.group.timeout,
+                        missing,
+                    });
+                }
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 
     fn tensor_error(&self, op: Collective) -> impl Fn(candle_core::Error) -> CommError + '_ {
@@ -269,8 +315,13 @@ impl Communicator for NcclComm {
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor, CommError> {
         let start = Instant::now();
         let bytes = x.elem_count() * x.dtype().size_in_bytes();
-        let out = match self.group.world_size {
-            1 => x.clone(),
+        let peer_sum = self
+            .peer_reduce
+            .as_ref()
+            .and_then(|p| p.all_reduce(x, self.rank, self.group.world_size));
+        let out = match (self.group.world_size, peer_sum) {
+            (1, _) => x.clone(),
+            (_, Some(sum)) => sum.map_err(self.tensor_error(Collective::AllReduceSum))?,
             _ => {
                 let op = Collective::AllReduceSum;
                 let n = x.elem_count();

@@ -20,6 +20,8 @@ pub mod graph;
 #[cfg(feature = "cuda")]
 mod launch;
 mod linear;
+#[cfg(feature = "cuda")]
+pub mod peer_all_reduce;
 mod position;
 mod rotary;
 mod rowwise;
