@@ -13,6 +13,7 @@ pub fn argmax(x: &Tensor) -> Result<Tensor> {
             x.dtype(),
             candle_core::DType::F32 | candle_core::DType::BF16 | candle_core::DType::F16
         )
+        && x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1) <= cuda::MAX_ROWS
     {
         return cuda::argmax(x);
     }
@@ -43,6 +44,8 @@ mod cuda {
     }
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/argmax.ptx"));
+    /// Rows one launch takes (a grid's y extent); more go to candle's argmax.
+    pub(super) const MAX_ROWS: usize = 65_535;
     /// Values per CTA of the first pass: 8 per thread, about 63 CTAs for a 128K vocabulary.
     const CHUNK: usize = 8 * THREADS as usize;
 
