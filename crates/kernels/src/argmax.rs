@@ -8,13 +8,7 @@ use candle_core::{Result, Tensor, D};
 /// `x`'s argmax over its last dim, kept as a dim of 1 (u32), as `argmax_keepdim(D::Minus1)`.
 pub fn argmax(x: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda()
-        && matches!(
-            x.dtype(),
-            candle_core::DType::F32 | candle_core::DType::BF16 | candle_core::DType::F16
-        )
-        && x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1) <= cuda::MAX_ROWS
-    {
+    if cuda::covers(x) {
         return cuda::argmax(x);
     }
     x.argmax_keepdim(D::Minus1)
@@ -30,6 +24,13 @@ mod cuda {
 
     use crate::launch::{suffix, THREADS};
 
+    /// A CUDA tensor in f32, bf16 or f16 with at most [`MAX_ROWS`] rows: more go to candle's
+    /// argmax (a grid's y extent is the limit).
+    pub(super) fn covers(x: &candle_core::Tensor) -> bool {
+        let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
+        x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) && rows <= MAX_ROWS
+    }
+
     pub(super) fn argmax(x: &candle_core::Tensor) -> Result<candle_core::Tensor> {
         let mut shape = x.dims().to_vec();
         let n = shape.pop().unwrap_or(1);
@@ -44,8 +45,8 @@ mod cuda {
     }
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/argmax.ptx"));
-    /// Rows one launch takes (a grid's y extent); more go to candle's argmax.
-    pub(super) const MAX_ROWS: usize = 65_535;
+    /// Rows one launch takes (a grid's y extent).
+    const MAX_ROWS: usize = 65_535;
     /// Values per CTA of the first pass: 8 per thread, about 63 CTAs for a 128K vocabulary.
     const CHUNK: usize = 8 * THREADS as usize;
 
