@@ -523,6 +523,10 @@ fn decode_attention(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfi
         for (kernel, f) in kernels {
             let ms = time_in_graph(device, calls, f)?;
             let err = crate::relative_error(&f()?, &exact)?;
+            // bf16 inputs and output against f32 land near 4e-3; a wrong split or merge, near 1.
+            if err > 2e-2 {
+                bail!("decode attention, {filled} keys, {kernel}: relative error {err:.1e} against f32");
+            }
             println!(
                 "| decode attention, {filled} keys, {kernel} (rel. error vs f32 {err:.1e}) | {ms:.4} | x{} = {:.2} ms |",
                 c.num_hidden_layers,

@@ -2,10 +2,11 @@
 // flash kernel gives each query head one CTA that walks every key, 32 CTAs for Llama-3-8B, so
 // at long context a decode step waited on a few SMs. Here CTA (split, kv_head) takes a slice
 // of the keys for all query heads of its GQA group at once (each K and V row read once), and
-// a second kernel merges the slices' softmax partials.
+// the last CTA of each KV head to finish merges the slices' softmax partials (a counter per
+// KV head, which that CTA sets back to zero: no second launch).
 //
-// Both kernels do nothing while at most `min_keys` keys are filled: below that the flash
-// kernel, launched beside them, is faster, and a captured graph cannot choose on the host.
+// The kernel does nothing while at most `min_keys` keys are filled: below that the flash
+// kernel, launched beside it, is faster, and a captured graph cannot choose on the host.
 //
 // q `[heads, D]` contiguous; k, v: element (row, kv_head, d) at ptr[row * row_stride +
 // kv_head * head_stride + d]; the filled length is *position + 1, read at run time (a captured
@@ -25,12 +26,55 @@ __device__ __forceinline__ void unpack8(uint4 raw, float (&out)[8]) {
     for (int i = 0; i < 8; ++i) out[i] = to_f32(v[i]);
 }
 
+// The sum (or max) of `x` over a CTA of D threads.
+template <int D, bool MAX>
+__device__ __forceinline__ float block_reduce(float x) {
+    __shared__ float warps[D / 32];
+#pragma unroll
+    for (int w = 16; w > 0; w /= 2) {
+        const float y = __shfl_xor_sync(0xffffffff, x, w);
+        x = MAX ? fmaxf(x, y) : x + y;
+    }
+    if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = x;
+    __syncthreads();
+    x = warps[0];
+#pragma unroll
+    for (int w = 1; w < D / 32; ++w) x = MAX ? fmaxf(x, warps[w]) : x + warps[w];
+    __syncthreads();  // `warps` is reused by the next call
+    return x;
+}
+
+// Merges query head h's partials; thread t its column. The slices' weights are found once, in
+// parallel, and the column sum issues its loads back to back. The partials were written by
+// other CTAs: read through L2 (__ldcg), not a stale L1.
+template <typename T, int D>
+__device__ void merge(const float* part_o, const float* part_ml, T* __restrict__ out, int h, int splits) {
+    __shared__ float weight[MAX_SPLITS];
+    const int t = threadIdx.x;
+    const float* ml = part_ml + 2L * h * splits;
+    float mx = -INFINITY;
+    for (int s = t; s < splits; s += D) mx = fmaxf(mx, __ldcg(ml + 2 * s));
+    mx = block_reduce<D, true>(mx);
+    // An empty slice has m = -inf and l = 0: weight 0.
+    float sum = 0.f;
+    for (int s = t; s < splits; s += D) {
+        weight[s] = exp2f(__ldcg(ml + 2 * s) - mx);
+        sum += weight[s] * __ldcg(ml + 2 * s + 1);
+    }
+    sum = block_reduce<D, false>(sum);  // its barrier also publishes `weight`
+    float acc = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) acc += weight[s] * __ldcg(part_o + ((long)h * splits + s) * D + t);
+    out[(long)h * D + t] = from_f32<T>(sum > 0.f ? acc / sum : 0.f);
+    __syncthreads();  // `weight` is reused by the next head's merge
+}
+
 // blockDim.x == D: thread t owns output column t for every head of the group.
 template <typename T, int D>
 __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                           const unsigned* __restrict__ position, float* __restrict__ part_o,
-                           float* __restrict__ part_ml, int group, long k_row, long k_head, long v_row, long v_head,
-                           float scale_log2, int min_keys) {
+                           const unsigned* __restrict__ position, float* part_o, float* part_ml,
+                           unsigned* __restrict__ counters, T* __restrict__ out, int group, long k_row, long k_head,
+                           long v_row, long v_head, float scale_log2, int min_keys) {
     constexpr int LANES_PER_KEY = D / 8;  // 16-byte pieces of a row
     constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
     constexpr int WARPS = D / 32;
@@ -39,7 +83,8 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     const int splits = gridDim.x, split = blockIdx.x, kv_head = blockIdx.y;
     const int kv_len = (int)*position + 1;
     if (kv_len <= min_keys) return;
-    // At least a warp's worth of keys per CTA: short caches use fewer CTAs, the rest exit.
+    // At least a warp's worth of keys per CTA: for short caches the last CTAs have no keys and
+    // leave empty partials (weight 0 in the merge).
     const int chunk = max((kv_len + splits - 1) / splits, 32);
     const int start = split * chunk, end = min(kv_len, start + chunk);
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
@@ -122,63 +167,27 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
             part_ml[2 * at + 1] = l[g];
         }
     }
-}
-
-// The sum (or max) of `x` over a CTA of D threads.
-template <int D, bool MAX>
-__device__ __forceinline__ float block_reduce(float x) {
-    __shared__ float warps[D / 32];
-#pragma unroll
-    for (int w = 16; w > 0; w /= 2) {
-        const float y = __shfl_xor_sync(0xffffffff, x, w);
-        x = MAX ? fmaxf(x, y) : x + y;
-    }
-    if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = x;
+    // The last of the KV head's CTAs merges (each CTA's partials fenced before it counts).
+    __shared__ bool last;
+    __threadfence();
     __syncthreads();
-    x = warps[0];
-#pragma unroll
-    for (int w = 1; w < D / 32; ++w) x = MAX ? fmaxf(x, warps[w]) : x + warps[w];
-    __syncthreads();  // `warps` is reused by the next call
-    return x;
-}
-
-// CTA h merges query head h's partials; thread t its column. The slices' weights are found
-// once, in parallel, and the column sum issues its loads back to back.
-template <typename T, int D>
-__device__ void merge(const float* __restrict__ part_o, const float* __restrict__ part_ml, T* __restrict__ out,
-                      const unsigned* __restrict__ position, int splits, int min_keys) {
-    if ((int)*position + 1 <= min_keys) return;
-    __shared__ float weight[MAX_SPLITS];
-    const int h = blockIdx.x, t = threadIdx.x;
-    const float* ml = part_ml + 2L * h * splits;
-    float mx = -INFINITY;
-    for (int s = t; s < splits; s += D) mx = fmaxf(mx, ml[2 * s]);
-    mx = block_reduce<D, true>(mx);
-    // An empty slice has m = -inf and l = 0: weight 0.
-    float sum = 0.f;
-    for (int s = t; s < splits; s += D) {
-        weight[s] = exp2f(ml[2 * s] - mx);
-        sum += weight[s] * ml[2 * s + 1];
-    }
-    sum = block_reduce<D, false>(sum);  // its barrier also publishes `weight`
-    float acc = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) acc += weight[s] * part_o[((long)h * splits + s) * D + t];
-    out[(long)h * D + t] = from_f32<T>(sum > 0.f ? acc / sum : 0.f);
+    if (t == 0) last = atomicAdd(counters + kv_head, 1) == (unsigned)splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int g = 0; g < group; ++g) merge<T, D>(part_o, part_ml, out, kv_head * group + g, splits);
+    if (t == 0) counters[kv_head] = 0;  // ready for the next launch
 }
 
 }  // namespace
 
 #define DECODE(SUFFIX, T, D)                                                                                   \
     extern "C" __global__ void __launch_bounds__(D) decode_split_##SUFFIX##_d##D(                              \
-        const T* q, const T* k, const T* v, const unsigned* position, float* part_o, float* part_ml, int group, \
-        long k_row, long k_head, long v_row, long v_head, float scale_log2, int min_keys) {                    \
-        split_pass<T, D>(q, k, v, position, part_o, part_ml, group, k_row, k_head, v_row, v_head, scale_log2,  \
-                         min_keys);                                                                            \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(D) decode_merge_##SUFFIX##_d##D(                              \
-        const float* part_o, const float* part_ml, T* out, const unsigned* position, int splits, int min_keys) { \
-        merge<T, D>(part_o, part_ml, out, position, splits, min_keys);                                         \
+        const T* q, const T* k, const T* v, const unsigned* position, float* part_o, float* part_ml,           \
+        unsigned* counters, T* out, int group, long k_row, long k_head, long v_row, long v_head,               \
+        float scale_log2, int min_keys) {                                                                      \
+        split_pass<T, D>(q, k, v, position, part_o, part_ml, counters, out, group, k_row, k_head, v_row, v_head, \
+                         scale_log2, min_keys);                                                                \
     }
 
 DECODE(bf16, __nv_bfloat16, 64)

@@ -309,8 +309,6 @@ mod cuda {
         let dev = q.device();
         let split =
             dev.get_or_load_custom_func(&format!("decode_split_{suffix}_d{d}"), "tpinfer_decode", DECODE_PTX)?;
-        let merge =
-            dev.get_or_load_custom_func(&format!("decode_merge_{suffix}_d{d}"), "tpinfer_decode", DECODE_PTX)?;
         // About four CTAs per SM of an H100/H200 in all, fewer for short caches (a CTA takes
         // at least 32 keys); at most MAX_SPLITS (cuda/decode_attention.cu).
         let splits = (512 / kv_heads).min(capacity.div_ceil(32)).clamp(1, 128);
@@ -327,6 +325,11 @@ mod cuda {
         };
         let group = (heads / kv_heads) as i32;
         let scale_log2 = (op.scale * std::f64::consts::LOG2_E) as f32;
+        let counters = merge_counters(dev, kv_heads)?;
+        let counters = counters
+            .iter()
+            .find_map(|(id, c)| (*id == dev.id()).then_some(c))
+            .ok_or_else(|| candle_core::Error::Msg("decode attention: no merge counters".into()))?;
         let mut b = split.builder();
         b.arg(&qs)
             .arg(&ks)
@@ -334,6 +337,8 @@ mod cuda {
             .arg(position)
             .arg(&part_o)
             .arg(&part_ml)
+            .arg(counters)
+            .arg(out)
             .arg(&group);
         b.arg(&k_row)
             .arg(&k_head)
@@ -343,7 +348,9 @@ mod cuda {
             .arg(&DECODE_SPLIT_ABOVE);
         let threads = (d as u32, 1, 1);
         // SAFETY: the arguments match the kernel's signature; k and v cover `capacity` rows
-        // and the kernel reads at most *position + 1 ≤ capacity of them (checked by the caller).
+        // and the kernel reads at most *position + 1 ≤ capacity of them (checked by the caller);
+        // the partials are `heads · splits`, the output (the flash launch's buffer) `heads · d`;
+        // a counter per KV head, zero between launches.
         unsafe {
             b.launch(LaunchConfig {
                 grid_dim: (splits as u32, kv_heads as u32, 1),
@@ -352,25 +359,43 @@ mod cuda {
             })
         }
         .w()?;
-        let splits_i = splits as i32;
-        let mut b = merge.builder();
-        b.arg(&part_o)
-            .arg(&part_ml)
-            .arg(out)
-            .arg(position)
-            .arg(&splits_i)
-            .arg(&DECODE_SPLIT_ABOVE);
-        // SAFETY: the arguments match the kernel's signature; the partials are `heads · splits`,
-        // the output (the flash launch's buffer) `heads · d`.
-        unsafe {
-            b.launch(LaunchConfig {
-                grid_dim: (heads as u32, 1, 1),
-                block_dim: threads,
-                shared_mem_bytes: 0,
-            })
-        }
-        .w()?;
         Ok((flash, shape))
+    }
+
+    /// Every device's merge counters, by device.
+    type Counters = Vec<(candle_core::cuda_backend::DeviceId, CudaSlice<u32>)>;
+
+    /// The most KV heads a rank's decode attention takes: the merge counters of a device.
+    const MAX_KV_HEADS: usize = 1024;
+
+    /// Each device's merge counters (one per KV head): zero between launches, as every split
+    /// kernel's last CTA leaves them, so one buffer serves every layer and every captured graph
+    /// (a device's kernels run in stream order). Allocated by the first decode on a device,
+    /// which must run eagerly (a capture cannot allocate memory that outlives it), and never
+    /// freed, since graphs keep its address.
+    fn merge_counters(
+        dev: &candle_core::CudaDevice,
+        kv_heads: usize,
+    ) -> Result<std::sync::MutexGuard<'static, Counters>> {
+        static COUNTERS: std::sync::Mutex<Counters> = std::sync::Mutex::new(Vec::new());
+        if kv_heads > MAX_KV_HEADS {
+            candle_core::bail!("decode attention: {kv_heads} KV heads on one rank, at most {MAX_KV_HEADS}");
+        }
+        let mut all = COUNTERS
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("decode attention: the merge counters' lock is poisoned".into()))?;
+        if !all.iter().any(|(id, _)| *id == dev.id()) {
+            let capturing = dev.cuda_stream().capture_status().w()?;
+            if capturing
+                != candle_core::cuda_backend::cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+            {
+                candle_core::bail!(
+                    "decode attention: the first decode step on a device must run before a graph capture"
+                );
+            }
+            all.push((dev.id(), dev.alloc_zeros::<u32>(MAX_KV_HEADS)?));
+        }
+        Ok(all)
     }
 
     fn launch_typed<T: CudaDType + DeviceRepr>(
