@@ -294,8 +294,8 @@ mod cuda {
         let (_, heads, d) = ql.shape().dims3()?;
         let (capacity, kv_heads, _) = kl.shape().dims3()?;
         let ((k_row, k_head), (v_row, v_head)) = (strides(kl, "k")?, strides(vl, "v")?);
-        // Short caches: the flash kernel writes the output; longer ones: the split kernels.
-        // All three are launched and each reads the filled length on the device.
+        // Short caches: the flash kernel writes the output; longer ones: the split kernel.
+        // Both are launched and each reads the filled length on the device.
         let (flash, shape) = launch_typed::<T>(
             suffix,
             op,
