@@ -313,7 +313,7 @@ fn run_sharded(args: &DecodeProfileArgs) -> Result<()> {
     let context = args.prompt_tokens + args.steps + 8;
     // Per step: the embedding's, two per layer, and the greedy step's flag sum.
     let sums = 2 * c.num_hidden_layers + 2;
-    let results = on_ranks(args.tp, args.cuda, |comm, device| -> Result<(f64, f64, SumAddNorm)> {
+    let results = on_ranks(args.tp, args.cuda, |comm, device| -> Result<(f64, f64)> {
         let rank = comm.rank();
         let shard = LlamaShard::new(&checkpoint.config, args.tp, rank)?;
         let mut model = LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &device, context)?;
@@ -331,89 +331,26 @@ fn run_sharded(args: &DecodeProfileArgs) -> Result<()> {
             comm.all_reduce_sum(&row)
                 .map_err(|e| candle_core::Error::Msg(e.to_string()))
         })?;
-        let norm = sum_add_norm(&*comm, &row, args.steps)?;
-        Ok((step, sum, norm))
+        Ok((step, sum))
     })?;
     println!(
         "| part (TP {}, {dtype:?}; steps synchronized, collectives timed in a graph) | ms per rank | per token |\n|---|---|---|",
         args.tp
     );
-    let steps: Vec<String> = results.iter().map(|(step, ..)| format!("{step:.3}")).collect();
-    let slowest = results.iter().map(|(step, ..)| *step).fold(0.0, f64::max);
+    let steps: Vec<String> = results.iter().map(|(step, _)| format!("{step:.3}")).collect();
+    let slowest = results.iter().map(|(step, _)| *step).fold(0.0, f64::max);
     println!(
         "| decode step, captured graph, greedy token on the device | {} | {:.1} tok/s |",
         steps.join(" / "),
         1e3 / slowest
     );
-    let sum = results.iter().map(|(_, sum, _)| *sum).fold(0.0, f64::max);
+    let sum = results.iter().map(|(_, sum)| *sum).fold(0.0, f64::max);
     println!(
         "| all-reduce of one {}-wide row | {sum:.4} | x{sums} = {:.2} ms |",
         c.hidden_size,
         sum * sums as f64
     );
-    let slowest = |f: fn(&SumAddNorm) -> f64| results.iter().map(|(.., n)| f(n)).fold(0.0, f64::max);
-    let (apart, fused) = (slowest(|n| n.apart), slowest(|n| n.fused));
-    let norms = 2 * c.num_hidden_layers;
-    println!(
-        "| all-reduce + add_rms_norm, apart / {} (same bits) | {apart:.4} / {fused:.4} | x{norms} = {:.2} / {:.2} ms |",
-        match results.iter().all(|(.., n)| n.one_kernel) {
-            true => "one kernel",
-            false => "the communicator's (no fused kernel)",
-        },
-        apart * norms as f64,
-        fused * norms as f64
-    );
     Ok(())
-}
-
-/// A layer's sum of a row-parallel output joined with the residual stream and the next norm,
-/// timed as two steps (all-reduce, then add_rms_norm) and through
-/// `tpinfer_layers::all_reduce_add_rms_norm` (one kernel where the communicator fuses them).
-struct SumAddNorm {
-    apart: f64,
-    fused: f64,
-    /// Whether the communicator ran the one fused kernel.
-    one_kernel: bool,
-}
-
-/// Times [`SumAddNorm`] on `row`, after checking that both ways give the same bits.
-fn sum_add_norm(comm: &dyn tpinfer_comm::Communicator, row: &Tensor, calls: usize) -> Result<SumAddNorm> {
-    let (device, hidden) = (row.device(), row.dim(1)?);
-    let residual = Tensor::randn(0f32, 1.0, row.dims(), device)?.to_dtype(row.dtype())?;
-    let weight = Tensor::randn(1f32, 0.1, hidden, device)?.to_dtype(row.dtype())?;
-    let msg = |e: tpinfer_comm::CommError| candle_core::Error::Msg(e.to_string());
-    let apart = || -> candle_core::Result<(Tensor, Tensor)> {
-        let total = comm.all_reduce_sum(row).map_err(msg)?;
-        tpinfer_kernels::add_rms_norm(&residual, &total, &weight, 1e-5)
-    };
-    let fused = || {
-        tpinfer_layers::all_reduce_add_rms_norm(comm, row.clone(), &residual, &weight, 1e-5)
-            .map_err(|e| candle_core::Error::Msg(e.to_string()))
-    };
-    let one_kernel = match comm.all_reduce_add_rms_norm(row, &residual, &weight, 1e-5) {
-        Some(fused) => fused.map(|_| true).map_err(msg)?,
-        None => false,
-    };
-    let bits = |(sum, normed): (Tensor, Tensor)| -> Result<Vec<f32>> {
-        Ok(Tensor::cat(&[sum, normed], 0)?
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1()?)
-    };
-    let (want, got) = (bits(apart()?)?, bits(fused()?)?);
-    if let Some(at) = want.iter().zip(&got).position(|(a, b)| a.to_bits() != b.to_bits()) {
-        bail!(
-            "rank {}: all-reduce + add_rms_norm fused gives {} at {at}, apart {}",
-            comm.rank(),
-            got[at],
-            want[at]
-        );
-    }
-    Ok(SumAddNorm {
-        apart: time_in_graph(device, calls, || Ok(apart()?.1))?,
-        fused: time_in_graph(device, calls, || Ok(fused()?.1))?,
-        one_kernel,
-    })
 }
 
 /// Runs `f` on `tp` ranks, each on its own thread with its communicator and device (NCCL on

@@ -1,6 +1,6 @@
 //! `tpinfer-bench decode-profile` on CPU with a tiny model: at TP 1 every part's row comes out
 //! (the argmax and fused-GEMV checks pass); at TP 2 every rank's step and the all-reduces'
-//! share come out with sane numbers, and the all-reduce + add_rms_norm comparison.
+//! share come out with sane numbers.
 
 // The helper panics on failure, as the tests themselves do.
 #![allow(clippy::expect_used)]
@@ -73,13 +73,6 @@ fn decode_profile_at_tp_2_times_every_rank_and_the_sums() {
     assert_eq!(per_rank.len(), 2, "one time per rank: {step:?}");
     assert!(per_rank.iter().all(|&ms| ms > 0.0 && ms < 10_000.0), "{step:?}");
     let layers = TinyLlama::default().layers;
-    let sums = row("all-reduce of one");
+    let sums = row("all-reduce");
     assert!(sums[3].starts_with(&format!("x{} = ", 2 * layers + 2)), "{sums:?}");
-    // Thread ranks have no fused kernel: both ways run the all-reduce and add_rms_norm (the
-    // bits are compared on every rank before the row is printed).
-    let norms = row("all-reduce + add_rms_norm");
-    assert!(norms[1].contains("no fused kernel"), "{norms:?}");
-    let times: Vec<f64> = norms[2].split(" / ").map(|ms| ms.parse().expect("ms")).collect();
-    assert!(times.len() == 2 && times.iter().all(|&ms| ms > 0.0), "{norms:?}");
-    assert!(norms[3].starts_with(&format!("x{} = ", 2 * layers)), "{norms:?}");
 }

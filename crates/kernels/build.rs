@@ -30,8 +30,6 @@ fn main() {
     let nvcc = nvcc();
     println!("cargo::rerun-if-changed=cuda/convert.cuh");
     println!("cargo::rerun-if-changed=cuda/tile.cuh");
-    println!("cargo::rerun-if-changed=cuda/reduce.cuh");
-    println!("cargo::rerun-if-changed=cuda/add_rms_norm.cuh");
     for name in SOURCES {
         compile(&nvcc, &out_dir, name, &format!("compute_{cap}"));
     }

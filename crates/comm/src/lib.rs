@@ -42,20 +42,6 @@ pub trait Communicator {
     fn world_size(&self) -> usize;
     /// The elementwise sum of `x` over all ranks. Every rank receives the same tensor.
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor, CommError>;
-    /// The residual stream `residual + Σ partial` (the sum over all ranks) and its RMSNorm
-    /// times `weight`, where this communicator does the sum, the add and the norm in one step:
-    /// between GPUs with peer access, one kernel in place of an all-reduce and a norm. `None`
-    /// where it does not; the caller then runs [`Communicator::all_reduce_sum`] and its own
-    /// fused add + norm, whose bits the one step gives too. Counted as an all-reduce.
-    fn all_reduce_add_rms_norm(
-        &self,
-        _partial: &Tensor,
-        _residual: &Tensor,
-        _weight: &Tensor,
-        _eps: f64,
-    ) -> Option<Result<(Tensor, Tensor), CommError>> {
-        None
-    }
     /// The elementwise sum of `x` over all ranks, of which each rank receives its own rows
     /// along dim 0: rank r the `sizes[r]` rows after those of ranks `0..r` (`sizes`, in rank
     /// order and the same on every rank, adds up to `x`'s rows). Sequence-parallel layers use

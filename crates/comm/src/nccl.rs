@@ -347,22 +347,6 @@ impl Communicator for NcclComm {
         Ok(out)
     }
 
-    fn all_reduce_add_rms_norm(
-        &self,
-        partial: &Tensor,
-        residual: &Tensor,
-        weight: &Tensor,
-        eps: f64,
-    ) -> Option<Result<(Tensor, Tensor), CommError>> {
-        let start = Instant::now();
-        let world = self.group.world_size;
-        let peer = self.peer_reduce.as_ref().filter(|_| world > 1)?;
-        let both = peer.all_reduce_add_rms_norm((partial, residual, weight, eps), self.rank, world)?;
-        let bytes = partial.elem_count() * partial.dtype().size_in_bytes();
-        self.stats.record_all_reduce(bytes, start.elapsed());
-        Some(both.map_err(self.tensor_error(Collective::AllReduceSum)))
-    }
-
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor, CommError> {
         let op = Collective::AllGather { dim };
         let err = self.tensor_error(op);

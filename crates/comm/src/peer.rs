@@ -8,9 +8,7 @@ use std::sync::Arc;
 
 use candle_core::cuda::cudarc::driver::{result, sys, CudaContext, DriverError};
 use candle_core::Tensor;
-use tpinfer_kernels::peer_all_reduce::{
-    covers_add_rms_norm, peer_all_reduce, peer_all_reduce_add_rms_norm, Peers, BUFFER_BYTES, MAX_RANKS,
-};
+use tpinfer_kernels::peer_all_reduce::{peer_all_reduce, Peers, BUFFER_BYTES, MAX_RANKS};
 
 use crate::CommError;
 
@@ -81,21 +79,6 @@ impl PeerReduce {
         // device by `allocate`, used by this kernel alone; every rank of an NCCL group enters
         // its all-reduces with the same shapes in the same order.
         Some(unsafe { peer_all_reduce(x, &self.peers, rank, world) })
-    }
-
-    /// The residual stream `residual + Σ partial` and its RMSNorm, if the fused kernel takes
-    /// them.
-    pub(crate) fn all_reduce_add_rms_norm(
-        &self,
-        (partial, residual, weight, eps): (&Tensor, &Tensor, &Tensor, f64),
-        rank: usize,
-        world: usize,
-    ) -> Option<candle_core::Result<(Tensor, Tensor)>> {
-        if !covers_add_rms_norm(partial, residual, weight) {
-            return None;
-        }
-        // SAFETY: as in `all_reduce`; the fused kernel keeps the same buffers' protocol.
-        Some(unsafe { peer_all_reduce_add_rms_norm(partial, residual, weight, eps, &self.peers, rank, world) })
     }
 }
 

@@ -362,7 +362,7 @@ mod cuda {
         }
     }
 
-    /// Must match NORM_THREADS in cuda/add_rms_norm.cuh.
+    /// Must match NORM_THREADS in cuda/rowwise.cu.
     const NORM_THREADS: u32 = 1024;
 
     pub(super) fn rowwise(op: &Rowwise, x: Input, a: Input, b: Input) -> Result<(CudaStorage, Shape)> {

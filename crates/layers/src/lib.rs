@@ -14,7 +14,6 @@ mod linear;
 mod mlp;
 mod partition;
 mod position;
-mod residual;
 mod rope;
 
 pub use attention::{blockwise_attention, causal_attention, causal_mask, full_attention, grouped_attention};
@@ -25,7 +24,6 @@ pub use linear::{ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLi
 pub use mlp::{GatedMlp, GatedMlpNames};
 pub use partition::{split_aligned, split_evenly, HeadShard};
 pub use position::Position;
-pub use residual::all_reduce_add_rms_norm;
 pub use rope::{Rope, RopeScaling};
 
 pub use candle_nn::ops::rms_norm;

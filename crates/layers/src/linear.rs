@@ -179,14 +179,19 @@ impl RowParallelLinear {
         self.add_bias(y, biased)
     }
 
-    /// This rank's partial product, bias included on rank 0, for a caller that sums it over
-    /// the ranks itself (fused with what follows: [`crate::all_reduce_add_rms_norm`]).
-    pub fn forward_unreduced(&self, x: &Tensor) -> Result<Tensor> {
-        let (partial, biased) = self.partial(x)?;
-        Ok(match (&self.bias, biased, self.comm.rank()) {
-            (Some(b), false, 0) => partial.broadcast_add(b)?,
-            _ => partial,
-        })
+    /// [`Self::forward`] of `silu(gate) · up` for a gated MLP's fused gate/up output
+    /// `[.., 2n]` (gate, then up), through one `silu_mul` pass. Takes `gate_up` to free it
+    /// before the product, as the activation model in the Llama crate counts.
+    pub fn forward_silu_mul(&self, gate_up: Tensor) -> Result<Tensor> {
+        let mut dims = gate_up.dims().to_vec();
+        let cols = dims.pop().unwrap_or(0);
+        let rows = dims.iter().product::<usize>();
+        let hidden = tpinfer_kernels::silu_mul(&gate_up.reshape((rows, cols))?)?;
+        drop(gate_up);
+        dims.push(cols / 2);
+        let partial = apply(&self.linear, &hidden.reshape(dims)?)?;
+        drop(hidden);
+        self.reduce(partial)
     }
 
     /// [`Self::forward`] with the sum scattered by rows (sequence parallelism): this rank
@@ -221,5 +226,12 @@ impl RowParallelLinear {
             (Some(b), false) => y.broadcast_add(b)?,
             _ => y,
         })
+    }
+
+    /// The sum of the ranks' partial products (none carrying the bias), plus the bias once.
+    fn reduce(&self, partial: Tensor) -> Result<Tensor> {
+        let y = self.comm.all_reduce_sum(&partial)?;
+        drop(partial);
+        self.add_bias(y, false)
     }
 }

@@ -8,7 +8,7 @@ use tpinfer_weights::{ShardLoader, WeightDecl};
 use crate::{ColumnParallelLinear, MergedColumnParallelLinear, Result, RowParallelLinear};
 
 /// `down(silu(gate(x)) * up(x))`, sharded over hidden columns: gate/up column-parallel and
-/// fused, down row-parallel. One all-reduce, which the caller runs fused with what follows.
+/// fused, down row-parallel. One all-reduce.
 pub struct GatedMlp {
     gate_up: MergedColumnParallelLinear,
     down: RowParallelLinear,
@@ -51,22 +51,13 @@ impl GatedMlp {
         })
     }
 
-    /// This rank's partial of `down(silu(gate(x)) · up(x))` for `x` `[..., hidden]`, to be
-    /// summed over the ranks by the caller (with the residual add and the next norm:
-    /// [`crate::all_reduce_add_rms_norm`]). The SiLU product runs fused on the gate/up output,
-    /// inside the gate/up product for one row on CUDA.
-    pub fn forward_unreduced(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x` `[..., hidden]`; the SiLU product runs fused on the gate/up output (inside the
+    /// gate/up product for one row on CUDA).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if let Some(hidden) = self.gate_up.forward_silu_product(x)? {
-            return self.down.forward_unreduced(&hidden);
+            return self.down.forward(&hidden);
         }
         let gate_up = self.gate_up.forward_merged(x)?;
-        let mut dims = gate_up.dims().to_vec();
-        let cols = dims.pop().unwrap_or(0);
-        let rows = dims.iter().product::<usize>();
-        let hidden = tpinfer_kernels::silu_mul(&gate_up.reshape((rows, cols))?)?;
-        // Freed before the down projection, as the activation model in the Llama crate counts.
-        drop(gate_up);
-        dims.push(cols / 2);
-        self.down.forward_unreduced(&hidden.reshape(dims)?)
+        self.down.forward_silu_mul(gate_up)
     }
 }

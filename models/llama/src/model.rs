@@ -3,8 +3,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
-    all_reduce_add_rms_norm, argmax, causal_mask, flash_attention_cached, grouped_attention, rms_norm, write_u32s,
-    GatedMlp, KvCache, MergedColumnParallelLinear, Position, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
+    add_rms_norm, argmax, causal_mask, flash_attention_cached, grouped_attention, rms_norm, write_u32s, GatedMlp,
+    KvCache, MergedColumnParallelLinear, Position, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -393,7 +393,6 @@ impl LlamaRank {
             _ => Some(causal_mask(seq, offset + seq, x.device())?),
         };
         let ctx = LayerContext {
-            comm: &*self.comm,
             at: &self.position,
             flash: self.flash,
             mask: mask.as_ref(),
@@ -403,42 +402,34 @@ impl LlamaRank {
             config: &self.config,
         };
         let eps = self.config.rms_norm_eps;
-        // The last MLP's output, this rank's partial not yet summed over the ranks nor added to
-        // the residual stream `x`: the next input norm does both (one kernel where it can).
+        // The last MLP's output, not yet added to the residual stream `x`: the next input norm
+        // adds it in the same pass.
         let mut pending = None;
         for layer in &self.layers {
-            let (residual, h) = add_norm(&*self.comm, x, pending.take(), &layer.input_norm, eps)?;
+            let (residual, h) = add_norm(x, pending.take(), &layer.input_norm, eps)?;
             let (residual, mlp) = layer.forward(residual, h, &ctx)?;
             (x, pending) = (residual, Some(mlp));
         }
-        Ok(add_norm(&*self.comm, x, pending, &self.norm, eps)?.1)
+        Ok(add_norm(x, pending, &self.norm, eps)?.1)
     }
 }
 
-/// The residual stream `x + Σ partial` (or `x` alone) and its RMSNorm times `weight`, where
-/// `partial` is a row-parallel layer's unreduced output: the sum over the ranks, the add and
-/// the norm in one kernel where the communicator can, else an all-reduce and one fused pass
-/// whose two outputs share a buffer. Both inputs are consumed, so the old stream is freed as
-/// soon as the new one exists.
-fn add_norm(
-    comm: &dyn Communicator,
-    x: Tensor,
-    partial: Option<Tensor>,
-    weight: &Tensor,
-    eps: f64,
-) -> Result<(Tensor, Tensor)> {
-    match partial {
-        Some(partial) => Ok(all_reduce_add_rms_norm(comm, partial, &x, weight, eps)?),
-        None => {
-            let h = rms_norm(&x, weight, eps as f32)?;
-            Ok((x, h))
-        }
-    }
+/// The residual stream `x + y` (or `x` alone) and its RMSNorm times `weight`. With `y`, one
+/// fused pass whose two outputs share a buffer; both inputs are consumed, so the old stream is
+/// freed as soon as the new one exists.
+fn add_norm(x: Tensor, y: Option<Tensor>, weight: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let Some(y) = y else {
+        let h = rms_norm(&x, weight, eps as f32)?;
+        return Ok((x, h));
+    };
+    let (b, s, hidden) = x.dims3()?;
+    let rows = |t: &Tensor| t.reshape((b * s, hidden));
+    let (sum, normed) = add_rms_norm(&rows(&x)?, &rows(&y)?, weight, eps)?;
+    Ok((sum.reshape((b, s, hidden))?, normed.reshape((b, s, hidden))?))
 }
 
 /// What every layer of one forward shares.
 struct LayerContext<'a> {
-    comm: &'a dyn Communicator,
     at: &'a Position,
     /// Attention through the fused kernel (causal in the kernel; no mask).
     flash: bool,
@@ -452,16 +443,15 @@ struct LayerContext<'a> {
 // Attention is its own function so that its temporaries are freed when it returns: the
 // activation model in `memory.rs` counts on it.
 impl DecoderLayer {
-    /// The residual stream and its input norm `h` in; out, the stream after attention and this
-    /// rank's partial of the MLP's output, which the next norm sums and adds to it.
+    /// The residual stream and its input norm `h` in; out, the stream after attention and the
+    /// MLP's output, which the next norm adds to it.
     fn forward(&self, residual: Tensor, h: Tensor, ctx: &LayerContext) -> Result<(Tensor, Tensor)> {
         let attn = self.attention(h, ctx)?;
-        let (residual, h) = add_norm(ctx.comm, residual, Some(attn), &self.post_norm, ctx.config.rms_norm_eps)?;
-        let mlp = self.mlp.forward_unreduced(&h)?;
+        let (residual, h) = add_norm(residual, Some(attn), &self.post_norm, ctx.config.rms_norm_eps)?;
+        let mlp = self.mlp.forward(&h)?;
         Ok((residual, mlp))
     }
 
-    /// This rank's partial of the attention block's output (o_proj before the sum over ranks).
     fn attention(&self, h: Tensor, ctx: &LayerContext) -> Result<Tensor> {
         let (c, shard) = (ctx.config, ctx.shard);
         let (b, s, _) = h.dims3()?;
@@ -481,7 +471,7 @@ impl DecoderLayer {
             let (k, v) = self.cache.slots()?;
             let attn = flash_attention_cached(&q, &k, &v, ctx.at.tensor(), scale)?;
             drop(q);
-            return self.o_proj.forward_unreduced(&attn.reshape((b, s, n_q * d))?);
+            return self.o_proj.forward(&attn.reshape((b, s, n_q * d))?);
         }
         let (k, v) = self.cache.filled(ctx.at.value() + s)?;
         // The unfused path's `[1, n_q, s, d]`; the token-major queries are freed.
@@ -491,6 +481,6 @@ impl DecoderLayer {
         };
         let attn = grouped_attention(&q, &k, &v, &shard.heads, ctx.kv_index, ctx.mask, scale)?;
         let attn = attn.transpose(1, 2)?.reshape((b, s, n_q * d))?;
-        self.o_proj.forward_unreduced(&attn)
+        self.o_proj.forward(&attn)
     }
 }
