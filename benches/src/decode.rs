@@ -420,13 +420,14 @@ fn small_kernels(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, 
     let qkv = row((heads + 2 * kv_heads) * d)?;
     let table = Tensor::randn(0f32, 1.0, (2, 4096, d / 2), device)?.to_dtype(dtype)?;
     let position = Tensor::new(&[100u32], device)?;
+    let cache = Tensor::zeros((2, kv_heads, 4096, d), dtype, device)?;
     let kernels: [(&str, usize, &Kernel); 3] = [
         ("add_rms_norm", 2, &|| {
             Ok(tpinfer_kernels::add_rms_norm(&x, &y, &w, 1e-5)?.0)
         }),
         ("silu_mul", 1, &|| tpinfer_kernels::silu_mul(&gate_up)),
-        ("rotary_queries", 1, &|| {
-            tpinfer_kernels::rotary_queries(&qkv, &table, &position, heads, kv_heads)
+        ("rotary_qkv (queries out, keys and values into the cache)", 1, &|| {
+            tpinfer_kernels::rotary_qkv(&cache, &qkv, &table, &position, heads)
         }),
     ];
     for (name, per_layer, f) in kernels {

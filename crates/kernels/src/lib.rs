@@ -30,7 +30,7 @@ pub use argmax::argmax;
 pub use gemv::{gemv, gemv_gate_up_silu, gemv_gate_up_silu_on_cuda, gemv_on_cuda, gemv_tiled, GEMV_TILES};
 pub use linear::{fused_linear_covers, linear_bias};
 pub use position::write_u32s;
-pub use rotary::{append_rotated_kv, rotary_queries};
+pub use rotary::rotary_qkv;
 pub use rowwise::{
     add_rms_norm, embed_owned_rows, gated_residual, layer_norm, row_sum_squares, scale_rows_cols, silu_mul,
 };

@@ -1,7 +1,7 @@
 //! Rotary position embedding (the Hugging Face layout: each head's two halves rotate together)
 //! fused with the split of a QKV projection and the KV-cache write: the queries come out
-//! rotated and contiguous, the rotated keys and the values go straight into the cache. Two
-//! launches where candle needs seven (a copy of each head slice, two rotations, two writes).
+//! rotated and contiguous, the rotated keys and the values go straight into the cache. One
+//! launch where candle needs seven (a copy of each head slice, two rotations, two writes).
 //!
 //! `qkv` is `[rows, (q_heads + 2 · kv_heads) · d]`, contiguous, row `r` at position
 //! `position + r`; `table` is `[2, positions, d / 2]` (cos, then sin) in `qkv`'s dtype.
@@ -9,7 +9,10 @@
 //! at run time (see [`crate::position`]); the caller checks that the rows fit the table and
 //! the cache at that position (CPU twins check it again; CUDA kernels skip rows that do not).
 
-use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
+use std::sync::Mutex;
+
+use candle_core::op::BackpropOp;
+use candle_core::{CpuStorage, Layout, Result, Storage, Tensor};
 
 /// The shapes one rotary launch works on.
 #[derive(Debug, Clone, Copy)]
@@ -54,103 +57,66 @@ impl Geometry {
     }
 }
 
-/// The query heads of `qkv`, rotated for positions `position..`: `[rows, q_heads, d]`.
-pub fn rotary_queries(
-    qkv: &Tensor,
-    table: &Tensor,
-    position: &Tensor,
-    q_heads: usize,
-    kv_heads: usize,
-) -> Result<Tensor> {
-    let geometry = Geometry::of(qkv, table, position, q_heads, kv_heads)?;
-    qkv.contiguous()?.apply_op2_no_bwd(
-        &table.contiguous()?,
-        &RotaryQueries {
-            geometry,
-            position: position.clone(),
-        },
-    )
-}
-
-/// Writes the rotated key heads and the value heads of `qkv` into `cache` `[2, kv_heads,
-/// capacity, d]` (keys, then values; contiguous), at slots `position..position + rows`.
-pub fn append_rotated_kv(
-    cache: &Tensor,
-    qkv: &Tensor,
-    table: &Tensor,
-    position: &Tensor,
-    q_heads: usize,
-) -> Result<()> {
+/// The query heads of `qkv` rotated for positions `position..`, `[rows, q_heads, d]`, after
+/// writing the rotated key heads and the value heads into `cache` `[2, kv_heads, capacity, d]`
+/// (keys, then values; contiguous) at slots `position..position + rows`.
+pub fn rotary_qkv(cache: &Tensor, qkv: &Tensor, table: &Tensor, position: &Tensor, q_heads: usize) -> Result<Tensor> {
     let (two, kv_heads, capacity, d) = cache.dims4()?;
     let geometry = Geometry::of(qkv, table, position, q_heads, kv_heads)?;
     if two != 2 || d != geometry.head_dim || geometry.rows > capacity || !cache.is_contiguous() {
         candle_core::bail!(
-            "append_rotated_kv: the cache {:?} is not a contiguous [2, {kv_heads}, capacity ≥ {}, {}]",
+            "rotary_qkv: the cache {:?} is not a contiguous [2, {kv_heads}, capacity ≥ {}, {}]",
             cache.dims(),
             geometry.rows,
             geometry.head_dim
         );
     }
     if cache.dtype() != qkv.dtype() {
-        candle_core::bail!(
-            "append_rotated_kv: the cache is {:?} but qkv {:?}",
-            cache.dtype(),
-            qkv.dtype()
-        );
+        candle_core::bail!("rotary_qkv: the cache is {:?} but qkv {:?}", cache.dtype(), qkv.dtype());
     }
-    cache.inplace_op3(
-        &qkv.contiguous()?,
-        &table.contiguous()?,
-        &AppendRotatedKv {
-            geometry,
-            capacity,
-            position: position.clone(),
-        },
-    )
+    let op = RotaryQkv {
+        geometry,
+        capacity,
+        position: position.clone(),
+        queries: Mutex::new(None),
+    };
+    cache.inplace_op3(&qkv.contiguous()?, &table.contiguous()?, &op)?;
+    let queries = op
+        .queries
+        .into_inner()
+        .map_err(|_| candle_core::Error::Msg("rotary_qkv: the queries' lock is poisoned".into()))?
+        .ok_or_else(|| candle_core::Error::Msg("rotary_qkv: no queries came out".into()))?;
+    let g = &op.geometry;
+    Ok(Tensor::from_storage(
+        queries,
+        (g.rows, g.q_heads, g.head_dim),
+        BackpropOp::none(),
+        false,
+    ))
 }
 
-struct RotaryQueries {
-    geometry: Geometry,
-    position: Tensor,
-}
-
-struct AppendRotatedKv {
+/// Writes the cache in place (an in-place op on it) and leaves the rotated queries, a new
+/// buffer, in `queries` for [`rotary_qkv`] to wrap.
+struct RotaryQkv {
     geometry: Geometry,
     capacity: usize,
     position: Tensor,
+    queries: Mutex<Option<Storage>>,
 }
 
-impl candle_core::CustomOp2 for RotaryQueries {
-    fn name(&self) -> &'static str {
-        "rotary_queries"
-    }
-
-    fn cpu_fwd(&self, qkv: &CpuStorage, ql: &Layout, table: &CpuStorage, tl: &Layout) -> Result<(CpuStorage, Shape)> {
-        let g = &self.geometry;
-        let offset = crate::position::on_host(&self.position)?;
-        let out = crate::cpu::rotary_queries((qkv, ql), (table, tl), g, offset)?;
-        Ok((out, Shape::from((g.rows, g.q_heads, g.head_dim))))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        qkv: &candle_core::CudaStorage,
-        ql: &Layout,
-        table: &candle_core::CudaStorage,
-        tl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let g = &self.geometry;
-        let out = crate::position::with_device_view(&self.position, |position| {
-            cuda::rotary_queries(g, position, (qkv, ql), (table, tl))
-        })?;
-        Ok((out, Shape::from((g.rows, g.q_heads, g.head_dim))))
+impl RotaryQkv {
+    fn keep(&self, queries: Storage) -> Result<()> {
+        *self
+            .queries
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("rotary_qkv: the queries' lock is poisoned".into()))? = Some(queries);
+        Ok(())
     }
 }
 
-impl candle_core::InplaceOp3 for AppendRotatedKv {
+impl candle_core::InplaceOp3 for RotaryQkv {
     fn name(&self) -> &'static str {
-        "append_rotated_kv"
+        "rotary_qkv"
     }
 
     fn cpu_fwd(
@@ -162,15 +128,15 @@ impl candle_core::InplaceOp3 for AppendRotatedKv {
         table: &CpuStorage,
         tl: &Layout,
     ) -> Result<()> {
+        let g = &self.geometry;
         let offset = crate::position::on_host(&self.position)?;
-        crate::cpu::append_rotated_kv(
-            (cache, cl),
+        crate::cpu::append_rotated_kv((cache, cl), (qkv, ql), (table, tl), g, offset, self.capacity)?;
+        self.keep(Storage::Cpu(crate::cpu::rotary_queries(
             (qkv, ql),
             (table, tl),
-            &self.geometry,
+            g,
             offset,
-            self.capacity,
-        )
+        )?))
     }
 
     #[cfg(feature = "cuda")]
@@ -183,8 +149,8 @@ impl candle_core::InplaceOp3 for AppendRotatedKv {
         table: &candle_core::CudaStorage,
         tl: &Layout,
     ) -> Result<()> {
-        crate::position::with_device_view(&self.position, |position| {
-            cuda::append_rotated_kv(
+        let queries = crate::position::with_device_view(&self.position, |position| {
+            cuda::rotary_qkv(
                 &self.geometry,
                 self.capacity,
                 position,
@@ -192,14 +158,15 @@ impl candle_core::InplaceOp3 for AppendRotatedKv {
                 (qkv, ql),
                 (table, tl),
             )
-        })
+        })?;
+        self.keep(Storage::Cuda(queries))
     }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, DType, Layout, Result};
     use half::{bf16, f16};
@@ -212,96 +179,51 @@ mod cuda {
     type Input<'a> = (&'a CudaStorage, &'a Layout);
     type Position<'a, 'b> = &'a CudaView<'b, u32>;
 
-    /// One thread per (row, head, j < d/2).
-    fn config(g: &Geometry, heads: usize) -> LaunchConfig {
-        elementwise(g.rows * heads * g.head_dim / 2)
-    }
-
-    fn shape(g: &Geometry) -> [i32; 4] {
-        [g.rows, g.q_heads, g.kv_heads, g.head_dim].map(|v| v as i32)
-    }
-
-    pub(super) fn rotary_queries(g: &Geometry, position: Position, qkv: Input, table: Input) -> Result<CudaStorage> {
-        match qkv.0.dtype() {
-            DType::F32 => queries::<f32>(g, position, qkv, table),
-            DType::BF16 => queries::<bf16>(g, position, qkv, table),
-            DType::F16 => queries::<f16>(g, position, qkv, table),
-            other => candle_core::bail!("rotary_queries: unsupported dtype {other:?}"),
-        }
-    }
-
-    fn queries<T: CudaDType + DeviceRepr>(
-        g: &Geometry,
-        position: Position,
-        (qkv, ql): Input,
-        (table, tl): Input,
-    ) -> Result<CudaStorage> {
-        let dev = qkv.device();
-        let func = dev.get_or_load_custom_func(
-            &format!("rotary_queries_{}", suffix(qkv.dtype())?),
-            "tpinfer_rotary",
-            PTX,
-        )?;
-        let xs = qkv.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
-        let ts = table.as_cuda_slice::<T>()?.slice(tl.start_offset()..);
-        // SAFETY: every element is written by the kernel (each row, head and half-dim pair).
-        let out = unsafe { dev.alloc::<T>(g.rows * g.q_heads * g.head_dim)? };
-        let (shape, positions) = (shape(g), g.positions as i32);
-        let mut b = func.builder();
-        b.arg(&xs).arg(&ts).arg(&out);
-        shape.iter().for_each(|v| {
-            b.arg(v);
-        });
-        b.arg(position).arg(&positions);
-        // SAFETY: the arguments match the kernel's signature; `Geometry::of` checked that qkv
-        // covers every row, and the kernel skips positions past the table.
-        unsafe { b.launch(config(g, g.q_heads)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
-
-    pub(super) fn append_rotated_kv(
+    pub(super) fn rotary_qkv(
         g: &Geometry,
         capacity: usize,
         position: Position,
         (cache, cl): (&mut CudaStorage, &Layout),
         qkv: Input,
         table: Input,
-    ) -> Result<()> {
+    ) -> Result<CudaStorage> {
         match qkv.0.dtype() {
-            DType::F32 => append::<f32>(g, capacity, position, (cache, cl), qkv, table),
-            DType::BF16 => append::<bf16>(g, capacity, position, (cache, cl), qkv, table),
-            DType::F16 => append::<f16>(g, capacity, position, (cache, cl), qkv, table),
-            other => candle_core::bail!("append_rotated_kv: unsupported dtype {other:?}"),
+            DType::F32 => typed::<f32>(g, capacity, position, (cache, cl), qkv, table),
+            DType::BF16 => typed::<bf16>(g, capacity, position, (cache, cl), qkv, table),
+            DType::F16 => typed::<f16>(g, capacity, position, (cache, cl), qkv, table),
+            other => candle_core::bail!("rotary_qkv: unsupported dtype {other:?}"),
         }
     }
 
-    fn append<T: CudaDType + DeviceRepr>(
+    fn typed<T: CudaDType + DeviceRepr>(
         g: &Geometry,
         capacity: usize,
         position: Position,
         (cache, cl): (&mut CudaStorage, &Layout),
         (qkv, ql): Input,
         (table, tl): Input,
-    ) -> Result<()> {
+    ) -> Result<CudaStorage> {
         let dev = qkv.device().clone();
-        let func = dev.get_or_load_custom_func(
-            &format!("append_rotated_kv_{}", suffix(qkv.dtype())?),
-            "tpinfer_rotary",
-            PTX,
-        )?;
+        let func =
+            dev.get_or_load_custom_func(&format!("rotary_qkv_{}", suffix(qkv.dtype())?), "tpinfer_rotary", PTX)?;
         let xs = qkv.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
         let ts = table.as_cuda_slice::<T>()?.slice(tl.start_offset()..);
         let mut cs = cache.as_cuda_slice_mut::<T>()?.slice_mut(cl.start_offset()..);
-        let (shape, positions, capacity) = (shape(g), g.positions as i32, capacity as i32);
+        // SAFETY: every element is written by the kernel (each row, head and half-dim pair).
+        let out = unsafe { dev.alloc::<T>(g.rows * g.q_heads * g.head_dim)? };
+        let shape = [g.rows, g.q_heads, g.kv_heads, g.head_dim].map(|v| v as i32);
+        let (positions, capacity) = (g.positions as i32, capacity as i32);
         let mut b = func.builder();
-        b.arg(&xs).arg(&ts).arg(&mut cs);
+        b.arg(&xs).arg(&ts).arg(&out).arg(&mut cs);
         shape.iter().for_each(|v| {
             b.arg(v);
         });
         b.arg(position).arg(&positions).arg(&capacity);
-        // SAFETY: the arguments match the kernel's signature; the cache is a contiguous
-        // [2, kv_heads, capacity, d] and the kernel skips slots past its capacity.
-        unsafe { b.launch(config(g, g.kv_heads)) }.w()?;
-        Ok(())
+        // SAFETY: the arguments match the kernel's signature; `Geometry::of` checked that qkv
+        // covers every row, the cache is a contiguous [2, kv_heads, capacity, d], and the
+        // kernel skips positions past the table and slots past the cache. One thread per
+        // (row, head, j < d/2) of the query heads, then of the KV heads.
+        unsafe { b.launch(elementwise(g.rows * (g.q_heads + g.kv_heads) * g.head_dim / 2)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
 }

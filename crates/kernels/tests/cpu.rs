@@ -6,9 +6,9 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
-    add_rms_norm, append_rotated_kv, argmax, embed_owned_rows, flash_attention, flash_attention_cached, gated_residual,
-    gemv, gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, rotary_queries, row_sum_squares, scale_rows_cols,
-    silu_mul, write_u32s,
+    add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, gated_residual, gemv,
+    gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, rotary_qkv, row_sum_squares, scale_rows_cols, silu_mul,
+    write_u32s,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -188,13 +188,12 @@ fn rotary_kernels_at(rows: usize, offset: usize, capacity: usize) {
     );
     let part = |from: usize, heads: usize| qkv.narrow(1, from * d, heads * d).expect("part");
 
+    let cache = Tensor::zeros((2, kv_heads, capacity, d), DType::F32, &Device::Cpu).expect("cache");
     let want = rotate_heads(&part(0, q_heads), q_heads, &cos, &sin);
-    let got = rotary_queries(&qkv, &table, &position(offset), q_heads, kv_heads).expect("queries");
+    let got = rotary_qkv(&cache, &qkv, &table, &position(offset), q_heads).expect("rotary_qkv");
     assert_eq!(got.dims(), [rows, q_heads, d]);
     assert!(rel(&got, &want) < 1e-6);
 
-    let cache = Tensor::zeros((2, kv_heads, capacity, d), DType::F32, &Device::Cpu).expect("cache");
-    append_rotated_kv(&cache, &qkv, &table, &position(offset), q_heads).expect("append");
     let slots = |i: usize| {
         cache
             .get(i)
@@ -215,11 +214,16 @@ fn rotary_kernels_at(rows: usize, offset: usize, capacity: usize) {
 
     // A cache too short, a position past the table, a projection of the wrong width, or a
     // position that is not one u32 is refused.
-    assert!(append_rotated_kv(&cache, &qkv, &table, &position(capacity - 2), q_heads).is_err());
-    assert!(rotary_queries(&qkv, &table, &position(capacity - 2), q_heads, kv_heads).is_err());
-    assert!(rotary_queries(&qkv, &table, &position(offset), q_heads + 1, kv_heads).is_err());
+    let before = cache.flatten_all().and_then(|c| c.to_vec1::<f32>()).expect("before");
+    assert!(rotary_qkv(&cache, &qkv, &table, &position(capacity - 2), q_heads).is_err());
+    assert!(rotary_qkv(&cache, &qkv, &table, &position(offset), q_heads + 1).is_err());
     let two = Tensor::new(&[offset as u32, 0], &Device::Cpu).expect("two");
-    assert!(rotary_queries(&qkv, &table, &two, q_heads, kv_heads).is_err());
+    assert!(rotary_qkv(&cache, &qkv, &table, &two, q_heads).is_err());
+    // A table shorter than the cache: refused too, before anything is written.
+    let short = table.narrow(1, 0, offset + rows - 1).expect("short");
+    assert!(rotary_qkv(&cache, &qkv, &short, &position(offset), q_heads).is_err());
+    let after = cache.flatten_all().and_then(|c| c.to_vec1::<f32>()).expect("after");
+    assert_eq!(before, after, "a refused call wrote the cache");
 }
 
 /// Softmax attention with the scores materialized, per head, with an optional causal mask

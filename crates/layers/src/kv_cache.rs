@@ -29,15 +29,22 @@ impl KvCache {
     }
 
     /// Writes the keys (rotated by `rope`) and values of a fused QKV projection `qkv` `[s,
-    /// (q_heads + 2 · heads) · head_dim]` at slots `at..at + s`.
-    pub fn append_rotated(&self, qkv: &Tensor, rope: &Rope, at: &Position, q_heads: usize) -> Result<()> {
+    /// (q_heads + 2 · heads) · head_dim]` at slots `at..at + s`, and returns its query heads,
+    /// rotated, `[s, q_heads, head_dim]`: one fused kernel.
+    pub fn append_rotated(&self, qkv: &Tensor, rope: &Rope, at: &Position, q_heads: usize) -> Result<Tensor> {
+        // The rope table covers the positions the cache was sized for, or more.
         let needed = at.value() + qkv.dim(0)?;
-        let capacity = self.capacity();
+        let capacity = self.capacity().min(rope.max_positions());
         if needed > capacity {
             return Err(Error::CacheFull { needed, capacity });
         }
-        tpinfer_kernels::append_rotated_kv(&self.kv, qkv, rope.table(), at.tensor(), q_heads)?;
-        Ok(())
+        Ok(tpinfer_kernels::rotary_qkv(
+            &self.kv,
+            qkv,
+            rope.table(),
+            at.tensor(),
+            q_heads,
+        )?)
     }
 
     /// Views of the keys and values of the first `len` positions, `[1, heads, len, head_dim]`.

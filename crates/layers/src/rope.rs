@@ -1,6 +1,6 @@
 use candle_core::{DType, Device, Tensor};
 
-use crate::{Position, Result};
+use crate::Result;
 
 /// How rotary frequencies are rescaled for long context.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -17,7 +17,7 @@ pub enum RopeScaling {
 
 /// Rotary position embedding over halves of each head (the Hugging Face layout), with cos/sin
 /// tables computed once for every position up to `max_positions`. Applied by the fused QKV
-/// kernels of `tpinfer_kernels`: [`Self::rotate_queries`] and [`crate::KvCache::append_rotated`].
+/// kernel of `tpinfer_kernels` through [`crate::KvCache::append_rotated`].
 pub struct Rope {
     /// `[2, max_positions, head_dim / 2]`: cos, then sin.
     table: Tensor,
@@ -45,25 +45,6 @@ impl Rope {
         let angles = positions.broadcast_mul(&inv_freq)?;
         let table = Tensor::stack(&[angles.cos()?, angles.sin()?], 0)?.to_dtype(dtype)?;
         Ok(Self { table })
-    }
-
-    /// The rotated query heads of a fused QKV projection `qkv` `[s, (q_heads + 2 · kv_heads) ·
-    /// head_dim]` whose first row is at position `at`: `[s, q_heads, head_dim]`.
-    pub fn rotate_queries(&self, qkv: &Tensor, at: &Position, q_heads: usize, kv_heads: usize) -> Result<Tensor> {
-        let (rows, positions) = (qkv.dim(0)?, self.max_positions());
-        if at.value() + rows > positions {
-            return Err(crate::Error::CacheFull {
-                needed: at.value() + rows,
-                capacity: positions,
-            });
-        }
-        Ok(tpinfer_kernels::rotary_queries(
-            qkv,
-            &self.table,
-            at.tensor(),
-            q_heads,
-            kv_heads,
-        )?)
     }
 
     /// The cos/sin table, `[2, max_positions, head_dim / 2]`.

@@ -458,11 +458,10 @@ impl DecoderLayer {
         let d = c.head_dim;
         let qkv = self.qkv.forward_merged(&h)?.reshape((b * s, ()))?;
         drop(h);
-        let (n_q, n_kv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
-        // Two fused kernels: the rotated queries `[s, n_q, d]`, and the rotated keys and the
-        // values written into the cache.
-        let q = ctx.rope.rotate_queries(&qkv, ctx.at, n_q, n_kv)?;
-        self.cache.append_rotated(&qkv, ctx.rope, ctx.at, n_q)?;
+        let n_q = shard.heads.q_heads.len();
+        // One fused kernel: the rotated keys and the values written into the cache, the rotated
+        // queries `[s, n_q, d]` out.
+        let q = self.cache.append_rotated(&qkv, ctx.rope, ctx.at, n_q)?;
         drop(qkv);
         let scale = 1.0 / (d as f64).sqrt();
         if ctx.flash {
