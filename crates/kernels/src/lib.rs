@@ -325,40 +325,38 @@ mod cuda {
         };
         let group = (heads / kv_heads) as i32;
         let scale_log2 = (op.scale * std::f64::consts::LOG2_E) as f32;
-        let counters = merge_counters(dev, kv_heads)?;
-        let counters = counters
-            .iter()
-            .find_map(|(id, c)| (*id == dev.id()).then_some(c))
-            .ok_or_else(|| candle_core::Error::Msg("decode attention: no merge counters".into()))?;
-        let mut b = split.builder();
-        b.arg(&qs)
-            .arg(&ks)
-            .arg(&vs)
-            .arg(position)
-            .arg(&part_o)
-            .arg(&part_ml)
-            .arg(counters)
-            .arg(out)
-            .arg(&group);
-        b.arg(&k_row)
-            .arg(&k_head)
-            .arg(&v_row)
-            .arg(&v_head)
-            .arg(&scale_log2)
-            .arg(&DECODE_SPLIT_ABOVE);
-        let threads = (d as u32, 1, 1);
-        // SAFETY: the arguments match the kernel's signature; k and v cover `capacity` rows
-        // and the kernel reads at most *position + 1 ≤ capacity of them (checked by the caller);
-        // the partials are `heads · splits`, the output (the flash launch's buffer) `heads · d`;
-        // a counter per KV head, zero between launches.
-        unsafe {
-            b.launch(LaunchConfig {
-                grid_dim: (splits as u32, kv_heads as u32, 1),
-                block_dim: threads,
-                shared_mem_bytes: 0,
-            })
-        }
-        .w()?;
+        with_merge_counters(dev, kv_heads, |counters| {
+            let mut b = split.builder();
+            b.arg(&qs)
+                .arg(&ks)
+                .arg(&vs)
+                .arg(position)
+                .arg(&part_o)
+                .arg(&part_ml)
+                .arg(counters)
+                .arg(out)
+                .arg(&group);
+            b.arg(&k_row)
+                .arg(&k_head)
+                .arg(&v_row)
+                .arg(&v_head)
+                .arg(&scale_log2)
+                .arg(&DECODE_SPLIT_ABOVE);
+            let threads = (d as u32, 1, 1);
+            // SAFETY: the arguments match the kernel's signature; k and v cover `capacity` rows
+            // and the kernel reads at most *position + 1 ≤ capacity of them (checked by the caller);
+            // the partials are `heads · splits`, the output (the flash launch's buffer) `heads · d`;
+            // a counter per KV head, zero between launches.
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (splits as u32, kv_heads as u32, 1),
+                    block_dim: threads,
+                    shared_mem_bytes: 0,
+                })
+            }
+            .w()?;
+            Ok(())
+        })?;
         Ok((flash, shape))
     }
 
@@ -368,15 +366,16 @@ mod cuda {
     /// The most KV heads a rank's decode attention takes: the merge counters of a device.
     const MAX_KV_HEADS: usize = 1024;
 
-    /// Each device's merge counters (one per KV head): zero between launches, as every split
-    /// kernel's last CTA leaves them, so one buffer serves every layer and every captured graph
-    /// (a device's kernels run in stream order). Allocated by the first decode on a device,
-    /// which must run eagerly (a capture cannot allocate memory that outlives it), and never
-    /// freed, since graphs keep its address.
-    fn merge_counters(
+    /// Runs `launch` with the device's merge counters (one per KV head): zero between
+    /// launches, as every split kernel's last CTA leaves them, so one buffer serves every layer
+    /// and every captured graph (a device's kernels run in stream order). Allocated by the
+    /// first decode on a device, which must run eagerly (a capture cannot allocate memory that
+    /// outlives it), and never freed, since graphs keep its address.
+    fn with_merge_counters(
         dev: &candle_core::CudaDevice,
         kv_heads: usize,
-    ) -> Result<std::sync::MutexGuard<'static, Counters>> {
+        launch: impl FnOnce(&CudaSlice<u32>) -> Result<()>,
+    ) -> Result<()> {
         static COUNTERS: std::sync::Mutex<Counters> = std::sync::Mutex::new(Vec::new());
         if kv_heads > MAX_KV_HEADS {
             candle_core::bail!("decode attention: {kv_heads} KV heads on one rank, at most {MAX_KV_HEADS}");
@@ -384,18 +383,22 @@ mod cuda {
         let mut all = COUNTERS
             .lock()
             .map_err(|_| candle_core::Error::Msg("decode attention: the merge counters' lock is poisoned".into()))?;
-        if !all.iter().any(|(id, _)| *id == dev.id()) {
-            let capturing = dev.cuda_stream().capture_status().w()?;
-            if capturing
-                != candle_core::cuda_backend::cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
-            {
-                candle_core::bail!(
-                    "decode attention: the first decode step on a device must run before a graph capture"
-                );
+        let at = match all.iter().position(|(id, _)| *id == dev.id()) {
+            Some(at) => at,
+            None => {
+                let capturing = dev.cuda_stream().capture_status().w()?;
+                if capturing
+                    != candle_core::cuda_backend::cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+                {
+                    candle_core::bail!(
+                        "decode attention: the first decode step on a device must run before a graph capture"
+                    );
+                }
+                all.push((dev.id(), dev.alloc_zeros::<u32>(MAX_KV_HEADS)?));
+                all.len() - 1
             }
-            all.push((dev.id(), dev.alloc_zeros::<u32>(MAX_KV_HEADS)?));
-        }
-        Ok(all)
+        };
+        launch(&all[at].1)
     }
 
     fn launch_typed<T: CudaDType + DeviceRepr>(
