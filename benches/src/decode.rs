@@ -144,7 +144,6 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
     argmax(&device, c.vocab_size, args.steps)?;
     embedding(&device, dtype, &c, args.steps)?;
     gemvs(&device, dtype, &c, args.steps)?;
-    prefetch_across_a_gap(&device, dtype, &c, args.steps)?;
     small_kernels(&device, dtype, &c, args.steps)?;
     decode_attention(&device, dtype, &c, args.steps)
 }
@@ -298,53 +297,6 @@ fn gemvs(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: u
     println!(
         "| all weight GEMVs of a step, cuBLAS / tpinfer_kernels::gemv | {:.3} / {:.3} | |",
         totals[0], totals[1]
-    );
-    Ok(())
-}
-
-/// The o_proj product, the gap a decode step leaves before the MLP (an add + RMSNorm, and at
-/// TP > 1 an all-reduce: two norms stand in for it here), then the gate/up product, every
-/// weight read from HBM: with the plain GEMV, and with o_proj's GEMV prefetching the gate/up
-/// weight into L2 during the gap. The prefetching GEMV must give the plain one's bits.
-fn prefetch_across_a_gap(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: usize) -> Result<()> {
-    let (h, ffn) = (c.hidden_size, c.intermediate_size);
-    let o_bytes = c.num_attention_heads * c.head_dim * h * dtype.size_in_bytes();
-    let copies = cold_copies(o_bytes + 2 * ffn * h * dtype.size_in_bytes());
-    let pairs = (0..copies)
-        .map(|_| -> candle_core::Result<(Tensor, Tensor)> {
-            Ok((
-                Tensor::randn(0f32, 0.02, (h, c.num_attention_heads * c.head_dim), device)?.to_dtype(dtype)?,
-                Tensor::randn(0f32, 0.02, (2 * ffn, h), device)?.to_dtype(dtype)?,
-            ))
-        })
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    let x = Tensor::randn(0f32, 1.0, (1, c.num_attention_heads * c.head_dim), device)?.to_dtype(dtype)?;
-    let norm = Tensor::ones(h, dtype, device)?;
-    let next = std::cell::Cell::new(0);
-    let run = |prefetch: bool| -> candle_core::Result<Tensor> {
-        next.set((next.get() + 1) % pairs.len());
-        let (o, gate_up) = &pairs[next.get()];
-        let y = match prefetch {
-            true => tpinfer_kernels::gemv_prefetching(&x, o, gate_up)?,
-            false => tpinfer_kernels::gemv(&x, o)?,
-        };
-        let (sum, _) = tpinfer_kernels::add_rms_norm(&y, &y, &norm, 1e-5)?;
-        let (_, normed) = tpinfer_kernels::add_rms_norm(&sum, &y, &norm, 1e-5)?;
-        tpinfer_kernels::gemv_gate_up_silu(&normed, gate_up)
-    };
-    let plain = time_in_graph(device, calls, || run(false))?;
-    let prefetching = time_in_graph(device, calls, || run(true))?;
-    let bits = |t: Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
-    let (o, gate_up) = &pairs[0];
-    if bits(tpinfer_kernels::gemv_prefetching(&x, o, gate_up)?)? != bits(tpinfer_kernels::gemv(&x, o)?)? {
-        bail!("gemv_prefetching does not give the bits of gemv");
-    }
-    println!(
-        "| o_proj GEMV, two add_rms_norm, gate_up GEMV: plain / o_proj prefetching {} MiB of gate_up (same bits) | {plain:.4} / {prefetching:.4} | x{} = {:.2} / {:.2} ms |",
-        tpinfer_kernels::PREFETCH_BYTES >> 20,
-        c.num_hidden_layers,
-        plain * c.num_hidden_layers as f64,
-        prefetching * c.num_hidden_layers as f64
     );
     Ok(())
 }

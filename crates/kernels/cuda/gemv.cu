@@ -9,41 +9,13 @@
 // silu_mul kernel rounds it: the bits of this kernel without GATE_UP followed by silu_mul,
 // in one pass that writes n values instead of 2n (and leaves the down projection a plain
 // product, where it had to recompute the SiLU product of its input in every CTA).
-// NEXT: the weight of the product that follows this one. Between the two a decode step runs
-// small kernels (attention, the all-reduce, a norm) that leave HBM idle; the last
-// PREFETCH_CTAS CTAs, as they finish, start pulling next's first next_bytes into L2 so that
-// those bytes stream in during that gap instead of after it. A hint only: no value changes.
-// Needs k % 8 == 0 and 16-byte aligned rows, next 16-byte aligned and next_bytes % 16 == 0
-// (the launcher checks).
+// Needs k % 8 == 0 and 16-byte aligned rows (the launcher checks).
 #include "convert.cuh"
 
 namespace {
 
 constexpr int THREADS = 256;
 constexpr int UNROLL = 2;  // 16-byte chunks of k per thread per step
-// One per SM or so: enough to issue the prefetch at the rate HBM can serve it.
-constexpr int PREFETCH_CTAS = 128;
-constexpr unsigned PREFETCH_CHUNK = 4096;  // bytes per prefetch instruction
-
-// This CTA's share of prefetching next[0, bytes) into L2, if it is one of the last
-// PREFETCH_CTAS (the last to be scheduled, so the last to finish).
-__device__ __forceinline__ void prefetch_share(const char* next, unsigned long long bytes) {
-    const int ctas = min((int)gridDim.x, PREFETCH_CTAS);
-    const int share = (int)blockIdx.x - ((int)gridDim.x - ctas);
-    if (bytes == 0 || share < 0) return;
-    const unsigned long long per_cta = (bytes / ctas + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK * PREFETCH_CHUNK;
-    const unsigned long long end = min(bytes, (share + 1) * per_cta);
-    for (unsigned long long at = share * per_cta + threadIdx.x * (unsigned long long)PREFETCH_CHUNK; at < end;
-         at += THREADS * (unsigned long long)PREFETCH_CHUNK) {
-        const unsigned size = (unsigned)min((unsigned long long)PREFETCH_CHUNK, end - at);
-#if __CUDA_ARCH__ >= 900
-        // One bulk request per chunk, served by the copy engine of the SM without holding it.
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(next + at), "r"(size) : "memory");
-#else
-        for (unsigned line = 0; line < size; line += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(next + at + line));
-#endif
-    }
-}
 
 template <typename T>
 __device__ __forceinline__ float dot8(uint4 a_raw, uint4 b_raw) {
@@ -57,8 +29,7 @@ __device__ __forceinline__ float dot8(uint4 a_raw, uint4 b_raw) {
 
 // ROWS outputs per CTA; with GATE_UP each output reads two weight rows (gate_i and up_i).
 template <typename T, int ROWS, bool GATE_UP>
-__device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int n, int k,
-                     const char* next, unsigned long long next_bytes) {
+__device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int n, int k) {
     constexpr int W_ROWS = GATE_UP ? 2 * ROWS : ROWS;
     const int chunks = k / 8;
     const int row0 = blockIdx.x * ROWS;
@@ -116,21 +87,18 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __rest
             y[row0 + threadIdx.x] = from_f32<T>(s);
         }
     }
-    prefetch_share(next, next_bytes);
 }
 
 }  // namespace
 
 #define GEMV(SUFFIX, T, ROWS)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                                      \
-        gemv_##SUFFIX##_r##ROWS(const T* x, const T* w, T* y, int n, int k, const char* next,                  \
-                                unsigned long long next_bytes) {                                               \
-        gemv<T, ROWS, false>(x, w, y, n, k, next, next_bytes);                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS) gemv_##SUFFIX##_r##ROWS(const T* x, const T* w,      \
+                                                                                   T* y, int n, int k) {      \
+        gemv<T, ROWS, false>(x, w, y, n, k);                                                                   \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                      \
-        gemv_gate_up_silu_##SUFFIX##_r##ROWS(const T* x, const T* w, T* y, int n, int k, const char* next,     \
-                                             unsigned long long next_bytes) {                                  \
-        gemv<T, ROWS, true>(x, w, y, n, k, next, next_bytes);                                                  \
+        gemv_gate_up_silu_##SUFFIX##_r##ROWS(const T* x, const T* w, T* y, int n, int k) {                      \
+        gemv<T, ROWS, true>(x, w, y, n, k);                                                                    \
     }
 
 GEMV(bf16, __nv_bfloat16, 2)

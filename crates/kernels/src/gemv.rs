@@ -8,10 +8,6 @@ use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 pub const GEMV_TILES: [usize; 3] = [2, 4, 8];
 /// The tile [`gemv`] and [`gemv_gate_up_silu`] use.
 const DEFAULT_TILE: usize = 4;
-/// How much of the next weight [`gemv_prefetching`] pulls into L2: about what HBM delivers in
-/// the gap it fills (an all-reduce and a norm, ≈ 9 µs at TP 2), and well inside the H200's
-/// 50 MB L2.
-pub const PREFETCH_BYTES: usize = 24 << 20;
 
 /// Whether [`gemv`] runs on CUDA for `x` and `w`: one row, bf16 or f16 on both, `k` a multiple
 /// of 8. On CPU it always runs (the twin that the tests check the kernel's math with).
@@ -33,22 +29,13 @@ pub fn gemv_gate_up_silu_on_cuda(x: &Tensor, w: &Tensor) -> bool {
 
 /// `x · wᵀ` for `x` `[.., k]` holding one row and `w` `[n, k]`: `[.., n]`, accumulated in f32.
 pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    apply(x, w, DEFAULT_TILE, false, None)
-}
-
-/// [`gemv`], whose CUDA kernel's last CTAs then start pulling the first [`PREFETCH_BYTES`] of
-/// `next` (the weight of the product that follows) into L2: the small kernels a decode step
-/// runs between two products leave HBM idle, and this lets `next` stream in meanwhile. A
-/// cache hint only: the output is [`gemv`]'s, bit for bit. `next` must be contiguous and of
-/// `w`'s dtype, or it is not prefetched.
-pub fn gemv_prefetching(x: &Tensor, w: &Tensor, next: &Tensor) -> Result<Tensor> {
-    apply(x, w, DEFAULT_TILE, false, Some(next))
+    apply(x, w, DEFAULT_TILE, false)
 }
 
 /// [`gemv`] with `tile` outputs per CUDA thread block, one of [`GEMV_TILES`] (the tile is
 /// a speed choice only: every tile gives the same bits). For benchmarks.
 pub fn gemv_tiled(x: &Tensor, w: &Tensor, tile: usize) -> Result<Tensor> {
-    apply(x, w, tile, false, None)
+    apply(x, w, tile, false)
 }
 
 /// `silu(x · gateᵀ) · (x · upᵀ)` for `x` `[.., k]` holding one row and a gated MLP's merged
@@ -56,10 +43,10 @@ pub fn gemv_tiled(x: &Tensor, w: &Tensor, tile: usize) -> Result<Tensor> {
 /// [`crate::silu_mul`] (each product rounded to the dtype, then the SiLU product), in one
 /// pass.
 pub fn gemv_gate_up_silu(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    apply(x, w, DEFAULT_TILE, true, None)
+    apply(x, w, DEFAULT_TILE, true)
 }
 
-fn apply(x: &Tensor, w: &Tensor, tile: usize, gate_up: bool, next: Option<&Tensor>) -> Result<Tensor> {
+fn apply(x: &Tensor, w: &Tensor, tile: usize, gate_up: bool) -> Result<Tensor> {
     let width = x.dims().last().copied().unwrap_or(0);
     let (rows, k) = w.dims2()?;
     if x.elem_count() != width || width != k || w.dtype() != x.dtype() || (gate_up && rows % 2 != 0) {
@@ -85,11 +72,7 @@ fn apply(x: &Tensor, w: &Tensor, tile: usize, gate_up: bool, next: Option<&Tenso
         *last = n;
     }
     let op = Gemv { n, k, tile, gate_up };
-    let (x, w) = (x.contiguous()?, w.contiguous()?);
-    let y = match next.filter(|next| next.is_contiguous() && next.dtype() == w.dtype()) {
-        Some(next) => x.apply_op3_no_bwd(&w, next, &op)?,
-        None => x.apply_op2_no_bwd(&w, &op)?,
-    };
+    let y = x.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &op)?;
     y.reshape(shape)
 }
 
@@ -123,42 +106,7 @@ impl candle_core::CustomOp2 for Gemv {
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((cuda::gemv(self, (x, xl), (w, wl), None)?, Shape::from(self.n)))
-    }
-}
-
-/// The prefetching form: the third operand is only read into L2 on CUDA.
-impl candle_core::CustomOp3 for Gemv {
-    fn name(&self) -> &'static str {
-        "gemv"
-    }
-
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        xl: &Layout,
-        w: &CpuStorage,
-        wl: &Layout,
-        _next: &CpuStorage,
-        _next_layout: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::CustomOp2::cpu_fwd(self, x, xl, w, wl)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        xl: &Layout,
-        w: &candle_core::CudaStorage,
-        wl: &Layout,
-        next: &candle_core::CudaStorage,
-        next_layout: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((
-            cuda::gemv(self, (x, xl), (w, wl), Some((next, next_layout)))?,
-            Shape::from(self.n),
-        ))
+        Ok((cuda::gemv(self, (x, xl), (w, wl))?, Shape::from(self.n)))
     }
 }
 
@@ -179,20 +127,15 @@ mod cuda {
 
     type Input<'a> = (&'a CudaStorage, &'a Layout);
 
-    pub(super) fn gemv(op: &Gemv, x: Input, w: Input, next: Option<Input>) -> Result<CudaStorage> {
+    pub(super) fn gemv(op: &Gemv, x: Input, w: Input) -> Result<CudaStorage> {
         match x.0.dtype() {
-            DType::BF16 => typed::<bf16>(op, x, w, next),
-            DType::F16 => typed::<f16>(op, x, w, next),
+            DType::BF16 => typed::<bf16>(op, x, w),
+            DType::F16 => typed::<f16>(op, x, w),
             other => candle_core::bail!("gemv: unsupported dtype {other:?} on CUDA"),
         }
     }
 
-    fn typed<T: CudaDType + DeviceRepr>(
-        op: &Gemv,
-        (x, xl): Input,
-        (w, wl): Input,
-        next: Option<Input>,
-    ) -> Result<CudaStorage> {
+    fn typed<T: CudaDType + DeviceRepr>(op: &Gemv, (x, xl): Input, (w, wl): Input) -> Result<CudaStorage> {
         let (n, k) = (op.n, op.k);
         // Rows are read in 16-byte pieces.
         if !(k.is_multiple_of(8) && xl.start_offset().is_multiple_of(8) && wl.start_offset().is_multiple_of(8)) {
@@ -216,23 +159,10 @@ mod cuda {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // The prefetched range: whole 16-byte pieces of next from its (16-byte aligned) start.
-        let next = match next {
-            Some((next, layout)) if (layout.start_offset() * size_of::<T>()).is_multiple_of(16) => {
-                let bytes = (layout.shape().elem_count() * size_of::<T>()).min(super::PREFETCH_BYTES) / 16 * 16;
-                Some((next.as_cuda_slice::<T>()?.slice(layout.start_offset()..), bytes as u64))
-            }
-            _ => None,
-        };
         let mut b = func.builder();
         b.arg(&xs).arg(&ws).arg(&out).arg(&n_i).arg(&k_i);
-        let nothing = 0u64;
-        match &next {
-            Some((slice, bytes)) => b.arg(slice).arg(bytes),
-            None => b.arg(&nothing).arg(&nothing),
-        };
         // SAFETY: the arguments match the kernel's signature; x holds k values and w n rows of
-        // k (2n with gate_up); next holds at least next_bytes (or is null with 0 bytes).
+        // k (2n with gate_up).
         unsafe { b.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }

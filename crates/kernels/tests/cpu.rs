@@ -7,8 +7,8 @@
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
     add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, gated_residual, gemv,
-    gemv_gate_up_silu, gemv_prefetching, gemv_tiled, layer_norm, linear_bias, rotary_qkv, row_sum_squares,
-    scale_rows_cols, silu_mul, write_u32s,
+    gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, rotary_qkv, row_sum_squares, scale_rows_cols, silu_mul,
+    write_u32s,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -342,25 +342,8 @@ fn one_row_products_match_candle_matmul() {
         assert_eq!(got.dims(), [1, 1, n]);
         assert!(rel(&got, &want) < 1e-6, "n {n} k {k}: {:e}", rel(&got, &want));
     }
-    // The prefetch is a cache hint: the same bits, whatever the next weight is (contiguous,
-    // transposed, another dtype).
-    let (x, w) = (randn(&[1, 96], 50), randn(&[37, 96], 51));
-    let plain = gemv(&x, &w).expect("gemv").to_vec2::<f32>().expect("v");
-    let other = randn(&[64, 32], 60);
-    for next in [
-        other.clone(),
-        other.t().expect("t"),
-        other.to_dtype(DType::BF16).expect("bf16"),
-    ] {
-        let got = gemv_prefetching(&x, &w, &next).expect("prefetching");
-        assert_eq!(got.to_vec2::<f32>().expect("v"), plain);
-    }
     let w = randn(&[8, 16], 52);
     assert!(gemv(&randn(&[2, 16], 53), &w).is_err(), "two rows");
-    assert!(
-        gemv_prefetching(&randn(&[1, 8], 53), &w, &w).is_err(),
-        "k mismatch, prefetching"
-    );
     assert!(gemv(&randn(&[1, 8], 53), &w).is_err(), "k mismatch");
 }
 

@@ -55,12 +55,6 @@ impl VocabParallelEmbedding {
         Ok(self.comm.all_reduce_sum(&rows.reshape((batch, seq, ()))?)?)
     }
 
-    /// This rank's rows of the table, `[rows, hidden]`: as the LM head, what the last layer's
-    /// product prefetches.
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
-    }
-
     /// Logits over the full vocabulary for hidden states `x` of shape `[.., hidden]`. No host
     /// wait: read them on the host after [`Communicator::wait`].
     pub fn project(&self, x: &Tensor) -> Result<Tensor> {

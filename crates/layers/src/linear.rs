@@ -9,16 +9,13 @@ use tpinfer_weights::{ShardLoader, ShardSpec, WeightDecl};
 use crate::Result;
 
 /// `x · wᵀ (+ b)` through `linear`: one input row on CUDA in 16 bits (a decode step's
-/// products) through the GEMV kernel, which then prefetches `next` (the following product's
-/// weight) into L2; more rows with a bias through the fused linear (one cuBLASLt GEMM with
-/// the bias in its epilogue on CUDA); everything else through candle's matmul.
-fn apply(linear: &Linear, x: &Tensor, next: Option<&Tensor>) -> Result<Tensor> {
+/// products) through the GEMV kernel; more rows with a bias through the fused linear (one
+/// cuBLASLt GEMM with the bias in its epilogue on CUDA); everything else through candle's
+/// matmul.
+fn apply(linear: &Linear, x: &Tensor) -> Result<Tensor> {
     let w = linear.weight();
     if tpinfer_kernels::gemv_on_cuda(x, w) {
-        let y = match next {
-            Some(next) => tpinfer_kernels::gemv_prefetching(x, w, next)?,
-            None => tpinfer_kernels::gemv(x, w)?,
-        };
+        let y = tpinfer_kernels::gemv(x, w)?;
         return Ok(match linear.bias() {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -56,7 +53,7 @@ impl ColumnParallelLinear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        apply(&self.linear, x, None)
+        apply(&self.linear, x)
     }
 
     /// GELU (tanh approximation) of [`Self::forward`]: with a bias, inside the fused linear
@@ -65,7 +62,7 @@ impl ColumnParallelLinear {
         let w = self.linear.weight();
         match self.linear.bias() {
             Some(b) if tpinfer_kernels::fused_linear_covers(x, w) => Ok(tpinfer_kernels::linear_bias(x, w, b, true)?),
-            _ => Ok(apply(&self.linear, x, None)?.gelu()?),
+            _ => Ok(apply(&self.linear, x)?.gelu()?),
         }
     }
 }
@@ -116,19 +113,7 @@ impl MergedColumnParallelLinear {
 
     /// The outputs side by side in the last dim, for fused kernels that split them themselves.
     pub fn forward_merged(&self, x: &Tensor) -> Result<Tensor> {
-        apply(&self.linear, x, None)
-    }
-
-    /// [`Self::forward_merged`], prefetching `next`, the weight of the product that follows,
-    /// into L2 where it runs as a GEMV (one row on CUDA): a decode step's attention or
-    /// all-reduce in between then overlaps with reading it.
-    pub fn forward_merged_prefetching(&self, x: &Tensor, next: &Tensor) -> Result<Tensor> {
-        apply(&self.linear, x, Some(next))
-    }
-
-    /// The merged local weight, `[Σ out_sizes, in]`.
-    pub fn weight(&self) -> &Tensor {
-        self.linear.weight()
+        apply(&self.linear, x)
     }
 
     /// For a gated MLP's `[gate | up]` (two merged linears of one size, no bias) and one
@@ -188,22 +173,7 @@ impl RowParallelLinear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_then(x, None)
-    }
-
-    /// [`Self::forward`], prefetching `next`, the weight of the product that follows, into L2
-    /// where the partial product runs as a GEMV: the all-reduce then overlaps with reading it.
-    pub fn forward_prefetching(&self, x: &Tensor, next: &Tensor) -> Result<Tensor> {
-        self.forward_then(x, Some(next))
-    }
-
-    /// The local weight, `[out, in_range]`.
-    pub fn weight(&self) -> &Tensor {
-        self.linear.weight()
-    }
-
-    fn forward_then(&self, x: &Tensor, next: Option<&Tensor>) -> Result<Tensor> {
-        let (partial, biased) = self.partial(x, next)?;
+        let (partial, biased) = self.partial(x)?;
         let y = self.comm.all_reduce_sum(&partial)?;
         drop(partial);
         self.add_bias(y, biased)
@@ -219,7 +189,7 @@ impl RowParallelLinear {
         let hidden = tpinfer_kernels::silu_mul(&gate_up.reshape((rows, cols))?)?;
         drop(gate_up);
         dims.push(cols / 2);
-        let partial = apply(&self.linear, &hidden.reshape(dims)?, None)?;
+        let partial = apply(&self.linear, &hidden.reshape(dims)?)?;
         drop(hidden);
         self.reduce(partial)
     }
@@ -228,26 +198,25 @@ impl RowParallelLinear {
     /// receives its `sizes[rank]` rows of the output, as
     /// [`Communicator::reduce_scatter_sum`] splits them.
     pub fn forward_scattered(&self, x: &Tensor, sizes: &[usize]) -> Result<Tensor> {
-        let (partial, biased) = self.partial(x, None)?;
+        let (partial, biased) = self.partial(x)?;
         let y = self.comm.reduce_scatter_sum(&partial, sizes)?;
         drop(partial);
         self.add_bias(y, biased)
     }
 
     /// This rank's partial product of `x`, and whether it carries the bias: where the fused
-    /// GEMM covers `x`, rank 0 adds it in the epilogue, before the sum (still once). A GEMV
-    /// prefetches `next`.
-    fn partial(&self, x: &Tensor, next: Option<&Tensor>) -> Result<(Tensor, bool)> {
+    /// GEMM covers `x`, rank 0 adds it in the epilogue, before the sum (still once).
+    fn partial(&self, x: &Tensor) -> Result<(Tensor, bool)> {
         let w = self.linear.weight();
         match &self.bias {
             Some(b) if tpinfer_kernels::fused_linear_covers(x, w) => Ok((
                 match self.comm.rank() {
                     0 => tpinfer_kernels::linear_bias(x, w, b, false)?,
-                    _ => apply(&self.linear, x, next)?,
+                    _ => apply(&self.linear, x)?,
                 },
                 true,
             )),
-            _ => Ok((apply(&self.linear, x, next)?, false)),
+            _ => Ok((apply(&self.linear, x)?, false)),
         }
     }
 

@@ -52,21 +52,12 @@ impl GatedMlp {
     }
 
     /// `x` `[..., hidden]`; the SiLU product runs fused on the gate/up output (inside the
-    /// gate/up product for one row on CUDA). `next`, the weight of the product after the MLP,
-    /// is prefetched into L2 by the down projection where that runs as a GEMV.
-    pub fn forward(&self, x: &Tensor, next: Option<&Tensor>) -> Result<Tensor> {
+    /// gate/up product for one row on CUDA).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if let Some(hidden) = self.gate_up.forward_silu_product(x)? {
-            return match next {
-                Some(next) => self.down.forward_prefetching(&hidden, next),
-                None => self.down.forward(&hidden),
-            };
+            return self.down.forward(&hidden);
         }
         let gate_up = self.gate_up.forward_merged(x)?;
         self.down.forward_silu_mul(gate_up)
-    }
-
-    /// The merged local `[gate | up]` weight: what the product before the MLP prefetches.
-    pub fn gate_up_weight(&self) -> &Tensor {
-        self.gate_up.weight()
     }
 }

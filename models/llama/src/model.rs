@@ -405,11 +405,9 @@ impl LlamaRank {
         // The last MLP's output, not yet added to the residual stream `x`: the next input norm
         // adds it in the same pass.
         let mut pending = None;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        for (i, layer) in self.layers.iter().enumerate() {
+        for layer in &self.layers {
             let (residual, h) = add_norm(x, pending.take(), &layer.input_norm, eps)?;
-            let next = self.layers.get(i + 1).map_or(head.weight(), |next| next.qkv.weight());
-            let (residual, mlp) = layer.forward(residual, h, next, &ctx)?;
+            let (residual, mlp) = layer.forward(residual, h, &ctx)?;
             (x, pending) = (residual, Some(mlp));
         }
         Ok(add_norm(x, pending, &self.norm, eps)?.1)
@@ -446,15 +444,11 @@ struct LayerContext<'a> {
 // activation model in `memory.rs` counts on it.
 impl DecoderLayer {
     /// The residual stream and its input norm `h` in; out, the stream after attention and the
-    /// MLP's output, which the next norm adds to it. `next` is the weight of the product after
-    /// this layer (the next layer's QKV, or the LM head).
-    ///
-    /// Each decode-step product (a GEMV) prefetches the following one's weight into L2: the
-    /// attention, all-reduce and norm kernels between two products leave HBM idle otherwise.
-    fn forward(&self, residual: Tensor, h: Tensor, next: &Tensor, ctx: &LayerContext) -> Result<(Tensor, Tensor)> {
+    /// MLP's output, which the next norm adds to it.
+    fn forward(&self, residual: Tensor, h: Tensor, ctx: &LayerContext) -> Result<(Tensor, Tensor)> {
         let attn = self.attention(h, ctx)?;
         let (residual, h) = add_norm(residual, Some(attn), &self.post_norm, ctx.config.rms_norm_eps)?;
-        let mlp = self.mlp.forward(&h, Some(next))?;
+        let mlp = self.mlp.forward(&h)?;
         Ok((residual, mlp))
     }
 
@@ -462,10 +456,7 @@ impl DecoderLayer {
         let (c, shard) = (ctx.config, ctx.shard);
         let (b, s, _) = h.dims3()?;
         let d = c.head_dim;
-        let qkv = self
-            .qkv
-            .forward_merged_prefetching(&h, self.o_proj.weight())?
-            .reshape((b * s, ()))?;
+        let qkv = self.qkv.forward_merged(&h)?.reshape((b * s, ()))?;
         drop(h);
         let n_q = shard.heads.q_heads.len();
         // One fused kernel: the rotated keys and the values written into the cache, the rotated
@@ -479,9 +470,7 @@ impl DecoderLayer {
             let (k, v) = self.cache.slots()?;
             let attn = flash_attention_cached(&q, &k, &v, ctx.at.tensor(), scale)?;
             drop(q);
-            return self
-                .o_proj
-                .forward_prefetching(&attn.reshape((b, s, n_q * d))?, self.mlp.gate_up_weight());
+            return self.o_proj.forward(&attn.reshape((b, s, n_q * d))?);
         }
         let (k, v) = self.cache.filled(ctx.at.value() + s)?;
         // The unfused path's `[1, n_q, s, d]`; the token-major queries are freed.
@@ -491,6 +480,6 @@ impl DecoderLayer {
         };
         let attn = grouped_attention(&q, &k, &v, &shard.heads, ctx.kv_index, ctx.mask, scale)?;
         let attn = attn.transpose(1, 2)?.reshape((b, s, n_q * d))?;
-        self.o_proj.forward_prefetching(&attn, self.mlp.gate_up_weight())
+        self.o_proj.forward(&attn)
     }
 }
