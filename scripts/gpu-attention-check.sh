@@ -4,7 +4,8 @@
 # their speed at video lengths (Wan-14B's self-attention: 40 heads × 128 at 480p × 81 frames).
 # On an H100/H200 with a CUDA_COMPUTE_CAP=90 build, head size 128 with 64 or more queries runs
 # the Hopper (wgmma, TMA) kernel, the rest the mma.sync one. `cached` cases read a KV cache
-# whose unfilled slots hold NaN (prefill chunks, and a decode step on the mma.sync kernel).
+# whose unfilled slots hold NaN (prefill chunks; one query runs the split-KV decode kernel, from
+# one key to 8,191).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
@@ -15,7 +16,8 @@ run() { log "$*"; timeout "${LIMIT:-300}" "$@" 2>&1 | tee -a "$OUT/attention.log
 run "$BIN/tpinfer-bench" attention --repeats 3 --cases \
   1:1:1:1:128,63:63:2:2:128,64:64:2:2:64,100:77:3:3:128,1000:512:12:12:128,4096:4096:12:12:128,\
 9360:9360:12:12:128,300:300:32:8:128:causal,2048:2048:32:8:128:causal,1:385:32:8:128:causal,130:1000:8:8:64:causal,\
-64:40:2:2:128,64:100:2:2:128:cached,200:1000:32:8:128:cached,512:2048:32:8:128:cached,1:385:32:8:128:cached,1:2048:32:8:128:cached,1:5000:16:2:64:cached
+64:40:2:2:128,64:100:2:2:128:cached,200:1000:32:8:128:cached,512:2048:32:8:128:cached,1:1:32:8:128:cached,1:64:8:8:128:cached,1:65:4:1:64:cached,1:130:28:4:128:cached,1:700:16:2:128:cached,\
+1:385:32:8:128:cached,1:2048:32:8:128:cached,1:5000:16:2:64:cached,1:8191:32:8:128:cached
 run "$BIN/tpinfer-bench" attention --repeats 5 --no-reference --cases \
   9360:9360:40:40:128,32760:32760:40:40:128,32760:32760:20:20:128,32760:512:40:40:128,2048:2048:32:8:128:causal
 log done

@@ -8,9 +8,7 @@
 // (any row/head strides, d contiguous); the output is contiguous [q_len, heads, D].
 // Causal: query i sits at position kv_len - q_len + i and sees keys 0..=that position.
 // With `position` (device memory, may be null): K and V are a cache's full capacity and only
-// the first *position + q_len keys count, so that a captured CUDA graph replays at any length;
-// past `defer_above` keys the kernel does nothing (a decode step's split-KV kernels, launched
-// beside it, take over: a graph cannot choose on the host).
+// the first *position + q_len keys count, so that a captured CUDA graph replays at any length.
 // GQA: query head h reads KV head h / group.
 #include "tile.cuh"
 
@@ -24,9 +22,8 @@ template <typename T, int D, int BLOCK_M>
 __device__ void flash_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                               T* __restrict__ out, const unsigned* __restrict__ position, int q_len, int kv_len,
                               int heads, int group, long q_row, long q_head, long k_row, long k_head, long v_row,
-                              long v_head, float scale_log2, int causal, int defer_above) {
+                              long v_head, float scale_log2, int causal) {
     if (position) kv_len = min(kv_len, (int)*position + q_len);
-    if (kv_len > defer_above) return;
     constexpr int ROW = D + 8;  // padding: ldmatrix's 8 row addresses fall in distinct banks
     constexpr int THREADS = BLOCK_M / 16 * 32;
     // The queries pass through the K and V tiles on their way to registers.
@@ -111,9 +108,9 @@ __device__ void flash_forward(const T* __restrict__ q, const T* __restrict__ k, 
     extern "C" __global__ void __launch_bounds__(M / 16 * 32)                                                  \
         NAME(const T* q, const T* k, const T* v, T* out, const unsigned* position, int q_len, int kv_len,       \
              int heads, int group, long q_row, long q_head, long k_row, long k_head, long v_row, long v_head,  \
-             float scale_log2, int causal, int defer_above) {                                                  \
+             float scale_log2, int causal) {                                                                   \
         flash_forward<T, D, M>(q, k, v, out, position, q_len, kv_len, heads, group, q_row, q_head, k_row,      \
-                               k_head, v_row, v_head, scale_log2, causal, defer_above);                        \
+                               k_head, v_row, v_head, scale_log2, causal);                                     \
     }
 
 // 64 query rows per CTA: 128 (one CTA per SM at 196 registers a thread) measured 14% slower

@@ -166,7 +166,7 @@ impl candle_core::CustomOp3 for FlashAttention {
         vl: &candle_core::Layout,
     ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
         match &self.position {
-            // One query over a cache: the split-KV decode kernels.
+            // One query over a cache: the split-KV decode kernel.
             Some(position) if cuda::decode_covers(ql, kl) => {
                 position::with_device_view(position, |p| cuda::decode(self, p, (q, ql), (k, kl), (v, vl)))
             }
@@ -190,13 +190,8 @@ mod cuda {
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx"));
     const DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode_attention.ptx"));
-    /// Query heads per KV head the decode kernels handle (MAX_GROUP in cuda/decode_attention.cu).
+    /// Query heads per KV head the decode kernel handles (MAX_GROUP in cuda/decode_attention.cu).
     const DECODE_MAX_GROUP: usize = 8;
-    /// Filled keys above which a decode step's attention runs split along the keys; at or
-    /// below, the flash kernel (one CTA per head) is faster. The crossover measured on an H200
-    /// for Llama-3-8B's heads (benches/RESULTS.md): flash 9 µs vs split 21 µs at 256 keys,
-    /// 62 µs vs 35 µs at 2,048.
-    const DECODE_SPLIT_ABOVE: i32 = 768;
     /// Query rows per CTA, 16 per warp (cuda/flash_attention.cu).
     const QUERY_ROWS: usize = 64;
 
@@ -211,8 +206,8 @@ mod cuda {
         v: Input,
     ) -> Result<(CudaStorage, Shape)> {
         match q.0.dtype() {
-            DType::BF16 => launch_typed::<bf16>("bf16", op, position, q, k, v, i32::MAX),
-            DType::F16 => launch_typed::<f16>("f16", op, position, q, k, v, i32::MAX),
+            DType::BF16 => launch_typed::<bf16>("bf16", op, position, q, k, v),
+            DType::F16 => launch_typed::<f16>("f16", op, position, q, k, v),
             other => candle_core::bail!("flash attention: unsupported dtype {other:?}"),
         }
     }
@@ -255,14 +250,13 @@ mod cuda {
         }
     }
 
-    /// Whether the split-KV decode kernels take `q` over `k`: one query row, a cache that can
-    /// hold more than [`DECODE_SPLIT_ABOVE`] keys (else they would never run), a GQA group of
-    /// at most [`DECODE_MAX_GROUP`], and `q` contiguous on a 16-byte boundary.
+    /// Whether the split-KV decode kernel takes `q` over `k`: one query row, a GQA group of at
+    /// most [`DECODE_MAX_GROUP`], and `q` contiguous on a 16-byte boundary.
     pub(crate) fn decode_covers(ql: &Layout, kl: &Layout) -> bool {
         let (q_len, heads, d) = ql.shape().dims3().unwrap_or((0, 0, 0));
-        let (capacity, kv_heads) = (kl.shape().dims()[0], kl.shape().dims()[1]);
+        let kv_heads = kl.shape().dims().get(1).copied().unwrap_or(0);
         q_len == 1
-            && capacity > DECODE_SPLIT_ABOVE as usize
+            && kv_heads > 0
             && heads / kv_heads <= DECODE_MAX_GROUP
             && ql.is_contiguous()
             && ql.start_offset().is_multiple_of(8)
@@ -294,24 +288,15 @@ mod cuda {
         let (_, heads, d) = ql.shape().dims3()?;
         let (capacity, kv_heads, _) = kl.shape().dims3()?;
         let ((k_row, k_head), (v_row, v_head)) = (strides(kl, "k")?, strides(vl, "v")?);
-        // Short caches: the flash kernel writes the output; longer ones: the split kernel.
-        // Both are launched and each reads the filled length on the device.
-        let (flash, shape) = launch_typed::<T>(
-            suffix,
-            op,
-            Some(position),
-            (q, ql),
-            (k, kl),
-            (v, vl),
-            DECODE_SPLIT_ABOVE,
-        )?;
-        let out = flash.as_cuda_slice::<T>()?;
         let dev = q.device();
+        // SAFETY: the merging CTA of each KV head writes its query heads' rows.
+        let out = unsafe { dev.alloc::<T>(heads * d)? };
         let split =
             dev.get_or_load_custom_func(&format!("decode_split_{suffix}_d{d}"), "tpinfer_decode", DECODE_PTX)?;
-        // About four CTAs per SM of an H100/H200 in all, fewer for short caches (a CTA takes
-        // at least 32 keys); at most MAX_SPLITS (cuda/decode_attention.cu).
-        let splits = (512 / kv_heads).min(capacity.div_ceil(32)).clamp(1, 128);
+        // About four CTAs per SM of an H100/H200 in all, fewer for small caches (a CTA takes
+        // at least 64 keys, and only as many run as the filled length needs); at most
+        // MAX_SPLITS (cuda/decode_attention.cu).
+        let splits = (512 / kv_heads).min(capacity.div_ceil(64)).clamp(1, 128);
         let qs = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
         let ks = k.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
         let vs = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
@@ -334,18 +319,13 @@ mod cuda {
                 .arg(&part_o)
                 .arg(&part_ml)
                 .arg(counters)
-                .arg(out)
+                .arg(&out)
                 .arg(&group);
-            b.arg(&k_row)
-                .arg(&k_head)
-                .arg(&v_row)
-                .arg(&v_head)
-                .arg(&scale_log2)
-                .arg(&DECODE_SPLIT_ABOVE);
+            b.arg(&k_row).arg(&k_head).arg(&v_row).arg(&v_head).arg(&scale_log2);
             let threads = (d as u32, 1, 1);
             // SAFETY: the arguments match the kernel's signature; k and v cover `capacity` rows
             // and the kernel reads at most *position + 1 ≤ capacity of them (checked by the caller);
-            // the partials are `heads · splits`, the output (the flash launch's buffer) `heads · d`;
+            // the partials are `heads · splits`, the output `heads · d`;
             // a counter per KV head, zero between launches.
             unsafe {
                 b.launch(LaunchConfig {
@@ -357,7 +337,7 @@ mod cuda {
             .w()?;
             Ok(())
         })?;
-        Ok((flash, shape))
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), ql.shape().clone()))
     }
 
     /// Every device's merge counters, by device.
@@ -408,7 +388,6 @@ mod cuda {
         (q, ql): Input,
         (k, kl): Input,
         (v, vl): Input,
-        defer_above: i32,
     ) -> Result<(CudaStorage, Shape)> {
         let (q_len, heads, d) = ql.shape().dims3()?;
         let ((q_row, q_head), (k_row, k_head), (v_row, v_head)) =
@@ -450,7 +429,7 @@ mod cuda {
             .arg(&k_head)
             .arg(&v_row)
             .arg(&v_head);
-        b.arg(&n.scale_log2).arg(&n.causal).arg(&defer_above);
+        b.arg(&n.scale_log2).arg(&n.causal);
         // SAFETY: the argument list matches the kernel's signature; all pointers cover the
         // rows and heads the strides address.
         unsafe { b.launch(cfg) }.w()?;
