@@ -42,7 +42,6 @@ __device__ void merge(const float* part_o, const float* part_ml, T* __restrict__
         for (int s = lane; s < active; s += 32) mx = fmaxf(mx, __ldcg(ml + 2 * s));
 #pragma unroll
         for (int w = 16; w > 0; w /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, w));
-        // A slice of masked keys only has m = -inf and l = 0: weight 0.
         float sum = 0.f;
         for (int s = lane; s < active; s += 32) {
             const float wgt = exp2f(__ldcg(ml + 2 * s) - mx);
