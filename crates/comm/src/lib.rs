@@ -24,6 +24,8 @@ pub use peer::PEER_ALL_REDUCE_ENV;
 pub use stats::{CommStats, StatsSnapshot};
 pub use threads::{ThreadComm, ThreadGroup, DEFAULT_TIMEOUT};
 
+use std::ops::Range;
+
 use candle_core::Tensor;
 
 /// One rank's view of its group of ranks.
@@ -56,6 +58,33 @@ pub trait Communicator {
     /// inside a captured CUDA graph. Read the result on the host only after
     /// [`Communicator::wait`].
     fn all_gather_sized(&self, x: &Tensor, dim: usize, sizes: &[usize]) -> Result<Tensor, CommError>;
+    /// [`Communicator::all_gather_sized`] of rows (dim 0) for work on each rank's rows: `each`
+    /// gets parts of the gathered tensor with the row each part starts at, covering every row
+    /// once. Where the rows move while `each` works on those at hand (GPUs with peer access),
+    /// the parts are the ranks' rows, this rank's first; elsewhere one part may hold them all.
+    /// On a device a part is valid for the work `each` queues, not beyond this call.
+    fn all_gather_rows(
+        &self,
+        x: &Tensor,
+        sizes: &[usize],
+        each: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<()>,
+    ) -> Result<(), CommError> {
+        let all = self.all_gather_sized(x, 0, sizes)?;
+        each(&all, 0).map_err(rows_error(self.rank(), Collective::AllGather { dim: 0 }))
+    }
+    /// [`Communicator::reduce_scatter_sum`] of a product computed by rows: `partial(rows)` is
+    /// this rank's partial product of those rows of the whole, and every row is asked for
+    /// once. Where the parts move while the next is computed (GPUs with peer access), each
+    /// rank's rows are asked for apart, this rank's last; elsewhere all rows may be asked for
+    /// at once.
+    fn reduce_scatter_rows(
+        &self,
+        sizes: &[usize],
+        partial: &mut dyn FnMut(Range<usize>) -> candle_core::Result<Tensor>,
+    ) -> Result<Tensor, CommError> {
+        let whole = partial(0..sizes.iter().sum()).map_err(rows_error(self.rank(), Collective::ReduceScatterSum))?;
+        self.reduce_scatter_sum(&whole, sizes)
+    }
     /// The `root` rank's tensor, on every rank. Other ranks pass a tensor of the same shape.
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor, CommError>;
     /// Returns once every rank has entered the barrier.
@@ -69,6 +98,23 @@ pub trait Communicator {
     fn abort(&self, cause: &str);
     /// Counters of the collectives this rank has entered.
     fn stats(&self) -> &CommStats;
+}
+
+/// Reports an error of the work a row-wise collective ran for its caller.
+fn rows_error(rank: usize, op: Collective) -> impl Fn(candle_core::Error) -> CommError {
+    move |source| CommError::Tensor { rank, op, source }
+}
+
+/// The ranks' row ranges of `sizes`, in rank order.
+fn row_ranges(sizes: &[usize]) -> Vec<Range<usize>> {
+    let mut start = 0;
+    sizes
+        .iter()
+        .map(|&n| {
+            start += n;
+            start - n..start
+        })
+        .collect()
 }
 
 /// Checks the `sizes` of a [`Communicator::reduce_scatter_sum`]: one per rank, adding up to

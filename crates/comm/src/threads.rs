@@ -259,6 +259,45 @@ impl Communicator for ThreadComm {
         self.all_gather(x, dim)
     }
 
+    /// Part by part, this rank's first, as GPUs with peer access hand them out: the CPU ranks
+    /// run the callers' per-part code that those GPUs run.
+    fn all_gather_rows(
+        &self,
+        x: &Tensor,
+        sizes: &[usize],
+        each: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<()>,
+    ) -> Result<(), CommError> {
+        let all = self.all_gather_sized(x, 0, sizes)?;
+        let ranges = crate::row_ranges(sizes);
+        let world = self.shared.world_size;
+        for r in (0..world).map(|i| (self.rank + i) % world) {
+            let rows = &ranges[r];
+            all.narrow(0, rows.start, rows.len())
+                .and_then(|part| each(&part, rows.start))
+                .map_err(crate::rows_error(self.rank, Collective::AllGather { dim: 0 }))?;
+        }
+        Ok(())
+    }
+
+    /// Every rank's rows apart, this rank's last, as GPUs with peer access ask for them.
+    fn reduce_scatter_rows(
+        &self,
+        sizes: &[usize],
+        partial: &mut dyn FnMut(std::ops::Range<usize>) -> candle_core::Result<Tensor>,
+    ) -> Result<Tensor, CommError> {
+        let ranges = crate::row_ranges(sizes);
+        let world = self.shared.world_size;
+        let mut parts = vec![None; world];
+        for r in (1..=world).map(|i| (self.rank + i) % world) {
+            let part =
+                partial(ranges[r].clone()).map_err(crate::rows_error(self.rank, Collective::ReduceScatterSum))?;
+            parts[r] = Some(part);
+        }
+        let parts: Vec<Tensor> = parts.into_iter().flatten().collect();
+        let whole = Tensor::cat(&parts, 0).map_err(crate::rows_error(self.rank, Collective::ReduceScatterSum))?;
+        self.reduce_scatter_sum(&whole, sizes)
+    }
+
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor, CommError> {
         let world = self.shared.world_size;
         if root >= world {

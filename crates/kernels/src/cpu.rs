@@ -432,17 +432,33 @@ pub(crate) fn linear_bias(
     x: (&CpuStorage, &Layout),
     w: (&CpuStorage, &Layout),
     b: (&CpuStorage, &Layout),
-    (rows, n, k): (usize, usize, usize),
+    dims: (usize, usize, usize),
     gelu: bool,
 ) -> Result<CpuStorage> {
+    let mut out = vec![0f32; dims.0 * dims.1];
+    linear_bias_into(&mut out, x, w, b, dims, gelu)?;
+    Ok(CpuStorage::F32(out))
+}
+
+/// [`linear_bias`] written into `out` (`rows × n`).
+pub(crate) fn linear_bias_into(
+    out: &mut [f32],
+    x: (&CpuStorage, &Layout),
+    w: (&CpuStorage, &Layout),
+    b: (&CpuStorage, &Layout),
+    (rows, n, k): (usize, usize, usize),
+    gelu: bool,
+) -> Result<()> {
     let (xs, ws, bs) = (
         contiguous::<f32>(x.0, x.1)?,
         contiguous::<f32>(w.0, w.1)?,
         contiguous::<f32>(b.0, b.1)?,
     );
-    let mut out = Vec::with_capacity(rows * n);
-    for _ in 0..rows {
-        out.extend_from_slice(bs);
+    if out.len() != rows * n || bs.len() != n || xs.len() < rows * k || ws.len() < n * k {
+        candle_core::bail!("linear_bias: {rows} × {n} × {k} does not fit its operands");
+    }
+    for row in out.chunks_exact_mut(n) {
+        row.copy_from_slice(bs);
     }
     // As candle's matmul calls it.
     let parallelism = match rayon::current_num_threads() {
@@ -450,8 +466,8 @@ pub(crate) fn linear_bias(
         threads => gemm::Parallelism::Rayon(threads),
     };
     // SAFETY: out is rows × n (row stride n), x rows × k (row stride k), and wᵀ is read as
-    // k × n with element (kk, j) at w[j · k + kk]; the gemm crate computes
-    // out = 1 · out + 1 · x · wᵀ.
+    // k × n with element (kk, j) at w[j · k + kk], all checked above; the gemm crate
+    // computes out = 1 · out + 1 · x · wᵀ.
     unsafe {
         gemm::gemm(
             rows,
@@ -477,11 +493,11 @@ pub(crate) fn linear_bias(
     };
     if gelu {
         const SQRT_TWO_OVER_PI: f32 = 0.797_884_6;
-        for_each_chunk(&mut out, 4096, rows * n, |_, chunk| {
+        for_each_chunk(out, 4096, rows * n, |_, chunk| {
             for v in chunk {
                 *v = 0.5 * *v * (1.0 + (SQRT_TWO_OVER_PI * *v * (1.0 + 0.044715 * *v * *v)).tanh());
             }
         });
     }
-    Ok(CpuStorage::F32(out))
+    Ok(())
 }

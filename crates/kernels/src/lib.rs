@@ -28,7 +28,7 @@ mod rowwise;
 
 pub use argmax::argmax;
 pub use gemv::{gemv, gemv_gate_up_silu, gemv_gate_up_silu_on_cuda, gemv_on_cuda, gemv_tiled, GEMV_TILES};
-pub use linear::{fused_linear_covers, linear_bias};
+pub use linear::{empty, fused_linear_covers, linear_bias, linear_bias_into};
 pub use position::write_u32s;
 pub use rotary::rotary_qkv;
 pub use rowwise::{

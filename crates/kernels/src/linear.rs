@@ -54,6 +54,45 @@ pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor, gelu: bool) -> Result<Ten
     y.reshape(shape)
 }
 
+/// [`linear_bias`] of `x` `[rows, k]` written into rows `first_row..first_row + rows` of `out`
+/// `[.., n]` (contiguous, from its buffer's start): sequence parallelism's column-parallel
+/// products, one GEMM per rank's rows as they arrive, into one output. Where the fused linear
+/// covers `x`, the GEMM writes there itself; elsewhere the product is copied in.
+pub fn linear_bias_into(out: &Tensor, first_row: usize, x: &Tensor, w: &Tensor, b: &Tensor, gelu: bool) -> Result<()> {
+    let (n, k) = w.dims2()?;
+    let (rows, x_k) = x.dims2()?;
+    let (out_rows, out_n) = out.dims2()?;
+    if x_k != k || out_n != n || first_row + rows > out_rows || out.dtype() != x.dtype() {
+        candle_core::bail!(
+            "linear_bias_into: x {:?} {:?} at row {first_row} of out {:?} {:?} with w {:?}",
+            x.dims(),
+            x.dtype(),
+            out.dims(),
+            out.dtype(),
+            w.dims()
+        );
+    }
+    if fused_linear_covers(x, w) && out.is_contiguous() && out.layout().start_offset() == 0 {
+        let op = FusedLinearInto {
+            dims: FusedLinear { rows, n, k, gelu },
+            first_row,
+            bias: aligned(b)?,
+        };
+        return out.inplace_op3(&aligned(x)?, &aligned(w)?, &op);
+    }
+    out.slice_set(&linear_bias(x, w, b, gelu)?, 0, first_row)
+}
+
+/// An uninitialized tensor on CUDA (zeros elsewhere), for outputs whose every element is
+/// written before it is read: [`linear_bias_into`]'s parts.
+pub fn empty(shape: &[usize], dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
+    match device {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(dev) => cuda::empty(shape, dtype, dev),
+        _ => Tensor::zeros(shape, dtype, device),
+    }
+}
+
 /// `t` contiguous and, on CUDA, starting on a 256-byte boundary of its buffer: cuBLASLt's
 /// heuristic assumes operands aligned so (fresh allocations are); a view at another offset
 /// is copied.
@@ -65,6 +104,7 @@ fn aligned(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+#[derive(Clone, Copy)]
 struct FusedLinear {
     rows: usize,
     n: usize,
@@ -110,6 +150,61 @@ impl candle_core::CustomOp3 for FusedLinear {
     }
 }
 
+/// [`FusedLinear`] into rows of an existing output, the bias held by the op (candle's
+/// in-place ops take two operands besides the output).
+struct FusedLinearInto {
+    dims: FusedLinear,
+    first_row: usize,
+    bias: Tensor,
+}
+
+impl candle_core::InplaceOp3 for FusedLinearInto {
+    fn name(&self) -> &'static str {
+        "fused-linear-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        out: &mut candle_core::CpuStorage,
+        _: &Layout,
+        x: &candle_core::CpuStorage,
+        xl: &Layout,
+        w: &candle_core::CpuStorage,
+        wl: &Layout,
+    ) -> Result<()> {
+        let candle_core::CpuStorage::F32(out) = out else {
+            candle_core::bail!("fused-linear-into: f32 only on CPU");
+        };
+        let (b, bl) = self.bias.storage_and_layout();
+        let candle_core::Storage::Cpu(b) = &*b else {
+            candle_core::bail!("fused-linear-into: the bias is not on the CPU");
+        };
+        let FusedLinear { rows, n, k, gelu } = self.dims;
+        let rows_out = out
+            .get_mut(self.first_row * n..(self.first_row + rows) * n)
+            .ok_or_else(|| candle_core::Error::Msg("fused-linear-into: rows overrun the output".into()))?;
+        crate::cpu::linear_bias_into(rows_out, (x, xl), (w, wl), (b, bl), (rows, n, k), gelu)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        out: &mut candle_core::CudaStorage,
+        _: &Layout,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<()> {
+        let (b, bl) = self.bias.storage_and_layout();
+        let candle_core::Storage::Cuda(b) = &*b else {
+            candle_core::bail!("fused-linear-into: the bias is not on the GPU");
+        };
+        let offset = self.first_row * self.dims.n;
+        cuda::linear_into(&self.dims, (x, xl), (w, wl), (b, bl), out, offset)
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use std::cell::RefCell;
@@ -118,9 +213,9 @@ mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::cublaslt::result::CublasError;
     use candle_core::cuda_backend::cudarc::cublaslt::{Activation, CudaBlasLT, Matmul, MatmulConfig};
-    use candle_core::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr};
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
     use candle_core::cuda_backend::CudaDType;
-    use candle_core::{CudaStorage, DType, Layout, Result};
+    use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
     use half::{bf16, f16};
 
     use super::FusedLinear;
@@ -150,11 +245,52 @@ mod cuda {
     }
 
     pub(super) fn linear(op: &FusedLinear, x: Input, w: Input, b: Input) -> Result<CudaStorage> {
+        let dev = x.0.device().clone();
+        let mut out = match x.0.dtype() {
+            DType::BF16 => CudaStorage::wrap_cuda_slice(unsafe_alloc::<bf16>(&dev, op.rows * op.n)?, dev.clone()),
+            DType::F16 => CudaStorage::wrap_cuda_slice(unsafe_alloc::<f16>(&dev, op.rows * op.n)?, dev.clone()),
+            other => candle_core::bail!("fused-linear: unsupported dtype {other:?} on CUDA"),
+        };
+        linear_into(op, x, w, b, &mut out, 0)?;
+        Ok(out)
+    }
+
+    /// The GEMM's output written at element `offset` of `out`.
+    pub(super) fn linear_into(
+        op: &FusedLinear,
+        x: Input,
+        w: Input,
+        b: Input,
+        out: &mut CudaStorage,
+        offset: usize,
+    ) -> Result<()> {
         match x.0.dtype() {
-            DType::BF16 => typed::<bf16>(op, x, w, b),
-            DType::F16 => typed::<f16>(op, x, w, b),
+            DType::BF16 => typed::<bf16>(op, x, w, b, out, offset),
+            DType::F16 => typed::<f16>(op, x, w, b, out, offset),
             other => candle_core::bail!("fused-linear: unsupported dtype {other:?} on CUDA"),
         }
+    }
+
+    fn unsafe_alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: every caller writes all `n` elements before they are read.
+        unsafe { dev.alloc::<T>(n) }
+    }
+
+    /// An uninitialized tensor (see [`super::empty`]).
+    pub(super) fn empty(shape: &[usize], dtype: DType, dev: &CudaDevice) -> Result<Tensor> {
+        let n = shape.iter().product();
+        let storage = match dtype {
+            DType::BF16 => CudaStorage::wrap_cuda_slice(unsafe_alloc::<bf16>(dev, n)?, dev.clone()),
+            DType::F16 => CudaStorage::wrap_cuda_slice(unsafe_alloc::<f16>(dev, n)?, dev.clone()),
+            DType::F32 => CudaStorage::wrap_cuda_slice(unsafe_alloc::<f32>(dev, n)?, dev.clone()),
+            other => return Tensor::zeros(shape, other, &candle_core::Device::Cuda(dev.clone())),
+        };
+        Ok(Tensor::from_storage(
+            candle_core::Storage::Cuda(storage),
+            shape,
+            candle_core::op::BackpropOp::none(),
+            false,
+        ))
     }
 
     fn typed<T: CudaDType + DeviceRepr>(
@@ -162,7 +298,9 @@ mod cuda {
         (x, xl): Input,
         (w, wl): Input,
         (b, bl): Input,
-    ) -> Result<CudaStorage>
+        out: &mut CudaStorage,
+        offset: usize,
+    ) -> Result<()>
     where
         CudaBlasLT: Matmul<T>,
     {
@@ -171,8 +309,15 @@ mod cuda {
         let xs = x.as_cuda_slice::<T>()?.slice(xl.start_offset()..);
         let ws = w.as_cuda_slice::<T>()?.slice(wl.start_offset()..);
         let bs = b.as_cuda_slice::<T>()?.slice(bl.start_offset()..);
-        // SAFETY: the GEMM writes every element (beta = 0).
-        let mut out = unsafe { dev.alloc::<T>(op.rows * op.n)? };
+        let out = out.as_cuda_slice_mut::<T>()?;
+        if offset + op.rows * op.n > out.len() {
+            candle_core::bail!(
+                "fused-linear: {} rows of {} at element {offset} overrun the output",
+                op.rows,
+                op.n
+            );
+        }
+        let mut out = out.slice_mut(offset..offset + op.rows * op.n);
         // Column-major, as cuBLAS sees row-major data: yᵀ [n, rows] = w [k, n]ᵀ · xᵀ [k, rows];
         // the epilogue adds b along yᵀ's rows, i.e. per output feature.
         let (n, rows, k) = (op.n as u64, op.rows as u64, op.k as u64);
@@ -196,8 +341,8 @@ mod cuda {
         };
         let act = op.gelu.then_some(Activation::Gelu);
         // SAFETY: w holds n rows of k, x rows of k, b n values, all contiguous from their
-        // offsets (the caller made them so); out holds rows × n.
+        // offsets (the caller made them so); out holds rows × n from `offset`, checked above.
         unsafe { lt.matmul(cfg, &ws, &xs, &mut out, Some(&bs), act.as_ref()) }.map_err(cublas_error)?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        Ok(())
     }
 }

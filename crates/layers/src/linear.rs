@@ -12,7 +12,7 @@ use crate::Result;
 /// products) through the GEMV kernel; more rows with a bias through the fused linear (one
 /// cuBLASLt GEMM with the bias in its epilogue on CUDA); everything else through candle's
 /// matmul.
-fn apply(linear: &Linear, x: &Tensor) -> Result<Tensor> {
+fn apply(linear: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
     let w = linear.weight();
     if tpinfer_kernels::gemv_on_cuda(x, w) {
         let y = tpinfer_kernels::gemv(x, w)?;
@@ -22,8 +22,31 @@ fn apply(linear: &Linear, x: &Tensor) -> Result<Tensor> {
         });
     }
     match linear.bias() {
-        Some(b) if tpinfer_kernels::fused_linear_covers(x, w) => Ok(tpinfer_kernels::linear_bias(x, w, b, false)?),
-        _ => Ok(linear.forward(x)?),
+        Some(b) if tpinfer_kernels::fused_linear_covers(x, w) => tpinfer_kernels::linear_bias(x, w, b, false),
+        _ => linear.forward(x),
+    }
+}
+
+/// An uninitialized `[rows, out]` output of `linear` for [`apply_into`], in `x`'s type and
+/// on its device.
+fn empty_output(linear: &Linear, rows: usize, x: &Tensor) -> Result<Tensor> {
+    Ok(tpinfer_kernels::empty(
+        &[rows, linear.weight().dim(0)?],
+        x.dtype(),
+        x.device(),
+    )?)
+}
+
+/// [`apply`] (then GELU, tanh approximation, when `gelu`) of rows `x` written into rows
+/// `first_row..` of `out`: a part of a product over gathered rows. With a bias, through the
+/// fused linear, which writes in place on CUDA.
+fn apply_into(linear: &Linear, out: &Tensor, first_row: usize, x: &Tensor, gelu: bool) -> candle_core::Result<()> {
+    match linear.bias() {
+        Some(b) => tpinfer_kernels::linear_bias_into(out, first_row, x, linear.weight(), b, gelu),
+        None => {
+            let y = apply(linear, x)?;
+            out.slice_set(&if gelu { y.gelu()? } else { y }, 0, first_row)
+        }
     }
 }
 
@@ -53,7 +76,18 @@ impl ColumnParallelLinear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        apply(&self.linear, x)
+        Ok(apply(&self.linear, x)?)
+    }
+
+    /// An output of `rows` rows for [`Self::forward_into`], like `x`.
+    pub fn empty_output(&self, rows: usize, x: &Tensor) -> Result<Tensor> {
+        empty_output(&self.linear, rows, x)
+    }
+
+    /// [`Self::forward`] (or [`Self::forward_gelu`] when `gelu`) of rows `x`, written into rows
+    /// `first_row..` of `out`.
+    pub fn forward_into(&self, out: &Tensor, first_row: usize, x: &Tensor, gelu: bool) -> candle_core::Result<()> {
+        apply_into(&self.linear, out, first_row, x, gelu)
     }
 
     /// GELU (tanh approximation) of [`Self::forward`]: with a bias, inside the fused linear
@@ -100,7 +134,12 @@ impl MergedColumnParallelLinear {
     /// The outputs of the merged linears, in the order of their prefixes (views of
     /// [`Self::forward_merged`]'s output).
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let y = self.forward_merged(x)?;
+        self.split(&self.forward_merged(x)?)
+    }
+
+    /// The merged output `y` as the merged linears' outputs (views), in the order of their
+    /// prefixes.
+    pub fn split(&self, y: &Tensor) -> Result<Vec<Tensor>> {
         let last = y.rank() - 1;
         let mut start = 0;
         let mut outs = Vec::with_capacity(self.out_sizes.len());
@@ -113,7 +152,17 @@ impl MergedColumnParallelLinear {
 
     /// The outputs side by side in the last dim, for fused kernels that split them themselves.
     pub fn forward_merged(&self, x: &Tensor) -> Result<Tensor> {
-        apply(&self.linear, x)
+        Ok(apply(&self.linear, x)?)
+    }
+
+    /// An output of `rows` rows for [`Self::forward_merged_into`], like `x`.
+    pub fn empty_output(&self, rows: usize, x: &Tensor) -> Result<Tensor> {
+        empty_output(&self.linear, rows, x)
+    }
+
+    /// [`Self::forward_merged`] of rows `x`, written into rows `first_row..` of `out`.
+    pub fn forward_merged_into(&self, out: &Tensor, first_row: usize, x: &Tensor) -> candle_core::Result<()> {
+        apply_into(&self.linear, out, first_row, x, false)
     }
 
     /// For a gated MLP's `[gate | up]` (two merged linears of one size, no bias) and one
@@ -198,15 +247,19 @@ impl RowParallelLinear {
     /// receives its `sizes[rank]` rows of the output, as
     /// [`Communicator::reduce_scatter_sum`] splits them.
     pub fn forward_scattered(&self, x: &Tensor, sizes: &[usize]) -> Result<Tensor> {
-        let (partial, biased) = self.partial(x)?;
-        let y = self.comm.reduce_scatter_sum(&partial, sizes)?;
-        drop(partial);
+        // Every part is biased alike: the rank and the layer decide, not the rows.
+        let mut biased = false;
+        let y = self.comm.reduce_scatter_rows(sizes, &mut |rows| {
+            let (partial, b) = self.partial(&x.narrow(0, rows.start, rows.len())?)?;
+            biased = b;
+            Ok(partial)
+        })?;
         self.add_bias(y, biased)
     }
 
     /// This rank's partial product of `x`, and whether it carries the bias: where the fused
     /// GEMM covers `x`, rank 0 adds it in the epilogue, before the sum (still once).
-    fn partial(&self, x: &Tensor) -> Result<(Tensor, bool)> {
+    fn partial(&self, x: &Tensor) -> candle_core::Result<(Tensor, bool)> {
         let w = self.linear.weight();
         match &self.bias {
             Some(b) if tpinfer_kernels::fused_linear_covers(x, w) => Ok((

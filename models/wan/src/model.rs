@@ -117,6 +117,30 @@ impl Step<'_> {
         }
     }
 
+    /// Every token's rows of `x` (this rank's rows under sequence parallelism, gathered), to
+    /// `each` with the first row of each part; `tokens` rows in all. Under sequence
+    /// parallelism the ranks' rows move while `each` works on those at hand (profiled with the
+    /// products `each` runs).
+    fn gather_each(
+        &self,
+        x: &Tensor,
+        comm: &dyn Communicator,
+        mut each: impl FnMut(&Tensor, usize) -> candle_core::Result<()>,
+    ) -> Result<()> {
+        match self.rows {
+            Some(rows) => Ok(comm.all_gather_rows(x, &rows.sizes, &mut each)?),
+            None => Ok(each(x, 0)?),
+        }
+    }
+
+    /// The number of tokens: every rank's rows.
+    fn tokens(&self, x: &Tensor) -> Result<usize> {
+        Ok(match self.rows {
+            Some(rows) => rows.sizes.iter().sum(),
+            None => x.dim(0)?,
+        })
+    }
+
     /// Every token's rows of `x`, this rank's rows under sequence parallelism.
     fn gather(&self, x: Tensor, comm: &dyn Communicator) -> Result<Tensor> {
         match self.rows {
@@ -355,9 +379,7 @@ impl Block {
         // Self-attention, gated.
         let n = modulated_norm(&x, &row(0)?, &row(1)?, c.eps)?;
         step.mark("norms and residuals")?;
-        let n = step.gather(n, comm)?;
-        let attn = self.self_attn.forward(&n, &n, Some(step.rope), c, comm, step)?;
-        drop(n);
+        let attn = self.self_attn.forward(n, None, c, comm, step)?;
         x = gated_residual(&x, &attn, &row(2)?)?;
         drop(attn);
 
@@ -367,16 +389,16 @@ impl Block {
             None => x.clone(),
         };
         step.mark("norms and residuals")?;
-        let n = step.gather(n, comm)?;
-        let attn = self.cross_attn.forward(&n, step.context, None, c, comm, step)?;
-        drop(n);
+        let attn = self.cross_attn.forward(n, Some(step.context), c, comm, step)?;
         x = (x + attn)?;
 
         // FFN (GELU, tanh approximation), gated.
         let n = modulated_norm(&x, &row(3)?, &row(4)?, c.eps)?;
         step.mark("norms and residuals")?;
-        let n = step.gather(n, comm)?;
-        let hidden = self.ffn_up.forward_gelu(&n)?;
+        let hidden = self.ffn_up.empty_output(step.tokens(&n)?, &n)?;
+        step.gather_each(&n, comm, |part, first| {
+            self.ffn_up.forward_into(&hidden, first, part, true)
+        })?;
         drop(n);
         step.mark("ffn up + gelu")?;
         let ffn = step.sum(&self.ffn_down, &hidden)?;
@@ -389,20 +411,39 @@ impl Block {
 }
 
 impl Attention {
-    /// Attention of `x` over `source` (itself, or the embedded text), with RoPE (`rope`, see
-    /// [`Step`]) for self-attention. Returns the full-width output summed over the ranks
-    /// (this rank's rows of it under sequence parallelism).
+    /// Attention of the norm `n` (this rank's rows of it under sequence parallelism, gathered
+    /// here) over `text` (the embedded text) or, without, over itself with RoPE (`step.rope`).
+    /// Returns the full-width output summed over the ranks (this rank's rows of it under
+    /// sequence parallelism).
     fn forward(
         &self,
-        x: &Tensor,
-        source: &Tensor,
-        rope: Option<&Tensor>,
+        n: Tensor,
+        text: Option<&Tensor>,
         c: &WanConfig,
         comm: &dyn Communicator,
         step: &Step,
     ) -> Result<Tensor> {
-        let q = self.q.forward(x)?;
-        let kv = self.kv.forward(source)?;
+        let tokens = step.tokens(&n)?;
+        let q = self.q.empty_output(tokens, &n)?;
+        let merged = match text {
+            Some(text) => {
+                step.gather_each(&n, comm, |part, first| self.q.forward_into(&q, first, part, false))?;
+                self.kv.forward_merged(text)?
+            }
+            None => {
+                let kv = self.kv.empty_output(tokens, &n)?;
+                step.gather_each(&n, comm, |part, first| {
+                    self.q.forward_into(&q, first, part, false)?;
+                    self.kv.forward_merged_into(&kv, first, part)
+                })?;
+                kv
+            }
+        };
+        drop(n);
+        // Views into the merged output, which they keep alive until attention ends.
+        let kv = self.kv.split(&merged)?;
+        drop(merged);
+        let rope = text.is_none().then_some(step.rope);
         step.mark("q/k/v projections")?;
         let (q, k) = full_width_rms_norm(q, &kv[0], &self.norm_q, &self.norm_k, rope, c, comm)?;
         step.mark(if rope.is_some() {
