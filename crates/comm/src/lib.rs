@@ -13,6 +13,8 @@ mod nccl;
 mod parts;
 #[cfg(feature = "nccl")]
 mod peer;
+#[cfg(feature = "nccl")]
+mod peer_rows;
 mod stats;
 mod threads;
 
@@ -21,6 +23,8 @@ pub use error::{Collective, CommError};
 pub use nccl::{NcclComm, NcclGroup};
 #[cfg(feature = "nccl")]
 pub use peer::PEER_ALL_REDUCE_ENV;
+#[cfg(feature = "nccl")]
+pub use peer_rows::PEER_ROWS_ENV;
 pub use stats::{CommStats, StatsSnapshot};
 pub use threads::{ThreadComm, ThreadGroup, DEFAULT_TIMEOUT};
 

@@ -19,6 +19,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 
 use crate::peer::PeerReduce;
+use crate::peer_rows::PeerRows;
 use crate::{Collective, CommError, CommStats, Communicator};
 
 /// All-reduces of 16-bit tensors up to this size over more than two ranks are summed in f32
@@ -96,6 +97,10 @@ pub struct NcclComm {
     comm: RefCell<Option<Comm>>,
     /// Small all-reduces between GPUs with peer access, where every pair has it.
     peer_reduce: Option<PeerReduce>,
+    /// Sequence parallelism's row exchanges by copy engines, where every pair has it.
+    peer_rows: Option<PeerRows>,
+    /// The number of set-up meetings so far.
+    meetings: std::cell::Cell<usize>,
     stats: CommStats,
 }
 
@@ -147,14 +152,23 @@ impl NcclComm {
             group,
             comm: RefCell::new(Some(comm)),
             peer_reduce: None,
+            peer_rows: None,
+            meetings: std::cell::Cell::new(0),
             stats: CommStats::default(),
         };
-        let mut meeting = 0;
-        this.peer_reduce = PeerReduce::set_up(&context, rank, this.group.world_size, |value| {
-            meeting += 1;
-            this.meet(meeting - 1, value)
-        })?;
+        let devices = crate::peer::peer_devices(&context, rank, this.group.world_size, |v| this.meet_next(v))?;
+        if let Some(devices) = devices {
+            this.peer_reduce = PeerReduce::set_up(&context, rank, &devices, |v| this.meet_next(v))?;
+            this.peer_rows = PeerRows::set_up(cuda, rank, &devices, |v| this.meet_next(v))?;
+        }
         Ok(this)
+    }
+
+    /// [`Self::meet`] at the next meeting: every rank meets in the same order.
+    fn meet_next(&self, value: u64) -> Result<Vec<u64>, CommError> {
+        let meeting = self.meetings.get();
+        self.meetings.set(meeting + 1);
+        self.meet(meeting, value)
     }
 
     /// Posts `value` as this rank's at set-up meeting `meeting` and returns every rank's, once
@@ -297,9 +311,13 @@ impl NcclComm {
         }
     }
 
-    /// ncclCommAbort on this rank's communicator (dropping cudarc's `Comm` aborts it).
+    /// ncclCommAbort on this rank's communicator (dropping cudarc's `Comm` aborts it), and
+    /// every wait on a peer's rows let through.
     fn abort_local(&self) {
         drop(self.comm.borrow_mut().take());
+        if let Some(rows) = &self.peer_rows {
+            rows.release_waits();
+        }
     }
 }
 
@@ -446,6 +464,52 @@ impl Communicator for NcclComm {
         };
         self.stats.record_all_gather(start.elapsed());
         Ok(out)
+    }
+
+    fn all_gather_rows(
+        &self,
+        x: &Tensor,
+        sizes: &[usize],
+        each: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<()>,
+    ) -> Result<(), CommError> {
+        let op = Collective::AllGather { dim: 0 };
+        crate::check_gather_sizes(self.rank, self.group.world_size, x, 0, sizes)?;
+        let Some(rows) = &self.peer_rows else {
+            let all = self.all_gather_sized(x, 0, sizes)?;
+            return each(&all, 0).map_err(self.tensor_error(op));
+        };
+        let start = Instant::now();
+        rows.all_gather_rows(x, sizes, each, &mut |v| self.meet_next(v))
+            .map_err(self.tensor_error(op))?;
+        self.stats.record_all_gather(start.elapsed());
+        Ok(())
+    }
+
+    fn reduce_scatter_rows(
+        &self,
+        sizes: &[usize],
+        partial: &mut dyn FnMut(std::ops::Range<usize>) -> candle_core::Result<Tensor>,
+    ) -> Result<Tensor, CommError> {
+        let op = Collective::ReduceScatterSum;
+        let Some(rows) = &self.peer_rows else {
+            let whole = partial(0..sizes.iter().sum()).map_err(self.tensor_error(op))?;
+            return self.reduce_scatter_sum(&whole, sizes);
+        };
+        if sizes.len() != self.group.world_size {
+            return Err(CommError::Shape {
+                rank: self.rank,
+                op,
+                detail: format!("{} sizes for {} ranks", sizes.len(), self.group.world_size),
+            });
+        }
+        let start = Instant::now();
+        let sum = rows
+            .reduce_scatter_rows(sizes, partial, &mut |v| self.meet_next(v))
+            .map_err(self.tensor_error(op))?;
+        let width = sum.dims().get(1).copied().unwrap_or(1);
+        let bytes = sizes.iter().sum::<usize>() * width * sum.dtype().size_in_bytes();
+        self.stats.record_all_reduce(bytes, start.elapsed());
+        Ok(sum)
     }
 
     /// Also the host's bounded sync point: it returns once the broadcast has completed.

@@ -23,36 +23,28 @@ pub(crate) struct PeerReduce {
 }
 
 impl PeerReduce {
-    /// Sets the rank's part up, or `None` where the kernel cannot run: one rank, more than
-    /// [`MAX_RANKS`], switched off, or a pair of GPUs without peer access. `meet` swaps one
-    /// value per rank with every rank (a host meeting); every rank takes the same decision.
+    /// Sets the rank's part up on `devices` (every rank's, all pairs with peer access
+    /// enabled), or `None` where the kernel cannot run: more than [`MAX_RANKS`], or switched
+    /// off. `meet` swaps one value per rank with every rank (a host meeting); every rank takes
+    /// the same decision.
     pub(crate) fn set_up(
         context: &Arc<CudaContext>,
         rank: usize,
-        world: usize,
+        devices: &[sys::CUdevice],
         mut meet: impl FnMut(u64) -> Result<Vec<u64>, CommError>,
     ) -> Result<Option<Self>, CommError> {
-        let off = |name: &str| std::env::var(name).is_ok_and(|v| v.trim() == "0");
-        let p2p_disabled = std::env::var("NCCL_P2P_DISABLE").is_ok_and(|v| v.trim() == "1");
-        if world == 1 || world > MAX_RANKS || off(PEER_ALL_REDUCE_ENV) || p2p_disabled {
+        let off = std::env::var(PEER_ALL_REDUCE_ENV).is_ok_and(|v| v.trim() == "0");
+        let world = devices.len();
+        if world > MAX_RANKS || off {
             return Ok(None);
         }
-        let own = context.cu_device();
-        let devices: Vec<sys::CUdevice> = meet(own as u64)?.into_iter().map(|d| d as sys::CUdevice).collect();
-        let reachable = devices.iter().all(|&a| {
-            devices.iter().all(|&b| {
-                let mut can = 0;
-                // SAFETY: a plain query of two device ordinals this process has opened.
-                a == b || (unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, b) }.result().is_ok() && can == 1)
-            })
-        });
-        if !reachable {
-            return Ok(None);
-        }
-        let buffer = match allocate(context, own, &devices) {
+        let buffer = match allocate(context) {
             Ok(buffer) => buffer,
             Err(e) => {
-                tracing::warn!(rank, "peer access not set up ({e:?}); small all-reduces stay on NCCL");
+                tracing::warn!(
+                    rank,
+                    "peer buffer not allocated ({e:?}); small all-reduces stay on NCCL"
+                );
                 0
             }
         };
@@ -92,9 +84,46 @@ impl Drop for PeerReduce {
     }
 }
 
-/// Grants this device access to every peer's memory (and so theirs to ours, as each rank
-/// does the same) and allocates this rank's zeroed buffer.
-fn allocate(context: &Arc<CudaContext>, own: sys::CUdevice, devices: &[sys::CUdevice]) -> Result<u64, DriverError> {
+/// Every rank's device, in rank order, where every pair of them has peer access, which this
+/// rank's context then has to every peer (and theirs to it, as each rank does the same);
+/// `None` where any pair lacks it or a rank could not enable it, for one rank, or under
+/// `NCCL_P2P_DISABLE=1`. Two meetings; every rank takes the same decision.
+pub(crate) fn peer_devices(
+    context: &Arc<CudaContext>,
+    rank: usize,
+    world: usize,
+    mut meet: impl FnMut(u64) -> Result<Vec<u64>, CommError>,
+) -> Result<Option<Vec<sys::CUdevice>>, CommError> {
+    let p2p_disabled = std::env::var("NCCL_P2P_DISABLE").is_ok_and(|v| v.trim() == "1");
+    if world == 1 || p2p_disabled {
+        return Ok(None);
+    }
+    let own = context.cu_device();
+    let devices: Vec<sys::CUdevice> = meet(own as u64)?.into_iter().map(|d| d as sys::CUdevice).collect();
+    let reachable = devices.iter().all(|&a| {
+        devices.iter().all(|&b| {
+            let mut can = 0;
+            // SAFETY: a plain query of two device ordinals this process has opened.
+            a == b || (unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, b) }.result().is_ok() && can == 1)
+        })
+    });
+    if !reachable {
+        return Ok(None);
+    }
+    let enabled = enable_peer_access(context, own, &devices);
+    if let Err(e) = &enabled {
+        tracing::warn!(rank, "peer access not enabled ({e:?}); collectives stay on NCCL");
+    }
+    let everywhere = meet(enabled.is_ok() as u64)?.iter().all(|&ok| ok == 1);
+    Ok(everywhere.then_some(devices))
+}
+
+/// Grants this device access to every peer's memory.
+fn enable_peer_access(
+    context: &Arc<CudaContext>,
+    own: sys::CUdevice,
+    devices: &[sys::CUdevice],
+) -> Result<(), DriverError> {
     context.bind_to_thread()?;
     for &peer in devices.iter().filter(|&&d| d != own) {
         let mut peer_context = std::ptr::null_mut();
@@ -110,6 +139,12 @@ fn allocate(context: &Arc<CudaContext>, own: sys::CUdevice, devices: &[sys::CUde
             }
         }
     }
+    Ok(())
+}
+
+/// This rank's zeroed buffer.
+fn allocate(context: &Arc<CudaContext>) -> Result<u64, DriverError> {
+    context.bind_to_thread()?;
     // SAFETY: a plain allocation in the bound context, zeroed before any kernel reads it.
     unsafe {
         let buffer = result::malloc_sync(BUFFER_BYTES)?;
