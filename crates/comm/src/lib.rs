@@ -76,18 +76,25 @@ pub trait Communicator {
         let all = self.all_gather_sized(x, 0, sizes)?;
         each(&all, 0).map_err(rows_error(self.rank(), Collective::AllGather { dim: 0 }))
     }
-    /// [`Communicator::reduce_scatter_sum`] of a product computed by rows: `partial(rows)` is
-    /// this rank's partial product of those rows of the whole, and every row is asked for
-    /// once. Where the parts move while the next is computed (GPUs with peer access), each
-    /// rank's rows are asked for apart, this rank's last; elsewhere all rows may be asked for
-    /// at once.
+    /// [`Communicator::reduce_scatter_sum`] of a product computed by rows, handed to `finish`:
+    /// `partial(rows)` is this rank's partial product of those rows of the whole, and every
+    /// row is asked for once; `finish` gets this rank's rows of the sum as parts to add in
+    /// order and returns what its caller makes of them (a residual update, say), so that the
+    /// sum need not be written apart. Where the parts move while the next is computed (GPUs
+    /// with peer access), each rank's rows are asked for apart, this rank's last, and `finish`
+    /// gets every rank's partial of them, in rank order, valid for the work it queues;
+    /// elsewhere all rows may be asked for at once and `finish` gets the sum.
     fn reduce_scatter_rows(
         &self,
         sizes: &[usize],
         partial: &mut dyn FnMut(Range<usize>) -> candle_core::Result<Tensor>,
+        finish: &mut dyn FnMut(&[Tensor]) -> candle_core::Result<Tensor>,
     ) -> Result<Tensor, CommError> {
-        let whole = partial(0..sizes.iter().sum()).map_err(rows_error(self.rank(), Collective::ReduceScatterSum))?;
-        self.reduce_scatter_sum(&whole, sizes)
+        let op = Collective::ReduceScatterSum;
+        let whole = partial(0..sizes.iter().sum()).map_err(rows_error(self.rank(), op))?;
+        let sum = self.reduce_scatter_sum(&whole, sizes)?;
+        drop(whole);
+        finish(&[sum]).map_err(rows_error(self.rank(), op))
     }
     /// The `root` rank's tensor, on every rank. Other ranks pass a tensor of the same shape.
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor, CommError>;

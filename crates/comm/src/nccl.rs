@@ -489,11 +489,14 @@ impl Communicator for NcclComm {
         &self,
         sizes: &[usize],
         partial: &mut dyn FnMut(std::ops::Range<usize>) -> candle_core::Result<Tensor>,
+        finish: &mut dyn FnMut(&[Tensor]) -> candle_core::Result<Tensor>,
     ) -> Result<Tensor, CommError> {
         let op = Collective::ReduceScatterSum;
         let Some(rows) = &self.peer_rows else {
             let whole = partial(0..sizes.iter().sum()).map_err(self.tensor_error(op))?;
-            return self.reduce_scatter_sum(&whole, sizes);
+            let sum = self.reduce_scatter_sum(&whole, sizes)?;
+            drop(whole);
+            return finish(&[sum]).map_err(self.tensor_error(op));
         };
         if sizes.len() != self.group.world_size {
             return Err(CommError::Shape {
@@ -503,13 +506,22 @@ impl Communicator for NcclComm {
             });
         }
         let start = Instant::now();
-        let sum = rows
-            .reduce_scatter_rows(sizes, partial, &mut |v| self.meet_next(v))
+        let mut width = 0;
+        let out = rows
+            .reduce_scatter_rows(
+                sizes,
+                &mut |range| {
+                    let part = partial(range)?;
+                    width = part.dims().get(1).copied().unwrap_or(1);
+                    Ok(part)
+                },
+                finish,
+                &mut |v| self.meet_next(v),
+            )
             .map_err(self.tensor_error(op))?;
-        let width = sum.dims().get(1).copied().unwrap_or(1);
-        let bytes = sizes.iter().sum::<usize>() * width * sum.dtype().size_in_bytes();
+        let bytes = sizes.iter().sum::<usize>() * width * out.dtype().size_in_bytes();
         self.stats.record_all_reduce(bytes, start.elapsed());
-        Ok(sum)
+        Ok(out)
     }
 
     /// Also the host's bounded sync point: it returns once the broadcast has completed.

@@ -256,11 +256,13 @@ impl PeerRows {
     }
 
     /// [`crate::Communicator::reduce_scatter_rows`]: each peer's part computed and pushed in
-    /// turn, this rank's last, then the parts summed in rank order.
+    /// turn, this rank's last, then every rank's part of this rank's rows, in rank order, to
+    /// `finish`.
     pub(crate) fn reduce_scatter_rows(
         &self,
         sizes: &[usize],
         partial: &mut dyn FnMut(Range<usize>) -> candle_core::Result<Tensor>,
+        finish: &mut dyn FnMut(&[Tensor]) -> candle_core::Result<Tensor>,
         meet: &mut dyn FnMut(u64) -> Result<Vec<u64>, CommError>,
     ) -> candle_core::Result<Tensor> {
         let ranges = crate::row_ranges(sizes);
@@ -277,23 +279,20 @@ impl PeerRows {
         }
         let own = partial(ranges[self.rank].clone())?;
         let d = own.dims2()?.1;
-        let mut sum: Option<Tensor> = None;
-        for r in 0..self.world {
-            let part = match r == self.rank {
-                true => own.clone(),
+        let parts = (0..self.world)
+            .map(|r| match r == self.rank {
+                true => Ok(own.clone()),
                 false => {
                     self.arrival(r, n)?;
-                    self.slot(r, sizes[self.rank], d)?
+                    self.slot(r, sizes[self.rank], d)
                 }
-            };
-            sum = Some(match sum {
-                None => part,
-                Some(s) => (s + part)?,
-            });
-        }
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let out = finish(&parts)?;
+        drop(parts);
         self.finish(n)?;
         drop(pushed);
-        sum.ok_or_else(|| candle_core::Error::Msg("reduce-scatter over no ranks".into()))
+        Ok(out)
     }
 
     /// Lets every wait of this rank's streams through, so that no stream stays blocked on a

@@ -284,6 +284,7 @@ impl Communicator for ThreadComm {
         &self,
         sizes: &[usize],
         partial: &mut dyn FnMut(std::ops::Range<usize>) -> candle_core::Result<Tensor>,
+        finish: &mut dyn FnMut(&[Tensor]) -> candle_core::Result<Tensor>,
     ) -> Result<Tensor, CommError> {
         let ranges = crate::row_ranges(sizes);
         let world = self.shared.world_size;
@@ -295,7 +296,8 @@ impl Communicator for ThreadComm {
         }
         let parts: Vec<Tensor> = parts.into_iter().flatten().collect();
         let whole = Tensor::cat(&parts, 0).map_err(crate::rows_error(self.rank, Collective::ReduceScatterSum))?;
-        self.reduce_scatter_sum(&whole, sizes)
+        let sum = self.reduce_scatter_sum(&whole, sizes)?;
+        finish(&[sum]).map_err(crate::rows_error(self.rank, Collective::ReduceScatterSum))
     }
 
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor, CommError> {

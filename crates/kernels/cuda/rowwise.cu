@@ -65,6 +65,26 @@ __device__ void gated_residual(const T* x, const T* y, const float* gate, T* out
     }
 }
 
+// out = T(x + T(y0 + y1) · gate[col]), or without `gate` T(x + T(y0 + y1)): a residual update
+// with a two-rank sum of row-parallel outputs fused in, rounded as the sum and the update
+// apart would be.
+template <typename T, int N>
+__device__ void residual_pair(const T* x, const T* y0, const T* y1, const float* gate, T* out, int cols) {
+    const long at = (long)blockIdx.x * cols;
+    for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
+        float a[N], b[N], c[N];
+        load_pack<T, N>(x + at + j, a);
+        load_pack<T, N>(y0 + at + j, b);
+        load_pack<T, N>(y1 + at + j, c);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const float sum = to_f32(from_f32<T>(b[i] + c[i]));
+            a[i] += gate ? sum * gate[j + i] : sum;
+        }
+        store_pack<T, N>(out + at + j, a);
+    }
+}
+
 // out[row] = Σ_col x²; rows `row_stride` apart.
 template <typename T, int N>
 __device__ void row_sum_squares(const T* x, long row_stride, float* out, int cols) {
@@ -217,6 +237,10 @@ __device__ void embed_owned_rows(const unsigned* ids, const T* w, T* out, unsign
     extern "C" __global__ void gated_residual_##SUFFIX(const T* x, const T* y, const float* gate, T* out,  \
                                                         int cols) {                                       \
         gated_residual<T, N>(x, y, gate, out, cols);                                                       \
+    }                                                                                                      \
+    extern "C" __global__ void residual_pair_##SUFFIX(const T* x, const T* y0, const T* y1,               \
+                                                       const float* gate, T* out, int cols) {             \
+        residual_pair<T, N>(x, y0, y1, gate, out, cols);                                                   \
     }                                                                                                      \
     extern "C" __global__ void row_sum_squares_##SUFFIX(const T* x, long row_stride, float* out, int cols) { \
         row_sum_squares<T, N>(x, row_stride, out, cols);                                                   \

@@ -32,7 +32,8 @@ pub use linear::{empty, fused_linear_covers, linear_bias, linear_bias_into};
 pub use position::write_u32s;
 pub use rotary::rotary_qkv;
 pub use rowwise::{
-    add_rms_norm, embed_owned_rows, gated_residual, layer_norm, row_sum_squares, scale_rows_cols, silu_mul,
+    add_rms_norm, embed_owned_rows, gated_residual, layer_norm, residual_sum, row_sum_squares, scale_rows_cols,
+    silu_mul,
 };
 
 use candle_core::{DType, Device, Result, Tensor};

@@ -19,6 +19,89 @@ pub fn gated_residual(x: &Tensor, y: &Tensor, gate: &Tensor) -> Result<Tensor> {
         .apply_op3_no_bwd(&y.contiguous()?, &gate.contiguous()?, &Rowwise::GatedResidual)
 }
 
+/// `x + Σ parts · gate` with `gate` `[cols]` f32, or `x + Σ parts` without: a residual update
+/// from the ranks' rows of a row-parallel output under sequence parallelism, summed in part
+/// order and rounded as separate adds would be. Two parts on CUDA (TP 2) take one kernel that
+/// reads them where they lie; otherwise the parts are added first.
+pub fn residual_sum(x: &Tensor, parts: &[Tensor], gate: Option<&Tensor>) -> Result<Tensor> {
+    check(x, "residual_sum")?;
+    if let Some(p) = parts.iter().find(|p| p.dims() != x.dims()) {
+        candle_core::bail!("residual_sum: a part {:?} does not match x {:?}", p.dims(), x.dims());
+    }
+    #[cfg(feature = "cuda")]
+    if let ([y0, y1], true) = (parts, x.device().is_cuda()) {
+        let gate = gate
+            .map(|g| g.to_dtype(candle_core::DType::F32)?.contiguous())
+            .transpose()?;
+        if gate.as_ref().is_some_and(|g| g.dims() != [x.dims()[1]]) {
+            candle_core::bail!(
+                "residual_sum: gate {:?} does not match x {:?}",
+                gate.map(|g| g.dims().to_vec()),
+                x.dims()
+            );
+        }
+        return x
+            .contiguous()?
+            .apply_op3_no_bwd(&y0.contiguous()?, &y1.contiguous()?, &ResidualPair { gate });
+    }
+    let (first, rest) = parts
+        .split_first()
+        .ok_or_else(|| candle_core::Error::Msg("residual_sum: no parts".into()))?;
+    let mut sum = first.clone();
+    for part in rest {
+        sum = (sum + part)?;
+    }
+    match gate {
+        Some(gate) => gated_residual(x, &sum, gate),
+        None => x + sum,
+    }
+}
+
+/// [`residual_sum`]'s kernel for two parts, the gate held by the op.
+#[cfg(feature = "cuda")]
+struct ResidualPair {
+    gate: Option<Tensor>,
+}
+
+#[cfg(feature = "cuda")]
+impl candle_core::CustomOp3 for ResidualPair {
+    fn name(&self) -> &'static str {
+        "residual_pair"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("residual_pair runs on CUDA (residual_sum adds the parts first elsewhere)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        y0: &candle_core::CudaStorage,
+        y0l: &Layout,
+        y1: &candle_core::CudaStorage,
+        y1l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let gate = self.gate.as_ref().map(|g| g.storage_and_layout());
+        let gate = match &gate {
+            Some((storage, layout)) => match &**storage {
+                candle_core::Storage::Cuda(s) => Some((s, *layout)),
+                _ => candle_core::bail!("residual_pair: the gate is not on the GPU"),
+            },
+            None => None,
+        };
+        cuda::residual_pair((x, xl), (y0, y0l), (y1, y1l), gate)
+    }
+}
+
 /// `Σ_j x[i, j]²` in f32, `[rows, 1]`. Rows may lie any distance apart (a view of some
 /// columns of a wider matrix is read in place).
 pub fn row_sum_squares(x: &Tensor) -> Result<Tensor> {
@@ -490,6 +573,53 @@ mod cuda {
                 unsafe { builder.launch(per_row(rows)) }.w()?;
             }
         }
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((rows, cols)),
+        ))
+    }
+
+    pub(super) fn residual_pair(x: Input, y0: Input, y1: Input, gate: Option<Input>) -> Result<(CudaStorage, Shape)> {
+        match x.0.dtype() {
+            DType::F32 => residual_pair_typed::<f32>(x, y0, y1, gate),
+            DType::BF16 => residual_pair_typed::<bf16>(x, y0, y1, gate),
+            DType::F16 => residual_pair_typed::<f16>(x, y0, y1, gate),
+            other => candle_core::bail!("residual_pair: unsupported dtype {other:?}"),
+        }
+    }
+
+    fn residual_pair_typed<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+        x: Input,
+        y0: Input,
+        y1: Input,
+        gate: Option<Input>,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (rows, cols) = x.1.shape().dims2()?;
+        let n = rows * cols;
+        let dev: &CudaDevice = x.0.device();
+        let (xs, a, b) = (view::<T>(x)?, view::<T>(y0)?, view::<T>(y1)?);
+        let gate = gate.map(view::<f32>).transpose()?;
+        if a.len() != n || b.len() != n || gate.as_ref().is_some_and(|g| g.len() != cols) {
+            candle_core::bail!("residual_pair: parts or gate do not match x [{rows}, {cols}]");
+        }
+        let starts = [x.1.start_offset(), y0.1.start_offset(), y1.1.start_offset()];
+        let func = dev.get_or_load_custom_func(
+            &row_kernel::<T>("residual_pair", x.0.dtype(), cols, &starts)?,
+            "tpinfer_rowwise",
+            PTX,
+        )?;
+        // SAFETY: every element is written by the kernel.
+        let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+        let (cols_i, null) = (cols as i32, 0u64);
+        let mut builder = func.builder();
+        builder.arg(&xs).arg(&a).arg(&b);
+        match &gate {
+            Some(g) => builder.arg(g),
+            None => builder.arg(&null),
+        };
+        builder.arg(&out).arg(&cols_i);
+        // SAFETY: the arguments match the kernel's signature and sizes were checked.
+        unsafe { builder.launch(per_row(rows)) }.w()?;
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             Shape::from((rows, cols)),

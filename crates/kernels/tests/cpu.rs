@@ -7,8 +7,8 @@
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
     add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, gated_residual, gemv,
-    gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, rotary_qkv, row_sum_squares, scale_rows_cols, silu_mul,
-    write_u32s,
+    gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, linear_bias_into, residual_sum, rotary_qkv,
+    row_sum_squares, scale_rows_cols, silu_mul, write_u32s,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -399,6 +399,47 @@ fn biased_linear_keeps_leading_dims_and_applies_gelu_after_the_bias() {
     let from_view = linear_bias(&view, &w, &b, true).expect("view");
     let from_copy = linear_bias(&view.contiguous().expect("copy"), &w, &b, true).expect("copy");
     assert!(rel(&from_view, &from_copy) < 1e-7);
+}
+
+#[test]
+fn biased_linear_into_rows_writes_each_part_where_it_belongs() {
+    let (x, w, b) = (randn(&[7, 16], 36), randn(&[5, 16], 37), randn(&[5], 38));
+    for gelu in [false, true] {
+        let whole = linear_bias(&x, &w, &b, gelu).expect("whole");
+        let out = tpinfer_kernels::empty(&[7, 5], DType::F32, &Device::Cpu).expect("out");
+        // Parts in the order peer rows arrive: the middle rows first, then the others.
+        for (first, rows) in [(3, 4), (0, 3)] {
+            let part = x.narrow(0, first, rows).expect("part");
+            linear_bias_into(&out, first, &part, &w, &b, gelu).expect("into");
+        }
+        assert!(rel(&out, &whole) < 1e-6, "gelu {gelu}");
+    }
+    let out = Tensor::zeros((4, 5), DType::F32, &Device::Cpu).expect("out");
+    assert!(
+        linear_bias_into(&out, 2, &x.narrow(0, 0, 3).expect("part"), &w, &b, false).is_err(),
+        "rows past the output are refused"
+    );
+}
+
+#[test]
+fn residual_sums_add_the_parts_in_order_then_the_gated_update() {
+    let (x, gate) = (randn(&[6, 40], 70), randn(&[40], 71));
+    let parts: Vec<Tensor> = (72..75).map(|seed| randn(&[6, 40], seed)).collect();
+    let sum = ((&parts[0] + &parts[1]).expect("sum") + &parts[2]).expect("sum");
+    let gated = residual_sum(&x, &parts, Some(&gate)).expect("gated");
+    assert!(rel(&gated, &gated_residual(&x, &sum, &gate).expect("reference")) < 1e-7);
+    let plain = residual_sum(&x, &parts[..2], None).expect("plain");
+    assert!(
+        rel(
+            &plain,
+            &(&x + (&parts[0] + &parts[1]).expect("sum")).expect("reference")
+        ) < 1e-7
+    );
+    assert!(residual_sum(&x, &[], None).is_err(), "no parts is refused");
+    assert!(
+        residual_sum(&x, &[randn(&[6, 39], 75)], None).is_err(),
+        "a part of another shape is refused"
+    );
 }
 
 #[test]

@@ -243,18 +243,36 @@ impl RowParallelLinear {
         self.reduce(partial)
     }
 
-    /// [`Self::forward`] with the sum scattered by rows (sequence parallelism): this rank
-    /// receives its `sizes[rank]` rows of the output, as
-    /// [`Communicator::reduce_scatter_sum`] splits them.
-    pub fn forward_scattered(&self, x: &Tensor, sizes: &[usize]) -> Result<Tensor> {
+    /// [`Self::forward`] with the sum scattered by rows (sequence parallelism): this rank's
+    /// `sizes[rank]` rows of the output, as [`Communicator::reduce_scatter_sum`] splits them,
+    /// handed to `finish` as parts to add in order (see
+    /// [`Communicator::reduce_scatter_rows`]), whose result is returned.
+    pub fn forward_scattered(
+        &self,
+        x: &Tensor,
+        sizes: &[usize],
+        finish: &mut dyn FnMut(&[Tensor]) -> candle_core::Result<Tensor>,
+    ) -> Result<Tensor> {
         // Every part is biased alike: the rank and the layer decide, not the rows.
-        let mut biased = false;
-        let y = self.comm.reduce_scatter_rows(sizes, &mut |rows| {
-            let (partial, b) = self.partial(&x.narrow(0, rows.start, rows.len())?)?;
-            biased = b;
-            Ok(partial)
-        })?;
-        self.add_bias(y, biased)
+        let biased = std::cell::Cell::new(false);
+        Ok(self.comm.reduce_scatter_rows(
+            sizes,
+            &mut |rows| {
+                let (partial, b) = self.partial(&x.narrow(0, rows.start, rows.len())?)?;
+                biased.set(b);
+                Ok(partial)
+            },
+            &mut |parts| match (&self.bias, biased.get()) {
+                (Some(b), false) => {
+                    let (first, rest) = parts
+                        .split_first()
+                        .ok_or_else(|| candle_core::Error::Msg("no parts".into()))?;
+                    let sum = rest.iter().try_fold(first.clone(), |sum, part| sum + part)?;
+                    finish(&[sum.broadcast_add(b)?])
+                }
+                _ => finish(parts),
+            },
+        )?)
     }
 
     /// This rank's partial product of `x`, and whether it carries the bias: where the fused

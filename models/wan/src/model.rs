@@ -2,7 +2,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
-use tpinfer_kernels::{gated_residual, layer_norm, row_sum_squares, scale_rows_cols};
+use tpinfer_kernels::{layer_norm, residual_sum, row_sum_squares, scale_rows_cols};
 use tpinfer_layers::{full_attention, ColumnParallelLinear, MergedColumnParallelLinear, Result, RowParallelLinear};
 use tpinfer_weights::{ShardLoader, WeightStore};
 
@@ -153,12 +153,18 @@ impl Step<'_> {
         }
     }
 
-    /// A row-parallel linear's output: summed over the ranks, scattered to this rank's rows
-    /// under sequence parallelism.
-    fn sum(&self, linear: &RowParallelLinear, x: &Tensor) -> Result<Tensor> {
+    /// A row-parallel linear's output summed over the ranks (scattered to this rank's rows
+    /// under sequence parallelism), handed to `finish` as parts to add in order; returns what
+    /// `finish` makes of them.
+    fn sum(
+        &self,
+        linear: &RowParallelLinear,
+        x: &Tensor,
+        finish: &mut dyn FnMut(&[Tensor]) -> candle_core::Result<Tensor>,
+    ) -> Result<Tensor> {
         match self.rows {
-            Some(rows) => linear.forward_scattered(x, &rows.sizes),
-            None => linear.forward(x),
+            Some(rows) => linear.forward_scattered(x, &rows.sizes, finish),
+            None => Ok(finish(&[linear.forward(x)?])?),
         }
     }
 }
@@ -379,9 +385,11 @@ impl Block {
         // Self-attention, gated.
         let n = modulated_norm(&x, &row(0)?, &row(1)?, c.eps)?;
         step.mark("norms and residuals")?;
-        let attn = self.self_attn.forward(n, None, c, comm, step)?;
-        x = gated_residual(&x, &attn, &row(2)?)?;
-        drop(attn);
+        let gate = row(2)?;
+        let updated = self.self_attn.forward(n, None, c, comm, step, &mut |parts| {
+            residual_sum(&x, parts, Some(&gate))
+        })?;
+        x = updated;
 
         // Cross-attention to the text, plain residual.
         let n = match &self.norm2 {
@@ -389,8 +397,12 @@ impl Block {
             None => x.clone(),
         };
         step.mark("norms and residuals")?;
-        let attn = self.cross_attn.forward(n, Some(step.context), c, comm, step)?;
-        x = (x + attn)?;
+        let updated = self
+            .cross_attn
+            .forward(n, Some(step.context), c, comm, step, &mut |parts| {
+                residual_sum(&x, parts, None)
+            })?;
+        x = updated;
 
         // FFN (GELU, tanh approximation), gated.
         let n = modulated_norm(&x, &row(3)?, &row(4)?, c.eps)?;
@@ -401,10 +413,13 @@ impl Block {
         })?;
         drop(n);
         step.mark("ffn up + gelu")?;
-        let ffn = step.sum(&self.ffn_down, &hidden)?;
+        let gate = row(5)?;
+        let updated = step.sum(&self.ffn_down, &hidden, &mut |parts| {
+            residual_sum(&x, parts, Some(&gate))
+        })?;
         drop(hidden);
+        x = updated;
         step.mark("ffn down + sum")?;
-        x = gated_residual(&x, &ffn, &row(5)?)?;
         step.mark("norms and residuals")?;
         Ok(x)
     }
@@ -413,8 +428,8 @@ impl Block {
 impl Attention {
     /// Attention of the norm `n` (this rank's rows of it under sequence parallelism, gathered
     /// here) over `text` (the embedded text) or, without, over itself with RoPE (`step.rope`).
-    /// Returns the full-width output summed over the ranks (this rank's rows of it under
-    /// sequence parallelism).
+    /// The full-width output, summed over the ranks (this rank's rows of it under sequence
+    /// parallelism), goes to `finish` as parts to add in order: returns what it makes of them.
     fn forward(
         &self,
         n: Tensor,
@@ -422,6 +437,7 @@ impl Attention {
         c: &WanConfig,
         comm: &dyn Communicator,
         step: &Step,
+        finish: &mut dyn FnMut(&[Tensor]) -> candle_core::Result<Tensor>,
     ) -> Result<Tensor> {
         let tokens = step.tokens(&n)?;
         let q = self.q.empty_output(tokens, &n)?;
@@ -468,7 +484,7 @@ impl Attention {
             "cross-attention"
         })?;
         let (s, n, _) = out.dims3()?;
-        let out = step.sum(&self.o, &out.reshape((s, n * hd))?)?;
+        let out = step.sum(&self.o, &out.reshape((s, n * hd))?, finish)?;
         step.mark("out projection + sum")?;
         Ok(out)
     }
