@@ -97,8 +97,12 @@ pub struct NcclComm {
     comm: RefCell<Option<Comm>>,
     /// Small all-reduces between GPUs with peer access, where every pair has it.
     peer_reduce: Option<PeerReduce>,
-    /// Sequence parallelism's row exchanges by copy engines, where every pair has it.
-    peer_rows: Option<PeerRows>,
+    /// Every rank's device where every pair has peer access.
+    peer_devices: Option<Vec<candle_core::cuda::cudarc::driver::sys::CUdevice>>,
+    /// Sequence parallelism's row exchanges by copy engines, where every pair has peer
+    /// access: set up at the first exchange, so that ranks that never exchange rows (Llama's)
+    /// neither open the memory pool to their peers nor hold the streams.
+    peer_rows: std::cell::OnceCell<Option<PeerRows>>,
     /// The number of set-up meetings so far.
     meetings: std::cell::Cell<usize>,
     stats: CommStats,
@@ -152,16 +156,28 @@ impl NcclComm {
             group,
             comm: RefCell::new(Some(comm)),
             peer_reduce: None,
-            peer_rows: None,
+            peer_devices: None,
+            peer_rows: std::cell::OnceCell::new(),
             meetings: std::cell::Cell::new(0),
             stats: CommStats::default(),
         };
-        let devices = crate::peer::peer_devices(&context, rank, this.group.world_size, |v| this.meet_next(v))?;
-        if let Some(devices) = devices {
-            this.peer_reduce = PeerReduce::set_up(&context, rank, &devices, |v| this.meet_next(v))?;
-            this.peer_rows = PeerRows::set_up(cuda, rank, &devices, |v| this.meet_next(v))?;
+        this.peer_devices = crate::peer::peer_devices(&context, rank, this.group.world_size, |v| this.meet_next(v))?;
+        if let Some(devices) = &this.peer_devices {
+            this.peer_reduce = PeerReduce::set_up(&context, rank, devices, |v| this.meet_next(v))?;
         }
         Ok(this)
+    }
+
+    /// The row exchanges, set up on first use (every rank exchanges rows at the same points).
+    fn peer_rows(&self) -> Result<Option<&PeerRows>, CommError> {
+        if let Some(rows) = self.peer_rows.get() {
+            return Ok(rows.as_ref());
+        }
+        let rows = match &self.peer_devices {
+            Some(devices) => PeerRows::set_up(&self.device, self.rank, devices, |v| self.meet_next(v))?,
+            None => None,
+        };
+        Ok(self.peer_rows.get_or_init(|| rows).as_ref())
     }
 
     /// [`Self::meet`] at the next meeting: every rank meets in the same order.
@@ -315,7 +331,7 @@ impl NcclComm {
     /// every wait on a peer's rows let through.
     fn abort_local(&self) {
         drop(self.comm.borrow_mut().take());
-        if let Some(rows) = &self.peer_rows {
+        if let Some(Some(rows)) = self.peer_rows.get() {
             rows.release_waits();
         }
     }
@@ -474,7 +490,7 @@ impl Communicator for NcclComm {
     ) -> Result<(), CommError> {
         let op = Collective::AllGather { dim: 0 };
         crate::check_gather_sizes(self.rank, self.group.world_size, x, 0, sizes)?;
-        let Some(rows) = &self.peer_rows else {
+        let Some(rows) = self.peer_rows()? else {
             let all = self.all_gather_sized(x, 0, sizes)?;
             return each(&all, 0).map_err(self.tensor_error(op));
         };
@@ -492,7 +508,7 @@ impl Communicator for NcclComm {
         finish: &mut dyn FnMut(&[Tensor]) -> candle_core::Result<Tensor>,
     ) -> Result<Tensor, CommError> {
         let op = Collective::ReduceScatterSum;
-        let Some(rows) = &self.peer_rows else {
+        let Some(rows) = self.peer_rows()? else {
             let whole = partial(0..sizes.iter().sum()).map_err(self.tensor_error(op))?;
             let sum = self.reduce_scatter_sum(&whole, sizes)?;
             drop(whole);

@@ -121,6 +121,9 @@ impl DitMemory {
         // Per-token sizes: a full-width activation X, this rank's attention width L, FFN width
         // F. At TP > 1 the residual stream is this rank's rows of it, R (sequence
         // parallelism, `Rows` in `model.rs`): the norms run on R and are all-gathered to X.
+        // Between GPUs with peer access the gathered X is a norm's R plus the peers' rows in
+        // this rank's receive slots, kept between forwards (`tpinfer_comm`'s row exchanges):
+        // the same bytes, counted as X.
         let (x, l, f) = (s * d * e, s * heads * hd * e, s * shard.ffn_cols.len() * e);
         let r = match shard.world {
             1 => x,
