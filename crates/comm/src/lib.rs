@@ -73,8 +73,7 @@ pub trait Communicator {
         sizes: &[usize],
         each: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<()>,
     ) -> Result<(), CommError> {
-        let all = self.all_gather_sized(x, 0, sizes)?;
-        each(&all, 0).map_err(rows_error(self.rank(), Collective::AllGather { dim: 0 }))
+        gather_rows_whole(self, x, sizes, each)
     }
     /// [`Communicator::reduce_scatter_sum`] of a product computed by rows, handed to `finish`:
     /// `partial(rows)` is this rank's partial product of those rows of the whole, and every
@@ -90,11 +89,7 @@ pub trait Communicator {
         partial: &mut dyn FnMut(Range<usize>) -> candle_core::Result<Tensor>,
         finish: &mut dyn FnMut(&[Tensor]) -> candle_core::Result<Tensor>,
     ) -> Result<Tensor, CommError> {
-        let op = Collective::ReduceScatterSum;
-        let whole = partial(0..sizes.iter().sum()).map_err(rows_error(self.rank(), op))?;
-        let sum = self.reduce_scatter_sum(&whole, sizes)?;
-        drop(whole);
-        finish(&[sum]).map_err(rows_error(self.rank(), op))
+        reduce_scatter_rows_whole(self, sizes, partial, finish)
     }
     /// The `root` rank's tensor, on every rank. Other ranks pass a tensor of the same shape.
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor, CommError>;
@@ -109,6 +104,32 @@ pub trait Communicator {
     fn abort(&self, cause: &str);
     /// Counters of the collectives this rank has entered.
     fn stats(&self) -> &CommStats;
+}
+
+/// [`Communicator::all_gather_rows`] in one part: the gathered tensor.
+fn gather_rows_whole(
+    comm: &(impl Communicator + ?Sized),
+    x: &Tensor,
+    sizes: &[usize],
+    each: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<()>,
+) -> Result<(), CommError> {
+    let all = comm.all_gather_sized(x, 0, sizes)?;
+    each(&all, 0).map_err(rows_error(comm.rank(), Collective::AllGather { dim: 0 }))
+}
+
+/// [`Communicator::reduce_scatter_rows`] in one part: every row's partial at once, their sum
+/// to `finish`.
+fn reduce_scatter_rows_whole(
+    comm: &(impl Communicator + ?Sized),
+    sizes: &[usize],
+    partial: &mut dyn FnMut(Range<usize>) -> candle_core::Result<Tensor>,
+    finish: &mut dyn FnMut(&[Tensor]) -> candle_core::Result<Tensor>,
+) -> Result<Tensor, CommError> {
+    let op = Collective::ReduceScatterSum;
+    let whole = partial(0..sizes.iter().sum()).map_err(rows_error(comm.rank(), op))?;
+    let sum = comm.reduce_scatter_sum(&whole, sizes)?;
+    drop(whole);
+    finish(&[sum]).map_err(rows_error(comm.rank(), op))
 }
 
 /// Reports an error of the work a row-wise collective ran for its caller.

@@ -491,8 +491,7 @@ impl Communicator for NcclComm {
         let op = Collective::AllGather { dim: 0 };
         crate::check_gather_sizes(self.rank, self.group.world_size, x, 0, sizes)?;
         let Some(rows) = self.peer_rows()? else {
-            let all = self.all_gather_sized(x, 0, sizes)?;
-            return each(&all, 0).map_err(self.tensor_error(op));
+            return crate::gather_rows_whole(self, x, sizes, each);
         };
         let start = Instant::now();
         rows.all_gather_rows(x, sizes, each, &mut |v| self.meet_next(v))
@@ -509,10 +508,7 @@ impl Communicator for NcclComm {
     ) -> Result<Tensor, CommError> {
         let op = Collective::ReduceScatterSum;
         let Some(rows) = self.peer_rows()? else {
-            let whole = partial(0..sizes.iter().sum()).map_err(self.tensor_error(op))?;
-            let sum = self.reduce_scatter_sum(&whole, sizes)?;
-            drop(whole);
-            return finish(&[sum]).map_err(self.tensor_error(op));
+            return crate::reduce_scatter_rows_whole(self, sizes, partial, finish);
         };
         if sizes.len() != self.group.world_size {
             return Err(CommError::Shape {
