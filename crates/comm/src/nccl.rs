@@ -19,7 +19,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 
 use crate::peer::PeerReduce;
-use crate::peer_rows::PeerRows;
+use crate::peer_rows::{Host, PeerRows};
 use crate::{Collective, CommError, CommStats, Communicator};
 
 /// All-reduces of 16-bit tensors up to this size over more than two ranks are summed in f32
@@ -174,7 +174,7 @@ impl NcclComm {
             return Ok(rows.as_ref());
         }
         let rows = match &self.peer_devices {
-            Some(devices) => PeerRows::set_up(&self.device, self.rank, devices, |v| self.meet_next(v))?,
+            Some(devices) => PeerRows::set_up(&self.device, self.rank, devices, self)?,
             None => None,
         };
         Ok(self.peer_rows.get_or_init(|| rows).as_ref())
@@ -337,6 +337,16 @@ impl NcclComm {
     }
 }
 
+impl Host for NcclComm {
+    fn meet(&self, value: u64) -> Result<Vec<u64>, CommError> {
+        self.meet_next(value)
+    }
+
+    fn wait(&self) -> Result<(), CommError> {
+        self.wait_for_stream(Collective::Wait)
+    }
+}
+
 impl Communicator for NcclComm {
     fn rank(&self) -> usize {
         self.rank
@@ -494,7 +504,7 @@ impl Communicator for NcclComm {
             return crate::gather_rows_whole(self, x, sizes, each);
         };
         let start = Instant::now();
-        rows.all_gather_rows(x, sizes, each, &mut |v| self.meet_next(v))
+        rows.all_gather_rows(x, sizes, each, self)
             .map_err(self.tensor_error(op))?;
         self.stats.record_all_gather(start.elapsed());
         Ok(())
@@ -528,7 +538,7 @@ impl Communicator for NcclComm {
                     Ok(part)
                 },
                 finish,
-                &mut |v| self.meet_next(v),
+                self,
             )
             .map_err(self.tensor_error(op))?;
         let bytes = sizes.iter().sum::<usize>() * width * out.dtype().size_in_bytes();

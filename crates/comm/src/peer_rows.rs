@@ -30,6 +30,14 @@ const FLAG_BYTES: usize = 2 * MAX_RANKS * 4;
 /// Slots start on this many elements, so that parts are aligned as cuBLASLt wants them.
 const SLOT_ALIGN: usize = 128;
 
+/// What the exchanges need of their communicator's host side.
+pub(crate) trait Host {
+    /// Swaps `value` with every rank (a host meeting, in the same order on every rank).
+    fn meet(&self, value: u64) -> Result<Vec<u64>, CommError>;
+    /// Waits, boundedly and watching the peers, for the compute stream's queued work.
+    fn wait(&self) -> Result<(), CommError>;
+}
+
 /// A rank's part of the exchanges.
 pub(crate) struct PeerRows {
     rank: usize,
@@ -67,12 +75,12 @@ fn driver(rank: usize, op: &str) -> impl Fn(DriverError) -> CommError + '_ {
 
 impl PeerRows {
     /// Sets the rank's part up on `devices` (every rank's, in rank order, all pairs with peer
-    /// access enabled), or `None` when switched off. `meet` swaps one value per rank.
+    /// access enabled), or `None` when switched off.
     pub(crate) fn set_up(
         device: &CudaDevice,
         rank: usize,
         devices: &[sys::CUdevice],
-        mut meet: impl FnMut(u64) -> Result<Vec<u64>, CommError>,
+        host: &dyn Host,
     ) -> Result<Option<Self>, CommError> {
         let world = devices.len();
         if world > MAX_RANKS || std::env::var(PEER_ROWS_ENV).is_ok_and(|v| v.trim() == "0") {
@@ -105,7 +113,7 @@ impl PeerRows {
             slots: RefCell::new(None),
             exchanges: Cell::new(0),
         };
-        this.all_flags = meet(flags)?;
+        this.all_flags = host.meet(flags)?;
         Ok(Some(this))
     }
 
@@ -127,25 +135,22 @@ impl PeerRows {
     /// Receive slots of at least `elems` elements of `dtype`. Grows them (every rank at the
     /// same exchange, as sizes and types are the same everywhere) once the exchanges before
     /// are over, and swaps the new addresses.
-    fn reserve(
-        &self,
-        elems: usize,
-        dtype: DType,
-        meet: &mut dyn FnMut(u64) -> Result<Vec<u64>, CommError>,
-    ) -> candle_core::Result<()> {
+    fn reserve(&self, elems: usize, dtype: DType, host: &dyn Host) -> candle_core::Result<()> {
         let elems = elems.next_multiple_of(SLOT_ALIGN);
         if matches!(&*self.slots.borrow(), Some(s) if s.elems >= elems && s.buffer.dtype() == dtype) {
             return Ok(());
         }
-        // Reads of the old slots are queued on the compute stream, pushes on the copy stream.
-        self.compute.synchronize().map_err(cuda)?;
-        // SAFETY: the stream is this rank's own, alive until drop.
-        unsafe { sys::cuStreamSynchronize(self.copy) }.result().map_err(cuda)?;
+        let host_error = |e: CommError| candle_core::Error::Msg(e.to_string());
+        // Reads of the old slots are queued on the compute stream, pushes on the copy stream:
+        // both done before the old slots go.
+        // SAFETY: both streams are this rank's.
+        unsafe { after(self.compute.cu_stream(), self.copy) }?;
+        host.wait().map_err(host_error)?;
         *self.slots.borrow_mut() = None;
         let buffer = Tensor::zeros((self.world - 1, elems), dtype, &Device::Cuda(self.device.clone()))?;
         // The zeros are written before any peer can push (it pushes after the meeting).
-        self.compute.synchronize().map_err(cuda)?;
-        let bases = meet(address(&buffer)?).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        host.wait().map_err(host_error)?;
+        let bases = host.meet(address(&buffer)?).map_err(host_error)?;
         *self.slots.borrow_mut() = Some(Slots { buffer, elems, bases });
         Ok(())
     }
@@ -236,12 +241,12 @@ impl PeerRows {
         x: &Tensor,
         sizes: &[usize],
         each: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<()>,
-        meet: &mut dyn FnMut(u64) -> Result<Vec<u64>, CommError>,
+        host: &dyn Host,
     ) -> candle_core::Result<()> {
         let x = x.contiguous()?;
         let (rows, d) = x.dims2()?;
         let ranges = crate::row_ranges(sizes);
-        self.reserve(sizes.iter().max().copied().unwrap_or(0) * d, x.dtype(), meet)?;
+        self.reserve(sizes.iter().max().copied().unwrap_or(0) * d, x.dtype(), host)?;
         let n = self.next_exchange();
         for receiver in self.peers() {
             self.push(&x, receiver, n)?;
@@ -263,7 +268,7 @@ impl PeerRows {
         sizes: &[usize],
         partial: &mut dyn FnMut(Range<usize>) -> candle_core::Result<Tensor>,
         finish: &mut dyn FnMut(&[Tensor]) -> candle_core::Result<Tensor>,
-        meet: &mut dyn FnMut(u64) -> Result<Vec<u64>, CommError>,
+        host: &dyn Host,
     ) -> candle_core::Result<Tensor> {
         let ranges = crate::row_ranges(sizes);
         let n = self.next_exchange();
@@ -272,7 +277,7 @@ impl PeerRows {
             let part = partial(ranges[receiver].clone())?.contiguous()?;
             if pushed.is_empty() {
                 let d = part.dims2()?.1;
-                self.reserve(sizes.iter().max().copied().unwrap_or(0) * d, part.dtype(), meet)?;
+                self.reserve(sizes.iter().max().copied().unwrap_or(0) * d, part.dtype(), host)?;
             }
             self.push(&part, receiver, n)?;
             pushed.push(part);
