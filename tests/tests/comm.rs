@@ -88,6 +88,71 @@ fn reduce_scatter_gives_each_rank_its_rows_of_the_sum() {
 }
 
 #[test]
+fn rows_are_exchanged_part_by_part_own_first_and_cover_every_row_once() {
+    // 7 rows over 3 ranks: 3, 2 and 2; rank k's rows of x hold [k, row].
+    let sizes = [3, 2, 2];
+    let results = on_ranks(3, Duration::from_secs(10), |c| {
+        let k = c.rank();
+        let start: usize = sizes[..k].iter().sum();
+        let own: Vec<f32> = (start..start + sizes[k]).flat_map(|r| [k as f32, r as f32]).collect();
+        let x = Tensor::from_vec(own, (sizes[k], 2), &Device::Cpu).expect("x");
+        let mut seen = Vec::new();
+        c.all_gather_rows(&x, &sizes, &mut |part, first| {
+            seen.push((first, values(part)));
+            Ok(())
+        })
+        .expect("gather rows");
+        // Each rank's partial of row r is [r, k]; the parts asked for, and the sum handed over.
+        let mut asked = Vec::new();
+        let mut handed = 0;
+        let sum = c
+            .reduce_scatter_rows(
+                &sizes,
+                &mut |rows| {
+                    asked.push(rows.clone());
+                    let v: Vec<f32> = rows.clone().flat_map(|r| [r as f32, k as f32]).collect();
+                    Tensor::from_vec(v, (rows.len(), 2), &Device::Cpu)
+                },
+                &mut |parts| {
+                    handed = parts.len();
+                    parts.iter().skip(1).try_fold(parts[0].clone(), |s, p| s + p)
+                },
+            )
+            .expect("reduce-scatter rows");
+        (seen, asked, handed, values(&sum))
+    });
+    let starts = [0usize, 3, 5];
+    for (k, (seen, asked, handed, sum)) in results.into_iter().enumerate() {
+        // This rank's rows first, then the others', each at its own first row.
+        let order: Vec<usize> = (0..3).map(|i| (k + i) % 3).collect();
+        assert_eq!(
+            seen.iter().map(|(first, _)| *first).collect::<Vec<_>>(),
+            order.iter().map(|&r| starts[r]).collect::<Vec<_>>()
+        );
+        for (first, part) in &seen {
+            let r = starts.iter().position(|s| s == first).expect("a rank's first row");
+            let expected: Vec<f32> = (*first..first + sizes[r])
+                .flat_map(|row| [r as f32, row as f32])
+                .collect();
+            assert_eq!(part, &expected, "rank {k}: rank {r}'s rows");
+        }
+        // Every rank's rows asked for apart, this rank's last.
+        let expected: Vec<_> = (1..=3)
+            .map(|i| (k + i) % 3)
+            .map(|r| starts[r]..starts[r] + sizes[r])
+            .collect();
+        assert_eq!(asked, expected, "rank {k}");
+        assert_eq!(handed, 1, "thread ranks hand over the sum");
+        let rows = starts[k]..starts[k] + sizes[k];
+        assert_eq!(
+            sum,
+            rows.flat_map(|r| [3.0 * r as f32, 3.0]).collect::<Vec<_>>(),
+            "rank {k}"
+        );
+    }
+}
+
+#[test]
 fn all_gather_joins_uneven_shards_in_rank_order() {
     let results = on_ranks(3, Duration::from_secs(10), |c| {
         let len = 3 - c.rank(); // 3, 2, 1 columns
