@@ -244,7 +244,7 @@ impl PeerRows {
         host: &dyn Host,
     ) -> candle_core::Result<()> {
         let x = x.contiguous()?;
-        let (rows, d) = x.dims2()?;
+        let d = x.dims2()?.1;
         let ranges = crate::row_ranges(sizes);
         self.reserve(sizes.iter().max().copied().unwrap_or(0) * d, x.dtype(), host)?;
         let n = self.next_exchange();
@@ -256,7 +256,6 @@ impl PeerRows {
             self.arrival(sender, n)?;
             each(&self.slot(sender, sizes[sender], d)?, ranges[sender].start)?;
         }
-        debug_assert_eq!(rows, sizes[self.rank]);
         self.finish(n)
     }
 

@@ -33,7 +33,7 @@ pub use position::write_u32s;
 pub use rotary::rotary_qkv;
 pub use rowwise::{
     add_rms_norm, embed_owned_rows, gated_residual, layer_norm, residual_sum, row_sum_squares, scale_rows_cols,
-    silu_mul,
+    silu_mul, sum_in_order,
 };
 
 use candle_core::{DType, Device, Result, Tensor};

@@ -44,17 +44,19 @@ pub fn residual_sum(x: &Tensor, parts: &[Tensor], gate: Option<&Tensor>) -> Resu
             .contiguous()?
             .apply_op3_no_bwd(&y0.contiguous()?, &y1.contiguous()?, &ResidualPair { gate });
     }
-    let (first, rest) = parts
-        .split_first()
-        .ok_or_else(|| candle_core::Error::Msg("residual_sum: no parts".into()))?;
-    let mut sum = first.clone();
-    for part in rest {
-        sum = (sum + part)?;
-    }
+    let sum = sum_in_order(parts)?;
     match gate {
         Some(gate) => gated_residual(x, &sum, gate),
         None => x + sum,
     }
+}
+
+/// `Σ parts`, added in order (each add rounded in the parts' type): what [`residual_sum`] adds.
+pub fn sum_in_order(parts: &[Tensor]) -> Result<Tensor> {
+    let (first, rest) = parts
+        .split_first()
+        .ok_or_else(|| candle_core::Error::Msg("sum of no parts".into()))?;
+    rest.iter().try_fold(first.clone(), |sum, part| sum + part)
 }
 
 /// [`residual_sum`]'s kernel for two parts, the gate held by the op.

@@ -263,13 +263,7 @@ impl RowParallelLinear {
                 Ok(partial)
             },
             &mut |parts| match (&self.bias, biased.get()) {
-                (Some(b), false) => {
-                    let (first, rest) = parts
-                        .split_first()
-                        .ok_or_else(|| candle_core::Error::Msg("no parts".into()))?;
-                    let sum = rest.iter().try_fold(first.clone(), |sum, part| sum + part)?;
-                    finish(&[sum.broadcast_add(b)?])
-                }
+                (Some(b), false) => finish(&[tpinfer_kernels::sum_in_order(parts)?.broadcast_add(b)?]),
                 _ => finish(parts),
             },
         )?)

@@ -386,10 +386,9 @@ impl Block {
         let n = modulated_norm(&x, &row(0)?, &row(1)?, c.eps)?;
         step.mark("norms and residuals")?;
         let gate = row(2)?;
-        let updated = self.self_attn.forward(n, None, c, comm, step, &mut |parts| {
+        x = self.self_attn.forward(n, None, c, comm, step, &mut |parts| {
             residual_sum(&x, parts, Some(&gate))
         })?;
-        x = updated;
 
         // Cross-attention to the text, plain residual.
         let n = match &self.norm2 {
@@ -397,12 +396,11 @@ impl Block {
             None => x.clone(),
         };
         step.mark("norms and residuals")?;
-        let updated = self
+        x = self
             .cross_attn
             .forward(n, Some(step.context), c, comm, step, &mut |parts| {
                 residual_sum(&x, parts, None)
             })?;
-        x = updated;
 
         // FFN (GELU, tanh approximation), gated.
         let n = modulated_norm(&x, &row(3)?, &row(4)?, c.eps)?;
@@ -418,10 +416,8 @@ impl Block {
             residual_sum(&x, parts, Some(&gate))
         })?;
         drop(hidden);
-        x = updated;
         step.mark("ffn down + sum")?;
-        step.mark("norms and residuals")?;
-        Ok(x)
+        Ok(updated)
     }
 }
 
