@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reference numerics for tpinfer's Llama, with PyTorch/transformers, on any CUDA host.
 
-  make    --shape 70b|8b|1b --out DIR [--dtype bf16|f32]   random-weight Llama checkpoint (HF format)
+  make    --shape 70b|8b|8b-half|1b --out DIR [--dtype bf16|f32]   random-weight Llama checkpoint (HF format)
   logits  --model DIR --dtype f32|bf16 --out FILE      transformers' prefill logits + greedy tokens
   compare --ref FILE --out-json FILE NAME=FILE ...     relative errors of tpinfer runs vs a reference
   speed   --model DIR                                  transformers decode tok/s and 2048-token prefill ms
@@ -22,6 +22,10 @@ SHAPES = {
     # Llama-3-8B: 32 layers, 4096 wide, 32 heads over 8 KV heads, 14336 FFN, 128256 vocab.
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, tie_word_embeddings=False),
+    # One rank's share of the 8B shape at TP 2 (half the heads, the FFN and the vocabulary), for
+    # a TP 2 step's work on one GPU without its all-reduces.
+    "8b-half": dict(hidden_size=4096, intermediate_size=7168, num_hidden_layers=32, num_attention_heads=16,
+                    num_key_value_heads=4, head_dim=128, vocab_size=64128, tie_word_embeddings=False),
     # Llama-3.2-1B: 16 layers, 2048 wide, 32 heads over 8 KV heads, 8192 FFN, tied embeddings.
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, tie_word_embeddings=True),
@@ -38,7 +42,8 @@ def make(args):
     rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                 original_max_position_embeddings=8192)
     common = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=128000,
-                  eos_token_id=[128001, 128009], **SHAPES[args.shape])
+                  eos_token_id=[128001, 128009])
+    common.update(SHAPES[args.shape])
     if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:  # transformers 5
         cfg = LlamaConfig(rope_parameters=dict(rope, rope_theta=500000.0), **common)
     else:

@@ -30,6 +30,7 @@ fn main() {
     let nvcc = nvcc();
     println!("cargo::rerun-if-changed=cuda/convert.cuh");
     println!("cargo::rerun-if-changed=cuda/tile.cuh");
+    println!("cargo::rerun-if-changed=cuda/chain.cuh");
     for name in SOURCES {
         compile(&nvcc, &out_dir, name, &format!("compute_{cap}"));
     }

@@ -303,3 +303,26 @@ fn mismatched_collectives_are_reported() {
     });
     assert!(results.iter().all(Option::is_some), "{results:?}");
 }
+
+#[test]
+fn all_reduce_in_place_leaves_the_sum_in_every_ranks_buffer() {
+    for world in [1, 3] {
+        let results = on_ranks(world, Duration::from_secs(10), |c| {
+            let k = c.rank() as f32;
+            let x = Tensor::from_vec(vec![k, 10.0 * k + 1.0], (1, 2), &Device::Cpu).expect("x");
+            let before = x.clone();
+            c.all_reduce_sum_in_place(&x).expect("all-reduce in place");
+            // The caller's own tensor (and every clone of it) holds the sum.
+            (values(&x), values(&before))
+        });
+        let ranks: Vec<f32> = (0..world).map(|k| k as f32).collect();
+        let expected = vec![
+            ranks.iter().sum::<f32>(),
+            ranks.iter().map(|k| 10.0 * k + 1.0).sum::<f32>(),
+        ];
+        for (after, clone) in results {
+            assert_eq!(after, expected, "world {world}");
+            assert_eq!(clone, expected, "world {world}");
+        }
+    }
+}

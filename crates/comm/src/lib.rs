@@ -48,6 +48,17 @@ pub trait Communicator {
     fn world_size(&self) -> usize;
     /// The elementwise sum of `x` over all ranks. Every rank receives the same tensor.
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor, CommError>;
+    /// [`Communicator::all_reduce_sum`] in place: contiguous `x` becomes the sum. A decode
+    /// step sums into buffers that outlive it, so that its kernels chain
+    /// (`tpinfer_kernels::chained`); where the sum cannot run in place, it is copied back.
+    fn all_reduce_sum_in_place(&self, x: &Tensor) -> Result<(), CommError> {
+        if self.world_size() == 1 {
+            return Ok(());
+        }
+        let sum = self.all_reduce_sum(x)?;
+        x.slice_set(&sum, 0, 0)
+            .map_err(rows_error(self.rank(), Collective::AllReduceSum))
+    }
     /// The elementwise sum of `x` over all ranks, of which each rank receives its own rows
     /// along dim 0: rank r the `sizes[r]` rows after those of ranks `0..r` (`sizes`, in rank
     /// order and the same on every rank, adds up to `x`'s rows). Sequence-parallel layers use

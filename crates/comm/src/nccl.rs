@@ -391,6 +391,30 @@ impl Communicator for NcclComm {
         Ok(out)
     }
 
+    fn all_reduce_sum_in_place(&self, x: &Tensor) -> Result<(), CommError> {
+        let start = Instant::now();
+        let in_place = self
+            .peer_reduce
+            .as_ref()
+            .filter(|_| self.group.world_size > 1)
+            .and_then(|p| p.all_reduce_in_place(x, self.rank, self.group.world_size));
+        match in_place {
+            Some(done) => {
+                done.map_err(self.tensor_error(Collective::AllReduceSum))?;
+                let bytes = x.elem_count() * x.dtype().size_in_bytes();
+                self.stats.record_all_reduce(bytes, start.elapsed());
+                Ok(())
+            }
+            // NCCL's sum goes to a new buffer and is copied back (one small copy per call).
+            None if self.group.world_size > 1 => {
+                let sum = self.all_reduce_sum(x)?;
+                x.slice_set(&sum, 0, 0)
+                    .map_err(self.tensor_error(Collective::AllReduceSum))
+            }
+            None => Ok(()),
+        }
+    }
+
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor, CommError> {
         let op = Collective::AllGather { dim };
         let err = self.tensor_error(op);

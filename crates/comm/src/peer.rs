@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use candle_core::cuda::cudarc::driver::{result, sys, CudaContext, DriverError};
 use candle_core::Tensor;
-use tpinfer_kernels::peer_all_reduce::{peer_all_reduce, Peers, BUFFER_BYTES, MAX_RANKS};
+use tpinfer_kernels::peer_all_reduce::{peer_all_reduce, peer_all_reduce_in_place, Peers, BUFFER_BYTES, MAX_RANKS};
 
 use crate::CommError;
 
@@ -71,6 +71,15 @@ impl PeerReduce {
         // device by `allocate`, used by this kernel alone; every rank of an NCCL group enters
         // its all-reduces with the same shapes in the same order.
         Some(unsafe { peer_all_reduce(x, &self.peers, rank, world) })
+    }
+
+    /// [`PeerReduce::all_reduce`] in place, if the kernel takes contiguous `x`.
+    pub(crate) fn all_reduce_in_place(&self, x: &Tensor, rank: usize, world: usize) -> Option<candle_core::Result<()>> {
+        if !tpinfer_kernels::peer_all_reduce::covers(x) || !x.is_contiguous() {
+            return None;
+        }
+        // SAFETY: as in `all_reduce`.
+        Some(unsafe { peer_all_reduce_in_place(x, &self.peers, rank, world) })
     }
 }
 

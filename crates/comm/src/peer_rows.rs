@@ -15,8 +15,9 @@ use std::cell::{Cell, RefCell};
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::cuda::cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr, DriverError};
-use candle_core::{CudaDevice, DType, Device, Storage, Tensor};
+use candle_core::cuda::cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
+use candle_core::{CudaDevice, DType, Device, Tensor};
+use tpinfer_kernels::device_address;
 
 use crate::CommError;
 
@@ -150,7 +151,7 @@ impl PeerRows {
         let buffer = Tensor::zeros((self.world - 1, elems), dtype, &Device::Cuda(self.device.clone()))?;
         // The zeros are written before any peer can push (it pushes after the meeting).
         host.wait().map_err(host_error)?;
-        let bases = host.meet(address(&buffer)?).map_err(host_error)?;
+        let bases = host.meet(device_address(&buffer)?).map_err(host_error)?;
         *self.slots.borrow_mut() = Some(Slots { buffer, elems, bases });
         Ok(())
     }
@@ -178,7 +179,7 @@ impl PeerRows {
     /// the work queued so far on the compute stream.
     fn push(&self, x: &Tensor, receiver: usize, n: u32) -> candle_core::Result<()> {
         let bytes = x.elem_count() * x.dtype().size_in_bytes();
-        let (src, dst) = (address(x)?, self.slot_address(receiver)?);
+        let (src, dst) = (device_address(x)?, self.slot_address(receiver)?);
         // SAFETY: both streams are this rank's; `x` stays alive until the compute stream has
         // waited for the copy stream (`finish`); the slot holds at least `bytes` (reserved
         // for the largest part), released by the receiver for exchange `n`.
@@ -383,22 +384,6 @@ unsafe fn wait_flag(stream: sys::CUstream, address: u64, value: u32) -> candle_c
         .result()
         .map_err(cuda)
     }
-}
-
-/// The device address of contiguous `t`'s first element.
-fn address(t: &Tensor) -> candle_core::Result<u64> {
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cuda(s) = &*storage else {
-        candle_core::bail!("peer row exchange needs CUDA tensors");
-    };
-    let stream = s.device.cuda_stream();
-    let base = match t.dtype() {
-        DType::BF16 => s.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
-        DType::F16 => s.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
-        DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
-        other => candle_core::bail!("peer row exchange of {other:?}"),
-    };
-    Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
 }
 
 /// Lets every peer device read and write this device's stream-ordered pool, where candle

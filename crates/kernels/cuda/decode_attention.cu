@@ -9,6 +9,7 @@
 // q `[heads, D]` contiguous; k, v: element (row, kv_head, d) at ptr[row * row_stride +
 // kv_head * head_stride + d]; the filled length is *position + 1, read at run time (a captured
 // graph replays at every position). Query head h reads KV head h / group.
+#include "chain.cuh"
 #include "convert.cuh"
 
 namespace {
@@ -90,6 +91,8 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     // Aligned for the probabilities' float4 reads.
     __shared__ __align__(16) float scores[MAX_GROUP][TILE];
 
+    chain_release();
+    chain_wait();
     const int splits = gridDim.x, split = blockIdx.x, kv_head = blockIdx.y;
     const int kv_len = (int)*position + 1;
     // Slices of at least TILE keys: only the first `active` CTAs have any, and only they take

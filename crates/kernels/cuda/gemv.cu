@@ -9,7 +9,8 @@
 // silu_mul kernel rounds it: the bits of this kernel without GATE_UP followed by silu_mul,
 // in one pass that writes n values instead of 2n (and leaves the down projection a plain
 // product, where it had to recompute the SiLU product of its input in every CTA).
-// Needs k % 8 == 0 and 16-byte aligned rows (the launcher checks).
+// Needs k % 8 == 0 and 16-byte aligned rows (the launcher checks). A chain kernel (chain.cuh).
+#include "chain.cuh"
 #include "convert.cuh"
 
 namespace {
@@ -29,7 +30,7 @@ __device__ __forceinline__ float dot8(uint4 a_raw, uint4 b_raw) {
 
 // ROWS outputs per CTA; with GATE_UP each output reads two weight rows (gate_i and up_i).
 template <typename T, int ROWS, bool GATE_UP>
-__device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int n, int k) {
+__device__ void gemv(const T* x, const T* __restrict__ w, T* __restrict__ y, int n, int k) {
     constexpr int W_ROWS = GATE_UP ? 2 * ROWS : ROWS;
     const int chunks = k / 8;
     const int row0 = blockIdx.x * ROWS;
@@ -42,9 +43,8 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __rest
     }
 
     float acc[W_ROWS] = {};
-    for (int c0 = threadIdx.x; c0 < chunks; c0 += THREADS * UNROLL) {
-        uint4 ws[UNROLL][W_ROWS];
-        // The weight loads go out first; the input while they fly.
+    uint4 ws[UNROLL][W_ROWS];
+    const auto load_weights = [&](int c0) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int c = c0 + u * THREADS;
@@ -53,11 +53,20 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __rest
                 for (int r = 0; r < W_ROWS; ++r) ws[u][r] = __ldcs(wv[r] + c);  // streamed: read once
             }
         }
+    };
+    // In a chain, the first weight loads fly while the kernel before still writes x.
+    chain_release();
+    load_weights(threadIdx.x);
+    chain_wait();
+    for (int c0 = threadIdx.x; c0 < chunks; c0 += THREADS * UNROLL) {
+        // The weight loads go out first; the input while they fly.
+        if (c0 != threadIdx.x) load_weights(c0);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int c = c0 + u * THREADS;
             if (c < chunks) {
-                const uint4 xs = __ldg(xv + c);
+                // A plain load: x may have been written by a kernel that ran beside this one.
+                const uint4 xs = xv[c];
 #pragma unroll
                 for (int r = 0; r < W_ROWS; ++r) acc[r] += dot8<T>(ws[u][r], xs);
             }

@@ -2,7 +2,8 @@
 // read each other's memory. Each rank copies its input into its own peer-visible buffer,
 // raises a flag in every rank's memory, waits for every rank's flag, then sums all ranks'
 // buffers in rank order, so every rank computes the same bits. Nothing involves the host:
-// the kernel replays inside a captured CUDA graph like any other.
+// the kernel replays inside a captured CUDA graph like any other. `in` may be `out` (a block
+// reads its range into its slot before it writes the range's sums). A chain kernel (chain.cuh).
 //
 // A rank's buffer (`Peers::base[rank]`): two data slots of `slot_bytes`, then the flags
 // `[2 slots][MAX_BLOCKS][MAX_RANKS]` u32, then a counter per block. Every call runs all
@@ -11,6 +12,7 @@
 // peer does only once its kernel of the call before (all its reads of that slot) has ended.
 #include <cstdint>
 
+#include "chain.cuh"
 #include "convert.cuh"
 
 #define MAX_RANKS 8
@@ -31,8 +33,10 @@ __device__ __forceinline__ uint32_t* flags(char* base, unsigned long long slot_b
 }
 
 template <typename T>
-__device__ void peer_all_reduce(const T* __restrict__ in, T* __restrict__ out, int n, Peers peers, int rank,
+__device__ void peer_all_reduce(const T* in, T* out, int n, Peers peers, int rank,
                                 int world, unsigned long long slot_bytes) {
+    chain_release();
+    chain_wait();
     const int block = blockIdx.x;
     char* own = peers.base[rank];
     uint32_t* counters = flags(own, slot_bytes) + 2 * MAX_BLOCKS * MAX_RANKS;

@@ -6,6 +6,8 @@
 // contiguous, and the keys (rotated) and values go straight into the KV cache.
 // `table` is `[2, positions, d / 2]`: cos, then sin. f32 arithmetic, one rounding. Rows past
 // the table or the cache are skipped (the host checks the position before it launches).
+// A chain kernel (chain.cuh).
+#include "chain.cuh"
 #include "convert.cuh"
 
 namespace {
@@ -27,6 +29,8 @@ __device__ __forceinline__ Rotation rotation(const T* table, int positions, int 
 template <typename T>
 __device__ void rotary_qkv(const T* qkv, const T* table, T* out, T* cache, int rows, int q_heads, int kv_heads,
                            int d, const unsigned* position, int positions, int capacity) {
+    chain_release();
+    chain_wait();
     const int half = d / 2, width = (q_heads + 2 * kv_heads) * d;
     const long offset = *position;
     const long queries = (long)rows * q_heads * half;

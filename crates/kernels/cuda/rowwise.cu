@@ -4,6 +4,7 @@
 // diffusers' FP32LayerNorm and gated residuals do.
 #include <stdint.h>
 
+#include "chain.cuh"
 #include "convert.cuh"
 
 namespace {
@@ -169,10 +170,13 @@ constexpr int NORM_CACHED = 8;
 
 // The residual stream's sum and its RMSNorm in one pass, one block per row:
 // out[0] = T(x + y), out[1] = T(out[0] · rsqrt(mean(out[0]²) + eps) · weight), the norm taken
-// over the rounded sum, as an add followed by an RMSNorm would.
+// over the rounded sum, as an add followed by an RMSNorm would. x may be out[0] (each element
+// is read before the same thread writes it). A chain kernel (chain.cuh).
 template <typename T>
-__device__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ y, const T* __restrict__ weight,
-                             T* __restrict__ out, int rows, int cols, float eps) {
+__device__ void add_rms_norm(const T* x, const T* __restrict__ y, const T* __restrict__ weight, T* out, int rows,
+                             int cols, float eps) {
+    chain_release();
+    chain_wait();
     const long at = (long)blockIdx.x * cols;
     T* sum = out + at;
     T* normed = out + (long)rows * cols + at;

@@ -46,32 +46,33 @@ pub fn gemv_gate_up_silu(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     apply(x, w, DEFAULT_TILE, true)
 }
 
+/// [`gemv`] written into `out` (`[n]` elements, contiguous), as a link of a kernel chain
+/// ([`crate::chained`]) on CUDA; elsewhere the product is copied in.
+pub fn gemv_into(x: &Tensor, w: &Tensor, out: &Tensor) -> Result<()> {
+    apply_into(x, w, false, out)
+}
+
+/// [`gemv_gate_up_silu`] written into `out`, as [`gemv_into`].
+pub fn gemv_gate_up_silu_into(x: &Tensor, w: &Tensor, out: &Tensor) -> Result<()> {
+    apply_into(x, w, true, out)
+}
+
+fn apply_into(x: &Tensor, w: &Tensor, gate_up: bool, out: &Tensor) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let op = Gemv::checked(x, w, DEFAULT_TILE, gate_up)?;
+        return cuda::gemv_into(&op, x, w, out);
+    }
+    let y = apply(x, w, DEFAULT_TILE, gate_up)?;
+    out.slice_set(&y.reshape(out.shape())?, 0, 0)
+}
+
 fn apply(x: &Tensor, w: &Tensor, tile: usize, gate_up: bool) -> Result<Tensor> {
-    let width = x.dims().last().copied().unwrap_or(0);
-    let (rows, k) = w.dims2()?;
-    if x.elem_count() != width || width != k || w.dtype() != x.dtype() || (gate_up && rows % 2 != 0) {
-        candle_core::bail!(
-            "gemv: x {:?} {:?} is not one row of w {:?} {:?}'s input{}",
-            x.dims(),
-            x.dtype(),
-            w.dims(),
-            w.dtype(),
-            if gate_up {
-                " (or w's rows are not [gate | up])"
-            } else {
-                ""
-            }
-        );
-    }
-    if !GEMV_TILES.contains(&tile) {
-        candle_core::bail!("gemv: no kernel for {tile} outputs per block (tiles: {GEMV_TILES:?})");
-    }
-    let n = if gate_up { rows / 2 } else { rows };
+    let op = Gemv::checked(x, w, tile, gate_up)?;
     let mut shape = x.dims().to_vec();
     if let Some(last) = shape.last_mut() {
-        *last = n;
+        *last = op.n;
     }
-    let op = Gemv { n, k, tile, gate_up };
     let y = x.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &op)?;
     y.reshape(shape)
 }
@@ -84,6 +85,33 @@ struct Gemv {
     tile: usize,
     /// `w` is `[gate | up]` and the output silu(gate) · up.
     gate_up: bool,
+}
+
+impl Gemv {
+    /// The product of one row `x` and `w`, checked.
+    fn checked(x: &Tensor, w: &Tensor, tile: usize, gate_up: bool) -> Result<Self> {
+        let width = x.dims().last().copied().unwrap_or(0);
+        let (rows, k) = w.dims2()?;
+        if x.elem_count() != width || width != k || w.dtype() != x.dtype() || (gate_up && rows % 2 != 0) {
+            candle_core::bail!(
+                "gemv: x {:?} {:?} is not one row of w {:?} {:?}'s input{}",
+                x.dims(),
+                x.dtype(),
+                w.dims(),
+                w.dtype(),
+                if gate_up {
+                    " (or w's rows are not [gate | up])"
+                } else {
+                    ""
+                }
+            );
+        }
+        if !GEMV_TILES.contains(&tile) {
+            candle_core::bail!("gemv: no kernel for {tile} outputs per block (tiles: {GEMV_TILES:?})");
+        }
+        let n = if gate_up { rows / 2 } else { rows };
+        Ok(Gemv { n, k, tile, gate_up })
+    }
 }
 
 impl candle_core::CustomOp2 for Gemv {
@@ -113,13 +141,14 @@ impl candle_core::CustomOp2 for Gemv {
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Result};
+    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig};
+    use candle_core::cuda_backend::CudaDType;
+    use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
     use half::{bf16, f16};
 
     use super::Gemv;
-    use crate::launch::suffix;
+    use crate::chain::Launch;
+    use crate::launch::{check_output, device_address, suffix};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
     /// Threads per CTA (cuda/gemv.cu).
@@ -136,34 +165,59 @@ mod cuda {
     }
 
     fn typed<T: CudaDType + DeviceRepr>(op: &Gemv, (x, xl): Input, (w, wl): Input) -> Result<CudaStorage> {
-        let (n, k) = (op.n, op.k);
-        // Rows are read in 16-byte pieces.
-        if !(k.is_multiple_of(8) && xl.start_offset().is_multiple_of(8) && wl.start_offset().is_multiple_of(8)) {
-            candle_core::bail!(
-                "gemv: k = {k} and the offsets {} and {} must be multiples of 8",
-                xl.start_offset(),
-                wl.start_offset()
-            );
-        }
         let dev = x.device();
-        let kernel = if op.gate_up { "gemv_gate_up_silu" } else { "gemv" };
-        let name = format!("{kernel}_{}_r{}", suffix(x.dtype())?, op.tile);
-        let func = dev.get_or_load_custom_func(&name, "tpinfer_gemv", PTX)?;
+        let stream = dev.cuda_stream();
         let xs = x.as_cuda_slice::<T>()?.slice(xl.start_offset()..);
         let ws = w.as_cuda_slice::<T>()?.slice(wl.start_offset()..);
         // SAFETY: every output is written by the CTA that owns it.
-        let out = unsafe { dev.alloc::<T>(n)? };
-        let (n_i, k_i) = (n as i32, k as i32);
+        let out = unsafe { dev.alloc::<T>(op.n)? };
+        let addresses = [
+            xs.device_ptr(&stream).0,
+            ws.device_ptr(&stream).0,
+            out.device_ptr(&stream).0,
+        ];
+        let offsets = [xl.start_offset(), wl.start_offset()];
+        launch(op, dev, x.dtype(), addresses, offsets)?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
+    /// The product written into `out`: a chain link.
+    pub(super) fn gemv_into(op: &Gemv, x: &Tensor, w: &Tensor, out: &Tensor) -> Result<()> {
+        check_output(out, x.dtype(), op.n, "gemv")?;
+        let candle_core::Device::Cuda(dev) = x.device() else {
+            candle_core::bail!("gemv: x is not on CUDA");
+        };
+        let (x, w) = (x.contiguous()?, w.contiguous()?);
+        let addresses = [device_address(&x)?, device_address(&w)?, device_address(out)?];
+        let offsets = [x.layout().start_offset(), w.layout().start_offset()];
+        launch(op, dev, x.dtype(), addresses, offsets)
+    }
+
+    /// Launches the kernel on x, w and y at `addresses`; `offsets` are x's and w's in
+    /// elements, which must keep their rows on 16 bytes.
+    fn launch(op: &Gemv, dev: &CudaDevice, dtype: DType, [x, w, y]: [u64; 3], offsets: [usize; 2]) -> Result<()> {
+        let (n, k) = (op.n, op.k);
+        if !(k.is_multiple_of(8) && offsets.iter().all(|o| o.is_multiple_of(8))) {
+            candle_core::bail!("gemv: k = {k} and the offsets {offsets:?} must be multiples of 8");
+        }
+        let kernel = if op.gate_up { "gemv_gate_up_silu" } else { "gemv" };
+        let name = format!("{kernel}_{}_r{}", suffix(dtype)?, op.tile);
+        let func = dev.get_or_load_custom_func(&name, "tpinfer_gemv", PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(op.tile) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = func.builder();
-        b.arg(&xs).arg(&ws).arg(&out).arg(&n_i).arg(&k_i);
-        // SAFETY: the arguments match the kernel's signature; x holds k values and w n rows of
-        // k (2n with gate_up).
-        unsafe { b.launch(cfg) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        // SAFETY: the arguments match the kernel's signature; x holds k values, w n rows of k
+        // (2n with gate_up) and y n values.
+        unsafe {
+            Launch::default()
+                .arg(x)
+                .arg(w)
+                .arg(y)
+                .arg(n as i32)
+                .arg(k as i32)
+                .launch(dev, &func, cfg)
+        }
     }
 }

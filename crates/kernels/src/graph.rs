@@ -9,9 +9,44 @@
 //! change between replays (token, position) live in device buffers that the host rewrites
 //! with [`crate::write_u32s`] before each replay.
 
-use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph};
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, DriverError};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Device, Result};
+
+/// A graph's nodes, kernel nodes, edges and programmatic edges (kernel chains' links).
+fn shape(graph: sys::CUgraph) -> std::result::Result<(usize, usize, usize, usize), DriverError> {
+    let check = |r: sys::CUresult| r.result();
+    let (mut n, mut e) = (0usize, 0usize);
+    // SAFETY: each call is first asked for the count, then given buffers of that count.
+    unsafe {
+        check(sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n))?;
+        let mut nodes = vec![std::ptr::null_mut(); n];
+        check(sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n))?;
+        let mut kernels = 0;
+        for &node in &nodes {
+            let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            check(sys::cuGraphNodeGetType(node, &mut kind))?;
+            kernels += (kind == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL) as usize;
+        }
+        let null = std::ptr::null_mut();
+        check(sys::cuGraphGetEdges_v2(graph, null, null, std::ptr::null_mut(), &mut e))?;
+        let (mut from, mut to): (Vec<sys::CUgraphNode>, Vec<sys::CUgraphNode>) =
+            (vec![std::ptr::null_mut(); e], vec![std::ptr::null_mut(); e]);
+        let mut data = vec![std::mem::zeroed::<sys::CUgraphEdgeData>(); e];
+        check(sys::cuGraphGetEdges_v2(
+            graph,
+            from.as_mut_ptr(),
+            to.as_mut_ptr(),
+            data.as_mut_ptr(),
+            &mut e,
+        ))?;
+        let programmatic = data
+            .iter()
+            .filter(|d| d.type_ == sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8)
+            .count();
+        Ok((n, kernels, e, programmatic))
+    }
+}
 
 /// A captured CUDA graph, replayed on the stream it was captured on.
 pub struct Graph {
@@ -56,6 +91,16 @@ impl Graph {
             return Err(candle_core::Error::Msg("the CUDA graph capture recorded no work".into()).into());
         };
         graph.upload().w()?;
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let (nodes, kernels, edges, chained) = shape(graph.cu_graph()).w()?;
+            tracing::debug!(
+                nodes,
+                kernels,
+                edges,
+                chained,
+                "captured a CUDA graph (chained: programmatic edges)"
+            );
+        }
         Ok(Self { graph })
     }
 

@@ -24,3 +24,37 @@ pub(crate) fn elementwise(n: usize) -> LaunchConfig {
         shared_mem_bytes: 0,
     }
 }
+
+/// The device address of `t`'s first element, for kernels that take raw pointers (a chain's
+/// links write into buffers that outlive the step); `t` must be on CUDA, and contiguous from
+/// there for whatever the kernel reads or writes.
+pub fn device_address(t: &candle_core::Tensor) -> Result<u64> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(s) = &*storage else {
+        candle_core::bail!("a device address of a {:?} tensor", t.device().location());
+    };
+    let stream = s.device.cuda_stream();
+    let base = match t.dtype() {
+        DType::BF16 => s.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
+        DType::F16 => s.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
+        DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        DType::U32 => s.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+        other => candle_core::bail!("a device address of a {other:?} tensor"),
+    };
+    Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
+}
+
+/// Checks that `t` is a contiguous `dtype` tensor of `len` elements on CUDA: an output a
+/// chain link writes in place.
+pub(crate) fn check_output(t: &candle_core::Tensor, dtype: DType, len: usize, op: &str) -> Result<()> {
+    if !t.is_contiguous() || t.dtype() != dtype || t.elem_count() != len || !t.device().is_cuda() {
+        candle_core::bail!(
+            "{op}: the output {:?} {:?} on {:?} is not a contiguous {dtype:?} CUDA tensor of {len} elements",
+            t.dims(),
+            t.dtype(),
+            t.device().location()
+        );
+    }
+    Ok(())
+}

@@ -13,6 +13,7 @@
 //! kernel does, so that CPU ranks run (and the tests check) the same memory behaviour.
 
 mod argmax;
+mod chain;
 mod cpu;
 mod gemv;
 #[cfg(feature = "cuda")]
@@ -27,13 +28,19 @@ mod rotary;
 mod rowwise;
 
 pub use argmax::argmax;
-pub use gemv::{gemv, gemv_gate_up_silu, gemv_gate_up_silu_on_cuda, gemv_on_cuda, gemv_tiled, GEMV_TILES};
+pub use chain::{chained, chains_enabled, KERNEL_CHAINS_ENV};
+pub use gemv::{
+    gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_gate_up_silu_on_cuda, gemv_into, gemv_on_cuda, gemv_tiled,
+    GEMV_TILES,
+};
+#[cfg(feature = "cuda")]
+pub use launch::device_address;
 pub use linear::{empty, fused_linear_covers, linear_bias, linear_bias_into};
 pub use position::write_u32s;
-pub use rotary::rotary_qkv;
+pub use rotary::{rotary_qkv, rotary_qkv_into};
 pub use rowwise::{
-    add_rms_norm, embed_owned_rows, gated_residual, layer_norm, residual_sum, row_sum_squares, scale_rows_cols,
-    silu_mul, sum_in_order,
+    add_rms_norm, add_rms_norm_into, embed_owned_rows, gated_residual, layer_norm, residual_sum, row_sum_squares,
+    scale_rows_cols, silu_mul, sum_in_order,
 };
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -89,6 +96,44 @@ pub fn flash_attention_cached(q: &Tensor, k: &Tensor, v: &Tensor, position: &Ten
         }
     }
     attention(q, k, v, scale, true, Some(position.clone()))
+}
+
+/// [`flash_attention_cached`] of one query row written into `out` (`heads · d` elements,
+/// contiguous), as a link of a kernel chain ([`crate::chained`]) where the CUDA decode kernel
+/// takes it; elsewhere the output is copied in.
+pub fn flash_attention_cached_into(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    position: &Tensor,
+    scale: f64,
+    out: &Tensor,
+) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        position::check(position, q, "flash attention")?;
+        let (heads, d) = (q.dim(1)?, q.dim(2)?);
+        launch::check_output(out, q.dtype(), heads * d, "flash attention")?;
+        let into = launch::device_address(out)?;
+        let op = FlashAttention {
+            scale,
+            causal: true,
+            position: Some(position.clone()),
+        };
+        let ((qs, ql), (ks, kl), (vs, vl)) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
+        if let (candle_core::Storage::Cuda(qs), candle_core::Storage::Cuda(ks), candle_core::Storage::Cuda(vs)) =
+            (&*qs, &*ks, &*vs)
+        {
+            if q.dims3()?.0 == 1 && cuda::decode_covers(ql, kl) {
+                position::with_device_view(position, |p| {
+                    cuda::decode(&op, p, (qs, ql), (ks, kl), (vs, vl), Some(into))
+                })?;
+                return Ok(());
+            }
+        }
+    }
+    let y = flash_attention_cached(q, k, v, position, scale)?;
+    out.slice_set(&y.reshape(out.shape())?, 0, 0)
 }
 
 fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, position: Option<Tensor>) -> Result<Tensor> {
@@ -169,7 +214,10 @@ impl candle_core::CustomOp3 for FlashAttention {
         match &self.position {
             // One query over a cache: the split-KV decode kernel.
             Some(position) if cuda::decode_covers(ql, kl) => {
-                position::with_device_view(position, |p| cuda::decode(self, p, (q, ql), (k, kl), (v, vl)))
+                let out =
+                    position::with_device_view(position, |p| cuda::decode(self, p, (q, ql), (k, kl), (v, vl), None))?;
+                let out = out.ok_or_else(|| candle_core::Error::Msg("decode attention: no output came out".into()))?;
+                Ok((out, ql.shape().clone()))
             }
             Some(position) => {
                 position::with_device_view(position, |p| cuda::launch(self, Some(p), (q, ql), (k, kl), (v, vl)))
@@ -182,12 +230,15 @@ impl candle_core::CustomOp3 for FlashAttention {
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, DType, Layout, Result, Shape};
     use half::{bf16, f16};
 
     use super::FlashAttention;
+    use crate::chain::Launch;
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx"));
     const DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode_attention.ptx"));
@@ -264,16 +315,18 @@ mod cuda {
             && d.is_multiple_of(8)
     }
 
+    /// The split-KV decode kernel, its output written at `into` or into a new buffer.
     pub(crate) fn decode(
         op: &FlashAttention,
         position: &CudaView<'_, u32>,
         q: Input,
         k: Input,
         v: Input,
-    ) -> Result<(CudaStorage, Shape)> {
+        into: Option<u64>,
+    ) -> Result<Option<CudaStorage>> {
         match q.0.dtype() {
-            DType::BF16 => decode_typed::<bf16>("bf16", op, position, q, k, v),
-            DType::F16 => decode_typed::<f16>("f16", op, position, q, k, v),
+            DType::BF16 => decode_typed::<bf16>("bf16", op, position, q, k, v, into),
+            DType::F16 => decode_typed::<f16>("f16", op, position, q, k, v, into),
             other => candle_core::bail!("flash attention: unsupported dtype {other:?}"),
         }
     }
@@ -285,101 +338,124 @@ mod cuda {
         (q, ql): Input,
         (k, kl): Input,
         (v, vl): Input,
-    ) -> Result<(CudaStorage, Shape)> {
+        into: Option<u64>,
+    ) -> Result<Option<CudaStorage>> {
         let (_, heads, d) = ql.shape().dims3()?;
         let (capacity, kv_heads, _) = kl.shape().dims3()?;
         let ((k_row, k_head), (v_row, v_head)) = (strides(kl, "k")?, strides(vl, "v")?);
         let dev = q.device();
-        // SAFETY: the merging CTA of each KV head writes its query heads' rows.
-        let out = unsafe { dev.alloc::<T>(heads * d)? };
+        let stream = dev.cuda_stream();
+        let (out, out_address) = match into {
+            Some(address) => (None, address),
+            None => {
+                // SAFETY: the merging CTA of each KV head writes its query heads' rows.
+                let out = unsafe { dev.alloc::<T>(heads * d)? };
+                let address = out.device_ptr(&stream).0;
+                (Some(out), address)
+            }
+        };
         let split =
             dev.get_or_load_custom_func(&format!("decode_split_{suffix}_d{d}"), "tpinfer_decode", DECODE_PTX)?;
         // About four CTAs per SM of an H100/H200 in all, fewer for small caches (a CTA takes
         // at least 64 keys, and only as many run as the filled length needs); at most
         // MAX_SPLITS (cuda/decode_attention.cu).
         let splits = (512 / kv_heads).min(capacity.div_ceil(64)).clamp(1, 128);
-        let qs = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
-        let ks = k.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
-        let vs = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
-        // SAFETY: CTA (s, g) writes the partials of split s for every query head of group g,
-        // and every head belongs to one group.
-        let (part_o, part_ml) = unsafe {
-            (
-                dev.alloc::<f32>(heads * splits * d)?,
-                dev.alloc::<f32>(heads * splits * 2)?,
-            )
+        let address = |s: &CudaStorage, l: &Layout| -> Result<u64> {
+            Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..).device_ptr(&stream).0)
         };
+        let (qs, ks, vs) = (address(q, ql)?, address(k, kl)?, address(v, vl)?);
         let group = (heads / kv_heads) as i32;
         let scale_log2 = (op.scale * std::f64::consts::LOG2_E) as f32;
-        with_merge_counters(dev, kv_heads, |counters| {
-            let mut b = split.builder();
-            b.arg(&qs)
-                .arg(&ks)
-                .arg(&vs)
-                .arg(position)
-                .arg(&part_o)
-                .arg(&part_ml)
-                .arg(counters)
-                .arg(&out)
-                .arg(&group);
-            b.arg(&k_row).arg(&k_head).arg(&v_row).arg(&v_head).arg(&scale_log2);
-            let threads = (d as u32, 1, 1);
+        with_decode_scratch(dev, kv_heads, (heads * splits, d), |scratch| {
+            let mut launch = Launch::default();
+            launch
+                .arg(qs)
+                .arg(ks)
+                .arg(vs)
+                .arg(position.device_ptr(&stream).0)
+                .arg(scratch.part_o.device_ptr(&stream).0)
+                .arg(scratch.part_ml.device_ptr(&stream).0)
+                .arg(scratch.counters.device_ptr(&stream).0)
+                .arg(out_address)
+                .arg(group);
+            launch.arg(k_row).arg(k_head).arg(v_row).arg(v_head).arg(scale_log2);
             // SAFETY: the arguments match the kernel's signature; k and v cover `capacity` rows
             // and the kernel reads at most *position + 1 ≤ capacity of them (checked by the caller);
-            // the partials are `heads · splits`, the output `heads · d`;
+            // the partials hold `heads · splits` rows, the output `heads · d`;
             // a counter per KV head, zero between launches.
             unsafe {
-                b.launch(LaunchConfig {
-                    grid_dim: (splits as u32, kv_heads as u32, 1),
-                    block_dim: threads,
-                    shared_mem_bytes: 0,
-                })
+                launch.launch(
+                    dev,
+                    &split,
+                    LaunchConfig {
+                        grid_dim: (splits as u32, kv_heads as u32, 1),
+                        block_dim: (d as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                )
             }
-            .w()?;
-            Ok(())
         })?;
-        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), ql.shape().clone()))
+        Ok(out.map(|out| CudaStorage::wrap_cuda_slice(out, dev.clone())))
     }
 
-    /// Every device's merge counters, by device.
-    type Counters = Vec<(candle_core::cuda_backend::DeviceId, CudaSlice<u32>)>;
+    /// A device's buffers for the decode kernel's splits: the softmax partials and a merge
+    /// counter per KV head.
+    struct DecodeScratch {
+        device: candle_core::cuda_backend::DeviceId,
+        /// Each split's output rows, `heads · splits · d`.
+        part_o: CudaSlice<f32>,
+        /// Each split's running max and sum, `heads · splits · 2`.
+        part_ml: CudaSlice<f32>,
+        /// Zero between launches, as every split kernel's last CTA leaves them.
+        counters: CudaSlice<u32>,
+    }
 
     /// The most KV heads a rank's decode attention takes: the merge counters of a device.
     const MAX_KV_HEADS: usize = 1024;
 
-    /// Runs `launch` with the device's merge counters (one per KV head): zero between
-    /// launches, as every split kernel's last CTA leaves them, so one buffer serves every layer
-    /// and every captured graph (a device's kernels run in stream order). Allocated by the
-    /// first decode on a device, which must run eagerly (a capture cannot allocate memory that
-    /// outlives it), and never freed, since graphs keep its address.
-    fn with_merge_counters(
+    /// Runs `launch` with the device's decode scratch, which holds at least `rows` partials of
+    /// `d`: one set serves every layer and every captured graph (a device's kernels run
+    /// in stream order), so a decode step allocates nothing for its splits and its kernels
+    /// chain. Allocated, or grown, by a decode that runs eagerly (a capture cannot allocate
+    /// memory that outlives it: the first decode step of a model runs before its capture);
+    /// never freed, since graphs keep the addresses.
+    fn with_decode_scratch(
         dev: &candle_core::CudaDevice,
         kv_heads: usize,
-        launch: impl FnOnce(&CudaSlice<u32>) -> Result<()>,
+        (rows, d): (usize, usize),
+        launch: impl FnOnce(&DecodeScratch) -> Result<()>,
     ) -> Result<()> {
-        static COUNTERS: std::sync::Mutex<Counters> = std::sync::Mutex::new(Vec::new());
+        static SCRATCH: std::sync::Mutex<Vec<DecodeScratch>> = std::sync::Mutex::new(Vec::new());
         if kv_heads > MAX_KV_HEADS {
             candle_core::bail!("decode attention: {kv_heads} KV heads on one rank, at most {MAX_KV_HEADS}");
         }
-        let mut all = COUNTERS
+        let mut all = SCRATCH
             .lock()
-            .map_err(|_| candle_core::Error::Msg("decode attention: the merge counters' lock is poisoned".into()))?;
-        let at = match all.iter().position(|(id, _)| *id == dev.id()) {
-            Some(at) => at,
-            None => {
-                let capturing = dev.cuda_stream().capture_status().w()?;
-                if capturing
-                    != candle_core::cuda_backend::cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
-                {
-                    candle_core::bail!(
-                        "decode attention: the first decode step on a device must run before a graph capture"
-                    );
-                }
-                all.push((dev.id(), dev.alloc_zeros::<u32>(MAX_KV_HEADS)?));
-                all.len() - 1
-            }
+            .map_err(|_| candle_core::Error::Msg("decode attention: the scratch's lock is poisoned".into()))?;
+        // The newest of the device's (a grown one is pushed after the one it replaces).
+        if let Some(scratch) = all
+            .iter()
+            .rev()
+            .find(|s| s.device == dev.id() && s.part_o.len() >= rows * d && s.part_ml.len() >= rows * 2)
+        {
+            return launch(scratch);
+        }
+        let capturing = dev.cuda_stream().capture_status().w()?;
+        if capturing
+            != candle_core::cuda_backend::cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        {
+            candle_core::bail!("decode attention: a decode step of this shape must run once before a graph capture");
+        }
+        // SAFETY: the partials are written by each split before its merge reads them.
+        let scratch = DecodeScratch {
+            device: dev.id(),
+            part_o: unsafe { dev.alloc::<f32>(rows * d)? },
+            part_ml: unsafe { dev.alloc::<f32>(rows * 2)? },
+            counters: dev.alloc_zeros::<u32>(MAX_KV_HEADS)?,
         };
-        launch(&all[at].1)
+        launch(&scratch)?;
+        all.push(scratch);
+        Ok(())
     }
 
     fn launch_typed<T: CudaDType + DeviceRepr>(

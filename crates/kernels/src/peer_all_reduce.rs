@@ -2,14 +2,11 @@
 //! (`cuda/peer_all_reduce.cu`): a decode step's 64 all-reduces of one hidden row, each a
 //! single kernel that needs no host and no NCCL channel setup, inside a captured graph too.
 
-use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::op::BackpropOp;
-use candle_core::{CudaStorage, DType, Device, Result, Storage, Tensor};
-use half::{bf16, f16};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
+use candle_core::{DType, Device, Result, Tensor};
 
-use crate::launch::suffix;
+use crate::chain::Launch;
+use crate::launch::{device_address, suffix};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/peer_all_reduce.ptx"));
 
@@ -47,6 +44,27 @@ pub fn covers(x: &Tensor) -> bool {
 /// used by this function alone), readable and writable from `x`'s device; every rank calls
 /// with tensors of the same shape and dtype, in the same order.
 pub unsafe fn peer_all_reduce(x: &Tensor, peers: &Peers, rank: usize, world: usize) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let out = crate::empty(x.dims(), x.dtype(), x.device())?;
+    // SAFETY: as this function's.
+    unsafe { launch(&x, &out, peers, rank, world)? };
+    Ok(out)
+}
+
+/// [`peer_all_reduce`] in place: `x` (contiguous) becomes the sum. A link of a kernel chain
+/// ([`crate::chained`]).
+///
+/// # Safety
+/// As [`peer_all_reduce`]'s.
+pub unsafe fn peer_all_reduce_in_place(x: &Tensor, peers: &Peers, rank: usize, world: usize) -> Result<()> {
+    if !x.is_contiguous() {
+        candle_core::bail!("peer_all_reduce_in_place: x {:?} is not contiguous", x.dims());
+    }
+    // SAFETY: as this function's; the kernel reads each element before it writes its sum.
+    unsafe { launch(x, x, peers, rank, world) }
+}
+
+unsafe fn launch(x: &Tensor, out: &Tensor, peers: &Peers, rank: usize, world: usize) -> Result<()> {
     if !covers(x) || world > MAX_RANKS || rank >= world {
         candle_core::bail!(
             "peer_all_reduce: {:?} {:?} at rank {rank} of {world} is not covered",
@@ -54,67 +72,30 @@ pub unsafe fn peer_all_reduce(x: &Tensor, peers: &Peers, rank: usize, world: usi
             x.dims()
         );
     }
-    let x = x.contiguous()?;
     let Device::Cuda(dev) = x.device() else {
         candle_core::bail!("peer_all_reduce needs a CUDA tensor");
     };
-    let (storage, layout) = x.storage_and_layout();
-    let Storage::Cuda(storage) = &*storage else {
-        candle_core::bail!("peer_all_reduce needs a CUDA tensor");
-    };
-    let (start, n) = (layout.start_offset(), x.elem_count());
-    // SAFETY: as the caller vouches.
-    let out = unsafe {
-        match x.dtype() {
-            DType::F32 => {
-                CudaStorage::wrap_cuda_slice(typed::<f32>(storage, start, n, peers, rank, world)?, dev.clone())
-            }
-            DType::BF16 => {
-                CudaStorage::wrap_cuda_slice(typed::<bf16>(storage, start, n, peers, rank, world)?, dev.clone())
-            }
-            _ => CudaStorage::wrap_cuda_slice(typed::<f16>(storage, start, n, peers, rank, world)?, dev.clone()),
-        }
-    };
-    Ok(Tensor::from_storage(
-        Storage::Cuda(out),
-        x.dims(),
-        BackpropOp::none(),
-        false,
-    ))
-}
-
-unsafe fn typed<T: CudaDType + DeviceRepr>(
-    x: &CudaStorage,
-    start: usize,
-    n: usize,
-    peers: &Peers,
-    rank: usize,
-    world: usize,
-) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<T>> {
-    let dev = &x.device;
     let func = dev.get_or_load_custom_func(
         &format!("peer_all_reduce_{}", suffix(x.dtype())?),
         "tpinfer_peer_all_reduce",
         PTX,
     )?;
-    let input = x.as_cuda_slice::<T>()?.slice(start..start + n);
-    // SAFETY: every element is written by the block that owns it.
-    let out = unsafe { dev.alloc::<T>(n)? };
-    let (n_i, rank_i, world_i, slot) = (n as i32, rank as i32, world as i32, MAX_BYTES as u64);
     let cfg = LaunchConfig {
         grid_dim: (MAX_BLOCKS as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = func.builder();
-    b.arg(&input)
-        .arg(&out)
-        .arg(&n_i)
-        .arg(peers)
-        .arg(&rank_i)
-        .arg(&world_i)
-        .arg(&slot);
-    // SAFETY: the arguments match the kernel's signature; the caller vouches for `peers`.
-    unsafe { b.launch(cfg) }.w()?;
-    Ok(out)
+    // SAFETY: the arguments match the kernel's signature; x and out hold n elements; peers per
+    // the caller.
+    unsafe {
+        Launch::default()
+            .arg(device_address(x)?)
+            .arg(device_address(out)?)
+            .arg(x.elem_count() as i32)
+            .arg(*peers)
+            .arg(rank as i32)
+            .arg(world as i32)
+            .arg(MAX_BYTES as u64)
+            .launch(dev, &func, cfg)
+    }
 }

@@ -61,25 +61,7 @@ impl Geometry {
 /// writing the rotated key heads and the value heads into `cache` `[2, kv_heads, capacity, d]`
 /// (keys, then values; contiguous) at slots `position..position + rows`.
 pub fn rotary_qkv(cache: &Tensor, qkv: &Tensor, table: &Tensor, position: &Tensor, q_heads: usize) -> Result<Tensor> {
-    let (two, kv_heads, capacity, d) = cache.dims4()?;
-    let geometry = Geometry::of(qkv, table, position, q_heads, kv_heads)?;
-    if two != 2 || d != geometry.head_dim || geometry.rows > capacity || !cache.is_contiguous() {
-        candle_core::bail!(
-            "rotary_qkv: the cache {:?} is not a contiguous [2, {kv_heads}, capacity ≥ {}, {}]",
-            cache.dims(),
-            geometry.rows,
-            geometry.head_dim
-        );
-    }
-    if cache.dtype() != qkv.dtype() {
-        candle_core::bail!("rotary_qkv: the cache is {:?} but qkv {:?}", cache.dtype(), qkv.dtype());
-    }
-    let op = RotaryQkv {
-        geometry,
-        capacity,
-        position: position.clone(),
-        queries: Mutex::new(None),
-    };
+    let op = RotaryQkv::checked(cache, qkv, table, position, q_heads, None)?;
     cache.inplace_op3(&qkv.contiguous()?, &table.contiguous()?, &op)?;
     let queries = op
         .queries
@@ -95,13 +77,71 @@ pub fn rotary_qkv(cache: &Tensor, qkv: &Tensor, table: &Tensor, position: &Tenso
     ))
 }
 
-/// Writes the cache in place (an in-place op on it) and leaves the rotated queries, a new
-/// buffer, in `queries` for [`rotary_qkv`] to wrap.
+/// [`rotary_qkv`] with the queries written into `queries` (`rows · q_heads · d` elements,
+/// contiguous), as a link of a kernel chain ([`crate::chained`]) on CUDA; elsewhere they are
+/// copied in.
+pub fn rotary_qkv_into(
+    cache: &Tensor,
+    qkv: &Tensor,
+    table: &Tensor,
+    position: &Tensor,
+    q_heads: usize,
+    queries: &Tensor,
+) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if cache.device().is_cuda() {
+        let probe = RotaryQkv::checked(cache, qkv, table, position, q_heads, None)?;
+        let g = probe.geometry;
+        crate::launch::check_output(queries, qkv.dtype(), g.rows * g.q_heads * g.head_dim, "rotary_qkv")?;
+        let into = crate::launch::device_address(queries)?;
+        let op = RotaryQkv::checked(cache, qkv, table, position, q_heads, Some(into))?;
+        return cache.inplace_op3(&qkv.contiguous()?, &table.contiguous()?, &op);
+    }
+    let rotated = rotary_qkv(cache, qkv, table, position, q_heads)?;
+    queries.slice_set(&rotated.reshape(queries.shape())?, 0, 0)
+}
+
+/// Writes the cache in place (an in-place op on it) and the rotated queries to the address
+/// `into`, or to a new buffer left in `queries` for [`rotary_qkv`] to wrap.
 struct RotaryQkv {
     geometry: Geometry,
     capacity: usize,
     position: Tensor,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    into: Option<u64>,
     queries: Mutex<Option<Storage>>,
+}
+
+impl RotaryQkv {
+    fn checked(
+        cache: &Tensor,
+        qkv: &Tensor,
+        table: &Tensor,
+        position: &Tensor,
+        q_heads: usize,
+        into: Option<u64>,
+    ) -> Result<Self> {
+        let (two, kv_heads, capacity, d) = cache.dims4()?;
+        let geometry = Geometry::of(qkv, table, position, q_heads, kv_heads)?;
+        if two != 2 || d != geometry.head_dim || geometry.rows > capacity || !cache.is_contiguous() {
+            candle_core::bail!(
+                "rotary_qkv: the cache {:?} is not a contiguous [2, {kv_heads}, capacity ≥ {}, {}]",
+                cache.dims(),
+                geometry.rows,
+                geometry.head_dim
+            );
+        }
+        if cache.dtype() != qkv.dtype() {
+            candle_core::bail!("rotary_qkv: the cache is {:?} but qkv {:?}", cache.dtype(), qkv.dtype());
+        }
+        Ok(Self {
+            geometry,
+            capacity,
+            position: position.clone(),
+            into,
+            queries: Mutex::new(None),
+        })
+    }
 }
 
 impl RotaryQkv {
@@ -157,21 +197,26 @@ impl candle_core::InplaceOp3 for RotaryQkv {
                 (cache, cl),
                 (qkv, ql),
                 (table, tl),
+                self.into,
             )
         })?;
-        self.keep(Storage::Cuda(queries))
+        match queries {
+            Some(queries) => self.keep(Storage::Cuda(queries)),
+            None => Ok(()),
+        }
     }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, PushKernelArg};
-    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtr, DeviceRepr};
+    use candle_core::cuda_backend::CudaDType;
     use candle_core::{CudaStorage, DType, Layout, Result};
     use half::{bf16, f16};
 
     use super::Geometry;
+    use crate::chain::Launch;
     use crate::launch::{elementwise, suffix};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rotary.ptx"));
@@ -179,6 +224,7 @@ mod cuda {
     type Input<'a> = (&'a CudaStorage, &'a Layout);
     type Position<'a, 'b> = &'a CudaView<'b, u32>;
 
+    /// Writes the queries at `into`, or returns them in a new buffer.
     pub(super) fn rotary_qkv(
         g: &Geometry,
         capacity: usize,
@@ -186,11 +232,12 @@ mod cuda {
         (cache, cl): (&mut CudaStorage, &Layout),
         qkv: Input,
         table: Input,
-    ) -> Result<CudaStorage> {
+        into: Option<u64>,
+    ) -> Result<Option<CudaStorage>> {
         match qkv.0.dtype() {
-            DType::F32 => typed::<f32>(g, capacity, position, (cache, cl), qkv, table),
-            DType::BF16 => typed::<bf16>(g, capacity, position, (cache, cl), qkv, table),
-            DType::F16 => typed::<f16>(g, capacity, position, (cache, cl), qkv, table),
+            DType::F32 => typed::<f32>(g, capacity, position, (cache, cl), qkv, table, into),
+            DType::BF16 => typed::<bf16>(g, capacity, position, (cache, cl), qkv, table, into),
+            DType::F16 => typed::<f16>(g, capacity, position, (cache, cl), qkv, table, into),
             other => candle_core::bail!("rotary_qkv: unsupported dtype {other:?}"),
         }
     }
@@ -202,28 +249,49 @@ mod cuda {
         (cache, cl): (&mut CudaStorage, &Layout),
         (qkv, ql): Input,
         (table, tl): Input,
-    ) -> Result<CudaStorage> {
+        into: Option<u64>,
+    ) -> Result<Option<CudaStorage>> {
         let dev = qkv.device().clone();
+        let stream = dev.cuda_stream();
         let func =
             dev.get_or_load_custom_func(&format!("rotary_qkv_{}", suffix(qkv.dtype())?), "tpinfer_rotary", PTX)?;
         let xs = qkv.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
         let ts = table.as_cuda_slice::<T>()?.slice(tl.start_offset()..);
-        let mut cs = cache.as_cuda_slice_mut::<T>()?.slice_mut(cl.start_offset()..);
-        // SAFETY: every element is written by the kernel (each row, head and half-dim pair).
-        let out = unsafe { dev.alloc::<T>(g.rows * g.q_heads * g.head_dim)? };
-        let shape = [g.rows, g.q_heads, g.kv_heads, g.head_dim].map(|v| v as i32);
-        let (positions, capacity) = (g.positions as i32, capacity as i32);
-        let mut b = func.builder();
-        b.arg(&xs).arg(&ts).arg(&out).arg(&mut cs);
-        shape.iter().for_each(|v| {
-            b.arg(v);
-        });
-        b.arg(position).arg(&positions).arg(&capacity);
+        let cs = cache.as_cuda_slice::<T>()?.slice(cl.start_offset()..);
+        let (out, out_address) = match into {
+            Some(address) => (None, address),
+            None => {
+                // SAFETY: every element is written by the kernel (each row, head and half-dim pair).
+                let out = unsafe { dev.alloc::<T>(g.rows * g.q_heads * g.head_dim)? };
+                let address = out.device_ptr(&stream).0;
+                (Some(out), address)
+            }
+        };
+        let mut launch = Launch::default();
+        launch
+            .arg(xs.device_ptr(&stream).0)
+            .arg(ts.device_ptr(&stream).0)
+            .arg(out_address)
+            .arg(cs.device_ptr(&stream).0);
+        for v in [g.rows, g.q_heads, g.kv_heads, g.head_dim] {
+            launch.arg(v as i32);
+        }
+        launch
+            .arg(position.device_ptr(&stream).0)
+            .arg(g.positions as i32)
+            .arg(capacity as i32);
         // SAFETY: the arguments match the kernel's signature; `Geometry::of` checked that qkv
-        // covers every row, the cache is a contiguous [2, kv_heads, capacity, d], and the
-        // kernel skips positions past the table and slots past the cache. One thread per
-        // (row, head, j < d/2) of the query heads, then of the KV heads.
-        unsafe { b.launch(elementwise(g.rows * (g.q_heads + g.kv_heads) * g.head_dim / 2)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        // covers every row, the cache is a contiguous [2, kv_heads, capacity, d], the output
+        // holds rows · q_heads · d values, and the kernel skips positions past the table and
+        // slots past the cache. One thread per (row, head, j < d/2) of the query heads, then of
+        // the KV heads.
+        unsafe {
+            launch.launch(
+                &dev,
+                &func,
+                elementwise(g.rows * (g.q_heads + g.kv_heads) * g.head_dim / 2),
+            )
+        }?;
+        Ok(out.map(|out| CudaStorage::wrap_cuda_slice(out, dev)))
     }
 }

@@ -208,6 +208,36 @@ pub fn add_rms_norm(x: &Tensor, y: &Tensor, weight: &Tensor, eps: f64) -> Result
     Ok((both.get(0)?, both.get(1)?))
 }
 
+/// [`add_rms_norm`] on a residual stream kept in place: `stream` `[2, rows, cols]` (contiguous)
+/// holds the stream in `stream[0]`, which becomes `stream[0] + y`, and the norm is written to
+/// `stream[1]`. A link of a kernel chain ([`crate::chained`]) on CUDA.
+pub fn add_rms_norm_into(stream: &Tensor, y: &Tensor, weight: &Tensor, eps: f64) -> Result<()> {
+    let (two, rows, cols) = stream.dims3()?;
+    if two != 2 || y.dims() != [rows, cols] || !stream.is_contiguous() {
+        candle_core::bail!(
+            "add_rms_norm_into: the stream {:?} is not a contiguous [2, rows, cols] for y {:?}",
+            stream.dims(),
+            y.dims()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if stream.device().is_cuda() {
+        if y.dtype() != stream.dtype() || weight.dtype() != stream.dtype() || weight.dims() != [cols] {
+            candle_core::bail!(
+                "add_rms_norm_into: y {:?} or weight {:?} do not match the stream",
+                y.dtype(),
+                weight.dims()
+            );
+        }
+        let (y, weight) = (y.contiguous()?, weight.contiguous()?);
+        let at = crate::launch::device_address;
+        let s = at(stream)?;
+        return cuda::launch_add_rms_norm(stream, [s, at(&y)?, at(&weight)?, s], rows, cols, eps as f32);
+    }
+    let (sum, normed) = add_rms_norm(&stream.get(0)?, y, weight, eps)?;
+    stream.slice_set(&Tensor::stack(&[sum, normed], 0)?, 0, 0)
+}
+
 /// `silu(x[:, j]) · x[:, n + j]` for `x` `[rows, 2n]`: a gated MLP's activation on its fused
 /// gate/up output, `[rows, n]`.
 pub fn silu_mul(x: &Tensor) -> Result<Tensor> {
@@ -420,12 +450,13 @@ impl candle_core::CustomOp2 for EmbedOwnedRows {
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
     use half::{bf16, f16};
 
     use super::Rowwise;
+    use crate::chain::Launch;
     use crate::launch::{elementwise, suffix, THREADS};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rowwise.ptx"));
@@ -653,34 +684,60 @@ mod cuda {
         eps: f32,
     ) -> Result<CudaStorage> {
         let dev = x.0.device();
-        let func = dev.get_or_load_custom_func(
-            &format!("add_rms_norm_{}", suffix(x.0.dtype())?),
-            "tpinfer_rowwise",
-            PTX,
-        )?;
         let (xs, ys, ws) = (view::<T>(x)?, view::<T>(y)?, view::<T>(w)?);
         if xs.len() != rows * cols || ys.len() != rows * cols || ws.len() != cols {
             candle_core::bail!("add_rms_norm: inputs do not match [{rows}, {cols}]");
         }
         // SAFETY: every element of both halves is written by the kernel.
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(2 * rows * cols)? };
-        let (rows_i, cols_i) = (rows as i32, cols as i32);
-        let mut builder = func.builder();
-        builder
-            .arg(&xs)
-            .arg(&ys)
-            .arg(&ws)
-            .arg(&out)
-            .arg(&rows_i)
-            .arg(&cols_i)
-            .arg(&eps);
+        let stream = dev.cuda_stream();
+        let address = |v: &CudaView<T>| v.device_ptr(&stream).0;
+        let addresses = [address(&xs), address(&ys), address(&ws), out.device_ptr(&stream).0];
+        launch(dev, x.0.dtype(), addresses, rows, cols, eps)?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
+    /// The kernel on x, y, the weight and the `[2, rows, cols]` output at `addresses`, for
+    /// [`super::add_rms_norm_into`] (x the output's first half).
+    pub(super) fn launch_add_rms_norm(
+        stream: &candle_core::Tensor,
+        addresses: [u64; 4],
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let candle_core::Device::Cuda(dev) = stream.device() else {
+            candle_core::bail!("add_rms_norm_into: the stream is not on CUDA");
+        };
+        launch(dev, stream.dtype(), addresses, rows, cols, eps)
+    }
+
+    fn launch(
+        dev: &CudaDevice,
+        dtype: DType,
+        [x, y, w, out]: [u64; 4],
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let func = dev.get_or_load_custom_func(&format!("add_rms_norm_{}", suffix(dtype)?), "tpinfer_rowwise", PTX)?;
         let cfg = LaunchConfig {
             block_dim: (NORM_THREADS, 1, 1),
             ..per_row(rows)
         };
-        // SAFETY: the arguments match the kernel's signature and sizes were checked.
-        unsafe { builder.launch(cfg) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        // SAFETY: the arguments match the kernel's signature; x and y hold rows × cols values,
+        // w cols and out 2 × rows × cols (the callers checked).
+        unsafe {
+            Launch::default()
+                .arg(x)
+                .arg(y)
+                .arg(w)
+                .arg(out)
+                .arg(rows as i32)
+                .arg(cols as i32)
+                .arg(eps)
+                .launch(dev, &func, cfg)
+        }
     }
 
     pub(super) fn silu_mul(x: &CudaStorage, xl: &Layout, n: usize, half: usize) -> Result<CudaStorage> {

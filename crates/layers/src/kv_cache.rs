@@ -32,12 +32,7 @@ impl KvCache {
     /// (q_heads + 2 · heads) · head_dim]` at slots `at..at + s`, and returns its query heads,
     /// rotated, `[s, q_heads, head_dim]`: one fused kernel.
     pub fn append_rotated(&self, qkv: &Tensor, rope: &Rope, at: &Position, q_heads: usize) -> Result<Tensor> {
-        // The rope table covers the positions the cache was sized for, or more.
-        let needed = at.value() + qkv.dim(0)?;
-        let capacity = self.capacity().min(rope.max_positions());
-        if needed > capacity {
-            return Err(Error::CacheFull { needed, capacity });
-        }
+        self.check_room(qkv, rope, at)?;
         Ok(tpinfer_kernels::rotary_qkv(
             &self.kv,
             qkv,
@@ -48,6 +43,37 @@ impl KvCache {
     }
 
     /// Views of the keys and values of the first `len` positions, `[1, heads, len, head_dim]`.
+    /// [`Self::append_rotated`] with the rotated queries written into `queries` (contiguous,
+    /// `[rows, q_heads, d]`'s elements): a decode step's buffer that outlives it.
+    pub fn append_rotated_into(
+        &self,
+        qkv: &Tensor,
+        rope: &Rope,
+        at: &Position,
+        q_heads: usize,
+        queries: &Tensor,
+    ) -> Result<()> {
+        self.check_room(qkv, rope, at)?;
+        Ok(tpinfer_kernels::rotary_qkv_into(
+            &self.kv,
+            qkv,
+            rope.table(),
+            at.tensor(),
+            q_heads,
+            queries,
+        )?)
+    }
+
+    fn check_room(&self, qkv: &Tensor, rope: &Rope, at: &Position) -> Result<()> {
+        // The rope table covers the positions the cache was sized for, or more.
+        let needed = at.value() + qkv.dim(0)?;
+        let capacity = self.capacity().min(rope.max_positions());
+        match needed > capacity {
+            true => Err(Error::CacheFull { needed, capacity }),
+            false => Ok(()),
+        }
+    }
+
     pub fn filled(&self, len: usize) -> Result<(Tensor, Tensor)> {
         let part = |i: usize| self.kv.narrow(0, i, 1)?.narrow(2, 0, len);
         Ok((part(0)?, part(1)?))

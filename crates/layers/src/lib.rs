@@ -30,5 +30,6 @@ pub use candle_nn::ops::rms_norm;
 #[cfg(feature = "cuda")]
 pub use tpinfer_kernels::graph;
 pub use tpinfer_kernels::{
-    add_rms_norm, argmax, cuda_flash_attention_covers, flash_attention, flash_attention_cached, write_u32s,
+    add_rms_norm, add_rms_norm_into, argmax, chained, cuda_flash_attention_covers, flash_attention,
+    flash_attention_cached, flash_attention_cached_into, write_u32s,
 };

@@ -29,6 +29,16 @@ fn apply(linear: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
 
 /// An uninitialized `[rows, out]` output of `linear` for [`apply_into`], in `x`'s type and
 /// on its device.
+/// One row's product written into `out`: the GEMV in place where it runs (a kernel chain's
+/// link on CUDA), elsewhere the product copied in.
+fn apply_row_into(linear: &Linear, x: &Tensor, out: &Tensor) -> candle_core::Result<()> {
+    let w = linear.weight();
+    if linear.bias().is_none() && tpinfer_kernels::gemv_on_cuda(x, w) {
+        return tpinfer_kernels::gemv_into(x, w, out);
+    }
+    out.slice_set(&apply(linear, x)?.reshape(out.shape())?, 0, 0)
+}
+
 fn empty_output(linear: &Linear, rows: usize, x: &Tensor) -> Result<Tensor> {
     Ok(tpinfer_kernels::empty(
         &[rows, linear.weight().dim(0)?],
@@ -155,6 +165,12 @@ impl MergedColumnParallelLinear {
         Ok(apply(&self.linear, x)?)
     }
 
+    /// [`Self::forward_merged`] of one row `x`, written into `out` (all outputs, contiguous):
+    /// a decode step's product into a buffer that outlives the step.
+    pub fn forward_row_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
+        Ok(apply_row_into(&self.linear, x, out)?)
+    }
+
     /// An output of `rows` rows for [`Self::forward_merged_into`], like `x`.
     pub fn empty_output(&self, rows: usize, x: &Tensor) -> Result<Tensor> {
         empty_output(&self.linear, rows, x)
@@ -168,13 +184,28 @@ impl MergedColumnParallelLinear {
     /// For a gated MLP's `[gate | up]` (two merged linears of one size, no bias) and one
     /// input row on CUDA in 16 bits, a decode step's: `silu(gate) · up` from one kernel, with
     /// the bits of [`Self::forward_merged`] and `silu_mul`. `None` where it does not cover `x`.
-    pub fn forward_silu_product(&self, x: &Tensor) -> Result<Option<Tensor>> {
+    /// [`Self::forward_silu_product`] of one row `x` written into `out` (`[.., n]`,
+    /// contiguous), with the SiLU product computed apart where the fused kernel does not run.
+    pub fn forward_silu_product_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
         let w = self.linear.weight();
-        let covered = matches!(self.out_sizes[..], [gate, up] if gate == up)
+        if self.silu_product_covers(x) {
+            return Ok(tpinfer_kernels::gemv_gate_up_silu_into(x, w, out)?);
+        }
+        let gate_up = self.forward_merged(x)?;
+        let cols = gate_up.dims().last().copied().unwrap_or(0);
+        let product = tpinfer_kernels::silu_mul(&gate_up.reshape(((), cols))?)?;
+        Ok(out.slice_set(&product.reshape(out.shape())?, 0, 0)?)
+    }
+
+    fn silu_product_covers(&self, x: &Tensor) -> bool {
+        matches!(self.out_sizes[..], [gate, up] if gate == up)
             && self.linear.bias().is_none()
-            && tpinfer_kernels::gemv_gate_up_silu_on_cuda(x, w);
-        Ok(match covered {
-            true => Some(tpinfer_kernels::gemv_gate_up_silu(x, w)?),
+            && tpinfer_kernels::gemv_gate_up_silu_on_cuda(x, self.linear.weight())
+    }
+
+    pub fn forward_silu_product(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        Ok(match self.silu_product_covers(x) {
+            true => Some(tpinfer_kernels::gemv_gate_up_silu(x, self.linear.weight())?),
             false => None,
         })
     }
@@ -231,6 +262,16 @@ impl RowParallelLinear {
     /// [`Self::forward`] of `silu(gate) · up` for a gated MLP's fused gate/up output
     /// `[.., 2n]` (gate, then up), through one `silu_mul` pass. Takes `gate_up` to free it
     /// before the product, as the activation model in the Llama crate counts.
+    /// [`Self::forward`] of one row `x`, summed in place in `out` (contiguous): a decode
+    /// step's product and all-reduce into a buffer that outlives the step.
+    pub fn forward_row_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
+        if self.bias.is_some() {
+            return Ok(out.slice_set(&self.forward(x)?.reshape(out.shape())?, 0, 0)?);
+        }
+        apply_row_into(&self.linear, x, out)?;
+        Ok(self.comm.all_reduce_sum_in_place(out)?)
+    }
+
     pub fn forward_silu_mul(&self, gate_up: Tensor) -> Result<Tensor> {
         let mut dims = gate_up.dims().to_vec();
         let cols = dims.pop().unwrap_or(0);

@@ -3,8 +3,9 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
-    add_rms_norm, argmax, causal_mask, flash_attention_cached, grouped_attention, rms_norm, write_u32s, GatedMlp,
-    KvCache, MergedColumnParallelLinear, Position, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
+    add_rms_norm, add_rms_norm_into, argmax, causal_mask, chained, flash_attention_cached, flash_attention_cached_into,
+    grouped_attention, rms_norm, write_u32s, GatedMlp, KvCache, MergedColumnParallelLinear, Position, Result, Rope,
+    RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -33,6 +34,8 @@ pub struct LlamaRank {
     position: Position,
     /// The decode step's inputs and outputs on the device.
     step_io: StepIo,
+    /// The decode step's activations (flash attention), made by the first decode step.
+    step_buffers: std::cell::OnceCell<StepBuffers>,
     /// The captured decode step (CUDA with flash attention), once there is one.
     #[cfg(feature = "cuda")]
     decode: Option<crate::graph::DecodeGraph>,
@@ -62,6 +65,42 @@ impl StepIo {
             token: Tensor::zeros((1, 1), DType::U32, device)?,
             flag: Tensor::zeros(1, DType::U32, device)?,
             out: Tensor::zeros(2, DType::U32, device)?,
+        })
+    }
+}
+
+/// A decode step's activations, one row each, at fixed addresses: the step's layers write
+/// into them in place, so that nothing is allocated between two of its kernels and they run
+/// as one chain (`tpinfer_kernels::chained`).
+struct StepBuffers {
+    /// The residual stream and its norm, `[2, 1, hidden]`.
+    stream: Tensor,
+    /// `[1, hidden]` zeros: what the first layer's norm adds to the embedding.
+    zeros: Tensor,
+    /// The QKV projection, `[1, (q + 2 · kv) · head_dim]` local.
+    qkv: Tensor,
+    /// The rotated queries, `[1, q, head_dim]` local.
+    queries: Tensor,
+    /// Attention's output, `[1, q · head_dim]` local.
+    attention: Tensor,
+    /// The MLP's SiLU product, `[1, intermediate]` local.
+    hidden: Tensor,
+    /// A row-parallel product summed over the ranks (attention's or the MLP's), `[1, hidden]`.
+    sum: Tensor,
+}
+
+impl StepBuffers {
+    fn new(c: &LlamaConfig, shard: &LlamaShard, dtype: DType, device: &Device) -> Result<Self> {
+        let (q, kv, d) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len(), c.head_dim);
+        let row = |n: usize| Tensor::zeros((1, n), dtype, device);
+        Ok(Self {
+            stream: Tensor::zeros((2, 1, c.hidden_size), dtype, device)?,
+            zeros: row(c.hidden_size)?,
+            qkv: row((q + 2 * kv) * d)?,
+            queries: Tensor::zeros((1, q, d), dtype, device)?,
+            attention: row(q * d)?,
+            hidden: row(shard.ffn_cols.len())?,
+            sum: row(c.hidden_size)?,
         })
     }
 }
@@ -148,6 +187,7 @@ impl LlamaRank {
             cached: 0,
             position: Position::new(device)?,
             step_io: StepIo::new(device)?,
+            step_buffers: std::cell::OnceCell::new(),
             #[cfg(feature = "cuda")]
             decode: crate::graph::DecodeGraph::new(device, flash, c.vocab_size)?,
             comm,
@@ -384,6 +424,9 @@ impl LlamaRank {
 
     /// The final norm's output for `ids`, `[1, s, hidden]`, after caching their keys and values.
     fn hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
+        if self.flash && ids.dims() == [1, 1] {
+            return self.step_hidden_states(ids);
+        }
         let offset = self.position.value();
         let mut x = self.embed.embed(ids)?;
         let seq = ids.dim(1)?;
@@ -411,6 +454,49 @@ impl LlamaRank {
             (x, pending) = (residual, Some(mlp));
         }
         Ok(add_norm(x, pending, &self.norm, eps)?.1)
+    }
+}
+
+impl LlamaRank {
+    /// [`Self::hidden_states`] of one token, through the [`StepBuffers`]: after the embedding
+    /// and the first norm, every kernel up to the final norm is a link of one chain.
+    fn step_hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
+        let b = match self.step_buffers.get() {
+            Some(b) => b,
+            None => {
+                let made = StepBuffers::new(&self.config, &self.shard, self.dtype, ids.device())?;
+                self.step_buffers.get_or_init(|| made)
+            }
+        };
+        let eps = self.config.rms_norm_eps;
+        let x = self.embed.embed(ids)?;
+        b.stream.slice_set(&x.reshape(b.zeros.shape())?.unsqueeze(0)?, 0, 0)?;
+        drop(x);
+        let ctx = LayerContext {
+            at: &self.position,
+            flash: true,
+            mask: None,
+            rope: &self.rope,
+            shard: &self.shard,
+            kv_index: &self.kv_index,
+            config: &self.config,
+        };
+        // Outside the chain: a copy, not a kernel, comes before it.
+        let first = self.layers.first().map_or(&self.norm, |l| &l.input_norm);
+        add_rms_norm_into(&b.stream, &b.zeros, first, eps)?;
+        chained(|| -> Result<()> {
+            for (i, layer) in self.layers.iter().enumerate() {
+                if i > 0 {
+                    add_rms_norm_into(&b.stream, &b.sum, &layer.input_norm, eps)?;
+                }
+                layer.step(b, &ctx)?;
+            }
+            if !self.layers.is_empty() {
+                add_rms_norm_into(&b.stream, &b.sum, &self.norm, eps)?;
+            }
+            Ok(())
+        })?;
+        Ok(b.stream.get(1)?.unsqueeze(0)?)
     }
 }
 
@@ -450,6 +536,23 @@ impl DecoderLayer {
         let (residual, h) = add_norm(residual, Some(attn), &self.post_norm, ctx.config.rms_norm_eps)?;
         let mlp = self.mlp.forward(&h)?;
         Ok((residual, mlp))
+    }
+
+    /// One token through the layer in `b`: its input norm in `b.stream[1]`; out, the stream
+    /// after attention in `b.stream[0]` and the MLP's output in `b.sum`, which the next norm
+    /// adds to it.
+    fn step(&self, b: &StepBuffers, ctx: &LayerContext) -> Result<()> {
+        let h = b.stream.get(1)?;
+        self.qkv.forward_row_into(&h, &b.qkv)?;
+        let n_q = ctx.shard.heads.q_heads.len();
+        self.cache
+            .append_rotated_into(&b.qkv, ctx.rope, ctx.at, n_q, &b.queries)?;
+        let (k, v) = self.cache.slots()?;
+        let scale = 1.0 / (ctx.config.head_dim as f64).sqrt();
+        flash_attention_cached_into(&b.queries, &k, &v, ctx.at.tensor(), scale, &b.attention)?;
+        self.o_proj.forward_row_into(&b.attention, &b.sum)?;
+        add_rms_norm_into(&b.stream, &b.sum, &self.post_norm, ctx.config.rms_norm_eps)?;
+        self.mlp.forward_row_into(&h, &b.hidden, &b.sum)
     }
 
     fn attention(&self, h: Tensor, ctx: &LayerContext) -> Result<Tensor> {

@@ -1,0 +1,128 @@
+//! Kernel chains: programmatic dependent launch for a decode step's kernels (cuda/chain.cuh).
+//!
+//! A decode step at batch 1 is a chain of some 300 kernels, each waiting for the last. Most
+//! of them are GEMVs bound by reading their weight, and between two GEMVs run small kernels
+//! (the norm, rotary, attention, the all-reduce) during which HBM idles. Launched as links of
+//! a chain, a kernel starts while the one before it still runs and issues the loads that do
+//! not depend on it (a GEMV's first weights) before it waits: the small kernels' time and the
+//! launch gaps overlap the weight reads instead of adding to them.
+//!
+//! Links are launched so only inside [`chained`], where the caller vouches that every kernel
+//! it queues reads its predecessor's outputs only after the chain wait (the kernels of this
+//! crate that launch through [`Launch`] do) and that no non-kernel work (a copy, an allocation)
+//! sits between two links. `TPINFER_KERNEL_CHAINS=0` turns links off; GPUs before Hopper have
+//! none.
+
+use std::cell::Cell;
+
+/// Turns kernel chains off when set to `0`.
+pub const KERNEL_CHAINS_ENV: &str = "TPINFER_KERNEL_CHAINS";
+
+thread_local! {
+    static CHAINED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `queue` with this thread's launches of chain kernels made links of a chain (see the
+/// module's notes for what `queue` must keep to).
+pub fn chained<R>(queue: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CHAINED.set(self.0);
+        }
+    }
+    let _restore = Restore(CHAINED.replace(true));
+    queue()
+}
+
+/// Whether kernel chains are on (not turned off through [`KERNEL_CHAINS_ENV`]).
+pub fn chains_enabled() -> bool {
+    std::env::var(KERNEL_CHAINS_ENV).map_or(true, |v| v != "0")
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::Launch;
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::ffi::c_void;
+
+    use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, LaunchConfig};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{CudaDevice, Result};
+
+    use super::{chains_enabled, CHAINED};
+
+    /// A kernel's arguments by value (device pointers as `u64`), launched with
+    /// `cuLaunchKernelEx`: as a chain link inside [`super::chained`] on Hopper or newer, as a
+    /// plain launch elsewhere.
+    #[derive(Default)]
+    pub(crate) struct Launch {
+        /// Each argument's bytes; 64 bytes is the largest (the peer all-reduce's `Peers`).
+        args: Vec<[u64; 8]>,
+    }
+
+    impl Launch {
+        pub(crate) fn arg<T: Copy>(&mut self, value: T) -> &mut Self {
+            const { assert!(std::mem::size_of::<T>() <= 64) };
+            let mut slot = [0u64; 8];
+            // SAFETY: T is Copy, at most 64 bytes (checked above), copied as bytes into the slot.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (&value as *const T).cast::<u8>(),
+                    slot.as_mut_ptr().cast::<u8>(),
+                    std::mem::size_of::<T>(),
+                )
+            };
+            self.args.push(slot);
+            self
+        }
+
+        /// # Safety
+        /// The arguments must match `func`'s signature, and the pointers the memory it reads
+        /// and writes for `cfg`'s grid.
+        pub(crate) unsafe fn launch(&mut self, dev: &CudaDevice, func: &CudaFunction, cfg: LaunchConfig) -> Result<()> {
+            let stream = dev.cuda_stream();
+            let link = CHAINED.get() && hopper(dev)?;
+            let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attribute.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: cfg.grid_dim.0,
+                gridDimY: cfg.grid_dim.1,
+                gridDimZ: cfg.grid_dim.2,
+                blockDimX: cfg.block_dim.0,
+                blockDimY: cfg.block_dim.1,
+                blockDimZ: cfg.block_dim.2,
+                sharedMemBytes: cfg.shared_mem_bytes,
+                hStream: stream.cu_stream(),
+                attrs: &mut attribute,
+                numAttrs: link as u32,
+            };
+            let mut params: Vec<*mut c_void> = self.args.iter_mut().map(|a| a.as_mut_ptr().cast()).collect();
+            stream.context().bind_to_thread().w()?;
+            // SAFETY: per the caller, the arguments match the kernel; params outlives the call.
+            unsafe { sys::cuLaunchKernelEx(&config, func.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+                .result()
+                .w()
+        }
+    }
+
+    /// Whether `dev` is a Hopper or newer GPU with kernel chains on: asked once per thread.
+    fn hopper(dev: &CudaDevice) -> Result<bool> {
+        thread_local! {
+            static HOPPER: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+        }
+        if let Some(known) = HOPPER.get() {
+            return Ok(known);
+        }
+        let major = dev
+            .cuda_stream()
+            .context()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .w()?;
+        let known = major >= 9 && chains_enabled();
+        HOPPER.set(Some(known));
+        Ok(known)
+    }
+}
