@@ -12,7 +12,11 @@ use std::cell::RefCell;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, DeviceRepr};
+use std::marker::PhantomData;
+
+use candle_core::cuda::cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop,
+};
 use candle_core::cuda::cudarc::nccl::{result::NcclError, sys, Comm, Id, NcclType, ReduceOp};
 use candle_core::cuda::CudaDType;
 use candle_core::op::BackpropOp;
@@ -28,6 +32,46 @@ const F32_SUM_MAX_BYTES: usize = 1 << 20;
 
 fn sum<T: NcclType>(comm: &Comm, input: &CudaView<'_, T>, output: &mut CudaSlice<T>) -> Result<(), NcclError> {
     comm.all_reduce(input, output, &ReduceOp::Sum).map(|_| ())
+}
+
+/// A contiguous tensor's elements by device address, for NCCL's sum in place: it writes where
+/// it reads, and nothing is allocated or copied (a decode step's kernels chain around it).
+struct InPlace<T> {
+    address: u64,
+    len: usize,
+    stream: Arc<CudaStream>,
+    elem: PhantomData<T>,
+}
+
+impl<T> DeviceSlice<T> for InPlace<T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> DevicePtrMut<T> for InPlace<T> {
+    fn device_ptr_mut<'a>(&'a mut self, _: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        // One stream per rank: nothing to order against.
+        (self.address, SyncOnDrop::Sync(None))
+    }
+}
+
+fn sum_in_place<T: NcclType>(
+    comm: &Comm,
+    (address, len): (u64, usize),
+    stream: Arc<CudaStream>,
+) -> Result<(), NcclError> {
+    let mut buffer = InPlace::<T> {
+        address,
+        len,
+        stream,
+        elem: PhantomData,
+    };
+    comm.all_reduce_in_place(&mut buffer, &ReduceOp::Sum).map(|_| ())
 }
 
 fn scatter<T: NcclType>(comm: &Comm, input: &CudaView<'_, T>, output: &mut CudaSlice<T>) -> Result<(), NcclError> {
@@ -405,11 +449,37 @@ impl Communicator for NcclComm {
                 self.stats.record_all_reduce(bytes, start.elapsed());
                 Ok(())
             }
-            // NCCL's sum goes to a new buffer and is copied back (one small copy per call).
-            None if self.group.world_size > 1 => {
+            // 16-bit decode sums over more than two ranks go through f32 (see `all_reduce_sum`)
+            // and are copied back.
+            None if self.group.world_size > 2
+                && x.dtype() != DType::F32
+                && x.elem_count() * x.dtype().size_in_bytes() <= F32_SUM_MAX_BYTES =>
+            {
                 let sum = self.all_reduce_sum(x)?;
                 x.slice_set(&sum, 0, 0)
                     .map_err(self.tensor_error(Collective::AllReduceSum))
+            }
+            None if self.group.world_size > 1 => {
+                let op = Collective::AllReduceSum;
+                if !x.is_contiguous() || !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+                    return Err(self.tensor_error(op)(candle_core::Error::Msg(format!(
+                        "an all-reduce in place needs a contiguous f32, bf16 or f16 tensor, not {:?}",
+                        x.dtype()
+                    ))));
+                }
+                let buffer = (
+                    tpinfer_kernels::device_address(x).map_err(self.tensor_error(op))?,
+                    x.elem_count(),
+                );
+                let stream = self.device.cuda_stream();
+                self.with_comm(&op.to_string(), |comm| match x.dtype() {
+                    DType::BF16 => sum_in_place::<half::bf16>(comm, buffer, stream),
+                    DType::F16 => sum_in_place::<half::f16>(comm, buffer, stream),
+                    _ => sum_in_place::<f32>(comm, buffer, stream),
+                })?;
+                let bytes = x.elem_count() * x.dtype().size_in_bytes();
+                self.stats.record_all_reduce(bytes, start.elapsed());
+                Ok(())
             }
             None => Ok(()),
         }
