@@ -455,9 +455,7 @@ impl LlamaRank {
         }
         Ok(add_norm(x, pending, &self.norm, eps)?.1)
     }
-}
 
-impl LlamaRank {
     /// [`Self::hidden_states`] of one token, through the [`StepBuffers`]: after the embedding
     /// and the first norm, every kernel up to the final norm is a link of one chain.
     fn step_hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
