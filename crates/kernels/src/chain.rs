@@ -108,7 +108,8 @@ mod cuda {
         }
     }
 
-    /// Whether `dev` is a Hopper or newer GPU with kernel chains on: asked once per thread.
+    /// Whether `dev` is a Hopper or newer GPU with kernel chains on: asked once per thread (a
+    /// rank's thread drives one device).
     fn hopper(dev: &CudaDevice) -> Result<bool> {
         thread_local! {
             static HOPPER: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };

@@ -61,7 +61,7 @@ impl Geometry {
 /// writing the rotated key heads and the value heads into `cache` `[2, kv_heads, capacity, d]`
 /// (keys, then values; contiguous) at slots `position..position + rows`.
 pub fn rotary_qkv(cache: &Tensor, qkv: &Tensor, table: &Tensor, position: &Tensor, q_heads: usize) -> Result<Tensor> {
-    let op = RotaryQkv::checked(cache, qkv, table, position, q_heads, None)?;
+    let op = RotaryQkv::checked(cache, qkv, table, position, q_heads)?;
     cache.inplace_op3(&qkv.contiguous()?, &table.contiguous()?, &op)?;
     let queries = op
         .queries
@@ -90,11 +90,10 @@ pub fn rotary_qkv_into(
 ) -> Result<()> {
     #[cfg(feature = "cuda")]
     if cache.device().is_cuda() {
-        let probe = RotaryQkv::checked(cache, qkv, table, position, q_heads, None)?;
-        let g = probe.geometry;
+        let mut op = RotaryQkv::checked(cache, qkv, table, position, q_heads)?;
+        let g = op.geometry;
         crate::launch::check_output(queries, qkv.dtype(), g.rows * g.q_heads * g.head_dim, "rotary_qkv")?;
-        let into = crate::launch::device_address(queries)?;
-        let op = RotaryQkv::checked(cache, qkv, table, position, q_heads, Some(into))?;
+        op.into = Some(crate::launch::device_address(queries)?);
         return cache.inplace_op3(&qkv.contiguous()?, &table.contiguous()?, &op);
     }
     let rotated = rotary_qkv(cache, qkv, table, position, q_heads)?;
@@ -113,14 +112,7 @@ struct RotaryQkv {
 }
 
 impl RotaryQkv {
-    fn checked(
-        cache: &Tensor,
-        qkv: &Tensor,
-        table: &Tensor,
-        position: &Tensor,
-        q_heads: usize,
-        into: Option<u64>,
-    ) -> Result<Self> {
+    fn checked(cache: &Tensor, qkv: &Tensor, table: &Tensor, position: &Tensor, q_heads: usize) -> Result<Self> {
         let (two, kv_heads, capacity, d) = cache.dims4()?;
         let geometry = Geometry::of(qkv, table, position, q_heads, kv_heads)?;
         if two != 2 || d != geometry.head_dim || geometry.rows > capacity || !cache.is_contiguous() {
@@ -138,7 +130,7 @@ impl RotaryQkv {
             geometry,
             capacity,
             position: position.clone(),
-            into,
+            into: None,
             queries: Mutex::new(None),
         })
     }
