@@ -437,6 +437,7 @@ impl Communicator for NcclComm {
 
     fn all_reduce_sum_in_place(&self, x: &Tensor) -> Result<(), CommError> {
         let start = Instant::now();
+        let bytes = x.elem_count() * x.dtype().size_in_bytes();
         let in_place = self
             .peer_reduce
             .as_ref()
@@ -445,16 +446,12 @@ impl Communicator for NcclComm {
         match in_place {
             Some(done) => {
                 done.map_err(self.tensor_error(Collective::AllReduceSum))?;
-                let bytes = x.elem_count() * x.dtype().size_in_bytes();
                 self.stats.record_all_reduce(bytes, start.elapsed());
                 Ok(())
             }
             // 16-bit decode sums over more than two ranks go through f32 (see `all_reduce_sum`)
             // and are copied back.
-            None if self.group.world_size > 2
-                && x.dtype() != DType::F32
-                && x.elem_count() * x.dtype().size_in_bytes() <= F32_SUM_MAX_BYTES =>
-            {
+            None if self.group.world_size > 2 && x.dtype() != DType::F32 && bytes <= F32_SUM_MAX_BYTES => {
                 let sum = self.all_reduce_sum(x)?;
                 x.slice_set(&sum, 0, 0)
                     .map_err(self.tensor_error(Collective::AllReduceSum))
@@ -477,7 +474,6 @@ impl Communicator for NcclComm {
                     DType::F16 => sum_in_place::<half::f16>(comm, buffer, stream),
                     _ => sum_in_place::<f32>(comm, buffer, stream),
                 })?;
-                let bytes = x.elem_count() * x.dtype().size_in_bytes();
                 self.stats.record_all_reduce(bytes, start.elapsed());
                 Ok(())
             }

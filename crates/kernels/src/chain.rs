@@ -15,9 +15,6 @@
 
 use std::cell::Cell;
 
-/// Turns kernel chains off when set to `0`.
-pub const KERNEL_CHAINS_ENV: &str = "TPINFER_KERNEL_CHAINS";
-
 thread_local! {
     static CHAINED: Cell<bool> = const { Cell::new(false) };
 }
@@ -35,11 +32,6 @@ pub fn chained<R>(queue: impl FnOnce() -> R) -> R {
     queue()
 }
 
-/// Whether kernel chains are on (not turned off through [`KERNEL_CHAINS_ENV`]).
-pub fn chains_enabled() -> bool {
-    std::env::var(KERNEL_CHAINS_ENV).map_or(true, |v| v != "0")
-}
-
 #[cfg(feature = "cuda")]
 pub(crate) use cuda::Launch;
 
@@ -51,7 +43,10 @@ mod cuda {
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{CudaDevice, Result};
 
-    use super::{chains_enabled, CHAINED};
+    use super::CHAINED;
+
+    /// Turns kernel chains off when set to `0`.
+    const KERNEL_CHAINS_ENV: &str = "TPINFER_KERNEL_CHAINS";
 
     /// A kernel's arguments by value (device pointers as `u64`), launched with
     /// `cuLaunchKernelEx`: as a chain link inside [`super::chained`] on Hopper or newer, as a
@@ -122,7 +117,7 @@ mod cuda {
             .context()
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .w()?;
-        let known = major >= 9 && chains_enabled();
+        let known = major >= 9 && std::env::var(KERNEL_CHAINS_ENV).map_or(true, |v| v != "0");
         HOPPER.set(Some(known));
         Ok(known)
     }

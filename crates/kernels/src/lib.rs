@@ -28,7 +28,7 @@ mod rotary;
 mod rowwise;
 
 pub use argmax::argmax;
-pub use chain::{chained, chains_enabled, KERNEL_CHAINS_ENV};
+pub use chain::chained;
 pub use gemv::{
     gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_gate_up_silu_on_cuda, gemv_into, gemv_on_cuda, gemv_tiled,
     GEMV_TILES,

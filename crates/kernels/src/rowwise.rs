@@ -229,10 +229,14 @@ pub fn add_rms_norm_into(stream: &Tensor, y: &Tensor, weight: &Tensor, eps: f64)
                 weight.dims()
             );
         }
+        let candle_core::Device::Cuda(dev) = stream.device() else {
+            candle_core::bail!("add_rms_norm_into: the stream is not on CUDA");
+        };
         let (y, weight) = (y.contiguous()?, weight.contiguous()?);
         let at = crate::launch::device_address;
         let s = at(stream)?;
-        return cuda::launch_add_rms_norm(stream, [s, at(&y)?, at(&weight)?, s], rows, cols, eps as f32);
+        let addresses = [s, at(&y)?, at(&weight)?, s];
+        return cuda::launch_add_rms_norm(dev, stream.dtype(), addresses, rows, cols, eps as f32);
     }
     let (sum, normed) = add_rms_norm(&stream.get(0)?, y, weight, eps)?;
     stream.slice_set(&Tensor::stack(&[sum, normed], 0)?, 0, 0)
@@ -693,26 +697,13 @@ mod cuda {
         let stream = dev.cuda_stream();
         let address = |v: &CudaView<T>| v.device_ptr(&stream).0;
         let addresses = [address(&xs), address(&ys), address(&ws), out.device_ptr(&stream).0];
-        launch(dev, x.0.dtype(), addresses, rows, cols, eps)?;
+        launch_add_rms_norm(dev, x.0.dtype(), addresses, rows, cols, eps)?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 
-    /// The kernel on x, y, the weight and the `[2, rows, cols]` output at `addresses`, for
-    /// [`super::add_rms_norm_into`] (x the output's first half).
+    /// The kernel on x, y, the weight and the `[2, rows, cols]` output at `addresses` (for
+    /// [`super::add_rms_norm_into`], x is the output's first half).
     pub(super) fn launch_add_rms_norm(
-        stream: &candle_core::Tensor,
-        addresses: [u64; 4],
-        rows: usize,
-        cols: usize,
-        eps: f32,
-    ) -> Result<()> {
-        let candle_core::Device::Cuda(dev) = stream.device() else {
-            candle_core::bail!("add_rms_norm_into: the stream is not on CUDA");
-        };
-        launch(dev, stream.dtype(), addresses, rows, cols, eps)
-    }
-
-    fn launch(
         dev: &CudaDevice,
         dtype: DType,
         [x, y, w, out]: [u64; 4],

@@ -42,7 +42,6 @@ impl KvCache {
         )?)
     }
 
-    /// Views of the keys and values of the first `len` positions, `[1, heads, len, head_dim]`.
     /// [`Self::append_rotated`] with the rotated queries written into `queries` (contiguous,
     /// `[rows, q_heads, d]`'s elements): a decode step's buffer that outlives it.
     pub fn append_rotated_into(
@@ -74,6 +73,7 @@ impl KvCache {
         }
     }
 
+    /// Views of the keys and values of the first `len` positions, `[1, heads, len, head_dim]`.
     pub fn filled(&self, len: usize) -> Result<(Tensor, Tensor)> {
         let part = |i: usize| self.kv.narrow(0, i, 1)?.narrow(2, 0, len);
         Ok((part(0)?, part(1)?))

@@ -27,8 +27,6 @@ fn apply(linear: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// An uninitialized `[rows, out]` output of `linear` for [`apply_into`], in `x`'s type and
-/// on its device.
 /// One row's product written into `out`: the GEMV in place where it runs (a kernel chain's
 /// link on CUDA), elsewhere the product copied in.
 fn apply_row_into(linear: &Linear, x: &Tensor, out: &Tensor) -> candle_core::Result<()> {
@@ -39,6 +37,8 @@ fn apply_row_into(linear: &Linear, x: &Tensor, out: &Tensor) -> candle_core::Res
     out.slice_set(&apply(linear, x)?.reshape(out.shape())?, 0, 0)
 }
 
+/// An uninitialized `[rows, out]` output of `linear` for [`apply_into`], in `x`'s type and
+/// on its device.
 fn empty_output(linear: &Linear, rows: usize, x: &Tensor) -> Result<Tensor> {
     Ok(tpinfer_kernels::empty(
         &[rows, linear.weight().dim(0)?],
@@ -181,9 +181,6 @@ impl MergedColumnParallelLinear {
         apply_into(&self.linear, out, first_row, x, false)
     }
 
-    /// For a gated MLP's `[gate | up]` (two merged linears of one size, no bias) and one
-    /// input row on CUDA in 16 bits, a decode step's: `silu(gate) · up` from one kernel, with
-    /// the bits of [`Self::forward_merged`] and `silu_mul`. `None` where it does not cover `x`.
     /// [`Self::forward_silu_product`] of one row `x` written into `out` (`[.., n]`,
     /// contiguous), with the SiLU product computed apart where the fused kernel does not run.
     pub fn forward_silu_product_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
@@ -203,6 +200,9 @@ impl MergedColumnParallelLinear {
             && tpinfer_kernels::gemv_gate_up_silu_on_cuda(x, self.linear.weight())
     }
 
+    /// For a gated MLP's `[gate | up]` (two merged linears of one size, no bias) and one
+    /// input row on CUDA in 16 bits, a decode step's: `silu(gate) · up` from one kernel, with
+    /// the bits of [`Self::forward_merged`] and `silu_mul`. `None` where it does not cover `x`.
     pub fn forward_silu_product(&self, x: &Tensor) -> Result<Option<Tensor>> {
         Ok(match self.silu_product_covers(x) {
             true => Some(tpinfer_kernels::gemv_gate_up_silu(x, self.linear.weight())?),
@@ -259,9 +259,6 @@ impl RowParallelLinear {
         self.add_bias(y, biased)
     }
 
-    /// [`Self::forward`] of `silu(gate) · up` for a gated MLP's fused gate/up output
-    /// `[.., 2n]` (gate, then up), through one `silu_mul` pass. Takes `gate_up` to free it
-    /// before the product, as the activation model in the Llama crate counts.
     /// [`Self::forward`] of one row `x`, summed in place in `out` (contiguous): a decode
     /// step's product and all-reduce into a buffer that outlives the step.
     pub fn forward_row_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
@@ -272,6 +269,9 @@ impl RowParallelLinear {
         Ok(self.comm.all_reduce_sum_in_place(out)?)
     }
 
+    /// [`Self::forward`] of `silu(gate) · up` for a gated MLP's fused gate/up output
+    /// `[.., 2n]` (gate, then up), through one `silu_mul` pass. Takes `gate_up` to free it
+    /// before the product, as the activation model in the Llama crate counts.
     pub fn forward_silu_mul(&self, gate_up: Tensor) -> Result<Tensor> {
         let mut dims = gate_up.dims().to_vec();
         let cols = dims.pop().unwrap_or(0);

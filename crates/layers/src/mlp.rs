@@ -51,8 +51,6 @@ impl GatedMlp {
         })
     }
 
-    /// `x` `[..., hidden]`; the SiLU product runs fused on the gate/up output (inside the
-    /// gate/up product for one row on CUDA).
     /// [`Self::forward`] of one row `x` through buffers that outlive a decode step: the SiLU
     /// product into `hidden`, the summed output into `out`.
     pub fn forward_row_into(&self, x: &Tensor, hidden: &Tensor, out: &Tensor) -> Result<()> {
@@ -60,6 +58,8 @@ impl GatedMlp {
         self.down.forward_row_into(hidden, out)
     }
 
+    /// `x` `[..., hidden]`; the SiLU product runs fused on the gate/up output (inside the
+    /// gate/up product for one row on CUDA).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if let Some(hidden) = self.gate_up.forward_silu_product(x)? {
             return self.down.forward(&hidden);
