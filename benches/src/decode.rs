@@ -446,7 +446,9 @@ fn decode_attention(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfi
     let q = Tensor::randn(0f32, 1.0, (1, heads, d), device)?.to_dtype(dtype)?;
     let k = Tensor::randn(0f32, 1.0, (capacity, kv_heads, d), device)?.to_dtype(dtype)?;
     let v = Tensor::randn(0f32, 1.0, (capacity, kv_heads, d), device)?.to_dtype(dtype)?;
-    for filled in [256, 2048] {
+    // Lengths either side of one tile, of one cluster of slices (8 × 64 keys) and of the most
+    // slices: each merge path of the split kernel.
+    for filled in [1, 64, 65, 256, 512, 513, 2048, 4096] {
         let keys = |t: &Tensor| t.narrow(0, 0, filled);
         let exact = reference_attention(&q, &keys(&k)?, &keys(&v)?, scale)?;
         let position = Tensor::new(&[filled as u32 - 1], device)?;

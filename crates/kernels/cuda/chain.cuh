@@ -3,8 +3,9 @@
 // successor launch as soon as it starts (`chain_release`), and waits (`chain_wait`) for the
 // kernel before it to finish, and its writes to be visible, before it reads anything that
 // kernel wrote or writes anything at all. Before the wait a kernel may only read what no
-// kernel of the chain writes (weights): that is the overlap, a GEMV's weight loads in flight
-// while the small kernels before it run. Without the launch attribute, or before sm_90, both
+// kernel of the chain writes (weights, the rotary table, the position, which a copy before
+// the chain writes): that is the overlap, a GEMV's weight loads in flight while the small
+// kernels before it run. Without the launch attribute, or before sm_90, both
 // are no-ops and stream order holds as ever.
 #pragma once
 

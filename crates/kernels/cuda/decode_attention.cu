@@ -9,8 +9,18 @@
 // q `[heads, D]` contiguous; k, v: element (row, kv_head, d) at ptr[row * row_stride +
 // kv_head * head_stride + d]; the filled length is *position + 1, read at run time (a captured
 // graph replays at every position). Query head h reads KV head h / group.
+//
+// On Hopper and newer the CTAs run in clusters of CLUSTER slices, which merge their partials
+// through distributed shared memory: a cluster barrier instead of the partials' round trips
+// through global memory, a fence and a counter. Only when more than one cluster holds keys
+// (more than CLUSTER slices' worth) do the clusters' merged partials meet in global memory.
 #include "chain.cuh"
 #include "convert.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define DECODE_CLUSTERS 1
+#include <cooperative_groups.h>
+#endif
 
 namespace {
 
@@ -18,6 +28,9 @@ constexpr int TILE = 64;      // keys scored per pass, and the fewest a slice ta
 constexpr int MAX_GROUP = 8;  // query heads per KV head
 constexpr int MAX_SPLITS = 128;
 constexpr int MERGE_BATCH = 8;  // slices whose partial outputs are loaded before any is used
+#ifdef DECODE_CLUSTERS
+constexpr int CLUSTER = 8;  // slices per cluster (the launcher's splits are a multiple)
+#endif
 
 template <typename T>
 __device__ __forceinline__ void unpack8(uint4 raw, float (&out)[8]) {
@@ -92,14 +105,20 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     __shared__ __align__(16) float scores[MAX_GROUP][TILE];
 
     chain_release();
+    // Only a copy before the chain writes the position: it may be read before the wait.
+    const int kv_len = (int)*position + 1;
     chain_wait();
     const int splits = gridDim.x, split = blockIdx.x, kv_head = blockIdx.y;
-    const int kv_len = (int)*position + 1;
-    // Slices of at least TILE keys: only the first `active` CTAs have any, and only they take
-    // part in the merge.
+    // Slices of at least TILE keys: only the first `active` CTAs have any, and only they (with
+    // the rest of their cluster) take part in the merge.
     const int chunk = max((kv_len + splits - 1) / splits, TILE);
     const int active = (kv_len + chunk - 1) / chunk;
+#ifdef DECODE_CLUSTERS
+    const int clusters = (active + CLUSTER - 1) / CLUSTER;
+    if (split / CLUSTER >= clusters) return;  // the whole cluster alike
+#else
     if (split >= active) return;
+#endif
     const int start = split * chunk, end = min(kv_len, start + chunk);
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
     const int piece = lane % LANES_PER_KEY, slot = lane / LANES_PER_KEY;
@@ -191,12 +210,66 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
         }
         __syncthreads();  // before the next tile's scores overwrite these
     }
-    // Partials of query head h: o at part_o[(h * splits + split) * D], (m, l) at part_ml, from
-    // lane 0 of the warp that kept them.
+#ifdef DECODE_CLUSTERS
+    // The cluster's slices merged by its first CTA, from the others' shared memory. A CTA
+    // without keys shares m = -inf, l = 0: weight 0. The first slice always has keys.
+    __shared__ float shared_o[MAX_GROUP][D];
+    __shared__ float shared_ml[MAX_GROUP][2];
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; ++g) {
         if (g >= group) break;
-        const long at = (long)(kv_head * group + g) * splits + split;
+        shared_o[g][t] = o[g];
+        if (g % WARPS == warp && lane == 0) shared_ml[g][0] = m[g], shared_ml[g][1] = l[g];
+    }
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    const bool first = cluster.block_rank() == 0;
+    if (first) {
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; ++g) {
+            if (g >= group) break;
+            float mc[CLUSTER], lc[CLUSTER], oc[CLUSTER];
+#pragma unroll
+            for (int c = 0; c < CLUSTER; ++c) {
+                const float* ml = cluster.map_shared_rank(&shared_ml[g][0], c);
+                mc[c] = ml[0], lc[c] = ml[1];
+                oc[c] = cluster.map_shared_rank(&shared_o[g][0], c)[t];
+            }
+            float mx = mc[0];
+#pragma unroll
+            for (int c = 1; c < CLUSTER; ++c) mx = fmaxf(mx, mc[c]);
+            float sum = 0.f, acc = 0.f;
+#pragma unroll
+            for (int c = 0; c < CLUSTER; ++c) {
+                const float w = exp2f(mc[c] - mx);
+                sum += w * lc[c];
+                acc += w * oc[c];
+            }
+            m[g] = mx, l[g] = sum, o[g] = acc;
+        }
+    }
+    cluster.sync();  // the others' shared memory outlives the first CTA's reads
+    if (!first) return;
+    if (clusters == 1) {
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; ++g) {
+            if (g >= group) break;
+            out[(long)(kv_head * group + g) * D + t] = from_f32<T>(l[g] > 0.f ? o[g] / l[g] : 0.f);
+        }
+        return;
+    }
+    // Several clusters: theirs meet as the slices' do without clusters, one partial each.
+    const int slot_of_cta = split / CLUSTER, partials = clusters;
+#else
+    const int slot_of_cta = split, partials = active;
+#endif
+    // Partials of query head h: o at part_o[(h * splits + slot) * D], (m, l) at part_ml (from
+    // lane 0 of the warp that kept them, or, after a cluster's merge, every thread's alike).
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; ++g) {
+        if (g >= group) break;
+        const long at = (long)(kv_head * group + g) * splits + slot_of_cta;
         part_o[at * D + t] = o[g];
         if (g % WARPS == warp && lane == 0) {
             part_ml[2 * at] = m[g];
@@ -207,18 +280,24 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     __shared__ bool last;
     __threadfence();
     __syncthreads();
-    if (t == 0) last = atomicAdd(counters + kv_head, 1) == (unsigned)active - 1;
+    if (t == 0) last = atomicAdd(counters + kv_head, 1) == (unsigned)partials - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
-    merge<T, D>(part_o, part_ml, out, kv_head * group, group, splits, active);
+    merge<T, D>(part_o, part_ml, out, kv_head * group, group, splits, partials);
     if (t == 0) counters[kv_head] = 0;  // ready for the next launch
 }
 
 }  // namespace
 
+#ifdef DECODE_CLUSTERS
+#define DECODE_CLUSTER_DIMS __cluster_dims__(CLUSTER, 1, 1)
+#else
+#define DECODE_CLUSTER_DIMS
+#endif
+
 #define DECODE(SUFFIX, T, D)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(D) decode_split_##SUFFIX##_d##D(                              \
+    extern "C" __global__ void __launch_bounds__(D) DECODE_CLUSTER_DIMS decode_split_##SUFFIX##_d##D(                              \
         const T* q, const T* k, const T* v, const unsigned* position, float* part_o, float* part_ml,           \
         unsigned* counters, T* out, int group, long k_row, long k_head, long v_row, long v_head,               \
         float scale_log2) {                                                                                    \

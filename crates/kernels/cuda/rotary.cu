@@ -30,25 +30,46 @@ template <typename T>
 __device__ void rotary_qkv(const T* qkv, const T* table, T* out, T* cache, int rows, int q_heads, int kv_heads,
                            int d, const unsigned* position, int positions, int capacity) {
     chain_release();
-    chain_wait();
+    // The position (written by a copy before the chain) and the table are read before the
+    // wait: a decode step's thread has one element, whose rotation is then already loaded.
     const int half = d / 2, width = (q_heads + 2 * kv_heads) * d;
     const long offset = *position;
     const long queries = (long)rows * q_heads * half;
     const long n = queries + (long)rows * kv_heads * half;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        const bool query = i < queries;
-        const long at = query ? i : i - queries;
-        const int heads = query ? q_heads : kv_heads;
-        const int j = at % half, h = (at / half) % heads;
-        const long r = at / half / heads;
-        if (offset + r >= positions || (!query && offset + r >= capacity)) continue;
-        const Rotation t = rotation(table, positions, half, offset + r, j);
-        const T* x = qkv + r * width + (query ? h : q_heads + h) * d;
+    const long first = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    // Element i: row r, head h of its kind, column j; whether it is written at all.
+    struct Element {
+        bool query, skip;
+        int h, j;
+        long r;
+    };
+    const auto element = [&](long i) {
+        Element e;
+        e.query = i < queries;
+        const long at = e.query ? i : i - queries;
+        const int heads = e.query ? q_heads : kv_heads;
+        e.j = at % half, e.h = (at / half) % heads, e.r = at / half / heads;
+        e.skip = offset + e.r >= positions || (!e.query && offset + e.r >= capacity);
+        return e;
+    };
+    Rotation prefetched = {};
+    if (first < n) {
+        const Element e = element(first);
+        if (!e.skip) prefetched = rotation(table, positions, half, offset + e.r, e.j);
+    }
+    chain_wait();
+    for (long i = first; i < n; i += (long)gridDim.x * blockDim.x) {
+        const Element e = element(i);
+        if (e.skip) continue;
+        const Rotation t = i == first ? prefetched : rotation(table, positions, half, offset + e.r, e.j);
+        const int h = e.h, j = e.j;
+        const long r = e.r;
+        const T* x = qkv + r * width + (e.query ? h : q_heads + h) * d;
         const float x1 = to_f32(x[j]), x2 = to_f32(x[j + half]);
-        T* o = query ? out + (r * q_heads + h) * d : cache + ((long)h * capacity + offset + r) * d;
+        T* o = e.query ? out + (r * q_heads + h) * d : cache + ((long)h * capacity + offset + r) * d;
         o[j] = from_f32<T>(x1 * t.c - x2 * t.s);
         o[j + half] = from_f32<T>(x2 * t.c + x1 * t.s);
-        if (!query) {
+        if (!e.query) {
             const T* v = x + kv_heads * d;
             T* vc = cache + ((long)(kv_heads + h) * capacity + offset + r) * d;
             vc[j] = v[j];

@@ -171,11 +171,18 @@ constexpr int NORM_CACHED = 8;
 // The residual stream's sum and its RMSNorm in one pass, one block per row:
 // out[0] = T(x + y), out[1] = T(out[0] · rsqrt(mean(out[0]²) + eps) · weight), the norm taken
 // over the rounded sum, as an add followed by an RMSNorm would. x may be out[0] (each element
-// is read before the same thread writes it). A chain kernel (chain.cuh).
+// is read before the same thread writes it). A chain kernel (chain.cuh): the weight, which no
+// kernel writes, is loaded before the wait, so the norm costs one memory latency, not two.
 template <typename T>
 __device__ void add_rms_norm(const T* x, const T* __restrict__ y, const T* __restrict__ weight, T* out, int rows,
                              int cols, float eps) {
     chain_release();
+    float w[NORM_CACHED];
+#pragma unroll
+    for (int i = 0; i < NORM_CACHED; ++i) {
+        const int j = threadIdx.x + i * NORM_THREADS;
+        w[i] = j < cols ? to_f32(weight[j]) : 0.f;
+    }
     chain_wait();
     const long at = (long)blockIdx.x * cols;
     T* sum = out + at;
@@ -203,7 +210,7 @@ __device__ void add_rms_norm(const T* x, const T* __restrict__ y, const T* __res
 #pragma unroll
     for (int i = 0; i < NORM_CACHED; ++i) {
         const int j = threadIdx.x + i * NORM_THREADS;
-        if (j < cols) normed[j] = from_f32<T>(v[i] * rstd * to_f32(weight[j]));
+        if (j < cols) normed[j] = from_f32<T>(v[i] * rstd * w[i]);
     }
     for (int j = threadIdx.x + NORM_CACHED * NORM_THREADS; j < cols; j += NORM_THREADS)
         normed[j] = from_f32<T>(to_f32(sum[j]) * rstd * to_f32(weight[j]));

@@ -358,8 +358,11 @@ mod cuda {
             dev.get_or_load_custom_func(&format!("decode_split_{suffix}_d{d}"), "tpinfer_decode", DECODE_PTX)?;
         // About four CTAs per SM of an H100/H200 in all, fewer for small caches (a CTA takes
         // at least 64 keys, and only as many run as the filled length needs); at most
-        // MAX_SPLITS (cuda/decode_attention.cu).
-        let splits = (512 / kv_heads).min(capacity.div_ceil(64)).clamp(1, 128);
+        // MAX_SPLITS, and a whole number of CLUSTERs (cuda/decode_attention.cu).
+        let splits = (512 / kv_heads)
+            .min(capacity.div_ceil(64))
+            .clamp(1, 128)
+            .next_multiple_of(8);
         let address = |s: &CudaStorage, l: &Layout| -> Result<u64> {
             Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..).device_ptr(&stream).0)
         };
