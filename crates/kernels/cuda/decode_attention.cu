@@ -260,16 +260,16 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
         return;
     }
     // Several clusters: theirs meet as the slices' do without clusters, one partial each.
-    const int slot_of_cta = split / CLUSTER, partials = clusters;
+    const int partial = split / CLUSTER, partials = clusters;
 #else
-    const int slot_of_cta = split, partials = active;
+    const int partial = split, partials = active;
 #endif
-    // Partials of query head h: o at part_o[(h * splits + slot) * D], (m, l) at part_ml (from
+    // Partials of query head h: o at part_o[(h * splits + partial) * D], (m, l) at part_ml (from
     // lane 0 of the warp that kept them, or, after a cluster's merge, every thread's alike).
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; ++g) {
         if (g >= group) break;
-        const long at = (long)(kv_head * group + g) * splits + slot_of_cta;
+        const long at = (long)(kv_head * group + g) * splits + partial;
         part_o[at * D + t] = o[g];
         if (g % WARPS == warp && lane == 0) {
             part_ml[2 * at] = m[g];
