@@ -9,10 +9,9 @@
 //! releases the kernel, and names the culprit. All-reduces stay asynchronous.
 
 use std::cell::RefCell;
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-
-use std::marker::PhantomData;
 
 use candle_core::cuda::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop,

@@ -59,17 +59,15 @@ __device__ void rotary_qkv(const T* qkv, const T* table, T* out, T* cache, int r
     }
     chain_wait();
     for (long i = first; i < n; i += (long)gridDim.x * blockDim.x) {
-        const Element e = element(i);
-        if (e.skip) continue;
-        const Rotation t = i == first ? prefetched : rotation(table, positions, half, offset + e.r, e.j);
-        const int h = e.h, j = e.j;
-        const long r = e.r;
-        const T* x = qkv + r * width + (e.query ? h : q_heads + h) * d;
+        const auto [query, skip, h, j, r] = element(i);
+        if (skip) continue;
+        const Rotation t = i == first ? prefetched : rotation(table, positions, half, offset + r, j);
+        const T* x = qkv + r * width + (query ? h : q_heads + h) * d;
         const float x1 = to_f32(x[j]), x2 = to_f32(x[j + half]);
-        T* o = e.query ? out + (r * q_heads + h) * d : cache + ((long)h * capacity + offset + r) * d;
+        T* o = query ? out + (r * q_heads + h) * d : cache + ((long)h * capacity + offset + r) * d;
         o[j] = from_f32<T>(x1 * t.c - x2 * t.s);
         o[j + half] = from_f32<T>(x2 * t.c + x1 * t.s);
-        if (!e.query) {
+        if (!query) {
             const T* v = x + kv_heads * d;
             T* vc = cache + ((long)(kv_heads + h) * capacity + offset + r) * d;
             vc[j] = v[j];
