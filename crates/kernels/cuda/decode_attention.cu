@@ -1,10 +1,9 @@
 // Attention of one query position (a decode step) over a KV cache, split along the keys. CTA
-// (split, kv_head) takes a slice of at least TILE keys for all query heads of its GQA group at
-// once (each K and V row read once); how many slices hold keys follows the filled length at
-// run time, so short caches use few CTAs and a small merge. The last CTA of each KV head to
-// finish merges the slices' softmax partials (a counter per KV head, which that CTA sets back
-// to zero: no second launch). Per tile of keys, each head's softmax runs in one warp and
-// every thread then sums its output column: the statistics are not recomputed by every thread.
+// (split, kv_head) takes a slice of at least MIN_SLICE keys for all query heads of its GQA
+// group at once (each K and V row read once, in 16-byte pieces); how many slices hold keys
+// follows the filled length at run time, so short caches use few CTAs and a small merge. The
+// last CTA of each KV head to finish merges the slices' softmax partials (a counter per KV
+// head, which that CTA sets back to zero: no second launch).
 //
 // q `[heads, D]` contiguous; k, v: element (row, kv_head, d) at ptr[row * row_stride +
 // kv_head * head_stride + d]; the filled length is *position + 1, read at run time (a captured
@@ -24,8 +23,8 @@
 
 namespace {
 
-constexpr int TILE = 64;      // keys scored per pass, and the fewest a slice takes
-constexpr int MAX_GROUP = 8;  // query heads per KV head
+constexpr int MIN_SLICE = 64;  // the fewest keys a slice takes (the launcher's splits assume it)
+constexpr int MAX_GROUP = 8;  // query heads per KV head (the largest G)
 constexpr int MAX_SPLITS = 128;
 constexpr int MERGE_BATCH = 8;  // slices whose partial outputs are loaded before any is used
 #ifdef DECODE_CLUSTERS
@@ -92,8 +91,14 @@ __device__ void merge(const float* part_o, const float* part_ml, T* __restrict__
     }
 }
 
-// blockDim.x == D: thread t owns output column t for every head of the group.
-template <typename T, int D>
+// blockDim.x == D. A key's row is read by LANES_PER_KEY lanes, 8 elements (16 bytes) each, of
+// K and of V alike: lane (slot, piece) of a warp scores its key against every query head of the
+// group (the pieces' dot products summed across the lanes) and adds the key's weighted V piece
+// into its own 8 output columns. Each warp keeps its own softmax state, so a pass over the keys
+// needs no CTA barrier; the warps meet once, at the end of the slice, where thread t takes
+// output column t. At most G (a power of two ≥ group) query heads: the kernel is instantiated
+// per G so that its arrays are as small as the group.
+template <typename T, int D, int G>
 __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const unsigned* __restrict__ position, float* part_o, float* part_ml,
                            unsigned* __restrict__ counters, T* __restrict__ out, int group, long k_row, long k_head,
@@ -101,17 +106,19 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     constexpr int LANES_PER_KEY = D / 8;  // 16-byte pieces of a row
     constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
     constexpr int WARPS = D / 32;
-    // Aligned for the probabilities' float4 reads.
-    __shared__ __align__(16) float scores[MAX_GROUP][TILE];
+    // Keys a lane loads before it uses any: one memory latency per pass. Fewer for groups of 8,
+    // whose queries and outputs take twice the registers.
+    constexpr int STEPS = G >= 8 ? 4 : 8;
+    constexpr int PASS = STEPS * WARPS * KEYS_PER_WARP;  // keys per pass of the CTA
 
     chain_release();
     // Only a copy before the chain writes the position: it may be read before the wait.
     const int kv_len = (int)*position + 1;
     chain_wait();
     const int splits = gridDim.x, split = blockIdx.x, kv_head = blockIdx.y;
-    // Slices of at least TILE keys: only the first `active` CTAs have any, and only they (with
-    // the rest of their cluster) take part in the merge.
-    const int chunk = max((kv_len + splits - 1) / splits, TILE);
+    // Slices of at least MIN_SLICE keys: only the first `active` CTAs have any, and only they
+    // (with the rest of their cluster) take part in the merge.
+    const int chunk = max((kv_len + splits - 1) / splits, MIN_SLICE);
     const int active = (kv_len + chunk - 1) / chunk;
 #ifdef DECODE_CLUSTERS
     const int clusters = (active + CLUSTER - 1) / CLUSTER;
@@ -122,104 +129,137 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     const int start = split * chunk, end = min(kv_len, start + chunk);
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
     const int piece = lane % LANES_PER_KEY, slot = lane / LANES_PER_KEY;
-    const T* kh = k + kv_head * k_head;
-    const T* vh = v + kv_head * v_head;
+    const T* kp = k + kv_head * k_head + piece * 8;
+    const T* vp = v + kv_head * v_head + piece * 8;
 
-    float qf[MAX_GROUP][8];
+    float qf[G][8];
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; ++g)
+    for (int g = 0; g < G; ++g)
         if (g < group) unpack8<T>(*reinterpret_cast<const uint4*>(q + (long)(kv_head * group + g) * D + piece * 8), qf[g]);
 
-    // Head g's running max and sum live in the lanes of warp g % WARPS (every lane the same
-    // value); its output column t in thread t.
-    float m[MAX_GROUP], l[MAX_GROUP], o[MAX_GROUP];
+    // Head g's softmax state in this lane: the warp's running max m (every lane alike), and the
+    // sum l and output columns o (piece's 8) over the keys of this lane's slot alone.
+    float m[G], l[G], o[G][8];
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; ++g) m[g] = -INFINITY, l[g] = 0.f, o[g] = 0.f;
-    __shared__ float alpha[MAX_GROUP];
+    for (int g = 0; g < G; ++g) {
+        m[g] = -INFINITY, l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[g][e] = 0.f;
+    }
 
-    for (int tile0 = start; tile0 < end; tile0 += TILE) {
-        const int n = min(TILE, end - tile0);
-        // This thread's V column over the tile, and its K pieces, all loaded before any is
-        // used: the tile costs one memory latency, not one per key.
-        T vt[TILE];
-#pragma unroll
-        for (int j = 0; j < TILE; ++j) vt[j] = j < n ? vh[(long)(tile0 + j) * v_row + t] : from_f32<T>(0.f);
-        // Scores: LANES_PER_KEY lanes per key, KEYS_PER_WARP keys per warp at a time.
-        constexpr int STEPS = TILE / (WARPS * KEYS_PER_WARP);
-        uint4 raw[STEPS];
+    for (int pass0 = start; pass0 < end; pass0 += PASS) {
+        uint4 kr[STEPS], vr[STEPS];
 #pragma unroll
         for (int i = 0; i < STEPS; ++i) {
-            const int j = (i * WARPS + warp) * KEYS_PER_WARP + slot;
-            raw[i] = j < n ? *reinterpret_cast<const uint4*>(kh + (long)(tile0 + j) * k_row + piece * 8)
-                           : make_uint4(0, 0, 0, 0);
+            const int j = pass0 + (i * WARPS + warp) * KEYS_PER_WARP + slot;
+            const bool filled = j < end;
+            kr[i] = filled ? *reinterpret_cast<const uint4*>(kp + (long)j * k_row) : make_uint4(0, 0, 0, 0);
+            vr[i] = filled ? *reinterpret_cast<const uint4*>(vp + (long)j * v_row) : make_uint4(0, 0, 0, 0);
         }
+        // Scores in base 2; the pieces' partial dot products summed across the key's lanes.
+        float s[G][STEPS];
 #pragma unroll
         for (int i = 0; i < STEPS; ++i) {
-            const int j = (i * WARPS + warp) * KEYS_PER_WARP + slot;
+            const bool filled = pass0 + (i * WARPS + warp) * KEYS_PER_WARP + slot < end;
             float kf[8];
-            unpack8<T>(raw[i], kf);
+            unpack8<T>(kr[i], kf);
 #pragma unroll
-            for (int g = 0; g < MAX_GROUP; ++g) {
+            for (int g = 0; g < G; ++g) {
                 if (g >= group) break;
-                float s = 0.f;
+                float dot = 0.f;
 #pragma unroll
-                for (int e = 0; e < 8; ++e) s += qf[g][e] * kf[e];
+                for (int e = 0; e < 8; ++e) dot = fmaf(qf[g][e], kf[e], dot);
 #pragma unroll
-                for (int w = LANES_PER_KEY / 2; w > 0; w /= 2) s += __shfl_xor_sync(0xffffffff, s, w);
-                if (piece == 0) scores[g][j] = j < n ? s * scale_log2 : -INFINITY;
+                for (int w = LANES_PER_KEY / 2; w > 0; w /= 2) dot += __shfl_xor_sync(0xffffffff, dot, w);
+                s[g][i] = filled ? dot * scale_log2 : -INFINITY;
             }
         }
-        __syncthreads();
-        // Online softmax in base 2, each head's by one warp (lanes over keys): the scores become
-        // probabilities in place, and alpha rescales what the tiles before summed.
+        float vf[STEPS][8];
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; ++g) {
+        for (int i = 0; i < STEPS; ++i) unpack8<T>(vr[i], vf[i]);
+        // Online softmax per warp: the max over the warp's keys of this pass (its slots meet by
+        // shuffle), the earlier sums rescaled by alpha. A warp with no filled key yet keeps
+        // m = -inf, and its exponentials are taken from 0 (all 0) instead of -inf - -inf.
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
             if (g >= group) break;
-            if (g % WARPS != warp) continue;
             float mx = m[g];
 #pragma unroll
-            for (int j = lane; j < TILE; j += 32) mx = fmaxf(mx, scores[g][j]);
+            for (int i = 0; i < STEPS; ++i) mx = fmaxf(mx, s[g][i]);
 #pragma unroll
-            for (int w = 16; w > 0; w /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, w));
-            float sum = 0.f;
+            for (int w = LANES_PER_KEY; w < 32; w *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, w));
+            const float base = mx == -INFINITY ? 0.f : mx;
+            const float alpha = exp2f(m[g] - base);
+            float sum = 0.f, acc[8];
 #pragma unroll
-            for (int j = lane; j < TILE; j += 32) {
-                const float p = exp2f(scores[g][j] - mx);  // 0 for the masked tail
-                scores[g][j] = p;
+            for (int e = 0; e < 8; ++e) acc[e] = o[g][e] * alpha;
+#pragma unroll
+            for (int i = 0; i < STEPS; ++i) {
+                const float p = exp2f(s[g][i] - base);  // 0 past the end
                 sum += p;
-            }
 #pragma unroll
-            for (int w = 16; w > 0; w /= 2) sum += __shfl_xor_sync(0xffffffff, sum, w);
-            const float a = exp2f(m[g] - mx);
-            l[g] = l[g] * a + sum;
+                for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, vf[i][e], acc[e]);
+            }
             m[g] = mx;
-            if (lane == 0) alpha[g] = a;
-        }
-        __syncthreads();
+            l[g] = l[g] * alpha + sum;
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; ++g) {
+            for (int e = 0; e < 8; ++e) o[g][e] = acc[e];
+        }
+    }
+    // The slots of a warp share its max: their sums add, and slot 0's lanes hold the warp's.
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g >= group) break;
+#pragma unroll
+        for (int w = LANES_PER_KEY; w < 32; w *= 2) {
+            l[g] += __shfl_xor_sync(0xffffffff, l[g], w);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[g][e] += __shfl_xor_sync(0xffffffff, o[g][e], w);
+        }
+    }
+    // The warps meet in shared memory; thread t merges column t of every head. A CTA without
+    // keys ends with m = -inf, l = 0, o = 0.
+    __shared__ __align__(16) float warp_o[WARPS][G][D];
+    __shared__ float warp_ml[WARPS][G][2];
+    if (slot == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
             if (g >= group) break;
-            float acc = o[g] * alpha[g];
-#pragma unroll
-            for (int j = 0; j < TILE; j += 4) {
-                const float4 p = *reinterpret_cast<const float4*>(&scores[g][j]);
-                acc += p.x * to_f32(vt[j]) + p.y * to_f32(vt[j + 1]) + p.z * to_f32(vt[j + 2]) +
-                       p.w * to_f32(vt[j + 3]);
-            }
-            o[g] = acc;
+            float4* to = reinterpret_cast<float4*>(&warp_o[warp][g][piece * 8]);
+            to[0] = make_float4(o[g][0], o[g][1], o[g][2], o[g][3]);
+            to[1] = make_float4(o[g][4], o[g][5], o[g][6], o[g][7]);
+            if (piece == 0) warp_ml[warp][g][0] = m[g], warp_ml[warp][g][1] = l[g];
         }
-        __syncthreads();  // before the next tile's scores overwrite these
+    }
+    __syncthreads();
+    // Head g's merged state for this CTA: max cm, sum cl (alike in every thread), column t co.
+    float cm[G], cl[G], co[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g >= group) break;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, warp_ml[w][g][0]);
+        const float base = mx == -INFINITY ? 0.f : mx;
+        float sum = 0.f, acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float weight = exp2f(warp_ml[w][g][0] - base);
+            sum += weight * warp_ml[w][g][1];
+            acc += weight * warp_o[w][g][t];
+        }
+        cm[g] = mx, cl[g] = sum, co[g] = acc;
     }
 #ifdef DECODE_CLUSTERS
     // The cluster's slices merged by its first CTA, from the others' shared memory. A CTA
     // without keys shares m = -inf, l = 0: weight 0. The first slice always has keys.
-    __shared__ float shared_o[MAX_GROUP][D];
-    __shared__ float shared_ml[MAX_GROUP][2];
+    __shared__ float shared_o[G][D];
+    __shared__ float shared_ml[G][2];
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; ++g) {
+    for (int g = 0; g < G; ++g) {
         if (g >= group) break;
-        shared_o[g][t] = o[g];
-        if (g % WARPS == warp && lane == 0) shared_ml[g][0] = m[g], shared_ml[g][1] = l[g];
+        shared_o[g][t] = co[g];
+        if (t == 0) shared_ml[g][0] = cm[g], shared_ml[g][1] = cl[g];
     }
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
@@ -227,7 +267,7 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     const bool first = cluster.block_rank() == 0;
     if (first) {
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; ++g) {
+        for (int g = 0; g < G; ++g) {
             if (g >= group) break;
             float mc[CLUSTER], lc[CLUSTER], oc[CLUSTER];
 #pragma unroll
@@ -246,16 +286,16 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
                 sum += w * lc[c];
                 acc += w * oc[c];
             }
-            m[g] = mx, l[g] = sum, o[g] = acc;
+            cm[g] = mx, cl[g] = sum, co[g] = acc;
         }
     }
     cluster.sync();  // the others' shared memory outlives the first CTA's reads
     if (!first) return;
     if (clusters == 1) {
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; ++g) {
+        for (int g = 0; g < G; ++g) {
             if (g >= group) break;
-            out[(long)(kv_head * group + g) * D + t] = from_f32<T>(l[g] > 0.f ? o[g] / l[g] : 0.f);
+            out[(long)(kv_head * group + g) * D + t] = from_f32<T>(cl[g] > 0.f ? co[g] / cl[g] : 0.f);
         }
         return;
     }
@@ -264,17 +304,13 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
 #else
     const int partial = split, partials = active;
 #endif
-    // Partials of query head h: o at part_o[(h * splits + partial) * D], (m, l) at part_ml (from
-    // lane 0 of the warp that kept them, or, after a cluster's merge, every thread's alike).
+    // Partials of query head h: o at part_o[(h * splits + partial) * D], (m, l) at part_ml.
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; ++g) {
+    for (int g = 0; g < G; ++g) {
         if (g >= group) break;
         const long at = (long)(kv_head * group + g) * splits + partial;
-        part_o[at * D + t] = o[g];
-        if (g % WARPS == warp && lane == 0) {
-            part_ml[2 * at] = m[g];
-            part_ml[2 * at + 1] = l[g];
-        }
+        part_o[at * D + t] = co[g];
+        if (t == 0) part_ml[2 * at] = cm[g], part_ml[2 * at + 1] = cl[g];
     }
     // The last of the KV head's active CTAs merges (each CTA's partials fenced before it counts).
     __shared__ bool last;
@@ -296,16 +332,22 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
 #define DECODE_CLUSTER_DIMS
 #endif
 
-#define DECODE(SUFFIX, T, D)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(D) DECODE_CLUSTER_DIMS decode_split_##SUFFIX##_d##D(                              \
-        const T* q, const T* k, const T* v, const unsigned* position, float* part_o, float* part_ml,           \
-        unsigned* counters, T* out, int group, long k_row, long k_head, long v_row, long v_head,               \
-        float scale_log2) {                                                                                    \
-        split_pass<T, D>(q, k, v, position, part_o, part_ml, counters, out, group, k_row, k_head, v_row, v_head, \
-                         scale_log2);                                                                          \
+#define DECODE(SUFFIX, T, D, G)                                                                              \
+    extern "C" __global__ void __launch_bounds__(D) DECODE_CLUSTER_DIMS decode_split_##SUFFIX##_d##D##_g##G(     \
+        const T* q, const T* k, const T* v, const unsigned* position, float* part_o, float* part_ml,          \
+        unsigned* counters, T* out, int group, long k_row, long k_head, long v_row, long v_head,              \
+        float scale_log2) {                                                                                   \
+        split_pass<T, D, G>(q, k, v, position, part_o, part_ml, counters, out, group, k_row, k_head, v_row,   \
+                            v_head, scale_log2);                                                              \
     }
 
-DECODE(bf16, __nv_bfloat16, 64)
-DECODE(bf16, __nv_bfloat16, 128)
-DECODE(f16, __half, 64)
-DECODE(f16, __half, 128)
+#define DECODE_GROUPS(SUFFIX, T, D) \
+    DECODE(SUFFIX, T, D, 1)         \
+    DECODE(SUFFIX, T, D, 2)         \
+    DECODE(SUFFIX, T, D, 4)         \
+    DECODE(SUFFIX, T, D, 8)
+
+DECODE_GROUPS(bf16, __nv_bfloat16, 64)
+DECODE_GROUPS(bf16, __nv_bfloat16, 128)
+DECODE_GROUPS(f16, __half, 64)
+DECODE_GROUPS(f16, __half, 128)

@@ -354,8 +354,13 @@ mod cuda {
                 (Some(out), address)
             }
         };
-        let split =
-            dev.get_or_load_custom_func(&format!("decode_split_{suffix}_d{d}"), "tpinfer_decode", DECODE_PTX)?;
+        let group = heads / kv_heads;
+        // The kernel instantiated for the smallest power of two that holds the group.
+        let split = dev.get_or_load_custom_func(
+            &format!("decode_split_{suffix}_d{d}_g{}", group.next_power_of_two()),
+            "tpinfer_decode",
+            DECODE_PTX,
+        )?;
         // About four CTAs per SM of an H100/H200 in all, fewer for small caches (a CTA takes
         // at least 64 keys, and only as many run as the filled length needs); at most
         // MAX_SPLITS, and a whole number of CLUSTERs (cuda/decode_attention.cu).
@@ -367,7 +372,7 @@ mod cuda {
             Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..).device_ptr(&stream).0)
         };
         let (qs, ks, vs) = (address(q, ql)?, address(k, kl)?, address(v, vl)?);
-        let group = (heads / kv_heads) as i32;
+        let group = group as i32;
         let scale_log2 = (op.scale * std::f64::consts::LOG2_E) as f32;
         with_decode_scratch(dev, kv_heads, (heads * splits, d), |scratch| {
             let mut launch = Launch::default();
