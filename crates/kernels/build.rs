@@ -7,15 +7,18 @@ use std::env;
 use std::path::PathBuf;
 use std::process::Command;
 
-const SOURCES: [&str; 7] = [
+const SOURCES: [&str; 6] = [
     "flash_attention",
     "rowwise",
     "rotary",
     "gemv",
-    "decode_attention",
     "argmax",
     "peer_all_reduce",
 ];
+/// The decode attention kernels, one module per GQA group size (DECODE_GROUP in
+/// cuda/decode_attention.cu): the driver JIT-compiles a whole module at its first use, and a
+/// model needs only one of them.
+const DECODE_GROUPS: [usize; 4] = [1, 2, 4, 8];
 
 fn main() {
     println!("cargo::rerun-if-env-changed=CUDA_COMPUTE_CAP");
@@ -31,21 +34,37 @@ fn main() {
     println!("cargo::rerun-if-changed=cuda/convert.cuh");
     println!("cargo::rerun-if-changed=cuda/tile.cuh");
     println!("cargo::rerun-if-changed=cuda/chain.cuh");
+    let arch = format!("compute_{cap}");
     for name in SOURCES {
-        compile(&nvcc, &out_dir, name, &format!("compute_{cap}"));
+        compile(&nvcc, &out_dir, name, name, &arch, &[]);
+    }
+    for group in DECODE_GROUPS {
+        let define = format!("-DDECODE_GROUP={group}");
+        compile(
+            &nvcc,
+            &out_dir,
+            "decode_attention",
+            &format!("decode_attention_g{group}"),
+            &arch,
+            &[&define],
+        );
     }
     if cap == "90" {
-        compile(&nvcc, &out_dir, "flash_attention_sm90", "compute_90a");
+        let name = "flash_attention_sm90";
+        compile(&nvcc, &out_dir, name, name, "compute_90a", &[]);
         println!("cargo::rustc-cfg=tpinfer_sm90");
     }
 }
 
-fn compile(nvcc: &PathBuf, out_dir: &std::path::Path, name: &str, arch: &str) {
-    let source = format!("cuda/{name}.cu");
+/// Compiles cuda/{source}.cu, with the `defines` given, to {out}.ptx.
+fn compile(nvcc: &PathBuf, out_dir: &std::path::Path, source: &str, out: &str, arch: &str, defines: &[&str]) {
+    let source = format!("cuda/{source}.cu");
     println!("cargo::rerun-if-changed={source}");
-    let ptx = out_dir.join(format!("{name}.ptx"));
+    let ptx = out_dir.join(format!("{out}.ptx"));
     let status = Command::new(nvcc)
-        .args(["--ptx", "-O3", "-std=c++17", &format!("-arch={arch}"), "-o"])
+        .args(["--ptx", "-O3", "-std=c++17", &format!("-arch={arch}")])
+        .args(defines)
+        .arg("-o")
         .arg(&ptx)
         .arg(&source)
         .status()

@@ -10,8 +10,9 @@
 // graph replays at every position). Query head h reads KV head h / group.
 //
 // On Hopper and newer the CTAs run in clusters of CLUSTER slices, which merge their partials
-// through distributed shared memory: a cluster barrier instead of the partials' round trips
-// through global memory, a fence and a counter. Only when more than one cluster holds keys
+// through distributed shared memory: each pushes its partial into the first CTA's and arrives
+// on its mbarrier, instead of the partials' round trips through global memory, a fence and a
+// counter; only the first CTA waits. Only when more than one cluster holds keys
 // (more than CLUSTER slices' worth) do the clusters' merged partials meet in global memory.
 #include "chain.cuh"
 #include "convert.cuh"
@@ -31,6 +32,46 @@ constexpr int MERGE_BATCH = 8;  // slices whose partial outputs are loaded befor
 constexpr int CLUSTER = 8;  // slices per cluster (the launcher's splits are a multiple)
 #endif
 
+#ifdef DECODE_CLUSTERS
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// An mbarrier that CTAs of the cluster arrive on; made known to them by the release of the
+// cluster barrier that follows.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, unsigned arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(arrivals) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+
+// Arrives on the mbarrier at `bar` in the shared memory of the cluster's CTA `rank`, releasing
+// this thread's earlier stores (into that CTA's shared memory too) at cluster scope.
+__device__ __forceinline__ void mbarrier_arrive_remote(uint64_t* bar, unsigned rank) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(bar)), "r"(rank));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+// Waits for phase `parity` of this CTA's mbarrier, acquiring what its arrivals released.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "wait:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait;\n"
+        "}" ::"r"(shared_address(bar)),
+        "r"(parity)
+        : "memory");
+}
+#endif
+
 template <typename T>
 __device__ __forceinline__ void unpack8(uint4 raw, float (&out)[8]) {
     const T* v = reinterpret_cast<const T*>(&raw);
@@ -43,10 +84,10 @@ __device__ __forceinline__ void unpack8(uint4 raw, float (&out)[8]) {
 // over slices) into shared memory; then every thread sums its columns, the partial outputs of
 // MERGE_BATCH slices of every head loaded before any is used. The partials were written by
 // other CTAs: read through L2 (__ldcg), not a stale L1.
-template <typename T, int D>
+template <typename T, int D, int MAX_PARTIALS>
 __device__ void merge(const float* part_o, const float* part_ml, T* __restrict__ out, int h0, int group,
                       int splits, int active) {
-    __shared__ float weight[MAX_GROUP][MAX_SPLITS];
+    __shared__ float weight[MAX_GROUP][MAX_PARTIALS];
     __shared__ float total[MAX_GROUP];
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
     for (int g = warp; g < group; g += D / 32) {
@@ -123,6 +164,17 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
 #ifdef DECODE_CLUSTERS
     const int clusters = (active + CLUSTER - 1) / CLUSTER;
     if (split / CLUSTER >= clusters) return;  // the whole cluster alike
+    // The first CTA's inbox for the others' partials, and the mbarrier they arrive on (one
+    // arrival per thread of the CLUSTER - 1 others). The cluster barrier that makes it known
+    // is arrived at here and waited for after the keys: by then every CTA has long arrived.
+    __shared__ float inbox_o[CLUSTER - 1][G][D];
+    __shared__ float inbox_ml[CLUSTER - 1][G][2];
+    __shared__ uint64_t arrivals;
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cluster = cg::this_cluster();
+    const bool first = cluster.block_rank() == 0;
+    if (first && threadIdx.x == 0) mbarrier_init(&arrivals, (CLUSTER - 1) * D);
+    cluster_arrive_relaxed();
 #else
     if (split >= active) return;
 #endif
@@ -251,46 +303,40 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
         cm[g] = mx, cl[g] = sum, co[g] = acc;
     }
 #ifdef DECODE_CLUSTERS
-    // The cluster's slices merged by its first CTA, from the others' shared memory. A CTA
-    // without keys shares m = -inf, l = 0: weight 0. The first slice always has keys.
-    __shared__ float shared_o[G][D];
-    __shared__ float shared_ml[G][2];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        if (g >= group) break;
-        shared_o[g][t] = co[g];
-        if (t == 0) shared_ml[g][0] = cm[g], shared_ml[g][1] = cl[g];
-    }
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();
-    const bool first = cluster.block_rank() == 0;
-    if (first) {
+    // The cluster's slices merged by its first CTA: the others push their state into its
+    // shared memory, arrive on its mbarrier and exit. A CTA without keys pushes m = -inf,
+    // l = 0: weight 0. The first slice always has keys.
+    cluster_wait();  // the first CTA's mbarrier is initialized
+    if (!first) {
+        const int peer = cluster.block_rank() - 1;
+        float* to_o = cluster.map_shared_rank(&inbox_o[0][0][0], 0);
+        float* to_ml = cluster.map_shared_rank(&inbox_ml[0][0][0], 0);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             if (g >= group) break;
-            float mc[CLUSTER], lc[CLUSTER], oc[CLUSTER];
-#pragma unroll
-            for (int c = 0; c < CLUSTER; ++c) {
-                const float* ml = cluster.map_shared_rank(&shared_ml[g][0], c);
-                mc[c] = ml[0], lc[c] = ml[1];
-                oc[c] = cluster.map_shared_rank(&shared_o[g][0], c)[t];
-            }
-            float mx = mc[0];
-#pragma unroll
-            for (int c = 1; c < CLUSTER; ++c) mx = fmaxf(mx, mc[c]);
-            float sum = 0.f, acc = 0.f;
-#pragma unroll
-            for (int c = 0; c < CLUSTER; ++c) {
-                const float w = exp2f(mc[c] - mx);
-                sum += w * lc[c];
-                acc += w * oc[c];
-            }
-            cm[g] = mx, cl[g] = sum, co[g] = acc;
+            to_o[(peer * G + g) * D + t] = co[g];
+            if (t == 0) to_ml[(peer * G + g) * 2] = cm[g], to_ml[(peer * G + g) * 2 + 1] = cl[g];
         }
+        mbarrier_arrive_remote(&arrivals, 0);
+        return;
     }
-    cluster.sync();  // the others' shared memory outlives the first CTA's reads
-    if (!first) return;
+    mbarrier_wait(&arrivals, 0);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g >= group) break;
+        float mx = cm[g];
+#pragma unroll
+        for (int c = 0; c < CLUSTER - 1; ++c) mx = fmaxf(mx, inbox_ml[c][g][0]);
+        const float own = exp2f(cm[g] - mx);
+        float sum = own * cl[g], acc = own * co[g];
+#pragma unroll
+        for (int c = 0; c < CLUSTER - 1; ++c) {
+            const float w = exp2f(inbox_ml[c][g][0] - mx);
+            sum += w * inbox_ml[c][g][1];
+            acc += w * inbox_o[c][g][t];
+        }
+        cm[g] = mx, cl[g] = sum, co[g] = acc;
+    }
     if (clusters == 1) {
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -301,8 +347,10 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     }
     // Several clusters: theirs meet as the slices' do without clusters, one partial each.
     const int partial = split / CLUSTER, partials = clusters;
+    constexpr int MAX_PARTIALS = MAX_SPLITS / CLUSTER;
 #else
     const int partial = split, partials = active;
+    constexpr int MAX_PARTIALS = MAX_SPLITS;
 #endif
     // Partials of query head h: o at part_o[(h * splits + partial) * D], (m, l) at part_ml.
 #pragma unroll
@@ -320,7 +368,7 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     __syncthreads();
     if (!last) return;
     __threadfence();
-    merge<T, D>(part_o, part_ml, out, kv_head * group, group, splits, partials);
+    merge<T, D, MAX_PARTIALS>(part_o, part_ml, out, kv_head * group, group, splits, partials);
     if (t == 0) counters[kv_head] = 0;  // ready for the next launch
 }
 
@@ -341,13 +389,13 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
                             v_head, scale_log2);                                                              \
     }
 
-#define DECODE_GROUPS(SUFFIX, T, D) \
-    DECODE(SUFFIX, T, D, 1)         \
-    DECODE(SUFFIX, T, D, 2)         \
-    DECODE(SUFFIX, T, D, 4)         \
-    DECODE(SUFFIX, T, D, 8)
-
-DECODE_GROUPS(bf16, __nv_bfloat16, 64)
-DECODE_GROUPS(bf16, __nv_bfloat16, 128)
-DECODE_GROUPS(f16, __half, 64)
-DECODE_GROUPS(f16, __half, 128)
+// One module per G (the build defines DECODE_GROUP): the driver JIT-compiles only the one a
+// model uses. The extra step expands DECODE_GROUP before DECODE pastes it into the names.
+#ifndef DECODE_GROUP
+#error "compile with -DDECODE_GROUP=1, 2, 4 or 8"
+#endif
+#define DECODE_EXPANDED(SUFFIX, T, D, G) DECODE(SUFFIX, T, D, G)
+DECODE_EXPANDED(bf16, __nv_bfloat16, 64, DECODE_GROUP)
+DECODE_EXPANDED(bf16, __nv_bfloat16, 128, DECODE_GROUP)
+DECODE_EXPANDED(f16, __half, 64, DECODE_GROUP)
+DECODE_EXPANDED(f16, __half, 128, DECODE_GROUP)

@@ -241,7 +241,13 @@ mod cuda {
     use crate::chain::Launch;
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx"));
-    const DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode_attention.ptx"));
+    /// The decode kernels' modules by GQA group size G (the group rounded up to a power of two).
+    const DECODE_PTX: [(usize, &str); 4] = [
+        (1, include_str!(concat!(env!("OUT_DIR"), "/decode_attention_g1.ptx"))),
+        (2, include_str!(concat!(env!("OUT_DIR"), "/decode_attention_g2.ptx"))),
+        (4, include_str!(concat!(env!("OUT_DIR"), "/decode_attention_g4.ptx"))),
+        (8, include_str!(concat!(env!("OUT_DIR"), "/decode_attention_g8.ptx"))),
+    ];
     /// Query heads per KV head the decode kernel handles (MAX_GROUP in cuda/decode_attention.cu).
     const DECODE_MAX_GROUP: usize = 8;
     /// Query rows per CTA, 16 per warp (cuda/flash_attention.cu).
@@ -356,10 +362,15 @@ mod cuda {
         };
         let group = heads / kv_heads;
         // The kernel instantiated for the smallest power of two that holds the group.
+        let padded = group.next_power_of_two();
+        let ptx = DECODE_PTX.iter().find(|(g, _)| *g == padded).map(|(_, ptx)| *ptx);
+        let ptx = ptx.ok_or_else(|| {
+            candle_core::Error::Msg(format!("decode attention: no kernel for a GQA group of {group}"))
+        })?;
         let split = dev.get_or_load_custom_func(
-            &format!("decode_split_{suffix}_d{d}_g{}", group.next_power_of_two()),
-            "tpinfer_decode",
-            DECODE_PTX,
+            &format!("decode_split_{suffix}_d{d}_g{padded}"),
+            &format!("tpinfer_decode_g{padded}"),
+            ptx,
         )?;
         // About four CTAs per SM of an H100/H200 in all, fewer for small caches (a CTA takes
         // at least 64 keys, and only as many run as the filled length needs); at most
