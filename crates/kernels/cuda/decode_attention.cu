@@ -9,11 +9,11 @@
 // kv_head * head_stride + d]; the filled length is *position + 1, read at run time (a captured
 // graph replays at every position). Query head h reads KV head h / group.
 //
-// On Hopper and newer the CTAs run in clusters of CLUSTER slices, which merge their partials
-// through distributed shared memory: each pushes its partial into the first CTA's and arrives
-// on its mbarrier, instead of the partials' round trips through global memory, a fence and a
-// counter; only the first CTA waits. Only when more than one cluster holds keys
-// (more than CLUSTER slices' worth) do the clusters' merged partials meet in global memory.
+// On Hopper and newer the CTAs run in clusters of CLUSTER slices. Each CTA but the first
+// pushes its partial into the first CTA's shared memory (distributed shared memory), arrives
+// on its mbarrier and exits; only the first waits, and merges: no round trip through global
+// memory, fence or counter. Only when more than one cluster holds keys (more than CLUSTER
+// slices' worth) do the clusters' merged partials meet in global memory.
 #include "chain.cuh"
 #include "convert.cuh"
 
