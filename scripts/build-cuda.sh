@@ -4,13 +4,32 @@
 # .dist/ (git-ignored) for a GPU host. CUDA_COMPUTE_CAP: 90 for H100/H200 (default), 89 for
 # RTX 4090. On a host with CUDA installed, plain `cargo build --release --features cuda,nccl`
 # with CUDA_COMPUTE_CAP set does the same.
-# Usage: scripts/build-cuda.sh [check]   (check: only `cargo clippy -D warnings`, as CI does)
+# Usage: scripts/build-cuda.sh [check]   (check: `cargo clippy -D warnings` and every kernel's
+# PTX assembled by ptxas for CUDA_COMPUTE_CAP and the RTX 4090, as CI does)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/cuda-toolchain.sh)"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
 if [ "${1:-}" = check ]; then
+  # With the kernels' PTX also for the RTX 4090 (sm_89: the pre-Hopper paths), which the
+  # build compiles beside the CUDA_COMPUTE_CAP one.
+  export TPINFER_PTX_CHECK_CAPS=${TPINFER_PTX_CHECK_CAPS:-89}
   cargo clippy --workspace --all-targets --features tpinfer/nccl,tpinfer-benches/nccl -- -D warnings
+  # The driver assembles the PTX on the user's GPU when a kernel is first loaded; assembling it
+  # here too makes an error in it (inline PTX, an instruction the target lacks) fail the check
+  # instead of a user's first run.
+  out=$(ls -td "$CARGO_TARGET_DIR"/debug/build/tpinfer-kernels-*/out | head -n 1)
+  assemble() { # cap dir
+    local ptx arch
+    for ptx in "$2"/*.ptx; do
+      arch=sm_$1
+      case $ptx in *_sm90.ptx) arch=sm_90a ;; esac
+      ptxas -arch="$arch" "$ptx" -o /dev/null || { echo "ptxas -arch=$arch failed on $ptx" >&2; exit 1; }
+    done
+    echo "ptxas -arch=sm_$1: $(ls "$2"/*.ptx | wc -l) PTX files assemble"
+  }
+  assemble "$CUDA_COMPUTE_CAP" "$out"
+  for cap in $TPINFER_PTX_CHECK_CAPS; do assemble "$cap" "$out/check-sm$cap"; done
   exit
 fi
 cargo build --release -p tpinfer -p tpinfer-benches --features tpinfer/nccl,tpinfer-benches/nccl

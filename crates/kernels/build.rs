@@ -3,6 +3,9 @@
 //! ldmatrix and cp.async need sm_80 or newer). The driver JIT-compiles the PTX for the GPU.
 //! For compute capability 90 (H100/H200) it also compiles the Hopper attention kernel for
 //! sm_90a (wgmma exists only there) and sets the `tpinfer_sm90` cfg.
+//! `TPINFER_PTX_CHECK_CAPS` (e.g. "89") also compiles every kernel for those compute
+//! capabilities into `OUT_DIR/check-sm<cap>/`, unused by the crate: `scripts/build-cuda.sh
+//! check` assembles them, so that one build checks the PTX of several GPUs.
 use std::env;
 use std::path::PathBuf;
 use std::process::Command;
@@ -22,6 +25,7 @@ const DECODE_GROUPS: [usize; 4] = [1, 2, 4, 8];
 
 fn main() {
     println!("cargo::rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    println!("cargo::rerun-if-env-changed=TPINFER_PTX_CHECK_CAPS");
     println!("cargo::rerun-if-env-changed=NVCC");
     println!("cargo::rustc-check-cfg=cfg(tpinfer_sm90)");
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -29,31 +33,46 @@ fn main() {
     }
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap_or_else(|_| fail("OUT_DIR is not set")));
     let cap = env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
-    let cap = cap.trim().trim_start_matches("sm_").trim_end_matches('a');
     let nvcc = nvcc();
     println!("cargo::rerun-if-changed=cuda/convert.cuh");
     println!("cargo::rerun-if-changed=cuda/tile.cuh");
     println!("cargo::rerun-if-changed=cuda/chain.cuh");
+    if compile_all(&nvcc, &out_dir, &cap) {
+        println!("cargo::rustc-cfg=tpinfer_sm90");
+    }
+    let checks = env::var("TPINFER_PTX_CHECK_CAPS").unwrap_or_default();
+    for check in checks.split_whitespace() {
+        let dir = out_dir.join(format!("check-sm{check}"));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", dir.display())));
+        compile_all(&nvcc, &dir, check);
+    }
+}
+
+/// Compiles every kernel for compute capability `cap` into `dir`; whether that includes the
+/// Hopper (sm_90a) attention kernel.
+fn compile_all(nvcc: &PathBuf, dir: &std::path::Path, cap: &str) -> bool {
+    let cap = cap.trim().trim_start_matches("sm_").trim_end_matches('a');
     let arch = format!("compute_{cap}");
     for name in SOURCES {
-        compile(&nvcc, &out_dir, name, name, &arch, &[]);
+        compile(nvcc, dir, name, name, &arch, &[]);
     }
     for group in DECODE_GROUPS {
         let define = format!("-DDECODE_GROUP={group}");
         compile(
-            &nvcc,
-            &out_dir,
+            nvcc,
+            dir,
             "decode_attention",
             &format!("decode_attention_g{group}"),
             &arch,
             &[&define],
         );
     }
-    if cap == "90" {
+    let hopper = cap == "90";
+    if hopper {
         let name = "flash_attention_sm90";
-        compile(&nvcc, &out_dir, name, name, "compute_90a", &[]);
-        println!("cargo::rustc-cfg=tpinfer_sm90");
+        compile(nvcc, dir, name, name, "compute_90a", &[]);
     }
+    hopper
 }
 
 /// Compiles cuda/{source}.cu, with the `defines` given, to {out}.ptx.
