@@ -282,8 +282,6 @@ fn gemvs(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: u
             let fused = time_in_graph(device, calls, || tpinfer_kernels::gemv_gate_up_silu(&x, weight()))?;
             let want = tpinfer_kernels::silu_mul(&tpinfer_kernels::gemv(&x, &weights[0])?.reshape((1, rows))?)?;
             let got = tpinfer_kernels::gemv_gate_up_silu(&x, &weights[0])?;
-            let bits =
-                |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
             if bits(&got)? != bits(&want)? {
                 bail!("gemv_gate_up_silu does not give the bits of gemv + silu_mul");
             }
@@ -293,10 +291,66 @@ fn gemvs(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: u
                 fused * layers as f64
             );
         }
+        if name == "qkv" && tpinfer_kernels::gemv_on_cuda(&x, &weights[0]) {
+            qkv_rotary(device, dtype, c, calls, &x, &weights, &weight)?;
+        }
     }
     println!(
         "| all weight GEMVs of a step, cuBLAS / tpinfer_kernels::gemv | {:.3} / {:.3} | |",
         totals[0], totals[1]
+    );
+    Ok(())
+}
+
+/// A tensor's values as f32, to compare bits.
+fn bits(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// The QKV product followed by the rotation and the cache write (gemv, rotary_qkv_into)
+/// against the kernel that does both (gemv_rotary_qkv_into): the same bits in the queries and
+/// the whole cache, and the time of each. `weight` cycles through `weights` (cold copies).
+fn qkv_rotary<'w>(
+    device: &Device,
+    dtype: DType,
+    c: &tpinfer_llama::LlamaConfig,
+    calls: usize,
+    x: &Tensor,
+    weights: &'w [Tensor],
+    weight: &dyn Fn() -> &'w Tensor,
+) -> Result<()> {
+    let (heads, kv_heads, d, capacity) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, 4096);
+    let table = Tensor::randn(0f32, 1.0, (2, capacity, d / 2), device)?.to_dtype(dtype)?;
+    let position = Tensor::new(&[100u32], device)?;
+    let outputs = || -> candle_core::Result<(Tensor, Tensor)> {
+        Ok((
+            Tensor::zeros((2, kv_heads, capacity, d), dtype, device)?,
+            Tensor::zeros((1, heads, d), dtype, device)?,
+        ))
+    };
+    let unfused = |w: &Tensor, (cache, queries): &(Tensor, Tensor)| -> candle_core::Result<Tensor> {
+        let product = tpinfer_kernels::gemv(x, w)?.reshape((1, ()))?;
+        tpinfer_kernels::rotary_qkv_into(cache, &product, &table, &position, heads, queries)?;
+        Ok(queries.clone())
+    };
+    let fused = |w: &Tensor, (cache, queries): &(Tensor, Tensor)| -> candle_core::Result<Tensor> {
+        tpinfer_kernels::gemv_rotary_qkv_into(cache, x, w, &table, &position, heads, queries)?;
+        Ok(queries.clone())
+    };
+    let (want, got) = (outputs()?, outputs()?);
+    unfused(&weights[0], &want)?;
+    fused(&weights[0], &got)?;
+    if bits(&got.0)? != bits(&want.0)? || bits(&got.1)? != bits(&want.1)? {
+        bail!("gemv_rotary_qkv_into does not give the bits of gemv + rotary_qkv_into");
+    }
+    let buffers = outputs()?;
+    let t_unfused = time_in_graph(device, calls, || unfused(weight(), &buffers))?;
+    let t_fused = time_in_graph(device, calls, || fused(weight(), &buffers))?;
+    let layers = c.num_hidden_layers as f64;
+    println!(
+        "| QKV and rotation: gemv + rotary_qkv_into / gemv_rotary_qkv_into (same bits) | {t_unfused:.4} / {t_fused:.4} | x{layers} = {:.2} / {:.2} ms |",
+        t_unfused * layers,
+        t_fused * layers
     );
     Ok(())
 }

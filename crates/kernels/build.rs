@@ -37,6 +37,7 @@ fn main() {
     println!("cargo::rerun-if-changed=cuda/convert.cuh");
     println!("cargo::rerun-if-changed=cuda/tile.cuh");
     println!("cargo::rerun-if-changed=cuda/chain.cuh");
+    println!("cargo::rerun-if-changed=cuda/rotate.cuh");
     if compile_all(&nvcc, &out_dir, &cap) {
         println!("cargo::rustc-cfg=tpinfer_sm90");
     }

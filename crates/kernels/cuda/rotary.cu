@@ -9,6 +9,7 @@
 // A chain kernel (chain.cuh).
 #include "chain.cuh"
 #include "convert.cuh"
+#include "rotate.cuh"
 
 namespace {
 
@@ -65,8 +66,8 @@ __device__ void rotary_qkv(const T* qkv, const T* table, T* out, T* cache, int r
         const T* x = qkv + r * width + (query ? h : q_heads + h) * d;
         const float x1 = to_f32(x[j]), x2 = to_f32(x[j + half]);
         T* o = query ? out + (r * q_heads + h) * d : cache + ((long)h * capacity + offset + r) * d;
-        o[j] = from_f32<T>(x1 * t.c - x2 * t.s);
-        o[j + half] = from_f32<T>(x2 * t.c + x1 * t.s);
+        o[j] = from_f32<T>(rotate(x1, x2, t.c, t.s, false));
+        o[j + half] = from_f32<T>(rotate(x1, x2, t.c, t.s, true));
         if (!query) {
             const T* v = x + kv_heads * d;
             T* vc = cache + ((long)(kv_heads + h) * capacity + offset + r) * d;

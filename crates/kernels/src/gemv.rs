@@ -57,6 +57,39 @@ pub fn gemv_gate_up_silu_into(x: &Tensor, w: &Tensor, out: &Tensor) -> Result<()
     apply_into(x, w, true, out)
 }
 
+/// [`crate::rotary_qkv_into`] of the product of one row `x` and a fused QKV weight `w`
+/// `[(q_heads + 2 · kv_heads) · d, k]`, in one CUDA kernel that computes each pair of rows
+/// that rotate together and writes them rotated: the bits of [`gemv`] then
+/// [`crate::rotary_qkv_into`], without the product's round trip through memory. A chain link.
+/// Only where [`gemv_on_cuda`] holds for `x` and `w`; the caller has checked that the position
+/// fits the table and the cache.
+pub fn gemv_rotary_qkv_into(
+    cache: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    table: &Tensor,
+    position: &Tensor,
+    q_heads: usize,
+    queries: &Tensor,
+) -> Result<()> {
+    if !gemv_on_cuda(x, w) {
+        candle_core::bail!(
+            "gemv_rotary_qkv_into: x {:?} and w {:?} are not a 16-bit GEMV on CUDA",
+            x.dims(),
+            w.dims()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    {
+        cuda::gemv_rotary_qkv_into(cache, x, w, table, position, q_heads, queries)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (cache, table, position, q_heads, queries);
+        unreachable!("gemv_on_cuda holds only in CUDA builds")
+    }
+}
+
 fn apply_into(x: &Tensor, w: &Tensor, gate_up: bool, out: &Tensor) -> Result<()> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
@@ -191,6 +224,69 @@ mod cuda {
         let addresses = [device_address(&x)?, device_address(&w)?, device_address(out)?];
         let offsets = [x.layout().start_offset(), w.layout().start_offset()];
         launch(op, dev, x.dtype(), addresses, offsets)
+    }
+
+    pub(super) fn gemv_rotary_qkv_into(
+        cache: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        table: &Tensor,
+        position: &Tensor,
+        q_heads: usize,
+        queries: &Tensor,
+    ) -> Result<()> {
+        crate::position::check(position, x, "gemv_rotary_qkv")?;
+        let (two, kv_heads, capacity, d) = cache.dims4()?;
+        let (rows, k) = w.dims2()?;
+        let (table_two, positions, half) = table.dims3()?;
+        let dtype = x.dtype();
+        if two != 2
+            || table_two != 2
+            || 2 * half != d
+            || rows != (q_heads + 2 * kv_heads) * d
+            || !cache.is_contiguous()
+            || !table.is_contiguous()
+            || cache.dtype() != dtype
+            || table.dtype() != dtype
+        {
+            candle_core::bail!(
+                "gemv_rotary_qkv: w {:?}, the cache {:?} and the table {:?} are not [({q_heads} + 2 · kv_heads) · d, k], \
+                 a contiguous [2, kv_heads, capacity, d] and [2, positions, d / 2] in {dtype:?}",
+                w.dims(),
+                cache.dims(),
+                table.dims()
+            );
+        }
+        check_output(queries, dtype, q_heads * d, "gemv_rotary_qkv")?;
+        let candle_core::Device::Cuda(dev) = x.device() else {
+            candle_core::bail!("gemv_rotary_qkv: x is not on CUDA");
+        };
+        let (x, w) = (x.contiguous()?, w.contiguous()?);
+        if !(k.is_multiple_of(8) && [&x, &w].iter().all(|t| t.layout().start_offset().is_multiple_of(8))) {
+            candle_core::bail!("gemv_rotary_qkv: k = {k} and the offsets of x and w must be multiples of 8");
+        }
+        let func = dev.get_or_load_custom_func(&format!("gemv_rotary_{}", suffix(dtype)?), "tpinfer_gemv", PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: ((rows / 2) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = Launch::default();
+        for t in [&x, &w, table, queries, cache] {
+            launch.arg(device_address(t)?);
+        }
+        for v in [q_heads, kv_heads, d, k] {
+            launch.arg(v as i32);
+        }
+        launch
+            .arg(device_address(position)?)
+            .arg(positions as i32)
+            .arg(capacity as i32);
+        // SAFETY: the arguments match the kernel's signature; w holds the (q_heads + 2 ·
+        // kv_heads) · d rows of k that the rows / 2 CTAs read in pairs, x k values, queries
+        // q_heads · d, the cache is a contiguous [2, kv_heads, capacity, d], and the kernel
+        // skips a position past the table or the cache.
+        unsafe { launch.launch(dev, &func, cfg) }
     }
 
     /// Launches the kernel on x, w and y at `addresses`; `offsets` are x's and w's in

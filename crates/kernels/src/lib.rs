@@ -30,8 +30,8 @@ mod rowwise;
 pub use argmax::argmax;
 pub use chain::chained;
 pub use gemv::{
-    gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_gate_up_silu_on_cuda, gemv_into, gemv_on_cuda, gemv_tiled,
-    GEMV_TILES,
+    gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_gate_up_silu_on_cuda, gemv_into, gemv_on_cuda,
+    gemv_rotary_qkv_into, gemv_tiled, GEMV_TILES,
 };
 #[cfg(feature = "cuda")]
 pub use launch::device_address;

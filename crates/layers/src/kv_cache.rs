@@ -32,7 +32,7 @@ impl KvCache {
     /// (q_heads + 2 · heads) · head_dim]` at slots `at..at + s`, and returns its query heads,
     /// rotated, `[s, q_heads, head_dim]`: one fused kernel.
     pub fn append_rotated(&self, qkv: &Tensor, rope: &Rope, at: &Position, q_heads: usize) -> Result<Tensor> {
-        self.check_room(qkv, rope, at)?;
+        self.check_room(qkv.dim(0)?, rope, at)?;
         Ok(tpinfer_kernels::rotary_qkv(
             &self.kv,
             qkv,
@@ -52,7 +52,7 @@ impl KvCache {
         q_heads: usize,
         queries: &Tensor,
     ) -> Result<()> {
-        self.check_room(qkv, rope, at)?;
+        self.check_room(qkv.dim(0)?, rope, at)?;
         Ok(tpinfer_kernels::rotary_qkv_into(
             &self.kv,
             qkv,
@@ -63,9 +63,33 @@ impl KvCache {
         )?)
     }
 
-    fn check_room(&self, qkv: &Tensor, rope: &Rope, at: &Position) -> Result<()> {
+    /// [`Self::append_rotated_into`] of the QKV product of one row `x` with the fused weight
+    /// `w` (`[(q_heads + 2 · heads) · head_dim, k]`), the product computed by the same kernel:
+    /// where [`tpinfer_kernels::gemv_on_cuda`] holds for `x` and `w`.
+    pub fn append_projected_rotated_into(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        rope: &Rope,
+        at: &Position,
+        q_heads: usize,
+        queries: &Tensor,
+    ) -> Result<()> {
+        self.check_room(1, rope, at)?;
+        Ok(tpinfer_kernels::gemv_rotary_qkv_into(
+            &self.kv,
+            x,
+            w,
+            rope.table(),
+            at.tensor(),
+            q_heads,
+            queries,
+        )?)
+    }
+
+    fn check_room(&self, rows: usize, rope: &Rope, at: &Position) -> Result<()> {
         // The rope table covers the positions the cache was sized for, or more.
-        let needed = at.value() + qkv.dim(0)?;
+        let needed = at.value() + rows;
         let capacity = self.capacity().min(rope.max_positions());
         match needed > capacity {
             true => Err(Error::CacheFull { needed, capacity }),

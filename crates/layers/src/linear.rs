@@ -171,6 +171,13 @@ impl MergedColumnParallelLinear {
         Ok(apply_row_into(&self.linear, x, out)?)
     }
 
+    /// The merged weight, where one row `x`'s product runs as the bias-free GEMV kernel on
+    /// CUDA: for kernels that fuse what follows the product into it.
+    pub fn gemv_weight(&self, x: &Tensor) -> Option<&Tensor> {
+        let w = self.linear.weight();
+        (self.linear.bias().is_none() && tpinfer_kernels::gemv_on_cuda(x, w)).then_some(w)
+    }
+
     /// An output of `rows` rows for [`Self::forward_merged_into`], like `x`.
     pub fn empty_output(&self, rows: usize, x: &Tensor) -> Result<Tensor> {
         empty_output(&self.linear, rows, x)

@@ -77,7 +77,8 @@ struct StepBuffers {
     stream: Tensor,
     /// `[1, hidden]` zeros: what the first layer's norm adds to the embedding.
     zeros: Tensor,
-    /// The QKV projection, `[1, (q + 2 · kv) · head_dim]` local.
+    /// The QKV projection, `[1, (q + 2 · kv) · head_dim]` local, where it is not computed by
+    /// the kernel that rotates it (CUDA, 16 bits, no bias).
     qkv: Tensor,
     /// The rotated queries, `[1, q, head_dim]` local.
     queries: Tensor,
@@ -541,10 +542,18 @@ impl DecoderLayer {
     /// adds to it.
     fn step(&self, b: &StepBuffers, ctx: &LayerContext) -> Result<()> {
         let h = b.stream.get(1)?;
-        self.qkv.forward_row_into(&h, &b.qkv)?;
         let n_q = ctx.shard.heads.q_heads.len();
-        self.cache
-            .append_rotated_into(&b.qkv, ctx.rope, ctx.at, n_q, &b.queries)?;
+        match self.qkv.gemv_weight(&h) {
+            // The product, its rotation and the cache write in one kernel.
+            Some(w) => self
+                .cache
+                .append_projected_rotated_into(&h, w, ctx.rope, ctx.at, n_q, &b.queries)?,
+            None => {
+                self.qkv.forward_row_into(&h, &b.qkv)?;
+                self.cache
+                    .append_rotated_into(&b.qkv, ctx.rope, ctx.at, n_q, &b.queries)?;
+            }
+        }
         let (k, v) = self.cache.slots()?;
         let scale = 1.0 / (ctx.config.head_dim as f64).sqrt();
         flash_attention_cached_into(&b.queries, &k, &v, ctx.at.tensor(), scale, &b.attention)?;
