@@ -18,7 +18,16 @@ if [ "${1:-}" = check ]; then
   # The driver assembles the PTX on the user's GPU when a kernel is first loaded; assembling it
   # here too makes an error in it (inline PTX, an instruction the target lacks) fail the check
   # instead of a user's first run.
-  out=$(ls -td "$CARGO_TARGET_DIR"/debug/build/tpinfer-kernels-*/out | head -n 1)
+  # The build that clippy ran is the newest with the check folders: builds with other
+  # features (a plain `cargo check` in the same target dir) leave out folders without them.
+  builds="$CARGO_TARGET_DIR"/debug/build/tpinfer-kernels-*/out
+  first=${TPINFER_PTX_CHECK_CAPS%% *}
+  if [ -n "$first" ]; then
+    out=$(ls -td $builds/check-sm"$first" | head -n 1)
+    out=${out%/check-sm*}
+  else
+    out=$(ls -td $builds | head -n 1)
+  fi
   assemble() { # cap dir
     local ptx arch
     for ptx in "$2"/*.ptx; do
