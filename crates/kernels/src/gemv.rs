@@ -72,22 +72,16 @@ pub fn gemv_rotary_qkv_into(
     q_heads: usize,
     queries: &Tensor,
 ) -> Result<()> {
-    if !gemv_on_cuda(x, w) {
-        candle_core::bail!(
-            "gemv_rotary_qkv_into: x {:?} and w {:?} are not a 16-bit GEMV on CUDA",
-            x.dims(),
-            w.dims()
-        );
-    }
     #[cfg(feature = "cuda")]
-    {
-        cuda::gemv_rotary_qkv_into(cache, x, w, table, position, q_heads, queries)
+    if gemv_on_cuda(x, w) {
+        return cuda::gemv_rotary_qkv_into(cache, x, w, table, position, q_heads, queries);
     }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (cache, table, position, q_heads, queries);
-        unreachable!("gemv_on_cuda holds only in CUDA builds")
-    }
+    let _ = (cache, table, position, q_heads, queries);
+    candle_core::bail!(
+        "gemv_rotary_qkv_into: x {:?} and w {:?} are not a 16-bit GEMV on CUDA",
+        x.dims(),
+        w.dims()
+    )
 }
 
 fn apply_into(x: &Tensor, w: &Tensor, gate_up: bool, out: &Tensor) -> Result<()> {
