@@ -9,6 +9,8 @@
 //! - `collectives`: all-reduce, reduce-scatter and all-gather at the models' message sizes.
 //! - `decode-profile`: one rank's decode step taken apart (graph, eager, sampling, GEMVs); at
 //!   TP > 1, every rank's step and the step's all-reduces.
+//! - `timeline` (builds with the `timeline` feature): one rank's decode step as its kernels'
+//!   CTAs saw it, overlaps included.
 
 mod attention;
 mod collectives;
@@ -16,6 +18,8 @@ mod decode;
 mod linear;
 mod plots;
 mod sweep;
+#[cfg(feature = "timeline")]
+mod timeline;
 
 use std::path::PathBuf;
 
@@ -49,6 +53,9 @@ enum Command {
     DecodeProfile(decode::DecodeProfileArgs),
     /// All-reduce, reduce-scatter and all-gather at the models' message sizes, checked.
     Collectives(collectives::CollectivesArgs),
+    /// One rank's decode step as its chain kernels' CTAs saw it (a `timeline` build).
+    #[cfg(feature = "timeline")]
+    Timeline(timeline::TimelineArgs),
 }
 
 #[derive(Args)]
@@ -490,5 +497,7 @@ fn main() -> Result<()> {
         Command::Sweep(args) => sweep::run(args),
         Command::DecodeProfile(args) => decode::run(args),
         Command::Collectives(args) => collectives::run(args),
+        #[cfg(feature = "timeline")]
+        Command::Timeline(args) => timeline::run(args),
     }
 }

@@ -6,6 +6,7 @@
 //! `TPINFER_PTX_CHECK_CAPS` (e.g. "89") also compiles every kernel for those compute
 //! capabilities into `OUT_DIR/check-sm<cap>/`, unused by the crate: `scripts/build-cuda.sh
 //! check` assembles them, so that one build checks the PTX of several GPUs.
+//! With the `timeline` feature every kernel is compiled with TPINFER_TIMELINE (cuda/chain.cuh).
 use std::env;
 use std::path::PathBuf;
 use std::process::Command;
@@ -81,9 +82,11 @@ fn compile(nvcc: &PathBuf, out_dir: &std::path::Path, source: &str, out: &str, a
     let source = format!("cuda/{source}.cu");
     println!("cargo::rerun-if-changed={source}");
     let ptx = out_dir.join(format!("{out}.ptx"));
+    let timeline = env::var_os("CARGO_FEATURE_TIMELINE").map(|_| "-DTPINFER_TIMELINE");
     let status = Command::new(nvcc)
         .args(["--ptx", "-O3", "-std=c++17", &format!("-arch={arch}")])
         .args(defines)
+        .args(timeline)
         .arg("-o")
         .arg(&ptx)
         .arg(&source)

@@ -258,6 +258,7 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
             for (int e = 0; e < 8; ++e) o[g][e] = acc[e];
         }
     }
+    trace_mark(0);  // the keys
     // The slots of a warp share its max: their sums add, and slot 0's lanes hold the warp's.
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -306,7 +307,9 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     // The cluster's slices merged by its first CTA: the others push their state into its
     // shared memory, arrive on its mbarrier and exit. A CTA without keys pushes m = -inf,
     // l = 0: weight 0. The first slice always has keys.
+    trace_mark(1);  // the warps merged
     cluster_wait();  // the first CTA's mbarrier is initialized
+    trace_mark(2);
     if (!first) {
         const int peer = cluster.block_rank() - 1;
         float* to_o = cluster.map_shared_rank(&inbox_o[0][0][0], 0);
@@ -321,6 +324,7 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
         return;
     }
     mbarrier_wait(&arrivals, 0);
+    trace_mark(3);  // the cluster's partials in
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         if (g >= group) break;
@@ -384,7 +388,8 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     extern "C" __global__ void __launch_bounds__(D) DECODE_CLUSTER_DIMS decode_split_##SUFFIX##_d##D##_g##G(     \
         const T* q, const T* k, const T* v, const unsigned* position, float* part_o, float* part_ml,          \
         unsigned* counters, T* out, int group, long k_row, long k_head, long v_row, long v_head,              \
-        float scale_log2) {                                                                                   \
+        float scale_log2 CHAIN_TRACE_PARAM) {                                                                 \
+        CHAIN_TRACE_SCOPE                                                                                      \
         split_pass<T, D, G>(q, k, v, position, part_o, part_ml, counters, out, group, k_row, k_head, v_row,   \
                             v_head, scale_log2);                                                              \
     }

@@ -155,18 +155,21 @@ __device__ void gemv_rotary(const T* x, const T* __restrict__ w, const T* __rest
 
 #define GEMV(SUFFIX, T, ROWS)                                                                                  \
     extern "C" __global__ void __launch_bounds__(THREADS) gemv_##SUFFIX##_r##ROWS(const T* x, const T* w,      \
-                                                                                   T* y, int n, int k) {      \
+                                                                                   T* y, int n, int k CHAIN_TRACE_PARAM) { \
+        CHAIN_TRACE_SCOPE                                                                                      \
         gemv<T, ROWS, false>(x, w, y, n, k);                                                                   \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                      \
-        gemv_gate_up_silu_##SUFFIX##_r##ROWS(const T* x, const T* w, T* y, int n, int k) {                      \
+        gemv_gate_up_silu_##SUFFIX##_r##ROWS(const T* x, const T* w, T* y, int n, int k CHAIN_TRACE_PARAM) { \
+        CHAIN_TRACE_SCOPE                                                                                      \
         gemv<T, ROWS, true>(x, w, y, n, k);                                                                    \
     }
 
 #define GEMV_ROTARY(SUFFIX, T)                                                                                \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                      \
         gemv_rotary_##SUFFIX(const T* x, const T* w, const T* table, T* queries, T* cache, int q_heads,         \
-                             int kv_heads, int d, int k, const unsigned* position, int positions, int capacity) { \
+                             int kv_heads, int d, int k, const unsigned* position, int positions, int capacity CHAIN_TRACE_PARAM) { \
+        CHAIN_TRACE_SCOPE                                                                                      \
         gemv_rotary<T>(x, w, table, queries, cache, q_heads, kv_heads, d, k, position, positions, capacity);  \
     }
 

@@ -82,7 +82,8 @@ __device__ void peer_all_reduce(const T* in, T* out, int n, Peers peers, int ran
 #define PEER_ALL_REDUCE(T, SUFFIX)                                                                              \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                      \
         peer_all_reduce_##SUFFIX(const T* in, T* out, int n, Peers peers, int rank, int world,                 \
-                                 unsigned long long slot_bytes) {                                              \
+                                 unsigned long long slot_bytes CHAIN_TRACE_PARAM) {                            \
+        CHAIN_TRACE_SCOPE                                                                                      \
         peer_all_reduce<T>(in, out, n, peers, rank, world, slot_bytes);                                        \
     }
 

@@ -82,7 +82,8 @@ __device__ void rotary_qkv(const T* qkv, const T* table, T* out, T* cache, int r
 #define ROTARY(SUFFIX, T)                                                                                      \
     extern "C" __global__ void rotary_qkv_##SUFFIX(const T* qkv, const T* table, T* out, T* cache, int rows,   \
                                                     int q_heads, int kv_heads, int d, const unsigned* position, \
-                                                    int positions, int capacity) {                             \
+                                                    int positions, int capacity CHAIN_TRACE_PARAM) {           \
+        CHAIN_TRACE_SCOPE                                                                                      \
         rotary_qkv<T>(qkv, table, out, cache, rows, q_heads, kv_heads, d, position, positions, capacity);      \
     }
 

@@ -278,7 +278,8 @@ ROW_KERNELS(f16_packed, __half, 8)
         silu_mul<T>(x, out, n, half);                                                                          \
     }                                                                                                          \
     extern "C" __global__ void add_rms_norm_##SUFFIX(const T* x, const T* y, const T* w, T* out, int rows,     \
-                                                      int cols, float eps) {                                  \
+                                                      int cols, float eps CHAIN_TRACE_PARAM) {                \
+        CHAIN_TRACE_SCOPE                                                                                      \
         add_rms_norm<T>(x, y, w, out, rows, cols, eps);                                                        \
     }                                                                                                          \
     extern "C" __global__ void embed_owned_rows_##SUFFIX(const unsigned* ids, const T* w, T* out,              \

@@ -34,6 +34,8 @@ pub fn chained<R>(queue: impl FnOnce() -> R) -> R {
 
 #[cfg(feature = "cuda")]
 pub(crate) use cuda::Launch;
+#[cfg(feature = "timeline")]
+pub use timeline::{trace_launches, trace_step, trace_to, TracedLaunch};
 
 #[cfg(feature = "cuda")]
 mod cuda {
@@ -78,6 +80,8 @@ mod cuda {
         /// and writes for `cfg`'s grid.
         pub(crate) unsafe fn launch(&mut self, dev: &CudaDevice, func: &CudaFunction, cfg: LaunchConfig) -> Result<()> {
             let stream = dev.cuda_stream();
+            #[cfg(feature = "timeline")]
+            self.arg(super::timeline::slot(func, cfg.grid_dim));
             let link = CHAINED.get() && hopper(dev)?;
             let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
             attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -120,5 +124,93 @@ mod cuda {
         let known = major >= 9 && std::env::var(KERNEL_CHAINS_ENV).map_or(true, |v| v != "0");
         HOPPER.set(Some(known));
         Ok(known)
+    }
+}
+
+/// Where the chain kernels of a `timeline` build record their CTAs' times (cuda/chain.cuh):
+/// each launch of this thread gets its own rows of the buffer given to [`trace_to`].
+#[cfg(feature = "timeline")]
+mod timeline {
+    use std::cell::RefCell;
+
+    use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction};
+
+    /// One chain kernel's launch: its CTAs' records start at CTA row `first` of the buffer
+    /// (8 u64 a CTA: start, chain wait done, end, SM, 4 marks; times in ns of the global timer).
+    #[derive(Clone, Debug)]
+    pub struct TracedLaunch {
+        pub name: String,
+        pub first: u64,
+        pub ctas: u64,
+    }
+
+    struct Trace {
+        base: u64,
+        capacity: u64,
+        next: u64,
+        restart: bool,
+        launches: Vec<TracedLaunch>,
+    }
+
+    thread_local! {
+        static TRACE: RefCell<Option<Trace>> = const { RefCell::new(None) };
+    }
+
+    /// Makes this thread's chain kernels record into `capacity` CTA rows (64 bytes each) of
+    /// device memory at `base`, which must outlive every graph captured meanwhile.
+    pub fn trace_to(base: u64, capacity: u64) {
+        TRACE.set(Some(Trace {
+            base,
+            capacity,
+            next: 0,
+            restart: false,
+            launches: Vec::new(),
+        }));
+    }
+
+    /// Starts a step: its first launch takes the buffer's first rows again. A replayed graph
+    /// launches nothing and writes where its capture's launches did.
+    pub fn trace_step() {
+        TRACE.with_borrow_mut(|t| {
+            if let Some(t) = t {
+                t.restart = true;
+            }
+        });
+    }
+
+    /// The launches of the last step that launched any.
+    pub fn trace_launches() -> Vec<TracedLaunch> {
+        TRACE.with_borrow(|t| t.as_ref().map(|t| t.launches.clone()).unwrap_or_default())
+    }
+
+    /// The `trace` argument of a launch of `func`: its rows, or null where nothing is traced
+    /// or the buffer is full.
+    pub(super) fn slot(func: &CudaFunction, grid: (u32, u32, u32)) -> u64 {
+        TRACE.with_borrow_mut(|t| {
+            let Some(t) = t else { return 0 };
+            if t.restart {
+                t.restart = false;
+                t.next = 0;
+                t.launches.clear();
+            }
+            let ctas = grid.0 as u64 * grid.1 as u64 * grid.2 as u64;
+            if t.next + ctas > t.capacity {
+                return 0;
+            }
+            let mut name: *const std::ffi::c_char = std::ptr::null();
+            // SAFETY: the function is loaded; the driver owns the string it returns.
+            let name = match unsafe { sys::cuFuncGetName(&mut name, func.cu_function()) }.result() {
+                Ok(()) if !name.is_null() => unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned(),
+                _ => "?".into(),
+            };
+            t.launches.push(TracedLaunch {
+                name,
+                first: t.next,
+                ctas,
+            });
+            let at = t.base + 64 * t.next;
+            t.next += ctas;
+            at
+        })
     }
 }

@@ -29,6 +29,8 @@ mod rowwise;
 
 pub use argmax::argmax;
 pub use chain::chained;
+#[cfg(feature = "timeline")]
+pub use chain::{trace_launches, trace_step, trace_to, TracedLaunch};
 pub use gemv::{
     gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_gate_up_silu_on_cuda, gemv_into, gemv_on_cuda,
     gemv_rotary_qkv_into, gemv_tiled, GEMV_TILES,
