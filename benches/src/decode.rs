@@ -3,7 +3,7 @@
 //! a captured graph of many calls, as the step runs them). At TP > 1: every rank's bare step
 //! and the step's decode-size all-reduces alone.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -90,17 +90,8 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
         false => Device::Cpu,
     };
     let dtype = if args.cuda { DType::BF16 } else { DType::F32 };
-    let checkpoint = LlamaCheckpoint::open(&args.model)?;
-    let c = checkpoint.config.clone();
-    let shard = LlamaShard::new(&c, 1, 0)?;
-    let comm = tpinfer_comm::ThreadGroup::ranks(1, std::time::Duration::from_secs(60))
-        .pop()
-        .context("no rank")?;
     let context = args.prompt_tokens + 4 * (args.steps + 2) + 8;
-    let mut model = LlamaRank::load(&checkpoint, shard, Arc::new(comm), dtype, &device, context)?;
-    let prompt: Vec<u32> = (0..args.prompt_tokens)
-        .map(|i| ((7919 * i + 13) % c.vocab_size.min(30000)) as u32)
-        .collect();
+    let (mut model, c, prompt) = whole_model(&args.model, dtype, &device, args.prompt_tokens, context)?;
     println!(
         "| part (TP 1, {dtype:?}; steps synchronized, kernels timed in a graph) | ms | per token |\n|---|---|---|"
     );
@@ -146,6 +137,28 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
     gemvs(&device, dtype, &c, args.steps)?;
     small_kernels(&device, dtype, &c, args.steps)?;
     decode_attention(&device, dtype, &c, args.steps)
+}
+
+/// The Llama at `dir` as one rank holding all of it, with a KV cache of `context` tokens, its
+/// config, and a prompt of `prompt_tokens` made-up ids.
+pub(crate) fn whole_model(
+    dir: &Path,
+    dtype: DType,
+    device: &Device,
+    prompt_tokens: usize,
+    context: usize,
+) -> Result<(LlamaRank, tpinfer_llama::LlamaConfig, Vec<u32>)> {
+    let checkpoint = LlamaCheckpoint::open(dir)?;
+    let c = checkpoint.config.clone();
+    let shard = LlamaShard::new(&c, 1, 0)?;
+    let comm = tpinfer_comm::ThreadGroup::ranks(1, std::time::Duration::from_secs(60))
+        .pop()
+        .context("no rank")?;
+    let model = LlamaRank::load(&checkpoint, shard, Arc::new(comm), dtype, device, context)?;
+    let prompt = (0..prompt_tokens)
+        .map(|i| ((7919 * i + 13) % c.vocab_size.min(30000)) as u32)
+        .collect();
+    Ok((model, c, prompt))
 }
 
 /// The greedy token's argmax over `vocab` f32 logits: candle's against `tpinfer_kernels`',

@@ -9,12 +9,10 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use clap::Args;
-use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
 
 #[derive(Args)]
 pub(crate) struct TimelineArgs {
@@ -52,17 +50,9 @@ struct Row {
 
 pub(crate) fn run(args: TimelineArgs) -> Result<()> {
     let device = crate::gpu()?;
-    let checkpoint = LlamaCheckpoint::open(&args.model)?;
-    let c = checkpoint.config.clone();
-    let shard = LlamaShard::new(&c, 1, 0)?;
-    let comm = tpinfer_comm::ThreadGroup::ranks(1, std::time::Duration::from_secs(60))
-        .pop()
-        .context("no rank")?;
     let context = args.prompt_tokens + 2 * (args.steps + 2) + 8;
-    let mut model = LlamaRank::load(&checkpoint, shard, Arc::new(comm), DType::BF16, &device, context)?;
-    let prompt: Vec<u32> = (0..args.prompt_tokens)
-        .map(|i| ((7919 * i + 13) % c.vocab_size.min(30000)) as u32)
-        .collect();
+    let (mut model, _, prompt) =
+        crate::decode::whole_model(&args.model, DType::BF16, &device, args.prompt_tokens, context)?;
     let buffer = Tensor::zeros(CAPACITY as usize * 16, DType::U32, &device)?;
     tpinfer_kernels::trace_to(tpinfer_kernels::device_address(&buffer)?, CAPACITY);
     let mut out = std::fs::File::create(&args.out)?;
