@@ -6,7 +6,6 @@
 //! step it adds, and writes every launch (and on request every CTA) as TSV. Profilers
 //! serialize the kernels of a chain; this sees them overlap.
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -37,8 +36,6 @@ const CAPACITY: u64 = 1 << 20;
 struct Row {
     name: String,
     ctas: u64,
-    start_min: f64,
-    start_max: f64,
     go_min: f64,
     go_max: f64,
     end_min: f64,
@@ -46,6 +43,17 @@ struct Row {
     sms: usize,
     /// Every CTA's start, ascending.
     starts: Vec<f64>,
+}
+
+// A launch has at least one CTA, so `starts` is never empty.
+impl Row {
+    fn start_min(&self) -> f64 {
+        self.starts[0]
+    }
+
+    fn start_max(&self) -> f64 {
+        self.starts[self.starts.len() - 1]
+    }
 }
 
 pub(crate) fn run(args: TimelineArgs) -> Result<()> {
@@ -56,11 +64,17 @@ pub(crate) fn run(args: TimelineArgs) -> Result<()> {
     let buffer = Tensor::zeros(CAPACITY as usize * 16, DType::U32, &device)?;
     tpinfer_kernels::trace_to(tpinfer_kernels::device_address(&buffer)?, CAPACITY);
     let mut out = std::fs::File::create(&args.out)?;
-    let mut ctas_out = std::fs::File::create(args.out.with_extension("cta.tsv"))?;
-    writeln!(
-        ctas_out,
-        "mode\tindex\tname\tcta\tsm\tstart\tgo\tend\tmark0\tmark1\tmark2\tmark3"
-    )?;
+    let mut ctas_out = match args.ctas_of {
+        Some(_) => {
+            let mut f = std::fs::File::create(args.out.with_extension("cta.tsv"))?;
+            writeln!(
+                f,
+                "mode\tindex\tname\tcta\tsm\tstart\tgo\tend\tmark0\tmark1\tmark2\tmark3"
+            )?;
+            Some(f)
+        }
+        None => None,
+    };
     writeln!(
         out,
         "mode\tindex\tname\tctas\tstart_min\tstart_max\tgo_min\tgo_max\tend_min\tend_max\tsms"
@@ -83,12 +97,22 @@ pub(crate) fn run(args: TimelineArgs) -> Result<()> {
             writeln!(
                 out,
                 "{mode}\t{i}\t{}\t{}\t{:.0}\t{:.0}\t{:.0}\t{:.0}\t{:.0}\t{:.0}\t{}",
-                r.name, r.ctas, r.start_min, r.start_max, r.go_min, r.go_max, r.end_min, r.end_max, r.sms
+                r.name,
+                r.ctas,
+                r.start_min(),
+                r.start_max(),
+                r.go_min,
+                r.go_max,
+                r.end_min,
+                r.end_max,
+                r.sms
             )?;
         }
-        for (i, cta, fields) in ctas {
-            let t: Vec<String> = fields.iter().map(|t| t.to_string()).collect();
-            writeln!(ctas_out, "{mode}\t{i}\t{}\t{cta}\t{}", rows[i].name, t.join("\t"))?;
+        if let Some(f) = &mut ctas_out {
+            for (i, cta, fields) in ctas {
+                let t: Vec<String> = fields.iter().map(|t| t.to_string()).collect();
+                writeln!(f, "{mode}\t{i}\t{}\t{cta}\t{}", rows[i].name, t.join("\t"))?;
+            }
         }
         summarize(mode, step_ms, &rows);
     }
@@ -112,10 +136,10 @@ fn read(buffer: &Tensor, ctas_of: Option<&str>) -> Result<(Vec<Row>, CtaRecords)
     }
     let mut rows = Vec::with_capacity(launches.len());
     for l in &launches {
-        let (mut start, mut go, mut end) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut starts, mut go, mut end) = (Vec::new(), Vec::new(), Vec::new());
         let mut sms = std::collections::BTreeSet::new();
         for cta in l.first..l.first + l.ctas {
-            start.push(at(cta, 0));
+            starts.push(at(cta, 0) as f64);
             // A kernel that never waits (none in a chain) counts from its start.
             go.push(if at(cta, 1) < at(cta, 0) {
                 at(cta, 0)
@@ -125,7 +149,6 @@ fn read(buffer: &Tensor, ctas_of: Option<&str>) -> Result<(Vec<Row>, CtaRecords)
             end.push(at(cta, 2));
             sms.insert(at(cta, 3));
         }
-        let mut starts: Vec<f64> = start.iter().map(|&t| t as f64).collect();
         starts.sort_by(f64::total_cmp);
         // A launch has at least one CTA.
         let min = |v: &[u64]| v.iter().copied().fold(u64::MAX, u64::min) as f64;
@@ -133,8 +156,6 @@ fn read(buffer: &Tensor, ctas_of: Option<&str>) -> Result<(Vec<Row>, CtaRecords)
         rows.push(Row {
             name: l.name.clone(),
             ctas: l.ctas,
-            start_min: min(&start),
-            start_max: max(&start),
             go_min: min(&go),
             go_max: max(&go),
             end_min: min(&end),
@@ -143,16 +164,9 @@ fn read(buffer: &Tensor, ctas_of: Option<&str>) -> Result<(Vec<Row>, CtaRecords)
             starts,
         });
     }
-    let t0 = rows.iter().map(|r| r.start_min).fold(f64::MAX, f64::min);
+    let t0 = rows.iter().map(Row::start_min).fold(f64::MAX, f64::min);
     for r in &mut rows {
-        for t in [
-            &mut r.start_min,
-            &mut r.start_max,
-            &mut r.go_min,
-            &mut r.go_max,
-            &mut r.end_min,
-            &mut r.end_max,
-        ] {
+        for t in [&mut r.go_min, &mut r.go_max, &mut r.end_min, &mut r.end_max] {
             *t -= t0;
         }
         for t in &mut r.starts {
@@ -212,28 +226,30 @@ fn summarize(mode: &str, step_ms: f64, rows: &[Row]) {
         hop: f64,
         run: f64,
         started_early: f64,
-        order: usize,
     }
-    let mut sums: BTreeMap<String, Sum> = BTreeMap::new();
+    // In order of first appearance.
+    let mut sums: Vec<(String, Sum)> = Vec::new();
     for (i, r) in rows.iter().enumerate() {
         let before = if i == 0 { 0.0 } else { rows[i - 1].end_max };
         let after = if i == 0 { "the step's start" } else { &rows[i - 1].name };
-        let next_order = sums.len();
-        let s = sums.entry(format!("{} after {after}", r.name)).or_insert_with(|| Sum {
-            order: next_order,
-            ..Default::default()
-        });
+        let key = format!("{} after {after}", r.name);
+        let at = match sums.iter().position(|(k, _)| *k == key) {
+            Some(at) => at,
+            None => {
+                sums.push((key, Sum::default()));
+                sums.len() - 1
+            }
+        };
+        let s = &mut sums[at].1;
         s.n += 1;
         s.ctas = r.ctas;
         s.sms = r.sms;
         s.adds += r.end_max - before;
-        s.early += before - r.start_min;
+        s.early += before - r.start_min();
         s.hop += r.go_min - before;
         s.run += r.end_max - r.go_min;
         s.started_early += r.starts.partition_point(|&t| t < before) as f64;
     }
-    let mut sums: Vec<_> = sums.into_iter().collect();
-    sums.sort_by_key(|(_, s)| s.order);
     for (name, s) in sums {
         let n = s.n as f64;
         println!(
