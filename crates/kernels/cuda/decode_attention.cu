@@ -1,6 +1,6 @@
 // Attention of one query position (a decode step) over a KV cache, split along the keys. CTA
-// (split, kv_head) takes a slice of at least MIN_SLICE keys for all query heads of its GQA
-// group at once (each K and V row read once, in 16-byte pieces); how many slices hold keys
+// (split, kv_head) takes a slice of at least MIN_SLICE keys (on Hopper, below CLUSTER ·
+// MIN_SLICE keys, one cluster's share) for all query heads of its GQA group at once (each K and V row read once, in 16-byte pieces); how many slices hold keys
 // follows the filled length at run time, so short caches use few CTAs and a small merge. The
 // last CTA of each KV head to finish merges the slices' softmax partials (a counter per KV
 // head, which that CTA sets back to zero: no second launch).
@@ -152,18 +152,28 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     constexpr int STEPS = G >= 8 ? 4 : 8;
     constexpr int PASS = STEPS * WARPS * KEYS_PER_WARP;  // keys per pass of the CTA
 
-    chain_release();
+    // The chain is released only once this CTA's first keys are requested (below): a GEMV
+    // after it, launched early, fills the memory system with its weight loads, and the keys'
+    // loads queued behind them (measured: the o_proj GEMV's early CTAs made this kernel's
+    // first pass ≈ 1 µs longer).
     // Only a copy before the chain writes the position: it may be read before the wait.
     const int kv_len = (int)*position + 1;
     chain_wait();
     const int splits = gridDim.x, split = blockIdx.x, kv_head = blockIdx.y;
     // Slices of at least MIN_SLICE keys: only the first `active` CTAs have any, and only they
-    // (with the rest of their cluster) take part in the merge.
-    const int chunk = max((kv_len + splits - 1) / splits, MIN_SLICE);
+    // (with the rest of their cluster) take part in the merge. On Hopper up to CLUSTER ·
+    // MIN_SLICE keys are spread over one cluster's slices (at least 8 keys each): a short
+    // cache's pass then has fewer live steps per warp, and the merge stays in the cluster.
+#ifdef DECODE_CLUSTERS
+    const int least = min(max((kv_len + CLUSTER - 1) / CLUSTER, 8), MIN_SLICE);
+#else
+    const int least = MIN_SLICE;
+#endif
+    const int chunk = max((kv_len + splits - 1) / splits, least);
     const int active = (kv_len + chunk - 1) / chunk;
 #ifdef DECODE_CLUSTERS
     const int clusters = (active + CLUSTER - 1) / CLUSTER;
-    if (split / CLUSTER >= clusters) return;  // the whole cluster alike
+    if (split / CLUSTER >= clusters) return;  // the whole cluster alike (an exit releases the chain)
     // The first CTA's inbox for the others' partials, and the mbarrier they arrive on (one
     // arrival per thread of the CLUSTER - 1 others). The cluster barrier that makes it known
     // is arrived at here and waited for after the keys: by then every CTA has long arrived.
@@ -176,7 +186,7 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     if (first && threadIdx.x == 0) mbarrier_init(&arrivals, (CLUSTER - 1) * D);
     cluster_arrive_relaxed();
 #else
-    if (split >= active) return;
+    if (split >= active) return;  // an exit releases the chain
 #endif
     const int start = split * chunk, end = min(kv_len, start + chunk);
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
@@ -208,11 +218,22 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
             kr[i] = filled ? *reinterpret_cast<const uint4*>(kp + (long)j * k_row) : make_uint4(0, 0, 0, 0);
             vr[i] = filled ? *reinterpret_cast<const uint4*>(vp + (long)j * v_row) : make_uint4(0, 0, 0, 0);
         }
+        if (pass0 == start) chain_release();
+        // A step whose keys all lie past the slice's end (alike in the whole warp) is skipped,
+        // not computed and masked: a slice shorter than a pass costs its keys, not a pass.
+        bool live[STEPS];
+#pragma unroll
+        for (int i = 0; i < STEPS; ++i) live[i] = pass0 + (i * WARPS + warp) * KEYS_PER_WARP < end;
         // Scores in base 2; the pieces' partial dot products summed across the key's lanes.
         float s[G][STEPS];
 #pragma unroll
         for (int i = 0; i < STEPS; ++i) {
             const bool filled = pass0 + (i * WARPS + warp) * KEYS_PER_WARP + slot < end;
+            if (!live[i]) {
+#pragma unroll
+                for (int g = 0; g < G; ++g) s[g][i] = -INFINITY;
+                continue;
+            }
             float kf[8];
             unpack8<T>(kr[i], kf);
 #pragma unroll
@@ -247,6 +268,7 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
             for (int e = 0; e < 8; ++e) acc[e] = o[g][e] * alpha;
 #pragma unroll
             for (int i = 0; i < STEPS; ++i) {
+                if (!live[i]) continue;  // p = 0
                 const float p = exp2f(s[g][i] - base);  // 0 past the end
                 sum += p;
 #pragma unroll
@@ -258,6 +280,7 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
             for (int e = 0; e < 8; ++e) o[g][e] = acc[e];
         }
     }
+    if (end <= start) chain_release();  // a CTA without keys
     trace_mark(0);  // the keys
     // The slots of a warp share its max: their sums add, and slot 0's lanes hold the warp's.
 #pragma unroll

@@ -375,7 +375,7 @@ mod cuda {
             ptx,
         )?;
         // About four CTAs per SM of an H100/H200 in all, fewer for small caches (a CTA takes
-        // at least 64 keys, and only as many run as the filled length needs); at most
+        // at least 64 keys past a cluster's 512, and only as many run as the filled length needs); at most
         // MAX_SPLITS, and a whole number of CLUSTERs (cuda/decode_attention.cu).
         let splits = (512 / kv_heads)
             .min(capacity.div_ceil(64))
