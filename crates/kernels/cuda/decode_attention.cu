@@ -1,9 +1,10 @@
 // Attention of one query position (a decode step) over a KV cache, split along the keys. CTA
 // (split, kv_head) takes a slice of at least MIN_SLICE keys (on Hopper, below CLUSTER ·
-// MIN_SLICE keys, one cluster's share) for all query heads of its GQA group at once (each K and V row read once, in 16-byte pieces); how many slices hold keys
-// follows the filled length at run time, so short caches use few CTAs and a small merge. The
-// last CTA of each KV head to finish merges the slices' softmax partials (a counter per KV
-// head, which that CTA sets back to zero: no second launch).
+// MIN_SLICE keys, one cluster's share) for all query heads of its GQA group at once (each K
+// and V row read once, in 16-byte pieces); how many slices hold keys follows the filled
+// length at run time, so short caches use few CTAs and a small merge. The last CTA of each
+// KV head to finish merges the slices' softmax partials (a counter per KV head, which that CTA
+// sets back to zero: no second launch).
 //
 // q `[heads, D]` contiguous; k, v: element (row, kv_head, d) at ptr[row * row_stride +
 // kv_head * head_stride + d]; the filled length is *position + 1, read at run time (a captured
@@ -132,6 +133,88 @@ __device__ void merge(const float* part_o, const float* part_ml, T* __restrict__
     }
 }
 
+// One pass of a CTA's warps over PASS keys from pass0 (see split_pass), folded into the lane's
+// softmax state m, l, o. TAIL: the pass may reach past the slice's end; its steps wholly past
+// it are skipped (alike in the whole warp), not computed and masked, so a slice shorter than a
+// pass costs its keys, not a pass. Full passes carry no such checks: branches between the
+// steps would cut the interleaving of their independent shuffle and FMA chains.
+template <typename T, int D, int G, bool TAIL>
+__device__ __forceinline__ void key_pass(int pass0, int end, bool first_pass, const T* kp, const T* vp, long k_row,
+                                         long v_row, int warp, int slot, int group, float scale_log2,
+                                         const float (&qf)[G][8], float (&m)[G], float (&l)[G], float (&o)[G][8]) {
+    constexpr int LANES_PER_KEY = D / 8;
+    constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
+    constexpr int WARPS = D / 32;
+    constexpr int STEPS = G >= 8 ? 4 : 8;
+    uint4 kr[STEPS], vr[STEPS];
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i) {
+        const int j = pass0 + (i * WARPS + warp) * KEYS_PER_WARP + slot;
+        const bool filled = !TAIL || j < end;
+        kr[i] = filled ? *reinterpret_cast<const uint4*>(kp + (long)j * k_row) : make_uint4(0, 0, 0, 0);
+        vr[i] = filled ? *reinterpret_cast<const uint4*>(vp + (long)j * v_row) : make_uint4(0, 0, 0, 0);
+    }
+    if (first_pass) chain_release();
+    bool live[STEPS];
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i) live[i] = !TAIL || pass0 + (i * WARPS + warp) * KEYS_PER_WARP < end;
+    // Scores in base 2; the pieces' partial dot products summed across the key's lanes.
+    float s[G][STEPS];
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i) {
+        const bool filled = !TAIL || pass0 + (i * WARPS + warp) * KEYS_PER_WARP + slot < end;
+        if (!live[i]) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) s[g][i] = -INFINITY;
+            continue;
+        }
+        float kf[8];
+        unpack8<T>(kr[i], kf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (g >= group) break;
+            float dot = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) dot = fmaf(qf[g][e], kf[e], dot);
+#pragma unroll
+            for (int w = LANES_PER_KEY / 2; w > 0; w /= 2) dot += __shfl_xor_sync(0xffffffff, dot, w);
+            s[g][i] = filled ? dot * scale_log2 : -INFINITY;
+        }
+    }
+    float vf[STEPS][8];
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i) unpack8<T>(vr[i], vf[i]);
+    // Online softmax per warp: the max over the warp's keys of this pass (its slots meet by
+    // shuffle), the earlier sums rescaled by alpha. A warp with no filled key yet keeps
+    // m = -inf, and its exponentials are taken from 0 (all 0) instead of -inf - -inf.
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g >= group) break;
+        float mx = m[g];
+#pragma unroll
+        for (int i = 0; i < STEPS; ++i) mx = fmaxf(mx, s[g][i]);
+#pragma unroll
+        for (int w = LANES_PER_KEY; w < 32; w *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, w));
+        const float base = mx == -INFINITY ? 0.f : mx;
+        const float alpha = exp2f(m[g] - base);
+        float sum = 0.f, acc[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = o[g][e] * alpha;
+#pragma unroll
+        for (int i = 0; i < STEPS; ++i) {
+            if (!live[i]) continue;  // p = 0
+            const float p = exp2f(s[g][i] - base);  // 0 past the end
+            sum += p;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, vf[i][e], acc[e]);
+        }
+        m[g] = mx;
+        l[g] = l[g] * alpha + sum;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[g][e] = acc[e];
+    }
+}
+
 // blockDim.x == D. A key's row is read by LANES_PER_KEY lanes, 8 elements (16 bytes) each, of
 // K and of V alike: lane (slot, piece) of a warp scores its key against every query head of the
 // group (the pieces' dot products summed across the lanes) and adds the key's weighted V piece
@@ -209,77 +292,14 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
         for (int e = 0; e < 8; ++e) o[g][e] = 0.f;
     }
 
-    for (int pass0 = start; pass0 < end; pass0 += PASS) {
-        uint4 kr[STEPS], vr[STEPS];
-#pragma unroll
-        for (int i = 0; i < STEPS; ++i) {
-            const int j = pass0 + (i * WARPS + warp) * KEYS_PER_WARP + slot;
-            const bool filled = j < end;
-            kr[i] = filled ? *reinterpret_cast<const uint4*>(kp + (long)j * k_row) : make_uint4(0, 0, 0, 0);
-            vr[i] = filled ? *reinterpret_cast<const uint4*>(vp + (long)j * v_row) : make_uint4(0, 0, 0, 0);
-        }
-        if (pass0 == start) chain_release();
-        // A step whose keys all lie past the slice's end (alike in the whole warp) is skipped,
-        // not computed and masked: a slice shorter than a pass costs its keys, not a pass.
-        bool live[STEPS];
-#pragma unroll
-        for (int i = 0; i < STEPS; ++i) live[i] = pass0 + (i * WARPS + warp) * KEYS_PER_WARP < end;
-        // Scores in base 2; the pieces' partial dot products summed across the key's lanes.
-        float s[G][STEPS];
-#pragma unroll
-        for (int i = 0; i < STEPS; ++i) {
-            const bool filled = pass0 + (i * WARPS + warp) * KEYS_PER_WARP + slot < end;
-            if (!live[i]) {
-#pragma unroll
-                for (int g = 0; g < G; ++g) s[g][i] = -INFINITY;
-                continue;
-            }
-            float kf[8];
-            unpack8<T>(kr[i], kf);
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                if (g >= group) break;
-                float dot = 0.f;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) dot = fmaf(qf[g][e], kf[e], dot);
-#pragma unroll
-                for (int w = LANES_PER_KEY / 2; w > 0; w /= 2) dot += __shfl_xor_sync(0xffffffff, dot, w);
-                s[g][i] = filled ? dot * scale_log2 : -INFINITY;
-            }
-        }
-        float vf[STEPS][8];
-#pragma unroll
-        for (int i = 0; i < STEPS; ++i) unpack8<T>(vr[i], vf[i]);
-        // Online softmax per warp: the max over the warp's keys of this pass (its slots meet by
-        // shuffle), the earlier sums rescaled by alpha. A warp with no filled key yet keeps
-        // m = -inf, and its exponentials are taken from 0 (all 0) instead of -inf - -inf.
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            if (g >= group) break;
-            float mx = m[g];
-#pragma unroll
-            for (int i = 0; i < STEPS; ++i) mx = fmaxf(mx, s[g][i]);
-#pragma unroll
-            for (int w = LANES_PER_KEY; w < 32; w *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, w));
-            const float base = mx == -INFINITY ? 0.f : mx;
-            const float alpha = exp2f(m[g] - base);
-            float sum = 0.f, acc[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = o[g][e] * alpha;
-#pragma unroll
-            for (int i = 0; i < STEPS; ++i) {
-                if (!live[i]) continue;  // p = 0
-                const float p = exp2f(s[g][i] - base);  // 0 past the end
-                sum += p;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, vf[i][e], acc[e]);
-            }
-            m[g] = mx;
-            l[g] = l[g] * alpha + sum;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) o[g][e] = acc[e];
-        }
-    }
+    // Full passes have every step's keys inside the slice; only the last may be partial.
+    int pass0 = start;
+    for (; pass0 + PASS <= end; pass0 += PASS)
+        key_pass<T, D, G, false>(pass0, end, pass0 == start, kp, vp, k_row, v_row, warp, slot, group, scale_log2,
+                                 qf, m, l, o);
+    if (pass0 < end)
+        key_pass<T, D, G, true>(pass0, end, pass0 == start, kp, vp, k_row, v_row, warp, slot, group, scale_log2,
+                                qf, m, l, o);
     if (end <= start) chain_release();  // a CTA without keys
     trace_mark(0);  // the keys
     // The slots of a warp share its max: their sums add, and slot 0's lanes hold the warp's.
