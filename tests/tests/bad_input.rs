@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use tpinfer_engine::{Engine, EngineError, GenerateRequest, Prompt};
+use tpinfer_engine::{Engine, EngineError, GenerateRequest, Prompt, SamplingParams};
 use tpinfer_tests::TinyLlama;
 
 fn model_dir() -> tempfile::TempDir {
@@ -163,4 +163,64 @@ fn token_ids_outside_the_vocabulary_and_empty_requests() {
         &refused(GenerateRequest::new(Prompt::text("a"), 0)),
         &["max_new_tokens"],
     );
+}
+
+#[test]
+fn sampling_parameters_that_cannot_sample() {
+    let dir = model_dir();
+    let engine = Engine::builder(dir.path()).tp(2).build().expect("engine");
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        ..SamplingParams::default()
+    };
+    let refused = |sampling: SamplingParams| match engine
+        .generate(GenerateRequest::new(Prompt::text("a"), 4).with_sampling(sampling))
+    {
+        Err(e @ EngineError::InvalidRequest(_)) => e.to_string(),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("must refuse"),
+    };
+    let with = |change: fn(&mut SamplingParams)| {
+        let mut params = sampled.clone();
+        change(&mut params);
+        refused(params)
+    };
+    assert_mentions(&with(|p| p.top_k = Some(0)), &["top_k", "at least 1"]);
+    assert_mentions(&with(|p| p.top_p = Some(0.0)), &["top_p 0", "(0, 1]"]);
+    assert_mentions(&with(|p| p.top_p = Some(1.5)), &["top_p 1.5"]);
+    assert_mentions(&with(|p| p.top_p = Some(f64::NAN)), &["top_p NaN"]);
+    assert_mentions(&with(|p| p.temperature = f64::NAN), &["temperature NaN"]);
+    assert_mentions(
+        &with(|p| p.repetition_penalty = 0.0),
+        &["repetition_penalty 0", "above 0"],
+    );
+    assert_mentions(
+        &with(|p| p.repetition_penalty = f32::INFINITY),
+        &["repetition_penalty inf"],
+    );
+    // Greedy requests are checked too: a bad top_k is a mistake even where it would be ignored.
+    let greedy = SamplingParams {
+        top_k: Some(0),
+        ..SamplingParams::default()
+    };
+    assert_mentions(&refused(greedy), &["top_k"]);
+    // The edges that do sample.
+    for ok in [
+        SamplingParams {
+            top_p: Some(1.0),
+            top_k: Some(1),
+            ..sampled.clone()
+        },
+        SamplingParams {
+            temperature: -1.0,
+            ..SamplingParams::default()
+        },
+    ] {
+        let (_, tokens, stats) = engine
+            .generate(GenerateRequest::new(Prompt::text("a"), 2).with_sampling(ok))
+            .and_then(|stream| stream.collect_text())
+            .expect("valid sampling parameters");
+        assert_eq!(tokens.len(), stats.generated_tokens);
+        assert!(stats.generated_tokens >= 1);
+    }
 }

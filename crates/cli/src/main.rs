@@ -69,6 +69,7 @@ struct GenerateArgs {
     /// The prompt (LLMs).
     #[arg(long, required_unless_present = "text_embeds")]
     prompt: Option<String>,
+    /// Most tokens to generate; an end-of-sequence token stops sooner.
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
@@ -99,12 +100,17 @@ struct GenerateArgs {
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
+    /// Sample only from the k likeliest tokens (with --temperature above 0).
     #[arg(long)]
     top_k: Option<usize>,
+    /// Sample only from the likeliest tokens whose probabilities sum to p, in (0, 1] (with
+    /// --temperature above 0; after --top-k when both are given).
     #[arg(long)]
     top_p: Option<f64>,
+    /// Above 1 makes the tokens among the last 64 less likely to come again; 1 disables it.
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f32,
+    /// The sampler's seed (the video's noise for a Wan DiT).
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
     #[command(flatten)]
@@ -194,6 +200,15 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
     let Some(prompt) = args.prompt else {
         bail!("--prompt is required for a language model");
     };
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        ..SamplingParams::default()
+    };
+    sampling.check()?; // before the model loads
     let engine = builder
         .build()
         .with_context(|| format!("cannot load {}", args.model.display()))?;
@@ -204,14 +219,6 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
             tpinfer_engine::ChatMessage::system(system),
             tpinfer_engine::ChatMessage::user(prompt),
         ]),
-    };
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        repetition_penalty: args.repetition_penalty,
-        seed: args.seed,
-        ..SamplingParams::default()
     };
     let request = GenerateRequest::new(prompt, args.max_new_tokens).with_sampling(sampling);
     let mut stdout = std::io::stdout().lock();

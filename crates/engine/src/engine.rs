@@ -148,6 +148,7 @@ impl Engine {
     }
 
     fn submit(&self, request: GenerateRequest, logits: Option<Sender<Vec<f32>>>) -> Result<TokenStream, EngineError> {
+        request.sampling.check()?;
         let prompt = match &request.prompt {
             Prompt::Text(text) => self.tokenizer.encode(text, true)?,
             Prompt::Chat(messages) => self.tokenizer.encode_chat(messages)?,

@@ -1,6 +1,8 @@
 use candle_transformers::generation::Sampling;
 use tpinfer_tokenizer::ChatMessage;
 
+use crate::EngineError;
+
 /// What to continue.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Prompt {
@@ -54,6 +56,37 @@ impl SamplingParams {
     /// Greedy decoding with nothing to apply on the host: the token can stay on the device.
     pub(crate) fn is_greedy(&self) -> bool {
         self.temperature <= 0.0 && self.repetition_penalty == 1.0
+    }
+
+    /// Why these parameters cannot sample, if they cannot (`EngineError::InvalidRequest`, naming
+    /// the parameter). The engine checks every request it is given, so that a bad value is
+    /// refused by name instead of failing (or sampling nonsense) mid-run; a caller that loads a
+    /// large model can check first.
+    pub fn check(&self) -> Result<(), EngineError> {
+        self.problem()
+            .map_or(Ok(()), |problem| Err(EngineError::InvalidRequest(problem)))
+    }
+
+    fn problem(&self) -> Option<String> {
+        if !self.temperature.is_finite() {
+            return Some(format!(
+                "temperature {} is not a number (0 is greedy)",
+                self.temperature
+            ));
+        }
+        if self.top_k == Some(0) {
+            return Some("top_k must be at least 1 (leave it unset to sample from every token)".into());
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Some(format!("top_p {p} must be in (0, 1] (1 keeps every token)"));
+            }
+        }
+        let penalty = self.repetition_penalty;
+        if !(penalty.is_finite() && penalty > 0.0) {
+            return Some(format!("repetition_penalty {penalty} must be above 0 (1 disables it)"));
+        }
+        None
     }
 
     pub(crate) fn sampling(&self) -> Sampling {
