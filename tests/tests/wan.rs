@@ -183,3 +183,54 @@ fn profiled_velocity_names_rank_0s_stages() {
     }
     assert!(stages.iter().map(|(_, t)| t.as_secs_f64()).sum::<f64>() > 0.0);
 }
+
+/// A request that would denoise into NaN is refused before any step, by the parameter's name.
+#[test]
+fn requests_that_cannot_denoise() {
+    use tpinfer_engine::{Engine, EngineError, VideoEngine, VideoRequest, VideoShape};
+    use tpinfer_wan::sampler::Solver;
+    let model = TinyWan::default();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(dir.path());
+    let (_, text) = wan_inputs(&model, 1, 8, 8, 5);
+    let shape = VideoShape {
+        frames: 1,
+        width: 64,
+        height: 64,
+    };
+    let engine = VideoEngine::start(Engine::builder(&path).tp(2), shape).expect("engine");
+    let request = VideoRequest {
+        text,
+        negative: None,
+        steps: 2,
+        shift: 5.0,
+        guide_scale: 1.0,
+        solver: Solver::Euler,
+        seed: 7,
+    };
+    let refused = |change: fn(&mut VideoRequest)| {
+        let mut bad = request.clone();
+        change(&mut bad);
+        let mut steps = 0;
+        match engine.generate(bad, |_| steps += 1) {
+            Err(e @ EngineError::InvalidRequest(_)) => {
+                assert_eq!(steps, 0, "refused only after {steps} steps");
+                e.to_string()
+            }
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(_) => panic!("must refuse"),
+        }
+    };
+    for (change, name) in [
+        ((|r| r.steps = 0) as fn(&mut VideoRequest), "--steps"),
+        (|r| r.shift = 0.0, "--shift 0"),
+        (|r| r.shift = f64::NAN, "--shift NaN"),
+        (|r| r.guide_scale = f64::INFINITY, "--guide-scale inf"),
+    ] {
+        let message = refused(change);
+        assert!(message.contains(name), "{message:?} must name {name}");
+    }
+    let latents = engine.generate(request, |_| {}).expect("a valid request denoises");
+    let values = latents.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values");
+    assert!(values.iter().all(|v| v.is_finite()));
+}

@@ -17,6 +17,7 @@ pub struct VideoArgs {
     /// WIDTHxHEIGHT in pixels, multiples of 16.
     #[arg(long, default_value = "832x480", value_parser = crate::plan::parse_size)]
     size: (usize, usize),
+    /// Denoising steps.
     #[arg(long, default_value_t = 50)]
     steps: usize,
     /// A safetensors file with the umT5 text states, `[tokens, 4096]` (tensor `text`, or its only tensor).
@@ -76,14 +77,6 @@ pub fn generate_video(builder: EngineBuilder, args: &VideoArgs, seed: u64) -> Re
         width,
         height,
     };
-    let engine = VideoEngine::start(builder, shape)?;
-    let [c, f, h, w] = engine.latent_shape();
-    eprintln!(
-        "{} frames at {width}x{height}: latents {c}×{f}×{h}×{w}, {} video tokens per forward; peak plan per rank {:.0} MiB",
-        args.frames,
-        engine.plan().tokens_per_forward,
-        tpinfer_plan::mib(engine.plan().peak().total())
-    );
     let request = VideoRequest {
         text,
         negative,
@@ -96,6 +89,15 @@ pub fn generate_video(builder: EngineBuilder, args: &VideoArgs, seed: u64) -> Re
         },
         seed,
     };
+    request.check()?; // before the model loads
+    let engine = VideoEngine::start(builder, shape)?;
+    let [c, f, h, w] = engine.latent_shape();
+    eprintln!(
+        "{} frames at {width}x{height}: latents {c}×{f}×{h}×{w}, {} video tokens per forward; peak plan per rank {:.0} MiB",
+        args.frames,
+        engine.plan().tokens_per_forward,
+        tpinfer_plan::mib(engine.plan().peak().total())
+    );
     let bar = ProgressBar::new(args.steps as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} steps, {elapsed} elapsed, ~{eta} left {msg}")

@@ -41,6 +41,31 @@ pub struct VideoRequest {
     pub seed: u64,
 }
 
+impl VideoRequest {
+    /// Why this request cannot denoise, if it cannot (`EngineError::InvalidRequest`, naming the
+    /// option). The engine checks every request; a caller that loads a large model can check
+    /// first.
+    pub fn check(&self) -> Result<(), EngineError> {
+        if self.steps == 0 {
+            return Err(EngineError::InvalidRequest("--steps must be at least 1".into()));
+        }
+        // Either would turn every latent into NaN, found only after the whole run.
+        if !(self.shift.is_finite() && self.shift > 0.0) {
+            return Err(EngineError::InvalidRequest(format!(
+                "--shift {} must be above 0 (Wan: 5 for text-to-video, 3 for S2V)",
+                self.shift
+            )));
+        }
+        if !self.guide_scale.is_finite() {
+            return Err(EngineError::InvalidRequest(format!(
+                "--guide-scale {} is not a number (1 turns guidance off)",
+                self.guide_scale
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Rank 0's report after each step.
 #[derive(Debug, Clone, Copy)]
 pub struct StepReport {
@@ -177,9 +202,7 @@ impl VideoEngine {
     /// Denoises from seeded noise; `on_step` hears rank 0 after every step. Returns the
     /// latents `[channels, latent frames, height / 8, width / 8]`, f32 on the CPU.
     pub fn generate(&self, request: VideoRequest, mut on_step: impl FnMut(StepReport)) -> Result<Tensor, EngineError> {
-        if request.steps == 0 {
-            return Err(EngineError::InvalidRequest("--steps must be at least 1".into()));
-        }
+        request.check()?;
         Ok(self.run(Work::Denoise(request), &mut on_step)?.0)
     }
 
