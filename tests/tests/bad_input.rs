@@ -133,6 +133,27 @@ fn prompt_longer_than_the_context() {
 }
 
 #[test]
+fn context_longer_than_the_model_allows() {
+    let dir = model_dir();
+    for tokens in [0, 513] {
+        let result = Engine::builder(dir.path()).tp(2).max_context(tokens).build();
+        match result {
+            Err(e @ EngineError::Plan(_)) => {
+                assert_mentions(&e.to_string(), &[&format!("--max-context {tokens}"), "512 positions"])
+            }
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(_) => panic!("--max-context {tokens} must be refused"),
+        }
+    }
+    let engine = Engine::builder(dir.path())
+        .tp(2)
+        .max_context(512)
+        .build()
+        .expect("the model's own length");
+    assert_eq!(engine.max_context(), 512);
+}
+
+#[test]
 fn cuda_without_the_feature_is_refused_clearly() {
     let dir = model_dir();
     let result = Engine::builder(dir.path())

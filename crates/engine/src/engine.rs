@@ -56,10 +56,10 @@ impl Engine {
             DeviceKind::Cpu => DType::F32,
             DeviceKind::Cuda { .. } => config.dtype.unwrap_or(DType::BF16),
         });
+        // An explicit length goes to the plan as it is: it refuses one the model cannot hold.
         let max_context = b
             .max_context
-            .unwrap_or(DEFAULT_MAX_CONTEXT)
-            .min(config.max_position_embeddings);
+            .unwrap_or(DEFAULT_MAX_CONTEXT.min(config.max_position_embeddings));
 
         let model = tpinfer_plan::ModelSpec::from_checkpoint(b.model.display().to_string(), checkpoint.clone());
         let plan = check_plan(
