@@ -226,9 +226,25 @@ fn requests_that_cannot_denoise() {
         (|r| r.shift = 0.0, "--shift 0"),
         (|r| r.shift = f64::NAN, "--shift NaN"),
         (|r| r.guide_scale = f64::INFINITY, "--guide-scale inf"),
+        (
+            |r| r.text = r.text.narrow(1, 0, 20).expect("narrow"),
+            "[7, 20], but this model takes [tokens, 24]",
+        ),
+        (
+            |r| r.negative = Some(r.text.narrow(0, 0, 0).expect("narrow")),
+            "the negative prompt's states are [0, 24]",
+        ),
     ] {
         let message = refused(change);
         assert!(message.contains(name), "{message:?} must name {name}");
+    }
+    let small = candle_core::Tensor::zeros((4, 1, 4, 4), DType::F32, &candle_core::Device::Cpu).expect("latents");
+    match engine.velocity(&small, 500.0, &request.text) {
+        Err(e @ EngineError::InvalidRequest(_)) => assert!(e.to_string().contains("[4, 1, 4, 4]"), "{e}"),
+        other => panic!(
+            "latents of another shape must be refused: {:?}",
+            other.map(|t| t.dims().to_vec())
+        ),
     }
     let latents = engine.generate(request, |_| {}).expect("a valid request denoises");
     let values = latents.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values");

@@ -90,6 +90,18 @@ pub fn generate_video(builder: EngineBuilder, args: &VideoArgs, seed: u64) -> Re
         seed,
     };
     request.check()?; // before the model loads
+                      // Likewise where the latents go: a run can take hours, and its end is too late to learn.
+    let folder = match args.out.parent() {
+        Some(folder) if !folder.as_os_str().is_empty() => folder,
+        _ => Path::new("."),
+    };
+    tempfile::NamedTempFile::new_in(folder).with_context(|| {
+        format!(
+            "--out {}: cannot write into {}; choose a folder that exists and is writable",
+            args.out.display(),
+            folder.display()
+        )
+    })?;
     let engine = VideoEngine::start(builder, shape)?;
     let [c, f, h, w] = engine.latent_shape();
     eprintln!(

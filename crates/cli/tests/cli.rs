@@ -72,6 +72,11 @@ fn bad_inputs_exit_non_zero_with_the_cause() {
         &["28 tokens", "--max-context"],
     );
     assert_fails_with(&generate(&dir.path().join("missing"), &[]), &["does not exist"]);
+    // Sampling options are checked before the model is even looked for.
+    assert_fails_with(
+        &generate(&dir.path().join("missing"), &["--temperature", "0.7", "--top-k", "0"]),
+        &["top_k must be at least 1"],
+    );
     assert_fails_with(&generate(&model, &["--device", "cuda"]), &["--features cuda,nccl"]);
 
     let weights = model.join("model.safetensors");
@@ -311,4 +316,56 @@ fn generates_video_latents() {
     let (_, three) = run("3");
     let err = tpinfer_tests::rel_error(&three, &one);
     assert!(err < 1e-5, "TP 3 latents against TP 1: {err:e}");
+}
+
+/// A video run's bad options fail before the model loads (or, for the text states, before
+/// the first step), each by its name.
+#[test]
+fn bad_video_inputs_exit_non_zero_with_the_cause() {
+    use candle_core::{Device, Tensor};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = tpinfer_tests::TinyWan::default();
+    let path = model.write(&dir.path().join("wan"));
+    let embeds = |name: &str, width: usize| {
+        let file = dir.path().join(name);
+        let text = Tensor::randn(0f32, 1.0, (7, width), &Device::Cpu).expect("text");
+        candle_core::safetensors::save(&std::collections::HashMap::from([("text".to_string(), text)]), &file)
+            .expect("write embeds");
+        file.to_str().expect("utf8").to_string()
+    };
+    let (good, wide) = (
+        embeds("good.safetensors", model.text_dim),
+        embeds("wide.safetensors", 25),
+    );
+    let run = |extra: &[&str]| {
+        let mut args = vec!["generate", "--model", path.to_str().expect("utf8"), "--size", "64x32"];
+        args.extend(["--steps", "1"]);
+        args.extend(extra);
+        if !extra.contains(&"--frames") {
+            args.extend(["--frames", "5"]);
+        }
+        tpinfer(&args, Duration::from_secs(60))
+    };
+    // The model's text width is known once it is open: after the plan's line, before a step.
+    let output = run(&["--text-embeds", &wide]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && !stderr.contains("panicked") && !stderr.contains("step "));
+    for part in ["error: ", "[7, 25]", "[tokens, 24]", "--text-embeds"] {
+        assert!(stderr.contains(part), "stderr {stderr:?} must mention {part:?}");
+    }
+    assert_fails_with(
+        &run(&["--text-embeds", &good, "--shift", "0"]),
+        &["--shift 0", "above 0"],
+    );
+    assert_fails_with(
+        &run(&["--text-embeds", &good, "--frames", "4"]),
+        &["--frames 4", "4k + 1"],
+    );
+    let out = dir.path().join("missing/latents.safetensors");
+    let output = run(&["--text-embeds", &good, "--out", out.to_str().expect("utf8")]);
+    assert_fails_with(&output, &["--out", "cannot write into"]);
+    assert!(
+        !String::from_utf8_lossy(&output.stderr).contains("step "),
+        "the output folder must be checked before any step"
+    );
 }

@@ -109,6 +109,8 @@ pub struct VideoEngine {
     threads: Vec<JoinHandle<()>>,
     shape: VideoShape,
     latent_shape: [usize; 4],
+    /// The width of the text states the model takes (umT5's 4096 for Wan).
+    text_dim: usize,
     plan: Plan,
     devices: Vec<Device>,
 }
@@ -194,6 +196,7 @@ impl VideoEngine {
             threads,
             shape,
             latent_shape,
+            text_dim: config.text_dim,
             plan,
             devices,
         })
@@ -203,6 +206,10 @@ impl VideoEngine {
     /// latents `[channels, latent frames, height / 8, width / 8]`, f32 on the CPU.
     pub fn generate(&self, request: VideoRequest, mut on_step: impl FnMut(StepReport)) -> Result<Tensor, EngineError> {
         request.check()?;
+        self.check_text("the text states", &request.text)?;
+        if let Some(negative) = &request.negative {
+            self.check_text("the negative prompt's states", negative)?;
+        }
         Ok(self.run(Work::Denoise(request), &mut on_step)?.0)
     }
 
@@ -231,6 +238,14 @@ impl VideoEngine {
         text: &Tensor,
         profile: bool,
     ) -> Result<(Tensor, StageProfile), EngineError> {
+        self.check_text("the text states", text)?;
+        if latents.dims() != self.latent_shape {
+            return Err(EngineError::InvalidRequest(format!(
+                "latents {:?} are not the {:?} this engine was planned for",
+                latents.dims(),
+                self.latent_shape
+            )));
+        }
         let work = Work::Velocity {
             latents: latents.clone(),
             timestep,
@@ -238,6 +253,19 @@ impl VideoEngine {
             profile,
         };
         self.run(work, &mut |_| {})
+    }
+
+    /// Text states must be `[tokens, text_dim]`: checked here, where the error can say so,
+    /// rather than as a shape mismatch inside every rank's first forward.
+    fn check_text(&self, what: &str, text: &Tensor) -> Result<(), EngineError> {
+        match text.dims() {
+            &[tokens, width] if tokens > 0 && width == self.text_dim => Ok(()),
+            dims => Err(EngineError::InvalidRequest(format!(
+                "{what} are {dims:?}, but this model takes [tokens, {}] (umT5 states; --text-embeds, \
+                 --negative-embeds)",
+                self.text_dim
+            ))),
+        }
     }
 
     fn run(&self, work: Work, on_step: &mut dyn FnMut(StepReport)) -> Result<(Tensor, StageProfile), EngineError> {
