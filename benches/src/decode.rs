@@ -141,7 +141,7 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
 
 /// The Llama at `dir` as one rank holding all of it, with a KV cache of `context` tokens, its
 /// config, and a prompt of `prompt_tokens` made-up ids.
-pub(crate) fn whole_model(
+fn whole_model(
     dir: &Path,
     dtype: DType,
     device: &Device,
@@ -155,10 +155,15 @@ pub(crate) fn whole_model(
         .pop()
         .context("no rank")?;
     let model = LlamaRank::load(&checkpoint, shard, Arc::new(comm), dtype, device, context)?;
-    let prompt = (0..prompt_tokens)
-        .map(|i| ((7919 * i + 13) % c.vocab_size.min(30000)) as u32)
-        .collect();
+    let prompt = made_up_prompt(&c, prompt_tokens);
     Ok((model, c, prompt))
+}
+
+/// `tokens` prompt ids spread over the vocabulary, the same at every rank and run.
+pub(crate) fn made_up_prompt(c: &tpinfer_llama::LlamaConfig, tokens: usize) -> Vec<u32> {
+    (0..tokens)
+        .map(|i| ((7919 * i + 13) % c.vocab_size.min(30000)) as u32)
+        .collect()
 }
 
 /// The greedy token's argmax over `vocab` f32 logits: candle's against `tpinfer_kernels`',
@@ -374,9 +379,7 @@ fn run_sharded(args: &DecodeProfileArgs) -> Result<()> {
     let checkpoint = Arc::new(LlamaCheckpoint::open(&args.model)?);
     let c = checkpoint.config.clone();
     let dtype = if args.cuda { DType::BF16 } else { DType::F32 };
-    let prompt: Vec<u32> = (0..args.prompt_tokens)
-        .map(|i| ((7919 * i + 13) % c.vocab_size.min(30000)) as u32)
-        .collect();
+    let prompt = made_up_prompt(&c, args.prompt_tokens);
     let context = args.prompt_tokens + args.steps + 8;
     // Per step: the embedding's, two per layer, and the greedy step's flag sum.
     let sums = 2 * c.num_hidden_layers + 2;
@@ -459,12 +462,17 @@ fn ranks(tp: usize, cuda: bool) -> Result<Vec<Connect>> {
     }
     #[cfg(feature = "nccl")]
     {
+        // Opened first: a missing GPU fails here, not as the others' NCCL init timeout.
+        let devices = (0..tp)
+            .map(|rank| Device::new_cuda(rank).with_context(|| format!("--tp {tp}: cannot open CUDA device {rank}")))
+            .collect::<Result<Vec<_>>>()?;
         let group = tpinfer_comm::NcclGroup::new(tp, timeout)?;
-        Ok((0..tp)
-            .map(|rank| -> Connect {
+        Ok(devices
+            .into_iter()
+            .enumerate()
+            .map(|(rank, device)| -> Connect {
                 let group = group.clone();
                 Box::new(move || {
-                    let device = Device::new_cuda(rank)?;
                     let comm = tpinfer_comm::NcclComm::connect(group, &device, rank)?;
                     // Stays on this rank's thread, which built it (NCCL communicators must).
                     #[allow(clippy::arc_with_non_send_sync)]

@@ -1,4 +1,4 @@
-//! `timeline`: one rank's decode step on a GPU as its chain kernels' CTAs saw it (a build with
+//! `timeline`: each rank's decode step on its GPU as its chain kernels' CTAs saw it (a build with
 //! the `timeline` feature: `scripts/build-cuda.sh timeline`). Every chain kernel records, per
 //! CTA, the global timer when it started, when its chain wait returned and when it ended, and
 //! its SM (cuda/chain.cuh); this prints, per kernel of a layer, how early it started before
@@ -10,8 +10,9 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use clap::Args;
+use tpinfer_llama::LlamaRank;
 
 #[derive(Args)]
 pub(crate) struct TimelineArgs {
@@ -22,7 +23,12 @@ pub(crate) struct TimelineArgs {
     steps: usize,
     #[arg(long, default_value_t = 128)]
     prompt_tokens: usize,
-    /// Where to write every launch's row (TSV).
+    /// Ranks, one per GPU (0..tp), NCCL between them: each traces its own step. The
+    /// collectives' kernels are not chain kernels and leave no record: the kernel after a sum
+    /// adds the sum's time (the peer all-reduce, where built, is traced by its own name).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Where to write every launch's row (TSV, with the rank).
     #[arg(long)]
     out: PathBuf,
     /// Also every CTA's record of the kernels whose names start with this, into OUT.cta.tsv.
@@ -57,32 +63,91 @@ impl Row {
 }
 
 pub(crate) fn run(args: TimelineArgs) -> Result<()> {
-    let device = crate::gpu()?;
     let context = args.prompt_tokens + 2 * (args.steps + 2) + 8;
-    let (mut model, _, prompt) =
-        crate::decode::whole_model(&args.model, DType::BF16, &device, args.prompt_tokens, context)?;
-    let buffer = Tensor::zeros(CAPACITY as usize * 16, DType::U32, &device)?;
-    tpinfer_kernels::trace_to(tpinfer_kernels::device_address(&buffer)?, CAPACITY);
+    // Every rank on its own GPU and thread, NCCL between them (none at TP 1); each traces
+    // into its own buffer (the trace is per thread), and the steps keep in step through the sums.
+    let checkpoint = tpinfer_llama::LlamaCheckpoint::open(&args.model)?;
+    let c = checkpoint.config.clone();
+    let prompt = crate::decode::made_up_prompt(&c, args.prompt_tokens);
+    let traces = crate::decode::on_ranks(args.tp, true, |comm, device| {
+        let shard = tpinfer_llama::LlamaShard::new(&c, args.tp, comm.rank())?;
+        let mut model = LlamaRank::load(&checkpoint, shard, comm, DType::BF16, &device, context)?;
+        trace_rank(&mut model, &device, &prompt, &args)
+    })?;
     let mut out = std::fs::File::create(&args.out)?;
+    writeln!(
+        out,
+        "rank\tmode\tindex\tname\tctas\tstart_min\tstart_max\tgo_min\tgo_max\tend_min\tend_max\tsms"
+    )?;
     let mut ctas_out = match args.ctas_of {
         Some(_) => {
             let mut f = std::fs::File::create(args.out.with_extension("cta.tsv"))?;
             writeln!(
                 f,
-                "mode\tindex\tname\tcta\tsm\tstart\tgo\tend\tmark0\tmark1\tmark2\tmark3"
+                "rank\tmode\tindex\tname\tcta\tsm\tstart\tgo\tend\tmark0\tmark1\tmark2\tmark3"
             )?;
             Some(f)
         }
         None => None,
     };
-    writeln!(
-        out,
-        "mode\tindex\tname\tctas\tstart_min\tstart_max\tgo_min\tgo_max\tend_min\tend_max\tsms"
-    )?;
+    for (rank, modes) in traces.iter().enumerate() {
+        for t in modes {
+            for (i, r) in t.rows.iter().enumerate() {
+                writeln!(
+                    out,
+                    "{rank}\t{}\t{i}\t{}\t{}\t{:.0}\t{:.0}\t{:.0}\t{:.0}\t{:.0}\t{:.0}\t{}",
+                    t.mode,
+                    r.name,
+                    r.ctas,
+                    r.start_min(),
+                    r.start_max(),
+                    r.go_min,
+                    r.go_max,
+                    r.end_min,
+                    r.end_max,
+                    r.sms
+                )?;
+            }
+            if let Some(f) = &mut ctas_out {
+                for (i, cta, fields) in &t.ctas {
+                    let fields: Vec<String> = fields.iter().map(|t| t.to_string()).collect();
+                    writeln!(
+                        f,
+                        "{rank}\t{}\t{i}\t{}\t{cta}\t{}",
+                        t.mode,
+                        t.rows[*i].name,
+                        fields.join("\t")
+                    )?;
+                }
+            }
+            let label = match args.tp {
+                1 => t.mode.to_string(),
+                _ => format!("rank {rank} of {}, {}", args.tp, t.mode),
+            };
+            summarize(&label, t.step_ms, &t.rows);
+        }
+    }
+    Ok(())
+}
+
+/// One rank's last traced decode step, replayed as a graph or run eagerly.
+struct Trace {
+    mode: &'static str,
+    step_ms: f64,
+    rows: Vec<Row>,
+    ctas: CtaRecords,
+}
+
+/// Runs `args.steps` decode steps after `prompt` on this thread's rank, as a captured graph and
+/// then eagerly, tracing its chain kernels into a buffer of its own.
+fn trace_rank(model: &mut LlamaRank, device: &Device, prompt: &[u32], args: &TimelineArgs) -> Result<Vec<Trace>> {
+    let buffer = Tensor::zeros(CAPACITY as usize * 16, DType::U32, device)?;
+    tpinfer_kernels::trace_to(tpinfer_kernels::device_address(&buffer)?, CAPACITY);
+    let mut traces = Vec::new();
     for graphs in [true, false] {
         model.set_cuda_graphs(graphs)?;
         model.clear_cache();
-        model.forward(&prompt)?;
+        model.forward(prompt)?;
         device.synchronize()?;
         let begin = std::time::Instant::now();
         for _ in 0..args.steps {
@@ -93,30 +158,14 @@ pub(crate) fn run(args: TimelineArgs) -> Result<()> {
         let step_ms = begin.elapsed().as_secs_f64() * 1e3 / args.steps as f64;
         let (rows, ctas) = read(&buffer, args.ctas_of.as_deref())?;
         let mode = if graphs { "graph" } else { "eager" };
-        for (i, r) in rows.iter().enumerate() {
-            writeln!(
-                out,
-                "{mode}\t{i}\t{}\t{}\t{:.0}\t{:.0}\t{:.0}\t{:.0}\t{:.0}\t{:.0}\t{}",
-                r.name,
-                r.ctas,
-                r.start_min(),
-                r.start_max(),
-                r.go_min,
-                r.go_max,
-                r.end_min,
-                r.end_max,
-                r.sms
-            )?;
-        }
-        if let Some(f) = &mut ctas_out {
-            for (i, cta, fields) in ctas {
-                let t: Vec<String> = fields.iter().map(|t| t.to_string()).collect();
-                writeln!(f, "{mode}\t{i}\t{}\t{cta}\t{}", rows[i].name, t.join("\t"))?;
-            }
-        }
-        summarize(mode, step_ms, &rows);
+        traces.push(Trace {
+            mode,
+            step_ms,
+            rows,
+            ctas,
+        });
     }
-    Ok(())
+    Ok(traces)
 }
 
 /// Per-CTA records of the kernels named `ctas_of…`: launch, CTA, SM, then start, go, end and
