@@ -184,7 +184,9 @@ fn profiled_velocity_names_rank_0s_stages() {
     assert!(stages.iter().map(|(_, t)| t.as_secs_f64()).sum::<f64>() > 0.0);
 }
 
-/// A request that would denoise into NaN is refused before any step, by the parameter's name.
+/// A request that would fail mid-run or denoise into NaN (no steps, a bad shift or guidance
+/// scale, text states of another width) is refused before any step, by the parameter's name;
+/// so are velocity latents of another shape than the engine was planned for.
 #[test]
 fn requests_that_cannot_denoise() {
     use tpinfer_engine::{Engine, EngineError, VideoEngine, VideoRequest, VideoShape};
