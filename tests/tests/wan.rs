@@ -1,6 +1,7 @@
 //! The Wan DiT on CPU ranks: every TP width gives TP 1's velocity, in either checkpoint naming.
 
 use candle_core::DType;
+use tpinfer_engine::{Engine, VideoEngine, VideoShape};
 use tpinfer_tests::{rel_error, run_wan, wan_inputs, TinyWan};
 
 #[test]
@@ -150,21 +151,27 @@ mod sampling {
     }
 }
 
-/// The engine's profiled velocity at TP 2: the same velocity as the plain one, and rank 0's
-/// stages, the collectives' among them.
-#[test]
-fn profiled_velocity_names_rank_0s_stages() {
-    use tpinfer_engine::{Engine, VideoEngine, VideoShape};
-    let model = TinyWan::default();
+/// `model` written to a temporary directory (kept alive by the first value) and loaded on two
+/// ranks, planned for `frames` frames of 64 × 64 pixels.
+fn tp2_video_engine(model: &TinyWan, frames: usize) -> (tempfile::TempDir, VideoEngine) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = model.write(dir.path());
-    let (latents, text) = wan_inputs(&model, 3, 8, 8, 4);
     let shape = VideoShape {
-        frames: 9,
+        frames,
         width: 64,
         height: 64,
     };
     let engine = VideoEngine::start(Engine::builder(&path).tp(2), shape).expect("engine");
+    (dir, engine)
+}
+
+/// The engine's profiled velocity at TP 2: the same velocity as the plain one, and rank 0's
+/// stages, the collectives' among them.
+#[test]
+fn profiled_velocity_names_rank_0s_stages() {
+    let model = TinyWan::default();
+    let (latents, text) = wan_inputs(&model, 3, 8, 8, 4);
+    let (_dir, engine) = tp2_video_engine(&model, 9);
     let plain = engine.velocity(&latents, 500.0, &text).expect("velocity");
     let (profiled, stages) = engine.velocity_profiled(&latents, 500.0, &text).expect("profiled");
     let values = |t: &candle_core::Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values");
@@ -189,18 +196,11 @@ fn profiled_velocity_names_rank_0s_stages() {
 /// so are velocity latents of another shape than the engine was planned for.
 #[test]
 fn requests_that_cannot_denoise() {
-    use tpinfer_engine::{Engine, EngineError, VideoEngine, VideoRequest, VideoShape};
+    use tpinfer_engine::{EngineError, VideoRequest};
     use tpinfer_wan::sampler::Solver;
     let model = TinyWan::default();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = model.write(dir.path());
     let (_, text) = wan_inputs(&model, 1, 8, 8, 5);
-    let shape = VideoShape {
-        frames: 1,
-        width: 64,
-        height: 64,
-    };
-    let engine = VideoEngine::start(Engine::builder(&path).tp(2), shape).expect("engine");
+    let (_dir, engine) = tp2_video_engine(&model, 1);
     let request = VideoRequest {
         text,
         negative: None,

@@ -133,6 +133,18 @@ __device__ void merge(const float* part_o, const float* part_ml, T* __restrict__
     }
 }
 
+// How a CTA of D threads covers keys of D columns (see split_pass).
+template <int D, int G>
+struct KeyLayout {
+    static constexpr int LANES_PER_KEY = D / 8;  // 16-byte pieces of a row
+    static constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
+    static constexpr int WARPS = D / 32;
+    // Keys a lane loads before it uses any: one memory latency per pass. Fewer for groups of 8,
+    // whose queries and outputs take twice the registers.
+    static constexpr int STEPS = G >= 8 ? 4 : 8;
+    static constexpr int PASS = STEPS * WARPS * KEYS_PER_WARP;  // keys per pass of the CTA
+};
+
 // One pass of a CTA's warps over PASS keys from pass0 (see split_pass), folded into the lane's
 // softmax state m, l, o. TAIL: the pass may reach past the slice's end; its steps wholly past
 // it are skipped (alike in the whole warp), not computed and masked, so a slice shorter than a
@@ -142,10 +154,9 @@ template <typename T, int D, int G, bool TAIL>
 __device__ __forceinline__ void key_pass(int pass0, int end, bool first_pass, const T* kp, const T* vp, long k_row,
                                          long v_row, int warp, int slot, int group, float scale_log2,
                                          const float (&qf)[G][8], float (&m)[G], float (&l)[G], float (&o)[G][8]) {
-    constexpr int LANES_PER_KEY = D / 8;
-    constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
-    constexpr int WARPS = D / 32;
-    constexpr int STEPS = G >= 8 ? 4 : 8;
+    using L = KeyLayout<D, G>;
+    constexpr int LANES_PER_KEY = L::LANES_PER_KEY, KEYS_PER_WARP = L::KEYS_PER_WARP;
+    constexpr int WARPS = L::WARPS, STEPS = L::STEPS;
     uint4 kr[STEPS], vr[STEPS];
 #pragma unroll
     for (int i = 0; i < STEPS; ++i) {
@@ -227,13 +238,8 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
                            const unsigned* __restrict__ position, float* part_o, float* part_ml,
                            unsigned* __restrict__ counters, T* __restrict__ out, int group, long k_row, long k_head,
                            long v_row, long v_head, float scale_log2) {
-    constexpr int LANES_PER_KEY = D / 8;  // 16-byte pieces of a row
-    constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
-    constexpr int WARPS = D / 32;
-    // Keys a lane loads before it uses any: one memory latency per pass. Fewer for groups of 8,
-    // whose queries and outputs take twice the registers.
-    constexpr int STEPS = G >= 8 ? 4 : 8;
-    constexpr int PASS = STEPS * WARPS * KEYS_PER_WARP;  // keys per pass of the CTA
+    using L = KeyLayout<D, G>;
+    constexpr int LANES_PER_KEY = L::LANES_PER_KEY, WARPS = L::WARPS, PASS = L::PASS;
 
     // The chain is released only once this CTA's first keys are requested (below): a GEMV
     // after it, launched early, fills the memory system with its weight loads, and the keys'
