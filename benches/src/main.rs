@@ -5,7 +5,7 @@
 //! - `attention`: the fused flash-attention kernel's error and speed.
 //! - `sweep`: a grid over TP width and prompt lengths or frame counts, as JSON, CSV and plots.
 //! - `logits`: the prefill logits and greedy tokens of one run, as safetensors, for comparison
-//!   with a reference implementation (`scripts/reference_llama.py`).
+//!   with a reference implementation (`scripts/reference/reference_llama.py`).
 //! - `collectives`: all-reduce, reduce-scatter and all-gather at the models' message sizes.
 //! - `decode-profile`: one rank's decode step taken apart (graph, eager, sampling, GEMVs); at
 //!   TP > 1, every rank's step and the step's all-reduces.
@@ -161,9 +161,20 @@ struct LogitsArgs {
     out: PathBuf,
 }
 
+/// The peer paths the environment allows, read as `tpinfer` reads them (`NCCL_P2P_DISABLE=1`,
+/// `TPINFER_PEER_ALL_REDUCE=0`, `TPINFER_PEER_ROWS=0`), so that a bench runs what the CLI runs.
+fn comm_options() -> tpinfer_engine::CommOptions {
+    let is = |var: &str, value: &str| std::env::var(var).is_ok_and(|v| v.trim() == value);
+    tpinfer_engine::CommOptions {
+        peer_access: !is("NCCL_P2P_DISABLE", "1"),
+        peer_all_reduce: !is("TPINFER_PEER_ALL_REDUCE", "0"),
+        peer_rows: !is("TPINFER_PEER_ROWS", "0"),
+    }
+}
+
 /// A builder for `model` at `tp` on GPUs 0..tp (`cuda`) or CPU ranks, in `dtype`.
 fn builder(model: &std::path::Path, tp: usize, cuda: bool, dtype: Option<DtypeArg>) -> tpinfer_engine::EngineBuilder {
-    let mut builder = Engine::builder(model).tp(tp);
+    let mut builder = Engine::builder(model).tp(tp).comm_options(comm_options());
     if cuda {
         builder = builder.device(DeviceKind::Cuda { gpus: None });
     }

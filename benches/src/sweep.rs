@@ -22,7 +22,7 @@
 //! ```
 //!
 //! `baseline = true` in a grid also runs the reference implementation on the same shapes
-//! (`scripts/reference_llama.py speed`: transformers; `scripts/reference_wan.py forward`:
+//! (`scripts/reference/reference_llama.py speed`: transformers; `scripts/reference/reference_wan.py forward`:
 //! diffusers; `python` and `scripts` say where they are) and reports each point's ratio.
 
 use std::path::{Path, PathBuf};
@@ -88,7 +88,7 @@ fn python() -> String {
 }
 
 fn scripts() -> PathBuf {
-    "scripts".into()
+    "scripts/reference".into()
 }
 
 #[derive(Deserialize)]

@@ -1,5 +1,5 @@
 //! `timeline`: each rank's decode step on its GPU as its chain kernels' CTAs saw it (a build with
-//! the `timeline` feature: `scripts/build-cuda.sh timeline`). Every chain kernel records, per
+//! the `timeline` feature: `scripts/build/build-cuda.sh timeline`). Every chain kernel records, per
 //! CTA, the global timer when it started, when its chain wait returned and when it ended, and
 //! its SM (cuda/chain.cuh); this prints, per kernel of a layer, how early it started before
 //! the kernel ahead of it ended, how long after that end its wait returned, and how much of the
@@ -71,6 +71,7 @@ pub(crate) fn run(args: TimelineArgs) -> Result<()> {
     let prompt = crate::decode::made_up_prompt(&c, args.prompt_tokens);
     let traces = crate::decode::on_ranks(args.tp, true, |comm, device| {
         let shard = tpinfer_llama::LlamaShard::new(&c, args.tp, comm.rank())?;
+        checkpoint.check(&shard)?;
         let mut model = LlamaRank::load(&checkpoint, shard, comm, DType::BF16, &device, context)?;
         trace_rank(&mut model, &device, &prompt, &args)
     })?;

@@ -4,7 +4,7 @@
 //! For compute capability 90 (H100/H200) it also compiles the Hopper attention kernel for
 //! sm_90a (wgmma exists only there) and sets the `tpinfer_sm90` cfg.
 //! `TPINFER_PTX_CHECK_CAPS` (e.g. "89") also compiles every kernel for those compute
-//! capabilities into `OUT_DIR/check-sm<cap>/`, unused by the crate: `scripts/build-cuda.sh
+//! capabilities into `OUT_DIR/check-sm<cap>/`, unused by the crate: `scripts/build/build-cuda.sh
 //! check` assembles them, so that one build checks the PTX of several GPUs.
 //! With the `timeline` feature every kernel is compiled with TPINFER_TIMELINE (cuda/chain.cuh).
 use std::env;

@@ -295,12 +295,12 @@ pub fn write_tokenizer(dir: &Path) {
     std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).expect("write tokenizer config");
 }
 
-/// Where `scripts/fetch-assets.sh` puts the registry-fetched model files.
+/// Where `scripts/build/fetch-assets.sh` puts the registry-fetched model files.
 pub fn assets_dir() -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/assets");
     assert!(
         dir.join("smollm2").exists() && dir.join("llama3-tokenizer").exists(),
-        "test assets missing: run scripts/fetch-assets.sh (the README's test command does)"
+        "test assets missing: run scripts/build/fetch-assets.sh (the README's test command does)"
     );
     dir
 }

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use tpinfer_engine::{Engine, EngineError, GenerateRequest, Prompt, SamplingParams};
+use tpinfer_engine::{Engine, EngineError, GenerateRequest, Prompt, RuntimeError, SamplingParams};
 use tpinfer_tests::TinyLlama;
 
 fn model_dir() -> tempfile::TempDir {
@@ -138,7 +138,7 @@ fn context_longer_than_the_model_allows() {
     for tokens in [0, 513] {
         let result = Engine::builder(dir.path()).tp(2).max_context(tokens).build();
         match result {
-            Err(e @ EngineError::Plan(_)) => {
+            Err(e @ EngineError::Runtime(RuntimeError::Plan(_))) => {
                 assert_mentions(&e.to_string(), &[&format!("--max-context {tokens}"), "512 positions"])
             }
             Err(e) => panic!("wrong error: {e}"),
@@ -161,7 +161,7 @@ fn cuda_without_the_feature_is_refused_clearly() {
         .device(tpinfer_engine::DeviceKind::Cuda { gpus: None })
         .build();
     match result {
-        Err(EngineError::CudaNotBuilt) => {}
+        Err(EngineError::Runtime(RuntimeError::CudaNotBuilt)) => {}
         Err(e) => panic!("wrong error: {e}"),
         Ok(_) => panic!("must refuse"),
     }

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use tpinfer_engine::{Engine, EngineError, Fault, GenerateRequest, Prompt, StreamEvent};
+use tpinfer_engine::{Engine, EngineError, Fault, GenerateRequest, Prompt, RuntimeError, StreamEvent};
 use tpinfer_tests::TinyLlama;
 
 /// Runs a request on a faulty engine; returns the tokens streamed before the error, the error,
@@ -54,7 +54,10 @@ fn a_rank_returning_an_error_is_the_reported_cause() {
 #[test]
 fn a_panicking_rank_is_the_reported_cause() {
     let (_, error, _) = run_with(Fault::Panic { rank: 2, step: 0 }, 3);
-    assert!(matches!(error, EngineError::RankPanicked { rank: 2, .. }), "{error}");
+    assert!(
+        matches!(error, EngineError::Runtime(RuntimeError::RankPanicked { rank: 2, .. })),
+        "{error}"
+    );
 }
 
 #[test]
@@ -62,7 +65,8 @@ fn a_rank_that_dies_silently_is_named() {
     let (_, error, _) = run_with(Fault::Exit { rank: 1, step: 2 }, 2);
     assert!(error.to_string().contains("rank 1"), "{error}");
     assert!(
-        matches!(error, EngineError::RankExited { rank: 1 }) || error.to_string().contains("rank 1 exited"),
+        matches!(error, EngineError::Runtime(RuntimeError::RankExited { rank: 1 }))
+            || error.to_string().contains("rank 1 exited"),
         "{error}"
     );
 }

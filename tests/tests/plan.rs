@@ -5,10 +5,15 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use tpinfer_comm::ThreadGroup;
-use tpinfer_engine::{Engine, EngineError};
+use tpinfer_engine::{Engine, EngineError, RuntimeError};
 use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
-use tpinfer_plan::{DeviceProfile, ModelSpec, Placement, Plan};
+use tpinfer_plan::{DeviceProfile, Placement, Plan, ShardedModel};
 use tpinfer_tests::TinyLlama;
+
+/// A preset or a model directory, as `tpinfer plan` opens it.
+fn open(name: &str) -> Result<Arc<dyn ShardedModel>, tpinfer_plan::PlanError> {
+    tpinfer_engine::registry::open(name).map(|(_, model)| model)
+}
 
 /// At every width and in both dtypes, each rank's planned weight bytes are what loading that
 /// rank places on its device, and (same dtype) what it reads from the checkpoint.
@@ -23,14 +28,14 @@ fn planned_weight_bytes_equal_loaded_bytes_at_tp_1_to_5() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = model.write(dir.path());
     let checkpoint = Arc::new(LlamaCheckpoint::open(&path).expect("open"));
-    let spec = ModelSpec::open(path.to_str().expect("utf8")).expect("plan model");
+    let spec = open(path.to_str().expect("utf8")).expect("plan model");
     for dtype in [DType::F32, DType::BF16] {
         for tp in 1..=5 {
             let placement = Placement::Llm {
                 max_context: 64,
                 batch: 1,
             };
-            let plan = Plan::new(&spec, tp, dtype, placement, DeviceProfile::cpu()).expect("plan");
+            let plan = Plan::new(&*spec, tp, dtype, placement, DeviceProfile::cpu()).expect("plan");
             let comms = ThreadGroup::ranks(tp, std::time::Duration::from_secs(30));
             for (rank, comm) in comms.into_iter().enumerate() {
                 let shard = LlamaShard::new(&checkpoint.config, tp, rank).expect("shard");
@@ -56,9 +61,9 @@ fn planned_weight_bytes_equal_loaded_bytes_at_tp_1_to_5() {
 #[test]
 fn presets_match_published_parameter_counts() {
     let params = |name: &str| {
-        let model = ModelSpec::open(name).expect("preset");
+        let model = open(name).expect("preset");
         let placement = model.default_placement();
-        let plan = Plan::new(&model, 1, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
+        let plan = Plan::new(&*model, 1, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
         plan.ranks[0].weights / 2
     };
     assert_eq!(params("llama-3-8b"), 8_030_261_248);
@@ -74,10 +79,10 @@ fn presets_match_published_parameter_counts() {
 /// is the whole model plus (TP - 1) copies of the replicated tensors.
 #[test]
 fn wan_shards_sum_to_the_model() {
-    let model = ModelSpec::open("wan2.1-t2v-14b").expect("preset");
+    let model = open("wan2.1-t2v-14b").expect("preset");
     let placement = model.default_placement();
-    let whole = Plan::new(&model, 1, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
-    let five = Plan::new(&model, 5, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
+    let whole = Plan::new(&*model, 1, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
+    let five = Plan::new(&*model, 5, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
     let sum: u64 = five.ranks.iter().map(|r| r.weights).sum();
     let replicated = sum - whole.ranks[0].weights;
     assert_eq!(replicated % 4, 0, "four extra copies of the replicated tensors");
@@ -98,14 +103,14 @@ fn wan_shards_sum_to_the_model() {
 /// the 4.17 GiB unshard buffer reported for it. Under TP no rank gathers anything.
 #[test]
 fn s2v_on_five_24_gib_gpus() {
-    let model = ModelSpec::open("wan2.2-s2v-14b").expect("preset");
+    let model = open("wan2.2-s2v-14b").expect("preset");
     let placement = Placement::Dit {
         frames: 81,
         width: 832,
         height: 480,
         cfg: true,
     };
-    let plan = Plan::new(&model, 5, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
+    let plan = Plan::new(&*model, 5, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
     assert_eq!(plan.tokens_per_forward, 32_760);
     let unshard_gib = plan.fsdp.unshard_buffer as f64 / (1u64 << 30) as f64;
     assert!(
@@ -129,10 +134,10 @@ fn engine_refuses_an_over_budget_placement_naming_what_fits() {
     };
     let dir = tempfile::tempdir().expect("tempdir");
     let path = model.write(dir.path());
-    let spec = ModelSpec::open(path.to_str().expect("utf8")).expect("plan model");
+    let spec = open(path.to_str().expect("utf8")).expect("plan model");
     let plan = |tp| {
         Plan::new(
-            &spec,
+            &*spec,
             tp,
             DType::F32,
             Placement::Llm {
@@ -154,7 +159,7 @@ fn engine_refuses_an_over_budget_placement_naming_what_fits() {
         .build()
         .err()
         .expect("over budget");
-    let EngineError::OverBudget(message) = &err else {
+    let EngineError::Runtime(RuntimeError::OverBudget(message)) = &err else {
         panic!("expected OverBudget, got {err}");
     };
     assert!(message.contains("rank 0 needs"), "{message}");
@@ -174,13 +179,13 @@ fn engine_refuses_an_over_budget_placement_naming_what_fits() {
 /// less than one sequence's; a batch that does not fit is refused with the batch that does.
 #[test]
 fn batch_multiplies_the_kv_cache_and_names_the_batch_that_fits() {
-    let model = ModelSpec::open("llama-3-8b").expect("preset");
+    let model = open("llama-3-8b").expect("preset");
     let plan = |batch: usize| {
         let placement = Placement::Llm {
             max_context: 8192,
             batch,
         };
-        Plan::new(&model, 2, DType::BF16, placement, DeviceProfile::cuda()).expect("plan")
+        Plan::new(&*model, 2, DType::BF16, placement, DeviceProfile::cuda()).expect("plan")
     };
     let (one, eight) = (plan(1), plan(8));
     for (a, b) in one.ranks.iter().zip(&eight.ranks) {
@@ -193,7 +198,7 @@ fn batch_multiplies_the_kv_cache_and_names_the_batch_that_fits() {
     let budget = 12u64 << 30;
     let big = plan(32);
     assert!(!big.fits(budget));
-    let message = tpinfer_plan::over_budget_message(&model, &big, DType::BF16, budget);
+    let message = tpinfer_plan::over_budget_message(&*model, &big, DType::BF16, budget);
     let fewer: usize = message
         .split("--batch ")
         .nth(1)
@@ -202,7 +207,7 @@ fn batch_multiplies_the_kv_cache_and_names_the_batch_that_fits() {
         .unwrap_or_else(|| panic!("no --batch suggestion in: {message}"));
     assert!(plan(fewer).fits(budget) && !plan(fewer + 1).fits(budget), "{message}");
     let zero = Plan::new(
-        &model,
+        &*model,
         2,
         DType::BF16,
         Placement::Llm {
@@ -218,7 +223,7 @@ fn batch_multiplies_the_kv_cache_and_names_the_batch_that_fits() {
 /// prompt's states and two latent buffers, never activations.
 #[test]
 fn cfg_adds_prompt_states_and_latents_only() {
-    let model = ModelSpec::open("wan2.1-t2v-14b").expect("preset");
+    let model = open("wan2.1-t2v-14b").expect("preset");
     let plan = |cfg: bool| {
         let placement = Placement::Dit {
             frames: 81,
@@ -226,7 +231,7 @@ fn cfg_adds_prompt_states_and_latents_only() {
             height: 480,
             cfg,
         };
-        Plan::new(&model, 2, DType::BF16, placement, DeviceProfile::cuda()).expect("plan")
+        Plan::new(&*model, 2, DType::BF16, placement, DeviceProfile::cuda()).expect("plan")
     };
     let (with, without) = (plan(true), plan(false));
     for (a, b) in with.ranks.iter().zip(&without.ranks) {

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use tpinfer_doctor::{diagnose, DoctorOptions, Report, Severity, SmokeOutcome, SMOKE_SIZES};
-use tpinfer_plan::{mib, DeviceProfile, ModelSpec, Placement, Plan};
+use tpinfer_plan::{mib, DeviceProfile, Placement, Plan};
 
 #[derive(clap::Args)]
 pub struct DoctorArgs {
@@ -43,13 +43,14 @@ pub fn doctor(args: DoctorArgs) -> Result<ExitCode> {
     }
     let plan = match (&args.model, args.tp) {
         (Some(model), Some(tp)) => {
-            let model = ModelSpec::open(model)?;
+            let (_, model) = tpinfer_engine::registry::open(model)?;
+            let model = &*model;
             let placement = match (model.default_placement(), args.max_context) {
                 (Placement::Llm { batch, .. }, Some(max_context)) => Placement::Llm { max_context, batch },
                 (placement, _) => placement,
             };
             Some(Plan::new(
-                &model,
+                model,
                 tp,
                 model.default_dtype(),
                 placement,
@@ -92,7 +93,8 @@ pub fn doctor(args: DoctorArgs) -> Result<ExitCode> {
 
 #[cfg(feature = "nccl")]
 fn smoke_child(gpus: &[usize], timeout: Duration) -> SmokeOutcome {
-    tpinfer_doctor::run_smoke(gpus, SMOKE_SIZES, timeout)
+    // The parent sets NCCL_P2P_DISABLE for the comparison run: the peer paths follow it.
+    tpinfer_doctor::run_smoke(gpus, SMOKE_SIZES, timeout, crate::env::comm_options())
 }
 
 #[cfg(not(feature = "nccl"))]

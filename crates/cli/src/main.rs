@@ -8,9 +8,11 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
+use tpinfer_engine::registry::Task;
 use tpinfer_engine::{DeviceKind, Engine, GenerateRequest, Prompt, SamplingParams, StreamEvent};
 
 mod doctor;
+mod env;
 mod plan;
 mod video;
 
@@ -180,7 +182,7 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
             gpus: args.gpus.clone(),
         },
     };
-    let mut builder = Engine::builder(&args.model)
+    let mut builder = env::switches(Engine::builder(&args.model))
         .tp(args.tp)
         .device(device)
         .enforce_eager(args.enforce_eager);
@@ -193,7 +195,7 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
     if let Some(bytes) = args.gpu_mem {
         builder = builder.gpu_mem(bytes);
     }
-    if tpinfer_wan::WanCheckpoint::is_wan_dir(&args.model) {
+    if tpinfer_engine::registry::family_of(&args.model).task == Task::Video {
         video::generate_video(builder, &args.video, args.seed)?;
         return Ok(ExitCode::SUCCESS);
     }

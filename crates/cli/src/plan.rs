@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Result};
 use tpinfer_engine::DType;
-use tpinfer_plan::{fit_table, mib, over_budget_message, DeviceProfile, ModelSpec, Placement, Plan};
+use tpinfer_plan::{fit_table, mib, over_budget_message, DeviceProfile, Placement, Plan, ShardedModel};
 
 #[derive(clap::Args)]
 pub struct PlanArgs {
@@ -56,7 +56,8 @@ pub(crate) fn parse_size(text: &str) -> Result<(usize, usize), String> {
 
 /// Prints the plan; exits 2 when the placement does not fit.
 pub fn plan(args: PlanArgs) -> Result<ExitCode> {
-    let model = ModelSpec::open(&args.model)?;
+    let (_, model) = tpinfer_engine::registry::open(&args.model)?;
+    let model = &*model;
     // As the engine does: f32 on CPU ranks, the checkpoint's dtype on GPUs.
     let dtype = match (args.dtype, args.cpu) {
         (Some(dtype), _) => dtype.dtype(),
@@ -99,13 +100,13 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
     };
     match args.tp {
         Some(0) => bail!("--tp must be at least 1"),
-        Some(tp) => one_width(&model, tp, dtype, placement, device, args.gpu_mem, args.json),
-        None => all_widths(&model, dtype, placement, device, args.gpu_mem, args.json),
+        Some(tp) => one_width(model, tp, dtype, placement, device, args.gpu_mem, args.json),
+        None => all_widths(model, dtype, placement, device, args.gpu_mem, args.json),
     }
 }
 
 fn one_width(
-    model: &ModelSpec,
+    model: &dyn ShardedModel,
     tp: usize,
     dtype: DType,
     placement: Placement,
@@ -228,7 +229,7 @@ fn verdict(needed: u64, budget: u64) -> String {
 }
 
 fn all_widths(
-    model: &ModelSpec,
+    model: &dyn ShardedModel,
     dtype: DType,
     placement: Placement,
     device: DeviceProfile,

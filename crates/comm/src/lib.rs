@@ -21,11 +21,32 @@ mod threads;
 pub use error::{Collective, CommError};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclComm, NcclGroup};
-#[cfg(feature = "nccl")]
-pub use peer::PEER_ALL_REDUCE_ENV;
-#[cfg(feature = "nccl")]
-pub use peer_rows::PEER_ROWS_ENV;
 pub use stats::{CommStats, StatsSnapshot};
+
+/// Which of tpinfer's own paths between GPUs with peer access NCCL ranks may take instead of
+/// NCCL: switches for measured alternatives, set by the caller (the CLI fills them from its
+/// environment), never read by the library. CPU ranks have no peer paths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommOptions {
+    /// Use peer access between the GPUs at all. Off where NCCL's P2P is off
+    /// (`NCCL_P2P_DISABLE=1`): a link that NCCL must not use, tpinfer must not either.
+    pub peer_access: bool,
+    /// Small all-reduces (up to 64 KiB, a decode step's rows) as one kernel that sums through
+    /// the peers' memory.
+    pub peer_all_reduce: bool,
+    /// The sequence-parallel row exchanges by copy engines, overlapped with the GEMM.
+    pub peer_rows: bool,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        Self {
+            peer_access: true,
+            peer_all_reduce: true,
+            peer_rows: true,
+        }
+    }
+}
 pub use threads::{ThreadComm, ThreadGroup, DEFAULT_TIMEOUT};
 
 use std::ops::Range;

@@ -23,7 +23,7 @@ use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 
 use crate::peer::PeerReduce;
 use crate::peer_rows::{Host, PeerRows};
-use crate::{Collective, CommError, CommStats, Communicator};
+use crate::{Collective, CommError, CommOptions, CommStats, Communicator};
 
 /// All-reduces of 16-bit tensors up to this size over more than two ranks are summed in f32
 /// (see `all_reduce_sum`).
@@ -87,6 +87,7 @@ pub struct NcclGroup {
     id: Id,
     world_size: usize,
     timeout: Duration,
+    options: CommOptions,
     board: Mutex<Board>,
 }
 
@@ -100,13 +101,15 @@ struct Board {
 }
 
 impl NcclGroup {
-    /// A new group of `world_size` ranks; a rank waits at most `timeout` for its peers.
-    pub fn new(world_size: usize, timeout: Duration) -> Result<Arc<Self>, CommError> {
+    /// A new group of `world_size` ranks; a rank waits at most `timeout` for its peers, and
+    /// takes the peer paths `options` allows.
+    pub fn new(world_size: usize, timeout: Duration, options: CommOptions) -> Result<Arc<Self>, CommError> {
         let id = Id::new().map_err(|e| nccl_error(0, "ncclGetUniqueId", e))?;
         Ok(Arc::new(Self {
             id,
             world_size,
             timeout,
+            options,
             board: Mutex::new(Board {
                 failure: None,
                 entered: vec![0; world_size],
@@ -204,8 +207,12 @@ impl NcclComm {
             meetings: std::cell::Cell::new(0),
             stats: CommStats::default(),
         };
-        this.peer_devices = crate::peer::peer_devices(&context, rank, this.group.world_size, |v| this.meet_next(v))?;
-        if let Some(devices) = &this.peer_devices {
+        let options = this.group.options;
+        if options.peer_access {
+            this.peer_devices =
+                crate::peer::peer_devices(&context, rank, this.group.world_size, |v| this.meet_next(v))?;
+        }
+        if let (Some(devices), true) = (&this.peer_devices, options.peer_all_reduce) {
             this.peer_reduce = PeerReduce::set_up(&context, rank, devices, |v| this.meet_next(v))?;
         }
         Ok(this)
@@ -216,9 +223,9 @@ impl NcclComm {
         if let Some(rows) = self.peer_rows.get() {
             return Ok(rows.as_ref());
         }
-        let rows = match &self.peer_devices {
-            Some(devices) => PeerRows::set_up(&self.device, self.rank, devices, self)?,
-            None => None,
+        let rows = match (&self.peer_devices, self.group.options.peer_rows) {
+            (Some(devices), true) => PeerRows::set_up(&self.device, self.rank, devices, self)?,
+            _ => None,
         };
         Ok(self.peer_rows.get_or_init(|| rows).as_ref())
     }

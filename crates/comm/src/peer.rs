@@ -12,9 +12,6 @@ use tpinfer_kernels::peer_all_reduce::{peer_all_reduce, peer_all_reduce_in_place
 
 use crate::CommError;
 
-/// Set to `0` to keep every all-reduce on NCCL (as `NCCL_P2P_DISABLE=1` also does).
-pub const PEER_ALL_REDUCE_ENV: &str = "TPINFER_PEER_ALL_REDUCE";
-
 /// A rank's part: its buffer and every rank's buffer address.
 pub(crate) struct PeerReduce {
     peers: Peers,
@@ -24,8 +21,7 @@ pub(crate) struct PeerReduce {
 
 impl PeerReduce {
     /// Sets the rank's part up on `devices` (every rank's, all pairs with peer access
-    /// enabled), or `None` where the kernel cannot run: more than [`MAX_RANKS`], or switched
-    /// off. `meet` swaps one value per rank with every rank (a host meeting); every rank takes
+    /// enabled), or `None` where the kernel cannot run: more than [`MAX_RANKS`]. `meet` swaps one value per rank with every rank (a host meeting); every rank takes
     /// the same decision.
     pub(crate) fn set_up(
         context: &Arc<CudaContext>,
@@ -33,9 +29,8 @@ impl PeerReduce {
         devices: &[sys::CUdevice],
         mut meet: impl FnMut(u64) -> Result<Vec<u64>, CommError>,
     ) -> Result<Option<Self>, CommError> {
-        let off = std::env::var(PEER_ALL_REDUCE_ENV).is_ok_and(|v| v.trim() == "0");
         let world = devices.len();
-        if world > MAX_RANKS || off {
+        if world > MAX_RANKS {
             return Ok(None);
         }
         let buffer = match allocate(context) {
@@ -95,16 +90,15 @@ impl Drop for PeerReduce {
 
 /// Every rank's device, in rank order, where every pair of them has peer access, which this
 /// rank's context then has to every peer (and theirs to it, as each rank does the same);
-/// `None` where any pair lacks it or a rank could not enable it, for one rank, or under
-/// `NCCL_P2P_DISABLE=1`. Two meetings; every rank takes the same decision.
+/// `None` where any pair lacks it or a rank could not enable it, or for one rank. Two
+/// meetings; every rank takes the same decision.
 pub(crate) fn peer_devices(
     context: &Arc<CudaContext>,
     rank: usize,
     world: usize,
     mut meet: impl FnMut(u64) -> Result<Vec<u64>, CommError>,
 ) -> Result<Option<Vec<sys::CUdevice>>, CommError> {
-    let p2p_disabled = std::env::var("NCCL_P2P_DISABLE").is_ok_and(|v| v.trim() == "1");
-    if world == 1 || p2p_disabled {
+    if world == 1 {
         return Ok(None);
     }
     let own = context.cu_device();

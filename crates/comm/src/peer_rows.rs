@@ -21,9 +21,6 @@ use tpinfer_kernels::device_address;
 
 use crate::CommError;
 
-/// Set to `0` to exchange rows through NCCL's all-gather and reduce-scatter instead.
-pub const PEER_ROWS_ENV: &str = "TPINFER_PEER_ROWS";
-
 /// The most ranks: flags per rank.
 const MAX_RANKS: usize = 8;
 /// Per rank: `arrived[sender]`, then `released[receiver]`, u32 each.
@@ -76,7 +73,7 @@ fn driver(rank: usize, op: &str) -> impl Fn(DriverError) -> CommError + '_ {
 
 impl PeerRows {
     /// Sets the rank's part up on `devices` (every rank's, in rank order, all pairs with peer
-    /// access enabled), or `None` when switched off.
+    /// access enabled), or `None` past [`MAX_RANKS`].
     pub(crate) fn set_up(
         device: &CudaDevice,
         rank: usize,
@@ -84,7 +81,7 @@ impl PeerRows {
         host: &dyn Host,
     ) -> Result<Option<Self>, CommError> {
         let world = devices.len();
-        if world > MAX_RANKS || std::env::var(PEER_ROWS_ENV).is_ok_and(|v| v.trim() == "0") {
+        if world > MAX_RANKS {
             return Ok(None);
         }
         let compute = device.cuda_stream();

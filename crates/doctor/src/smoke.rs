@@ -5,12 +5,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use tpinfer_comm::{Communicator, NcclComm, NcclGroup};
+use tpinfer_comm::{CommOptions, Communicator, NcclComm, NcclGroup};
 
 use crate::{AllReduceRow, SmokeOutcome, SMOKE_JOINED};
 
-/// Runs the smoke test over `gpus`, one rank thread per GPU. Progress goes to stderr.
-pub fn run_smoke(gpus: &[usize], sizes: &[usize], timeout: Duration) -> SmokeOutcome {
+/// Runs the smoke test over `gpus`, one rank thread per GPU, with the peer paths `options`
+/// allows. Progress goes to stderr.
+pub fn run_smoke(gpus: &[usize], sizes: &[usize], timeout: Duration, options: CommOptions) -> SmokeOutcome {
     let failed = |error: String| SmokeOutcome::Failed {
         error,
         nccl_log: Vec::new(),
@@ -19,7 +20,7 @@ pub fn run_smoke(gpus: &[usize], sizes: &[usize], timeout: Duration) -> SmokeOut
         Ok(d) => d,
         Err(e) => return failed(format!("cannot open the GPUs: {e}")),
     };
-    let group = match NcclGroup::new(gpus.len(), timeout) {
+    let group = match NcclGroup::new(gpus.len(), timeout, options) {
         Ok(g) => g,
         Err(e) => return failed(e.to_string()),
     };

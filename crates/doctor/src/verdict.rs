@@ -32,7 +32,10 @@ pub fn verdict(report: &Report) -> Vec<Finding> {
         out.push(finding(
             Severity::Error,
             "this tpinfer was built for CPU ranks only",
-            vec!["rebuild with `cargo build --release --features nccl` (or scripts/build-cuda.sh) to use GPUs".into()],
+            vec![
+                "rebuild with `cargo build --release --features nccl` (or scripts/build/build-cuda.sh) to use GPUs"
+                    .into(),
+            ],
         ));
         return out;
     };

@@ -2,18 +2,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use candle_core::DType;
+use tpinfer_comm::CommOptions;
+use tpinfer_runtime::{DeviceKind, GroupOptions};
 
 use crate::{Engine, EngineError};
-
-/// Where the ranks run.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum DeviceKind {
-    /// Ranks are threads on the CPU, joined by in-process collectives.
-    #[default]
-    Cpu,
-    /// One rank per GPU: the listed CUDA ordinals, or 0..tp.
-    Cuda { gpus: Option<Vec<usize>> },
-}
 
 /// A failure injected into one rank at one decode step (step 0 is the forward after the first
 /// generated token), to test that every failure is
@@ -42,7 +34,7 @@ impl Fault {
     }
 }
 
-/// Configures and starts an [`Engine`].
+/// Configures and starts an [`Engine`] (or a [`crate::VideoEngine`]).
 #[derive(Debug, Clone)]
 pub struct EngineBuilder {
     pub(crate) model: PathBuf,
@@ -50,11 +42,8 @@ pub struct EngineBuilder {
     pub(crate) device: DeviceKind,
     pub(crate) dtype: Option<DType>,
     pub(crate) max_context: Option<usize>,
-    pub(crate) comm_timeout: Duration,
-    pub(crate) init_timeout: Duration,
     pub(crate) fault: Option<Fault>,
-    pub(crate) gpu_mem: Option<u64>,
-    pub(crate) enforce_eager: bool,
+    pub(crate) group: GroupOptions,
 }
 
 /// Context used when none is given, so that a 128k-context model does not reserve rotary
@@ -70,11 +59,8 @@ impl EngineBuilder {
             device: DeviceKind::Cpu,
             dtype: None,
             max_context: None,
-            comm_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
-            init_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
             fault: None,
-            gpu_mem: None,
-            enforce_eager: false,
+            group: GroupOptions::default(),
         }
     }
 
@@ -104,14 +90,14 @@ impl EngineBuilder {
 
     /// How long a rank waits for its peers in a collective before it reports them.
     pub fn comm_timeout(mut self, timeout: Duration) -> Self {
-        self.comm_timeout = timeout;
+        self.group.comm_timeout = timeout;
         self
     }
 
     /// How long the ranks may take to form their communicator (NCCL init) before the ranks
     /// that have not joined are reported.
     pub fn init_timeout(mut self, timeout: Duration) -> Self {
-        self.init_timeout = timeout;
+        self.group.init_timeout = timeout;
         self
     }
 
@@ -120,14 +106,28 @@ impl EngineBuilder {
     /// the budget is also at most each device's free memory less a 2% margin (the default);
     /// CPU ranks are checked only against this.
     pub fn gpu_mem(mut self, bytes: u64) -> Self {
-        self.gpu_mem = Some(bytes);
+        self.group.gpu_mem = Some(bytes);
         self
     }
 
     /// Runs every decode step kernel by kernel instead of replaying it as a captured CUDA
     /// graph (the default on GPUs with flash attention): slower, for debugging and comparison.
     pub fn enforce_eager(mut self, eager: bool) -> Self {
-        self.enforce_eager = eager;
+        self.group.rank.cuda_graphs = !eager;
+        self
+    }
+
+    /// Launches a decode step's kernels as one chain on Hopper and newer GPUs (the default),
+    /// or one after the other.
+    pub fn kernel_chains(mut self, on: bool) -> Self {
+        self.group.rank.kernel_chains = on;
+        self
+    }
+
+    /// Which of tpinfer's own paths between GPUs with peer access NCCL ranks may take (all by
+    /// default; see [`CommOptions`]).
+    pub fn comm_options(mut self, options: CommOptions) -> Self {
+        self.group.comm = options;
         self
     }
 

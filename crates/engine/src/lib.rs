@@ -17,20 +17,21 @@
 mod builder;
 mod engine;
 mod error;
-mod memory;
 mod rank;
+pub mod registry;
 mod request;
 mod stream;
 mod video;
 
-pub use builder::{DeviceKind, EngineBuilder, Fault};
+pub use builder::{EngineBuilder, Fault};
 pub use candle_core::DType;
 pub use engine::Engine;
 pub use error::EngineError;
-pub use memory::{DeviceMemory, PLAN_TOLERANCE};
 pub use request::{GenerateRequest, Prompt, SamplingParams};
 pub use stream::{GenerationStats, StopReason, StreamEvent, TokenStream};
+pub use tpinfer_comm::CommOptions;
 pub use tpinfer_plan::{Plan, RankPlan};
+pub use tpinfer_runtime::{DeviceKind, DeviceMemory, RuntimeError, PLAN_TOLERANCE};
 pub use tpinfer_tokenizer::ChatMessage;
 pub use tpinfer_wan::sampler::Solver;
 pub use video::{StageProfile, StepReport, VideoEngine, VideoRequest, VideoShape};

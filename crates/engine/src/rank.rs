@@ -1,15 +1,14 @@
-//! A rank's thread: it loads its shard, then runs each request in lockstep with its peers.
+//! A request as each rank runs it, in lockstep with its peers.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc::{Receiver, Sender};
-use std::sync::Arc;
+use std::sync::mpsc::Sender;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::generation::LogitsProcessor;
 use candle_transformers::utils::apply_repeat_penalty;
 use tpinfer_comm::Communicator;
-use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
+use tpinfer_llama::LlamaRank;
+use tpinfer_runtime::RuntimeError;
 
 use crate::stream::RankEvent;
 use crate::{EngineError, Fault, GenerationStats, SamplingParams, StopReason};
@@ -26,139 +25,10 @@ pub(crate) struct RankJob {
     pub logits: Option<Sender<Vec<f32>>>,
 }
 
-/// Builds a rank's communicator on the rank's own thread.
-pub(crate) type Connect = Box<dyn FnOnce() -> Result<Arc<dyn Communicator>, EngineError> + Send>;
-
-/// Everything a rank thread is started with.
-pub(crate) struct RankSetup {
-    pub rank: usize,
-    pub world: usize,
-    pub device: Device,
-    pub checkpoint: Arc<LlamaCheckpoint>,
-    pub shard: LlamaShard,
-    pub dtype: DType,
-    pub max_context: usize,
+/// What a request's run needs of its rank besides the model and the communicator.
+pub(crate) struct RankSetup<'a> {
+    pub device: &'a Device,
     pub fault: Option<Fault>,
-    /// No CUDA graph for the decode step.
-    pub enforce_eager: bool,
-    /// This rank's planned device bytes.
-    pub plan: tpinfer_plan::RankPlan,
-}
-
-pub(crate) type RankResult = Result<(), EngineError>;
-
-/// What a starting rank reports.
-pub(crate) enum Startup {
-    /// The rank has joined its communicator.
-    Connected(usize),
-    /// The rank's shard is loaded: its weight bytes.
-    Loaded(usize, usize),
-    Failed(EngineError),
-}
-
-/// The body of a rank thread. Reports loading on `ready`, then serves `jobs` until the
-/// channel closes, reporting each job's end on `done`.
-pub(crate) fn rank_main(
-    setup: RankSetup,
-    connect: Connect,
-    ready: Sender<Startup>,
-    jobs: Receiver<Arc<RankJob>>,
-    done: Sender<RankResult>,
-) {
-    let rank = setup.rank;
-    let _span = tracing::info_span!("rank", rank, world = setup.world).entered();
-    let load = |comm: Arc<dyn Communicator>| {
-        let mut model = LlamaRank::load(
-            &setup.checkpoint,
-            setup.shard.clone(),
-            comm,
-            setup.dtype,
-            &setup.device,
-            setup.max_context,
-        )?;
-        model.set_cuda_graphs(!setup.enforce_eager)?;
-        Ok(model)
-    };
-    let load = |comm| load(comm).map_err(|source| EngineError::Rank { rank, source });
-    let Some((comm, mut model)) = start_rank(rank, connect, &ready, load, LlamaRank::bytes_loaded) else {
-        return;
-    };
-    tracing::info!(bytes = model.bytes_loaded(), "loaded shard");
-    let plan = &setup.plan;
-    crate::memory::check_after_load(rank, &setup.device, plan.weights + plan.buffers + plan.cache);
-    drop(ready);
-    let mut first = true;
-    while let Ok(job) = jobs.recv() {
-        let outcome = guarded(rank, &*comm, || run_job(&mut model, &*comm, &setup, &job));
-        if let (true, Ok(positions)) = (std::mem::take(&mut first), &outcome) {
-            let request = model.planned_activations(job.prompt.len(), *positions);
-            crate::memory::check_after_request(rank, &setup.device, &setup.plan, request);
-        }
-        let outcome = outcome.map(|_| ());
-        if matches!(outcome, Err(EngineError::RankExited { .. })) {
-            // An injected silent death: no report, no abort.
-            return;
-        }
-        let panicked = matches!(outcome, Err(EngineError::RankPanicked { .. }));
-        let _ = done.send(outcome);
-        if panicked {
-            // The model's state is unknown after a panic; this rank is finished.
-            return;
-        }
-    }
-}
-
-/// Joins the rank's communicator, then loads its model with `load` (guarded: a panic or error
-/// is posted to the peers), reporting each stage on `ready` with the bytes `bytes` says were
-/// read. `None` once a failure has been reported.
-pub(crate) fn start_rank<M>(
-    rank: usize,
-    connect: Connect,
-    ready: &Sender<Startup>,
-    load: impl FnOnce(Arc<dyn Communicator>) -> Result<M, EngineError>,
-    bytes: impl Fn(&M) -> usize,
-) -> Option<(Arc<dyn Communicator>, M)> {
-    let comm = match connect() {
-        Ok(comm) => comm,
-        Err(e) => {
-            let _ = ready.send(Startup::Failed(e));
-            return None;
-        }
-    };
-    let _ = ready.send(Startup::Connected(rank));
-    match guarded(rank, &*comm, || load(comm.clone())) {
-        Ok(model) => {
-            let _ = ready.send(Startup::Loaded(rank, bytes(&model)));
-            Some((comm, model))
-        }
-        Err(e) => {
-            let _ = ready.send(Startup::Failed(e));
-            None
-        }
-    }
-}
-
-/// Runs `f`, turning a panic into an error, and on any failure tells the peers, so that none
-/// of them waits for this rank.
-pub(crate) fn guarded<T>(
-    rank: usize,
-    comm: &dyn Communicator,
-    f: impl FnOnce() -> Result<T, EngineError>,
-) -> Result<T, EngineError> {
-    let outcome = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
-        let message = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".to_string());
-        Err(EngineError::RankPanicked { rank, message })
-    });
-    if let Err(e) = &outcome {
-        if !e.is_peer_report() && !matches!(e, EngineError::RankExited { .. }) {
-            comm.abort(&e.to_string());
-        }
-    }
-    outcome
 }
 
 /// Stop reasons as they travel in the broadcast that ends each step.
@@ -185,10 +55,10 @@ fn decode(code: u32) -> Option<StopReason> {
 /// Prefill, then one token per step, every rank in lockstep. Greedy requests keep each token
 /// on the device ([`run_greedy`]); the others sample on rank 0's host, which broadcasts the
 /// token and whether to stop. Returns the number of positions the request reached.
-fn run_job(
+pub(crate) fn run_job(
     model: &mut LlamaRank,
     comm: &dyn Communicator,
-    setup: &RankSetup,
+    setup: &RankSetup<'_>,
     job: &RankJob,
 ) -> Result<usize, EngineError> {
     model.clear_cache();
@@ -275,10 +145,10 @@ impl<'a> JobRun<'a> {
 
     /// Injects the configured fault before decode step `n` (the forward of the (n + 1)-th
     /// generated token).
-    fn maybe_fault(&self, setup: &RankSetup) -> Result<(), EngineError> {
+    fn maybe_fault(&self, setup: &RankSetup<'_>) -> Result<(), EngineError> {
         let step = self.context.len() - self.job.prompt.len() - 1;
         match setup.fault.filter(|f| f.at(self.rank, step)) {
-            Some(fault) => inject(fault, self.rank, &setup.device),
+            Some(fault) => inject(fault, self.rank, setup.device),
             None => Ok(()),
         }
     }
@@ -296,7 +166,7 @@ fn sample_err(e: candle_core::Error) -> EngineError {
 fn run_greedy(
     model: &mut LlamaRank,
     comm: &dyn Communicator,
-    setup: &RankSetup,
+    setup: &RankSetup<'_>,
     mut run: JobRun,
     logits: Tensor,
 ) -> Result<usize, EngineError> {
@@ -328,7 +198,7 @@ fn run_greedy(
 fn run_sampled(
     model: &mut LlamaRank,
     comm: &dyn Communicator,
-    setup: &RankSetup,
+    setup: &RankSetup<'_>,
     job: &RankJob,
     mut run: JobRun,
     mut logits: Tensor,
@@ -351,7 +221,7 @@ fn run_sampled(
         let [token, code] = match comm.world_size() {
             1 => step,
             _ => {
-                let step_tensor = Tensor::new(&step, &setup.device).map_err(sample_err)?;
+                let step_tensor = Tensor::new(&step, setup.device).map_err(sample_err)?;
                 comm.broadcast(&step_tensor, 0)?
                     .to_vec1::<u32>()
                     .map_err(sample_err)?
@@ -370,21 +240,8 @@ fn run_sampled(
     }
 }
 
-/// A layer error as the rank reports it. A CUDA out-of-memory is told apart from the rest:
-/// it must never surface as a communication failure.
 fn rank_error(rank: usize, source: tpinfer_layers::Error) -> EngineError {
-    match &source {
-        // Only the rank's own allocation failure: a peer's OOM arrives as a communication error.
-        tpinfer_layers::Error::Tensor(e) if is_out_of_memory(&e.to_string()) => EngineError::OutOfMemory {
-            rank,
-            detail: e.to_string(),
-        },
-        _ => EngineError::Rank { rank, source },
-    }
-}
-
-fn is_out_of_memory(text: &str) -> bool {
-    text.contains("OUT_OF_MEMORY") || text.contains("out of memory")
+    RuntimeError::of_rank(rank, source).into()
 }
 
 /// Carries out an injected fault (see [`Fault`]).
@@ -395,7 +252,7 @@ fn inject(fault: Fault, rank: usize, device: &Device) -> Result<(), EngineError>
             fault: "error".into(),
         }),
         Fault::Panic { .. } => panic!("injected panic on rank {rank}"),
-        Fault::Exit { .. } => Err(EngineError::RankExited { rank }),
+        Fault::Exit { .. } => Err(RuntimeError::RankExited { rank }.into()),
         Fault::Oom { .. } => {
             if device.is_cpu() {
                 // On the CPU a failed allocation aborts the process: nothing to report.
@@ -406,31 +263,13 @@ fn inject(fault: Fault, rank: usize, device: &Device) -> Result<(), EngineError>
             }
             // 4 TiB: more than any GPU has, so the driver refuses it.
             let bytes = 4usize << 40;
-            Tensor::zeros(bytes / 4, DType::F32, device)
-                .map(|_| ())
-                .map_err(|e| EngineError::OutOfMemory {
+            Tensor::zeros(bytes / 4, DType::F32, device).map(|_| ()).map_err(|e| {
+                RuntimeError::OutOfMemory {
                     rank,
                     detail: format!("allocating {bytes} bytes: {e}"),
-                })
+                }
+                .into()
+            })
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_a_ranks_own_allocation_failure_is_its_oom() {
-        let own =
-            tpinfer_layers::Error::Tensor(candle_core::Error::Msg("DriverError(CUDA_ERROR_OUT_OF_MEMORY)".into()));
-        assert!(matches!(rank_error(1, own), EngineError::OutOfMemory { rank: 1, .. }));
-        let peer = tpinfer_layers::Error::from(tpinfer_comm::CommError::PeerFailed {
-            rank: 1,
-            cause: "rank 1 is out of device memory".into(),
-        });
-        let reported = rank_error(0, peer);
-        assert!(matches!(reported, EngineError::Rank { rank: 0, .. }), "{reported}");
-        assert!(reported.is_peer_report(), "rank 0 only reports rank 1's failure");
     }
 }

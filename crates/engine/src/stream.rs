@@ -108,7 +108,7 @@ impl TokenStream {
                 StreamEvent::Done(stats) => return Ok((text, ids, stats)),
             }
         }
-        Err(EngineError::Stopped("the stream ended without a result".into()))
+        Err(tpinfer_runtime::RuntimeError::Stopped("the stream ended without a result".into()).into())
     }
 
     fn next_text(&mut self, id: u32) -> Result<String, EngineError> {
@@ -155,9 +155,10 @@ impl Iterator for TokenStream {
                 Err(e) => Err(e),
             },
             Ok(RankEvent::Error(e)) => Err(e),
-            Err(_) => Err(EngineError::Stopped(
+            Err(_) => Err(tpinfer_runtime::RuntimeError::Stopped(
                 "the ranks stopped without finishing the request".into(),
-            )),
+            )
+            .into()),
         };
         self.finished = true;
         Some(event)

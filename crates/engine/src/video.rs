@@ -2,19 +2,18 @@
 //! sampler steps in lockstep (their velocities agree after each all-reduce), and rank 0
 //! reports progress and returns the latents.
 
-use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
-use tpinfer_plan::{ModelSpec, Placement, Plan, RankPlan};
+use tpinfer_plan::{Placement, Plan};
+use tpinfer_runtime::{check_after_step, Launch, ModelHandle, RankGroup, RuntimeError, Topology};
 use tpinfer_wan::sampler::{guide, seeded_noise, Sampler, Schedule, Solver};
-use tpinfer_wan::{StageTimes, WanCheckpoint, WanRank, WanShard};
+use tpinfer_wan::{StageTimes, WanModel, WanRank};
 
-use crate::engine::{await_startup, check_plan, connectors, rank_devices, root_cause};
-use crate::rank::{guarded, start_rank, Connect, Startup};
 use crate::{EngineBuilder, EngineError};
 
 /// The video a [`VideoEngine`] denoises: `frames` (4k + 1) of `width` × `height` pixels.
@@ -104,36 +103,27 @@ type JobResult = Result<Option<(Tensor, StageProfile)>, EngineError>;
 
 /// A Wan DiT loaded on its ranks.
 pub struct VideoEngine {
-    jobs: Vec<Sender<Arc<VideoJob>>>,
-    done: Vec<Receiver<JobResult>>,
-    threads: Vec<JoinHandle<()>>,
+    group: RankGroup,
+    dit: ModelHandle<WanRank>,
     shape: VideoShape,
     latent_shape: [usize; 4],
     /// The width of the text states the model takes (umT5's 4096 for Wan).
     text_dim: usize,
-    plan: Plan,
-    devices: Vec<Device>,
+    /// Whether a run at the planned size has yet to be held to the plan.
+    unchecked: AtomicBool,
 }
 
 impl VideoEngine {
     /// Opens the Wan directory of `b`, plans every rank for `shape` (refusing over budget),
     /// and loads the ranks.
     pub fn start(b: EngineBuilder, shape: VideoShape) -> Result<Self, EngineError> {
-        let checkpoint = Arc::new(WanCheckpoint::open(&b.model).map_err(|e| EngineError::Plan(e.to_string()))?);
-        let config = checkpoint.config.clone();
-        let tp = b.tp;
-        let shards = (0..tp)
-            .map(|rank| WanShard::new(&config, tp, rank).map_err(|detail| EngineError::Sharding { tp, detail }))
-            .collect::<Result<Vec<_>, _>>()?;
-        let devices = rank_devices(&b.device, tp)?;
-        let dtype = b.dtype.unwrap_or(match devices.iter().all(Device::is_cpu) {
+        let model = WanModel::open_checkpoint(&b.model).map_err(|e| RuntimeError::Model(e.to_string()))?;
+        let config = model.config().clone();
+        let topology = Topology::new(b.tp, &b.device)?;
+        let dtype = b.dtype.unwrap_or(match topology.is_cpu() {
             true => DType::F32,
             false => DType::BF16,
         });
-        let model = ModelSpec::Wan {
-            name: b.model.display().to_string(),
-            config: config.clone(),
-        };
         // Requests choose their guidance; plan for the larger case.
         let placement = Placement::Dit {
             frames: shape.frames,
@@ -141,64 +131,22 @@ impl VideoEngine {
             height: shape.height,
             cfg: true,
         };
-        let plan = check_plan(&model, placement, &devices, dtype, b.gpu_mem)?;
+        let mut launch = Launch::new(topology, b.group.clone());
+        let dit = launch.add(Arc::new(model), dtype, placement)?;
+        let group = launch.start()?;
         let latent_shape = [
             config.in_channels,
             (shape.frames - 1) / 4 + 1,
             shape.height / 8,
             shape.width / 8,
         ];
-        devices.iter().for_each(crate::memory::reset_peak);
-        let (ready_tx, ready_rx) = mpsc::channel();
-        let (mut jobs, mut done, mut threads) = (Vec::new(), Vec::new(), Vec::new());
-        for (rank, ((connect, shard), device)) in connectors(&b, &devices)?
-            .into_iter()
-            .zip(shards)
-            .zip(devices.clone())
-            .enumerate()
-        {
-            let (job_tx, job_rx) = mpsc::channel();
-            let (done_tx, done_rx) = mpsc::channel();
-            let (ready, checkpoint, rank_plan) = (ready_tx.clone(), checkpoint.clone(), plan.ranks[rank]);
-            let thread = std::thread::Builder::new()
-                .name(format!("tpinfer-video-rank-{rank}"))
-                .spawn(move || {
-                    video_rank(
-                        rank,
-                        &checkpoint,
-                        shard,
-                        device,
-                        dtype,
-                        latent_shape,
-                        rank_plan,
-                        connect,
-                        ready,
-                        job_rx,
-                        done_tx,
-                    )
-                })
-                .map_err(|e| EngineError::Device {
-                    rank,
-                    detail: format!("cannot start the rank's thread: {e}"),
-                })?;
-            jobs.push(job_tx);
-            done.push(done_rx);
-            threads.push(thread);
-        }
-        drop(ready_tx);
-        if let Err(e) = await_startup(&ready_rx, tp, b.init_timeout) {
-            drop(jobs);
-            return Err(e);
-        }
         Ok(Self {
-            jobs,
-            done,
-            threads,
+            group,
+            dit,
             shape,
             latent_shape,
             text_dim: config.text_dim,
-            plan,
-            devices,
+            unchecked: AtomicBool::new(true),
         })
     }
 
@@ -269,32 +217,38 @@ impl VideoEngine {
     }
 
     fn run(&self, work: Work, on_step: &mut dyn FnMut(StepReport)) -> Result<(Tensor, StageProfile), EngineError> {
+        // The plan is for the engine's video size; a velocity of other latents is not its case.
+        let planned_size = match &work {
+            Work::Denoise(_) => true,
+            Work::Velocity { latents, .. } => latents.dims() == self.latent_shape,
+        };
+        let check_memory = planned_size && self.unchecked.swap(false, Ordering::SeqCst);
         let (steps_tx, steps_rx) = mpsc::channel();
         let job = Arc::new(VideoJob {
             work,
             steps: Some(steps_tx),
         });
-        for tx in &self.jobs {
-            let _ = tx.send(job.clone());
-        }
+        let (dit, latent_shape) = (self.dit, self.latent_shape);
+        let task_job = job.clone();
+        let pending = self.group.submit(move |rank| -> JobResult {
+            let model = rank.models.get_mut(&dit)?;
+            let out = denoise(model, &*rank.env.comm, &rank.env.device, latent_shape, &task_job)?;
+            if check_memory {
+                check_after_step(rank.env.rank, &rank.env.device, &rank.env.plans[0]);
+            }
+            Ok(out)
+        });
+        // Every rank holds a clone of the job: the reports end when the last one is dropped.
         drop(job);
         for report in steps_rx.iter() {
             on_step(report);
         }
-        let mut errors = Vec::new();
-        let mut latents = None;
-        for (rank, done) in self.done.iter().enumerate() {
-            match done.recv() {
-                Ok(Ok(Some(x))) => latents = Some(x),
-                Ok(Ok(None)) => {}
-                Ok(Err(e)) => errors.push(e),
-                Err(_) => errors.push(EngineError::RankExited { rank }),
-            }
-        }
-        if let Some(e) = root_cause(errors) {
-            return Err(e);
-        }
-        latents.ok_or_else(|| EngineError::Stopped("rank 0 returned no latents".into()))
+        pending
+            .wait()?
+            .into_iter()
+            .flatten()
+            .next()
+            .ok_or_else(|| RuntimeError::Stopped("rank 0 returned no latents".into()).into())
     }
 
     pub fn shape(&self) -> VideoShape {
@@ -307,64 +261,12 @@ impl VideoEngine {
     }
 
     pub fn plan(&self) -> &Plan {
-        &self.plan
+        &self.group.plans()[self.dit.index()]
     }
 
     /// Each rank's device memory now, with its peak since the start; `None` for CPU ranks.
     pub fn device_memory(&self) -> Vec<Option<crate::DeviceMemory>> {
-        self.devices.iter().map(crate::memory::measure).collect()
-    }
-}
-
-impl Drop for VideoEngine {
-    fn drop(&mut self) {
-        self.jobs.clear();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn video_rank(
-    rank: usize,
-    checkpoint: &WanCheckpoint,
-    shard: WanShard,
-    device: Device,
-    dtype: DType,
-    latent_shape: [usize; 4],
-    plan: RankPlan,
-    connect: Connect,
-    ready: Sender<Startup>,
-    jobs: Receiver<Arc<VideoJob>>,
-    done: Sender<JobResult>,
-) {
-    let load = |comm: Arc<dyn Communicator>| {
-        WanRank::load(&checkpoint.config, &*checkpoint.store, shard, comm, dtype, &device)
-            .map_err(|source| EngineError::Rank { rank, source })
-    };
-    let Some((comm, model)) = start_rank(rank, connect, &ready, load, WanRank::bytes_loaded) else {
-        return;
-    };
-    crate::memory::check_after_load(rank, &device, plan.weights);
-    drop(ready);
-    let mut first = true;
-    while let Ok(job) = jobs.recv() {
-        let outcome = guarded(rank, &*comm, || denoise(&model, &*comm, &device, latent_shape, &job));
-        // The plan is for the engine's video size; a velocity of other latents is not its case.
-        let planned_size = match &job.work {
-            Work::Denoise(_) => true,
-            Work::Velocity { latents, .. } => latents.dims() == latent_shape,
-        };
-        if outcome.is_ok() && planned_size && std::mem::take(&mut first) {
-            crate::memory::check_after_step(rank, &device, &plan);
-        }
-        drop(job);
-        let failed = outcome.is_err();
-        let _ = done.send(outcome);
-        if failed {
-            return;
-        }
+        self.group.device_memory()
     }
 }
 
@@ -376,7 +278,7 @@ fn denoise(
     job: &VideoJob,
 ) -> JobResult {
     let rank = comm.rank();
-    let err = |source: tpinfer_layers::Error| EngineError::Rank { rank, source };
+    let err = |source: tpinfer_layers::Error| EngineError::from(RuntimeError::of_rank(rank, source));
     let tensor_err = |e: candle_core::Error| err(e.into());
     let r = match &job.work {
         Work::Denoise(r) => r,

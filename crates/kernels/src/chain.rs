@@ -10,8 +10,8 @@
 //! Links are launched so only inside [`chained`], where the caller vouches that every kernel
 //! it queues reads its predecessor's outputs only after the chain wait (the kernels of this
 //! crate that launch through [`Launch`] do) and that no non-kernel work (a copy, an allocation)
-//! sits between two links. `TPINFER_KERNEL_CHAINS=0` turns links off; GPUs before Hopper have
-//! none.
+//! sits between two links. A caller that wants no links does not call [`chained`]; GPUs
+//! before Hopper have none.
 
 use std::cell::Cell;
 
@@ -46,9 +46,6 @@ mod cuda {
     use candle_core::{CudaDevice, Result};
 
     use super::CHAINED;
-
-    /// Turns kernel chains off when set to `0`.
-    const KERNEL_CHAINS_ENV: &str = "TPINFER_KERNEL_CHAINS";
 
     /// A kernel's arguments by value (device pointers as `u64`), launched with
     /// `cuLaunchKernelEx`: as a chain link inside [`super::chained`] on Hopper or newer, as a
@@ -107,8 +104,8 @@ mod cuda {
         }
     }
 
-    /// Whether `dev` is a Hopper or newer GPU with kernel chains on: asked once per thread (a
-    /// rank's thread drives one device).
+    /// Whether `dev` is a Hopper or newer GPU: asked once per thread (a rank's thread drives
+    /// one device).
     fn hopper(dev: &CudaDevice) -> Result<bool> {
         thread_local! {
             static HOPPER: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
@@ -121,7 +118,7 @@ mod cuda {
             .context()
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .w()?;
-        let known = major >= 9 && std::env::var(KERNEL_CHAINS_ENV).map_or(true, |v| v != "0");
+        let known = major >= 9;
         HOPPER.set(Some(known));
         Ok(known)
     }

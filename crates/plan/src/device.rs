@@ -50,6 +50,14 @@ impl DeviceProfile {
         self.name == "cuda"
     }
 
+    /// The kind of device, as the families' footprints take it.
+    pub fn accelerator(&self) -> crate::Accelerator {
+        match self.is_cuda() {
+            true => crate::Accelerator::Cuda,
+            false => crate::Accelerator::Cpu,
+        }
+    }
+
     /// The library workspace of a rank in a `tp`-wide group.
     pub fn workspace(&self, tp: usize) -> u64 {
         self.blas_workspace + if tp > 1 { self.comm_buffers } else { 0 }

@@ -5,6 +5,9 @@
 //! reads), model buffers, the KV cache (LLMs) or sampler latents (DiT), the activation peak
 //! (each model's activation model, beside its forward), library workspace (cuBLAS, NCCL) and
 //! the CUDA context. [`Fsdp`] estimates the same model under FSDP, for comparison.
+//!
+//! The planner knows no model family: each one answers [`ShardedModel`] (its ranks'
+//! declarations and [`Footprint`]s), and a plan is arithmetic over the answers.
 
 mod device;
 mod model;
@@ -12,7 +15,7 @@ mod plan;
 mod search;
 
 pub use device::DeviceProfile;
-pub use model::{ModelSpec, Placement, PRESETS};
+pub use model::{boxed_shards, numbered_unit, Accelerator, Footprint, Placement, RankShard, ShardedModel};
 pub use plan::{Fsdp, Plan, PlanError, RankPlan};
 pub use search::{fit_table, over_budget_message, smallest_width, WidthFit};
 

@@ -1,39 +1,11 @@
-use std::path::Path;
-use std::sync::Arc;
+//! What the planner asks of a model: the seam every model family implements, so that the
+//! planner is arithmetic over what the families answer and knows none of them.
 
 use candle_core::DType;
 use serde::Serialize;
-use tpinfer_llama::{LlamaCheckpoint, LlamaConfig};
-use tpinfer_wan::WanConfig;
+use tpinfer_weights::WeightDecl;
 
 use crate::PlanError;
-
-/// Built-in models, from their published shapes.
-pub const PRESETS: &[&str] = &[
-    "llama-3-8b",
-    "llama-3-70b",
-    "llama-3.2-1b",
-    "llama-3.2-3b",
-    "wan2.1-t2v-1.3b",
-    "wan2.1-t2v-14b",
-    "wan2.2-s2v-14b",
-];
-
-/// A model to plan: a preset, or a local directory read for its config and tensor headers.
-#[derive(Clone)]
-pub enum ModelSpec {
-    Llama {
-        name: String,
-        config: LlamaConfig,
-        /// The opened checkpoint of a local directory: its headers are checked against what
-        /// each rank reads.
-        checkpoint: Option<Arc<LlamaCheckpoint>>,
-    },
-    Wan {
-        name: String,
-        config: WanConfig,
-    },
-}
 
 /// What runs on the ranks, besides the TP width and dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -52,118 +24,74 @@ pub enum Placement {
     },
 }
 
-fn llama_preset(json: &str, name: &str) -> Result<LlamaConfig, PlanError> {
-    LlamaConfig::from_json(json, name).map_err(|e| PlanError::Model(e.to_string()))
+/// The kind of device a rank computes on, which decides the kernels its forward runs and so
+/// its temporaries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Accelerator {
+    Cpu,
+    Cuda,
 }
 
-impl ModelSpec {
-    /// A preset by name, or a model directory (Llama: `config.json` + safetensors, or a GGUF
-    /// file; Wan: a diffusers transformer directory).
-    pub fn open(name_or_path: &str) -> Result<Self, PlanError> {
-        let name = name_or_path.to_string();
-        let llama = |json: &str| -> Result<Self, PlanError> {
-            Ok(Self::Llama {
-                name: name.clone(),
-                config: llama_preset(json, name_or_path)?,
-                checkpoint: None,
-            })
-        };
-        match name_or_path.to_ascii_lowercase().as_str() {
-            "llama-3-8b" => return llama(LLAMA_3_8B),
-            "llama-3-70b" => return llama(LLAMA_3_70B),
-            "llama-3.2-1b" => return llama(LLAMA_32_1B),
-            "llama-3.2-3b" => return llama(LLAMA_32_3B),
-            "wan2.1-t2v-1.3b" => return Ok(Self::wan(name, WanConfig::wan21_t2v_1_3b())),
-            "wan2.1-t2v-14b" => return Ok(Self::wan(name, WanConfig::wan21_t2v_14b())),
-            "wan2.2-s2v-14b" => return Ok(Self::wan(name, WanConfig::wan22_s2v_14b())),
-            _ => {}
-        }
-        let path = Path::new(name_or_path);
-        if !path.exists() {
-            return Err(PlanError::Model(format!(
-                "{name_or_path} is neither a model path nor a preset; presets: {}",
-                PRESETS.join(", ")
-            )));
-        }
-        if path.is_dir() && tpinfer_wan::WanCheckpoint::is_wan_dir(path) {
-            let config = WanConfig::from_dir(path).map_err(|e| PlanError::Model(e.to_string()))?;
-            return Ok(Self::wan(name, config));
-        }
-        let checkpoint = LlamaCheckpoint::open(path).map_err(|e| PlanError::Model(e.to_string()))?;
-        Ok(Self::Llama {
-            name,
-            config: checkpoint.config.clone(),
-            checkpoint: Some(Arc::new(checkpoint)),
-        })
-    }
-
-    /// A Llama model already opened for loading.
-    pub fn from_checkpoint(name: impl Into<String>, checkpoint: Arc<LlamaCheckpoint>) -> Self {
-        Self::Llama {
-            name: name.into(),
-            config: checkpoint.config.clone(),
-            checkpoint: Some(checkpoint),
-        }
-    }
-
-    fn wan(name: String, config: WanConfig) -> Self {
-        Self::Wan { name, config }
-    }
-
-    pub fn name(&self) -> &str {
-        match self {
-            Self::Llama { name, .. } | Self::Wan { name, .. } => name,
-        }
-    }
-
-    /// The widest TP the model shards to: its attention heads.
-    pub fn max_tp(&self) -> usize {
-        match self {
-            Self::Llama { config, .. } => config.num_attention_heads,
-            Self::Wan { config, .. } => config.num_attention_heads,
-        }
-    }
-
-    /// The checkpoint's dtype where it says, else bf16.
-    pub fn default_dtype(&self) -> DType {
-        match self {
-            Self::Llama { config, .. } => config.dtype.unwrap_or(DType::BF16),
-            Self::Wan { .. } => DType::BF16,
-        }
-    }
-
-    /// The placement when the user gives none: 8192 positions (at most the model's), or
-    /// 81 frames at 832 × 480.
-    pub fn default_placement(&self) -> Placement {
-        match self {
-            Self::Llama { config, .. } => Placement::Llm {
-                max_context: config.max_position_embeddings.min(8192),
-                batch: 1,
-            },
-            Self::Wan { .. } => Placement::Dit {
-                frames: 81,
-                width: 832,
-                height: 480,
-                cfg: true,
-            },
-        }
-    }
+/// One rank's device bytes for a placement, apart from its weights (which the planner counts
+/// from the rank's declarations).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Footprint {
+    /// Model buffers: rotary tables, indices, a captured graph's own memory.
+    pub buffers: u64,
+    /// The KV cache (LLM), or the sampler's latents and text embeddings (DiT).
+    pub cache: u64,
+    /// The activation peak of one forward.
+    pub activations: u64,
+    /// What a stream-ordered pool (CUDA's) may hold beyond the live tensors at that peak.
+    pub pool_slack: u64,
+    /// Of `buffers` and `cache`, what the rank allocates when it loads, before any request.
+    pub at_load: u64,
+    /// LLM: prompt positions per forward. DiT: video tokens per forward.
+    pub tokens_per_forward: usize,
 }
 
-// Published shapes (Hugging Face config.json of meta-llama's models, bf16).
-const LLAMA_3_8B: &str = r#"{"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
- "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5,
- "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#;
-const LLAMA_3_70B: &str = r#"{"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
- "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5,
- "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#;
-const LLAMA_32_1B: &str = r#"{"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
- "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "rms_norm_eps": 1e-5,
- "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
- "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
- "original_max_position_embeddings": 8192}}"#;
-const LLAMA_32_3B: &str = r#"{"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
- "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5,
- "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
- "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
- "original_max_position_embeddings": 8192}}"#;
+/// A model as the planner sees it: a preset or an opened checkpoint of one family.
+pub trait ShardedModel: Send + Sync {
+    /// The preset's name or the path it was opened from.
+    fn name(&self) -> &str;
+    /// The widest TP the model shards to (its attention heads).
+    fn max_tp(&self) -> usize;
+    /// The checkpoint's dtype where it says, else the family's usual one.
+    fn default_dtype(&self) -> DType;
+    /// The placement when the user gives none.
+    fn default_placement(&self) -> Placement;
+    /// The most positions a sequence may reach, for models that take [`Placement::Llm`].
+    fn max_context(&self) -> Option<usize> {
+        None
+    }
+    /// Every rank's part of the model split `tp` ways, in rank order. Fails, naming the
+    /// limit, where the model cannot be split so. Reads nothing: see [`Self::check`].
+    fn rank_shards(&self, tp: usize) -> Result<Vec<Box<dyn RankShard>>, PlanError>;
+    /// Checks the opened checkpoint's headers against what a rank reads (`decls`): every
+    /// tensor there, with the declared shape. A preset has nothing to check.
+    fn check(&self, decls: &[WeightDecl]) -> Result<(), PlanError>;
+    /// The unit FSDP would wrap `tensor` in (a block), or `None` for the root module.
+    fn fsdp_unit(&self, tensor: &str) -> Option<String>;
+}
+
+/// One rank's part of a split model.
+pub trait RankShard: Send + Sync {
+    /// Every tensor the rank reads, with the full shape the config implies and its slice.
+    fn weight_decls(&self) -> &[WeightDecl];
+    /// The rank's bytes besides its weights for `placement` in `dtype` on `accelerator`.
+    /// Fails, naming the option, for a placement the family does not take.
+    fn footprint(&self, dtype: DType, placement: Placement, accelerator: Accelerator) -> Result<Footprint, PlanError>;
+}
+
+/// Boxes a family's typed shards for [`ShardedModel::rank_shards`].
+pub fn boxed_shards<S: RankShard + 'static>(shards: Vec<S>) -> Vec<Box<dyn RankShard>> {
+    shards.into_iter().map(|s| Box::new(s) as Box<dyn RankShard>).collect()
+}
+
+/// `prefix.N` of a tensor named `prefix.N.rest`: a numbered block as FSDP wraps it.
+pub fn numbered_unit(name: &str, prefix: &str) -> Option<String> {
+    let rest = name.strip_prefix(prefix)?;
+    let index = rest.split('.').next()?;
+    Some(format!("{prefix}{index}"))
+}

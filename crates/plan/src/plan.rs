@@ -2,13 +2,9 @@ use std::collections::BTreeMap;
 
 use candle_core::DType;
 use serde::Serialize;
-use tpinfer_llama::memory::{flash_attention, prefill_chunk, RankMemory};
-use tpinfer_llama::{LlamaConfig, LlamaShard};
-use tpinfer_wan::memory::{DitMemory, ForwardPath, Video};
-use tpinfer_wan::{WanConfig, WanShard};
 use tpinfer_weights::{ShardLoader, WeightDecl};
 
-use crate::{DeviceProfile, ModelSpec, Placement};
+use crate::{DeviceProfile, Footprint, Placement, RankShard, ShardedModel};
 
 /// Why a plan could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +36,8 @@ pub struct RankPlan {
     pub workspace: u64,
     /// The CUDA context.
     pub context: u64,
+    /// Of `buffers` and `cache`, what the rank allocates when it loads.
+    pub at_load: u64,
 }
 
 impl RankPlan {
@@ -53,24 +51,18 @@ impl RankPlan {
             + self.context
     }
 
-    /// A rank of a `world`-wide group on `device` holding `weights` bytes and the model's
-    /// `[buffers, cache, activations, pool slack]`.
-    fn on_device(
-        rank: usize,
-        weights: u64,
-        [buffers, cache, activations, slack]: [usize; 4],
-        device: DeviceProfile,
-        world: usize,
-    ) -> Self {
+    /// A rank of a `world`-wide group on `device` holding `weights` bytes and `footprint`.
+    fn on_device(rank: usize, weights: u64, footprint: &Footprint, device: DeviceProfile, world: usize) -> Self {
         Self {
             rank,
             weights,
-            buffers: buffers as u64,
-            cache: cache as u64,
-            activations: activations as u64,
-            allocator_slack: if device.pooled { slack as u64 } else { 0 },
+            buffers: footprint.buffers,
+            cache: footprint.cache,
+            activations: footprint.activations,
+            allocator_slack: if device.pooled { footprint.pool_slack } else { 0 },
             workspace: device.workspace(world),
             context: device.context_reserve,
+            at_load: footprint.at_load,
         }
     }
 
@@ -115,91 +107,43 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Plans `model` at TP `tp` in `dtype` for `placement` on `device`. Reads headers only.
+    /// Plans `model` at TP `tp` in `dtype` for `placement` on `device`, checking each rank's
+    /// declarations against the checkpoint's headers. Reads headers only.
     pub fn new(
-        model: &ModelSpec,
+        model: &dyn ShardedModel,
         tp: usize,
         dtype: DType,
         placement: Placement,
         device: DeviceProfile,
     ) -> Result<Self, PlanError> {
-        let (ranks, fsdp, tokens) = match (model, placement) {
-            (ModelSpec::Llama { config, checkpoint, .. }, Placement::Llm { max_context, batch }) => {
-                if max_context == 0 || max_context > config.max_position_embeddings {
-                    return Err(PlanError::Placement(format!(
-                        "--max-context {max_context} must be between 1 and the model's {} positions",
-                        config.max_position_embeddings
-                    )));
-                }
-                if batch == 0 {
-                    return Err(PlanError::Placement("--batch must be at least 1".into()));
-                }
-                let mut ranks = Vec::with_capacity(tp);
-                let mut rank0_chunk = 0;
-                for rank in 0..tp {
-                    let shard = LlamaShard::new(config, tp, rank).map_err(|e| PlanError::Sharding {
-                        tp,
-                        detail: e.to_string(),
-                    })?;
-                    if let Some(checkpoint) = checkpoint {
-                        checkpoint.check(&shard).map_err(|e| PlanError::Model(e.to_string()))?;
-                    }
-                    let weights = weight_bytes(&shard.weight_decls(config), dtype)?;
-                    let flash = flash_attention(device.is_cuda(), dtype, config.head_dim, &shard);
-                    let chunk = prefill_chunk(shard.heads.q_heads.len(), max_context, flash);
-                    if rank == 0 {
-                        rank0_chunk = chunk;
-                    }
-                    let m = RankMemory::batched(config, &shard, dtype, max_context, chunk, batch, flash);
-                    let temporaries = [m.buffers, m.kv_cache, m.activations, m.pool_slack];
-                    ranks.push(RankPlan::on_device(rank, weights, temporaries, device, tp));
-                }
-                let fsdp = llama_fsdp(config, tp, dtype, max_context, batch, device)?;
-                (ranks, fsdp, rank0_chunk)
+        let shards = model.rank_shards(tp)?;
+        for shard in &shards {
+            model.check(shard.weight_decls())?;
+        }
+        let shards: Vec<&dyn RankShard> = shards.iter().map(|s| &**s).collect();
+        Self::for_shards(model, &shards, dtype, placement, device)
+    }
+
+    /// Plans the given rank shards of `model` (one per rank, in rank order): for a caller
+    /// that has split the model and checked the shards already, and loads these very ones.
+    pub fn for_shards(
+        model: &dyn ShardedModel,
+        shards: &[&dyn RankShard],
+        dtype: DType,
+        placement: Placement,
+        device: DeviceProfile,
+    ) -> Result<Self, PlanError> {
+        let tp = shards.len();
+        let mut ranks = Vec::with_capacity(tp);
+        let mut tokens_per_forward = 0;
+        for (rank, shard) in shards.iter().enumerate() {
+            let weights = weight_bytes(shard.weight_decls(), dtype)?;
+            let footprint = shard.footprint(dtype, placement, device.accelerator())?;
+            if rank == 0 {
+                tokens_per_forward = footprint.tokens_per_forward;
             }
-            (
-                ModelSpec::Wan { config, .. },
-                Placement::Dit {
-                    frames,
-                    width,
-                    height,
-                    cfg,
-                },
-            ) => {
-                if frames % 4 != 1 || width % 16 != 0 || height % 16 != 0 || width == 0 || height == 0 {
-                    return Err(PlanError::Placement(format!(
-                        "--frames {frames} --size {width}x{height}: frames must be 4k + 1 (e.g. 21, 41, 81) and the \
-                         size multiples of 16 (e.g. 832x480, 1280x720)"
-                    )));
-                }
-                let video = Video {
-                    frames,
-                    width,
-                    height,
-                    cfg,
-                };
-                let mut ranks = Vec::with_capacity(tp);
-                for rank in 0..tp {
-                    let shard = WanShard::new(config, tp, rank).map_err(|detail| PlanError::Sharding { tp, detail })?;
-                    let weights = weight_bytes(&shard.weight_decls(config), dtype)?;
-                    let m = DitMemory::new(config, &shard, dtype, video, forward_path(config, dtype, device));
-                    let temporaries = [m.buffers, m.latents, m.activations, m.pool_slack];
-                    ranks.push(RankPlan::on_device(rank, weights, temporaries, device, tp));
-                }
-                let fsdp = wan_fsdp(config, tp, dtype, video, device)?;
-                (ranks, fsdp, config.video_tokens(frames, width, height))
-            }
-            (ModelSpec::Llama { .. }, Placement::Dit { .. }) => {
-                return Err(PlanError::Placement(
-                    "--frames and --size are for video DiT models; give an LLM --max-context".into(),
-                ))
-            }
-            (ModelSpec::Wan { .. }, Placement::Llm { .. }) => {
-                return Err(PlanError::Placement(
-                    "--max-context is for LLMs; give a video DiT --frames and --size".into(),
-                ))
-            }
-        };
+            ranks.push(RankPlan::on_device(rank, weights, &footprint, device, tp));
+        }
         Ok(Self {
             model: model.name().to_string(),
             tp,
@@ -207,8 +151,8 @@ impl Plan {
             placement,
             device,
             ranks,
-            fsdp,
-            tokens_per_forward: tokens,
+            fsdp: fsdp(model, tp, dtype, placement, device)?,
+            tokens_per_forward,
         })
     }
 
@@ -254,63 +198,37 @@ fn fsdp_units(
     Ok((total, bytes, name))
 }
 
-/// `prefix.N` of a tensor named `prefix.N.rest`.
-fn numbered_unit(name: &str, prefix: &str) -> Option<String> {
-    let rest = name.strip_prefix(prefix)?;
-    let index = rest.split('.').next()?;
-    Some(format!("{prefix}{index}"))
-}
-
-fn llama_fsdp(
-    config: &LlamaConfig,
+/// The same model under FSDP on `world` GPUs: the whole model's tensors grouped by the
+/// family's FSDP units, and its unsharded footprint.
+fn fsdp(
+    model: &dyn ShardedModel,
     world: usize,
     dtype: DType,
-    max_context: usize,
-    batch: usize,
+    placement: Placement,
     device: DeviceProfile,
 ) -> Result<Fsdp, PlanError> {
-    let whole = LlamaShard::new(config, 1, 0).map_err(|e| PlanError::Model(e.to_string()))?;
-    let (total, unit, name) = fsdp_units(&whole.weight_decls(config), dtype, |n| {
-        numbered_unit(n, "model.layers.")
-    })?;
-    let flash = flash_attention(device.is_cuda(), dtype, config.head_dim, &whole);
-    let chunk = prefill_chunk(whole.heads.q_heads.len(), max_context, flash);
-    let memory = RankMemory::batched(config, &whole, dtype, max_context, chunk, batch, flash);
-    let temporaries = [memory.buffers, memory.kv_cache, memory.activations, memory.pool_slack];
-    Ok(fsdp_estimate(world, total, unit, name, temporaries, device))
-}
-
-fn forward_path(config: &WanConfig, dtype: DType, device: DeviceProfile) -> ForwardPath {
-    ForwardPath::for_device(device.is_cuda(), dtype, config.attention_head_dim)
-}
-
-fn wan_fsdp(
-    config: &WanConfig,
-    world: usize,
-    dtype: DType,
-    video: Video,
-    device: DeviceProfile,
-) -> Result<Fsdp, PlanError> {
-    let whole = WanShard::new(config, 1, 0).map_err(PlanError::Model)?;
-    let (total, unit, name) = fsdp_units(&whole.weight_decls(config), dtype, |n| numbered_unit(n, "blocks."))?;
-    let memory = DitMemory::new(config, &whole, dtype, video, forward_path(config, dtype, device));
-    let temporaries = [memory.buffers, memory.latents, memory.activations, memory.pool_slack];
-    Ok(fsdp_estimate(world, total, unit, name, temporaries, device))
+    let whole = model.rank_shards(1)?;
+    let whole = whole
+        .first()
+        .ok_or_else(|| PlanError::Model("the model split one way has no rank".into()))?;
+    let (total, unit, name) = fsdp_units(whole.weight_decls(), dtype, |n| model.fsdp_unit(n))?;
+    let footprint = whole.footprint(dtype, placement, device.accelerator())?;
+    Ok(fsdp_estimate(world, total, unit, name, &footprint, device))
 }
 
 /// One FSDP GPU: an even shard of `total` weight bytes, the gather of the largest unit, and the
-/// unsharded model's `[buffers, cache, activations, pool slack]`.
+/// unsharded model's footprint.
 fn fsdp_estimate(
     world: usize,
     total: u64,
     unit: u64,
     name: String,
-    temporaries: [usize; 4],
+    footprint: &Footprint,
     device: DeviceProfile,
 ) -> Fsdp {
     Fsdp {
         world,
-        gpu: RankPlan::on_device(0, total.div_ceil(world as u64), temporaries, device, world),
+        gpu: RankPlan::on_device(0, total.div_ceil(world as u64), footprint, device, world),
         unshard_buffer: unit,
         largest_unit: name,
     }

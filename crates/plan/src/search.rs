@@ -3,7 +3,7 @@
 use candle_core::DType;
 use serde::Serialize;
 
-use crate::{gib, DeviceProfile, ModelSpec, Placement, Plan};
+use crate::{gib, DeviceProfile, Placement, Plan, ShardedModel};
 
 /// How a model fits at one TP width.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -20,7 +20,7 @@ pub struct WidthFit {
 
 /// How `model` fits `budget` at each width in `widths` (widths it cannot shard to are skipped).
 pub fn fit_table(
-    model: &ModelSpec,
+    model: &dyn ShardedModel,
     dtype: DType,
     placement: Placement,
     device: DeviceProfile,
@@ -52,7 +52,7 @@ pub fn fit_table(
 
 /// The smallest width from `from` up that fits `placement` in `budget`.
 pub fn smallest_width(
-    model: &ModelSpec,
+    model: &dyn ShardedModel,
     dtype: DType,
     placement: Placement,
     device: DeviceProfile,
@@ -67,16 +67,14 @@ pub fn smallest_width(
 }
 
 fn largest_context(
-    model: &ModelSpec,
+    model: &dyn ShardedModel,
     tp: usize,
     dtype: DType,
     device: DeviceProfile,
     budget: u64,
     batch: usize,
 ) -> Option<usize> {
-    let ModelSpec::Llama { config, .. } = model else {
-        return None;
-    };
+    let limit = model.max_context()?;
     let fits = |context: usize| {
         let placement = Placement::Llm {
             max_context: context,
@@ -86,11 +84,11 @@ fn largest_context(
             .map(|p| p.fits(budget))
             .unwrap_or(false)
     };
-    largest(1, config.max_position_embeddings, fits)
+    largest(1, limit, fits)
 }
 
 fn most_frames(
-    model: &ModelSpec,
+    model: &dyn ShardedModel,
     tp: usize,
     dtype: DType,
     device: DeviceProfile,
@@ -130,7 +128,7 @@ fn largest(lo: usize, hi: usize, fits: impl Fn(usize) -> bool) -> Option<usize> 
 
 /// The refusal for a plan over `budget`: which rank, its bytes against the budget, and what
 /// would fit (a wider TP, a shorter context, fewer frames).
-pub fn over_budget_message(model: &ModelSpec, plan: &Plan, dtype: DType, budget: u64) -> String {
+pub fn over_budget_message(model: &dyn ShardedModel, plan: &Plan, dtype: DType, budget: u64) -> String {
     let r = plan.peak();
     let cache = match plan.placement {
         Placement::Llm { .. } => "KV cache",

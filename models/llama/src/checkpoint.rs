@@ -3,7 +3,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::quantized::gguf_file::Value;
-use tpinfer_weights::{GgufStore, GgufTensorMap, SafetensorsStore, ShardLoader, WeightError, WeightStore};
+use tpinfer_weights::{GgufStore, GgufTensorMap, SafetensorsStore, ShardLoader, WeightDecl, WeightError, WeightStore};
 
 use crate::shard::names;
 use crate::{ConfigError, LlamaConfig, LlamaShard};
@@ -90,10 +90,13 @@ impl LlamaCheckpoint {
 
     /// Checks the checkpoint against what `shard` reads (names and shapes, from headers).
     pub fn check(&self, shard: &LlamaShard) -> Result<(), WeightError> {
+        self.check_decls(&shard.weight_decls(&self.config))
+    }
+
+    /// Checks the checkpoint against the tensors a rank reads (names and shapes, from headers).
+    pub fn check_decls(&self, decls: &[WeightDecl]) -> Result<(), WeightError> {
         let tied = self.config.tie_word_embeddings;
-        ShardLoader::check(&*self.store, &shard.weight_decls(&self.config), &|n| {
-            names::ignored(n, tied)
-        })
+        ShardLoader::check(&*self.store, decls, &|n| names::ignored(n, tied))
     }
 
     /// The bytes of weights `shard` will read, from the headers alone.
@@ -112,48 +115,17 @@ fn gguf_names(c: &LlamaConfig) -> GgufTensorMap {
     add(names::NORM.into(), "output_norm.weight".into(), None);
     add(names::LM_HEAD.into(), "output.weight".into(), None);
     for i in 0..c.num_hidden_layers {
-        let (p, b) = (names::layer(i), format!("blk.{i}"));
-        add(
-            format!("{p}.self_attn.q_proj.weight"),
-            format!("{b}.attn_q.weight"),
-            Some(c.num_attention_heads),
-        );
-        add(
-            format!("{p}.self_attn.k_proj.weight"),
-            format!("{b}.attn_k.weight"),
-            Some(c.num_key_value_heads),
-        );
-        add(
-            format!("{p}.self_attn.v_proj.weight"),
-            format!("{b}.attn_v.weight"),
-            None,
-        );
-        add(
-            format!("{p}.self_attn.o_proj.weight"),
-            format!("{b}.attn_output.weight"),
-            None,
-        );
-        add(
-            format!("{p}.mlp.gate_proj.weight"),
-            format!("{b}.ffn_gate.weight"),
-            None,
-        );
-        add(format!("{p}.mlp.up_proj.weight"), format!("{b}.ffn_up.weight"), None);
-        add(
-            format!("{p}.mlp.down_proj.weight"),
-            format!("{b}.ffn_down.weight"),
-            None,
-        );
-        add(
-            format!("{p}.input_layernorm.weight"),
-            format!("{b}.attn_norm.weight"),
-            None,
-        );
-        add(
-            format!("{p}.post_attention_layernorm.weight"),
-            format!("{b}.ffn_norm.weight"),
-            None,
-        );
+        let (n, b) = (names::LayerNames::of(i), format!("blk.{i}"));
+        let weight = |prefix: &str| format!("{prefix}.weight");
+        add(weight(&n.q), format!("{b}.attn_q.weight"), Some(c.num_attention_heads));
+        add(weight(&n.k), format!("{b}.attn_k.weight"), Some(c.num_key_value_heads));
+        add(weight(&n.v), format!("{b}.attn_v.weight"), None);
+        add(weight(&n.o), format!("{b}.attn_output.weight"), None);
+        add(weight(&n.gate), format!("{b}.ffn_gate.weight"), None);
+        add(weight(&n.up), format!("{b}.ffn_up.weight"), None);
+        add(weight(&n.down), format!("{b}.ffn_down.weight"), None);
+        add(n.input_norm, format!("{b}.attn_norm.weight"), None);
+        add(n.post_norm, format!("{b}.ffn_norm.weight"), None);
     }
     map
 }

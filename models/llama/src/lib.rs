@@ -3,9 +3,12 @@
 //! [`LlamaConfig`] reads `config.json` in both the transformers-4 and transformers-5 forms, or
 //! a GGUF file's metadata. [`LlamaShard`] says what one rank holds (its heads, FFN columns and
 //! vocabulary rows) and declares the slices it reads; [`LlamaRank`] is that rank's model.
+//! [`LlamaModel`] is the family's seam (`tpinfer_family::Family`): presets, the split over
+//! ranks, each rank's memory footprint and its load.
 
 mod checkpoint;
 mod config;
+mod family;
 #[cfg(feature = "cuda")]
 mod graph;
 pub mod memory;
@@ -14,5 +17,6 @@ mod shard;
 
 pub use checkpoint::{CheckpointError, LlamaCheckpoint, ModelFormat};
 pub use config::{ConfigError, LlamaConfig};
+pub use family::{LlamaModel, LlamaRankShard};
 pub use model::{GreedyStep, LlamaRank};
 pub use shard::LlamaShard;

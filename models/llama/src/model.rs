@@ -28,6 +28,8 @@ pub struct LlamaRank {
     prefill_chunk: usize,
     /// Attention through the fused flash kernel (see `memory::flash_attention`).
     flash: bool,
+    /// A decode step's kernels launched as one chain (see `tpinfer_kernels::chained`).
+    kernel_chains: bool,
     /// The number of positions in the KV cache.
     cached: usize,
     /// Where the next forward pass starts, for the kernels.
@@ -128,7 +130,9 @@ struct DecoderLayer {
 
 impl LlamaRank {
     /// Loads this rank's slices of `checkpoint` onto `device`, in `dtype`, with rotary tables
-    /// and a KV cache for `max_positions` positions.
+    /// and a KV cache for `max_positions` positions. `shard` must have been checked against
+    /// the checkpoint's headers ([`LlamaCheckpoint::check`]; `LlamaModel::shards` does): the
+    /// reads trust its shapes.
     pub fn load(
         checkpoint: &LlamaCheckpoint,
         shard: LlamaShard,
@@ -138,7 +142,6 @@ impl LlamaRank {
         max_positions: usize,
     ) -> Result<Self> {
         let c = &checkpoint.config;
-        checkpoint.check(&shard)?;
         let decls = shard.weight_decls(c);
         let mut w = ShardLoader::new(&*checkpoint.store, &decls, dtype, device);
         let n_kv = shard.heads.kv_heads.len();
@@ -156,18 +159,13 @@ impl LlamaRank {
         };
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
-                let p = names::layer(i);
-                let attn = |n: &str| format!("{p}.self_attn.{n}");
+                let n = names::LayerNames::of(i);
                 Ok(DecoderLayer {
-                    input_norm: w.take(&format!("{p}.input_layernorm.weight"))?,
-                    qkv: MergedColumnParallelLinear::load(
-                        &mut w,
-                        &[&attn("q_proj"), &attn("k_proj"), &attn("v_proj")],
-                        c.attention_bias,
-                    )?,
-                    o_proj: RowParallelLinear::load(&mut w, &attn("o_proj"), c.attention_bias, comm.clone())?,
-                    post_norm: w.take(&format!("{p}.post_attention_layernorm.weight"))?,
-                    mlp: GatedMlp::load(&mut w, &names::mlp(&p).as_names(), comm.clone())?,
+                    input_norm: w.take(&n.input_norm)?,
+                    qkv: MergedColumnParallelLinear::load(&mut w, &[&n.q, &n.k, &n.v], c.attention_bias)?,
+                    o_proj: RowParallelLinear::load(&mut w, &n.o, c.attention_bias, comm.clone())?,
+                    post_norm: w.take(&n.post_norm)?,
+                    mlp: GatedMlp::load(&mut w, &n.mlp(), comm.clone())?,
                     cache: KvCache::new(n_kv, max_positions, c.head_dim, dtype, device)?,
                 })
             })
@@ -185,6 +183,7 @@ impl LlamaRank {
             kv_index,
             prefill_chunk: crate::memory::prefill_chunk(shard.heads.q_heads.len(), max_positions, flash),
             flash,
+            kernel_chains: true,
             cached: 0,
             position: Position::new(device)?,
             step_io: StepIo::new(device)?,
@@ -275,6 +274,13 @@ impl LlamaRank {
         #[cfg(not(feature = "cuda"))]
         let _ = on;
         Ok(())
+    }
+
+    /// Launches a decode step's kernels as one chain (`on`, the default; Hopper and newer)
+    /// or one after the other. Kernels chain only where the GPU can: elsewhere this changes
+    /// nothing.
+    pub fn set_kernel_chains(&mut self, on: bool) {
+        self.kernel_chains = on;
     }
 
     /// How many decode steps ran as replays of the captured graph since it was made (0 on CPU
@@ -483,7 +489,7 @@ impl LlamaRank {
         // Outside the chain: a copy, not a kernel, comes before it.
         let first = self.layers.first().map_or(&self.norm, |l| &l.input_norm);
         add_rms_norm_into(&b.stream, &b.zeros, first, eps)?;
-        chained(|| -> Result<()> {
+        let layers = || -> Result<()> {
             for (i, layer) in self.layers.iter().enumerate() {
                 if i > 0 {
                     add_rms_norm_into(&b.stream, &b.sum, &layer.input_norm, eps)?;
@@ -494,7 +500,11 @@ impl LlamaRank {
                 add_rms_norm_into(&b.stream, &b.sum, &self.norm, eps)?;
             }
             Ok(())
-        })?;
+        };
+        match self.kernel_chains {
+            true => chained(layers)?,
+            false => layers()?,
+        }
         Ok(b.stream.get(1)?.unsqueeze(0)?)
     }
 }

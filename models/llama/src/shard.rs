@@ -45,46 +45,16 @@ impl LlamaShard {
         let norm = |name: String| WeightDecl::new(name, &[h], ShardSpec::Replicated);
         let mut decls = VocabParallelEmbedding::decls(names::EMBED, c.vocab_size, h, self.vocab_rows.clone());
         for i in 0..c.num_hidden_layers {
-            let p = names::layer(i);
+            let n = names::LayerNames::of(i);
             let bias = c.attention_bias;
-            decls.push(norm(format!("{p}.input_layernorm.weight")));
+            decls.push(norm(n.input_norm.clone()));
             let (q_heads, kv_heads) = (c.num_attention_heads * d, c.num_key_value_heads * d);
-            decls.extend(ColumnParallelLinear::decls(
-                &format!("{p}.self_attn.q_proj"),
-                h,
-                q_heads,
-                q_out.clone(),
-                bias,
-            ));
-            decls.extend(ColumnParallelLinear::decls(
-                &format!("{p}.self_attn.k_proj"),
-                h,
-                kv_heads,
-                kv_out.clone(),
-                bias,
-            ));
-            decls.extend(ColumnParallelLinear::decls(
-                &format!("{p}.self_attn.v_proj"),
-                h,
-                kv_heads,
-                kv_out.clone(),
-                bias,
-            ));
-            decls.extend(RowParallelLinear::decls(
-                &format!("{p}.self_attn.o_proj"),
-                q_heads,
-                h,
-                q_out.clone(),
-                bias,
-            ));
-            decls.push(norm(format!("{p}.post_attention_layernorm.weight")));
-            let mlp = names::mlp(&p);
-            decls.extend(GatedMlp::decls(
-                &mlp.as_names(),
-                h,
-                c.intermediate_size,
-                self.ffn_cols.clone(),
-            ));
+            decls.extend(ColumnParallelLinear::decls(&n.q, h, q_heads, q_out.clone(), bias));
+            decls.extend(ColumnParallelLinear::decls(&n.k, h, kv_heads, kv_out.clone(), bias));
+            decls.extend(ColumnParallelLinear::decls(&n.v, h, kv_heads, kv_out.clone(), bias));
+            decls.extend(RowParallelLinear::decls(&n.o, q_heads, h, q_out.clone(), bias));
+            decls.push(norm(n.post_norm.clone()));
+            decls.extend(GatedMlp::decls(&n.mlp(), h, c.intermediate_size, self.ffn_cols.clone()));
         }
         decls.push(norm(names::NORM.to_string()));
         if !c.tie_word_embeddings {
@@ -106,32 +76,45 @@ pub(crate) mod names {
     pub const EMBED: &str = "model.embed_tokens.weight";
     pub const NORM: &str = "model.norm.weight";
     pub const LM_HEAD: &str = "lm_head.weight";
+    /// What every decoder layer's names start with, before its index.
+    pub const LAYERS: &str = "model.layers.";
 
-    pub fn layer(i: usize) -> String {
-        format!("model.layers.{i}")
+    /// One decoder layer's tensors: its norms' weights, and the prefixes of its projections
+    /// (`.weight`, `.bias`). Written once, for the declarations, the load and the GGUF names.
+    pub struct LayerNames {
+        pub input_norm: String,
+        pub q: String,
+        pub k: String,
+        pub v: String,
+        pub o: String,
+        pub post_norm: String,
+        pub gate: String,
+        pub up: String,
+        pub down: String,
     }
 
-    pub struct MlpNames {
-        gate: String,
-        up: String,
-        down: String,
-    }
+    impl LayerNames {
+        pub fn of(i: usize) -> Self {
+            let p = format!("{LAYERS}{i}");
+            Self {
+                input_norm: format!("{p}.input_layernorm.weight"),
+                q: format!("{p}.self_attn.q_proj"),
+                k: format!("{p}.self_attn.k_proj"),
+                v: format!("{p}.self_attn.v_proj"),
+                o: format!("{p}.self_attn.o_proj"),
+                post_norm: format!("{p}.post_attention_layernorm.weight"),
+                gate: format!("{p}.mlp.gate_proj"),
+                up: format!("{p}.mlp.up_proj"),
+                down: format!("{p}.mlp.down_proj"),
+            }
+        }
 
-    impl MlpNames {
-        pub fn as_names(&self) -> GatedMlpNames<'_> {
+        pub fn mlp(&self) -> GatedMlpNames<'_> {
             GatedMlpNames {
                 gate: &self.gate,
                 up: &self.up,
                 down: &self.down,
             }
-        }
-    }
-
-    pub fn mlp(layer: &str) -> MlpNames {
-        MlpNames {
-            gate: format!("{layer}.mlp.gate_proj"),
-            up: format!("{layer}.mlp.up_proj"),
-            down: format!("{layer}.mlp.down_proj"),
         }
     }
 

@@ -4,6 +4,7 @@
 
 mod checkpoint;
 mod config;
+mod family;
 pub mod memory;
 mod model;
 mod profile;
@@ -12,6 +13,7 @@ mod shard;
 
 pub use checkpoint::{WanCheckpoint, WanCheckpointError};
 pub use config::{S2vModules, WanConfig, WanConfigError};
+pub use family::{WanModel, WanRankShard};
 pub use model::WanRank;
 pub use profile::StageTimes;
 pub use shard::{original_names, WanShard};

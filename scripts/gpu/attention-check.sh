@@ -6,11 +6,7 @@
 # the Hopper (wgmma, TMA) kernel, the rest the mma.sync one. `cached` cases read a KV cache
 # whose unfilled slots hold NaN (prefill chunks; one query runs the split-KV decode kernel, from
 # one key to 8,191).
-set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-[ -d "$NV" ] && export LD_LIBRARY_PATH=$NV/cu13/lib:$NV/nccl/lib:${LD_LIBRARY_PATH:-}
-BIN=${BIN:-.dist}
+. "$(dirname "$0")/env.sh"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/attention.log"; }
 run() { log "$*"; timeout "${LIMIT:-300}" "$@" 2>&1 | tee -a "$OUT/attention.log"; return "${PIPESTATUS[0]}"; }
 run "$BIN/tpinfer-bench" attention --repeats 3 --cases \

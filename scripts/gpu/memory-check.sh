@@ -3,18 +3,15 @@
 # rank for the Llama-3-8B shape in bf16 at TP 1 and 2 with a full 8192-token context (the
 # plan's worst case), the refusal of an over-budget placement before anything is loaded, and
 # decode/prefill speed (issue #3). Needs 2 GPUs, torch + transformers (to make the model) and
-# the binaries of scripts/build-cuda.sh in .dist/. Results go to $OUT.
-set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-[ -d "$NV" ] && export LD_LIBRARY_PATH=$NV/cu13/lib:$NV/nccl/lib:${LD_LIBRARY_PATH:-}
-BIN=${BIN:-.dist} W=${WORK:-/tmp/tpinfer-gpu} PY=${PY:-python3} TOK=.dist/llama3-tokenizer
+# the binaries of scripts/build/build-cuda.sh in .dist/. Results go to $OUT.
+. "$(dirname "$0")/env.sh"
+TOK=.dist/llama3-tokenizer
 mkdir -p "$W"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/memory.log"; }
 run() { log "$*"; timeout "${LIMIT:-200}" "$@" 2>&1 | tee -a "$OUT/memory.log"; return "${PIPESTATUS[0]}"; }
 nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv | tee -a "$OUT/memory.log"
 
-[ -d "$W/m8b" ] || run $PY scripts/reference_llama.py make --shape 8b --dtype bf16 --out "$W/m8b" --tokenizer $TOK || exit 1
+[ -d "$W/m8b" ] || run $PY "$SCRIPTS/reference/reference_llama.py" make --shape 8b --dtype bf16 --out "$W/m8b" --tokenizer $TOK || exit 1
 export RUST_LOG=tpinfer_engine=info
 # Every rank logs its memory after loading and after its first request against its plan.
 # Three workloads: a full context (the plan's worst case), a 2048-token prompt, a short one.

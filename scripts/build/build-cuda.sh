@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Builds the CUDA + NCCL release binaries (tpinfer, tpinfer-bench) on a host without CUDA,
-# with the pinned toolchain of scripts/cuda-toolchain.sh, into target/cuda, and copies them to
+# with the pinned toolchain of scripts/build/cuda-toolchain.sh, into target/cuda, and copies them to
 # .dist/ (git-ignored) for a GPU host. CUDA_COMPUTE_CAP: 90 for H100/H200 (default), 89 for
 # RTX 4090. On a host with CUDA installed, plain `cargo build --release --features cuda,nccl`
 # with CUDA_COMPUTE_CAP set does the same.
-# Usage: scripts/build-cuda.sh [check|timeline]   (check: `cargo clippy -D warnings`, also of
+# Usage: scripts/build/build-cuda.sh [check|timeline]   (check: `cargo clippy -D warnings`, also of
 # the timeline build, and every kernel's PTX assembled by ptxas for CUDA_COMPUTE_CAP and the
 # RTX 4090, as CI does; timeline: tpinfer-bench with the `timeline` feature into
 # .dist/timeline/, for `tpinfer-bench timeline`)
 set -euo pipefail
-cd "$(dirname "$0")/.."
-eval "$(scripts/cuda-toolchain.sh)"
+cd "$(dirname "$0")/../.."
+eval "$(scripts/build/cuda-toolchain.sh)"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
 if [ "${1:-}" = check ]; then
   # With the kernels' PTX also for the RTX 4090 (sm_89: the pre-Hopper paths), which the

@@ -1,12 +1,8 @@
 # Sourced by the Wan GPU scripts: CUDA/NCCL libraries of the host's torch, a work folder,
 # log()/run() writing to $OUT/$LOG, and diffusers from a carried wheel when the host has none
 # (it has no internet).
-set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-[ -d "$NV" ] && export LD_LIBRARY_PATH=$NV/cu13/lib:$NV/nccl/lib:${LD_LIBRARY_PATH:-}
-BIN=${BIN:-.dist} W=${WORK:-/tmp/tpinfer-gpu} PY=${PY:-python3}
-REF="$PY scripts/reference_wan.py"
+. "$(dirname "$0")/env.sh"
+REF="$PY $SCRIPTS/reference/reference_wan.py"
 mkdir -p "$W"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/$LOG"; }
 run() { log "$*"; timeout "${LIMIT:-200}" "$@" 2>&1 | tee -a "$OUT/$LOG"; return "${PIPESTATUS[0]}"; }

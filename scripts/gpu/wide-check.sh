@@ -8,13 +8,13 @@
 #                       transformers in f32, and tok/s.
 #   PHASE=wan           Wan-14B shape, 480p × 81 frames: step time at TP 1, 2, 4 (and 5, 8),
 #                       with rank 0's stage profile at each width.
-# Needs torch + transformers (+ diffusers for wan) and .dist/ from scripts/build-cuda.sh.
+# Needs torch + transformers (+ diffusers for wan) and .dist/ from scripts/build/build-cuda.sh.
 LOG=wide.log LIMIT=${LIMIT:-560}
-. "$(dirname "$0")/gpu-wan-env.sh"
+. "$(dirname "$0")/wan-env.sh"
 GPUS=$(nvidia-smi -L | wc -l)
 log "$GPUS GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | tr -s ' ')"
 [ "$GPUS" -ge 4 ] || { log "issue #8 needs 4 or more GPUs"; exit 2; }
-LLAMA="$PY scripts/reference_llama.py" TOK=.dist/llama3-tokenizer
+LLAMA="$PY $SCRIPTS/reference/reference_llama.py" TOK=.dist/llama3-tokenizer
 WIDE=4; [ "$GPUS" -ge 8 ] && WIDE=8
 case "${PHASE:-}" in
   llama70)

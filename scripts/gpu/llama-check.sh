@@ -1,17 +1,14 @@
 #!/usr/bin/env bash
 # Llama on CUDA ranks against PyTorch/transformers on the same host (issue #3): f32 and bf16
 # numerics at TP 1 and 2, then decode/prefill speed side by side. Needs 2 GPUs (TPS="1" runs
-# TP 1 alone on one), torch + transformers, and the binaries of scripts/build-cuda.sh in .dist/.
+# TP 1 alone on one), torch + transformers, and the binaries of scripts/build/build-cuda.sh in .dist/.
 # Results go to $OUT.
 # SKIP_NUMERICS=1: speed only; SKIP_SPEED=1: numerics only; SKIP_TORCH=1: no torch speed run;
 # SKIP_EAGER=1: no --enforce-eager speed run; MIXING=1: also TP 2 with NCCL_GRAPH_MIXING_SUPPORT=0
 # (safe here: every rank waits for its graph before the step's eager broadcast).
-set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-[ -d "$NV" ] && export LD_LIBRARY_PATH=$NV/cu13/lib:$NV/nccl/lib:${LD_LIBRARY_PATH:-}
-BIN=${BIN:-.dist} TPS=${TPS:-1 2} W=${WORK:-/tmp/tpinfer-gpu} PY=${PY:-python3} TOK=.dist/llama3-tokenizer
-REF="$PY scripts/reference_llama.py"
+. "$(dirname "$0")/env.sh"
+TPS=${TPS:-1 2} TOK=.dist/llama3-tokenizer
+REF="$PY $SCRIPTS/reference/reference_llama.py"
 TPL=$(echo $TPS | tr " " ,)
 mkdir -p "$W"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/log"; }

@@ -4,7 +4,7 @@
 # on the same host; tpinfer's peak device memory per rank against its plan. Issue #5.
 # PROFILE=1 adds a per-stage profile of tpinfer at TP 1. Needs torch + diffusers and .dist/.
 LOG=wan-speed.log LIMIT=${LIMIT:-400}
-. "$(dirname "$0")/gpu-wan-env.sh"
+. "$(dirname "$0")/wan-env.sh"
 [ -f "$W/wan14/config.json" ] || run $REF make --shape 14b --save bf16 --out "$W/wan14" || exit 1
 INPUTS=""
 for frames in ${FRAMES:-21 41 81}; do

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lays out a CUDA 13.0 toolkit from pinned PyPI wheels on an x86_64 host with no GPU and no
 # CUDA, so that `cargo build --features cuda,nccl` can compile the kernels and link.
-# Usage: scripts/cuda-toolchain.sh [DIR]   (default: ~/.cache/tpinfer-cuda). Prints the exports.
+# Usage: scripts/build/cuda-toolchain.sh [DIR]   (default: ~/.cache/tpinfer-cuda). Prints the exports.
 # The versions equal the CUDA 13.0 libraries of the H200 test host (driver 580 loads PTX up to
 # CUDA 13.0; a newer nvcc would emit PTX it cannot load). On a machine with CUDA installed,
 # skip this script: set CUDA_COMPUTE_CAP and build.
@@ -30,7 +30,7 @@ ln -s lib64 "$H/lib"
 # No wheel ships the driver library: link against a stub exporting every cu* symbol of
 # cudarc's driver bindings under the driver's SONAME; the real libcuda.so.1 binds at run time.
 if ! ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.*/src/driver/sys >/dev/null 2>&1; then
-  (cd "$(dirname "$0")/.." && cargo fetch -q)
+  (cd "$(dirname "$0")/../.." && cargo fetch -q)
 fi
 R=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.*/src/driver/sys | sort | tail -1)
 grep -oE '^pub unsafe fn cu[A-Za-z0-9_]+' "$R/mod.rs" | awk '{print $4}' | sort -u > "$ROOT/libcuda_syms.txt"

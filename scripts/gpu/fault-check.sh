@@ -2,15 +2,11 @@
 # Failures on CUDA + NCCL ranks (issues #3 and #6): a rank that runs out of memory, errors,
 # panics or dies mid-request must end the run within seconds, naming that rank, never as an
 # NCCL error and never as a hang. Also a plain `tpinfer generate --device cuda --tp 2`.
-# Needs 2 GPUs, torch + transformers (to make the model) and .dist/ from scripts/build-cuda.sh.
-set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-[ -d "$NV" ] && export LD_LIBRARY_PATH=$NV/cu13/lib:$NV/nccl/lib:${LD_LIBRARY_PATH:-}
-BIN=${BIN:-.dist} W=${WORK:-/tmp/tpinfer-gpu} PY=${PY:-python3}
+# Needs 2 GPUs, torch + transformers (to make the model) and .dist/ from scripts/build/build-cuda.sh.
+. "$(dirname "$0")/env.sh"
 mkdir -p "$W"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/faults.log"; }
-[ -d "$W/m1b" ] || $PY scripts/reference_llama.py make --shape 1b --dtype f32 --out "$W/m1b" --tokenizer .dist/llama3-tokenizer > /dev/null 2>&1
+[ -d "$W/m1b" ] || $PY "$SCRIPTS/reference/reference_llama.py" make --shape 1b --dtype f32 --out "$W/m1b" --tokenizer .dist/llama3-tokenizer > /dev/null 2>&1
 [ -n "${SKIP_GENERATE:-}" ] || { log "generate --device cuda --tp 2"; timeout 120 "$BIN/tpinfer" generate --model "$W/m1b" --device cuda --tp 2 --dtype bf16 --prompt "Hello" --max-new-tokens 16 2>&1 | tail -2 | tee -a "$OUT/faults.log"; }
 for fault in oom:1:2 error:1:2 panic:0:2 exit:1:2; do
   log "fault $fault"

@@ -6,17 +6,14 @@
 # widest (at TP 1 it also checks decode attention against f32 from 1 to 4,096 keys), the builds
 # alternating, $ROUNDS times. Needs torch (for the random-weight model), the builds' binaries
 # and as many GPUs as the widest width. Results: $OUT/compare.log.
-# Examples: BINS="main=.dist/main next=.dist/next" bash scripts/gpu-decode-compare.sh
-#           TPS=1 PROMPTS="128 2000" BINS="main=.dist/main spread=.dist/spread" bash scripts/gpu-decode-compare.sh
-set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-[ -d "$NV" ] && export LD_LIBRARY_PATH=$NV/cu13/lib:$NV/nccl/lib:${LD_LIBRARY_PATH:-}
-W=${WORK:-/tmp/tpinfer-gpu} PY=${PY:-python3} TOK=${TOK:-.dist/llama3-tokenizer}
+# Examples: BINS="main=.dist/main next=.dist/next" bash scripts/gpu/decode-compare.sh
+#           TPS=1 PROMPTS="128 2000" BINS="main=.dist/main spread=.dist/spread" bash scripts/gpu/decode-compare.sh
+. "$(dirname "$0")/env.sh"
+TOK=${TOK:-.dist/llama3-tokenizer}
 mkdir -p "$W"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/compare.log"; }
 run() { log "$*"; timeout "${LIMIT:-150}" "$@" 2>&1 | grep -v " WARN \| INFO " | tee -a "$OUT/compare.log"; }
-[ -f "$W/m8b/config.json" ] || run $PY scripts/reference_llama.py make --shape 8b --dtype bf16 --out "$W/m8b" --tokenizer "$TOK"
+[ -f "$W/m8b/config.json" ] || run $PY "$SCRIPTS/reference/reference_llama.py" make --shape 8b --dtype bf16 --out "$W/m8b" --tokenizer "$TOK"
 TPS=${TPS:-1,2}
 widest=${TPS##*,}
 : "${BINS:?set BINS=\"NAME=DIR ...\"}"

@@ -34,7 +34,7 @@ impl DeviceMemory {
 pub const PLAN_TOLERANCE: f64 = 0.03;
 
 /// Warns when `measured` bytes differ from `planned` by more than [`PLAN_TOLERANCE`].
-pub(crate) fn check_against_plan(rank: usize, stage: &str, measured: u64, planned: u64) {
+fn check_against_plan(rank: usize, stage: &str, measured: u64, planned: u64) {
     let off = (measured as f64 - planned as f64) / planned.max(1) as f64;
     if off.abs() > PLAN_TOLERANCE {
         tracing::warn!(
@@ -55,9 +55,9 @@ pub(crate) fn check_against_plan(rank: usize, stage: &str, measured: u64, planne
     }
 }
 
-/// Compares the tensors a rank holds after loading with the `planned` bytes (Llama: weights,
-/// buffers, KV cache; DiT: weights).
-pub(crate) fn check_after_load(rank: usize, device: &Device, planned: u64) {
+/// Compares the tensors a rank holds after loading with the `planned` bytes (its weights and
+/// what its footprint allocates at load).
+pub fn check_after_load(rank: usize, device: &Device, planned: u64) {
     if let Some(m) = measure(device) {
         check_against_plan(rank, "tensors after loading", m.pool_reserved, planned);
         tracing::info!(
@@ -70,7 +70,7 @@ pub(crate) fn check_after_load(rank: usize, device: &Device, planned: u64) {
 
 /// Compares a DiT rank's peak device memory over its first step at the planned video size
 /// with the plan's total.
-pub(crate) fn check_after_step(rank: usize, device: &Device, plan: &RankPlan) {
+pub fn check_after_step(rank: usize, device: &Device, plan: &RankPlan) {
     if let Some(m) = measure(device) {
         check_against_plan(rank, "peak over the first step", m.peak(), plan.total());
     }
@@ -78,20 +78,11 @@ pub(crate) fn check_after_step(rank: usize, device: &Device, plan: &RankPlan) {
 
 /// Compares the rank's peak device memory over its first request with the plan for that
 /// request: the plan with the temporaries the model predicts for the request's prompt and
-/// length in place of the worst case.
-pub(crate) fn check_after_request(
-    rank: usize,
-    device: &Device,
-    plan: &RankPlan,
-    request: tpinfer_llama::memory::ForwardMemory,
-) {
+/// length (`activations`, and the `pool_slack` beside them) in place of the worst case.
+pub fn check_after_request(rank: usize, device: &Device, plan: &RankPlan, activations: u64, pool_slack: u64) {
     if let Some(m) = measure(device) {
-        let slack = if plan.allocator_slack > 0 {
-            request.pool_slack() as u64
-        } else {
-            0
-        };
-        let planned = plan.total_with(request.peak as u64, slack);
+        let slack = if plan.allocator_slack > 0 { pool_slack } else { 0 };
+        let planned = plan.total_with(activations, slack);
         check_against_plan(rank, "peak over the first request", m.peak(), planned);
     }
 }
@@ -163,12 +154,12 @@ mod cuda {
 }
 
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::{measure, reset_peak};
+pub use cuda::{measure, reset_peak};
 
 #[cfg(not(feature = "cuda"))]
-pub(crate) fn measure(_device: &Device) -> Option<DeviceMemory> {
+pub fn measure(_device: &Device) -> Option<DeviceMemory> {
     None
 }
 
 #[cfg(not(feature = "cuda"))]
-pub(crate) fn reset_peak(_device: &Device) {}
+pub fn reset_peak(_device: &Device) {}

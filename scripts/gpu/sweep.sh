@@ -4,10 +4,10 @@
 # same run. SWEEP=llama or dit picks one grid (each fits one 10-minute call at TP 1 and 2);
 # results under $OUT/sweep-$SWEEP.
 LOG=sweep.log LIMIT=${LIMIT:-560}
-. "$(dirname "$0")/gpu-wan-env.sh"
+. "$(dirname "$0")/wan-env.sh"
 case "${SWEEP:-llama}" in
   llama)
-    [ -d "$W/m8b" ] || run $PY scripts/reference_llama.py make --shape 8b --dtype bf16 --out "$W/m8b" \
+    [ -d "$W/m8b" ] || run $PY "$SCRIPTS/reference/reference_llama.py" make --shape 8b --dtype bf16 --out "$W/m8b" \
       --tokenizer .dist/llama3-tokenizer || exit 1
     cat > "$W/sweep-llama.toml" <<TOML
 [llama]

@@ -1,0 +1,33 @@
+//! The environment switches of measured alternatives: read here, in the binary, and handed to
+//! the library as options.
+
+use tpinfer_engine::{CommOptions, EngineBuilder};
+
+/// `0` turns the chained decode step off (kernels launched one after the other).
+const KERNEL_CHAINS: &str = "TPINFER_KERNEL_CHAINS";
+/// `0` keeps small all-reduces on NCCL instead of the one-kernel peer sum.
+const PEER_ALL_REDUCE: &str = "TPINFER_PEER_ALL_REDUCE";
+/// `0` keeps the sequence-parallel row exchanges on NCCL instead of the copy engines.
+const PEER_ROWS: &str = "TPINFER_PEER_ROWS";
+/// NCCL's own switch: where NCCL must not use peer access, tpinfer's paths must not either.
+const NCCL_P2P_DISABLE: &str = "NCCL_P2P_DISABLE";
+
+fn is(var: &str, value: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| v.trim() == value)
+}
+
+/// The peer paths the environment allows.
+pub fn comm_options() -> CommOptions {
+    CommOptions {
+        peer_access: !is(NCCL_P2P_DISABLE, "1"),
+        peer_all_reduce: !is(PEER_ALL_REDUCE, "0"),
+        peer_rows: !is(PEER_ROWS, "0"),
+    }
+}
+
+/// `builder` with the environment's switches.
+pub fn switches(builder: EngineBuilder) -> EngineBuilder {
+    builder
+        .comm_options(comm_options())
+        .kernel_chains(!is(KERNEL_CHAINS, "0"))
+}

@@ -1,0 +1,88 @@
+//! The model families tpinfer knows, and what a directory or preset name holds. Adding a
+//! family is one crate under `models/` and one line in [`families`].
+
+use std::path::Path;
+use std::sync::Arc;
+
+use tpinfer_family::Family;
+use tpinfer_llama::LlamaModel;
+use tpinfer_plan::{PlanError, ShardedModel};
+use tpinfer_wan::WanModel;
+
+/// What a family's models do, which decides the engine that runs them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Task {
+    /// Text generation: [`crate::Engine`].
+    Text,
+    /// Video denoising: [`crate::VideoEngine`].
+    Video,
+}
+
+/// One family as the registry lists it.
+pub struct FamilyEntry {
+    pub name: &'static str,
+    pub task: Task,
+    pub presets: &'static [&'static str],
+    detect: fn(&Path) -> bool,
+    open: fn(&Path) -> Result<Arc<dyn ShardedModel>, PlanError>,
+    preset: fn(&str) -> Option<Arc<dyn ShardedModel>>,
+}
+
+impl FamilyEntry {
+    fn of<F: Family>(task: Task) -> Self {
+        Self {
+            name: F::NAME,
+            task,
+            presets: F::PRESETS,
+            detect: F::detect,
+            open: |path| Ok(Arc::new(F::open(path)?) as Arc<dyn ShardedModel>),
+            preset: |name| F::preset(name).map(|m| Arc::new(m) as Arc<dyn ShardedModel>),
+        }
+    }
+
+    /// Whether `path` holds a model of this family.
+    pub fn detects(&self, path: &Path) -> bool {
+        (self.detect)(path)
+    }
+}
+
+/// Every family, in the order directories are tried. The last is the default for a path no
+/// family claims: its error then says what a model directory needs.
+pub fn families() -> Vec<FamilyEntry> {
+    vec![
+        FamilyEntry::of::<WanModel>(Task::Video),
+        FamilyEntry::of::<LlamaModel>(Task::Text),
+    ]
+}
+
+/// Every preset name, over all families.
+pub fn presets() -> Vec<&'static str> {
+    families().iter().flat_map(|f| f.presets.iter().copied()).collect()
+}
+
+/// The family of the model at `path`: the first that detects it, else the default.
+pub fn family_of(path: &Path) -> FamilyEntry {
+    let mut all = families();
+    let default = all.len() - 1;
+    let claimed = all.iter().position(|f| f.detects(path)).unwrap_or(default);
+    all.swap_remove(claimed)
+}
+
+/// A preset by name, or the model at a path, opened for planning (config and headers only),
+/// with the task its family does.
+pub fn open(name_or_path: &str) -> Result<(Task, Arc<dyn ShardedModel>), PlanError> {
+    for family in families() {
+        if let Some(model) = (family.preset)(name_or_path) {
+            return Ok((family.task, model));
+        }
+    }
+    let path = Path::new(name_or_path);
+    if !path.exists() {
+        return Err(PlanError::Model(format!(
+            "{name_or_path} is neither a model path nor a preset; presets: {}",
+            presets().join(", ")
+        )));
+    }
+    let family = family_of(path);
+    Ok((family.task, (family.open)(path)?))
+}

@@ -1,0 +1,82 @@
+//! The seam every model family implements, so that a family costs one crate and one line in
+//! the engine's registry.
+//!
+//! A family answers, from a directory or a preset and a TP width:
+//! - whether a directory holds one of its models ([`Family::detect`]) and its config
+//!   ([`Family::open`], [`Family::preset`]);
+//! - which tensors each rank reads and how many bytes it needs for a placement
+//!   ([`tpinfer_plan::ShardedModel`], [`tpinfer_plan::RankShard`]), which is all the planner
+//!   knows of it;
+//! - how to load one rank ([`Family::load`]), which the runtime's rank group calls on the
+//!   rank's own thread.
+//!
+//! Families know nothing of engines: the engines call the loaded ranks' forwards.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+use tpinfer_comm::Communicator;
+use tpinfer_plan::{Placement, PlanError, RankShard, ShardedModel};
+
+/// A model family: its configs, its split over ranks and its rank model.
+pub trait Family: ShardedModel + Sized + 'static {
+    /// The family's name, for messages and the registry.
+    const NAME: &'static str;
+    /// The built-in models [`Family::preset`] knows, from their published shapes.
+    const PRESETS: &'static [&'static str];
+    /// One rank's part of the model, derived once per start and handed to that rank's load.
+    type Shard: RankShard + Clone + Send + 'static;
+    /// One rank's loaded model. It lives on its rank's thread only.
+    type Rank: 'static;
+
+    /// Whether `path` holds a model of this family (from its config alone).
+    fn detect(path: &Path) -> bool;
+    /// Opens the model at `path`: its config and tensor headers, no weights.
+    fn open(path: &Path) -> Result<Self, PlanError>;
+    /// A preset by name (case-insensitive), if the family has it. A preset plans but cannot
+    /// load: it has no checkpoint.
+    fn preset(name: &str) -> Option<Self>;
+    /// Every rank's shard for `tp` ranks, in rank order (not yet checked against the
+    /// checkpoint: [`ShardedModel::check`]).
+    fn shards(&self, tp: usize) -> Result<Vec<Self::Shard>, PlanError>;
+    /// Loads `shard` on the calling rank for `placement` (the one it was planned for).
+    fn load(
+        &self,
+        shard: &Self::Shard,
+        placement: Placement,
+        ctx: &LoadContext<'_>,
+    ) -> Result<Self::Rank, tpinfer_layers::Error>;
+    /// The weight bytes a loaded rank read from the checkpoint.
+    fn bytes_loaded(rank: &Self::Rank) -> usize;
+}
+
+/// What a rank loads with: its communicator, its device, the compute dtype and the options
+/// its forward runs with.
+pub struct LoadContext<'a> {
+    pub comm: &'a Arc<dyn Communicator>,
+    pub device: &'a Device,
+    pub dtype: DType,
+    pub options: RankOptions,
+}
+
+/// How a rank's forwards run: switches for measured alternatives, chosen by the caller (the
+/// CLI fills them from its flags and environment), never read by a library.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankOptions {
+    /// Replay a decode step as a captured CUDA graph (LLMs on GPUs); off runs it kernel by
+    /// kernel.
+    pub cuda_graphs: bool,
+    /// Launch a decode step's kernels as one chain (programmatic dependent launch, Hopper
+    /// and newer): each starts while the one before it finishes.
+    pub kernel_chains: bool,
+}
+
+impl Default for RankOptions {
+    fn default() -> Self {
+        Self {
+            cuda_graphs: true,
+            kernel_chains: true,
+        }
+    }
+}

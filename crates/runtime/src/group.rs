@@ -1,0 +1,345 @@
+//! A started rank group: one thread per rank, each holding its communicator and its loaded
+//! models, running the tasks it is given in lockstep with its peers.
+
+use std::any::Any;
+use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use candle_core::Device;
+use tpinfer_comm::Communicator;
+use tpinfer_family::RankOptions;
+use tpinfer_plan::Plan;
+
+use crate::connect::{Connect, Startup};
+use crate::error::root_cause;
+use crate::{memory, DeviceMemory, RankFailure, RuntimeError, Topology};
+
+/// A loaded model's place on every rank of a group, typed by the rank model it holds.
+pub struct ModelHandle<R> {
+    index: usize,
+    _rank: PhantomData<fn() -> R>,
+}
+
+impl<R> ModelHandle<R> {
+    pub(crate) fn new(index: usize) -> Self {
+        Self {
+            index,
+            _rank: PhantomData,
+        }
+    }
+
+    /// The model's position among the group's models, in the order they were added.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+}
+
+impl<R> Clone for ModelHandle<R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<R> Copy for ModelHandle<R> {}
+
+/// What a rank is: its place in the group, its device and its communicator.
+pub struct RankEnv {
+    pub rank: usize,
+    pub world: usize,
+    pub device: Device,
+    pub comm: Arc<dyn Communicator>,
+    /// This rank's plan of each model, in the order they were added.
+    pub plans: Vec<tpinfer_plan::RankPlan>,
+}
+
+/// The models a rank holds, in the order they were added.
+pub struct Models(Vec<Box<dyn Any>>);
+
+impl Models {
+    /// The rank's model behind `handle`.
+    pub fn get_mut<R: 'static>(&mut self, handle: &ModelHandle<R>) -> Result<&mut R, RuntimeError> {
+        self.0
+            .get_mut(handle.index)
+            .and_then(|m| m.downcast_mut::<R>())
+            .ok_or(RuntimeError::WrongModel { index: handle.index })
+    }
+}
+
+/// A rank as its tasks see it.
+pub struct Rank {
+    pub env: RankEnv,
+    pub models: Models,
+}
+
+/// Whether a rank goes on serving after a task.
+#[derive(PartialEq, Eq)]
+pub(crate) enum Flow {
+    Continue,
+    Exit,
+}
+
+pub(crate) type Job = Box<dyn FnOnce(&mut Rank) -> Flow + Send>;
+
+/// Loads one model on a rank: the model and the weight bytes it read.
+pub(crate) type Loader =
+    Box<dyn FnOnce(&RankEnv, RankOptions) -> Result<(Box<dyn Any>, usize), tpinfer_layers::Error> + Send>;
+
+/// Everything a rank thread starts with.
+pub(crate) struct RankSetup {
+    pub env: (usize, usize, Device),
+    pub plans: Vec<tpinfer_plan::RankPlan>,
+    pub connect: Connect,
+    pub loaders: Vec<Loader>,
+    pub options: RankOptions,
+}
+
+/// Ranks on their threads with their models loaded. Tasks run on every rank at once, one
+/// task at a time; after a task fails, the ranks' collectives are aborted and every later
+/// task is refused with the original cause.
+pub struct RankGroup {
+    jobs: Vec<Sender<Job>>,
+    threads: Vec<JoinHandle<()>>,
+    topology: Topology,
+    plans: Vec<Plan>,
+    weight_bytes: Vec<Vec<usize>>,
+    broken: Mutex<Option<String>>,
+}
+
+impl RankGroup {
+    pub(crate) fn new(
+        jobs: Vec<Sender<Job>>,
+        threads: Vec<JoinHandle<()>>,
+        topology: Topology,
+        plans: Vec<Plan>,
+        weight_bytes: Vec<Vec<usize>>,
+    ) -> Self {
+        Self {
+            jobs,
+            threads,
+            topology,
+            plans,
+            weight_bytes,
+            broken: Mutex::new(None),
+        }
+    }
+
+    /// Runs `task` on every rank and returns each rank's value in rank order, or the root
+    /// cause among the ranks' errors (a rank that reports only a peer's failure is not one).
+    pub fn run<T, E, F>(&self, task: F) -> Result<Vec<T>, E>
+    where
+        T: Send + 'static,
+        E: RankFailure,
+        F: Fn(&mut Rank) -> Result<T, E> + Send + Sync + 'static,
+    {
+        self.submit(task).wait()
+    }
+
+    /// Starts `task` on every rank and returns at once: the caller may serve what the task
+    /// sends it meanwhile, then [`Pending::wait`]s for the ranks.
+    pub fn submit<T, E, F>(&self, task: F) -> Pending<'_, T, E>
+    where
+        T: Send + 'static,
+        E: RankFailure,
+        F: Fn(&mut Rank) -> Result<T, E> + Send + Sync + 'static,
+    {
+        let (results_tx, results) = mpsc::channel();
+        if let Some(cause) = self.broken.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Pending {
+                group: self,
+                results,
+                refused: Some(RuntimeError::Stopped(cause).into()),
+            };
+        }
+        let task = Arc::new(task);
+        for jobs in &self.jobs {
+            let (task, results) = (task.clone(), results_tx.clone());
+            let job: Job = Box::new(move |rank: &mut Rank| {
+                let r = rank.env.rank;
+                let comm = rank.env.comm.clone();
+                let outcome = guarded(r, &*comm, || task(rank));
+                let flow = match outcome.as_ref().err().and_then(RankFailure::as_runtime) {
+                    // A silent death, as a killed process: no report.
+                    Some(RuntimeError::RankExited { .. }) => return Flow::Exit,
+                    // The rank's state is unknown after a panic: it is finished.
+                    Some(RuntimeError::RankPanicked { .. }) => Flow::Exit,
+                    _ => Flow::Continue,
+                };
+                let _ = results.send((r, outcome));
+                flow
+            });
+            // A rank whose thread has ended drops the job, and its sender with it.
+            let _ = jobs.send(job);
+        }
+        Pending {
+            group: self,
+            results,
+            refused: None,
+        }
+    }
+
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    /// The plan of each model, in the order they were added.
+    pub fn plans(&self) -> &[Plan] {
+        &self.plans
+    }
+
+    /// The weight bytes each rank read for the model at `index`.
+    pub fn weight_bytes(&self, index: usize) -> Vec<usize> {
+        self.weight_bytes
+            .iter()
+            .map(|r| r.get(index).copied().unwrap_or(0))
+            .collect()
+    }
+
+    /// Each rank's device memory now, with its peak since the start; `None` for CPU ranks.
+    pub fn device_memory(&self) -> Vec<Option<DeviceMemory>> {
+        self.topology.devices().iter().map(memory::measure).collect()
+    }
+}
+
+impl Drop for RankGroup {
+    fn drop(&mut self) {
+        self.jobs.clear();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A task running on the ranks of a group.
+pub struct Pending<'a, T, E> {
+    group: &'a RankGroup,
+    results: Receiver<(usize, Result<T, E>)>,
+    /// The group had stopped: the task was not started.
+    refused: Option<E>,
+}
+
+impl<T, E: RankFailure> Pending<'_, T, E> {
+    /// Every rank's value, or the root cause among the ranks' errors, which stops the group.
+    pub fn wait(self) -> Result<Vec<T>, E> {
+        if let Some(refused) = self.refused {
+            return Err(refused);
+        }
+        collect(self.group.jobs.len(), &self.results).inspect_err(|root| {
+            *self.group.broken.lock().unwrap_or_else(|e| e.into_inner()) = Some(root.to_string());
+        })
+    }
+}
+
+/// Every rank's value of one task, or the root cause; a rank that sent nothing has exited.
+fn collect<T, E: RankFailure>(world: usize, results: &Receiver<(usize, Result<T, E>)>) -> Result<Vec<T>, E> {
+    let mut values: Vec<Option<T>> = (0..world).map(|_| None).collect();
+    let mut errors = Vec::new();
+    let mut reported = vec![false; world];
+    for (rank, outcome) in results.iter() {
+        reported[rank] = true;
+        match outcome {
+            Ok(value) => values[rank] = Some(value),
+            Err(e) => errors.push(e),
+        }
+    }
+    errors.extend(
+        (0..world)
+            .filter(|&r| !reported[r])
+            .map(|rank| RuntimeError::RankExited { rank }.into()),
+    );
+    if let Some(root) = root_cause(errors) {
+        return Err(root);
+    }
+    Ok(values.into_iter().flatten().collect())
+}
+
+/// The body of a rank thread: joins the communicator, loads every model, checks its memory
+/// against the plan and meets its peers (the health check), then runs jobs until the group
+/// is dropped.
+pub(crate) fn rank_main(setup: RankSetup, ready: Sender<Startup>, jobs: Receiver<Job>) {
+    let RankSetup {
+        env: (rank, world, device),
+        plans,
+        connect,
+        loaders,
+        options,
+    } = setup;
+    let _span = tracing::info_span!("rank", rank, world).entered();
+    let comm = match connect() {
+        Ok(comm) => comm,
+        Err(e) => {
+            let _ = ready.send(Startup::Failed(e));
+            return;
+        }
+    };
+    let _ = ready.send(Startup::Connected(rank));
+    let env = RankEnv {
+        rank,
+        world,
+        device,
+        comm,
+        plans,
+    };
+    let loaded = guarded(rank, &*env.comm.clone(), || -> Result<_, RuntimeError> {
+        let mut models = Vec::with_capacity(loaders.len());
+        let mut bytes = Vec::with_capacity(loaders.len());
+        for load in loaders {
+            let (model, read) = load(&env, options).map_err(|e| RuntimeError::of_rank(rank, e))?;
+            models.push(model);
+            bytes.push(read);
+        }
+        tracing::info!(bytes = bytes.iter().sum::<usize>(), "loaded");
+        let at_load = env.plans.iter().map(|p| p.weights + p.at_load).sum();
+        memory::check_after_load(rank, &env.device, at_load);
+        env.comm.barrier()?;
+        Ok((models, bytes))
+    });
+    let models = match loaded {
+        Ok((models, bytes)) => {
+            let _ = ready.send(Startup::Loaded(rank, bytes));
+            models
+        }
+        Err(e) => {
+            let _ = ready.send(Startup::Failed(e));
+            return;
+        }
+    };
+    drop(ready);
+    let mut rank = Rank {
+        env,
+        models: Models(models),
+    };
+    while let Ok(job) = jobs.recv() {
+        if job(&mut rank) == Flow::Exit {
+            return;
+        }
+    }
+}
+
+/// Runs `f`, turning a panic into an error, and on any failure tells the peers, so that none
+/// of them waits for this rank.
+pub(crate) fn guarded<T, E: RankFailure>(
+    rank: usize,
+    comm: &dyn Communicator,
+    f: impl FnOnce() -> Result<T, E>,
+) -> Result<T, E> {
+    let outcome = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string());
+        Err(RuntimeError::RankPanicked { rank, message }.into())
+    });
+    if let Err(e) = &outcome {
+        let quiet = e
+            .as_runtime()
+            .is_some_and(|r| r.is_peer_report() || matches!(r, RuntimeError::RankExited { .. }));
+        if !quiet {
+            comm.abort(&e.to_string());
+        }
+    }
+    outcome
+}

@@ -1,0 +1,246 @@
+//! Starting a rank group: every model split once and planned, the budget checked before any
+//! rank allocates or joins NCCL, then the ranks spawned, connected, loaded and checked.
+
+use std::any::Any;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::DType;
+use tpinfer_comm::CommOptions;
+use tpinfer_family::{Family, LoadContext, RankOptions};
+use tpinfer_plan::{gib, over_budget_message, Placement, Plan, PlanError, RankShard, ShardedModel};
+
+use crate::connect::{await_startup, connectors};
+use crate::group::{rank_main, Loader, RankSetup};
+use crate::{memory, ModelHandle, RankGroup, RuntimeError, Topology};
+
+/// How a group starts and how its ranks run.
+#[derive(Debug, Clone)]
+pub struct GroupOptions {
+    /// How long a rank waits for its peers in a collective before it reports them.
+    pub comm_timeout: Duration,
+    /// How long the ranks may take to form their communicator (NCCL init).
+    pub init_timeout: Duration,
+    /// The device memory each rank may use; on GPUs also at most each device's free memory
+    /// less a 2% margin.
+    pub gpu_mem: Option<u64>,
+    pub comm: CommOptions,
+    pub rank: RankOptions,
+}
+
+impl Default for GroupOptions {
+    fn default() -> Self {
+        Self {
+            comm_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
+            init_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
+            gpu_mem: None,
+            comm: CommOptions::default(),
+            rank: RankOptions::default(),
+        }
+    }
+}
+
+/// One model on its way onto the ranks.
+struct Slot {
+    model: Arc<dyn ShardedModel>,
+    dtype: DType,
+    plan: Plan,
+    /// One loader per rank, each holding that rank's shard.
+    loaders: Vec<Loader>,
+}
+
+/// The models a group will hold, split and planned, before any rank exists.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use tpinfer_family::Family;
+/// use tpinfer_runtime::{DeviceKind, GroupOptions, Launch, RuntimeError, Topology};
+///
+/// /// Loads `model` on two CPU ranks and asks each rank for its index.
+/// fn ranks_of<F: Family>(model: Arc<F>) -> Result<Vec<usize>, RuntimeError> {
+///     let mut launch = Launch::new(Topology::new(2, &DeviceKind::Cpu)?, GroupOptions::default());
+///     let placement = model.default_placement();
+///     let handle = launch.add(model, candle_core::DType::F32, placement)?;
+///     let group = launch.start()?;
+///     group.run(move |rank| -> Result<usize, RuntimeError> {
+///         let _model: &mut F::Rank = rank.models.get_mut(&handle)?;
+///         Ok(rank.env.rank)
+///     })
+/// }
+/// ```
+pub struct Launch {
+    topology: Topology,
+    options: GroupOptions,
+    slots: Vec<Slot>,
+}
+
+impl Launch {
+    pub fn new(topology: Topology, options: GroupOptions) -> Self {
+        Self {
+            topology,
+            options,
+            slots: Vec::new(),
+        }
+    }
+
+    /// Adds `model` in `dtype` for `placement`: splits it over the ranks once (checked against
+    /// its checkpoint's headers) and plans every rank.
+    pub fn add<F: Family>(
+        &mut self,
+        model: Arc<F>,
+        dtype: DType,
+        placement: Placement,
+    ) -> Result<ModelHandle<F::Rank>, RuntimeError> {
+        let tp = self.topology.width();
+        let shards = model.shards(tp).map_err(plan_error)?;
+        for shard in &shards {
+            model.check(shard.weight_decls()).map_err(plan_error)?;
+        }
+        let refs: Vec<&dyn RankShard> = shards.iter().map(|s| s as &dyn RankShard).collect();
+        let plan = Plan::for_shards(&*model, &refs, dtype, placement, self.topology.profile()).map_err(plan_error)?;
+        let loaders = shards
+            .into_iter()
+            .map(|shard| {
+                let model = model.clone();
+                Box::new(move |env: &crate::RankEnv, options: RankOptions| {
+                    let ctx = LoadContext {
+                        comm: &env.comm,
+                        device: &env.device,
+                        dtype,
+                        options,
+                    };
+                    let rank = model.load(&shard, placement, &ctx)?;
+                    let bytes = F::bytes_loaded(&rank);
+                    Ok((Box::new(rank) as Box<dyn Any>, bytes))
+                }) as Loader
+            })
+            .collect();
+        self.slots.push(Slot {
+            model,
+            dtype,
+            plan,
+            loaders,
+        });
+        Ok(ModelHandle::new(self.slots.len() - 1))
+    }
+
+    /// The plan of each model added so far.
+    pub fn plans(&self) -> impl Iterator<Item = &Plan> {
+        self.slots.iter().map(|s| &s.plan)
+    }
+
+    /// Refuses a placement over budget, then spawns one thread per rank, builds the
+    /// communicators, loads every model on every rank and checks the ranks' health. Fails
+    /// with the root cause among the ranks' errors.
+    pub fn start(self) -> Result<RankGroup, RuntimeError> {
+        self.check_budget()?;
+        let Self {
+            topology,
+            options,
+            slots,
+        } = self;
+        let tp = topology.width();
+        topology.devices().iter().for_each(memory::reset_peak);
+        let connectors = connectors(topology.devices(), options.comm_timeout, options.comm)?;
+        let mut per_rank: Vec<(Vec<Loader>, Vec<tpinfer_plan::RankPlan>)> =
+            (0..tp).map(|_| (Vec::new(), Vec::new())).collect();
+        let mut plans = Vec::with_capacity(slots.len());
+        for slot in slots {
+            for (rank, loader) in slot.loaders.into_iter().enumerate() {
+                per_rank[rank].0.push(loader);
+                per_rank[rank].1.push(slot.plan.ranks[rank]);
+            }
+            plans.push(slot.plan);
+        }
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let (mut jobs, mut threads) = (Vec::with_capacity(tp), Vec::with_capacity(tp));
+        for (rank, (connect, (loaders, rank_plans))) in connectors.into_iter().zip(per_rank).enumerate() {
+            let (job_tx, job_rx) = mpsc::channel();
+            let setup = RankSetup {
+                env: (rank, tp, topology.devices()[rank].clone()),
+                plans: rank_plans,
+                connect,
+                loaders,
+                options: options.rank,
+            };
+            let ready = ready_tx.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("tpinfer-rank-{rank}"))
+                .spawn(move || rank_main(setup, ready, job_rx))
+                .map_err(|e| RuntimeError::Device {
+                    rank,
+                    detail: format!("cannot start the rank's thread: {e}"),
+                })?;
+            jobs.push(job_tx);
+            threads.push(thread);
+        }
+        drop(ready_tx);
+        // Ranks still blocked in communicator init cannot be joined; on a failure the others
+        // exit once their job channels close, and nothing waits for them.
+        let weight_bytes = await_startup(&ready_rx, tp, options.init_timeout)?;
+        Ok(RankGroup::new(jobs, threads, topology, plans, weight_bytes))
+    }
+
+    /// Plans every rank's device bytes and refuses a placement over budget, before any rank
+    /// allocates or joins NCCL. The budget is `gpu_mem`, and on GPUs at most each device's
+    /// free memory (which already excludes the CUDA context this process created) less a 2%
+    /// margin. Models held together keep their weights, buffers and caches resident and
+    /// run one at a time: their temporaries do not add up.
+    fn check_budget(&self) -> Result<(), RuntimeError> {
+        let profile = self.topology.profile();
+        for (rank, device) in self.topology.devices().iter().enumerate() {
+            let free =
+                memory::measure(device).map(|m| (m.free() + profile.context_reserve).saturating_sub(m.total / 50));
+            let budget = match (self.options.gpu_mem, free) {
+                (Some(given), Some(free)) => given.min(free),
+                (Some(given), None) => given,
+                (None, Some(free)) => free,
+                (None, None) => continue,
+            };
+            let needed = self.rank_total(rank);
+            if needed <= budget {
+                continue;
+            }
+            let mut message = match self.slots.as_slice() {
+                [one] => over_budget_message(&*one.model, &one.plan, one.dtype, budget),
+                all => format!(
+                    "rank {rank} needs {:.2} GiB for {} but {:.2} GiB is available per GPU",
+                    gib(needed),
+                    all.iter().map(|s| s.model.name()).collect::<Vec<_>>().join(" + "),
+                    gib(budget)
+                ),
+            };
+            if free == Some(budget) {
+                message.push_str(&format!(
+                    " (the budget is rank {rank}'s free device memory less a 2% margin; other processes on the GPU \
+                     show in `nvidia-smi`)"
+                ));
+            }
+            return Err(RuntimeError::OverBudget(message));
+        }
+        Ok(())
+    }
+
+    /// A rank's bytes for every model: each one's resident bytes, the largest temporaries
+    /// of any, and the device's own reserves once.
+    fn rank_total(&self, rank: usize) -> u64 {
+        let plans = self.slots.iter().map(|s| &s.plan.ranks[rank]);
+        let resident: u64 = plans.clone().map(|r| r.weights + r.buffers + r.cache).sum();
+        let temporaries = plans
+            .clone()
+            .map(|r| r.activations + r.allocator_slack)
+            .max()
+            .unwrap_or(0);
+        let reserves = plans.map(|r| r.workspace + r.context).max().unwrap_or(0);
+        resident + temporaries + reserves
+    }
+}
+
+fn plan_error(e: PlanError) -> RuntimeError {
+    match e {
+        PlanError::Sharding { tp, detail } => RuntimeError::Sharding { tp, detail },
+        PlanError::Model(detail) => RuntimeError::Model(detail),
+        PlanError::Placement(detail) => RuntimeError::Plan(detail),
+    }
+}

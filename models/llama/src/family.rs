@@ -1,0 +1,253 @@
+//! Llama as a [`Family`]: presets, the split over ranks, each rank's footprint and its load.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::DType;
+use tpinfer_family::{Family, LoadContext};
+use tpinfer_plan::{
+    boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
+};
+use tpinfer_weights::WeightDecl;
+
+use crate::memory::{flash_attention, prefill_chunk, RankMemory};
+use crate::{CheckpointError, LlamaCheckpoint, LlamaConfig, LlamaRank, LlamaShard};
+
+/// A Llama model to plan or load: a preset's config, or an opened checkpoint.
+#[derive(Clone)]
+pub struct LlamaModel {
+    name: String,
+    config: Arc<LlamaConfig>,
+    checkpoint: Option<Arc<LlamaCheckpoint>>,
+}
+
+/// One rank's part of a Llama model: its heads, FFN columns and vocabulary rows, with the
+/// tensors it reads.
+#[derive(Clone)]
+pub struct LlamaRankShard {
+    pub shard: LlamaShard,
+    config: Arc<LlamaConfig>,
+    decls: Arc<[WeightDecl]>,
+}
+
+impl LlamaModel {
+    /// Opens a Hugging Face directory or a GGUF file (config and headers only).
+    pub fn open_checkpoint(path: &Path) -> Result<Self, CheckpointError> {
+        Ok(Self::from_checkpoint(
+            path.display().to_string(),
+            Arc::new(LlamaCheckpoint::open(path)?),
+        ))
+    }
+
+    /// A model already opened for loading.
+    pub fn from_checkpoint(name: impl Into<String>, checkpoint: Arc<LlamaCheckpoint>) -> Self {
+        Self {
+            name: name.into(),
+            config: Arc::new(checkpoint.config.clone()),
+            checkpoint: Some(checkpoint),
+        }
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The opened checkpoint; `None` for a preset.
+    pub fn checkpoint(&self) -> Option<&Arc<LlamaCheckpoint>> {
+        self.checkpoint.as_ref()
+    }
+}
+
+impl ShardedModel for LlamaModel {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn max_tp(&self) -> usize {
+        self.config.num_attention_heads
+    }
+
+    fn default_dtype(&self) -> DType {
+        self.config.dtype.unwrap_or(DType::BF16)
+    }
+
+    /// 8192 positions, at most the model's.
+    fn default_placement(&self) -> Placement {
+        Placement::Llm {
+            max_context: self.config.max_position_embeddings.min(8192),
+            batch: 1,
+        }
+    }
+
+    fn max_context(&self) -> Option<usize> {
+        Some(self.config.max_position_embeddings)
+    }
+
+    fn rank_shards(&self, tp: usize) -> Result<Vec<Box<dyn RankShard>>, PlanError> {
+        Ok(boxed_shards(self.shards(tp)?))
+    }
+
+    fn check(&self, decls: &[WeightDecl]) -> Result<(), PlanError> {
+        match &self.checkpoint {
+            Some(checkpoint) => checkpoint
+                .check_decls(decls)
+                .map_err(|e| PlanError::Model(e.to_string())),
+            None => Ok(()),
+        }
+    }
+
+    fn fsdp_unit(&self, tensor: &str) -> Option<String> {
+        numbered_unit(tensor, crate::shard::names::LAYERS)
+    }
+}
+
+impl RankShard for LlamaRankShard {
+    fn weight_decls(&self) -> &[WeightDecl] {
+        &self.decls
+    }
+
+    fn footprint(&self, dtype: DType, placement: Placement, accelerator: Accelerator) -> Result<Footprint, PlanError> {
+        let Placement::Llm { max_context, batch } = placement else {
+            return Err(PlanError::Placement(
+                "--frames and --size are for video DiT models; give an LLM --max-context".into(),
+            ));
+        };
+        let config = &self.config;
+        if max_context == 0 || max_context > config.max_position_embeddings {
+            return Err(PlanError::Placement(format!(
+                "--max-context {max_context} must be between 1 and the model's {} positions",
+                config.max_position_embeddings
+            )));
+        }
+        if batch == 0 {
+            return Err(PlanError::Placement("--batch must be at least 1".into()));
+        }
+        let flash = flash_attention(accelerator == Accelerator::Cuda, dtype, config.head_dim, &self.shard);
+        let chunk = prefill_chunk(self.shard.heads.q_heads.len(), max_context, flash);
+        let m = RankMemory::batched(config, &self.shard, dtype, max_context, chunk, batch, flash);
+        Ok(Footprint {
+            buffers: m.buffers as u64,
+            cache: m.kv_cache as u64,
+            activations: m.activations as u64,
+            pool_slack: m.pool_slack as u64,
+            // Rotary tables and the KV cache are allocated at load, for the whole context.
+            at_load: (m.buffers + m.kv_cache) as u64,
+            tokens_per_forward: chunk,
+        })
+    }
+}
+
+impl Family for LlamaModel {
+    const NAME: &'static str = "llama";
+    const PRESETS: &'static [&'static str] = &["llama-3-8b", "llama-3-70b", "llama-3.2-1b", "llama-3.2-3b"];
+    type Shard = LlamaRankShard;
+    type Rank = LlamaRank;
+
+    /// A GGUF file, or a directory whose `config.json` has a transformer LM's `hidden_size`.
+    fn detect(path: &Path) -> bool {
+        match path.is_file() {
+            true => path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")),
+            false => std::fs::read_to_string(path.join("config.json")).is_ok_and(|t| t.contains("\"hidden_size\"")),
+        }
+    }
+
+    fn open(path: &Path) -> Result<Self, PlanError> {
+        Self::open_checkpoint(path).map_err(|e| PlanError::Model(e.to_string()))
+    }
+
+    fn preset(name: &str) -> Option<Self> {
+        let json = match name.to_ascii_lowercase().as_str() {
+            "llama-3-8b" => LLAMA_3_8B,
+            "llama-3-70b" => LLAMA_3_70B,
+            "llama-3.2-1b" => LLAMA_32_1B,
+            "llama-3.2-3b" => LLAMA_32_3B,
+            _ => return None,
+        };
+        // The presets are constants of this file, parsed by its tests.
+        let config = LlamaConfig::from_json(json, name).ok()?;
+        Some(Self {
+            name: name.to_string(),
+            config: Arc::new(config),
+            checkpoint: None,
+        })
+    }
+
+    fn shards(&self, tp: usize) -> Result<Vec<LlamaRankShard>, PlanError> {
+        (0..tp)
+            .map(|rank| {
+                let shard = LlamaShard::new(&self.config, tp, rank).map_err(|e| PlanError::Sharding {
+                    tp,
+                    detail: e.to_string(),
+                })?;
+                let decls = shard.weight_decls(&self.config).into();
+                Ok(LlamaRankShard {
+                    shard,
+                    config: self.config.clone(),
+                    decls,
+                })
+            })
+            .collect()
+    }
+
+    fn load(
+        &self,
+        shard: &LlamaRankShard,
+        placement: Placement,
+        ctx: &LoadContext<'_>,
+    ) -> Result<LlamaRank, tpinfer_layers::Error> {
+        let checkpoint = self.checkpoint.as_ref().ok_or_else(|| {
+            tpinfer_layers::Error::Shard(format!("{} is a preset: it has no weights to load", self.name))
+        })?;
+        let Placement::Llm { max_context, .. } = placement else {
+            return Err(tpinfer_layers::Error::Shard(
+                "a Llama model is placed with a context length".into(),
+            ));
+        };
+        let mut rank = LlamaRank::load(
+            checkpoint,
+            shard.shard.clone(),
+            ctx.comm.clone(),
+            ctx.dtype,
+            ctx.device,
+            max_context,
+        )?;
+        rank.set_cuda_graphs(ctx.options.cuda_graphs)?;
+        rank.set_kernel_chains(ctx.options.kernel_chains);
+        Ok(rank)
+    }
+
+    fn bytes_loaded(rank: &LlamaRank) -> usize {
+        rank.bytes_loaded()
+    }
+}
+
+// Published shapes (Hugging Face config.json of meta-llama's models, bf16).
+const LLAMA_3_8B: &str = r#"{"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+ "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+ "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#;
+const LLAMA_3_70B: &str = r#"{"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+ "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+ "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#;
+const LLAMA_32_1B: &str = r#"{"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+ "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+ "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+ "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+ "original_max_position_embeddings": 8192}}"#;
+const LLAMA_32_3B: &str = r#"{"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+ "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+ "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+ "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+ "original_max_position_embeddings": 8192}}"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_preset_parses() {
+        for name in LlamaModel::PRESETS {
+            assert!(LlamaModel::preset(name).is_some(), "{name}");
+        }
+        assert!(LlamaModel::preset("wan2.1-t2v-14b").is_none());
+    }
+}

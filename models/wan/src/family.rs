@@ -1,0 +1,206 @@
+//! The Wan DiT as a [`Family`]: presets, the split over ranks, each rank's footprint and its
+//! load.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::DType;
+use tpinfer_family::{Family, LoadContext};
+use tpinfer_plan::{
+    boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
+};
+use tpinfer_weights::{ShardLoader, WeightDecl};
+
+use crate::memory::{DitMemory, ForwardPath, Video};
+use crate::{WanCheckpoint, WanCheckpointError, WanConfig, WanRank, WanShard};
+
+/// A Wan DiT to plan or load: a preset's config, or an opened checkpoint.
+#[derive(Clone)]
+pub struct WanModel {
+    name: String,
+    config: Arc<WanConfig>,
+    checkpoint: Option<Arc<WanCheckpoint>>,
+}
+
+/// One rank's part of a Wan DiT: its heads and FFN columns, with the tensors it reads.
+#[derive(Clone)]
+pub struct WanRankShard {
+    pub shard: WanShard,
+    config: Arc<WanConfig>,
+    decls: Arc<[WeightDecl]>,
+}
+
+impl WanModel {
+    /// Opens a diffusers transformer directory (or an original Wan checkpoint's): config and
+    /// headers only.
+    pub fn open_checkpoint(dir: &Path) -> Result<Self, WanCheckpointError> {
+        let checkpoint = WanCheckpoint::open(dir)?;
+        Ok(Self {
+            name: dir.display().to_string(),
+            config: Arc::new(checkpoint.config.clone()),
+            checkpoint: Some(Arc::new(checkpoint)),
+        })
+    }
+
+    pub fn config(&self) -> &WanConfig {
+        &self.config
+    }
+
+    fn from_config(name: &str, config: WanConfig) -> Self {
+        Self {
+            name: name.to_string(),
+            config: Arc::new(config),
+            checkpoint: None,
+        }
+    }
+}
+
+impl ShardedModel for WanModel {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn max_tp(&self) -> usize {
+        self.config.num_attention_heads
+    }
+
+    fn default_dtype(&self) -> DType {
+        DType::BF16
+    }
+
+    /// 81 frames at 832 × 480, with guidance.
+    fn default_placement(&self) -> Placement {
+        Placement::Dit {
+            frames: 81,
+            width: 832,
+            height: 480,
+            cfg: true,
+        }
+    }
+
+    fn rank_shards(&self, tp: usize) -> Result<Vec<Box<dyn RankShard>>, PlanError> {
+        Ok(boxed_shards(self.shards(tp)?))
+    }
+
+    /// Names and shapes of what the rank reads; tensors no layer reads are left alone, as
+    /// loading always did.
+    fn check(&self, decls: &[WeightDecl]) -> Result<(), PlanError> {
+        match &self.checkpoint {
+            Some(checkpoint) => {
+                ShardLoader::check(&*checkpoint.store, decls, &|_| true).map_err(|e| PlanError::Model(e.to_string()))
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn fsdp_unit(&self, tensor: &str) -> Option<String> {
+        numbered_unit(tensor, "blocks.")
+    }
+}
+
+impl RankShard for WanRankShard {
+    fn weight_decls(&self) -> &[WeightDecl] {
+        &self.decls
+    }
+
+    fn footprint(&self, dtype: DType, placement: Placement, accelerator: Accelerator) -> Result<Footprint, PlanError> {
+        let Placement::Dit {
+            frames,
+            width,
+            height,
+            cfg,
+        } = placement
+        else {
+            return Err(PlanError::Placement(
+                "--max-context is for LLMs; give a video DiT --frames and --size".into(),
+            ));
+        };
+        if frames % 4 != 1 || width % 16 != 0 || height % 16 != 0 || width == 0 || height == 0 {
+            return Err(PlanError::Placement(format!(
+                "--frames {frames} --size {width}x{height}: frames must be 4k + 1 (e.g. 21, 41, 81) and the size \
+                 multiples of 16 (e.g. 832x480, 1280x720)"
+            )));
+        }
+        let c = &self.config;
+        let video = Video {
+            frames,
+            width,
+            height,
+            cfg,
+        };
+        let path = ForwardPath::for_device(accelerator == Accelerator::Cuda, dtype, c.attention_head_dim);
+        let m = DitMemory::new(c, &self.shard, dtype, video, path);
+        Ok(Footprint {
+            buffers: m.buffers as u64,
+            cache: m.latents as u64,
+            activations: m.activations as u64,
+            pool_slack: m.pool_slack as u64,
+            // Latents and text states are made by a request, not at load.
+            at_load: 0,
+            tokens_per_forward: c.video_tokens(frames, width, height),
+        })
+    }
+}
+
+impl Family for WanModel {
+    const NAME: &'static str = "wan-dit";
+    const PRESETS: &'static [&'static str] = &["wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-s2v-14b"];
+    type Shard = WanRankShard;
+    type Rank = WanRank;
+
+    fn detect(path: &Path) -> bool {
+        path.is_dir() && WanCheckpoint::is_wan_dir(path)
+    }
+
+    fn open(path: &Path) -> Result<Self, PlanError> {
+        Self::open_checkpoint(path).map_err(|e| PlanError::Model(e.to_string()))
+    }
+
+    fn preset(name: &str) -> Option<Self> {
+        let config = match name.to_ascii_lowercase().as_str() {
+            "wan2.1-t2v-1.3b" => WanConfig::wan21_t2v_1_3b(),
+            "wan2.1-t2v-14b" => WanConfig::wan21_t2v_14b(),
+            "wan2.2-s2v-14b" => WanConfig::wan22_s2v_14b(),
+            _ => return None,
+        };
+        Some(Self::from_config(name, config))
+    }
+
+    fn shards(&self, tp: usize) -> Result<Vec<WanRankShard>, PlanError> {
+        (0..tp)
+            .map(|rank| {
+                let shard =
+                    WanShard::new(&self.config, tp, rank).map_err(|detail| PlanError::Sharding { tp, detail })?;
+                let decls: Arc<[WeightDecl]> = shard.weight_decls(&self.config).into();
+                Ok(WanRankShard {
+                    shard,
+                    config: self.config.clone(),
+                    decls,
+                })
+            })
+            .collect()
+    }
+
+    fn load(
+        &self,
+        shard: &WanRankShard,
+        _placement: Placement,
+        ctx: &LoadContext<'_>,
+    ) -> Result<WanRank, tpinfer_layers::Error> {
+        let checkpoint = self.checkpoint.as_ref().ok_or_else(|| {
+            tpinfer_layers::Error::Shard(format!("{} is a preset: it has no weights to load", self.name))
+        })?;
+        WanRank::load(
+            &self.config,
+            &*checkpoint.store,
+            shard.shard.clone(),
+            ctx.comm.clone(),
+            ctx.dtype,
+            ctx.device,
+        )
+    }
+
+    fn bytes_loaded(rank: &WanRank) -> usize {
+        rank.bytes_loaded()
+    }
+}
