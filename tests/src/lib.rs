@@ -16,7 +16,9 @@ use serde_json::json;
 use tpinfer_comm::{Communicator, ThreadGroup};
 use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
 
+mod umt5;
 mod wan;
+pub use umt5::TinyUmt5;
 pub use wan::{open_wan, run_wan, wan_inputs, TinyWan};
 
 /// The shape of a tiny Llama.

@@ -195,9 +195,17 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
     if let Some(bytes) = args.gpu_mem {
         builder = builder.gpu_mem(bytes);
     }
-    if tpinfer_engine::registry::family_of(&args.model).task == Task::Video {
-        video::generate_video(builder, &args.video, args.seed)?;
-        return Ok(ExitCode::SUCCESS);
+    match tpinfer_engine::registry::family_of(&args.model).task {
+        Task::Video => {
+            video::generate_video(builder, &args.video, args.seed)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        Task::TextEncoder => bail!(
+            "{} is a umT5 text encoder, one stage of a video pipeline: `tpinfer plan --model` plans it; to \
+             generate, give a Wan transformer directory with --text-embeds",
+            args.model.display()
+        ),
+        Task::Text => {}
     }
     let Some(prompt) = args.prompt else {
         bail!("--prompt is required for a language model");

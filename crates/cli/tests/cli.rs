@@ -369,3 +369,33 @@ fn bad_video_inputs_exit_non_zero_with_the_cause() {
         "the output folder must be checked before any step"
     );
 }
+
+#[test]
+fn a_text_encoder_plans_and_is_not_run_alone() {
+    let out = json(&plan(&[
+        "--model",
+        "umt5-xxl",
+        "--tp",
+        "2",
+        "--gpu-mem",
+        "24GiB",
+        "--json",
+    ]));
+    assert_eq!(out["fits"], true);
+    assert_eq!(out["plan"]["tokens_per_forward"], 512);
+    let dir = tempfile::tempdir().expect("tempdir");
+    tpinfer_tests::TinyUmt5::default().write(dir.path());
+    let path = dir.path().to_str().expect("utf8");
+    let planned = json(&plan(&[
+        "--model",
+        path,
+        "--tp",
+        "3",
+        "--gpu-mem",
+        "1GiB",
+        "--cpu",
+        "--json",
+    ]));
+    assert_eq!(planned["rank_totals"].as_array().map(Vec::len), Some(3));
+    assert_fails_with(&generate(dir.path(), &[]), &["umT5 text encoder", "--text-embeds"]);
+}

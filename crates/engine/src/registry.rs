@@ -7,6 +7,7 @@ use std::sync::Arc;
 use tpinfer_family::Family;
 use tpinfer_llama::LlamaModel;
 use tpinfer_plan::{PlanError, ShardedModel};
+use tpinfer_umt5::Umt5Model;
 use tpinfer_wan::WanModel;
 
 /// What a family's models do, which decides the engine that runs them.
@@ -16,6 +17,9 @@ pub enum Task {
     Text,
     /// Video denoising: [`crate::VideoEngine`].
     Video,
+    /// A text encoder: one stage of a video pipeline, planned and loaded on its ranks, not
+    /// run alone.
+    TextEncoder,
 }
 
 /// One family as the registry lists it.
@@ -51,6 +55,7 @@ impl FamilyEntry {
 pub fn families() -> Vec<FamilyEntry> {
     vec![
         FamilyEntry::of::<WanModel>(Task::Video),
+        FamilyEntry::of::<Umt5Model>(Task::TextEncoder),
         FamilyEntry::of::<LlamaModel>(Task::Text),
     ]
 }
