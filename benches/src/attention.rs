@@ -122,6 +122,8 @@ struct Call {
     causal: bool,
     /// A `cached` case's position of the first query.
     position: Option<Tensor>,
+    /// The decode kernel's partials, for a cached call of one query.
+    scratch: tpinfer_kernels::DecodeScratch,
 }
 
 impl Call {
@@ -134,6 +136,7 @@ impl Call {
                 scale,
                 causal,
                 position: None,
+                scratch: tpinfer_kernels::DecodeScratch::new(),
             });
         }
         let spare = Tensor::full(f32::NAN, (SPARE_SLOTS, c.kv_heads, c.head_dim), k.device())?.to_dtype(DType::BF16)?;
@@ -145,12 +148,15 @@ impl Call {
             scale,
             causal,
             position: Some(position),
+            scratch: tpinfer_kernels::DecodeScratch::new(),
         })
     }
 
     fn run(&self, q: &Tensor) -> Result<Tensor> {
         Ok(match &self.position {
-            Some(position) => tpinfer_kernels::flash_attention_cached(q, &self.k, &self.v, position, self.scale)?,
+            Some(position) => {
+                tpinfer_kernels::flash_attention_cached(q, &self.k, &self.v, position, self.scale, &self.scratch)?
+            }
             None => tpinfer_kernels::flash_attention(q, &self.k, &self.v, self.scale, self.causal)?,
         })
     }

@@ -523,6 +523,8 @@ fn decode_attention(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfi
     let q = Tensor::randn(0f32, 1.0, (1, heads, d), device)?.to_dtype(dtype)?;
     let k = Tensor::randn(0f32, 1.0, (capacity, kv_heads, d), device)?.to_dtype(dtype)?;
     let v = Tensor::randn(0f32, 1.0, (capacity, kv_heads, d), device)?.to_dtype(dtype)?;
+    // One scratch for every length, as a rank's model holds one for all its layers.
+    let scratch = tpinfer_kernels::DecodeScratch::new();
     // Lengths either side of one tile, of one cluster of slices (8 × 64 keys) and of the most
     // slices: each merge path of the split kernel.
     for filled in [1, 64, 65, 256, 512, 513, 2048, 4096] {
@@ -534,7 +536,7 @@ fn decode_attention(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfi
                 tpinfer_kernels::flash_attention(&q, &keys(&k)?, &keys(&v)?, scale, true)
             }),
             ("cache kernel (split-KV on CUDA)", &|| {
-                tpinfer_kernels::flash_attention_cached(&q, &k, &v, &position, scale)
+                tpinfer_kernels::flash_attention_cached(&q, &k, &v, &position, scale, &scratch)
             }),
         ];
         for (kernel, f) in kernels {

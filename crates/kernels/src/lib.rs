@@ -83,13 +83,39 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: b
     attention(q, k, v, scale, causal, None)
 }
 
+/// The split-KV decode kernel's working memory: its softmax partials and a merge counter per
+/// KV head. A rank owns one and passes it to each cached attention of its model: one set
+/// serves every layer and every captured graph of the rank (its kernels run in stream order).
+/// Allocated by the first decode that runs eagerly and grown by a larger one; a captured graph
+/// keeps its addresses, so it lives as long as the rank's model. CPU ranks take one alike and
+/// never allocate it.
+#[derive(Default)]
+pub struct DecodeScratch {
+    #[cfg(feature = "cuda")]
+    buffers: std::cell::RefCell<Vec<cuda::ScratchBuffers>>,
+}
+
+impl DecodeScratch {
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
 /// Causal [`flash_attention`] of the queries at positions `position..position + q_len` over
 /// a KV cache's full capacity `k`, `v` `[capacity, kv_heads, d]`, of which the first
 /// `position + q_len` slots count. The position (a one-element u32 tensor, see
 /// [`write_u32s`]) is read when the kernel runs, so the call's shapes do not depend on it: a
 /// decode step captured as a CUDA graph replays at every position. The caller checks that the
-/// queries fit the cache; CPU tensors are checked again here.
-pub fn flash_attention_cached(q: &Tensor, k: &Tensor, v: &Tensor, position: &Tensor, scale: f64) -> Result<Tensor> {
+/// queries fit the cache; CPU tensors are checked again here. One query on CUDA runs the
+/// split-KV decode kernel in `scratch`.
+pub fn flash_attention_cached(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    position: &Tensor,
+    scale: f64,
+    scratch: &DecodeScratch,
+) -> Result<Tensor> {
     position::check(position, q, "flash attention")?;
     if q.device().is_cpu() {
         let (at, queries, slots) = (position::on_host(position)?, q.dim(0)?, k.dim(0)?);
@@ -97,7 +123,7 @@ pub fn flash_attention_cached(q: &Tensor, k: &Tensor, v: &Tensor, position: &Ten
             candle_core::bail!("flash attention: {queries} queries at position {at} exceed the cache's {slots} slots");
         }
     }
-    attention(q, k, v, scale, true, Some(position.clone()))
+    attention(q, k, v, scale, true, Some((position.clone(), scratch)))
 }
 
 /// [`flash_attention_cached`] of one query row written into `out` (`heads · d` elements,
@@ -109,6 +135,7 @@ pub fn flash_attention_cached_into(
     v: &Tensor,
     position: &Tensor,
     scale: f64,
+    scratch: &DecodeScratch,
     out: &Tensor,
 ) -> Result<()> {
     #[cfg(feature = "cuda")]
@@ -121,6 +148,7 @@ pub fn flash_attention_cached_into(
             scale,
             causal: true,
             position: Some(position.clone()),
+            scratch: Some(scratch),
         };
         let ((qs, ql), (ks, kl), (vs, vl)) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
         if let (candle_core::Storage::Cuda(qs), candle_core::Storage::Cuda(ks), candle_core::Storage::Cuda(vs)) =
@@ -134,11 +162,20 @@ pub fn flash_attention_cached_into(
             }
         }
     }
-    let y = flash_attention_cached(q, k, v, position, scale)?;
+    let y = flash_attention_cached(q, k, v, position, scale, scratch)?;
     out.slice_set(&y.reshape(out.shape())?, 0, 0)
 }
 
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, position: Option<Tensor>) -> Result<Tensor> {
+/// `cached`: the position of the first query in a cache of the keys' full capacity, and the
+/// decode kernel's scratch.
+fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+    cached: Option<(Tensor, &DecodeScratch)>,
+) -> Result<Tensor> {
     let (q_len, heads, d) = q.dims3()?;
     let (kv_len, kv_heads, kd) = k.dims3()?;
     if v.dims() != k.dims() || kd != d || kv_heads == 0 || heads % kv_heads != 0 || kv_len < q_len && causal {
@@ -161,6 +198,7 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, posit
     if q_len == 0 {
         return q.contiguous();
     }
+    let (position, scratch) = cached.unzip();
     q.apply_op3_no_bwd(
         k,
         v,
@@ -168,18 +206,22 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool, posit
             scale,
             causal,
             position,
+            scratch,
         },
     )
 }
 
-struct FlashAttention {
+struct FlashAttention<'a> {
     scale: f64,
     causal: bool,
     /// With a cache's full capacity as K and V: the position of the first query.
     position: Option<Tensor>,
+    /// Where the decode kernel keeps its partials (cached attention only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    scratch: Option<&'a DecodeScratch>,
 }
 
-impl candle_core::CustomOp3 for FlashAttention {
+impl candle_core::CustomOp3 for FlashAttention<'_> {
     fn name(&self) -> &'static str {
         "flash-attention"
     }
@@ -325,7 +367,7 @@ mod cuda {
 
     /// The split-KV decode kernel, its output written at `into` or into a new buffer.
     pub(crate) fn decode(
-        op: &FlashAttention,
+        op: &FlashAttention<'_>,
         position: &CudaView<'_, u32>,
         q: Input,
         k: Input,
@@ -341,7 +383,7 @@ mod cuda {
 
     fn decode_typed<T: CudaDType + DeviceRepr>(
         suffix: &str,
-        op: &FlashAttention,
+        op: &FlashAttention<'_>,
         position: &CudaView<'_, u32>,
         (q, ql): Input,
         (k, kl): Input,
@@ -387,7 +429,10 @@ mod cuda {
         let (qs, ks, vs) = (address(q, ql)?, address(k, kl)?, address(v, vl)?);
         let group = group as i32;
         let scale_log2 = (op.scale * std::f64::consts::LOG2_E) as f32;
-        with_decode_scratch(dev, kv_heads, (heads * splits, d), |scratch| {
+        let scratch = op
+            .scratch
+            .ok_or_else(|| candle_core::Error::Msg("decode attention: no scratch was given".into()))?;
+        with_decode_scratch(scratch, dev, kv_heads, (heads * splits, d), |scratch| {
             let mut launch = Launch::default();
             launch
                 .arg(qs)
@@ -421,7 +466,7 @@ mod cuda {
 
     /// A device's buffers for the decode kernel's splits: the softmax partials and a merge
     /// counter per KV head.
-    struct DecodeScratch {
+    pub(crate) struct ScratchBuffers {
         device: candle_core::cuda_backend::DeviceId,
         /// Each split's output rows, `heads · splits · d`.
         part_o: CudaSlice<f32>,
@@ -434,32 +479,32 @@ mod cuda {
     /// The most KV heads a rank's decode attention takes: the merge counters of a device.
     const MAX_KV_HEADS: usize = 1024;
 
-    /// Runs `launch` with the device's decode scratch, which holds at least `rows` partials of
-    /// `d`: one set serves every layer and every captured graph (a device's kernels run
-    /// in stream order), so a decode step allocates nothing for its splits and its kernels
-    /// chain. Allocated, or grown, by a decode that runs eagerly (a capture cannot allocate
-    /// memory that outlives it: the first decode step of a model runs before its capture);
-    /// never freed, since graphs keep the addresses.
+    /// Runs `launch` with `scratch`'s buffers on `dev`, which hold at least `rows` partials
+    /// of `d`, so that a decode step allocates nothing for its splits and its kernels chain.
+    /// Allocated, or grown, by a decode that runs eagerly (a capture cannot allocate memory
+    /// that outlives it: the first decode step of a model runs before its capture); a grown
+    /// set is added beside the old one, whose addresses captured graphs keep.
     fn with_decode_scratch(
+        scratch: &super::DecodeScratch,
         dev: &candle_core::CudaDevice,
         kv_heads: usize,
         (rows, d): (usize, usize),
-        launch: impl FnOnce(&DecodeScratch) -> Result<()>,
+        launch: impl FnOnce(&ScratchBuffers) -> Result<()>,
     ) -> Result<()> {
-        static SCRATCH: std::sync::Mutex<Vec<DecodeScratch>> = std::sync::Mutex::new(Vec::new());
         if kv_heads > MAX_KV_HEADS {
             candle_core::bail!("decode attention: {kv_heads} KV heads on one rank, at most {MAX_KV_HEADS}");
         }
-        let mut all = SCRATCH
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("decode attention: the scratch's lock is poisoned".into()))?;
+        let mut all = scratch
+            .buffers
+            .try_borrow_mut()
+            .map_err(|_| candle_core::Error::Msg("decode attention: the scratch is in use by another launch".into()))?;
         // The newest of the device's (a grown one is pushed after the one it replaces).
-        if let Some(scratch) = all
+        if let Some(buffers) = all
             .iter()
             .rev()
             .find(|s| s.device == dev.id() && s.part_o.len() >= rows * d && s.part_ml.len() >= rows * 2)
         {
-            return launch(scratch);
+            return launch(buffers);
         }
         let capturing = dev.cuda_stream().capture_status().w()?;
         if capturing
@@ -468,20 +513,20 @@ mod cuda {
             candle_core::bail!("decode attention: a decode step of this shape must run once before a graph capture");
         }
         // SAFETY: the partials are written by each split before its merge reads them.
-        let scratch = DecodeScratch {
+        let buffers = ScratchBuffers {
             device: dev.id(),
             part_o: unsafe { dev.alloc::<f32>(rows * d)? },
             part_ml: unsafe { dev.alloc::<f32>(rows * 2)? },
             counters: dev.alloc_zeros::<u32>(MAX_KV_HEADS)?,
         };
-        launch(&scratch)?;
-        all.push(scratch);
+        launch(&buffers)?;
+        all.push(buffers);
         Ok(())
     }
 
     fn launch_typed<T: CudaDType + DeviceRepr>(
         suffix: &str,
-        op: &FlashAttention,
+        op: &FlashAttention<'_>,
         position: Position,
         (q, ql): Input,
         (k, kl): Input,

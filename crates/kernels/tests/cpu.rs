@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
     add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, gated_residual, gemv,
     gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, linear_bias_into, residual_sum, rotary_qkv,
-    row_sum_squares, scale_rows_cols, silu_mul, write_u32s,
+    row_sum_squares, scale_rows_cols, silu_mul, write_u32s, DecodeScratch,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -309,7 +309,7 @@ fn cached_flash_attention_reads_only_the_filled_slots() {
     let keys = |t: &Tensor| t.narrow(0, 0, filled).expect("filled");
     let want = reference(&q, &keys(&k), &keys(&v), scale, true);
     let at = position(filled - s);
-    let got = flash_attention_cached(&q, &k, &v, &at, scale).expect("cached");
+    let got = flash_attention_cached(&q, &k, &v, &at, scale, &DecodeScratch::new()).expect("cached");
     assert!(rel(&got, &want) < 1e-5, "{:e}", rel(&got, &want));
 
     // The position is read when the op runs: rewriting it moves the window.
@@ -321,12 +321,12 @@ fn cached_flash_attention_reads_only_the_filled_slots() {
         scale,
         true,
     );
-    let got = flash_attention_cached(&q, &k, &v, &at, scale).expect("cached");
+    let got = flash_attention_cached(&q, &k, &v, &at, scale, &DecodeScratch::new()).expect("cached");
     assert!(rel(&got, &want) < 1e-5);
 
     // Queries past the cache's end are refused.
     write_u32s(&at, &[(capacity - 1) as u32]).expect("write");
-    assert!(flash_attention_cached(&q, &k, &v, &at, scale).is_err());
+    assert!(flash_attention_cached(&q, &k, &v, &at, scale, &DecodeScratch::new()).is_err());
     // Writes must fill a contiguous u32 tensor exactly.
     assert!(write_u32s(&at, &[1, 2]).is_err());
     assert!(write_u32s(&q, &[1]).is_err());

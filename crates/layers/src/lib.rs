@@ -31,5 +31,5 @@ pub use candle_nn::ops::rms_norm;
 pub use tpinfer_kernels::graph;
 pub use tpinfer_kernels::{
     add_rms_norm, add_rms_norm_into, argmax, chained, cuda_flash_attention_covers, flash_attention,
-    flash_attention_cached, flash_attention_cached_into, write_u32s,
+    flash_attention_cached, flash_attention_cached_into, write_u32s, DecodeScratch,
 };

@@ -4,8 +4,8 @@ use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
     add_rms_norm, add_rms_norm_into, argmax, causal_mask, chained, flash_attention_cached, flash_attention_cached_into,
-    grouped_attention, rms_norm, write_u32s, GatedMlp, KvCache, MergedColumnParallelLinear, Position, Result, Rope,
-    RowParallelLinear, VocabParallelEmbedding,
+    grouped_attention, rms_norm, write_u32s, DecodeScratch, GatedMlp, KvCache, MergedColumnParallelLinear, Position,
+    Result, Rope, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -30,6 +30,8 @@ pub struct LlamaRank {
     flash: bool,
     /// A decode step's kernels launched as one chain (see `tpinfer_kernels::chained`).
     kernel_chains: bool,
+    /// Decode attention's partials, shared by every layer and captured step of this rank.
+    decode_scratch: DecodeScratch,
     /// The number of positions in the KV cache.
     cached: usize,
     /// Where the next forward pass starts, for the kernels.
@@ -184,6 +186,7 @@ impl LlamaRank {
             prefill_chunk: crate::memory::prefill_chunk(shard.heads.q_heads.len(), max_positions, flash),
             flash,
             kernel_chains: true,
+            decode_scratch: DecodeScratch::new(),
             cached: 0,
             position: Position::new(device)?,
             step_io: StepIo::new(device)?,
@@ -450,6 +453,7 @@ impl LlamaRank {
             shard: &self.shard,
             kv_index: &self.kv_index,
             config: &self.config,
+            decode_scratch: &self.decode_scratch,
         };
         let eps = self.config.rms_norm_eps;
         // The last MLP's output, not yet added to the residual stream `x`: the next input norm
@@ -485,6 +489,7 @@ impl LlamaRank {
             shard: &self.shard,
             kv_index: &self.kv_index,
             config: &self.config,
+            decode_scratch: &self.decode_scratch,
         };
         // Outside the chain: a copy, not a kernel, comes before it.
         let first = self.layers.first().map_or(&self.norm, |l| &l.input_norm);
@@ -533,6 +538,7 @@ struct LayerContext<'a> {
     shard: &'a LlamaShard,
     kv_index: &'a Tensor,
     config: &'a LlamaConfig,
+    decode_scratch: &'a DecodeScratch,
 }
 
 // Attention is its own function so that its temporaries are freed when it returns: the
@@ -566,7 +572,15 @@ impl DecoderLayer {
         }
         let (k, v) = self.cache.slots()?;
         let scale = 1.0 / (ctx.config.head_dim as f64).sqrt();
-        flash_attention_cached_into(&b.queries, &k, &v, ctx.at.tensor(), scale, &b.attention)?;
+        flash_attention_cached_into(
+            &b.queries,
+            &k,
+            &v,
+            ctx.at.tensor(),
+            scale,
+            ctx.decode_scratch,
+            &b.attention,
+        )?;
         self.o_proj.forward_row_into(&b.attention, &b.sum)?;
         add_rms_norm_into(&b.stream, &b.sum, &self.post_norm, ctx.config.rms_norm_eps)?;
         self.mlp.forward_row_into(&h, &b.hidden, &b.sum)
@@ -588,7 +602,7 @@ impl DecoderLayer {
             // Over the cache's full capacity: the kernel reads the filled length from the
             // device, so the shapes do not depend on the position.
             let (k, v) = self.cache.slots()?;
-            let attn = flash_attention_cached(&q, &k, &v, ctx.at.tensor(), scale)?;
+            let attn = flash_attention_cached(&q, &k, &v, ctx.at.tensor(), scale, ctx.decode_scratch)?;
             drop(q);
             return self.o_proj.forward(&attn.reshape((b, s, n_q * d))?);
         }
