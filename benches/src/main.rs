@@ -15,6 +15,7 @@
 mod attention;
 mod collectives;
 mod decode;
+mod encode;
 mod linear;
 mod plots;
 mod sweep;
@@ -53,6 +54,9 @@ enum Command {
     DecodeProfile(decode::DecodeProfileArgs),
     /// All-reduce, reduce-scatter and all-gather at the models' message sizes, checked.
     Collectives(collectives::CollectivesArgs),
+    /// The umT5 text encoder at each TP width: ms per prompt, memory against the plan, and the
+    /// states as safetensors for a reference to compare.
+    Encode(encode::EncodeArgs),
     /// One rank's decode step as its chain kernels' CTAs saw it (a `timeline` build).
     #[cfg(feature = "timeline")]
     Timeline(timeline::TimelineArgs),
@@ -179,13 +183,17 @@ fn builder(model: &std::path::Path, tp: usize, cuda: bool, dtype: Option<DtypeAr
         builder = builder.device(DeviceKind::Cuda { gpus: None });
     }
     if let Some(dtype) = dtype {
-        builder = builder.dtype(match dtype {
-            DtypeArg::F32 => DType::F32,
-            DtypeArg::F16 => DType::F16,
-            DtypeArg::Bf16 => DType::BF16,
-        });
+        builder = builder.dtype(dtype_of(dtype));
     }
     builder
+}
+
+fn dtype_of(dtype: DtypeArg) -> DType {
+    match dtype {
+        DtypeArg::F32 => DType::F32,
+        DtypeArg::F16 => DType::F16,
+        DtypeArg::Bf16 => DType::BF16,
+    }
 }
 
 fn engine(common: &Common, tp: usize) -> Result<Engine> {
@@ -508,6 +516,7 @@ fn main() -> Result<()> {
         Command::Sweep(args) => sweep::run(args),
         Command::DecodeProfile(args) => decode::run(args),
         Command::Collectives(args) => collectives::run(args),
+        Command::Encode(args) => encode::encode(args),
         #[cfg(feature = "timeline")]
         Command::Timeline(args) => timeline::run(args),
     }
