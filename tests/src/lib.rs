@@ -16,8 +16,10 @@ use serde_json::json;
 use tpinfer_comm::{Communicator, ThreadGroup};
 use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
 
+mod pipeline;
 mod umt5;
 mod wan;
+pub use pipeline::{TinyWanPipeline, END_OF_TEXT};
 pub use umt5::TinyUmt5;
 pub use wan::{open_wan, run_wan, wan_inputs, TinyWan};
 

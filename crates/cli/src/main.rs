@@ -195,9 +195,9 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
     if let Some(bytes) = args.gpu_mem {
         builder = builder.gpu_mem(bytes);
     }
-    match tpinfer_engine::registry::family_of(&args.model).task {
+    match tpinfer_engine::registry::task_of(&args.model) {
         Task::Video => {
-            video::generate_video(builder, &args.video, args.seed)?;
+            video::generate_video(builder, &args.model, args.prompt.as_deref(), &args.video, args.seed)?;
             return Ok(ExitCode::SUCCESS);
         }
         Task::TextEncoder => bail!(

@@ -1,4 +1,5 @@
-//! `tpinfer generate` for a Wan DiT: text embeddings in, latents and a preview out.
+//! `tpinfer generate` for a Wan DiT: a prompt (with a pipeline directory) or text embeddings
+//! in, latents and a preview out.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -6,7 +7,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
-use tpinfer_engine::{EngineBuilder, Solver, VideoEngine, VideoRequest, VideoShape};
+use tpinfer_engine::{EngineBuilder, Solver, VideoEngine, VideoRequest, VideoShape, WanPipelineDir};
 
 /// The video options of `tpinfer generate`.
 #[derive(clap::Args)]
@@ -26,7 +27,15 @@ pub struct VideoArgs {
     /// The negative prompt's states (tensor `negative` of --text-embeds, or this file).
     #[arg(long)]
     negative_embeds: Option<PathBuf>,
-    /// Classifier-free guidance scale; 1 turns guidance off.
+    /// With a pipeline directory: what guidance steers away from (diffusers' default: empty).
+    #[arg(long, default_value = "")]
+    negative_prompt: String,
+    /// With a pipeline directory: also write the prompt's and the negative prompt's umT5
+    /// states (`text`, `negative`, [512, dim]) here, in the form --text-embeds reads.
+    #[arg(long)]
+    save_text_embeds: Option<PathBuf>,
+    /// Classifier-free guidance scale: above 1, each step also runs the negative prompt; 1
+    /// turns guidance off.
     #[arg(long, default_value_t = 5.0)]
     guide_scale: f64,
     /// The flow schedule's shift.
@@ -57,19 +66,70 @@ fn read_tensor(path: &Path, name: &str) -> Result<Option<Tensor>> {
     tensor.map(|t| t.to_dtype(DType::F32)).transpose().map_err(Into::into)
 }
 
-pub fn generate_video(builder: EngineBuilder, args: &VideoArgs, seed: u64) -> Result<()> {
-    let text_path = args
-        .text_embeds
-        .as_deref()
-        .context("a Wan model needs --text-embeds FILE (umT5 states as safetensors)")?;
+/// The text states of `--text-embeds` (and the negative prompt's, if given).
+fn read_embeds(text_path: &Path, negative_path: Option<&Path>) -> Result<(Tensor, Option<Tensor>)> {
     let text =
         read_tensor(text_path, "text")?.with_context(|| format!("{} has no tensor `text`", text_path.display()))?;
-    let negative = match &args.negative_embeds {
+    let negative = match negative_path {
         Some(path) => read_tensor(path, "text")?,
         None => read_tensor(text_path, "negative")?,
     };
     if text.rank() != 2 {
         bail!("text embeddings must be [tokens, dim], got {:?}", text.dims());
+    }
+    Ok((text, negative))
+}
+
+/// Fails unless a file can be created in `path`'s folder: a run can take hours, and its end is
+/// too late to learn that its output has nowhere to go.
+fn check_writable(flag: &str, path: &Path) -> Result<()> {
+    let folder = match path.parent() {
+        Some(folder) if !folder.as_os_str().is_empty() => folder,
+        _ => Path::new("."),
+    };
+    tempfile::NamedTempFile::new_in(folder).with_context(|| {
+        format!(
+            "{flag} {}: cannot write into {}; choose a folder that exists and is writable",
+            path.display(),
+            folder.display()
+        )
+    })?;
+    Ok(())
+}
+
+/// Writes `tensors` to `path` through a temporary file beside it, so that a failed run leaves
+/// no half-written file.
+fn save_atomically(tensors: &std::collections::HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    let folder = path
+        .parent()
+        .filter(|f| !f.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let temp = tempfile::NamedTempFile::new_in(folder)?;
+    candle_core::safetensors::save(tensors, temp.path())?;
+    temp.persist(path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
+pub fn generate_video(
+    builder: EngineBuilder,
+    model: &Path,
+    prompt: Option<&str>,
+    args: &VideoArgs,
+    seed: u64,
+) -> Result<()> {
+    let embeds = match (&args.text_embeds, prompt) {
+        (Some(_), Some(_)) => bail!("--prompt and --text-embeds both give the text: give one, not both"),
+        (Some(path), None) => Some(read_embeds(path, args.negative_embeds.as_deref())?),
+        (None, Some(_)) if WanPipelineDir::detect(model) => None,
+        (None, Some(_)) => bail!(
+            "--prompt needs a pipeline directory (model_index.json, tokenizer/, text_encoder/, transformer/); a \
+             transformer directory alone takes --text-embeds FILE"
+        ),
+        (None, None) => bail!("a Wan model needs --prompt (with a pipeline directory) or --text-embeds FILE"),
+    };
+    if embeds.is_some() && args.save_text_embeds.is_some() {
+        bail!("--save-text-embeds writes the states of --prompt, but these come from --text-embeds");
     }
     let (width, height) = args.size;
     let shape = VideoShape {
@@ -77,7 +137,7 @@ pub fn generate_video(builder: EngineBuilder, args: &VideoArgs, seed: u64) -> Re
         width,
         height,
     };
-    let request = VideoRequest {
+    let request = |text: Tensor, negative: Option<Tensor>| VideoRequest {
         text,
         negative,
         steps: args.steps,
@@ -89,19 +149,18 @@ pub fn generate_video(builder: EngineBuilder, args: &VideoArgs, seed: u64) -> Re
         },
         seed,
     };
-    request.check()?; // before the model loads
-                      // Likewise where the latents go: a run can take hours, and its end is too late to learn.
-    let folder = match args.out.parent() {
-        Some(folder) if !folder.as_os_str().is_empty() => folder,
-        _ => Path::new("."),
-    };
-    tempfile::NamedTempFile::new_in(folder).with_context(|| {
-        format!(
-            "--out {}: cannot write into {}; choose a folder that exists and is writable",
-            args.out.display(),
-            folder.display()
-        )
-    })?;
+    // Before the model loads. A prompt always has a negative (--negative-prompt).
+    match &embeds {
+        Some((text, negative)) => request(text.clone(), negative.clone()).check()?,
+        None => {
+            let stand_in = Tensor::zeros((1, 1), DType::F32, &Device::Cpu)?;
+            request(stand_in.clone(), Some(stand_in)).check()?
+        }
+    }
+    check_writable("--out", &args.out)?;
+    if let Some(path) = &args.save_text_embeds {
+        check_writable("--save-text-embeds", path)?;
+    }
     let engine = VideoEngine::start(builder, shape)?;
     let [c, f, h, w] = engine.latent_shape();
     eprintln!(
@@ -110,6 +169,12 @@ pub fn generate_video(builder: EngineBuilder, args: &VideoArgs, seed: u64) -> Re
         engine.plan().tokens_per_forward,
         tpinfer_plan::mib(engine.plan().peak().total())
     );
+    let (text, negative) = match (embeds, prompt) {
+        (Some(embeds), _) => embeds,
+        (None, Some(prompt)) => encode(&engine, prompt, args)?,
+        (None, None) => bail!("nothing to encode"),
+    };
+    let request = request(text, negative);
     let bar = ProgressBar::new(args.steps as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} steps, {elapsed} elapsed, ~{eta} left {msg}")
@@ -136,7 +201,10 @@ pub fn generate_video(builder: EngineBuilder, args: &VideoArgs, seed: u64) -> Re
         start.elapsed().as_secs_f64(),
         start.elapsed().as_secs_f64() / args.steps as f64
     );
-    latents.save_safetensors("latents", &args.out)?;
+    save_atomically(
+        &std::collections::HashMap::from([("latents".to_string(), latents.clone())]),
+        &args.out,
+    )?;
     let frames = latents.dim(1)?;
     for (label, index) in [("first", 0), ("last", frames - 1)] {
         let path = args.out.with_extension(format!("{label}.png"));
@@ -145,6 +213,31 @@ pub fn generate_video(builder: EngineBuilder, args: &VideoArgs, seed: u64) -> Re
     }
     eprintln!("wrote {}", args.out.display());
     Ok(())
+}
+
+/// The prompt's states, and the negative prompt's where guidance or --save-text-embeds needs
+/// them, encoded on the engine's ranks; written to --save-text-embeds if asked.
+fn encode(engine: &VideoEngine, prompt: &str, args: &VideoArgs) -> Result<(Tensor, Option<Tensor>)> {
+    let start = Instant::now();
+    let text = engine.encode_prompt(prompt)?;
+    let negative = match args.guide_scale > 1.0 || args.save_text_embeds.is_some() {
+        true => Some(engine.encode_prompt(&args.negative_prompt)?),
+        false => None,
+    };
+    eprintln!(
+        "encode: the prompts' umT5 states in {:.2} s",
+        start.elapsed().as_secs_f64()
+    );
+    if let (Some(path), Some(negative)) = (&args.save_text_embeds, &negative) {
+        let tensors = std::collections::HashMap::from([
+            ("text".to_string(), text.clone()),
+            ("negative".to_string(), negative.clone()),
+        ]);
+        save_atomically(&tensors, path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    let negative = negative.filter(|_| args.guide_scale > 1.0);
+    Ok((text, negative))
 }
 
 /// One latent frame `[channels, h, w]` as an RGB image: its pixels projected on the three

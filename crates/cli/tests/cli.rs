@@ -329,13 +329,17 @@ fn bad_video_inputs_exit_non_zero_with_the_cause() {
     let embeds = |name: &str, width: usize| {
         let file = dir.path().join(name);
         let text = Tensor::randn(0f32, 1.0, (7, width), &Device::Cpu).expect("text");
-        candle_core::safetensors::save(&std::collections::HashMap::from([("text".to_string(), text)]), &file)
-            .expect("write embeds");
+        let mut tensors = std::collections::HashMap::from([("text".to_string(), text.clone())]);
+        if name != "unguided.safetensors" {
+            tensors.insert("negative".to_string(), text);
+        }
+        candle_core::safetensors::save(&tensors, &file).expect("write embeds");
         file.to_str().expect("utf8").to_string()
     };
-    let (good, wide) = (
+    let (good, wide, unguided) = (
         embeds("good.safetensors", model.text_dim),
         embeds("wide.safetensors", 25),
+        embeds("unguided.safetensors", model.text_dim),
     );
     let run = |extra: &[&str]| {
         let mut args = vec!["generate", "--model", path.to_str().expect("utf8"), "--size", "64x32"];
@@ -356,6 +360,15 @@ fn bad_video_inputs_exit_non_zero_with_the_cause() {
     assert_fails_with(
         &run(&["--text-embeds", &good, "--shift", "0"]),
         &["--shift 0", "above 0"],
+    );
+    // Guidance (the default scale, 5) never turns itself off for want of a negative.
+    assert_fails_with(
+        &run(&["--text-embeds", &unguided]),
+        &["--guide-scale 5", "negative", "--guide-scale 1"],
+    );
+    assert_fails_with(
+        &run(&["--text-embeds", &good, "--prompt", "a cat"]),
+        &["--prompt", "--text-embeds", "not both"],
     );
     assert_fails_with(
         &run(&["--text-embeds", &good, "--frames", "4"]),
@@ -398,4 +411,79 @@ fn a_text_encoder_plans_and_is_not_run_alone() {
     ]));
     assert_eq!(planned["rank_totals"].as_array().map(Vec::len), Some(3));
     assert_fails_with(&generate(dir.path(), &[]), &["umT5 text encoder", "--text-embeds"]);
+}
+
+/// A pipeline directory takes a prompt: its states, written by --save-text-embeds, give the
+/// transformer directory alone (--text-embeds) the same latents.
+#[test]
+fn a_pipeline_generates_from_a_prompt_and_saves_its_states() {
+    use candle_core::Device;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pipeline = tpinfer_tests::TinyWanPipeline::default().write(&dir.path().join("pipe"));
+    let (embeds, first, second) = (
+        dir.path().join("embeds.safetensors"),
+        dir.path().join("a.safetensors"),
+        dir.path().join("b.safetensors"),
+    );
+    let common = ["--frames", "5", "--size", "64x32", "--steps", "2", "--tp", "2"];
+    let path = |p: &Path| p.to_str().expect("utf8").to_string();
+    let mut args = vec![
+        "generate".to_string(),
+        "--model".into(),
+        path(&pipeline),
+        "--prompt".into(),
+    ];
+    args.extend([
+        "a red fox".to_string(),
+        "--save-text-embeds".into(),
+        path(&embeds),
+        "--out".into(),
+        path(&first),
+    ]);
+    args.extend(common.iter().map(|s| s.to_string()));
+    let output = tpinfer(
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        Duration::from_secs(120),
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("encode: ") && stderr.contains("step   2/2"), "{stderr}");
+    let saved = candle_core::safetensors::load(&embeds, &Device::Cpu).expect("embeds");
+    assert_eq!(saved["text"].dims(), [512, 24]);
+    assert_eq!(saved["negative"].dims(), [512, 24]);
+
+    let transformer = pipeline.join("transformer");
+    let mut args = vec![
+        "generate".to_string(),
+        "--model".into(),
+        path(&transformer),
+        "--text-embeds".into(),
+    ];
+    args.extend([path(&embeds), "--out".into(), path(&second)]);
+    args.extend(common.iter().map(|s| s.to_string()));
+    let output = tpinfer(
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        Duration::from_secs(120),
+    );
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let latents = |p: &Path| candle_core::safetensors::load(p, &Device::Cpu).expect("latents")["latents"].clone();
+    let rel = tpinfer_tests::tensor_rel_error(&latents(&second), &latents(&first));
+    assert!(rel < 1e-6, "the saved states against the prompt: {rel:e}");
+
+    // A transformer directory alone cannot encode a prompt.
+    let output = tpinfer(
+        &[
+            "generate",
+            "--model",
+            &path(&transformer),
+            "--prompt",
+            "a fox",
+            "--frames",
+            "5",
+            "--size",
+            "64x32",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_fails_with(&output, &["--prompt needs a pipeline directory", "--text-embeds"]);
 }

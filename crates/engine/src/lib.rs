@@ -17,6 +17,7 @@
 mod builder;
 mod engine;
 mod error;
+mod pipeline;
 mod rank;
 pub mod registry;
 mod request;
@@ -27,6 +28,7 @@ pub use builder::{EngineBuilder, Fault};
 pub use candle_core::DType;
 pub use engine::Engine;
 pub use error::EngineError;
+pub use pipeline::WanPipelineDir;
 pub use request::{GenerateRequest, Prompt, SamplingParams};
 pub use stream::{GenerationStats, StopReason, StreamEvent, TokenStream};
 pub use tpinfer_comm::CommOptions;

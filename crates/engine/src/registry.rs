@@ -73,6 +73,15 @@ pub fn family_of(path: &Path) -> FamilyEntry {
     all.swap_remove(claimed)
 }
 
+/// What the model or pipeline at `path` does: a Wan pipeline directory makes video, one
+/// model's directory does what its family does.
+pub fn task_of(path: &Path) -> Task {
+    match crate::WanPipelineDir::detect(path) {
+        true => Task::Video,
+        false => family_of(path).task,
+    }
+}
+
 /// A preset by name, or the model at a path, opened for planning (config and headers only),
 /// with the task its family does.
 pub fn open(name_or_path: &str) -> Result<(Task, Arc<dyn ShardedModel>), PlanError> {
@@ -86,6 +95,12 @@ pub fn open(name_or_path: &str) -> Result<(Task, Arc<dyn ShardedModel>), PlanErr
         return Err(PlanError::Model(format!(
             "{name_or_path} is neither a model path nor a preset; presets: {}",
             presets().join(", ")
+        )));
+    }
+    if crate::WanPipelineDir::detect(path) {
+        return Err(PlanError::Model(format!(
+            "{name_or_path} is a pipeline directory; plan its stages one at a time for now (--model \
+             {name_or_path}/transformer, --model {name_or_path}/text_encoder)"
         )));
     }
     let family = family_of(path);

@@ -14,6 +14,7 @@ use tpinfer_runtime::{check_after_step, Launch, ModelHandle, RankGroup, RuntimeE
 use tpinfer_wan::sampler::{guide, seeded_noise, Sampler, Schedule, Solver};
 use tpinfer_wan::{StageTimes, WanModel, WanRank};
 
+use crate::pipeline::{PromptEncoder, WanPipelineDir};
 use crate::{EngineBuilder, EngineError};
 
 /// The video a [`VideoEngine`] denoises: `frames` (4k + 1) of `width` × `height` pixels.
@@ -34,7 +35,8 @@ pub struct VideoRequest {
     pub steps: usize,
     /// The flow schedule's shift (Wan: 5.0 for T2V at 480p/720p, 3.0 for S2V).
     pub shift: f64,
-    /// CFG scale; 1 disables guidance (one forward per step).
+    /// CFG scale: above 1, every step also runs the negative prompt and guides away from it
+    /// (which needs `negative`); at most 1, one forward per step.
     pub guide_scale: f64,
     pub solver: Solver,
     pub seed: u64,
@@ -61,7 +63,21 @@ impl VideoRequest {
                 self.guide_scale
             )));
         }
+        // Guidance never turns itself off for want of a negative prompt.
+        if self.guided() && self.negative.is_none() {
+            return Err(EngineError::InvalidRequest(format!(
+                "--guide-scale {} guides each step away from the negative prompt, whose states are missing: give \
+                 them (tensor `negative` of --text-embeds, or --negative-embeds), or --guide-scale 1",
+                self.guide_scale
+            )));
+        }
         Ok(())
+    }
+
+    /// Whether each step runs the negative prompt too (classifier-free guidance), as
+    /// diffusers decides it: a scale above 1.
+    pub fn guided(&self) -> bool {
+        self.guide_scale > 1.0
     }
 }
 
@@ -111,13 +127,21 @@ pub struct VideoEngine {
     text_dim: usize,
     /// Whether a run at the planned size has yet to be held to the plan.
     unchecked: AtomicBool,
+    /// The prompt stage, when the engine was started on a pipeline directory.
+    prompts: Option<PromptEncoder>,
 }
 
 impl VideoEngine {
-    /// Opens the Wan directory of `b`, plans every rank for `shape` (refusing over budget),
-    /// and loads the ranks.
+    /// Opens the model of `b` (a Wan transformer directory, or a diffusers Wan pipeline
+    /// directory, whose text encoder then runs on the same ranks), plans every rank for
+    /// `shape` (refusing over budget), and loads the ranks.
     pub fn start(b: EngineBuilder, shape: VideoShape) -> Result<Self, EngineError> {
-        let model = WanModel::open_checkpoint(&b.model).map_err(|e| RuntimeError::Model(e.to_string()))?;
+        let pipeline = match WanPipelineDir::detect(&b.model) {
+            true => Some(WanPipelineDir::open(&b.model)?),
+            false => None,
+        };
+        let transformer = pipeline.as_ref().map_or(&b.model, |p| &p.transformer);
+        let model = WanModel::open_checkpoint(transformer).map_err(|e| RuntimeError::Model(e.to_string()))?;
         let config = model.config().clone();
         let topology = Topology::new(b.tp, &b.device)?;
         let dtype = b.dtype.unwrap_or(match topology.is_cpu() {
@@ -133,6 +157,10 @@ impl VideoEngine {
         };
         let mut launch = Launch::new(topology, b.group.clone());
         let dit = launch.add(Arc::new(model), dtype, placement)?;
+        let prompts = match &pipeline {
+            Some(p) => Some(PromptEncoder::add(&mut launch, p, config.text_dim, dtype)?),
+            None => None,
+        };
         let group = launch.start()?;
         let latent_shape = [
             config.in_channels,
@@ -147,7 +175,28 @@ impl VideoEngine {
             latent_shape,
             text_dim: config.text_dim,
             unchecked: AtomicBool::new(true),
+            prompts,
         })
+    }
+
+    /// A prompt's umT5 states as the DiT takes them, `[512, text_dim]` f32 on the CPU: its
+    /// tokens (whitespace folded, `</s>` appended, cut at 512) encoded on every rank, then
+    /// zero-padded to 512, as Wan and diffusers hand them over. The empty prompt is diffusers'
+    /// default negative. Needs an engine started on a pipeline directory.
+    pub fn encode_prompt(&self, prompt: &str) -> Result<Tensor, EngineError> {
+        let prompts = self.prompts.as_ref().ok_or_else(|| {
+            EngineError::InvalidRequest(
+                "this engine holds a DiT alone: give text states (--text-embeds), or start it on a pipeline directory \
+                 (model_index.json, tokenizer/, text_encoder/, transformer/) to encode prompts"
+                    .into(),
+            )
+        })?;
+        prompts.encode(&self.group, prompt)
+    }
+
+    /// Whether the engine holds a prompt encoder (it was started on a pipeline directory).
+    pub fn encodes_prompts(&self) -> bool {
+        self.prompts.is_some()
     }
 
     /// Denoises from seeded noise; `on_step` hears rank 0 after every step. Returns the
@@ -312,7 +361,7 @@ fn denoise(
     let context = model
         .embed_text(&r.text.to_device(device).map_err(tensor_err)?)
         .map_err(err)?;
-    let negative = match (&r.negative, r.guide_scale != 1.0) {
+    let negative = match (&r.negative, r.guided()) {
         (Some(n), true) => Some(
             model
                 .embed_text(&n.to_device(device).map_err(tensor_err)?)

@@ -14,7 +14,7 @@ mod position;
 mod shard;
 
 pub use config::{Umt5Config, Umt5ConfigError};
-pub use family::{Umt5Model, Umt5RankShard};
+pub use family::{Umt5Model, Umt5RankShard, TEXT_TOKENS};
 pub use model::Umt5Rank;
 pub use position::relative_position_bucket;
 pub use shard::Umt5Shard;

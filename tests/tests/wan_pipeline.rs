@@ -1,0 +1,104 @@
+//! A Wan pipeline directory on the rank group: the prompt's tokens and umT5 states made as Wan
+//! and diffusers make them, the encoder and the DiT on the same ranks, TP 3 against TP 1, and
+//! the prompt route against the text-states route on the same states.
+
+use candle_core::IndexOp;
+use tpinfer_engine::{Engine, Solver, VideoEngine, VideoRequest, VideoShape};
+use tpinfer_tests::{tensor_rel_error, TinyWanPipeline, END_OF_TEXT};
+
+const SHAPE: VideoShape = VideoShape {
+    frames: 5,
+    width: 64,
+    height: 32,
+};
+
+fn engine(model: &std::path::Path, tp: usize) -> VideoEngine {
+    VideoEngine::start(Engine::builder(model).tp(tp), SHAPE).expect("engine")
+}
+
+#[test]
+fn prompts_are_tokenized_encoded_and_padded_as_wan_does() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pipeline = TinyWanPipeline::default();
+    pipeline.write(dir.path());
+    let tokenizer = tpinfer_tokenizer::Tokenizer::from_hf_dir(&dir.path().join("tokenizer")).expect("tokenizer");
+    let ids = tokenizer.encode("a cat sat", true).expect("ids");
+    assert_eq!(ids.last(), Some(&END_OF_TEXT), "umT5's tokenizer appends </s>: {ids:?}");
+    let reference = pipeline.encoder.reference(&ids);
+    let (one, three) = (engine(dir.path(), 1), engine(dir.path(), 3));
+    assert!(one.encodes_prompts());
+    // Whitespace is folded before tokenizing, as Wan's prompt_clean does.
+    let states = one.encode_prompt("  a  cat\n sat ").expect("encode");
+    assert_eq!(states.dims(), [512, pipeline.dit.text_dim]);
+    let n = ids.len();
+    let rel = tensor_rel_error(&states.i(0..n).expect("rows"), &reference);
+    assert!(rel < 1e-5, "the prompt's states against the reference: {rel:e}");
+    let padding = states.i(n..).and_then(|p| p.abs()).and_then(|p| p.max_all());
+    assert_eq!(
+        padding.and_then(|m| m.to_scalar::<f32>()).expect("max"),
+        0.0,
+        "zero-padded to 512"
+    );
+    let rel = tensor_rel_error(&three.encode_prompt("a cat sat").expect("encode"), &states);
+    assert!(rel < 1e-5, "TP 3 against TP 1: {rel:e}");
+    // The empty prompt, diffusers' default negative, is its </s> alone.
+    let empty = one.encode_prompt("").expect("encode");
+    let rel = tensor_rel_error(
+        &empty.i(0..1).expect("row"),
+        &pipeline.encoder.reference(&[END_OF_TEXT]),
+    );
+    assert!(rel < 1e-5, "{rel:e}");
+}
+
+#[test]
+fn a_prompt_denoises_at_tp_3_as_at_tp_1_and_as_its_states_do() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    TinyWanPipeline::default().write(dir.path());
+    let request = |engine: &VideoEngine| VideoRequest {
+        text: engine.encode_prompt("a red fox").expect("prompt"),
+        negative: Some(engine.encode_prompt("").expect("negative")),
+        steps: 2,
+        shift: 5.0,
+        guide_scale: 5.0,
+        solver: Solver::UniPc(2),
+        seed: 3,
+    };
+    let one = engine(dir.path(), 1);
+    let states = request(&one);
+    let latents = one.generate(states.clone(), |_| {}).expect("TP 1");
+    let three = engine(dir.path(), 3);
+    let rel = tensor_rel_error(&three.generate(request(&three), |_| {}).expect("TP 3"), &latents);
+    assert!(rel < 1e-5, "TP 3 against TP 1: {rel:e}");
+    // The DiT alone, given the same states (the --text-embeds route), denoises the same.
+    let dit = engine(&dir.path().join("transformer"), 1);
+    assert!(!dit.encodes_prompts());
+    assert!(dit.encode_prompt("a red fox").is_err(), "a DiT alone has no encoder");
+    let rel = tensor_rel_error(&dit.generate(states, |_| {}).expect("DiT"), &latents);
+    assert!(rel < 1e-6, "the states route against the prompt route: {rel:e}");
+}
+
+#[test]
+fn guidance_without_a_negative_prompt_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    TinyWanPipeline::default().write(dir.path());
+    let one = engine(dir.path(), 1);
+    let text = one.encode_prompt("a fox").expect("prompt");
+    let unguided = |guide_scale| VideoRequest {
+        text: text.clone(),
+        negative: None,
+        steps: 1,
+        shift: 5.0,
+        guide_scale,
+        solver: Solver::Euler,
+        seed: 1,
+    };
+    let err = one.generate(unguided(5.0), |_| {}).expect_err("no negative");
+    assert!(
+        err.to_string().contains("--guide-scale 5") && err.to_string().contains("negative"),
+        "{err}"
+    );
+    assert!(
+        one.generate(unguided(1.0), |_| {}).is_ok(),
+        "a scale of 1 needs no negative"
+    );
+}
