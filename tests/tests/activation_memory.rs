@@ -195,3 +195,39 @@ fn dit_forward_allocates_what_the_memory_model_says() {
     );
     assert_close(measured, m.buffers + m.activations, &format!("DiT {dtype:?}"));
 }
+
+/// The umT5 encoder's `encode` against `tpinfer_umt5::memory` at TP 1 in f32: the measured
+/// peak is the modelled one within 3%. A layer that kept a second set of f32 score buffers
+/// alive, or a bias gathered per query, would miss by more.
+#[test]
+fn umt5_encode_allocates_what_the_memory_model_says() {
+    let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    use tpinfer_tests::TinyUmt5;
+    use tpinfer_umt5::memory::EncodeMemory;
+    use tpinfer_umt5::{Umt5Config, Umt5Rank, Umt5Shard};
+
+    let model = TinyUmt5 {
+        d_model: 64,
+        d_kv: 16,
+        heads: 4,
+        d_ff: 96,
+        ..TinyUmt5::default()
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    model.write(dir.path());
+    let config = Umt5Config::from_dir(dir.path()).expect("config");
+    let store = tpinfer_weights::SafetensorsStore::open(dir.path()).expect("store");
+    let ids: Vec<u32> = (0..160).map(|i| (i * 37 + 5) % model.vocab as u32).collect();
+    let shard = Umt5Shard::new(&config, 1, 0).expect("shard");
+    let dtype = DType::F32;
+    let measured = single_thread(|| {
+        let comm = ThreadGroup::ranks(1, std::time::Duration::from_secs(30)).remove(0);
+        let rank = Umt5Rank::load(&config, &store, shard.clone(), Arc::new(comm), dtype, &Device::Cpu).expect("load");
+        drop(rank.encode(&ids).expect("warm-up"));
+        let (states, measured) = peak_during(|| rank.encode(&ids).expect("encode"));
+        drop(states);
+        measured
+    });
+    let expected = EncodeMemory::new(&config, &shard, dtype, ids.len()).peak;
+    assert_close(measured, expected, "umT5 f32");
+}

@@ -22,11 +22,15 @@ pub fn relative_position_bucket(relative: i64, num_buckets: usize, max_distance:
 
 /// The buckets of every query × key pair of a sequence of `tokens`, row-major `[query, key]`.
 pub fn bucket_grid(tokens: usize, num_buckets: usize, max_distance: usize) -> Vec<u32> {
-    (0..tokens)
-        .flat_map(|q| {
-            (0..tokens).map(move |k| relative_position_bucket(k as i64 - q as i64, num_buckets, max_distance) as u32)
-        })
-        .collect()
+    // Sized once: the grid is the size of a score buffer, and a grown Vec would hold up to
+    // twice that.
+    let mut grid = Vec::with_capacity(tokens * tokens);
+    for q in 0..tokens {
+        grid.extend(
+            (0..tokens).map(|k| relative_position_bucket(k as i64 - q as i64, num_buckets, max_distance) as u32),
+        );
+    }
+    grid
 }
 
 #[cfg(test)]
