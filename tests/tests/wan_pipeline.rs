@@ -27,6 +27,8 @@ fn prompts_are_tokenized_encoded_and_padded_as_wan_does() {
     let reference = pipeline.encoder.reference(&ids);
     let (one, three) = (engine(dir.path(), 1), engine(dir.path(), 3));
     assert!(one.encodes_prompts());
+    // The rank holds the encoder beside the DiT: its plan counts both.
+    assert!(one.planned_peak() > one.plan().peak().total());
     // Whitespace is folded before tokenizing, as Wan's prompt_clean does.
     let states = one.encode_prompt("  a  cat\n sat ").expect("encode");
     assert_eq!(states.dims(), [512, pipeline.dit.text_dim]);

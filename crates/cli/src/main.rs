@@ -14,6 +14,7 @@ use tpinfer_engine::{DeviceKind, Engine, GenerateRequest, Prompt, SamplingParams
 mod doctor;
 mod env;
 mod plan;
+mod plan_pipeline;
 mod video;
 
 #[derive(Parser)]

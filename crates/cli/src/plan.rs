@@ -56,6 +56,10 @@ pub(crate) fn parse_size(text: &str) -> Result<(usize, usize), String> {
 
 /// Prints the plan; exits 2 when the placement does not fit.
 pub fn plan(args: PlanArgs) -> Result<ExitCode> {
+    let dir = std::path::Path::new(&args.model);
+    if tpinfer_engine::WanPipelineDir::detect(dir) {
+        return pipeline(&args, dir);
+    }
     let (_, model) = tpinfer_engine::registry::open(&args.model)?;
     let model = &*model;
     // As the engine does: f32 on CPU ranks, the checkpoint's dtype on GPUs.
@@ -103,6 +107,30 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         Some(tp) => one_width(model, tp, dtype, placement, device, args.gpu_mem, args.json),
         None => all_widths(model, dtype, placement, device, args.gpu_mem, args.json),
     }
+}
+
+/// A pipeline directory's plan: the video placement from --frames, --size and --no-cfg.
+fn pipeline(args: &PlanArgs, dir: &std::path::Path) -> Result<ExitCode> {
+    if args.max_context.is_some() || args.batch.is_some() {
+        bail!("--max-context and --batch are for LLMs; a pipeline is placed with --frames and --size");
+    }
+    let (width, height) = args.size.unwrap_or((832, 480));
+    let video = Placement::Dit {
+        frames: args.frames.unwrap_or(81),
+        width,
+        height,
+        cfg: !args.no_cfg,
+    };
+    let dtype = match (args.dtype, args.cpu) {
+        (Some(dtype), _) => dtype.dtype(),
+        (None, true) => DType::F32,
+        (None, false) => DType::BF16,
+    };
+    let device = match args.cpu {
+        true => DeviceProfile::cpu(),
+        false => DeviceProfile::cuda(),
+    };
+    crate::plan_pipeline::plan(dir, args.tp, dtype, video, device, args.gpu_mem, args.json)
 }
 
 fn one_width(

@@ -167,7 +167,7 @@ pub fn generate_video(
         "{} frames at {width}x{height}: latents {c}×{f}×{h}×{w}, {} video tokens per forward; peak plan per rank {:.0} MiB",
         args.frames,
         engine.plan().tokens_per_forward,
-        tpinfer_plan::mib(engine.plan().peak().total())
+        tpinfer_plan::mib(engine.planned_peak())
     );
     let (text, negative) = match (embeds, prompt) {
         (Some(embeds), _) => embeds,

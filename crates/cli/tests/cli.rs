@@ -487,3 +487,37 @@ fn a_pipeline_generates_from_a_prompt_and_saves_its_states() {
     );
     assert_fails_with(&output, &["--prompt needs a pipeline directory", "--text-embeds"]);
 }
+
+/// A pipeline's plan holds the text encoder and the DiT on the same ranks: each rank's total
+/// is both stages' resident bytes and the larger stage's temporaries.
+#[test]
+fn plan_of_a_pipeline_holds_both_stages() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pipeline = tpinfer_tests::TinyWanPipeline::default().write(&dir.path().join("pipe"));
+    let path = pipeline.to_str().expect("utf8");
+    let args = [
+        "--model", path, "--tp", "2", "--cpu", "--frames", "5", "--size", "64x32", "--json",
+    ];
+    let out = json(&plan(&[&args[..], &["--gpu-mem", "1GiB"]].concat()));
+    let stage =
+        |name: &str, rank: usize, field: &str| out["stages"][name]["ranks"][rank][field].as_u64().expect("bytes");
+    for rank in 0..2 {
+        let resident = |name| stage(name, rank, "weights") + stage(name, rank, "buffers") + stage(name, rank, "cache");
+        let temporaries = |name| stage(name, rank, "activations") + stage(name, rank, "allocator_slack");
+        let expected = resident("text_encoder")
+            + resident("transformer")
+            + temporaries("text_encoder").max(temporaries("transformer"));
+        assert_eq!(out["rank_totals"][rank].as_u64(), Some(expected), "rank {rank}");
+    }
+    assert_eq!(out["stages"]["text_encoder"]["tokens_per_forward"], 512);
+    let total = out["rank_totals"][0].as_u64().expect("bytes");
+    let tight = format!("{}B", total - 1);
+    let output = plan(&[&args[..], &["--gpu-mem", &tight]].concat());
+    assert_eq!(
+        output.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(String::from_utf8_lossy(&output.stderr).contains("held together"));
+}

@@ -99,8 +99,7 @@ pub fn open(name_or_path: &str) -> Result<(Task, Arc<dyn ShardedModel>), PlanErr
     }
     if crate::WanPipelineDir::detect(path) {
         return Err(PlanError::Model(format!(
-            "{name_or_path} is a pipeline directory; plan its stages one at a time for now (--model \
-             {name_or_path}/transformer, --model {name_or_path}/text_encoder)"
+            "{name_or_path} is a pipeline directory, not one model: `tpinfer plan` plans its stages together"
         )));
     }
     let family = family_of(path);

@@ -309,8 +309,15 @@ impl VideoEngine {
         self.latent_shape
     }
 
+    /// The DiT's plan.
     pub fn plan(&self) -> &Plan {
         &self.group.plans()[self.dit.index()]
+    }
+
+    /// The fullest rank's planned bytes for everything it holds: the DiT, and a pipeline's
+    /// text encoder beside it.
+    pub fn planned_peak(&self) -> u64 {
+        self.group.planned_totals().into_iter().max().unwrap_or(0)
     }
 
     /// Each rank's device memory now, with its peak since the start; `None` for CPU ranks.

@@ -72,6 +72,19 @@ impl RankPlan {
     }
 }
 
+/// One rank's bytes for several models held at once and run one at a time (a pipeline's
+/// stages): every model's resident bytes (weights, buffers, caches), the largest temporaries
+/// of any one, and the device's reserves once.
+pub fn held_together<'a>(ranks: impl IntoIterator<Item = &'a RankPlan>) -> u64 {
+    let (mut resident, mut temporaries, mut reserves) = (0, 0, 0);
+    for r in ranks {
+        resident += r.weights + r.buffers + r.cache;
+        temporaries = temporaries.max(r.activations + r.allocator_slack);
+        reserves = reserves.max(r.workspace + r.context);
+    }
+    resident + temporaries + reserves
+}
+
 /// The same model under FSDP on as many GPUs, for comparison: every GPU holds an even shard
 /// of the flat parameters, gathers one whole wrapped unit (a block, or the root module with
 /// everything outside the blocks) before running it, and computes the full activations.

@@ -189,6 +189,14 @@ impl RankGroup {
         &self.plans
     }
 
+    /// Each rank's planned bytes for all its models together (see
+    /// [`tpinfer_plan::held_together`]).
+    pub fn planned_totals(&self) -> Vec<u64> {
+        (0..self.jobs.len())
+            .map(|rank| tpinfer_plan::held_together(self.plans.iter().map(|p| &p.ranks[rank])))
+            .collect()
+    }
+
     /// The weight bytes each rank read for the model at `index`.
     pub fn weight_bytes(&self, index: usize) -> Vec<usize> {
         self.weight_bytes

@@ -9,7 +9,7 @@ use std::time::Duration;
 use candle_core::DType;
 use tpinfer_comm::CommOptions;
 use tpinfer_family::{Family, LoadContext, RankOptions};
-use tpinfer_plan::{gib, over_budget_message, Placement, Plan, PlanError, RankShard, ShardedModel};
+use tpinfer_plan::{gib, held_together, over_budget_message, Placement, Plan, PlanError, RankShard, ShardedModel};
 
 use crate::connect::{await_startup, connectors};
 use crate::group::{rank_main, Loader, RankSetup};
@@ -222,18 +222,9 @@ impl Launch {
         Ok(())
     }
 
-    /// A rank's bytes for every model: each one's resident bytes, the largest temporaries
-    /// of any, and the device's own reserves once.
+    /// A rank's bytes for every model held together.
     fn rank_total(&self, rank: usize) -> u64 {
-        let plans = self.slots.iter().map(|s| &s.plan.ranks[rank]);
-        let resident: u64 = plans.clone().map(|r| r.weights + r.buffers + r.cache).sum();
-        let temporaries = plans
-            .clone()
-            .map(|r| r.activations + r.allocator_slack)
-            .max()
-            .unwrap_or(0);
-        let reserves = plans.map(|r| r.workspace + r.context).max().unwrap_or(0);
-        resident + temporaries + reserves
+        held_together(self.slots.iter().map(|s| &s.plan.ranks[rank]))
     }
 }
 
