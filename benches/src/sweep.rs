@@ -365,6 +365,7 @@ fn dit(grid: &DitGrid, points: &mut Vec<Point>) -> Result<()> {
                             guide_scale: 5.0,
                             solver: Solver::UniPc(2),
                             seed: 7,
+                            init_latents: None,
                         };
                         let mut reports = Vec::new();
                         let start = std::time::Instant::now();

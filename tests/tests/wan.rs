@@ -209,6 +209,7 @@ fn requests_that_cannot_denoise() {
         guide_scale: 1.0,
         solver: Solver::Euler,
         seed: 7,
+        init_latents: None,
     };
     let refused = |change: fn(&mut VideoRequest)| {
         let mut bad = request.clone();

@@ -64,6 +64,7 @@ fn a_prompt_denoises_at_tp_3_as_at_tp_1_and_as_its_states_do() {
         guide_scale: 5.0,
         solver: Solver::UniPc(2),
         seed: 3,
+        init_latents: None,
     };
     let one = engine(dir.path(), 1);
     let states = request(&one);
@@ -93,6 +94,7 @@ fn guidance_without_a_negative_prompt_is_refused() {
         guide_scale,
         solver: Solver::Euler,
         seed: 1,
+        init_latents: None,
     };
     let err = one.generate(unguided(5.0), |_| {}).expect_err("no negative");
     assert!(
@@ -103,4 +105,38 @@ fn guidance_without_a_negative_prompt_is_refused() {
         one.generate(unguided(1.0), |_| {}).is_ok(),
         "a scale of 1 needs no negative"
     );
+}
+
+/// Given latents start the denoising instead of the seed's noise: the seed's own noise given
+/// as latents denoises to the same bits, other noise to other latents, and latents of
+/// another shape are refused by name.
+#[test]
+fn init_latents_start_the_denoising() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    TinyWanPipeline::default().write(dir.path());
+    let one = engine(dir.path(), 2);
+    let request = |init_latents| VideoRequest {
+        text: one.encode_prompt("a fox").expect("prompt"),
+        negative: Some(one.encode_prompt("").expect("negative")),
+        steps: 2,
+        shift: 5.0,
+        guide_scale: 5.0,
+        solver: Solver::UniPc(2),
+        seed: 9,
+        init_latents,
+    };
+    let seeded = one.generate(request(None), |_| {}).expect("seeded");
+    let noise = tpinfer_wan::sampler::seeded_noise(&one.latent_shape(), 9).expect("noise");
+    let given = one.generate(request(Some(noise)), |_| {}).expect("given");
+    assert_eq!(
+        tensor_rel_error(&given, &seeded),
+        0.0,
+        "the seed's noise, given, is the seeded run"
+    );
+    let other = tpinfer_wan::sampler::seeded_noise(&one.latent_shape(), 10).expect("noise");
+    let moved = one.generate(request(Some(other)), |_| {}).expect("other");
+    assert!(tensor_rel_error(&moved, &seeded) > 1e-2, "other noise, other latents");
+    let wrong = tpinfer_wan::sampler::seeded_noise(&[4, 2, 4, 9], 9).expect("noise");
+    let err = one.generate(request(Some(wrong)), |_| {}).expect_err("wrong shape");
+    assert!(err.to_string().contains("--init-latents are [4, 2, 4, 9]"), "{err}");
 }

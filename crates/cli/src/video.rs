@@ -43,6 +43,9 @@ pub struct VideoArgs {
     shift: f64,
     #[arg(long, value_enum, default_value_t = SolverArg::Unipc)]
     solver: SolverArg,
+    /// Start from these latents (tensor `latents` [C, F', H', W'], f32) instead of --seed's noise.
+    #[arg(long)]
+    init_latents: Option<PathBuf>,
     /// Where to write the latents (safetensors); the previews go beside it as PNG.
     #[arg(long, default_value = "latents.safetensors")]
     out: PathBuf,
@@ -57,7 +60,7 @@ enum SolverArg {
 /// Reads `name` from a safetensors file, or its only tensor, as f32 on the CPU.
 fn read_tensor(path: &Path, name: &str) -> Result<Option<Tensor>> {
     let tensors = candle_core::safetensors::load(path, &Device::Cpu)
-        .with_context(|| format!("cannot read text embeddings from {}", path.display()))?;
+        .with_context(|| format!("cannot read {} (safetensors)", path.display()))?;
     let tensor = match (tensors.get(name), tensors.len()) {
         (Some(t), _) => Some(t.clone()),
         (None, 1) if name == "text" => tensors.into_values().next(),
@@ -131,6 +134,13 @@ pub fn generate_video(
     if embeds.is_some() && args.save_text_embeds.is_some() {
         bail!("--save-text-embeds writes the states of --prompt, but these come from --text-embeds");
     }
+    let init_latents = match &args.init_latents {
+        Some(path) => Some(
+            read_tensor(path, "latents")?
+                .with_context(|| format!("--init-latents {}: no tensor `latents`", path.display()))?,
+        ),
+        None => None,
+    };
     let (width, height) = args.size;
     let shape = VideoShape {
         frames: args.frames,
@@ -148,6 +158,7 @@ pub fn generate_video(
             SolverArg::Euler => Solver::Euler,
         },
         seed,
+        init_latents: init_latents.clone(),
     };
     // Before the model loads. A prompt always has a negative (--negative-prompt).
     match &embeds {

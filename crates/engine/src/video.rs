@@ -39,7 +39,11 @@ pub struct VideoRequest {
     /// (which needs `negative`); at most 1, one forward per step.
     pub guide_scale: f64,
     pub solver: Solver,
+    /// The seed of the starting noise.
     pub seed: u64,
+    /// Starting latents `[channels, latent frames, h, w]` instead of seeded noise (`--init-latents`):
+    /// to compare with another implementation from the same noise, or to re-run one exactly.
+    pub init_latents: Option<Tensor>,
 }
 
 impl VideoRequest {
@@ -206,6 +210,18 @@ impl VideoEngine {
         self.check_text("the text states", &request.text)?;
         if let Some(negative) = &request.negative {
             self.check_text("the negative prompt's states", negative)?;
+        }
+        if let Some(init) = &request.init_latents {
+            if init.dims() != self.latent_shape {
+                return Err(EngineError::InvalidRequest(format!(
+                    "--init-latents are {:?}, but {} frames at {}x{} take latents {:?}",
+                    init.dims(),
+                    self.shape.frames,
+                    self.shape.width,
+                    self.shape.height,
+                    self.latent_shape
+                )));
+            }
         }
         Ok(self.run(Work::Denoise(request), &mut on_step)?.0)
     }
@@ -376,9 +392,11 @@ fn denoise(
         ),
         _ => None,
     };
-    let mut x = seeded_noise(&latent_shape, r.seed)
-        .and_then(|n| n.to_device(device))
-        .map_err(tensor_err)?;
+    let mut x = match &r.init_latents {
+        Some(init) => init.to_dtype(DType::F32).and_then(|x| x.to_device(device)),
+        None => seeded_noise(&latent_shape, r.seed).and_then(|n| n.to_device(device)),
+    }
+    .map_err(tensor_err)?;
     let mut sampler = Sampler::new(Schedule::new(r.steps, r.shift), r.solver);
     for index in 0..r.steps {
         let start = Instant::now();
