@@ -211,6 +211,8 @@ fn sampling_parameters_that_cannot_sample() {
     assert_mentions(&with(|p| p.top_p = Some(1.5)), &["top_p 1.5"]);
     assert_mentions(&with(|p| p.top_p = Some(f64::NAN)), &["top_p NaN"]);
     assert_mentions(&with(|p| p.temperature = f64::NAN), &["temperature NaN"]);
+    // Below 0 used to run greedy without a word (issue #31).
+    assert_mentions(&with(|p| p.temperature = -1.0), &["temperature -1", "below 0"]);
     assert_mentions(
         &with(|p| p.repetition_penalty = 0.0),
         &["repetition_penalty 0", "above 0"],
@@ -233,7 +235,7 @@ fn sampling_parameters_that_cannot_sample() {
             ..sampled.clone()
         },
         SamplingParams {
-            temperature: -1.0,
+            temperature: 0.0,
             ..SamplingParams::default()
         },
     ] {

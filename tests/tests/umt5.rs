@@ -115,3 +115,17 @@ fn bad_input_is_refused_by_name() {
     let err = encode(dir.path(), 1, &prompt()).expect_err("33 is not the checkpoint's width");
     assert!(err.to_string().contains("shared.weight"), "{err}");
 }
+
+/// A preset plans but has no weights: the rank group says so instead of loading nothing.
+#[test]
+fn a_preset_does_not_load() {
+    let xxl = Umt5Model::preset("umt5-xxl").expect("preset");
+    let mut launch = Launch::new(
+        Topology::new(1, &DeviceKind::Cpu).expect("topology"),
+        GroupOptions::default(),
+    );
+    let placement = xxl.default_placement();
+    launch.add(Arc::new(xxl), DType::BF16, placement).expect("planned");
+    let err = launch.start().err().expect("a preset has no weights");
+    assert!(err.to_string().contains("umt5-xxl is a preset"), "{err}");
+}

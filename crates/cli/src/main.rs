@@ -13,6 +13,7 @@ use tpinfer_engine::{DeviceKind, Engine, GenerateRequest, Prompt, SamplingParams
 
 mod doctor;
 mod env;
+mod output;
 mod plan;
 mod plan_pipeline;
 mod video;

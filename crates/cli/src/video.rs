@@ -83,37 +83,6 @@ fn read_embeds(text_path: &Path, negative_path: Option<&Path>) -> Result<(Tensor
     Ok((text, negative))
 }
 
-/// Fails unless a file can be created in `path`'s folder: a run can take hours, and its end is
-/// too late to learn that its output has nowhere to go.
-fn check_writable(flag: &str, path: &Path) -> Result<()> {
-    let folder = match path.parent() {
-        Some(folder) if !folder.as_os_str().is_empty() => folder,
-        _ => Path::new("."),
-    };
-    tempfile::NamedTempFile::new_in(folder).with_context(|| {
-        format!(
-            "{flag} {}: cannot write into {}; choose a folder that exists and is writable",
-            path.display(),
-            folder.display()
-        )
-    })?;
-    Ok(())
-}
-
-/// Writes `tensors` to `path` through a temporary file beside it, so that a failed run leaves
-/// no half-written file.
-fn save_atomically(tensors: &std::collections::HashMap<String, Tensor>, path: &Path) -> Result<()> {
-    let folder = path
-        .parent()
-        .filter(|f| !f.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let temp = tempfile::NamedTempFile::new_in(folder)?;
-    candle_core::safetensors::save(tensors, temp.path())?;
-    temp.persist(path)
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
-}
-
 pub fn generate_video(
     builder: EngineBuilder,
     model: &Path,
@@ -168,9 +137,9 @@ pub fn generate_video(
             request(stand_in.clone(), Some(stand_in)).check()?
         }
     }
-    check_writable("--out", &args.out)?;
+    crate::output::check("--out", &args.out)?;
     if let Some(path) = &args.save_text_embeds {
-        check_writable("--save-text-embeds", path)?;
+        crate::output::check("--save-text-embeds", path)?;
     }
     let engine = VideoEngine::start(builder, shape)?;
     let [c, f, h, w] = engine.latent_shape();
@@ -212,14 +181,16 @@ pub fn generate_video(
         start.elapsed().as_secs_f64(),
         start.elapsed().as_secs_f64() / args.steps as f64
     );
-    save_atomically(
-        &std::collections::HashMap::from([("latents".to_string(), latents.clone())]),
+    crate::output::write(
+        "--out",
         &args.out,
+        |temp| Ok(latents.save_safetensors("latents", temp)?),
     )?;
     let frames = latents.dim(1)?;
     for (label, index) in [("first", 0), ("last", frames - 1)] {
         let path = args.out.with_extension(format!("{label}.png"));
-        write_preview(&latents.narrow(1, index, 1)?.squeeze(1)?, &path)?;
+        let frame = latents.narrow(1, index, 1)?.squeeze(1)?;
+        crate::output::write("the preview", &path, |temp| write_preview(&frame, temp))?;
         eprintln!("wrote {}", path.display());
     }
     eprintln!("wrote {}", args.out.display());
@@ -244,7 +215,9 @@ fn encode(engine: &VideoEngine, prompt: &str, args: &VideoArgs) -> Result<(Tenso
             ("text".to_string(), text.clone()),
             ("negative".to_string(), negative.clone()),
         ]);
-        save_atomically(&tensors, path)?;
+        crate::output::write("--save-text-embeds", path, |temp| {
+            Ok(candle_core::safetensors::save(&tensors, temp)?)
+        })?;
         eprintln!("wrote {}", path.display());
     }
     let negative = negative.filter(|_| args.guide_scale > 1.0);
@@ -296,9 +269,7 @@ fn write_preview(frame: &Tensor, path: &Path) -> Result<()> {
         .into_iter()
         .map(|v| v.round().clamp(0.0, 255.0) as u8)
         .collect();
-    let file = std::io::BufWriter::new(
-        std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?,
-    );
+    let file = std::io::BufWriter::new(std::fs::File::create(path)?);
     let mut encoder = png::Encoder::new(file, w as u32, h as u32);
     encoder.set_color(png::ColorType::Rgb);
     encoder.set_depth(png::BitDepth::Eight);

@@ -521,3 +521,71 @@ fn plan_of_a_pipeline_holds_both_stages() {
     );
     assert!(String::from_utf8_lossy(&output.stderr).contains("held together"));
 }
+
+/// Outputs: a directory (or device) as --out is refused by name before any step; a written
+/// file has the mode a plain create gives; a link is followed, not replaced.
+#[cfg(unix)]
+#[test]
+fn video_outputs_are_written_safely() {
+    use std::os::unix::fs::PermissionsExt;
+
+    use candle_core::{Device, Tensor};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = tpinfer_tests::TinyWan::default();
+    let path = model.write(&dir.path().join("wan"));
+    let embeds = dir.path().join("embeds.safetensors");
+    let text = Tensor::randn(0f32, 1.0, (7, model.text_dim), &Device::Cpu).expect("text");
+    candle_core::safetensors::save(
+        &std::collections::HashMap::from([("text".to_string(), text.clone()), ("negative".to_string(), text)]),
+        &embeds,
+    )
+    .expect("write embeds");
+    let run = |out: &Path| {
+        let args = [
+            "generate",
+            "--model",
+            path.to_str().expect("utf8"),
+            "--frames",
+            "5",
+            "--size",
+            "64x32",
+            "--steps",
+            "1",
+            "--text-embeds",
+            embeds.to_str().expect("utf8"),
+            "--out",
+            out.to_str().expect("utf8"),
+        ];
+        tpinfer(&args, Duration::from_secs(60))
+    };
+    let folder = dir.path().join("a-folder");
+    std::fs::create_dir(&folder).expect("mkdir");
+    let output = run(&folder);
+    assert_fails_with(&output, &["--out", "a-folder", "a directory"]);
+    assert!(
+        !String::from_utf8_lossy(&output.stderr).contains("step "),
+        "refused before any step"
+    );
+
+    let plain = dir.path().join("plain");
+    std::fs::File::create(&plain).expect("create");
+    let umask_mode = std::fs::metadata(&plain).expect("meta").permissions().mode() & 0o777;
+    let out = dir.path().join("latents.safetensors");
+    let output = run(&out);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let mode = std::fs::metadata(&out).expect("meta").permissions().mode() & 0o777;
+    assert_eq!(mode, umask_mode, "the mode a plain create gives");
+
+    let target = dir.path().join("target.safetensors");
+    std::fs::write(&target, b"old").expect("target");
+    let link = dir.path().join("link.safetensors");
+    std::os::unix::fs::symlink(&target, &link).expect("symlink");
+    let output = run(&link);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        std::fs::symlink_metadata(&link).expect("meta").file_type().is_symlink(),
+        "still a link"
+    );
+    let latents = candle_core::safetensors::load(&target, &Device::Cpu).expect("the target holds the latents");
+    assert!(latents.contains_key("latents"));
+}

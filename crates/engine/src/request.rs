@@ -74,6 +74,13 @@ impl SamplingParams {
                 self.temperature
             ));
         }
+        // A negative temperature would silently run greedy.
+        if self.temperature < 0.0 {
+            return Some(format!(
+                "temperature {} is below 0; 0 is greedy, above 0 samples",
+                self.temperature
+            ));
+        }
         if self.top_k == Some(0) {
             return Some("top_k must be at least 1 (leave it unset to sample from every token)".into());
         }

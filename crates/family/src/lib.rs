@@ -51,6 +51,13 @@ pub trait Family: ShardedModel + Sized + 'static {
     fn bytes_loaded(rank: &Self::Rank) -> usize;
 }
 
+/// The error of a preset asked to load: it has a config and no checkpoint.
+pub fn preset_has_no_weights(name: &str) -> tpinfer_layers::Error {
+    tpinfer_layers::Error::Shard(format!(
+        "{name} is a preset: it has no weights to load; give a model directory"
+    ))
+}
+
 /// What a rank loads with: its communicator, its device, the compute dtype and the options
 /// its forward runs with.
 pub struct LoadContext<'a> {

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::DType;
-use tpinfer_family::{Family, LoadContext};
+use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
 use tpinfer_plan::{
     boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
 };
@@ -195,9 +195,10 @@ impl Family for LlamaModel {
         placement: Placement,
         ctx: &LoadContext<'_>,
     ) -> Result<LlamaRank, tpinfer_layers::Error> {
-        let checkpoint = self.checkpoint.as_ref().ok_or_else(|| {
-            tpinfer_layers::Error::Shard(format!("{} is a preset: it has no weights to load", self.name))
-        })?;
+        let checkpoint = self
+            .checkpoint
+            .as_ref()
+            .ok_or_else(|| preset_has_no_weights(&self.name))?;
         let Placement::Llm { max_context, .. } = placement else {
             return Err(tpinfer_layers::Error::Shard(
                 "a Llama model is placed with a context length".into(),

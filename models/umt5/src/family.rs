@@ -4,7 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::DType;
-use tpinfer_family::{Family, LoadContext};
+use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
 use tpinfer_plan::{
     boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
 };
@@ -161,9 +161,7 @@ impl Family for Umt5Model {
         _placement: Placement,
         ctx: &LoadContext<'_>,
     ) -> Result<Umt5Rank, tpinfer_layers::Error> {
-        let store = self.store.as_ref().ok_or_else(|| {
-            tpinfer_layers::Error::Shard(format!("{} is a preset: it has no weights to load", self.name))
-        })?;
+        let store = self.store.as_ref().ok_or_else(|| preset_has_no_weights(&self.name))?;
         Umt5Rank::load(
             &self.config,
             &**store,

@@ -78,12 +78,16 @@ impl WanConfig {
             path: origin.to_string(),
             detail,
         };
+        // A field that is there must be a positive integer: a wrong type never falls back to
+        // the default.
         let int = |keys: &[&str], default: Option<usize>| -> Result<usize, WanConfigError> {
-            keys.iter()
-                .find_map(|k| v.get(*k).and_then(Value::as_u64))
-                .map(|n| n as usize)
-                .or(default)
-                .ok_or_else(|| field(format!("missing `{}`", keys[0])))
+            match keys.iter().find_map(|k| v.get(*k).map(|value| (*k, value))) {
+                Some((key, value)) => match value.as_u64() {
+                    Some(n) if n > 0 => Ok(n as usize),
+                    _ => Err(field(format!("`{key}` is {value}; it must be a positive integer"))),
+                },
+                None => default.ok_or_else(|| field(format!("missing `{}`", keys[0]))),
+            }
         };
         for key in ["image_dim", "added_kv_proj_dim"] {
             if v.get(key).is_some_and(|x| !x.is_null()) {
@@ -97,13 +101,23 @@ impl WanConfig {
                 "model_type `{kind}`: only text-to-video (t2v) Wan models are supported"
             )));
         }
-        let patch_size = match v.get("patch_size").and_then(Value::as_array) {
-            Some(p) if p.len() == 3 => {
-                let dims: Vec<usize> = p.iter().filter_map(Value::as_u64).map(|n| n as usize).collect();
-                [dims[0], dims[1], dims[2]]
-            }
-            Some(_) => return Err(field("`patch_size` must have three entries".into())),
+        let patch_size = match v.get("patch_size") {
             None => [1, 2, 2],
+            Some(p) => {
+                let dims: Option<Vec<usize>> = p.as_array().filter(|dims| dims.len() == 3).and_then(|dims| {
+                    dims.iter()
+                        .map(|d| d.as_u64().filter(|&n| n > 0).map(|n| n as usize))
+                        .collect()
+                });
+                match dims.as_deref() {
+                    Some(&[t, h, w]) => [t, h, w],
+                    _ => {
+                        return Err(field(format!(
+                            "`patch_size` is {p}; it must be three positive integers, e.g. [1, 2, 2]"
+                        )))
+                    }
+                }
+            }
         };
         let heads = int(&["num_attention_heads", "num_heads"], None)?;
         let head_dim = match v.get("dim").and_then(Value::as_u64) {
@@ -123,8 +137,19 @@ impl WanConfig {
             ffn_dim: int(&["ffn_dim"], None)?,
             num_layers: int(&["num_layers"], None)?,
             patch_size,
-            cross_attn_norm: v.get("cross_attn_norm").and_then(Value::as_bool).unwrap_or(true),
-            eps: v.get("eps").and_then(Value::as_f64).unwrap_or(1e-6),
+            cross_attn_norm: match v.get("cross_attn_norm") {
+                None => true,
+                Some(b) => b
+                    .as_bool()
+                    .ok_or_else(|| field(format!("`cross_attn_norm` is {b}; it must be true or false")))?,
+            },
+            eps: match v.get("eps") {
+                None => 1e-6,
+                Some(e) => e
+                    .as_f64()
+                    .filter(|e| e.is_finite() && *e > 0.0)
+                    .ok_or_else(|| field(format!("`eps` is {e}; it must be a positive number")))?,
+            },
             s2v: None,
         })
     }
@@ -186,5 +211,36 @@ impl WanConfig {
     /// The number of latent values of one video: channels × latent frames × latent pixels.
     pub fn latent_elements(&self, frames: usize, width: usize, height: usize) -> usize {
         self.in_channels * ((frames.saturating_sub(1)) / 4 + 1) * (height / 8) * (width / 8)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &str) -> Result<WanConfig, WanConfigError> {
+        let text = format!(
+            r#"{{"num_attention_heads": 12, "attention_head_dim": 128, "ffn_dim": 8960, "num_layers": 30{extra}}}"#
+        );
+        WanConfig::from_json(&text, "config.json")
+    }
+
+    /// Each used to panic (a zero patch divided by zero; a string in it indexed past the
+    /// end) or to fall back to a default silently (issue #31).
+    #[test]
+    fn malformed_fields_are_refused_by_name() {
+        assert!(config("").is_ok());
+        for (extra, named) in [
+            (r#", "patch_size": [0, 2, 2]"#, "`patch_size` is [0,2,2]"),
+            (r#", "patch_size": [1, 2, "2"]"#, "`patch_size`"),
+            (r#", "patch_size": [1, 2]"#, "three positive integers"),
+            (r#", "in_channels": "16""#, "`in_channels` is \"16\""),
+            (r#", "text_dim": 0"#, "`text_dim` is 0"),
+            (r#", "cross_attn_norm": "yes""#, "`cross_attn_norm`"),
+            (r#", "eps": -1"#, "`eps` is -1"),
+        ] {
+            let err = config(extra).expect_err(extra).to_string();
+            assert!(err.contains(named) && err.contains("config.json"), "{extra}: {err}");
+        }
     }
 }

@@ -1,0 +1,82 @@
+//! Output files, written so that a failed run leaves nothing behind: the path is checked
+//! before the run; the bytes go to a temporary file beside the target, created with the mode
+//! a plain create gives (the umask's), synced, then renamed over it. Only a regular file is
+//! replaced; a symbolic link is followed to the file it names.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+/// Where `path`'s bytes will go: the file a link names, or the path itself. Fails, naming
+/// `flag` and the path, where that is anything but a regular file or a new name in a
+/// writable folder.
+pub fn check(flag: &str, path: &Path) -> Result<PathBuf> {
+    let target = match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_symlink() => std::fs::canonicalize(path)
+            .with_context(|| format!("{flag} {}: the link names nothing that exists", path.display()))?,
+        Ok(_) | Err(_) => path.to_path_buf(),
+    };
+    if let Ok(meta) = std::fs::metadata(&target) {
+        if !meta.is_file() {
+            bail!(
+                "{flag} {}: it is {}, not a regular file; give a file's path",
+                path.display(),
+                if meta.is_dir() {
+                    "a directory"
+                } else {
+                    "a device or special file"
+                }
+            );
+        }
+    }
+    temporary(&target).with_context(|| {
+        format!(
+            "{flag} {}: cannot write into {}; choose a folder that exists and is writable",
+            path.display(),
+            folder(&target).display()
+        )
+    })?;
+    Ok(target)
+}
+
+/// Writes `path` (checked as [`check`] does) through `write`, which fills the temporary file
+/// at the path it is given.
+pub fn write(flag: &str, path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let target = check(flag, path)?;
+    let temp =
+        temporary(&target).with_context(|| format!("{flag} {}: cannot create a file beside it", path.display()))?;
+    let mode = temp.as_file().metadata().map(|m| m.permissions());
+    write(temp.path()).with_context(|| format!("{flag} {}: writing failed", path.display()))?;
+    // Writers may replace the file at the path (safetensors does, with a private mode): the
+    // mode is set, and the data synced, on whatever file is there now.
+    let written = std::fs::File::open(temp.path()).and_then(|file| {
+        if let Ok(mode) = mode {
+            file.set_permissions(mode)?;
+        }
+        file.sync_all()
+    });
+    written.with_context(|| format!("{flag} {}: syncing failed", path.display()))?;
+    temp.persist(&target)
+        .with_context(|| format!("{flag} {}: cannot rename the written file into place", path.display()))?;
+    Ok(())
+}
+
+fn folder(path: &Path) -> &Path {
+    match path.parent() {
+        Some(folder) if !folder.as_os_str().is_empty() => folder,
+        _ => Path::new("."),
+    }
+}
+
+/// A temporary file in `path`'s folder, with the mode a plain create would give it.
+fn temporary(path: &Path) -> std::io::Result<tempfile::NamedTempFile> {
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(".tpinfer-");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        // Masked by the umask on creation, as `File::create`'s 0o666 is.
+        builder.permissions(std::fs::Permissions::from_mode(0o666));
+    }
+    builder.tempfile_in(folder(path))
+}
