@@ -589,3 +589,62 @@ fn video_outputs_are_written_safely() {
     let latents = candle_core::safetensors::load(&target, &Device::Cpu).expect("the target holds the latents");
     assert!(latents.contains_key("latents"));
 }
+
+/// Absurd counts from flags or files are refused by name and at once: they used to wrap into
+/// a reported fit, or to loop for hours over a billion layers or batch sizes (issue #31).
+#[test]
+fn plan_refuses_absurd_sizes_quickly() {
+    let start = Instant::now();
+    let refused = |args: &[&str], named: &[&str]| {
+        let output = plan(&[args, &["--gpu-mem", "24GiB"]].concat());
+        assert_fails_with(&output, named);
+    };
+    refused(
+        &["--model", "llama-3-8b", "--batch", "1000000000000"],
+        &["--batch 1000000000000", "65536"],
+    );
+    refused(
+        &[
+            "--model",
+            "wan2.1-t2v-14b",
+            "--tp",
+            "1",
+            "--size",
+            "4294967296x4294967296",
+        ],
+        &["--size 4294967296x4294967296", "16384 pixels"],
+    );
+    refused(
+        &["--model", "wan2.1-t2v-14b", "--frames", "18446744073709551613"],
+        &["--frames 18446744073709551613", "16385 frames"],
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default().write(dir.path());
+    let config = model.join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).expect("read")).expect("json");
+    json["num_hidden_layers"] = 1_000_000_000u64.into();
+    std::fs::write(&config, json.to_string()).expect("write");
+    refused(
+        &["--model", model.to_str().expect("utf8")],
+        &["num_hidden_layers", "1000000000", "above the 1024"],
+    );
+    // A batch over budget: the largest that fits is found by bisection, not a count down.
+    let output = plan(&[
+        "--model",
+        "llama-3-8b",
+        "--tp",
+        "1",
+        "--gpu-mem",
+        "24GiB",
+        "--batch",
+        "60000",
+    ]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("--batch "),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
+}

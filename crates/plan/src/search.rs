@@ -158,16 +158,16 @@ pub fn over_budget_message(model: &dyn ShardedModel, plan: &Plan, dtype: DType, 
                 options.push(format!("--max-context {context}"));
             }
             if batch > 1 {
-                if let Some(fewer) = (1..batch).rev().find(|&b| {
-                    let placement = Placement::Llm {
-                        max_context: match plan.placement {
-                            Placement::Llm { max_context, .. } => max_context,
-                            Placement::Dit { .. } => 0,
-                        },
-                        batch: b,
-                    };
+                let max_context = match plan.placement {
+                    Placement::Llm { max_context, .. } => max_context,
+                    Placement::Dit { .. } => 0,
+                };
+                // Bisection: fewer sequences never need more bytes.
+                let fits = |b: usize| {
+                    let placement = Placement::Llm { max_context, batch: b };
                     Plan::new(model, plan.tp, dtype, placement, plan.device).is_ok_and(|p| p.fits(budget))
-                }) {
+                };
+                if let Some(fewer) = largest(1, batch - 1, fits) {
                     options.push(format!("--batch {fewer}"));
                 }
             }

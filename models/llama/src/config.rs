@@ -258,6 +258,22 @@ impl LlamaConfig {
                 return Err(invalid(field, "must be positive".to_string()));
             }
         }
+        // Bounds no published model comes near, so that no loop runs a billion layers and no
+        // product the plan takes wraps.
+        for (field, value, limit) in [
+            ("hidden_size", self.hidden_size, 1 << 17),
+            ("intermediate_size", self.intermediate_size, 1 << 20),
+            ("num_hidden_layers", self.num_hidden_layers, 1024),
+            ("num_attention_heads", self.num_attention_heads, 1024),
+            ("num_key_value_heads", self.num_key_value_heads, 1024),
+            ("head_dim", self.head_dim, 1024),
+            ("vocab_size", self.vocab_size, 1 << 24),
+            ("max_position_embeddings", self.max_position_embeddings, 1 << 24),
+        ] {
+            if value > limit {
+                return Err(invalid(field, format!("is {value}, above the {limit} tpinfer takes")));
+            }
+        }
         if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(invalid(
                 "num_key_value_heads",

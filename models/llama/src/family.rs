@@ -13,6 +13,10 @@ use tpinfer_weights::WeightDecl;
 use crate::memory::{flash_attention, prefill_chunk, RankMemory};
 use crate::{CheckpointError, LlamaCheckpoint, LlamaConfig, LlamaRank, LlamaShard};
 
+/// The most sequences a plan holds at once: far past any one box's memory, and far from any
+/// product that could wrap.
+const MAX_BATCH: usize = 1 << 16;
+
 /// A Llama model to plan or load: a preset's config, or an opened checkpoint.
 #[derive(Clone)]
 pub struct LlamaModel {
@@ -119,8 +123,10 @@ impl RankShard for LlamaRankShard {
                 config.max_position_embeddings
             )));
         }
-        if batch == 0 {
-            return Err(PlanError::Placement("--batch must be at least 1".into()));
+        if batch == 0 || batch > MAX_BATCH {
+            return Err(PlanError::Placement(format!(
+                "--batch {batch} must be between 1 and {MAX_BATCH}"
+            )));
         }
         let flash = flash_attention(accelerator == Accelerator::Cuda, dtype, config.head_dim, &self.shard);
         let chunk = prefill_chunk(self.shard.heads.q_heads.len(), max_context, flash);

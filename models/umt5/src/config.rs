@@ -89,6 +89,30 @@ impl Umt5Config {
             relative_attention_max_distance: int("relative_attention_max_distance", Some(128))?,
             layer_norm_epsilon: v.get("layer_norm_epsilon").and_then(Value::as_f64).unwrap_or(1e-6),
         };
+        // Bounds no published model comes near, so that no loop runs a billion layers and no
+        // product the plan takes wraps.
+        for (key, value, limit) in [
+            ("vocab_size", config.vocab_size, 1 << 24),
+            ("d_model", config.d_model, 1 << 17),
+            ("d_kv", config.d_kv, 1024),
+            ("d_ff", config.d_ff, 1 << 20),
+            ("num_layers", config.num_layers, 1024),
+            ("num_heads", config.num_heads, 1024),
+            (
+                "relative_attention_num_buckets",
+                config.relative_attention_num_buckets,
+                1024,
+            ),
+            (
+                "relative_attention_max_distance",
+                config.relative_attention_max_distance,
+                1 << 20,
+            ),
+        ] {
+            if value > limit {
+                return Err(field(format!("`{key}` is {value}, above the {limit} tpinfer takes")));
+            }
+        }
         // The bidirectional buckets split in two halves, each with an exact and a log part.
         if config.relative_attention_num_buckets < 4 {
             return Err(field(format!(

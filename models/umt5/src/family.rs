@@ -97,10 +97,12 @@ impl RankShard for Umt5RankShard {
                 "a text encoder is placed with the prompt's tokens (--max-context), not --frames and --size".into(),
             ));
         };
-        if max_context == 0 || batch == 0 {
-            return Err(PlanError::Placement(
-                "a text encoder needs at least one token of one prompt".into(),
-            ));
+        if max_context == 0 || batch == 0 || max_context > 1 << 16 || batch > 1 << 16 {
+            return Err(PlanError::Placement(format!(
+                "a text encoder takes 1 to {} prompts of 1 to {} tokens; got {batch} of {max_context}",
+                1 << 16,
+                1 << 16
+            )));
         }
         let m = EncodeMemory::new(&self.config, &self.shard, dtype, max_context);
         Ok(Footprint {

@@ -127,7 +127,7 @@ impl WanConfig {
         if head_dim % 2 != 0 || heads * head_dim == 0 {
             return Err(field(format!("head dim {head_dim} must be even and positive")));
         }
-        Ok(Self {
+        let config = Self {
             num_attention_heads: heads,
             attention_head_dim: head_dim,
             in_channels: int(&["in_channels", "in_dim"], Some(16))?,
@@ -151,7 +151,26 @@ impl WanConfig {
                     .ok_or_else(|| field(format!("`eps` is {e}; it must be a positive number")))?,
             },
             s2v: None,
-        })
+        };
+        // Bounds no published model comes near, so that no loop runs a billion blocks and no
+        // product the plan takes wraps.
+        let [pt, ph, pw] = config.patch_size;
+        for (key, value, limit) in [
+            ("num_attention_heads", config.num_attention_heads, 1024),
+            ("attention_head_dim", config.attention_head_dim, 1024),
+            ("num_layers", config.num_layers, 1024),
+            ("ffn_dim", config.ffn_dim, 1 << 20),
+            ("text_dim", config.text_dim, 1 << 16),
+            ("freq_dim", config.freq_dim, 1 << 16),
+            ("in_channels", config.in_channels, 1024),
+            ("out_channels", config.out_channels, 1024),
+            ("patch_size", pt.max(ph).max(pw), 64),
+        ] {
+            if value > limit {
+                return Err(field(format!("`{key}` is {value}, above the {limit} tpinfer takes")));
+            }
+        }
+        Ok(config)
     }
 
     /// Wan2.1-T2V-1.3B as published.
@@ -238,6 +257,10 @@ mod tests {
             (r#", "text_dim": 0"#, "`text_dim` is 0"),
             (r#", "cross_attn_norm": "yes""#, "`cross_attn_norm`"),
             (r#", "eps": -1"#, "`eps` is -1"),
+            (
+                r#", "num_layers": 1000000000"#,
+                "`num_layers` is 1000000000, above the 1024",
+            ),
         ] {
             let err = config(extra).expect_err(extra).to_string();
             assert!(err.contains(named) && err.contains("config.json"), "{extra}: {err}");

@@ -14,6 +14,11 @@ use tpinfer_weights::{ShardLoader, WeightDecl};
 use crate::memory::{DitMemory, ForwardPath, Video};
 use crate::{WanCheckpoint, WanCheckpointError, WanConfig, WanRank, WanShard};
 
+/// The longest video a plan takes (17 minutes at 16 fps) and the widest side: far past any
+/// box's memory, and far from any product that could wrap.
+const MAX_FRAMES: usize = 16_385;
+const MAX_SIDE: usize = 16_384;
+
 /// A Wan DiT to plan or load: a preset's config, or an opened checkpoint.
 #[derive(Clone)]
 pub struct WanModel {
@@ -115,6 +120,11 @@ impl RankShard for WanRankShard {
                 "--max-context is for LLMs; give a video DiT --frames and --size".into(),
             ));
         };
+        if frames > MAX_FRAMES || width > MAX_SIDE || height > MAX_SIDE {
+            return Err(PlanError::Placement(format!(
+                "--frames {frames} --size {width}x{height}: at most {MAX_FRAMES} frames of {MAX_SIDE} pixels a side"
+            )));
+        }
         if frames % 4 != 1 || width % 16 != 0 || height % 16 != 0 || width == 0 || height == 0 {
             return Err(PlanError::Placement(format!(
                 "--frames {frames} --size {width}x{height}: frames must be 4k + 1 (e.g. 21, 41, 81) and the size \
