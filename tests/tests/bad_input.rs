@@ -247,3 +247,27 @@ fn sampling_parameters_that_cannot_sample() {
         assert!(stats.generated_tokens >= 1);
     }
 }
+
+/// A config's values the model does not run are refused by name: they used to be ignored,
+/// or taken on trust into a loop over a billion layers (issue #31).
+#[test]
+fn config_values_the_model_does_not_run() {
+    let dir = model_dir();
+    let config = dir.path().join("config.json");
+    let original: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).expect("read")).expect("json");
+    for (field, value, parts) in [
+        ("hidden_act", serde_json::json!("gelu"), ["hidden_act", "`gelu`"]),
+        (
+            "num_hidden_layers",
+            serde_json::json!(1_000_000_000u64),
+            ["num_hidden_layers", "above the 1024"],
+        ),
+        ("vocab_size", serde_json::json!(1u64 << 40), ["vocab_size", "above the"]),
+    ] {
+        let mut changed = original.clone();
+        changed[field] = value;
+        std::fs::write(&config, changed.to_string()).expect("write");
+        assert_mentions(&build_error(dir.path(), 1), &parts);
+    }
+}

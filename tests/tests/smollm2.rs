@@ -47,3 +47,41 @@ fn chat_answer_through_the_engine_at_tp3() {
         "the instruct model ends its turn with <|im_end|>"
     );
 }
+
+/// A GGUF whose metadata describes fewer layers than its tensor table holds is refused by
+/// name: it used to run the fewer layers and answer wrongly (issue #31).
+#[test]
+fn a_gguf_whose_block_count_disagrees_with_its_tensors_is_refused() {
+    use candle_core::quantized::gguf_file::{self, Value};
+    let mut file = std::fs::File::open(model()).expect("open");
+    let content = gguf_file::Content::read(&mut file).expect("read");
+    let blocks = match content.metadata.get("llama.block_count") {
+        Some(Value::U32(n)) => *n,
+        other => panic!("block_count {other:?}"),
+    };
+    let fewer = Value::U32(blocks - 1);
+    let metadata: Vec<(&str, &Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), if k == "llama.block_count" { &fewer } else { v }))
+        .collect();
+    let tensors: Vec<(String, candle_core::quantized::QTensor)> = content
+        .tensor_infos
+        .keys()
+        .map(|name| {
+            let tensor = content
+                .tensor(&mut file, name, &candle_core::Device::Cpu)
+                .expect("tensor");
+            (name.clone(), tensor)
+        })
+        .collect();
+    let refs: Vec<(&str, &candle_core::quantized::QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("fewer-blocks.gguf");
+    let mut out = std::fs::File::create(&path).expect("create");
+    gguf_file::write(&mut out, &metadata, &refs).expect("write gguf");
+    drop(out);
+    let err = Engine::builder(&path).build().err().expect("refused").to_string();
+    let last = format!("blk.{}.", blocks - 1);
+    assert!(err.contains(&last) && err.contains("block_count"), "{err}");
+}

@@ -648,3 +648,14 @@ fn plan_refuses_absurd_sizes_quickly() {
     );
     assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
 }
+
+/// An error says its cause once: a missing config.json used to print the OS error twice.
+#[test]
+fn an_error_names_its_cause_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let output = generate(dir.path(), &[]);
+    assert_fails_with(&output, &["config.json"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(stderr.matches("No such file or directory").count(), 1, "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+}

@@ -54,6 +54,21 @@ impl GgufStore {
         self
     }
 
+    /// A tensor of the file that no name of the map covers: a tensor table the metadata
+    /// does not describe (more layers than `block_count`, say), which would otherwise be
+    /// left out without a word.
+    pub fn unmapped_tensor(&self) -> Option<&str> {
+        let mut names: Vec<&str> = self
+            .content
+            .tensor_infos
+            .keys()
+            .map(String::as_str)
+            .filter(|gguf| !self.names.values().any(|(mapped, _)| mapped == gguf))
+            .collect();
+        names.sort_unstable();
+        names.first().copied()
+    }
+
     fn gguf_error(&self, detail: String) -> WeightError {
         WeightError::Gguf {
             path: self.path.clone(),

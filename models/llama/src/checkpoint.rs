@@ -74,7 +74,20 @@ impl LlamaCheckpoint {
             store.has_gguf_tensor("output.weight"),
             &path.display().to_string(),
         )?;
-        let store = Arc::new(store.with_names(gguf_names(&config)));
+        let store = store.with_names(gguf_names(&config));
+        if let Some(name) = store.unmapped_tensor() {
+            return Err(WeightError::Unexpected {
+                name: name.to_string(),
+                origin: path.display().to_string(),
+                hint: format!(
+                    "the metadata describes {} layers (block_count) and no such tensor: the file's metadata and \
+                     tensor table disagree",
+                    config.num_hidden_layers
+                ),
+            }
+            .into());
+        }
+        let store = Arc::new(store);
         Ok(Self {
             config,
             format: ModelFormat::Gguf(path.to_path_buf()),

@@ -67,6 +67,7 @@ struct RawConfig {
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
+    hidden_act: Option<String>,
     // transformers 4
     rope_theta: Option<f64>,
     rope_scaling: Option<Json>,
@@ -131,6 +132,14 @@ impl LlamaConfig {
                 "model_type {:?} / architectures {:?} is not Llama; tpinfer runs LlamaForCausalLM",
                 raw.model_type, raw.architectures
             )));
+        }
+        // The MLP is SiLU-gated: another activation would run as SiLU without a word.
+        if let Some(act) = raw.hidden_act.as_deref().filter(|act| *act != "silu") {
+            return Err(ConfigError::Invalid {
+                origin: origin.to_string(),
+                field: "hidden_act".into(),
+                detail: format!("is `{act}`; tpinfer runs Llama's `silu`"),
+            });
         }
         let hidden_size = raw.hidden_size.ok_or_else(|| missing("hidden_size"))?;
         let num_attention_heads = raw.num_attention_heads.ok_or_else(|| missing("num_attention_heads"))?;
