@@ -367,3 +367,48 @@ fn a_group_over_budget_is_refused_before_any_rank_loads() {
     }
     assert_eq!(loads.load(Ordering::SeqCst), 0, "refused before any load");
 }
+
+/// CPU ranks share the host's memory: a group whose ranks together need more than it has is
+/// refused before any load, and no "per GPU" or "add GPUs" advice is given for them.
+#[test]
+fn cpu_ranks_are_held_to_the_hosts_memory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_toy(dir.path(), 8, 24, None);
+    let model = ToyMlp::open(dir.path()).expect("open");
+    let loads = model.loads.clone();
+    let mut launch = Launch::new(
+        Topology::new(2, &DeviceKind::Cpu).expect("topology"),
+        GroupOptions::default(),
+    );
+    // 2^34 rows of activations: terabytes, more than any host has.
+    let placement = Placement::Llm {
+        max_context: 1 << 34,
+        batch: 1,
+    };
+    launch.add(Arc::new(model), DType::F32, placement).expect("planned");
+    match launch.start() {
+        Err(RuntimeError::OverBudget(message)) => {
+            assert!(
+                message.contains("CPU ranks") && message.contains("MemAvailable"),
+                "{message}"
+            );
+            assert!(!message.contains("GPU"), "{message}");
+        }
+        Err(e) => panic!("expected the host's memory to refuse it, got {e}"),
+        Ok(_) => panic!("terabytes cannot fit the host"),
+    }
+    assert_eq!(loads.load(Ordering::SeqCst), 0, "refused before any load");
+    let tight = GroupOptions {
+        gpu_mem: Some(1000),
+        ..GroupOptions::default()
+    };
+    let model = ToyMlp::open(dir.path()).expect("open");
+    let placement = model.default_placement();
+    let mut launch = Launch::new(Topology::new(2, &DeviceKind::Cpu).expect("topology"), tight);
+    launch.add(Arc::new(model), DType::F32, placement).expect("planned");
+    let message = launch.start().err().expect("over budget").to_string();
+    assert!(
+        message.contains("per CPU rank") && !message.contains("GPU"),
+        "{message}"
+    );
+}

@@ -194,12 +194,17 @@ fn print_plan(plan: &Plan, budget: u64) {
         Placement::Dit { .. } => "latents",
     };
     println!(
-        "{}, {}, TP {}, {}; budget {:.0} MiB per GPU ({} profile)\n",
+        "{}, {}, TP {}, {}; budget {:.0} MiB {} ({} profile)\n",
         plan.model,
         plan.dtype,
         plan.tp,
         describe(plan.placement, plan.tokens_per_forward),
         mib(budget),
+        if plan.device.is_cuda() {
+            "per GPU"
+        } else {
+            "per CPU rank"
+        },
         plan.device.name
     );
     println!(

@@ -134,8 +134,16 @@ pub fn over_budget_message(model: &dyn ShardedModel, plan: &Plan, dtype: DType, 
         Placement::Llm { .. } => "KV cache",
         Placement::Dit { .. } => "latents",
     };
+    // CPU ranks are threads sharing the host's memory: there are no GPUs to add.
+    let (unit, remedy) = match plan.device.is_cuda() {
+        true => ("per GPU", "add GPUs or use a smaller dtype"),
+        false => (
+            "per CPU rank",
+            "the CPU ranks share the host's memory: use a smaller dtype or model",
+        ),
+    };
     let mut message = format!(
-        "rank {} needs {:.2} GiB but {:.2} GiB is available per GPU (weights {:.2}, {cache} {:.2}, activations {:.2} \
+        "rank {} needs {:.2} GiB but {:.2} GiB is available {unit} (weights {:.2}, {cache} {:.2}, activations {:.2} \
          + allocator slack {:.2}, buffers {:.2}, workspace {:.2}, CUDA context {:.2} GiB)",
         r.rank,
         gib(r.total()),
@@ -179,7 +187,7 @@ pub fn over_budget_message(model: &dyn ShardedModel, plan: &Plan, dtype: DType, 
         }
     }
     match options.is_empty() {
-        true => message.push_str("; it does not fit at any TP width: add GPUs or use a smaller dtype"),
+        true => message.push_str(&format!("; it does not fit at any TP width: {remedy}")),
         false => message.push_str(&format!("; fits with {}", options.join(", or with "))),
     }
     message

@@ -188,6 +188,7 @@ impl Launch {
     /// margin. Models held together keep their weights, buffers and caches resident and
     /// run one at a time: their temporaries do not add up.
     fn check_budget(&self) -> Result<(), RuntimeError> {
+        self.check_host_memory()?;
         let profile = self.topology.profile();
         for (rank, device) in self.topology.devices().iter().enumerate() {
             let free =
@@ -205,10 +206,11 @@ impl Launch {
             let mut message = match self.slots.as_slice() {
                 [one] => over_budget_message(&*one.model, &one.plan, one.dtype, budget),
                 all => format!(
-                    "rank {rank} needs {:.2} GiB for {} but {:.2} GiB is available per GPU",
+                    "rank {rank} needs {:.2} GiB for {} but {:.2} GiB is available {}",
                     gib(needed),
                     all.iter().map(|s| s.model.name()).collect::<Vec<_>>().join(" + "),
-                    gib(budget)
+                    gib(budget),
+                    if profile.is_cuda() { "per GPU" } else { "per CPU rank" }
                 ),
             };
             if free == Some(budget) {
@@ -220,6 +222,28 @@ impl Launch {
             return Err(RuntimeError::OverBudget(message));
         }
         Ok(())
+    }
+
+    /// CPU ranks are threads of this process: together they must fit the host's available
+    /// memory, which a start that swaps or is killed for memory would learn too late.
+    fn check_host_memory(&self) -> Result<(), RuntimeError> {
+        if !self.topology.is_cpu() {
+            return Ok(());
+        }
+        let Some(available) = memory::host_available() else {
+            return Ok(());
+        };
+        let needed: u64 = (0..self.topology.width()).map(|rank| self.rank_total(rank)).sum();
+        if needed <= available {
+            return Ok(());
+        }
+        Err(RuntimeError::OverBudget(format!(
+            "the {} CPU ranks need {:.2} GiB together, but the host has {:.2} GiB available (MemAvailable); \
+             the ranks share it, so a wider --tp does not help: use a smaller dtype, context or model",
+            self.topology.width(),
+            gib(needed),
+            gib(available)
+        )))
     }
 
     /// A rank's bytes for every model held together.

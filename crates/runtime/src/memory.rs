@@ -30,6 +30,15 @@ impl DeviceMemory {
     }
 }
 
+/// The host's memory available to a new allocation (Linux's `MemAvailable`), or `None` where
+/// it cannot be read.
+pub fn host_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// How far a measurement may stray from the plan before the rank warns.
 pub const PLAN_TOLERANCE: f64 = 0.03;
 
