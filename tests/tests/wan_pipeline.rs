@@ -140,3 +140,42 @@ fn init_latents_start_the_denoising() {
     let err = one.generate(request(Some(wrong)), |_| {}).expect_err("wrong shape");
     assert!(err.to_string().contains("--init-latents are [4, 2, 4, 9]"), "{err}");
 }
+
+/// Non-finite input stops a run by name: NaN text states or starting latents before any step,
+/// NaN weights after the first step that meets them, not as NaN latents at the end (issue #31).
+#[test]
+fn non_finite_values_stop_the_run_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    TinyWanPipeline::default().write(dir.path());
+    let one = engine(dir.path(), 1);
+    let text = one.encode_prompt("a fox").expect("prompt");
+    let request = |text: candle_core::Tensor, init_latents| VideoRequest {
+        text,
+        negative: None,
+        steps: 2,
+        shift: 5.0,
+        guide_scale: 1.0,
+        solver: Solver::Euler,
+        seed: 1,
+        init_latents,
+    };
+    let nan_text = (text.clone() * f64::NAN).expect("nan");
+    let err = one.generate(request(nan_text, None), |_| {}).expect_err("NaN states");
+    assert!(err.to_string().contains("the text states hold NaN"), "{err}");
+    let nan_latents =
+        candle_core::Tensor::full(f32::NAN, one.latent_shape().to_vec(), &candle_core::Device::Cpu).expect("nan");
+    let err = one
+        .generate(request(text.clone(), Some(nan_latents)), |_| {})
+        .expect_err("NaN latents");
+    assert!(err.to_string().contains("--init-latents hold NaN"), "{err}");
+
+    // The DiT's output projection made NaN: the first step's latents are not finite.
+    let weights = dir.path().join("transformer/diffusion_pytorch_model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).expect("load");
+    let poisoned = (tensors["proj_out.weight"].clone() * f64::NAN).expect("nan");
+    tensors.insert("proj_out.weight".into(), poisoned);
+    candle_core::safetensors::save(&tensors, &weights).expect("save");
+    let poisoned = engine(dir.path(), 2);
+    let err = poisoned.generate(request(text, None), |_| {}).expect_err("NaN weights");
+    assert!(err.to_string().contains("after denoising step 1 of 2"), "{err}");
+}

@@ -22,6 +22,8 @@ pub enum EngineError {
     Injected { rank: usize, fault: String },
     #[error("sampling: {0}")]
     Sampling(String),
+    #[error("the latents hold NaN or infinite values after {stage}: the weights or the text states are not finite")]
+    NonFinite { stage: String },
     /// The ranks: their start, their plan, their devices and collectives, their failures.
     #[error(transparent)]
     Runtime(#[from] RuntimeError),

@@ -15,6 +15,7 @@
 //! ```
 
 mod builder;
+mod denoise;
 mod engine;
 mod error;
 mod pipeline;

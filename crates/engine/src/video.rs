@@ -5,15 +5,15 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use candle_core::{DType, Device, Tensor};
-use tpinfer_comm::Communicator;
+use candle_core::{DType, Tensor};
 use tpinfer_plan::{Placement, Plan};
 use tpinfer_runtime::{check_after_step, Launch, ModelHandle, RankGroup, RuntimeError, Topology};
-use tpinfer_wan::sampler::{guide, seeded_noise, Sampler, Schedule, Solver};
-use tpinfer_wan::{StageTimes, WanModel, WanRank};
+use tpinfer_wan::sampler::Solver;
+use tpinfer_wan::{WanModel, WanRank};
 
+use crate::denoise::{denoise, finite};
 use crate::pipeline::{PromptEncoder, WanPipelineDir};
 use crate::{EngineBuilder, EngineError};
 
@@ -98,7 +98,7 @@ pub struct StepReport {
 }
 
 /// What the ranks run.
-enum Work {
+pub(crate) enum Work {
     Denoise(VideoRequest),
     /// One velocity evaluation (no sampler, no guidance): for numerics and step timing;
     /// with `profile`, rank 0 times the stages of its forward.
@@ -113,13 +113,13 @@ enum Work {
 /// Time per named stage of one rank's forward, in first-seen order.
 pub type StageProfile = Vec<(&'static str, Duration)>;
 
-struct VideoJob {
-    work: Work,
-    steps: Option<Sender<StepReport>>,
+pub(crate) struct VideoJob {
+    pub work: Work,
+    pub steps: Option<Sender<StepReport>>,
 }
 
 /// Rank 0's result: the latents (or velocity), and its stage profile when one was asked for.
-type JobResult = Result<Option<(Tensor, StageProfile)>, EngineError>;
+pub(crate) type JobResult = Result<Option<(Tensor, StageProfile)>, EngineError>;
 
 /// A Wan DiT loaded on its ranks.
 pub struct VideoEngine {
@@ -212,6 +212,11 @@ impl VideoEngine {
             self.check_text("the negative prompt's states", negative)?;
         }
         if let Some(init) = &request.init_latents {
+            if !finite(init).map_err(|e| EngineError::from(RuntimeError::of_rank(0, e.into())))? {
+                return Err(EngineError::InvalidRequest(
+                    "--init-latents hold NaN or infinite values".into(),
+                ));
+            }
             if init.dims() != self.latent_shape {
                 return Err(EngineError::InvalidRequest(format!(
                     "--init-latents are {:?}, but {} frames at {}x{} take latents {:?}",
@@ -272,12 +277,22 @@ impl VideoEngine {
     /// rather than as a shape mismatch inside every rank's first forward.
     fn check_text(&self, what: &str, text: &Tensor) -> Result<(), EngineError> {
         match text.dims() {
-            &[tokens, width] if tokens > 0 && width == self.text_dim => Ok(()),
-            dims => Err(EngineError::InvalidRequest(format!(
-                "{what} are {dims:?}, but this model takes [tokens, {}] (umT5 states; --text-embeds, \
-                 --negative-embeds)",
-                self.text_dim
+            &[tokens, width] if tokens > 0 && width == self.text_dim => {}
+            dims => {
+                return Err(EngineError::InvalidRequest(format!(
+                    "{what} are {dims:?}, but this model takes [tokens, {}] (umT5 states; --text-embeds, \
+                     --negative-embeds)",
+                    self.text_dim
+                )))
+            }
+        }
+        // NaN or infinite states would denoise into NaN, found only after the whole run.
+        match finite(text) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(EngineError::InvalidRequest(format!(
+                "{what} hold NaN or infinite values"
             ))),
+            Err(e) => Err(RuntimeError::of_rank(0, e.into()).into()),
         }
     }
 
@@ -339,93 +354,5 @@ impl VideoEngine {
     /// Each rank's device memory now, with its peak since the start; `None` for CPU ranks.
     pub fn device_memory(&self) -> Vec<Option<crate::DeviceMemory>> {
         self.group.device_memory()
-    }
-}
-
-fn denoise(
-    model: &WanRank,
-    comm: &dyn Communicator,
-    device: &Device,
-    latent_shape: [usize; 4],
-    job: &VideoJob,
-) -> JobResult {
-    let rank = comm.rank();
-    let err = |source: tpinfer_layers::Error| EngineError::from(RuntimeError::of_rank(rank, source));
-    let tensor_err = |e: candle_core::Error| err(e.into());
-    let r = match &job.work {
-        Work::Denoise(r) => r,
-        Work::Velocity {
-            latents,
-            timestep,
-            text,
-            profile,
-        } => {
-            let context = model
-                .embed_text(&text.to_device(device).map_err(tensor_err)?)
-                .map_err(err)?;
-            let latents = latents.to_device(device).map_err(tensor_err)?;
-            // Only rank 0's stages are returned; the others run their forward unmarked.
-            let (v, stages) = match *profile && rank == 0 {
-                true => {
-                    let times = StageTimes::new(device).map_err(err)?;
-                    let v = model
-                        .forward_profiled(&latents, *timestep, &context, &times)
-                        .map_err(err)?;
-                    (v, times.stages().map_err(err)?)
-                }
-                false => (model.forward(&latents, *timestep, &context).map_err(err)?, Vec::new()),
-            };
-            return match rank {
-                0 => Ok(Some((v.to_device(&Device::Cpu).map_err(tensor_err)?, stages))),
-                _ => Ok(None),
-            };
-        }
-    };
-    let context = model
-        .embed_text(&r.text.to_device(device).map_err(tensor_err)?)
-        .map_err(err)?;
-    let negative = match (&r.negative, r.guided()) {
-        (Some(n), true) => Some(
-            model
-                .embed_text(&n.to_device(device).map_err(tensor_err)?)
-                .map_err(err)?,
-        ),
-        _ => None,
-    };
-    let mut x = match &r.init_latents {
-        Some(init) => init.to_dtype(DType::F32).and_then(|x| x.to_device(device)),
-        None => seeded_noise(&latent_shape, r.seed).and_then(|n| n.to_device(device)),
-    }
-    .map_err(tensor_err)?;
-    let mut sampler = Sampler::new(Schedule::new(r.steps, r.shift), r.solver);
-    for index in 0..r.steps {
-        let start = Instant::now();
-        let before = comm.stats().snapshot();
-        let timestep = sampler.schedule().timestep(index);
-        let cond = model.forward(&x, timestep, &context).map_err(err)?;
-        let v = match &negative {
-            Some(n) => {
-                let uncond = model.forward(&x, timestep, n).map_err(err)?;
-                guide(&cond, &uncond, r.guide_scale).map_err(tensor_err)?
-            }
-            None => cond,
-        };
-        x = sampler.step(&x, &v).map_err(tensor_err)?;
-        if rank == 0 {
-            device.synchronize().map_err(tensor_err)?;
-            if let Some(steps) = &job.steps {
-                let _ = steps.send(StepReport {
-                    index,
-                    steps: r.steps,
-                    timestep,
-                    elapsed: start.elapsed(),
-                    collectives: comm.stats().snapshot().since(&before).time,
-                });
-            }
-        }
-    }
-    match rank {
-        0 => Ok(Some((x.to_device(&Device::Cpu).map_err(tensor_err)?, Vec::new()))),
-        _ => Ok(None),
     }
 }

@@ -1,0 +1,114 @@
+//! One job of a video engine on one rank: the denoising loop (seeded or given noise, guided
+//! steps, a check for non-finite latents after each) or a single velocity.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use tpinfer_comm::Communicator;
+use tpinfer_runtime::RuntimeError;
+use tpinfer_wan::sampler::{guide, seeded_noise, Sampler, Schedule};
+use tpinfer_wan::{StageTimes, WanRank};
+
+use crate::video::{JobResult, StepReport, VideoJob, Work};
+use crate::EngineError;
+
+/// Whether every element of `x` is finite: its sum is not, where one is not.
+pub(crate) fn finite(x: &Tensor) -> candle_core::Result<bool> {
+    let sum = x.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+    Ok(sum.is_finite())
+}
+
+pub(crate) fn denoise(
+    model: &WanRank,
+    comm: &dyn Communicator,
+    device: &Device,
+    latent_shape: [usize; 4],
+    job: &VideoJob,
+) -> JobResult {
+    let rank = comm.rank();
+    let err = |source: tpinfer_layers::Error| EngineError::from(RuntimeError::of_rank(rank, source));
+    let tensor_err = |e: candle_core::Error| err(e.into());
+    let r = match &job.work {
+        Work::Denoise(r) => r,
+        Work::Velocity {
+            latents,
+            timestep,
+            text,
+            profile,
+        } => {
+            let context = model
+                .embed_text(&text.to_device(device).map_err(tensor_err)?)
+                .map_err(err)?;
+            let latents = latents.to_device(device).map_err(tensor_err)?;
+            // Only rank 0's stages are returned; the others run their forward unmarked.
+            let (v, stages) = match *profile && rank == 0 {
+                true => {
+                    let times = StageTimes::new(device).map_err(err)?;
+                    let v = model
+                        .forward_profiled(&latents, *timestep, &context, &times)
+                        .map_err(err)?;
+                    (v, times.stages().map_err(err)?)
+                }
+                false => (model.forward(&latents, *timestep, &context).map_err(err)?, Vec::new()),
+            };
+            return match rank {
+                0 => Ok(Some((v.to_device(&Device::Cpu).map_err(tensor_err)?, stages))),
+                _ => Ok(None),
+            };
+        }
+    };
+    let context = model
+        .embed_text(&r.text.to_device(device).map_err(tensor_err)?)
+        .map_err(err)?;
+    let negative = match (&r.negative, r.guided()) {
+        (Some(n), true) => Some(
+            model
+                .embed_text(&n.to_device(device).map_err(tensor_err)?)
+                .map_err(err)?,
+        ),
+        _ => None,
+    };
+    let mut x = match &r.init_latents {
+        Some(init) => init.to_dtype(DType::F32).and_then(|x| x.to_device(device)),
+        None => seeded_noise(&latent_shape, r.seed).and_then(|n| n.to_device(device)),
+    }
+    .map_err(tensor_err)?;
+    let mut sampler = Sampler::new(Schedule::new(r.steps, r.shift), r.solver);
+    for index in 0..r.steps {
+        let start = Instant::now();
+        let before = comm.stats().snapshot();
+        let timestep = sampler.schedule().timestep(index);
+        let cond = model.forward(&x, timestep, &context).map_err(err)?;
+        let v = match &negative {
+            Some(n) => {
+                let uncond = model.forward(&x, timestep, n).map_err(err)?;
+                guide(&cond, &uncond, r.guide_scale).map_err(tensor_err)?
+            }
+            None => cond,
+        };
+        x = sampler.step(&x, &v).map_err(tensor_err)?;
+        if rank == 0 {
+            // Rank 0 waits for the step anyway; a non-finite latent (from weights or states
+            // that are) stops the run here, naming the step, rather than at its end.
+            if !finite(&x).map_err(tensor_err)? {
+                return Err(EngineError::NonFinite {
+                    stage: format!("denoising step {} of {}", index + 1, r.steps),
+                });
+            }
+            device.synchronize().map_err(tensor_err)?;
+            if let Some(steps) = &job.steps {
+                let _ = steps.send(StepReport {
+                    index,
+                    steps: r.steps,
+                    timestep,
+                    elapsed: start.elapsed(),
+                    collectives: comm.stats().snapshot().since(&before).time,
+                });
+            }
+        }
+    }
+    match rank {
+        0 => Ok(Some((x.to_device(&Device::Cpu).map_err(tensor_err)?, Vec::new()))),
+        _ => Ok(None),
+    }
+}
