@@ -196,6 +196,24 @@ fn dtype_of(dtype: DtypeArg) -> DType {
     }
 }
 
+/// Fails where `--fault` names a decode step that `new_tokens` never reaches (step `s` runs
+/// for the (s + 2)-th token): a failure test would pass without its failure.
+fn check_fault(common: &Common, new_tokens: usize) -> Result<()> {
+    let step = match common.fault {
+        Some(
+            Fault::Error { step, .. } | Fault::Panic { step, .. } | Fault::Oom { step, .. } | Fault::Exit { step, .. },
+        ) => step,
+        None => return Ok(()),
+    };
+    if step + 2 > new_tokens {
+        bail!(
+            "--fault at decode step {step} is never reached with {new_tokens} new tokens: give at least {}",
+            step + 2
+        );
+    }
+    Ok(())
+}
+
 fn engine(common: &Common, tp: usize) -> Result<Engine> {
     let mut builder = builder(&common.model, tp, common.cuda, common.dtype)
         .comm_timeout(std::time::Duration::from_secs(common.comm_timeout))
@@ -222,6 +240,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn speed(args: SpeedArgs) -> Result<()> {
+    check_fault(&args.common, args.new_tokens)?;
     println!(
         "| TP | prompt tokens | new tokens | prefill ms (median) | decode tok/s (median) | decode tok/s (min–max) \
          | peak device memory per rank, MiB: measured / planned for this run (Δ) |"
@@ -330,6 +349,7 @@ fn planned_for_run(engine: &Engine, cuda: bool, prompt: usize, new: usize) -> Re
 }
 
 fn logits(args: LogitsArgs) -> Result<()> {
+    check_fault(&args.common, args.steps)?;
     let engine = engine(&args.common, args.tp)?;
     let ids = prompt(&engine, args.common.prompt_tokens);
     let (stream, trace) = engine.generate_traced(GenerateRequest::new(Prompt::Tokens(ids), args.steps))?;

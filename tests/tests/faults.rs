@@ -70,3 +70,28 @@ fn a_rank_that_dies_silently_is_named() {
         "{error}"
     );
 }
+
+/// Options that would make a failure test pass without a failure, or report a healthy peer
+/// as stalled, are refused by name (issue #31).
+#[test]
+fn impossible_fault_and_timeout_options_are_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let err = Engine::builder(&path)
+        .tp(2)
+        .inject_fault(Fault::Error { rank: 2, step: 0 })
+        .build()
+        .err()
+        .expect("no rank 2 at TP 2");
+    assert!(err.to_string().contains("rank 2 is not one of the 2 ranks"), "{err}");
+    let err = Engine::builder(&path)
+        .tp(2)
+        .comm_timeout(Duration::ZERO)
+        .build()
+        .err()
+        .expect("a zero timeout");
+    assert!(
+        err.to_string().contains("--comm-timeout") && err.to_string().contains("is 0"),
+        "{err}"
+    );
+}

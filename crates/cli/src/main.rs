@@ -70,8 +70,8 @@ struct GenerateArgs {
     /// Tensor-parallel width: the number of ranks.
     #[arg(long, default_value_t = 1)]
     tp: usize,
-    /// The prompt (LLMs).
-    #[arg(long, required_unless_present = "text_embeds")]
+    /// The prompt: of an LLM, or of a video with a Wan pipeline directory.
+    #[arg(long)]
     prompt: Option<String>,
     /// Most tokens to generate; an end-of-sequence token stops sooner.
     #[arg(long, default_value_t = 128)]

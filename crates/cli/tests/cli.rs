@@ -659,3 +659,15 @@ fn an_error_names_its_cause_once() {
     assert_eq!(stderr.matches("No such file or directory").count(), 1, "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
 }
+
+/// A Wan directory without text says what it needs, not that an LLM's --prompt is missing.
+#[test]
+fn a_wan_run_without_text_says_what_it_needs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = tpinfer_tests::TinyWan::default().write(&dir.path().join("wan"));
+    let output = tpinfer(
+        &["generate", "--model", path.to_str().expect("utf8")],
+        Duration::from_secs(30),
+    );
+    assert_fails_with(&output, &["--prompt (with a pipeline directory) or --text-embeds"]);
+}

@@ -24,13 +24,17 @@ pub enum Fault {
 
 impl Fault {
     pub(crate) fn at(&self, rank: usize, step: usize) -> bool {
-        let (r, s) = match *self {
+        self.place() == (rank, step)
+    }
+
+    /// The rank and decode step the fault strikes.
+    pub(crate) fn place(&self) -> (usize, usize) {
+        match *self {
             Self::Error { rank, step }
             | Self::Panic { rank, step }
             | Self::Oom { rank, step }
             | Self::Exit { rank, step } => (rank, step),
-        };
-        (r, s) == (rank, step)
+        }
     }
 }
 

@@ -43,6 +43,13 @@ impl Engine {
             None => Tokenizer::from_hf_dir(&b.model)?,
         });
         let topology = Topology::new(b.tp, &b.device)?;
+        // A fault that can never strike would let a failure test pass without a failure.
+        if let Some((rank, _)) = b.fault.map(|f| f.place()).filter(|&(rank, _)| rank >= b.tp) {
+            return Err(EngineError::InvalidRequest(format!(
+                "the injected fault's rank {rank} is not one of the {} ranks",
+                b.tp
+            )));
+        }
         let dtype = b.dtype.unwrap_or(match topology.is_cpu() {
             true => DType::F32,
             false => config.dtype.unwrap_or(DType::BF16),

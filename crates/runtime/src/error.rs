@@ -9,6 +9,8 @@ pub enum RuntimeError {
     CudaNotBuilt,
     #[error("--tp must be at least 1")]
     NoRanks,
+    #[error("{0}")]
+    Option(String),
     #[error("rank {rank}: {source}")]
     Rank {
         rank: usize,

@@ -134,6 +134,17 @@ impl Launch {
     /// communicators, loads every model on every rank and checks the ranks' health. Fails
     /// with the root cause among the ranks' errors.
     pub fn start(self) -> Result<RankGroup, RuntimeError> {
+        // A zero wait would report every healthy peer as stalled.
+        for (name, wait) in [
+            ("the collectives' timeout (--comm-timeout)", self.options.comm_timeout),
+            ("the communicator's init timeout", self.options.init_timeout),
+        ] {
+            if wait.is_zero() {
+                return Err(RuntimeError::Option(format!(
+                    "{name} is 0: give the ranks at least a second"
+                )));
+            }
+        }
         self.check_budget()?;
         let Self {
             topology,
