@@ -271,3 +271,22 @@ fn config_values_the_model_does_not_run() {
         assert_mentions(&build_error(dir.path(), 1), &parts);
     }
 }
+
+/// NaN weights stop a request at its prompt's forward, named, on every rank alike: they used
+/// to run to garbage tokens without a word (issue #31).
+#[test]
+fn non_finite_logits_stop_the_request() {
+    let dir = model_dir();
+    let weights = dir.path().join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).expect("load");
+    let poisoned = (tensors["lm_head.weight"].clone() * f64::NAN).expect("nan");
+    tensors.insert("lm_head.weight".into(), poisoned);
+    candle_core::safetensors::save(&tensors, &weights).expect("save");
+    let engine = Engine::builder(dir.path()).tp(2).build().expect("engine");
+    let err = engine
+        .generate(GenerateRequest::new(Prompt::text("hello"), 4))
+        .expect("queued")
+        .collect_text()
+        .expect_err("NaN logits");
+    assert_mentions(&err.to_string(), &["logits hold NaN", "the prompt's forward"]);
+}

@@ -3,20 +3,15 @@
 
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use tpinfer_comm::Communicator;
 use tpinfer_runtime::RuntimeError;
 use tpinfer_wan::sampler::{guide, seeded_noise, Sampler, Schedule};
 use tpinfer_wan::{StageTimes, WanRank};
 
+use crate::error::finite;
 use crate::video::{JobResult, StepReport, VideoJob, Work};
 use crate::EngineError;
-
-/// Whether every element of `x` is finite: its sum is not, where one is not.
-pub(crate) fn finite(x: &Tensor) -> candle_core::Result<bool> {
-    let sum = x.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
-    Ok(sum.is_finite())
-}
 
 pub(crate) fn denoise(
     model: &WanRank,
@@ -92,6 +87,7 @@ pub(crate) fn denoise(
             // that are) stops the run here, naming the step, rather than at its end.
             if !finite(&x).map_err(tensor_err)? {
                 return Err(EngineError::NonFinite {
+                    what: "latents",
                     stage: format!("denoising step {} of {}", index + 1, r.steps),
                 });
             }

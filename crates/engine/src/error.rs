@@ -1,3 +1,4 @@
+use candle_core::{DType, Tensor};
 use tpinfer_comm::CommError;
 use tpinfer_runtime::{RankFailure, RuntimeError};
 
@@ -22,8 +23,8 @@ pub enum EngineError {
     Injected { rank: usize, fault: String },
     #[error("sampling: {0}")]
     Sampling(String),
-    #[error("the latents hold NaN or infinite values after {stage}: the weights or the text states are not finite")]
-    NonFinite { stage: String },
+    #[error("the {what} hold NaN or infinite values after {stage}: the weights or the inputs are not finite")]
+    NonFinite { what: &'static str, stage: String },
     /// The ranks: their start, their plan, their devices and collectives, their failures.
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
@@ -54,4 +55,10 @@ impl RankFailure for EngineError {
             _ => None,
         }
     }
+}
+
+/// Whether every element of `x` is finite: its sum is not, where one is not.
+pub(crate) fn finite(x: &Tensor) -> candle_core::Result<bool> {
+    let sum = x.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+    Ok(sum.is_finite())
 }

@@ -64,6 +64,14 @@ pub(crate) fn run_job(
     model.clear_cache();
     let run = JobRun::start(comm, job);
     let logits = model.forward(&job.prompt).map_err(run.layer_err())?;
+    // Every rank holds the gathered logits, so every rank stops alike. One check a request:
+    // the decode steps' logits stay on the device.
+    if !crate::error::finite(&logits).map_err(sample_err)? {
+        return Err(EngineError::NonFinite {
+            what: "logits",
+            stage: "the prompt's forward".into(),
+        });
+    }
     match job.sampling.is_greedy() {
         true => run_greedy(model, comm, setup, run, logits),
         false => run_sampled(model, comm, setup, job, run, logits),

@@ -13,7 +13,8 @@ use tpinfer_runtime::{check_after_step, Launch, ModelHandle, RankGroup, RuntimeE
 use tpinfer_wan::sampler::Solver;
 use tpinfer_wan::{WanModel, WanRank};
 
-use crate::denoise::{denoise, finite};
+use crate::denoise::denoise;
+use crate::error::finite;
 use crate::pipeline::{PromptEncoder, WanPipelineDir};
 use crate::{EngineBuilder, EngineError};
 
