@@ -16,7 +16,6 @@ pub struct Umt5Rank {
     embed: VocabParallelEmbedding,
     layers: Vec<Layer>,
     final_norm: Tensor,
-    dtype: DType,
     bytes_loaded: usize,
 }
 
@@ -70,7 +69,6 @@ impl Umt5Rank {
             embed,
             layers,
             final_norm,
-            dtype,
             bytes_loaded: w.bytes_read(),
         })
     }
@@ -124,7 +122,6 @@ impl Umt5Rank {
             // transformers' `gelu_new`: the tanh approximation, which candle's `gelu` is.
             x = (x + layer.down.forward(&(gate.gelu()? * up)?)?)?;
         }
-        debug_assert_eq!(x.dtype(), self.dtype);
         Ok(rms_norm(&x, &self.final_norm, eps)?)
     }
 }
