@@ -222,7 +222,7 @@ fn umt5_encode_allocates_what_the_memory_model_says() {
     let dtype = DType::F32;
     let measured = single_thread(|| {
         let comm = ThreadGroup::ranks(1, std::time::Duration::from_secs(30)).remove(0);
-        let rank = Umt5Rank::load(&config, &store, shard.clone(), Arc::new(comm), dtype, &Device::Cpu).expect("load");
+        let rank = Umt5Rank::load(&config, &store, &shard, Arc::new(comm), dtype, &Device::Cpu).expect("load");
         drop(rank.encode(&ids).expect("warm-up"));
         let (states, measured) = peak_during(|| rank.encode(&ids).expect("encode"));
         drop(states);

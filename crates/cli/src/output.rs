@@ -7,10 +7,22 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-/// Where `path`'s bytes will go: the file a link names, or the path itself. Fails, naming
-/// `flag` and the path, where that is anything but a regular file or a new name in a
-/// writable folder.
-pub fn check(flag: &str, path: &Path) -> Result<PathBuf> {
+/// Fails, naming `flag` and the path, where `path` (or the file a link there names) is
+/// anything but a regular file or a new name in a writable folder.
+pub fn check(flag: &str, path: &Path) -> Result<()> {
+    let target = target(flag, path)?;
+    temporary(&target).with_context(|| {
+        format!(
+            "{flag} {}: cannot write into {}; choose a folder that exists and is writable",
+            path.display(),
+            folder(&target).display()
+        )
+    })?;
+    Ok(())
+}
+
+/// The file a link at `path` names, or `path`; refused where it is not a regular file.
+fn target(flag: &str, path: &Path) -> Result<PathBuf> {
     let target = match std::fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_symlink() => std::fs::canonicalize(path)
             .with_context(|| format!("{flag} {}: the link names nothing that exists", path.display()))?,
@@ -29,20 +41,13 @@ pub fn check(flag: &str, path: &Path) -> Result<PathBuf> {
             );
         }
     }
-    temporary(&target).with_context(|| {
-        format!(
-            "{flag} {}: cannot write into {}; choose a folder that exists and is writable",
-            path.display(),
-            folder(&target).display()
-        )
-    })?;
     Ok(target)
 }
 
-/// Writes `path` (checked as [`check`] does) through `write`, which fills the temporary file
-/// at the path it is given.
+/// Writes `path` (refused as [`check`] refuses it) through `write`, which fills the temporary
+/// file at the path it is given. The temporary file is the writability check.
 pub fn write(flag: &str, path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let target = check(flag, path)?;
+    let target = target(flag, path)?;
     let temp =
         temporary(&target).with_context(|| format!("{flag} {}: cannot create a file beside it", path.display()))?;
     let mode = temp.as_file().metadata().map(|m| m.permissions());

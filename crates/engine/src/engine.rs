@@ -61,7 +61,7 @@ impl Engine {
         let mut launch = Launch::new(topology, b.group.clone());
         let llama = launch.add(Arc::new(model), dtype, Placement::Llm { max_context, batch: 1 })?;
         let group = launch.start()?;
-        let plan = group.plans()[0].clone();
+        let plan = group.plans()[llama.index()].clone();
         let devices = group.topology().devices().to_vec();
         let rank_weight_bytes = group.weight_bytes(llama.index());
         let (jobs_tx, jobs_rx) = mpsc::channel();

@@ -125,11 +125,6 @@ impl Launch {
         Ok(ModelHandle::new(self.slots.len() - 1))
     }
 
-    /// The plan of each model added so far.
-    pub fn plans(&self) -> impl Iterator<Item = &Plan> {
-        self.slots.iter().map(|s| &s.plan)
-    }
-
     /// Refuses a placement over budget, then spawns one thread per rank, builds the
     /// communicators, loads every model on every rank and checks the ranks' health. Fails
     /// with the root cause among the ranks' errors.

@@ -167,7 +167,7 @@ impl Family for Umt5Model {
         Umt5Rank::load(
             &self.config,
             &**store,
-            shard.shard.clone(),
+            &shard.shard,
             ctx.comm.clone(),
             ctx.dtype,
             ctx.device,

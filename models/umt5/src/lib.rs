@@ -16,5 +16,4 @@ mod shard;
 pub use config::{Umt5Config, Umt5ConfigError};
 pub use family::{Umt5Model, Umt5RankShard, TEXT_TOKENS};
 pub use model::Umt5Rank;
-pub use position::relative_position_bucket;
 pub use shard::Umt5Shard;

@@ -12,7 +12,6 @@ use crate::{Umt5Config, Umt5Shard};
 /// One rank's part of a umT5 encoder.
 pub struct Umt5Rank {
     config: Umt5Config,
-    shard: Umt5Shard,
     embed: VocabParallelEmbedding,
     layers: Vec<Layer>,
     final_norm: Tensor,
@@ -39,7 +38,7 @@ impl Umt5Rank {
     pub fn load(
         config: &Umt5Config,
         store: &dyn WeightStore,
-        shard: Umt5Shard,
+        shard: &Umt5Shard,
         comm: Arc<dyn Communicator>,
         dtype: DType,
         device: &Device,
@@ -65,20 +64,11 @@ impl Umt5Rank {
         let final_norm = w.take(names::FINAL_NORM)?;
         Ok(Self {
             config: config.clone(),
-            shard,
             embed,
             layers,
             final_norm,
             bytes_loaded: w.bytes_read(),
         })
-    }
-
-    pub fn config(&self) -> &Umt5Config {
-        &self.config
-    }
-
-    pub fn shard(&self) -> &Umt5Shard {
-        &self.shard
     }
 
     /// The weight bytes this rank copied out of the checkpoint.
