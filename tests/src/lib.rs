@@ -18,9 +18,11 @@ use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
 
 mod pipeline;
 mod umt5;
+mod vae;
 mod wan;
 pub use pipeline::{TinyWanPipeline, END_OF_TEXT};
 pub use umt5::TinyUmt5;
+pub use vae::{reference_vae_decode, vae_latents, TinyWanVae};
 pub use wan::{open_wan, run_wan, wan_inputs, TinyWan};
 
 /// The shape of a tiny Llama.

@@ -1,0 +1,244 @@
+//! The Wan2.1 VAE's decoder (diffusers' `WanDecoder3d` with `post_quant_conv` before it),
+//! decoding one latent frame at a time over a window of rows.
+//!
+//! It runs in two parts. The *middle* (`conv_in`, the middle block with its attention) works
+//! at latent resolution on whole frames, since the attention reads every pixel; it is cheap
+//! and every rank runs it, keeping each frame's rows its band needs. The *path* (the up
+//! blocks and the output layers) does nearly all the work at 2× to 8× resolution; it runs one
+//! tile of the band's rows at a time, each layer on exactly the rows the next one reads.
+
+use candle_core::{DType, Device, Tensor};
+use tpinfer_layers::Result;
+use tpinfer_weights::{ShardLoader, WeightDecl};
+
+use crate::blocks::{clamp_pixels, Band, Conv, ConvShape, FrameAttention, FrameCache, Head, ResBlock, Slots, Upsample};
+use crate::layout::{Layout, PathStep};
+use crate::rows::Rows;
+use crate::WanVaeConfig;
+
+/// One layer of the path, loaded.
+enum Step {
+    Res(ResBlock),
+    Up(Upsample),
+    Out(Head),
+}
+
+impl Step {
+    fn forward(&self, x: &Band, out: Rows, first: bool, cache: &mut FrameCache) -> Result<Band> {
+        match self {
+            Self::Res(block) => block.forward(x, out, cache),
+            Self::Up(up) => up.forward(x, out, first, cache),
+            Self::Out(head) => head.forward(x, out, cache),
+        }
+    }
+}
+
+const POST_QUANT: &str = "post_quant_conv";
+const CONV_IN: &str = "decoder.conv_in";
+const MIDDLE: &str = "decoder.mid_block";
+const UP: &str = "decoder.up_blocks";
+const DECODER: &str = "decoder";
+
+/// The decoder of one rank: every weight (a VAE is small; ranks split its rows, not its
+/// weights).
+pub struct Decoder {
+    post_quant: Conv,
+    conv_in: Conv,
+    middle: [ResBlock; 2],
+    attention: FrameAttention,
+    middle_slots: Slots,
+    path: Vec<Step>,
+    path_slots: Slots,
+    layout: Layout,
+    config: WanVaeConfig,
+}
+
+/// Every tensor the decoder reads, in diffusers' names, with its full shape.
+pub fn weight_decls(c: &WanVaeConfig) -> Vec<WeightDecl> {
+    let l = Layout::of(c);
+    let mut decls = Vec::new();
+    Conv::decls(POST_QUANT, ConvShape::causal(l.z, l.z, 1, 1), &mut decls);
+    Conv::decls(CONV_IN, ConvShape::causal(l.z, l.middle, 3, 3), &mut decls);
+    for i in 0..2 {
+        ResBlock::decls(&format!("{MIDDLE}.resnets.{i}"), l.middle, l.middle, &mut decls);
+    }
+    FrameAttention::decls(&format!("{MIDDLE}.attentions.0"), l.middle, &mut decls);
+    for (prefix, step) in named_path(&l) {
+        match step {
+            PathStep::Res { inp, out } => ResBlock::decls(&prefix, inp, out, &mut decls),
+            PathStep::Up { c, temporal } => Upsample::decls(&prefix, c, temporal, &mut decls),
+            PathStep::Out { c, out } => Head::decls(&prefix, c, out, &mut decls),
+        }
+    }
+    decls
+}
+
+/// The path's steps with their checkpoint prefixes: `decoder.up_blocks.{i}.resnets.{j}`,
+/// `decoder.up_blocks.{i}.upsamplers.0` (which ends block i), then `decoder`'s own output
+/// layers.
+fn named_path(l: &Layout) -> Vec<(String, PathStep)> {
+    let (mut block, mut res) = (0, 0);
+    l.path
+        .iter()
+        .map(|&step| {
+            let prefix = match step {
+                PathStep::Res { .. } => {
+                    res += 1;
+                    format!("{UP}.{block}.resnets.{}", res - 1)
+                }
+                PathStep::Up { .. } => {
+                    let prefix = format!("{UP}.{block}.upsamplers.0");
+                    (block, res) = (block + 1, 0);
+                    prefix
+                }
+                PathStep::Out { .. } => DECODER.to_string(),
+            };
+            (prefix, step)
+        })
+        .collect()
+}
+
+/// Whether a checkpoint tensor belongs to the encoder half, which decoding never reads.
+pub fn is_encoder_tensor(name: &str) -> bool {
+    name.starts_with("encoder.") || name.starts_with("quant_conv.")
+}
+
+impl Decoder {
+    /// Takes every declared tensor from `w`.
+    pub fn load(c: &WanVaeConfig, w: &mut ShardLoader) -> Result<Self> {
+        let l = Layout::of(c);
+        let (mut middle_slots, mut path_slots) = (Slots::default(), Slots::default());
+        let post_quant = Conv::load(w, POST_QUANT, ConvShape::causal(l.z, l.z, 1, 1), &mut middle_slots)?;
+        let conv_in = Conv::load(w, CONV_IN, ConvShape::causal(l.z, l.middle, 3, 3), &mut middle_slots)?;
+        let res = |i: usize, w: &mut ShardLoader, slots: &mut Slots| {
+            ResBlock::load(w, &format!("{MIDDLE}.resnets.{i}"), l.middle, l.middle, slots)
+        };
+        let first = res(0, w, &mut middle_slots)?;
+        let attention = FrameAttention::load(w, &format!("{MIDDLE}.attentions.0"), l.middle, &mut middle_slots)?;
+        let second = res(1, w, &mut middle_slots)?;
+        let path = named_path(&l)
+            .into_iter()
+            .map(|(prefix, step)| {
+                Ok(match step {
+                    PathStep::Res { inp, out } => Step::Res(ResBlock::load(w, &prefix, inp, out, &mut path_slots)?),
+                    PathStep::Up { c, temporal } => Step::Up(Upsample::load(w, &prefix, c, temporal, &mut path_slots)?),
+                    PathStep::Out { c, out } => Step::Out(Head::load(w, &prefix, c, out, &mut path_slots)?),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            post_quant,
+            conv_in,
+            middle: [first, second],
+            attention,
+            middle_slots,
+            path,
+            path_slots,
+            layout: l,
+            config: c.clone(),
+        })
+    }
+
+    /// Decodes normalised latents `[z, latent frames, h, w]` (the DiT's, f32, on any device)
+    /// to the pixels of rows `band` of every frame, `[frames, channels, band rows, width]` in
+    /// [−1, 1], f32 on the CPU. The rows are decoded `tile_rows` at a time (at least one
+    /// latent row's worth), each tile streaming every latent frame; `on_chunk` hears each
+    /// (tile, latent frame) done, out of how many.
+    pub fn decode(
+        &self,
+        latents: &Tensor,
+        band: Rows,
+        tile_rows: usize,
+        dtype: DType,
+        device: &Device,
+        on_chunk: &mut dyn FnMut(usize, usize),
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let (z, latent_frames, h, _) = latents.dims4()?;
+        let factor = c.spatial_factor();
+        if z != c.z_dim || latent_frames == 0 || band.height != h * factor || band.is_empty() {
+            return Err(tpinfer_layers::Error::Shard(format!(
+                "VAE: latents {:?} with rows {:?} of {}: expected [{}, frames, h, w] and rows of h × {factor}",
+                latents.dims(),
+                band.range(),
+                band.height,
+                c.z_dim
+            )));
+        }
+        let per_channel = |values: &[f32]| Tensor::from_slice(values, (1, z, 1, 1), device);
+        // [frames, z, h, w], as the DiT's latents were before normalising: z · std + mean.
+        let x = latents
+            .to_device(device)?
+            .to_dtype(DType::F32)?
+            .permute((1, 0, 2, 3))?
+            .broadcast_mul(&per_channel(&c.latents_std)?)?
+            .broadcast_add(&per_channel(&c.latents_mean)?)?
+            .to_dtype(dtype)?;
+        let latent_rows = Rows::all(h);
+        let mut cache = self.middle_slots.cache();
+        let x = self
+            .post_quant
+            .forward(&Band { x, rows: latent_rows }, latent_rows, &mut cache)?;
+        let (middle_rows, _) = self.layout.windows(band);
+        let middles = (0..latent_frames)
+            .map(|f| {
+                let frame = Band {
+                    x: x.x.narrow(0, f, 1)?,
+                    rows: latent_rows,
+                };
+                let y = self.middle(&frame, &mut cache)?.narrowed(middle_rows)?;
+                Ok(Band {
+                    x: y.x.contiguous()?,
+                    rows: middle_rows,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        drop(x);
+        let tiles = tiles(band, tile_rows.max(factor));
+        let chunks = tiles.len() * latent_frames;
+        let mut decoded_tiles = Vec::with_capacity(tiles.len());
+        for (t, tile) in tiles.into_iter().enumerate() {
+            let (rows, outs) = self.layout.windows(tile);
+            let mut cache = self.path_slots.cache();
+            let mut frames = Vec::with_capacity(c.frames(latent_frames));
+            for (f, middle) in middles.iter().enumerate() {
+                let mut x = middle.narrowed(rows)?;
+                for (step, &out) in self.path.iter().zip(&outs) {
+                    x = step.forward(&x, out, f == 0, &mut cache)?;
+                }
+                frames.push(clamp_pixels(&x.x)?.to_device(&Device::Cpu)?);
+                on_chunk(t * latent_frames + f + 1, chunks);
+            }
+            decoded_tiles.push(Tensor::cat(&frames, 0)?);
+        }
+        Ok(Tensor::cat(&decoded_tiles, 2)?)
+    }
+
+    /// `conv_in` and the middle block on one whole latent frame.
+    fn middle(&self, frame: &Band, cache: &mut FrameCache) -> Result<Band> {
+        let all = frame.rows;
+        let x = self.conv_in.forward(frame, all, cache)?;
+        let x = self.middle[0].forward(&x, all, cache)?;
+        let x = self.attention.forward(&x, cache)?;
+        self.middle[1].forward(&x, all, cache)
+    }
+}
+
+/// `band` cut into tiles of at most `rows` rows, as even as whole rows allow.
+fn tiles(band: Rows, rows: usize) -> Vec<Rows> {
+    let count = band.len().div_ceil(rows.max(1));
+    let (each, extra) = (band.len() / count, band.len() % count);
+    let mut start = band.start;
+    (0..count)
+        .map(|i| {
+            let len = each + usize::from(i < extra);
+            let tile = Rows {
+                start,
+                end: start + len,
+                height: band.height,
+            };
+            start += len;
+            tile
+        })
+        .collect()
+}
