@@ -20,6 +20,8 @@ pub struct WanPipelineDir {
     pub transformer: PathBuf,
     pub text_encoder: PathBuf,
     pub tokenizer: PathBuf,
+    /// The VAE that decodes the latents to frames; without it a run ends at the latents.
+    pub vae: Option<PathBuf>,
 }
 
 impl WanPipelineDir {
@@ -51,6 +53,7 @@ impl WanPipelineDir {
             transformer: folder("transformer")?,
             text_encoder: folder("text_encoder")?,
             tokenizer: folder("tokenizer")?,
+            vae: Some(path.join("vae")).filter(|dir| dir.is_dir()),
         })
     }
 }

@@ -15,6 +15,7 @@ use tpinfer_wan::{WanModel, WanRank};
 
 use crate::denoise::denoise;
 use crate::error::finite;
+use crate::frames::{FrameDecoder, Frames};
 use crate::pipeline::{PromptEncoder, WanPipelineDir};
 use crate::{EngineBuilder, EngineError};
 
@@ -134,6 +135,8 @@ pub struct VideoEngine {
     unchecked: AtomicBool,
     /// The prompt stage, when the engine was started on a pipeline directory.
     prompts: Option<PromptEncoder>,
+    /// The decode stage, when the engine was started on a pipeline directory with a VAE.
+    frames: Option<FrameDecoder>,
 }
 
 impl VideoEngine {
@@ -166,6 +169,10 @@ impl VideoEngine {
             Some(p) => Some(PromptEncoder::add(&mut launch, p, config.text_dim, dtype)?),
             None => None,
         };
+        let frames = match pipeline.as_ref().and_then(|p| p.vae.as_ref()) {
+            Some(vae) => Some(FrameDecoder::add(&mut launch, vae, shape, config.out_channels, dtype)?),
+            None => None,
+        };
         let group = launch.start()?;
         let latent_shape = [
             config.in_channels,
@@ -181,6 +188,7 @@ impl VideoEngine {
             text_dim: config.text_dim,
             unchecked: AtomicBool::new(true),
             prompts,
+            frames,
         })
     }
 
@@ -202,6 +210,24 @@ impl VideoEngine {
     /// Whether the engine holds a prompt encoder (it was started on a pipeline directory).
     pub fn encodes_prompts(&self) -> bool {
         self.prompts.is_some()
+    }
+
+    /// Decodes latents from [`Self::generate`] to the video on every rank, each decoding a
+    /// band of every frame's rows: `[frames, 3, height, width]` in [−1, 1], f32 on the CPU.
+    /// `on_progress` hears rank 0's tiles and latent frames done, out of how many. Needs an
+    /// engine started on a pipeline directory with a `vae/`.
+    pub fn decode(&self, latents: &Tensor, mut on_progress: impl FnMut(usize, usize)) -> Result<Frames, EngineError> {
+        let frames = self.frames.as_ref().ok_or_else(|| {
+            EngineError::InvalidRequest(
+                "this engine holds no VAE: start it on a pipeline directory with a vae/ folder to decode frames".into(),
+            )
+        })?;
+        frames.decode(&self.group, latents, &mut on_progress)
+    }
+
+    /// Whether the engine holds a VAE (it was started on a pipeline directory with `vae/`).
+    pub fn decodes_frames(&self) -> bool {
+        self.frames.is_some()
     }
 
     /// Denoises from seeded noise; `on_step` hears rank 0 after every step. Returns the

@@ -1,0 +1,326 @@
+//! Video frames to files, in-process: H.264 (OpenH264, built from source) in an MP4 container,
+//! and 8-bit PNG. Frames are packed RGB, 8 bits a channel, row by row.
+//!
+//! ```no_run
+//! # fn frames() -> Vec<Vec<u8>> { Vec::new() }
+//! let file = std::fs::File::create("video.mp4").expect("create");
+//! let size = tpinfer_media::FrameSize { width: 832, height: 480 };
+//! let mut video = tpinfer_media::Mp4Writer::new(std::io::BufWriter::new(file), size, 16)?;
+//! for rgb in frames() {
+//!     video.push(&rgb)?;
+//! }
+//! video.finish()?;
+//! # Ok::<(), tpinfer_media::MediaError>(())
+//! ```
+
+use std::io::{Seek, Write};
+
+use openh264::encoder::{Encoder, EncoderConfig, FrameRate, FrameType, RateControlMode};
+use openh264::formats::{RgbSliceU8, YUVBuffer};
+use openh264::OpenH264API;
+
+/// Why a video or image could not be written.
+#[derive(Debug, thiserror::Error)]
+pub enum MediaError {
+    #[error("H.264 needs an even width and height; {width}x{height} is not")]
+    OddSize { width: usize, height: usize },
+    #[error("a frame of {found} bytes is not {width}x{height} RGB ({expected} bytes)")]
+    FrameSize {
+        found: usize,
+        expected: usize,
+        width: usize,
+        height: usize,
+    },
+    #[error("{width}x{height} at {fps} fps is outside what the MP4 writer takes (sides up to 65,535 pixels, 1 to 1,000 fps)")]
+    Limits { width: usize, height: usize, fps: u32 },
+    #[error("the H.264 encoder: {0}")]
+    Encoder(String),
+    #[error("the encoder's first frame has no {0}: it cannot start an MP4 track")]
+    NoParameterSet(&'static str),
+    #[error("the MP4 writer: {0}")]
+    Mp4(#[from] mp4::Error),
+    #[error("the PNG writer: {0}")]
+    Png(#[from] png::EncodingError),
+}
+
+/// A frame's size in pixels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameSize {
+    pub width: usize,
+    pub height: usize,
+}
+
+impl FrameSize {
+    fn rgb_bytes(&self) -> usize {
+        self.width * self.height * 3
+    }
+
+    fn check(&self, rgb: &[u8]) -> Result<(), MediaError> {
+        match rgb.len() == self.rgb_bytes() {
+            true => Ok(()),
+            false => Err(MediaError::FrameSize {
+                found: rgb.len(),
+                expected: self.rgb_bytes(),
+                width: self.width,
+                height: self.height,
+            }),
+        }
+    }
+}
+
+/// H.264 NAL unit types the container treats apart.
+const NAL_SPS: u8 = 7;
+const NAL_PPS: u8 = 8;
+
+/// The track's clock ticks this many times a frame, at any frame rate: its durations are
+/// exact.
+const TICKS_PER_FRAME: u32 = 1000;
+
+/// An MP4 file with one H.264 video track, written frame by frame.
+pub struct Mp4Writer<W: Write + Seek> {
+    encoder: Encoder,
+    size: FrameSize,
+    fps: u32,
+    /// The container, once the first frame has given the parameter sets it starts with.
+    mp4: Option<mp4::Mp4Writer<W>>,
+    writer: Option<W>,
+    frames: u64,
+}
+
+impl<W: Write + Seek> Mp4Writer<W> {
+    /// A writer of `size` frames at `fps` into `writer`.
+    pub fn new(writer: W, size: FrameSize, fps: u32) -> Result<Self, MediaError> {
+        let FrameSize { width, height } = size;
+        if width == 0 || height == 0 || width % 2 == 1 || height % 2 == 1 {
+            return Err(MediaError::OddSize { width, height });
+        }
+        if width > 65_535 || height > 65_535 || fps == 0 || fps > 1000 {
+            return Err(MediaError::Limits { width, height, fps });
+        }
+        // Constant quality without rate control (OpenH264's quantiser 26 on every frame): a
+        // generated video is short, every frame of it was paid for, and none may be skipped
+        // to meet a bitrate.
+        let config = EncoderConfig::new()
+            .max_frame_rate(FrameRate::from_hz(fps as f32))
+            .rate_control_mode(RateControlMode::Off)
+            .skip_frames(false);
+        let encoder = Encoder::with_api_config(OpenH264API::from_source(), config)
+            .map_err(|e| MediaError::Encoder(e.to_string()))?;
+        Ok(Self {
+            encoder,
+            size,
+            fps,
+            mp4: None,
+            writer: Some(writer),
+            frames: 0,
+        })
+    }
+
+    /// Encodes one frame of packed RGB and writes it.
+    pub fn push(&mut self, rgb: &[u8]) -> Result<(), MediaError> {
+        self.size.check(rgb)?;
+        let yuv = YUVBuffer::from_rgb_source(RgbSliceU8::new(rgb, (self.size.width, self.size.height)));
+        let stream = self
+            .encoder
+            .encode(&yuv)
+            .map_err(|e| MediaError::Encoder(e.to_string()))?;
+        let sync = matches!(stream.frame_type(), FrameType::IDR);
+        let (mut sps, mut pps, mut sample) = (None, None, Vec::new());
+        for l in 0..stream.num_layers() {
+            let Some(layer) = stream.layer(l) else { continue };
+            for n in 0..layer.nal_count() {
+                let Some(nal) = layer.nal_unit(n).map(without_start_code) else {
+                    continue;
+                };
+                match nal.first().map(|b| b & 0x1f) {
+                    Some(NAL_SPS) => sps = Some(nal.to_vec()),
+                    Some(NAL_PPS) => pps = Some(nal.to_vec()),
+                    Some(_) => {
+                        // MP4 stores each NAL unit behind its 4-byte length.
+                        sample.extend_from_slice(&(nal.len() as u32).to_be_bytes());
+                        sample.extend_from_slice(nal);
+                    }
+                    None => {}
+                }
+            }
+        }
+        if self.mp4.is_none() {
+            self.start(
+                sps.ok_or(MediaError::NoParameterSet("SPS"))?,
+                pps.ok_or(MediaError::NoParameterSet("PPS"))?,
+            )?;
+        }
+        let sample = mp4::Mp4Sample {
+            start_time: self.frames * u64::from(TICKS_PER_FRAME),
+            duration: TICKS_PER_FRAME,
+            rendering_offset: 0,
+            is_sync: sync,
+            bytes: bytes::Bytes::from(sample),
+        };
+        if let Some(mp4) = &mut self.mp4 {
+            mp4.write_sample(1, &sample)?;
+        }
+        self.frames += 1;
+        Ok(())
+    }
+
+    fn start(&mut self, sps: Vec<u8>, pps: Vec<u8>) -> Result<(), MediaError> {
+        let Some(writer) = self.writer.take() else {
+            return Ok(());
+        };
+        let config = mp4::Mp4Config {
+            major_brand: "isom".parse()?,
+            minor_version: 512,
+            compatible_brands: vec!["isom".parse()?, "iso2".parse()?, "avc1".parse()?, "mp41".parse()?],
+            timescale: 1000,
+        };
+        let mut mp4 = mp4::Mp4Writer::write_start(writer, &config)?;
+        mp4.add_track(&mp4::TrackConfig {
+            track_type: mp4::TrackType::Video,
+            timescale: self.fps * TICKS_PER_FRAME,
+            language: "und".to_string(),
+            media_conf: mp4::MediaConfig::AvcConfig(mp4::AvcConfig {
+                width: self.size.width as u16,
+                height: self.size.height as u16,
+                seq_param_set: sps,
+                pic_param_set: pps,
+            }),
+        })?;
+        self.mp4 = Some(mp4);
+        Ok(())
+    }
+
+    /// Writes the container's index and returns the writer. A video of no frames is an
+    /// error: it would be a file no player opens.
+    pub fn finish(self) -> Result<W, MediaError> {
+        let Some(mut mp4) = self.mp4 else {
+            return Err(MediaError::NoParameterSet("frame at all"));
+        };
+        mp4.write_end()?;
+        Ok(mp4.into_writer())
+    }
+}
+
+/// A NAL unit without the Annex B start code (`00 00 01` or `00 00 00 01`) the encoder puts
+/// before it.
+fn without_start_code(nal: &[u8]) -> &[u8] {
+    match nal {
+        [0, 0, 0, 1, rest @ ..] | [0, 0, 1, rest @ ..] => rest,
+        _ => nal,
+    }
+}
+
+/// Writes one frame of packed RGB as an 8-bit PNG.
+pub fn write_png(writer: impl Write, size: FrameSize, rgb: &[u8]) -> Result<(), MediaError> {
+    size.check(rgb)?;
+    let mut encoder = png::Encoder::new(writer, size.width as u32, size.height as u32);
+    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_depth(png::BitDepth::Eight);
+    let mut png = encoder.write_header()?;
+    png.write_image_data(rgb)?;
+    png.finish()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Smooth waves moving across the frame: frames that differ, so the encoder writes
+    /// P-frames too.
+    fn frame(size: FrameSize, t: usize) -> Vec<u8> {
+        let mut rgb = Vec::with_capacity(size.rgb_bytes());
+        for y in 0..size.height {
+            for x in 0..size.width {
+                let (x, y, t) = (x as f32, y as f32, t as f32);
+                let wave = |a: f32| (127.5 + 100.0 * a.sin()) as u8;
+                rgb.extend([wave(x / 9.0 + t / 3.0), wave(y / 7.0), wave((x + y) / 13.0 - t / 4.0)]);
+            }
+        }
+        rgb
+    }
+
+    #[test]
+    fn an_mp4_holds_every_frame_at_the_rate() {
+        let size = FrameSize { width: 64, height: 48 };
+        let mut video = Mp4Writer::new(std::io::Cursor::new(Vec::new()), size, 16).expect("writer");
+        for t in 0..9 {
+            video.push(&frame(size, t)).expect("frame");
+        }
+        let bytes = video.finish().expect("finish").into_inner();
+        let len = bytes.len() as u64;
+        let reader = mp4::Mp4Reader::read_header(std::io::Cursor::new(bytes), len).expect("an MP4");
+        let track = reader.tracks().get(&1).expect("track 1");
+        assert_eq!((track.width(), track.height()), (64, 48));
+        assert_eq!(track.sample_count(), 9);
+        assert_eq!(track.duration().as_micros(), 9 * 62_500);
+        assert!(track.sequence_parameter_set().is_ok_and(|sps| !sps.is_empty()));
+    }
+
+    /// The samples decoded again (OpenH264's decoder, from the parameter sets and the
+    /// length-prefixed units turned back into a stream) are the frames, within the
+    /// quantiser's loss.
+    #[test]
+    fn the_video_decodes_to_its_frames() {
+        let size = FrameSize { width: 96, height: 64 };
+        let frames: Vec<Vec<u8>> = (0..5).map(|t| frame(size, t)).collect();
+        let mut video = Mp4Writer::new(std::io::Cursor::new(Vec::new()), size, 16).expect("writer");
+        for rgb in &frames {
+            video.push(rgb).expect("frame");
+        }
+        let bytes = video.finish().expect("finish").into_inner();
+        let len = bytes.len() as u64;
+        let mut reader = mp4::Mp4Reader::read_header(std::io::Cursor::new(bytes), len).expect("an MP4");
+        let track = reader.tracks().get(&1).expect("track 1");
+        let start = [0u8, 0, 0, 1];
+        let mut stream = Vec::new();
+        for set in [
+            track.sequence_parameter_set().expect("sps"),
+            track.picture_parameter_set().expect("pps"),
+        ] {
+            stream.extend(start.iter().chain(set));
+        }
+        let mut decoder = openh264::decoder::Decoder::new().expect("decoder");
+        let mut decoded = Vec::new();
+        for id in 1..=5 {
+            let sample = reader.read_sample(1, id).expect("read").expect("sample");
+            let mut units = &sample.bytes[..];
+            while units.len() > 4 {
+                let n = u32::from_be_bytes([units[0], units[1], units[2], units[3]]) as usize;
+                stream.extend(start.iter().chain(&units[4..4 + n]));
+                units = &units[4 + n..];
+            }
+            if let Some(yuv) = decoder.decode(&stream).expect("decode") {
+                let mut rgb = vec![0; size.rgb_bytes()];
+                yuv.write_rgb8(&mut rgb);
+                decoded.push(rgb);
+            }
+            stream.clear();
+        }
+        assert_eq!(decoded.len(), frames.len());
+        for (t, (ours, theirs)) in decoded.iter().zip(&frames).enumerate() {
+            let mse = ours
+                .iter()
+                .zip(theirs)
+                .map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2))
+                .sum::<f64>()
+                / ours.len() as f64;
+            let psnr = 10.0 * (255.0f64.powi(2) / mse.max(1e-9)).log10();
+            assert!(psnr > 30.0, "frame {t}: PSNR {psnr:.1} dB");
+        }
+    }
+
+    #[test]
+    fn bad_frames_are_refused() {
+        let size = FrameSize { width: 63, height: 48 };
+        assert!(matches!(
+            Mp4Writer::new(std::io::Cursor::new(Vec::new()), size, 16),
+            Err(MediaError::OddSize { .. })
+        ));
+        let size = FrameSize { width: 64, height: 48 };
+        let mut video = Mp4Writer::new(std::io::Cursor::new(Vec::new()), size, 16).expect("writer");
+        assert!(matches!(video.push(&[0; 10]), Err(MediaError::FrameSize { .. })));
+        assert!(video.finish().is_err(), "a video of no frames");
+        assert!(write_png(std::io::sink(), size, &[0; 3]).is_err());
+    }
+}
