@@ -1,12 +1,12 @@
 //! A tiny Wan text-to-video pipeline in diffusers' layout: `model_index.json`, a Unigram
 //! `tokenizer/` that appends `</s>` (as umT5's does), `text_encoder/` (a tiny umT5 whose width
-//! is the DiT's text width) and `transformer/` (a tiny Wan DiT).
+//! is the DiT's text width), `transformer/` (a tiny Wan DiT) and `vae/` (a tiny Wan VAE).
 
 use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
-use crate::{TinyUmt5, TinyWan};
+use crate::{TinyUmt5, TinyWan, TinyWanVae};
 
 /// `</s>`: the id umT5's tokenizer appends.
 pub const END_OF_TEXT: u32 = 1;
@@ -16,6 +16,8 @@ pub const END_OF_TEXT: u32 = 1;
 pub struct TinyWanPipeline {
     pub encoder: TinyUmt5,
     pub dit: TinyWan,
+    /// Written as `vae/` when there is one.
+    pub vae: Option<TinyWanVae>,
 }
 
 impl Default for TinyWanPipeline {
@@ -26,7 +28,15 @@ impl Default for TinyWanPipeline {
             d_kv: 4,
             ..TinyUmt5::default()
         };
-        Self { encoder, dit }
+        let vae = TinyWanVae {
+            z_dim: dit.channels,
+            ..TinyWanVae::default()
+        };
+        Self {
+            encoder,
+            dit,
+            vae: Some(vae),
+        }
     }
 }
 
@@ -47,6 +57,9 @@ impl TinyWanPipeline {
         std::fs::write(dir.join("model_index.json"), index.to_string()).expect("model_index.json");
         self.encoder.write(&dir.join("text_encoder"));
         self.dit.write(&dir.join("transformer"));
+        if let Some(vae) = &self.vae {
+            vae.write(&dir.join("vae"));
+        }
         write_unigram_tokenizer(&dir.join("tokenizer"), self.encoder.vocab);
         dir.to_path_buf()
     }

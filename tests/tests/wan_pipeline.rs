@@ -1,6 +1,7 @@
 //! A Wan pipeline directory on the rank group: the prompt's tokens and umT5 states made as Wan
 //! and diffusers make them, the encoder and the DiT on the same ranks, TP 3 against TP 1, and
-//! the prompt route against the text-states route on the same states.
+//! the prompt route against the text-states route on the same states, and the VAE's frames
+//! split by rows over the ranks.
 
 use candle_core::IndexOp;
 use tpinfer_engine::{Engine, Solver, VideoEngine, VideoRequest, VideoShape};
@@ -70,11 +71,21 @@ fn a_prompt_denoises_at_tp_3_as_at_tp_1_and_as_its_states_do() {
     let states = request(&one);
     let latents = one.generate(states.clone(), |_| {}).expect("TP 1");
     let three = engine(dir.path(), 3);
-    let rel = tensor_rel_error(&three.generate(request(&three), |_| {}).expect("TP 3"), &latents);
+    let latents_three = three.generate(request(&three), |_| {}).expect("TP 3");
+    let rel = tensor_rel_error(&latents_three, &latents);
     assert!(rel < 1e-5, "TP 3 against TP 1: {rel:e}");
+    // The frames: each rank decodes a band of rows; the video is TP 1's.
+    assert!(one.decodes_frames() && three.decodes_frames());
+    let frames = one.decode(&latents, |_, _| {}).expect("decode at TP 1");
+    assert_eq!(frames.dims(), [SHAPE.frames, 3, SHAPE.height, SHAPE.width]);
+    let rel = tensor_rel_error(&three.decode(&latents_three, |_, _| {}).expect("TP 3"), &frames);
+    assert!(rel < 1e-5, "the video at TP 3 against TP 1: {rel:e}");
+    let reference = tpinfer_tests::reference_vae_decode(&dir.path().join("vae"), &latents);
+    let rel = tensor_rel_error(&frames, &reference);
+    assert!(rel < 1e-5, "the pipeline's frames against the reference VAE: {rel:e}");
     // The DiT alone, given the same states (the --text-embeds route), denoises the same.
     let dit = engine(&dir.path().join("transformer"), 1);
-    assert!(!dit.encodes_prompts());
+    assert!(!dit.encodes_prompts() && !dit.decodes_frames());
     assert!(dit.encode_prompt("a red fox").is_err(), "a DiT alone has no encoder");
     let rel = tensor_rel_error(&dit.generate(states, |_| {}).expect("DiT"), &latents);
     assert!(rel < 1e-6, "the states route against the prompt route: {rel:e}");

@@ -7,15 +7,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use tpinfer_engine::registry::Task;
-use tpinfer_engine::{DeviceKind, Engine, GenerateRequest, Prompt, SamplingParams, StreamEvent};
+use tpinfer_engine::{GenerateRequest, Prompt, SamplingParams, StreamEvent};
 
+mod decode;
 mod doctor;
 mod env;
+mod frames;
 mod output;
 mod plan;
 mod plan_pipeline;
+mod progress;
+mod ranks;
 mod video;
 
 #[derive(Parser)]
@@ -31,35 +35,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate text from a prompt (an LLM), or a video's latents from text embeddings (a Wan DiT).
+    /// Generate text from a prompt (an LLM), or a video from a prompt (a Wan pipeline directory)
+    /// or from text embeddings (a Wan DiT alone, to latents).
     Generate(Box<GenerateArgs>),
     /// Each rank's device memory for a placement against a per-GPU budget, and what fits.
     Plan(plan::PlanArgs),
+    /// Decode saved latents (a Wan DiT's) to a video with a pipeline's VAE.
+    Decode(decode::DecodeArgs),
     /// Diagnose the GPUs, drivers, libraries, links and NCCL of this machine.
     Doctor(doctor::DoctorArgs),
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum DeviceArg {
-    Cpu,
-    Cuda,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum DtypeArg {
-    F32,
-    F16,
-    Bf16,
-}
-
-impl DtypeArg {
-    fn dtype(self) -> tpinfer_engine::DType {
-        match self {
-            Self::F32 => tpinfer_engine::DType::F32,
-            Self::F16 => tpinfer_engine::DType::F16,
-            Self::Bf16 => tpinfer_engine::DType::BF16,
-        }
-    }
 }
 
 #[derive(clap::Args)]
@@ -67,23 +51,14 @@ struct GenerateArgs {
     /// A Hugging Face model directory (config.json, safetensors, tokenizer.json) or a GGUF file.
     #[arg(long)]
     model: PathBuf,
-    /// Tensor-parallel width: the number of ranks.
-    #[arg(long, default_value_t = 1)]
-    tp: usize,
+    #[command(flatten)]
+    ranks: ranks::RankArgs,
     /// The prompt: of an LLM, or of a video with a Wan pipeline directory.
     #[arg(long)]
     prompt: Option<String>,
     /// Most tokens to generate; an end-of-sequence token stops sooner.
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
-    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
-    device: DeviceArg,
-    /// GPUs to use with --device cuda, e.g. 0,2 (default: 0..tp, as CUDA_VISIBLE_DEVICES maps them).
-    #[arg(long, value_delimiter = ',')]
-    gpus: Option<Vec<usize>>,
-    /// Compute dtype (default: f32 on CPU, the checkpoint's dtype on GPUs).
-    #[arg(long, value_enum)]
-    dtype: Option<DtypeArg>,
     /// Render the prompt as a user message with the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -93,10 +68,6 @@ struct GenerateArgs {
     /// Longest sequence, prompt plus generated tokens (default: the model's, at most 8192).
     #[arg(long)]
     max_context: Option<usize>,
-    /// Device memory each rank may use, e.g. 24GiB (default on GPUs: the free memory less 2%).
-    /// The placement is planned first and refused, with what would fit, if over it.
-    #[arg(long, value_parser = tpinfer_plan::parse_bytes)]
-    gpu_mem: Option<u64>,
     /// Run each decode step kernel by kernel, not as a replayed CUDA graph (slower; for
     /// debugging).
     #[arg(long)]
@@ -158,6 +129,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Generate(args) => generate(*args),
         Command::Plan(args) => plan::plan(args),
+        Command::Decode(args) => decode::decode(args),
         Command::Doctor(args) => doctor::doctor(args),
     }
 }
@@ -190,28 +162,10 @@ fn stop_requested() -> bool {
 }
 
 fn generate(args: GenerateArgs) -> Result<ExitCode> {
-    if args.tp == 0 {
-        bail!("--tp must be at least 1");
-    }
     let generating = interrupt_handler()?;
-    let device = match args.device {
-        DeviceArg::Cpu => DeviceKind::Cpu,
-        DeviceArg::Cuda => DeviceKind::Cuda {
-            gpus: args.gpus.clone(),
-        },
-    };
-    let mut builder = env::switches(Engine::builder(&args.model))
-        .tp(args.tp)
-        .device(device)
-        .enforce_eager(args.enforce_eager);
-    if let Some(dtype) = args.dtype {
-        builder = builder.dtype(dtype.dtype());
-    }
+    let mut builder = args.ranks.builder(&args.model)?.enforce_eager(args.enforce_eager);
     if let Some(tokens) = args.max_context {
         builder = builder.max_context(tokens);
-    }
-    if let Some(bytes) = args.gpu_mem {
-        builder = builder.gpu_mem(bytes);
     }
     match tpinfer_engine::registry::task_of(&args.model) {
         Task::Video => {
@@ -221,6 +175,12 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
         Task::TextEncoder => bail!(
             "{} is a umT5 text encoder, one stage of a video pipeline: `tpinfer plan --model` plans it; to \
              generate, give a Wan transformer directory with --text-embeds",
+            args.model.display()
+        ),
+        Task::VideoDecoder => bail!(
+            "{} is a Wan VAE, the decode stage of a video pipeline: `tpinfer decode --model {} --latents FILE` \
+             decodes latents with it",
+            args.model.display(),
             args.model.display()
         ),
         Task::Text => {}

@@ -85,3 +85,75 @@ fn temporary(path: &Path) -> std::io::Result<tempfile::NamedTempFile> {
     }
     builder.tempfile_in(folder(path))
 }
+
+/// Fails, naming `flag` and the path, where `dir` is neither a new name in a writable folder
+/// nor an empty directory: the files written there replace nothing.
+pub fn check_dir(flag: &str, dir: &Path) -> Result<()> {
+    if let Ok(meta) = std::fs::metadata(dir) {
+        if !meta.is_dir() {
+            bail!(
+                "{flag} {}: it is not a directory; give a new or empty directory",
+                dir.display()
+            );
+        }
+        let mut entries =
+            std::fs::read_dir(dir).with_context(|| format!("{flag} {}: cannot read the directory", dir.display()))?;
+        if entries.next().is_some() {
+            bail!(
+                "{flag} {}: the directory is not empty; give a new or empty one, so that no frame of another \
+                 video stays among these",
+                dir.display()
+            );
+        }
+    }
+    temporary_dir(dir).with_context(|| {
+        format!(
+            "{flag} {}: cannot write into {}; choose a folder that exists and is writable",
+            dir.display(),
+            folder(dir).display()
+        )
+    })?;
+    Ok(())
+}
+
+/// Fills a new directory at `dir` (refused as [`check_dir`] refuses it) through `write`, which
+/// writes into the temporary directory it is given; it is renamed into place only when every
+/// file is written and synced.
+pub fn write_dir(flag: &str, dir: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    check_dir(flag, dir)?;
+    let temp =
+        temporary_dir(dir).with_context(|| format!("{flag} {}: cannot create a folder beside it", dir.display()))?;
+    write(temp.path()).with_context(|| format!("{flag} {}: writing failed", dir.display()))?;
+    let synced = std::fs::read_dir(temp.path()).and_then(|entries| {
+        for entry in entries {
+            std::fs::File::open(entry?.path())?.sync_all()?;
+        }
+        Ok(())
+    });
+    synced.with_context(|| format!("{flag} {}: syncing failed", dir.display()))?;
+    if dir.is_dir() {
+        // Empty, as checked: the new folder takes its place.
+        std::fs::remove_dir(dir)
+            .with_context(|| format!("{flag} {}: cannot replace the empty folder", dir.display()))?;
+    }
+    let temp = temp.keep();
+    if let Err(e) = std::fs::rename(&temp, dir) {
+        let _ = std::fs::remove_dir_all(&temp);
+        return Err(e)
+            .with_context(|| format!("{flag} {}: cannot rename the written folder into place", dir.display()));
+    }
+    Ok(())
+}
+
+/// A temporary directory in `dir`'s folder, with the mode a plain create would give it.
+fn temporary_dir(dir: &Path) -> std::io::Result<tempfile::TempDir> {
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(".tpinfer-");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        // Masked by the umask on creation, as `create_dir`'s 0o777 is.
+        builder.permissions(std::fs::Permissions::from_mode(0o777));
+    }
+    builder.tempdir_in(folder(dir))
+}

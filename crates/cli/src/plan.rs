@@ -21,7 +21,7 @@ pub struct PlanArgs {
     gpu_mem: u64,
     /// Compute dtype (default: the checkpoint's, else bf16).
     #[arg(long, value_enum)]
-    dtype: Option<crate::DtypeArg>,
+    dtype: Option<crate::ranks::DtypeArg>,
     /// LLM: the longest sequence (default: the model's, at most 8192).
     #[arg(long)]
     max_context: Option<usize>,

@@ -1,13 +1,15 @@
 //! `tpinfer generate` for a Wan DiT: a prompt (with a pipeline directory) or text embeddings
-//! in, latents and a preview out.
+//! in; out, with a pipeline's VAE, an MP4 video and PNG frames, else the latents and a
+//! preview. Each stage has a progress bar, and the run ends with each stage's time.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use indicatif::{ProgressBar, ProgressStyle};
 use tpinfer_engine::{EngineBuilder, Solver, VideoEngine, VideoRequest, VideoShape, WanPipelineDir};
+
+use crate::frames::FrameFiles;
+use crate::progress::{self, Stages};
 
 /// The video options of `tpinfer generate`.
 #[derive(clap::Args)]
@@ -46,9 +48,20 @@ pub struct VideoArgs {
     /// Start from these latents (tensor `latents` [C, F', H', W'], f32) instead of --seed's noise.
     #[arg(long)]
     init_latents: Option<PathBuf>,
-    /// Where to write the latents (safetensors); the previews go beside it as PNG.
-    #[arg(long, default_value = "latents.safetensors")]
-    out: PathBuf,
+    /// With a pipeline that has vae/: the video, H.264 in MP4 (default video.mp4). Without a
+    /// VAE: the latents, safetensors (default latents.safetensors), with previews beside it.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// With a pipeline that has vae/: also write every frame as an 8-bit PNG (00000.png, …)
+    /// into this new or empty directory.
+    #[arg(long)]
+    save_frames: Option<PathBuf>,
+    /// Also write the final latents (tensor `latents`, f32), as `tpinfer decode` reads them.
+    #[arg(long)]
+    save_latents: Option<PathBuf>,
+    /// The video's frame rate (Wan2.1: 16).
+    #[arg(long, default_value_t = 16)]
+    fps: u32,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -58,7 +71,7 @@ enum SolverArg {
 }
 
 /// Reads `name` from a safetensors file, or its only tensor, as f32 on the CPU.
-fn read_tensor(path: &Path, name: &str) -> Result<Option<Tensor>> {
+pub fn read_tensor(path: &Path, name: &str) -> Result<Option<Tensor>> {
     let tensors = candle_core::safetensors::load(path, &Device::Cpu)
         .with_context(|| format!("cannot read {} (safetensors)", path.display()))?;
     let tensor = match (tensors.get(name), tensors.len()) {
@@ -137,11 +150,12 @@ pub fn generate_video(
             request(stand_in.clone(), Some(stand_in)).check()?
         }
     }
-    crate::output::check("--out", &args.out)?;
+    let outputs = Outputs::of(model, args)?;
     if let Some(path) = &args.save_text_embeds {
         crate::output::check("--save-text-embeds", path)?;
     }
-    let engine = VideoEngine::start(builder, shape)?;
+    let mut stages = Stages::default();
+    let engine = stages.time("load", || VideoEngine::start(builder, shape))?;
     let [c, f, h, w] = engine.latent_shape();
     eprintln!(
         "{} frames at {width}x{height}: latents {c}×{f}×{h}×{w}, {} video tokens per forward; peak plan per rank {:.0} MiB",
@@ -151,16 +165,90 @@ pub fn generate_video(
     );
     let (text, negative) = match (embeds, prompt) {
         (Some(embeds), _) => embeds,
-        (None, Some(prompt)) => encode(&engine, prompt, args)?,
+        (None, Some(prompt)) => stages.time("encode", || encode(&engine, prompt, args))?,
         (None, None) => bail!("nothing to encode"),
     };
     let request = request(text, negative);
-    let bar = ProgressBar::new(args.steps as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} steps, {elapsed} elapsed, ~{eta} left {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let start = Instant::now();
+    let latents = stages.time("denoise", || denoise(&engine, request, args.steps))?;
+    for path in &outputs.latents {
+        crate::output::write(path.0, &path.1, |temp| Ok(latents.save_safetensors("latents", temp)?))?;
+        eprintln!("wrote {}", path.1.display());
+    }
+    if outputs.files.is_empty() {
+        if let Some((_, path)) = outputs.latents.iter().find(|(flag, _)| *flag == "--out") {
+            write_previews(&latents, path)?;
+        }
+    } else {
+        let frames = stages.time("decode", || decode_frames(|on| engine.decode(&latents, on)))?;
+        stages.time("write", || outputs.files.write(&frames))?;
+        for path in [&outputs.files.video, &outputs.files.frames].into_iter().flatten() {
+            eprintln!("wrote {}", path.display());
+        }
+    }
+    eprintln!("{}", stages.summary());
+    Ok(())
+}
+
+/// Where a video run's results go.
+struct Outputs {
+    /// The decoded frames' files, with a VAE.
+    files: FrameFiles,
+    /// The latents' files, each with the flag that named it.
+    latents: Vec<(&'static str, PathBuf)>,
+}
+
+impl Outputs {
+    /// Every output path of `args`, checked before the run: a pipeline with `vae/` writes a
+    /// video, a DiT without one its latents.
+    fn of(model: &Path, args: &VideoArgs) -> Result<Self> {
+        let decodes = WanPipelineDir::detect(model) && WanPipelineDir::open(model)?.vae.is_some();
+        let mut latents: Vec<(&'static str, PathBuf)> = args
+            .save_latents
+            .iter()
+            .map(|p| ("--save-latents", p.clone()))
+            .collect();
+        let files = match decodes {
+            true => FrameFiles {
+                video: Some(args.out.clone().unwrap_or_else(|| PathBuf::from("video.mp4"))),
+                frames: args.save_frames.clone(),
+                fps: args.fps,
+            },
+            false => {
+                if args.save_frames.is_some() {
+                    bail!(
+                        "--save-frames needs a VAE to decode frames with: {} has no vae/ (give a pipeline directory \
+                         with one, or --save-latents and `tpinfer decode` later)",
+                        model.display()
+                    );
+                }
+                let out = args.out.clone().unwrap_or_else(|| PathBuf::from("latents.safetensors"));
+                if out.extension().is_some_and(|e| e.eq_ignore_ascii_case("mp4")) {
+                    bail!(
+                        "--out {}: {} has no vae/ to decode a video with; without one --out writes the latents \
+                         (.safetensors), which `tpinfer decode --model PIPELINE_DIR` turns into a video",
+                        out.display(),
+                        model.display()
+                    );
+                }
+                latents.push(("--out", out));
+                FrameFiles {
+                    video: None,
+                    frames: None,
+                    fps: args.fps,
+                }
+            }
+        };
+        files.check()?;
+        for (flag, path) in &latents {
+            crate::output::check(flag, path)?;
+        }
+        Ok(Self { files, latents })
+    }
+}
+
+/// Denoises with a bar over the steps and a line per step above it.
+fn denoise(engine: &VideoEngine, request: VideoRequest, steps: usize) -> Result<Tensor> {
+    let bar = progress::bar("denoise", steps as u64, "steps");
     let latents = engine.generate(request, |step| {
         // Above the bar on a terminal, and plain lines in a log.
         bar.suspend(|| {
@@ -175,41 +263,47 @@ pub fn generate_video(
         bar.inc(1);
     })?;
     bar.finish_and_clear();
-    eprintln!(
-        "{} steps in {:.2} s ({:.3} s per step)",
-        args.steps,
-        start.elapsed().as_secs_f64(),
-        start.elapsed().as_secs_f64() / args.steps as f64
-    );
-    crate::output::write(
-        "--out",
-        &args.out,
-        |temp| Ok(latents.save_safetensors("latents", temp)?),
-    )?;
+    Ok(latents)
+}
+
+/// Runs a VAE decode with a bar over its tiles and latent frames.
+pub fn decode_frames(
+    run: impl FnOnce(&mut dyn FnMut(usize, usize)) -> Result<Tensor, tpinfer_engine::EngineError>,
+) -> Result<Tensor> {
+    let bar = progress::bar("decode", 0, "chunks");
+    let frames = run(&mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
+    bar.finish_and_clear();
+    Ok(frames)
+}
+
+/// False-colour previews of the first and last latent frames beside `out`, for a run that has
+/// no VAE to decode with.
+fn write_previews(latents: &Tensor, out: &Path) -> Result<()> {
     let frames = latents.dim(1)?;
     for (label, index) in [("first", 0), ("last", frames - 1)] {
-        let path = args.out.with_extension(format!("{label}.png"));
+        let path = out.with_extension(format!("{label}.png"));
         let frame = latents.narrow(1, index, 1)?.squeeze(1)?;
         crate::output::write("the preview", &path, |temp| write_preview(&frame, temp))?;
         eprintln!("wrote {}", path.display());
     }
-    eprintln!("wrote {}", args.out.display());
     Ok(())
 }
 
 /// The prompt's states, and the negative prompt's where guidance or --save-text-embeds needs
 /// them, encoded on the engine's ranks; written to --save-text-embeds if asked.
 fn encode(engine: &VideoEngine, prompt: &str, args: &VideoArgs) -> Result<(Tensor, Option<Tensor>)> {
-    let start = Instant::now();
+    let needs_negative = args.guide_scale > 1.0 || args.save_text_embeds.is_some();
+    let bar = progress::bar("encode", 1 + u64::from(needs_negative), "prompts");
     let text = engine.encode_prompt(prompt)?;
-    let negative = match args.guide_scale > 1.0 || args.save_text_embeds.is_some() {
+    bar.inc(1);
+    let negative = match needs_negative {
         true => Some(engine.encode_prompt(&args.negative_prompt)?),
         false => None,
     };
-    eprintln!(
-        "encode: the prompts' umT5 states in {:.2} s",
-        start.elapsed().as_secs_f64()
-    );
+    bar.finish_and_clear();
     if let (Some(path), Some(negative)) = (&args.save_text_embeds, &negative) {
         let tensors = std::collections::HashMap::from([
             ("text".to_string(), text.clone()),
@@ -270,9 +364,7 @@ fn write_preview(frame: &Tensor, path: &Path) -> Result<()> {
         .map(|v| v.round().clamp(0.0, 255.0) as u8)
         .collect();
     let file = std::io::BufWriter::new(std::fs::File::create(path)?);
-    let mut encoder = png::Encoder::new(file, w as u32, h as u32);
-    encoder.set_color(png::ColorType::Rgb);
-    encoder.set_depth(png::BitDepth::Eight);
-    encoder.write_header()?.write_image_data(&bytes)?;
+    let size = tpinfer_media::FrameSize { width: w, height: h };
+    tpinfer_media::write_png(file, size, &bytes)?;
     Ok(())
 }

@@ -413,8 +413,10 @@ fn a_text_encoder_plans_and_is_not_run_alone() {
     assert_fails_with(&generate(dir.path(), &[]), &["umT5 text encoder", "--text-embeds"]);
 }
 
-/// A pipeline directory takes a prompt: its states, written by --save-text-embeds, give the
-/// transformer directory alone (--text-embeds) the same latents.
+/// A pipeline directory takes a prompt to a video: an MP4 and PNG frames, with the latents
+/// and the prompt's states saved beside them. The states, given to the transformer directory
+/// alone (--text-embeds), give the same latents; `tpinfer decode` of the latents gives the same
+/// frames.
 #[test]
 fn a_pipeline_generates_from_a_prompt_and_saves_its_states() {
     use candle_core::Device;
@@ -425,6 +427,7 @@ fn a_pipeline_generates_from_a_prompt_and_saves_its_states() {
         dir.path().join("a.safetensors"),
         dir.path().join("b.safetensors"),
     );
+    let (video, frames) = (dir.path().join("fox.mp4"), dir.path().join("frames"));
     let common = ["--frames", "5", "--size", "64x32", "--steps", "2", "--tp", "2"];
     let path = |p: &Path| p.to_str().expect("utf8").to_string();
     let mut args = vec![
@@ -437,8 +440,12 @@ fn a_pipeline_generates_from_a_prompt_and_saves_its_states() {
         "a red fox".to_string(),
         "--save-text-embeds".into(),
         path(&embeds),
-        "--out".into(),
+        "--save-latents".into(),
         path(&first),
+        "--out".into(),
+        path(&video),
+        "--save-frames".into(),
+        path(&frames),
     ]);
     args.extend(common.iter().map(|s| s.to_string()));
     let output = tpinfer(
@@ -447,10 +454,64 @@ fn a_pipeline_generates_from_a_prompt_and_saves_its_states() {
     );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
-    assert!(stderr.contains("encode: ") && stderr.contains("step   2/2"), "{stderr}");
+    assert!(stderr.contains("step   2/2"), "{stderr}");
+    for stage in ["load", "encode", "denoise", "decode", "write"] {
+        assert!(stderr.contains(&format!("{stage} ")), "no time for {stage}: {stderr}");
+    }
     let saved = candle_core::safetensors::load(&embeds, &Device::Cpu).expect("embeds");
     assert_eq!(saved["text"].dims(), [512, 24]);
     assert_eq!(saved["negative"].dims(), [512, 24]);
+    // An MP4 (its first box is `ftyp`) and one 64 × 32 PNG per frame.
+    let mp4 = std::fs::read(&video).expect("video");
+    assert_eq!(&mp4[4..8], b"ftyp", "not an MP4");
+    let pngs = png_frames(&frames);
+    assert_eq!(pngs.len(), 5);
+    for png in &pngs {
+        assert_eq!(&png[1..4], b"PNG");
+        // IHDR: width and height, big-endian, at bytes 16..24.
+        assert_eq!(&png[16..24], &[0, 0, 0, 64, 0, 0, 0, 32]);
+    }
+
+    // The saved latents decode to the same frames.
+    let again = dir.path().join("again");
+    let output = tpinfer(
+        &[
+            "decode",
+            "--model",
+            &path(&pipeline),
+            "--latents",
+            &path(&first),
+            "--save-frames",
+            &path(&again),
+            "--tp",
+            "2",
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        png_frames(&again) == pngs,
+        "decode of the saved latents made other frames"
+    );
+    // Outputs that cannot be written are refused before anything runs.
+    for (flag, value, expected) in [
+        ("--out", path(&dir.path().join("v.avi")), "ending in .mp4"),
+        ("--save-frames", path(&frames), "not empty"),
+    ] {
+        let output = tpinfer(
+            &[
+                "decode",
+                "--model",
+                &path(&pipeline),
+                "--latents",
+                &path(&first),
+                flag,
+                &value,
+            ],
+            Duration::from_secs(60),
+        );
+        assert_fails_with(&output, &[flag, expected]);
+    }
 
     let transformer = pipeline.join("transformer");
     let mut args = vec![
@@ -486,6 +547,40 @@ fn a_pipeline_generates_from_a_prompt_and_saves_its_states() {
         Duration::from_secs(60),
     );
     assert_fails_with(&output, &["--prompt needs a pipeline directory", "--text-embeds"]);
+    // Nor write a video: it has no VAE.
+    let output = tpinfer(
+        &[
+            "generate",
+            "--model",
+            &path(&transformer),
+            "--text-embeds",
+            &path(&embeds),
+            "--out",
+            &path(&dir.path().join("x.mp4")),
+            "--frames",
+            "5",
+            "--size",
+            "64x32",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_fails_with(&output, &["--out", "no vae/"]);
+}
+
+/// The PNG files of a frames folder, in name order.
+fn png_frames(dir: &Path) -> Vec<Vec<u8>> {
+    let mut names: Vec<_> = std::fs::read_dir(dir)
+        .expect("frames")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    names.sort();
+    let expected: Vec<String> = (0..names.len()).map(|i| format!("{i:05}.png")).collect();
+    let found: Vec<String> = names
+        .iter()
+        .map(|p| p.file_name().expect("name").to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(found, expected);
+    names.iter().map(|p| std::fs::read(p).expect("png")).collect()
 }
 
 /// A pipeline's plan holds the text encoder and the DiT on the same ranks: each rank's total

@@ -176,6 +176,26 @@ impl VaeEngine {
         })
     }
 
+    /// The video that latents of `latent_frames` × `h` × `w` decode to with the VAE of
+    /// `model` (a pipeline directory or its `vae/`).
+    pub fn video_shape(model: &Path, latent_frames: usize, h: usize, w: usize) -> Result<VideoShape, EngineError> {
+        let dir = vae_dir(model)?;
+        let vae = WanVaeModel::open(&dir).map_err(|e| RuntimeError::Model(e.to_string()))?;
+        let c = vae.config();
+        let space = c.spatial_factor();
+        let (width, height) = (w.checked_mul(space), h.checked_mul(space));
+        match (latent_frames, width, height) {
+            (1.., Some(width), Some(height)) if h > 0 && w > 0 => Ok(VideoShape {
+                frames: c.frames(latent_frames),
+                width,
+                height,
+            }),
+            _ => Err(EngineError::InvalidRequest(format!(
+                "latents of {latent_frames} frames of {h} × {w} decode to no video"
+            ))),
+        }
+    }
+
     /// Decodes normalised latents `[z, latent frames, h, w]`, as a DiT leaves them, to the
     /// video: `[frames, 3, height, width]` in [−1, 1], f32 on the CPU. `on_progress` hears
     /// rank 0's tiles and latent frames done, out of how many.

@@ -9,6 +9,7 @@ use tpinfer_llama::LlamaModel;
 use tpinfer_plan::{PlanError, ShardedModel};
 use tpinfer_umt5::Umt5Model;
 use tpinfer_wan::WanModel;
+use tpinfer_wan_vae::WanVaeModel;
 
 /// What a family's models do, which decides the engine that runs them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,6 +21,8 @@ pub enum Task {
     /// A text encoder: one stage of a video pipeline, planned and loaded on its ranks, not
     /// run alone.
     TextEncoder,
+    /// A video VAE: the decode stage of a video pipeline (`tpinfer decode` runs it alone).
+    VideoDecoder,
 }
 
 /// One family as the registry lists it.
@@ -56,6 +59,7 @@ pub fn families() -> Vec<FamilyEntry> {
     vec![
         FamilyEntry::of::<WanModel>(Task::Video),
         FamilyEntry::of::<Umt5Model>(Task::TextEncoder),
+        FamilyEntry::of::<WanVaeModel>(Task::VideoDecoder),
         FamilyEntry::of::<LlamaModel>(Task::Text),
     ]
 }

@@ -1,0 +1,73 @@
+//! Where the ranks run: the options every command that starts them shares.
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+use clap::ValueEnum;
+use tpinfer_engine::{DeviceKind, Engine, EngineBuilder};
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum DtypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl DtypeArg {
+    pub fn dtype(self) -> tpinfer_engine::DType {
+        match self {
+            Self::F32 => tpinfer_engine::DType::F32,
+            Self::F16 => tpinfer_engine::DType::F16,
+            Self::Bf16 => tpinfer_engine::DType::BF16,
+        }
+    }
+}
+
+/// The ranks' width, devices, dtype and memory budget.
+#[derive(clap::Args)]
+pub struct RankArgs {
+    /// Tensor-parallel width: the number of ranks.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+    /// GPUs to use with --device cuda, e.g. 0,2 (default: 0..tp, as CUDA_VISIBLE_DEVICES maps them).
+    #[arg(long, value_delimiter = ',')]
+    pub gpus: Option<Vec<usize>>,
+    /// Compute dtype (default: f32 on CPU, the checkpoint's dtype on GPUs).
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
+    /// Device memory each rank may use, e.g. 24GiB (default on GPUs: the free memory less 2%).
+    /// The placement is planned first and refused, with what would fit, if over it.
+    #[arg(long, value_parser = tpinfer_plan::parse_bytes)]
+    pub gpu_mem: Option<u64>,
+}
+
+impl RankArgs {
+    /// A builder for `model` on these ranks, with the environment's switches.
+    pub fn builder(&self, model: &Path) -> Result<EngineBuilder> {
+        if self.tp == 0 {
+            bail!("--tp must be at least 1");
+        }
+        let device = match self.device {
+            DeviceArg::Cpu => DeviceKind::Cpu,
+            DeviceArg::Cuda => DeviceKind::Cuda {
+                gpus: self.gpus.clone(),
+            },
+        };
+        let mut builder = crate::env::switches(Engine::builder(model)).tp(self.tp).device(device);
+        if let Some(dtype) = self.dtype {
+            builder = builder.dtype(dtype.dtype());
+        }
+        if let Some(bytes) = self.gpu_mem {
+            builder = builder.gpu_mem(bytes);
+        }
+        Ok(builder)
+    }
+}
