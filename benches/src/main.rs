@@ -21,6 +21,7 @@ mod plots;
 mod sweep;
 #[cfg(feature = "timeline")]
 mod timeline;
+mod vae;
 
 use std::path::PathBuf;
 
@@ -57,6 +58,9 @@ enum Command {
     /// The umT5 text encoder at each TP width: ms per prompt, memory against the plan, and the
     /// states as safetensors for a reference to compare.
     Encode(encode::EncodeArgs),
+    /// The Wan VAE decoder at each TP width: seconds per decode, memory against the plan,
+    /// and the frames for reference_vae.py to compare.
+    Vae(vae::VaeArgs),
     /// One rank's decode step as its chain kernels' CTAs saw it (a `timeline` build).
     #[cfg(feature = "timeline")]
     Timeline(timeline::TimelineArgs),
@@ -537,6 +541,7 @@ fn main() -> Result<()> {
         Command::DecodeProfile(args) => decode::run(args),
         Command::Collectives(args) => collectives::run(args),
         Command::Encode(args) => encode::encode(args),
+        Command::Vae(args) => vae::vae(args),
         #[cfg(feature = "timeline")]
         Command::Timeline(args) => timeline::run(args),
     }

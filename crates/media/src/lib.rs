@@ -144,6 +144,10 @@ impl<W: Write + Seek> Mp4Writer<W> {
                 }
             }
         }
+        if sample.is_empty() {
+            // A skipped frame would shorten the video and shift every frame after it.
+            return Err(MediaError::Encoder(format!("frame {} came out empty", self.frames)));
+        }
         if self.mp4.is_none() {
             self.start(
                 sps.ok_or(MediaError::NoParameterSet("SPS"))?,

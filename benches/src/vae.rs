@@ -1,0 +1,100 @@
+//! `tpinfer-bench vae`: the Wan VAE decoder on the rank group at each TP width: seconds per
+//! decode, device memory against the plan, and the frames as safetensors for the reference
+//! (`scripts/reference/reference_vae.py compare`) to judge.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device};
+use clap::Args;
+use tpinfer_engine::{DeviceKind, EngineBuilder, VaeEngine};
+
+#[derive(Args)]
+pub struct VaeArgs {
+    /// A Wan VAE directory (diffusers' `AutoencoderKLWan`), or a pipeline directory with `vae/`.
+    #[arg(long)]
+    model: PathBuf,
+    /// safetensors with `latents` [z, latent frames, h, w], as `reference_vae.py latents` writes.
+    #[arg(long)]
+    latents: PathBuf,
+    #[arg(long)]
+    cuda: bool,
+    #[arg(long, value_enum)]
+    dtype: Option<crate::DtypeArg>,
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    tp: Vec<usize>,
+    /// Timed decodes per width, after one warm-up.
+    #[arg(long, default_value_t = 2)]
+    repeats: usize,
+    /// Writes `{out}_tp{N}.safetensors` (tensor `frames` [T, 3, H, W], f32) for each width.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+pub fn vae(args: VaeArgs) -> Result<()> {
+    let latents = candle_core::safetensors::load(&args.latents, &Device::Cpu)
+        .with_context(|| format!("reading {}", args.latents.display()))?
+        .remove("latents")
+        .with_context(|| format!("{} has no tensor `latents`", args.latents.display()))?
+        .to_dtype(DType::F32)?;
+    let [_, frames, h, w] =
+        <[usize; 4]>::try_from(latents.dims()).map_err(|_| anyhow::anyhow!("latents are not 4-D"))?;
+    let shape = VaeEngine::video_shape(&args.model, frames, h, w)?;
+    let dtype = match (args.dtype, args.cuda) {
+        (Some(d), _) => crate::dtype_of(d),
+        (None, true) => DType::BF16,
+        (None, false) => DType::F32,
+    };
+    println!(
+        "| TP | video | dtype | s per decode (median of {}) | peak MiB measured / planned, fullest rank |",
+        args.repeats
+    );
+    println!("|---:|---|---|---:|---|");
+    for &tp in &args.tp {
+        let device = match args.cuda {
+            true => DeviceKind::Cuda { gpus: None },
+            false => DeviceKind::Cpu,
+        };
+        let builder = EngineBuilder::new(&args.model).tp(tp).device(device).dtype(dtype);
+        let engine = VaeEngine::start(builder, shape)?;
+        let mut times = Vec::with_capacity(args.repeats + 1);
+        let mut decoded = None;
+        for _ in 0..=args.repeats {
+            let start = Instant::now();
+            decoded = Some(engine.decode(&latents, |_, _| {})?);
+            times.push(start.elapsed().as_secs_f64());
+        }
+        // The first decode warms up, unless it is the only one.
+        if times.len() > 1 {
+            times.remove(0);
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+        let memory = match engine
+            .device_memory()
+            .iter()
+            .zip(&engine.plan().ranks)
+            .max_by_key(|(_, p)| p.total())
+        {
+            Some((Some(m), p)) => format!(
+                "{:.0} / {:.0}",
+                tpinfer_plan::mib(m.peak()),
+                tpinfer_plan::mib(p.total())
+            ),
+            Some((None, p)) => format!("– / {:.0}", tpinfer_plan::mib(p.total())),
+            None => "–".into(),
+        };
+        println!(
+            "| {tp} | {} × {}x{} | {dtype:?} | {median:.3} | {memory} |",
+            shape.frames, shape.width, shape.height
+        );
+        if let (Some(out), Some(frames)) = (&args.out, decoded) {
+            let path = PathBuf::from(format!("{}_tp{tp}.safetensors", out.display()));
+            frames
+                .save_safetensors("frames", &path)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
