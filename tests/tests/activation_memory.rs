@@ -231,3 +231,53 @@ fn umt5_encode_allocates_what_the_memory_model_says() {
     let expected = EncodeMemory::new(&config, &shard, dtype, ids.len()).peak;
     assert_close(measured, expected, "umT5 f32");
 }
+
+/// The Wan VAE's decode against `tpinfer_wan_vae::memory` in f32 on CPU ranks, whole and in
+/// tiles, on a band and on the whole frame. Not yet held to 3% as the other models are: its
+/// model counts 15–25% less than these counted allocations (measured 2026-12-02), so this
+/// test holds it to that band, so that the gap cannot grow unseen while the H200 measurement,
+/// where candle's unfolded convolution input dominates, decides how to close it.
+#[test]
+fn vae_decode_allocates_what_the_memory_model_says() {
+    let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    use tpinfer_tests::{vae_latents, TinyWanVae};
+    use tpinfer_wan_vae::memory::{DecodeDevice, DecodeMemory, DecodeShape};
+    use tpinfer_wan_vae::{WanVaeConfig, WanVaeRank, WanVaeShard};
+
+    let model = TinyWanVae {
+        base_dim: 16,
+        ..TinyWanVae::default()
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    model.write(dir.path());
+    let config = WanVaeConfig::from_dir(dir.path()).expect("config");
+    let store = tpinfer_weights::SafetensorsStore::open(dir.path()).expect("store");
+    let latents = vae_latents(model.z_dim, 3, 8, 10, 3);
+    let video = DecodeShape {
+        latent_frames: 3,
+        height: 64,
+        width: 80,
+    };
+    let device = DecodeDevice {
+        dtype: DType::F32,
+        cuda: false,
+    };
+    for (tp, rank, tile) in [(1, 0, 64), (1, 0, 16), (3, 1, 8), (2, 1, 32)] {
+        let shard = WanVaeShard::new(tp, rank).expect("shard");
+        let band = shard.band(&config, 64).expect("band");
+        let measured = single_thread(|| {
+            let vae = WanVaeRank::load(&config, &store, shard, DType::F32, &Device::Cpu).expect("load");
+            drop(vae.decode(&latents, Some(tile), &mut |_, _| {}).expect("warm-up"));
+            let (pixels, measured) = peak_during(|| vae.decode(&latents, Some(tile), &mut |_, _| {}).expect("decode"));
+            drop(pixels);
+            measured
+        });
+        let expected = DecodeMemory::with_tiles(&config, device, video, band, tile).peak;
+        let under = 1.0 - expected as f64 / measured as f64;
+        assert!(
+            (-0.03..0.25).contains(&under),
+            "TP {tp} rank {rank}, tiles of {tile}: measured {measured} bytes, modelled {expected} ({:.1}% under)",
+            100.0 * under
+        );
+    }
+}

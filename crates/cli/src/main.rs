@@ -93,6 +93,13 @@ struct GenerateArgs {
 }
 
 fn main() -> ExitCode {
+    // Output piped into `head` ends quietly when the reader goes, as a command-line tool's
+    // should, rather than panicking on the write (Rust ignores SIGPIPE by default).
+    #[cfg(unix)]
+    // SAFETY: called first, before any thread exists; restores the signal's default action.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -9,8 +9,10 @@ use tpinfer_plan::{fit_table, mib, over_budget_message, DeviceProfile, Placement
 #[derive(clap::Args)]
 pub struct PlanArgs {
     /// A model directory (Llama: config.json + safetensors, or a GGUF file; Wan: a diffusers
-    /// transformer directory), or a preset: llama-3-8b, llama-3-70b, llama-3.2-1b,
-    /// llama-3.2-3b, wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-s2v-14b.
+    /// pipeline directory, or its transformer/, text_encoder/ or vae/), or a preset:
+    /// llama-3-8b, llama-3-70b, llama-3.2-1b, llama-3.2-3b, wan2.1-t2v-1.3b, wan2.1-t2v-14b,
+    /// wan2.2-s2v-14b, umt5-xxl, wan2.1-vae; a Wan DiT preset with `-pipeline` appended
+    /// (wan2.1-t2v-14b-pipeline) plans the whole pipeline: umT5-XXL, the DiT, Wan2.1's VAE.
     #[arg(long)]
     model: String,
     /// Tensor-parallel width. Without it: how every width fits, and the smallest that does.
@@ -57,8 +59,9 @@ pub(crate) fn parse_size(text: &str) -> Result<(usize, usize), String> {
 /// Prints the plan; exits 2 when the placement does not fit.
 pub fn plan(args: PlanArgs) -> Result<ExitCode> {
     let dir = std::path::Path::new(&args.model);
-    if tpinfer_engine::WanPipelineDir::detect(dir) {
-        return pipeline(&args, dir);
+    let preset_pipeline = !dir.exists() && args.model.ends_with(crate::plan_pipeline::PIPELINE_SUFFIX);
+    if tpinfer_engine::WanPipelineDir::detect(dir) || preset_pipeline {
+        return pipeline(&args);
     }
     let (_, model) = tpinfer_engine::registry::open(&args.model)?;
     let model = &*model;
@@ -109,8 +112,8 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
     }
 }
 
-/// A pipeline directory's plan: the video placement from --frames, --size and --no-cfg.
-fn pipeline(args: &PlanArgs, dir: &std::path::Path) -> Result<ExitCode> {
+/// A pipeline's plan: the video placement from --frames, --size and --no-cfg.
+fn pipeline(args: &PlanArgs) -> Result<ExitCode> {
     if args.max_context.is_some() || args.batch.is_some() {
         bail!("--max-context and --batch are for LLMs; a pipeline is placed with --frames and --size");
     }
@@ -130,7 +133,7 @@ fn pipeline(args: &PlanArgs, dir: &std::path::Path) -> Result<ExitCode> {
         true => DeviceProfile::cpu(),
         false => DeviceProfile::cuda(),
     };
-    crate::plan_pipeline::plan(dir, args.tp, dtype, video, device, args.gpu_mem, args.json)
+    crate::plan_pipeline::plan(&args.model, args.tp, dtype, video, device, args.gpu_mem, args.json)
 }
 
 fn one_width(

@@ -1,5 +1,7 @@
-//! `tpinfer plan` of a Wan pipeline directory: the text encoder and the DiT held on the same
-//! ranks, each rank's bytes per stage and together, against the same pipeline under FSDP.
+//! `tpinfer plan` of a Wan pipeline: its stages (the umT5 text encoder, the DiT, the VAE) held
+//! on the same ranks, each rank's bytes per stage and together, against the same pipeline
+//! under FSDP. A pipeline directory, or a preset `<DiT preset>-pipeline` (umT5-XXL, that DiT
+//! and Wan2.1's VAE).
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -12,53 +14,117 @@ use tpinfer_plan::{held_together, mib, DeviceProfile, Placement, Plan, RankPlan,
 /// Wan's prompts, as the encoder is planned and run.
 const TEXT_TOKENS: usize = 512;
 
-/// A pipeline's two models, opened for planning.
-struct Models {
-    encoder: Arc<dyn ShardedModel>,
-    dit: Arc<dyn ShardedModel>,
+/// The name a preset pipeline ends with.
+pub const PIPELINE_SUFFIX: &str = "-pipeline";
+
+/// A stage's model, with its name in the table and in JSON.
+struct Stage {
+    label: &'static str,
+    key: &'static str,
+    model: Arc<dyn ShardedModel>,
 }
 
-/// The encoder's and the DiT's plans at one width.
-struct Stages {
-    encoder: Plan,
-    dit: Plan,
+/// A stage's plan at one width.
+struct Planned {
+    label: &'static str,
+    key: &'static str,
+    plan: Plan,
 }
+
+/// A pipeline's models, opened for planning, in the order they run.
+struct Models(Vec<Stage>);
 
 impl Models {
-    fn open(dir: &Path) -> Result<Self> {
-        let pipeline = tpinfer_engine::WanPipelineDir::open(dir)?;
-        let open = |path: &Path| -> Result<Arc<dyn ShardedModel>> {
-            let name = path
-                .to_str()
-                .with_context(|| format!("{} is not UTF-8", path.display()))?;
-            Ok(tpinfer_engine::registry::open(name)?.1)
+    fn open(name_or_dir: &str) -> Result<Self> {
+        let open = |name: &str| -> Result<Arc<dyn ShardedModel>> { Ok(tpinfer_engine::registry::open(name)?.1) };
+        let path = |p: &Path| -> Result<String> {
+            p.to_str()
+                .map(str::to_string)
+                .with_context(|| format!("{} is not UTF-8", p.display()))
         };
-        Ok(Self {
-            encoder: open(&pipeline.text_encoder)?,
-            dit: open(&pipeline.transformer)?,
-        })
+        let (encoder, dit, vae) = match name_or_dir.strip_suffix(PIPELINE_SUFFIX) {
+            Some(dit) if !Path::new(name_or_dir).exists() => (open("umt5-xxl")?, open(dit)?, Some(open("wan2.1-vae")?)),
+            _ => {
+                let pipeline = tpinfer_engine::WanPipelineDir::open(Path::new(name_or_dir))?;
+                let vae = match &pipeline.vae {
+                    Some(dir) => Some(open(&path(dir)?)?),
+                    None => None,
+                };
+                (
+                    open(&path(&pipeline.text_encoder)?)?,
+                    open(&path(&pipeline.transformer)?)?,
+                    vae,
+                )
+            }
+        };
+        let mut stages = vec![
+            Stage {
+                label: "umT5",
+                key: "text_encoder",
+                model: encoder,
+            },
+            Stage {
+                label: "DiT",
+                key: "transformer",
+                model: dit,
+            },
+        ];
+        stages.extend(vae.map(|model| Stage {
+            label: "VAE",
+            key: "vae",
+            model,
+        }));
+        Ok(Self(stages))
     }
 
-    fn stages(&self, tp: usize, dtype: DType, video: Placement, device: DeviceProfile) -> Result<Stages> {
+    fn widest(&self) -> usize {
+        self.0.iter().map(|s| s.model.max_tp()).min().unwrap_or(1)
+    }
+
+    fn plan(&self, tp: usize, dtype: DType, video: Placement, device: DeviceProfile) -> Result<Stages> {
         let text = Placement::Llm {
             max_context: TEXT_TOKENS,
             batch: 1,
         };
-        Ok(Stages {
-            encoder: Plan::new(&*self.encoder, tp, dtype, text, device)?,
-            dit: Plan::new(&*self.dit, tp, dtype, video, device)?,
-        })
+        let planned = self
+            .0
+            .iter()
+            .map(|s| {
+                let placement = match s.key {
+                    "text_encoder" => text,
+                    _ => video,
+                };
+                Ok(Planned {
+                    label: s.label,
+                    key: s.key,
+                    plan: Plan::new(&*s.model, tp, dtype, placement, device)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Stages(planned))
     }
 }
 
+/// Every stage's plan at one width.
+struct Stages(Vec<Planned>);
+
+fn resident(r: &RankPlan) -> u64 {
+    r.weights + r.buffers + r.cache
+}
+
+fn temporaries(r: &RankPlan) -> u64 {
+    r.activations + r.allocator_slack
+}
+
 impl Stages {
-    /// Each rank's bytes with both stages resident.
+    fn ranks(&self) -> usize {
+        self.0.first().map_or(0, |s| s.plan.ranks.len())
+    }
+
+    /// Each rank's bytes with every stage resident.
     fn rank_totals(&self) -> Vec<u64> {
-        self.encoder
-            .ranks
-            .iter()
-            .zip(&self.dit.ranks)
-            .map(|(e, d)| held_together([e, d]))
+        (0..self.ranks())
+            .map(|rank| held_together(self.0.iter().map(|s| &s.plan.ranks[rank])))
             .collect()
     }
 
@@ -70,23 +136,25 @@ impl Stages {
             .unwrap_or((0, 0))
     }
 
-    /// One FSDP GPU for the pipeline: both stages' even shards resident, and at each stage
-    /// its unshard buffer and full activations; the larger stage decides.
+    /// One FSDP GPU for the pipeline: every stage's even shard resident, and at each stage
+    /// its unshard buffer and full activations; the largest stage decides.
     fn fsdp_total(&self) -> u64 {
-        let (e, d) = (&self.encoder.fsdp, &self.dit.fsdp);
-        let resident = |g: &RankPlan| g.weights + g.buffers + g.cache;
-        let stage = |unshard: u64, g: &RankPlan| unshard + g.activations + g.allocator_slack;
-        resident(&e.gpu)
-            + resident(&d.gpu)
-            + stage(e.unshard_buffer, &e.gpu).max(stage(d.unshard_buffer, &d.gpu))
-            + (d.gpu.workspace + d.gpu.context).max(e.gpu.workspace + e.gpu.context)
+        let stages = self.0.iter().map(|s| &s.plan.fsdp);
+        let resident_all: u64 = stages.clone().map(|f| resident(&f.gpu)).sum();
+        let stage_peak = stages
+            .clone()
+            .map(|f| f.unshard_buffer + temporaries(&f.gpu))
+            .max()
+            .unwrap_or(0);
+        let reserves = stages.map(|f| f.gpu.workspace + f.gpu.context).max().unwrap_or(0);
+        resident_all + stage_peak + reserves
     }
 }
 
 /// Prints the pipeline's plan at `tp` (or the smallest width that fits, without one); exits
 /// 2 when nothing fits.
 pub fn plan(
-    dir: &Path,
+    name_or_dir: &str,
     tp: Option<usize>,
     dtype: DType,
     video: Placement,
@@ -94,8 +162,8 @@ pub fn plan(
     budget: u64,
     json: bool,
 ) -> Result<ExitCode> {
-    let models = Models::open(dir)?;
-    let widest = models.encoder.max_tp().min(models.dit.max_tp());
+    let models = Models::open(name_or_dir)?;
+    let widest = models.widest();
     let searched = tp.is_none();
     let tp = match tp {
         Some(0) => bail!("--tp must be at least 1"),
@@ -103,31 +171,36 @@ pub fn plan(
         None => (1..=widest)
             .find(|&tp| {
                 models
-                    .stages(tp, dtype, video, device)
+                    .plan(tp, dtype, video, device)
                     .is_ok_and(|s| s.peak().1 <= budget)
             })
             .unwrap_or(widest),
     };
-    let stages = models.stages(tp, dtype, video, device)?;
+    let stages = models.plan(tp, dtype, video, device)?;
     let (peak_rank, peak) = stages.peak();
     let fits = peak <= budget;
     if json {
+        let plans: serde_json::Map<String, serde_json::Value> = stages
+            .0
+            .iter()
+            .map(|s| Ok((s.key.to_string(), serde_json::to_value(&s.plan)?)))
+            .collect::<Result<_>>()?;
         let report = serde_json::json!({
-            "pipeline": dir.display().to_string(),
+            "pipeline": name_or_dir,
             "tp": tp,
             "budget": budget,
-            "stages": {"text_encoder": stages.encoder, "transformer": stages.dit},
+            "stages": plans,
             "rank_totals": stages.rank_totals(),
             "peak_rank": peak_rank,
             "peak": peak,
             "fits": fits,
-            "encoder_resident": true,
+            "resident": stages.0.iter().map(|s| s.key).collect::<Vec<_>>(),
             "fsdp_total": stages.fsdp_total(),
             "fsdp_fits": stages.fsdp_total() <= budget,
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print(&stages, dir, tp, budget);
+        print(&stages, name_or_dir, tp, budget);
         if searched && fits {
             println!("\nThe smallest width that fits: --tp {tp}");
         }
@@ -136,8 +209,8 @@ pub fn plan(
         true => ExitCode::SUCCESS,
         false => {
             eprintln!(
-                "does not fit: rank {peak_rank} needs {:.1} MiB of the {:.1} MiB budget with the text encoder and the DiT \
-                 held together; try a wider --tp, fewer --frames or a smaller --size",
+                "does not fit: rank {peak_rank} needs {:.1} MiB of the {:.1} MiB budget with every stage held \
+                 together; try a wider --tp, fewer --frames or a smaller --size",
                 mib(peak),
                 mib(budget)
             );
@@ -146,49 +219,72 @@ pub fn plan(
     })
 }
 
-fn print(stages: &Stages, dir: &Path, tp: usize, budget: u64) {
-    let (e, d) = (&stages.encoder, &stages.dit);
+fn print(stages: &Stages, name: &str, tp: usize, budget: u64) {
+    let dit = stages.0.iter().find(|s| s.key == "transformer").map(|s| &s.plan);
     println!(
-        "{}, {}, TP {tp}: umT5 on {} tokens, then the DiT on {} video tokens; budget {:.0} MiB per GPU ({} profile)\n",
-        dir.display(),
-        d.dtype,
-        e.tokens_per_forward,
-        d.tokens_per_forward,
+        "{name}, {}, TP {tp}: {}; budget {:.0} MiB per GPU ({} profile)\n",
+        dit.map_or("", |p| p.dtype.as_str()),
+        stages
+            .0
+            .iter()
+            .map(|s| format!("{} ({} tokens a forward)", s.label, s.plan.tokens_per_forward))
+            .collect::<Vec<_>>()
+            .join(", then "),
         mib(budget),
-        d.device.name
+        dit.map_or("", |p| p.device.name)
     );
-    println!(
-        "| rank | encoder weights | encoder activations | DiT weights | DiT latents + buffers | DiT activations | workspace + context | held together | headroom |"
-    );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for ((re, rd), total) in e.ranks.iter().zip(&d.ranks).zip(stages.rank_totals()) {
-        println!(
-            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
-            rd.rank,
-            mib(re.weights),
-            mib(re.activations + re.allocator_slack),
-            mib(rd.weights),
-            mib(rd.cache + rd.buffers),
-            mib(rd.activations + rd.allocator_slack),
-            mib(rd.workspace + rd.context),
-            mib(total),
-            mib(budget) as f64 - mib(total),
-        );
+    let mut header = vec!["rank".to_string()];
+    for s in &stages.0 {
+        header.push(format!("{} resident", s.label));
+        header.push(format!("{} temporaries", s.label));
+    }
+    header.extend(["workspace + context", "held together", "headroom"].map(String::from));
+    println!("| {} |", header.join(" | "));
+    println!("|{}", "---:|".repeat(header.len()));
+    for (rank, total) in stages.rank_totals().into_iter().enumerate() {
+        let mut row = vec![rank.to_string()];
+        for s in &stages.0 {
+            let r = &s.plan.ranks[rank];
+            row.push(format!("{:.1}", mib(resident(r))));
+            row.push(format!("{:.1}", mib(temporaries(r))));
+        }
+        let reserves = stages
+            .0
+            .iter()
+            .map(|s| s.plan.ranks[rank].workspace + s.plan.ranks[rank].context)
+            .max();
+        row.push(format!("{:.1}", mib(reserves.unwrap_or(0))));
+        row.push(format!("{:.1}", mib(total)));
+        row.push(format!("{:.1}", mib(budget) - mib(total)));
+        println!("| {} |", row.join(" | "));
     }
     println!(
-        "\n(MiB per rank; activations include the allocator's slack.) Both stages stay resident: the encoder's shard \
-         is kept for the next prompt, and the stages run one at a time, so only the larger one's activations count.\n"
+        "\n(MiB per rank; resident: weights, buffers and the DiT's latents; temporaries: one stage's activation peak \
+         with the allocator's slack.) Every stage stays resident, its weights loaded once for every run; the stages \
+         run one at a time, so only the largest one's temporaries count. The VAE holds its whole weights on every \
+         rank and decodes a band of each frame's rows.\n"
     );
     let fsdp = stages.fsdp_total();
     println!(
-        "FSDP on {tp} GPUs, for comparison: encoder shard {:.1} + DiT shard {:.1} + the larger stage's unshard buffer \
-         and full activations ({} {:.1} or {} {:.1}) = {:.1} MiB per GPU: {}",
-        mib(e.fsdp.gpu.weights),
-        mib(d.fsdp.gpu.weights),
-        e.fsdp.largest_unit,
-        mib(e.fsdp.unshard_buffer),
-        d.fsdp.largest_unit,
-        mib(d.fsdp.unshard_buffer),
+        "FSDP on {tp} GPUs, for comparison: {} + the largest stage's unshard buffer and full activations ({}) = \
+         {:.1} MiB per GPU: {}",
+        stages
+            .0
+            .iter()
+            .map(|s| format!("{} shard {:.1}", s.label, mib(resident(&s.plan.fsdp.gpu))))
+            .collect::<Vec<_>>()
+            .join(" + "),
+        stages
+            .0
+            .iter()
+            .map(|s| format!(
+                "{} {:.1} + {:.1}",
+                s.label,
+                mib(s.plan.fsdp.unshard_buffer),
+                mib(temporaries(&s.plan.fsdp.gpu))
+            ))
+            .collect::<Vec<_>>()
+            .join(" or "),
         mib(fsdp),
         match fsdp <= budget {
             true => "fits",

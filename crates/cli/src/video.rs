@@ -249,6 +249,7 @@ impl Outputs {
 /// Denoises with a bar over the steps and a line per step above it.
 fn denoise(engine: &VideoEngine, request: VideoRequest, steps: usize) -> Result<Tensor> {
     let bar = progress::bar("denoise", steps as u64, "steps");
+    let start = std::time::Instant::now();
     let latents = engine.generate(request, |step| {
         // Above the bar on a terminal, and plain lines in a log.
         bar.suspend(|| {
@@ -263,6 +264,11 @@ fn denoise(engine: &VideoEngine, request: VideoRequest, steps: usize) -> Result<
         bar.inc(1);
     })?;
     bar.finish_and_clear();
+    let seconds = start.elapsed().as_secs_f64();
+    eprintln!(
+        "{steps} steps in {seconds:.2} s ({:.3} s per step)",
+        seconds / steps as f64
+    );
     Ok(latents)
 }
 

@@ -583,10 +583,10 @@ fn png_frames(dir: &Path) -> Vec<Vec<u8>> {
     names.iter().map(|p| std::fs::read(p).expect("png")).collect()
 }
 
-/// A pipeline's plan holds the text encoder and the DiT on the same ranks: each rank's total
-/// is both stages' resident bytes and the larger stage's temporaries.
+/// A pipeline's plan holds its stages on the same ranks (the text encoder, the DiT, the VAE):
+/// each rank's total is every stage's resident bytes and the largest stage's temporaries.
 #[test]
-fn plan_of_a_pipeline_holds_both_stages() {
+fn plan_of_a_pipeline_holds_every_stage() {
     let dir = tempfile::tempdir().expect("tempdir");
     let pipeline = tpinfer_tests::TinyWanPipeline::default().write(&dir.path().join("pipe"));
     let path = pipeline.to_str().expect("utf8");
@@ -596,13 +596,17 @@ fn plan_of_a_pipeline_holds_both_stages() {
     let out = json(&plan(&[&args[..], &["--gpu-mem", "1GiB"]].concat()));
     let stage =
         |name: &str, rank: usize, field: &str| out["stages"][name]["ranks"][rank][field].as_u64().expect("bytes");
+    let stages = ["text_encoder", "transformer", "vae"];
     for rank in 0..2 {
         let resident = |name| stage(name, rank, "weights") + stage(name, rank, "buffers") + stage(name, rank, "cache");
         let temporaries = |name| stage(name, rank, "activations") + stage(name, rank, "allocator_slack");
-        let expected = resident("text_encoder")
-            + resident("transformer")
-            + temporaries("text_encoder").max(temporaries("transformer"));
+        let expected = stages.iter().map(|s| resident(s)).sum::<u64>()
+            + stages.iter().map(|s| temporaries(s)).max().expect("stages");
         assert_eq!(out["rank_totals"][rank].as_u64(), Some(expected), "rank {rank}");
+        assert!(
+            stage("vae", rank, "activations") > 0,
+            "the VAE's decode peak is planned"
+        );
     }
     assert_eq!(out["stages"]["text_encoder"]["tokens_per_forward"], 512);
     let total = out["rank_totals"][0].as_u64().expect("bytes");
@@ -615,6 +619,45 @@ fn plan_of_a_pipeline_holds_both_stages() {
         String::from_utf8_lossy(&output.stderr)
     );
     assert!(String::from_utf8_lossy(&output.stderr).contains("held together"));
+}
+
+/// A preset pipeline (`<DiT preset>-pipeline`) plans umT5-XXL, the DiT and Wan2.1's VAE on
+/// five 24 GiB cards, beside the same pipeline under FSDP.
+#[test]
+fn a_preset_pipeline_plans_its_three_stages() {
+    let args = [
+        "--model",
+        "wan2.1-t2v-14b-pipeline",
+        "--tp",
+        "5",
+        "--gpu-mem",
+        "24GiB",
+        "--frames",
+        "81",
+        "--size",
+        "832x480",
+        "--json",
+    ];
+    let out = json(&plan(&args));
+    let stages = out["stages"].as_object().expect("stages");
+    assert_eq!(stages.len(), 3, "{stages:?}");
+    // umT5-XXL's 5.68 B parameters in bf16, a fifth of them on each rank (and its vocabulary
+    // split), within the rounding of uneven shards.
+    let encoder = out["stages"]["text_encoder"]["ranks"][0]["weights"]
+        .as_u64()
+        .expect("bytes");
+    assert!(
+        (encoder as f64 - 5_680_910_336.0 * 2.0 / 5.0).abs() < 0.02 * encoder as f64,
+        "{encoder}"
+    );
+    // Every rank holds the VAE's whole decoder.
+    let vae = |rank: usize| out["stages"]["vae"]["ranks"][rank]["weights"].as_u64().expect("bytes");
+    assert!(vae(0) > 0 && (0..5).all(|r| vae(r) == vae(0)));
+    assert_eq!(out["fits"], true);
+    assert!(
+        out["fsdp_total"].as_u64() > out["peak"].as_u64(),
+        "FSDP holds more than TP"
+    );
 }
 
 /// Outputs: a directory (or device) as --out is refused by name before any step; a written

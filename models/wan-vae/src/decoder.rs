@@ -187,8 +187,9 @@ impl Decoder {
                     rows: latent_rows,
                 };
                 let y = self.middle(&frame, &mut cache)?.narrowed(middle_rows)?;
+                // A copy of the window alone: a view would keep the whole frame alive.
                 Ok(Band {
-                    x: y.x.contiguous()?,
+                    x: y.x.copy()?,
                     rows: middle_rows,
                 })
             })

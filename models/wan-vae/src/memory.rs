@@ -114,11 +114,28 @@ impl Model {
             path = (path.0.max(tile.0), path.1.max(tile.1));
             start = end;
         }
+        // CPU ranks keep the decoded frames in their own memory, f32, each tile's and then
+        // the band's joined copy; GPU ranks copy them to the host.
+        let output = match self.cuda {
+            true => 0,
+            false => 2 * self.frames(f) * 3 * band.len() * self.video.width * 4,
+        };
         DecodeMemory {
-            peak: middles + (latents + middle.0).max(path.0),
+            peak: middles + output + (latents + middle.0).max(path.0),
             pool_slack: if self.cuda { middle.1.max(path.1) } else { 0 },
             tile_rows,
         }
+    }
+
+    /// The frames `latent` latent frames decode to.
+    fn frames(&self, latent: usize) -> usize {
+        let doublings = self
+            .layout
+            .path
+            .iter()
+            .filter(|s| matches!(s, PathStep::Up { temporal: true, .. }))
+            .count();
+        1 + latent.saturating_sub(1) * (1 << doublings)
     }
 
     /// `Decoder::middle` on one whole latent frame: its peak with the frame caches of its
@@ -275,11 +292,12 @@ impl Model {
             _ => 3 * (frames + taps - 1) * inp * area * e + taps * frames * inp * area * e,
         };
         let stacked = taps * frames * inp * area * e;
-        // candle's CUDA convolution: the unfolded input, the GEMM's output and its transpose;
-        // on the CPU only the output (its unfolding works in small tiles).
+        // candle's CUDA convolution: the unfolded input, the GEMM's output and its transpose.
+        // Its CPU one: a copy of the input in pixel-major order, of the kernel, and one tile
+        // of 512 output pixels unfolded with its GEMM output, besides the output.
         let unfolded = match self.cuda {
             true => written * k * k * taps * inp * e,
-            false => 0,
+            false => stacked + (out + 512) * k * k * taps * inp * e + 512 * out * e,
         };
         let output = 3 * written * out * e;
         let peak = history.max(stacked + unfolded + output);
