@@ -94,3 +94,34 @@ fn each_rank_reads_exactly_its_shard() {
         }
     }
 }
+
+/// diffusers names its index `diffusion_pytorch_model.safetensors.index.json`: the store reads
+/// the shards it names, and no other safetensors file in the folder (a stray one would add a
+/// tensor the checkpoint does not have).
+#[test]
+fn a_diffusers_index_names_the_shards() {
+    use safetensors::tensor::TensorView;
+    use tpinfer_weights::{SafetensorsStore, WeightStore};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bytes = [0u8; 16];
+    let write = |file: &str, name: &str| {
+        let view = TensorView::new(safetensors::Dtype::F32, vec![4], &bytes).expect("view");
+        safetensors::serialize_to_file([(name, view)], None, &dir.path().join(file)).expect("write");
+    };
+    write("diffusion_pytorch_model-00001-of-00002.safetensors", "a");
+    write("diffusion_pytorch_model-00002-of-00002.safetensors", "b");
+    write("stray.safetensors", "c");
+    let index = serde_json::json!({"metadata": {}, "weight_map": {
+        "a": "diffusion_pytorch_model-00001-of-00002.safetensors",
+        "b": "diffusion_pytorch_model-00002-of-00002.safetensors"
+    }});
+    std::fs::write(
+        dir.path().join("diffusion_pytorch_model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .expect("index");
+    let store = SafetensorsStore::open(dir.path()).expect("open");
+    let mut names = store.names();
+    names.sort();
+    assert_eq!(names, ["a", "b"]);
+}

@@ -8,6 +8,12 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::{ShardSpec, TensorInfo, WeightError, WeightStore};
 
+/// The index files a sharded checkpoint names its shards in, in the order they are looked for.
+const INDEXES: [&str; 2] = [
+    "model.safetensors.index.json",
+    "diffusion_pytorch_model.safetensors.index.json",
+];
+
 /// The tensors of one safetensors checkpoint, single-file or sharded with an index,
 /// memory-mapped so that reading a slice touches only that slice's pages.
 pub struct SafetensorsStore {
@@ -32,12 +38,13 @@ struct Entry {
 }
 
 impl SafetensorsStore {
-    /// Opens `model.safetensors.index.json` in `dir` if present, else `model.safetensors`,
+    /// Opens the index in `dir` if there is one (transformers' `model.safetensors.index.json`,
+    /// diffusers' `diffusion_pytorch_model.safetensors.index.json`), else `model.safetensors`,
     /// else every `*.safetensors` file in `dir`. Headers are parsed and checked against the
     /// file sizes now; no tensor data is read.
     pub fn open(dir: &Path) -> Result<Self, WeightError> {
-        let index = dir.join("model.safetensors.index.json");
-        let paths = if index.exists() {
+        let index = INDEXES.iter().map(|name| dir.join(name)).find(|p| p.exists());
+        let paths = if let Some(index) = index {
             files_of_index(&index)?
         } else if dir.join("model.safetensors").exists() {
             vec![dir.join("model.safetensors")]
