@@ -159,9 +159,11 @@ impl Conv {
             };
             let n = seen.dim(0)?;
             let history = self.taps - 1;
+            // A compact copy: a view (or candle's `copy`, which clones the whole storage) would
+            // keep all of `seen` alive in the cache.
             cache[slot] = Some(
                 seen.narrow(0, n.saturating_sub(history), n.min(history))?
-                    .contiguous()?,
+                    .force_contiguous()?,
             );
             // Before the first frame, the causal padding's zero frames.
             let padded = seen.pad_with_zeros(0, (history + frames).saturating_sub(n), 0)?;

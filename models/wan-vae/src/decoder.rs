@@ -13,7 +13,7 @@ use tpinfer_weights::{ShardLoader, WeightDecl};
 
 use crate::blocks::{clamp_pixels, Band, Conv, ConvShape, FrameAttention, FrameCache, Head, ResBlock, Slots, Upsample};
 use crate::layout::{Layout, PathStep};
-use crate::rows::Rows;
+use crate::rows::{tiles, Rows};
 use crate::WanVaeConfig;
 
 /// One layer of the path, loaded.
@@ -189,7 +189,7 @@ impl Decoder {
                 let y = self.middle(&frame, &mut cache)?.narrowed(middle_rows)?;
                 // A copy of the window alone: a view would keep the whole frame alive.
                 Ok(Band {
-                    x: y.x.copy()?,
+                    x: y.x.force_contiguous()?,
                     rows: middle_rows,
                 })
             })
@@ -223,23 +223,4 @@ impl Decoder {
         let x = self.attention.forward(&x, cache)?;
         self.middle[1].forward(&x, all, cache)
     }
-}
-
-/// `band` cut into tiles of at most `rows` rows, as even as whole rows allow.
-fn tiles(band: Rows, rows: usize) -> Vec<Rows> {
-    let count = band.len().div_ceil(rows.max(1));
-    let (each, extra) = (band.len() / count, band.len() % count);
-    let mut start = band.start;
-    (0..count)
-        .map(|i| {
-            let len = each + usize::from(i < extra);
-            let tile = Rows {
-                start,
-                end: start + len,
-                height: band.height,
-            };
-            start += len;
-            tile
-        })
-        .collect()
 }

@@ -94,6 +94,25 @@ pub fn split_rows(height: usize, unit: usize, parts: usize) -> Result<Vec<Rows>,
         .collect())
 }
 
+/// `band` cut into tiles of at most `rows` rows, as even as whole rows allow.
+pub fn tiles(band: Rows, rows: usize) -> Vec<Rows> {
+    let count = band.len().div_ceil(rows.max(1)).max(1);
+    let (each, extra) = (band.len() / count, band.len() % count);
+    let mut start = band.start;
+    (0..count)
+        .map(|i| {
+            let len = each + usize::from(i < extra);
+            let tile = Rows {
+                start,
+                end: start + len,
+                height: band.height,
+            };
+            start += len;
+            tile
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
