@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use tpinfer_engine::registry::Task;
 use tpinfer_engine::{GenerateRequest, Prompt, SamplingParams, StreamEvent};
 
@@ -48,7 +48,8 @@ enum Command {
 
 #[derive(clap::Args)]
 struct GenerateArgs {
-    /// A Hugging Face model directory (config.json, safetensors, tokenizer.json) or a GGUF file.
+    /// A Hugging Face model directory (config.json, safetensors, tokenizer.json), a GGUF file,
+    /// or a Wan pipeline directory in diffusers' layout (or its transformer/ alone).
     #[arg(long)]
     model: PathBuf,
     #[command(flatten)]
@@ -57,33 +58,33 @@ struct GenerateArgs {
     #[arg(long)]
     prompt: Option<String>,
     /// Most tokens to generate; an end-of-sequence token stops sooner.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, help_heading = "Language models")]
     max_new_tokens: usize,
     /// Render the prompt as a user message with the model's chat template.
-    #[arg(long)]
+    #[arg(long, help_heading = "Language models")]
     chat: bool,
     /// A system message for --chat.
-    #[arg(long, requires = "chat")]
+    #[arg(long, requires = "chat", help_heading = "Language models")]
     system: Option<String>,
     /// Longest sequence, prompt plus generated tokens (default: the model's, at most 8192).
-    #[arg(long)]
+    #[arg(long, help_heading = "Language models")]
     max_context: Option<usize>,
     /// Run each decode step kernel by kernel, not as a replayed CUDA graph (slower; for
     /// debugging).
-    #[arg(long)]
+    #[arg(long, help_heading = "Language models")]
     enforce_eager: bool,
     /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, help_heading = "Language models")]
     temperature: f64,
     /// Sample only from the k likeliest tokens (with --temperature above 0).
-    #[arg(long)]
+    #[arg(long, help_heading = "Language models")]
     top_k: Option<usize>,
     /// Sample only from the likeliest tokens whose probabilities sum to p, in (0, 1] (with
     /// --temperature above 0; after --top-k when both are given).
-    #[arg(long)]
+    #[arg(long, help_heading = "Language models")]
     top_p: Option<f64>,
     /// Above 1 makes the tokens among the last 64 less likely to come again; 1 disables it.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, help_heading = "Language models")]
     repetition_penalty: f32,
     /// The sampler's seed (the video's noise for a Wan DiT).
     #[arg(long, default_value_t = 299_792_458)]
@@ -107,7 +108,13 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    match run(Cli::parse()) {
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    let given = Given(matches);
+    match run(cli, &given) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {}", one_line(&e));
@@ -132,9 +139,66 @@ fn one_line(e: &anyhow::Error) -> String {
     line
 }
 
-fn run(cli: Cli) -> Result<ExitCode> {
+/// The options given on the command line (not defaults), to refuse those that do not apply.
+struct Given(clap::ArgMatches);
+
+impl Given {
+    /// The first of `ids` (clap's ids: the field names) the user gave to `subcommand`, as its
+    /// flag.
+    fn first(&self, subcommand: &str, ids: &[&str]) -> Option<String> {
+        let matches = self.0.subcommand_matches(subcommand)?;
+        ids.iter()
+            .find(|id| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
+            .map(|id| format!("--{}", id.replace('_', "-")))
+    }
+}
+
+/// `generate`'s options for language models alone, and for video alone.
+const TEXT_ONLY: &[&str] = &[
+    "max_new_tokens",
+    "chat",
+    "system",
+    "max_context",
+    "enforce_eager",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+];
+const VIDEO_ONLY: &[&str] = &[
+    "frames",
+    "size",
+    "steps",
+    "text_embeds",
+    "negative_embeds",
+    "negative_prompt",
+    "save_text_embeds",
+    "guide_scale",
+    "shift",
+    "solver",
+    "init_latents",
+    "out",
+    "save_frames",
+    "save_latents",
+    "fps",
+];
+
+fn run(cli: Cli, given: &Given) -> Result<ExitCode> {
     match cli.command {
-        Command::Generate(args) => generate(*args),
+        Command::Generate(args) => {
+            let (task, refused) = match tpinfer_engine::registry::task_of(&args.model) {
+                Task::Text => ("a language model", given.first("generate", VIDEO_ONLY)),
+                _ => ("a video model", given.first("generate", TEXT_ONLY)),
+            };
+            if let Some(flag) = refused {
+                bail!(
+                    "{flag} does not apply to {}: it is {task} (`tpinfer generate --help` lists \
+                     each kind's options)",
+                    args.model.display()
+                );
+            }
+            generate(*args)
+        }
         Command::Plan(args) => plan::plan(args),
         Command::Decode(args) => decode::decode(args),
         Command::Doctor(args) => doctor::doctor(args),

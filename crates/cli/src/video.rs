@@ -13,6 +13,7 @@ use crate::progress::{self, Stages};
 
 /// The video options of `tpinfer generate`.
 #[derive(clap::Args)]
+#[command(next_help_heading = "Video (a Wan pipeline or DiT)")]
 pub struct VideoArgs {
     /// Frames, 4k + 1.
     #[arg(long, default_value_t = 81)]

@@ -621,6 +621,28 @@ fn plan_of_a_pipeline_holds_every_stage() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("held together"));
 }
 
+/// Options of the other kind of model are refused by name, before anything loads: sampling
+/// for a video, frames for a language model.
+#[test]
+fn options_that_do_not_apply_are_refused_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pipeline = tpinfer_tests::TinyWanPipeline::default().write(&dir.path().join("pipe"));
+    let llama = tpinfer_tests::TinyLlama::default().write(&dir.path().join("llama"));
+    let path = |p: &Path| p.to_str().expect("utf8").to_string();
+    for (model, option, value) in [
+        (path(&pipeline), "--temperature", "0.7"),
+        (path(&pipeline), "--max-new-tokens", "5"),
+        (path(&llama), "--frames", "9"),
+        (path(&llama), "--out", "x.mp4"),
+    ] {
+        let output = tpinfer(
+            &["generate", "--model", &model, "--prompt", "a fox", option, value],
+            Duration::from_secs(30),
+        );
+        assert_fails_with(&output, &[option, "does not apply"]);
+    }
+}
+
 /// A preset pipeline (`<DiT preset>-pipeline`) plans umT5-XXL, the DiT and Wan2.1's VAE on
 /// five 24 GiB cards, beside the same pipeline under FSDP.
 #[test]
