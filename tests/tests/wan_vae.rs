@@ -156,6 +156,10 @@ fn the_checkpoint_is_checked_and_the_plan_refuses_what_cannot_split() {
             .check(tpinfer_plan::RankShard::weight_decls(&shard))
             .expect("check");
     }
+    // An absurd width is refused before a shard is made (it allocated one per rank, and
+    // aborted the process; found by tests/tests/fuzz.rs).
+    let err = model.shards(usize::MAX).err().expect("refused");
+    assert!(err.to_string().contains("--tp 2048 or less"), "{err}");
     // Latent rows are the unit of the split: 6 of them (48 pixels) take at most 6 ranks.
     let placement = |height| Placement::Dit {
         frames: 9,

@@ -166,6 +166,16 @@ impl Family for WanVaeModel {
     }
 
     fn shards(&self, tp: usize) -> Result<Vec<WanVaeRankShard>, PlanError> {
+        if tp == 0 || tp > self.max_tp() {
+            return Err(PlanError::Sharding {
+                tp,
+                detail: format!(
+                    "the VAE splits frames by latent rows, at most {} of them: use --tp {} or less",
+                    self.max_tp(),
+                    self.max_tp()
+                ),
+            });
+        }
         let decls: Arc<[WeightDecl]> = WanVaeShard::new(1, 0)
             .map_err(PlanError::Model)?
             .weight_decls(&self.config)

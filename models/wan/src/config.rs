@@ -124,7 +124,8 @@ impl WanConfig {
             Some(dim) => dim as usize / heads.max(1),
             None => int(&["attention_head_dim"], None)?,
         };
-        if head_dim % 2 != 0 || heads * head_dim == 0 {
+        // Neither may be 0; their product, before the bounds below, could wrap.
+        if head_dim % 2 != 0 || heads == 0 || head_dim == 0 {
             return Err(field(format!("head dim {head_dim} must be even and positive")));
         }
         let config = Self {
@@ -260,6 +261,11 @@ mod tests {
             (
                 r#", "num_layers": 1000000000"#,
                 "`num_layers` is 1000000000, above the 1024",
+            ),
+            // Their product wrapped (a panic in debug builds), found by tests/tests/fuzz.rs.
+            (
+                r#", "num_attention_heads": 8589934592, "attention_head_dim": 8589934592"#,
+                "`num_attention_heads` is 8589934592, above the 1024",
             ),
         ] {
             let err = config(extra).expect_err(extra).to_string();
