@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use clap::Args;
 use tpinfer_family::Family;
 use tpinfer_plan::Placement;
-use tpinfer_runtime::{DeviceKind, GroupOptions, Launch, RuntimeError, Topology};
+use tpinfer_runtime::{GroupOptions, Launch, RuntimeError, Topology};
 use tpinfer_umt5::Umt5Model;
 
 #[derive(Args)]
@@ -38,11 +38,7 @@ pub struct EncodeArgs {
 
 pub fn encode(args: EncodeArgs) -> Result<()> {
     let ids = read_ids(&args.ids)?;
-    let dtype = match (args.dtype, args.cuda) {
-        (Some(d), _) => crate::dtype_of(d),
-        (None, true) => DType::BF16,
-        (None, false) => DType::F32,
-    };
+    let dtype = crate::stage_dtype(args.dtype, args.cuda);
     println!(
         "| TP | tokens | dtype | ms per prompt (median of {}) | peak MiB measured / planned, fullest rank |",
         args.repeats
@@ -50,10 +46,7 @@ pub fn encode(args: EncodeArgs) -> Result<()> {
     println!("|---:|---:|---|---:|---|");
     for &tp in &args.tp {
         let model = Umt5Model::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
-        let kind = match args.cuda {
-            true => DeviceKind::Cuda { gpus: None },
-            false => DeviceKind::Cpu,
-        };
+        let kind = crate::device_kind(args.cuda);
         let options = GroupOptions {
             comm: crate::comm_options(),
             ..GroupOptions::default()
@@ -94,22 +87,7 @@ pub fn encode(args: EncodeArgs) -> Result<()> {
         times.sort_by(f64::total_cmp);
         let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
         let plan = &group.plans()[handle.index()];
-        let memory = match group
-            .device_memory()
-            .iter()
-            .zip(&plan.ranks)
-            .max_by_key(|(_, p)| p.total())
-        {
-            Some((Some(m), p)) => {
-                format!(
-                    "{:.0} / {:.0}",
-                    tpinfer_plan::mib(m.peak()),
-                    tpinfer_plan::mib(p.total())
-                )
-            }
-            Some((None, p)) => format!("– / {:.0}", tpinfer_plan::mib(p.total())),
-            None => "–".into(),
-        };
+        let memory = crate::memory_cell(&group.device_memory(), plan);
         println!("| {tp} | {} | {dtype:?} | {median:.2} | {memory} |", ids.len());
         if let Some(out) = &args.out {
             let path = PathBuf::from(format!("{}_tp{tp}.safetensors", out.display()));

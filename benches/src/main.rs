@@ -192,6 +192,37 @@ fn builder(model: &std::path::Path, tp: usize, cuda: bool, dtype: Option<DtypeAr
     builder
 }
 
+/// The dtype a stage bench runs in: the one given, else bf16 on GPUs and f32 on CPU ranks.
+fn stage_dtype(dtype: Option<DtypeArg>, cuda: bool) -> DType {
+    match (dtype, cuda) {
+        (Some(d), _) => dtype_of(d),
+        (None, true) => DType::BF16,
+        (None, false) => DType::F32,
+    }
+}
+
+/// GPUs 0.. or CPU ranks.
+fn device_kind(cuda: bool) -> tpinfer_runtime::DeviceKind {
+    match cuda {
+        true => tpinfer_runtime::DeviceKind::Cuda { gpus: None },
+        false => tpinfer_runtime::DeviceKind::Cpu,
+    }
+}
+
+/// The fullest rank's peak device memory against its plan, "measured / planned" in MiB (a
+/// dash for CPU ranks, which report none).
+fn memory_cell(memory: &[Option<tpinfer_runtime::DeviceMemory>], plan: &tpinfer_plan::Plan) -> String {
+    match memory.iter().zip(&plan.ranks).max_by_key(|(_, p)| p.total()) {
+        Some((Some(m), p)) => format!(
+            "{:.0} / {:.0}",
+            tpinfer_plan::mib(m.peak()),
+            tpinfer_plan::mib(p.total())
+        ),
+        Some((None, p)) => format!("– / {:.0}", tpinfer_plan::mib(p.total())),
+        None => "–".into(),
+    }
+}
+
 fn dtype_of(dtype: DtypeArg) -> DType {
     match dtype {
         DtypeArg::F32 => DType::F32,

@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use clap::Args;
-use tpinfer_engine::{DeviceKind, EngineBuilder, VaeEngine};
+use tpinfer_engine::{EngineBuilder, VaeEngine};
 
 #[derive(Args)]
 pub struct VaeArgs {
@@ -41,22 +41,17 @@ pub fn vae(args: VaeArgs) -> Result<()> {
     let [_, frames, h, w] =
         <[usize; 4]>::try_from(latents.dims()).map_err(|_| anyhow::anyhow!("latents are not 4-D"))?;
     let shape = VaeEngine::video_shape(&args.model, frames, h, w)?;
-    let dtype = match (args.dtype, args.cuda) {
-        (Some(d), _) => crate::dtype_of(d),
-        (None, true) => DType::BF16,
-        (None, false) => DType::F32,
-    };
+    let dtype = crate::stage_dtype(args.dtype, args.cuda);
     println!(
         "| TP | video | dtype | s per decode (median of {}) | peak MiB measured / planned, fullest rank |",
         args.repeats
     );
     println!("|---:|---|---|---:|---|");
     for &tp in &args.tp {
-        let device = match args.cuda {
-            true => DeviceKind::Cuda { gpus: None },
-            false => DeviceKind::Cpu,
-        };
-        let builder = EngineBuilder::new(&args.model).tp(tp).device(device).dtype(dtype);
+        let builder = EngineBuilder::new(&args.model)
+            .tp(tp)
+            .device(crate::device_kind(args.cuda))
+            .dtype(dtype);
         let engine = VaeEngine::start(builder, shape)?;
         let mut times = Vec::with_capacity(args.repeats + 1);
         let mut decoded = None;
@@ -71,20 +66,7 @@ pub fn vae(args: VaeArgs) -> Result<()> {
         }
         times.sort_by(f64::total_cmp);
         let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
-        let memory = match engine
-            .device_memory()
-            .iter()
-            .zip(&engine.plan().ranks)
-            .max_by_key(|(_, p)| p.total())
-        {
-            Some((Some(m), p)) => format!(
-                "{:.0} / {:.0}",
-                tpinfer_plan::mib(m.peak()),
-                tpinfer_plan::mib(p.total())
-            ),
-            Some((None, p)) => format!("– / {:.0}", tpinfer_plan::mib(p.total())),
-            None => "–".into(),
-        };
+        let memory = crate::memory_cell(&engine.device_memory(), engine.plan());
         println!(
             "| {tp} | {} × {}x{} | {dtype:?} | {median:.3} | {memory} |",
             shape.frames, shape.width, shape.height

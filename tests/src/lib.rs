@@ -447,6 +447,20 @@ pub fn argmax(values: &[f32]) -> u32 {
         .0 as u32
 }
 
+/// Writes f32 tensors (name, shape, little-endian bytes) as one safetensors file.
+pub fn write_f32_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<u8>)]) {
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(name, shape, bytes)| {
+            (
+                name.clone(),
+                TensorView::new(Dtype::F32, shape.clone(), bytes).expect("view"),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).expect("write safetensors");
+}
+
 /// ‖a − b‖ / ‖b‖.
 pub fn rel_error(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "length mismatch");

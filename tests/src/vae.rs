@@ -10,8 +10,6 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use safetensors::tensor::TensorView;
-use safetensors::Dtype;
 use serde_json::json;
 use tpinfer_wan_vae::{WanVaeConfig, WanVaeShard};
 
@@ -96,17 +94,7 @@ impl TinyWanVae {
                 )
             })
             .collect();
-        let views: Vec<(String, TensorView)> = data
-            .iter()
-            .map(|(name, shape, bytes)| {
-                (
-                    name.clone(),
-                    TensorView::new(Dtype::F32, shape.clone(), bytes).expect("view"),
-                )
-            })
-            .collect();
-        safetensors::serialize_to_file(views, None, &dir.join("diffusion_pytorch_model.safetensors"))
-            .expect("write safetensors");
+        crate::write_f32_safetensors(&dir.join("diffusion_pytorch_model.safetensors"), &data);
         dir.to_path_buf()
     }
 }

@@ -7,8 +7,6 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use safetensors::tensor::TensorView;
-use safetensors::Dtype;
 use serde_json::json;
 use tpinfer_comm::{Communicator, ThreadGroup};
 use tpinfer_wan::{original_names, WanConfig, WanRank, WanShard};
@@ -99,17 +97,7 @@ impl TinyWan {
                 (name, decl.shape, values.iter().flat_map(|v| v.to_le_bytes()).collect())
             })
             .collect();
-        let views: Vec<(String, TensorView)> = data
-            .iter()
-            .map(|(name, shape, bytes)| {
-                (
-                    name.clone(),
-                    TensorView::new(Dtype::F32, shape.clone(), bytes).expect("view"),
-                )
-            })
-            .collect();
-        safetensors::serialize_to_file(views, None, &dir.join("diffusion_pytorch_model.safetensors"))
-            .expect("write safetensors");
+        crate::write_f32_safetensors(&dir.join("diffusion_pytorch_model.safetensors"), &data);
         dir.to_path_buf()
     }
 }
