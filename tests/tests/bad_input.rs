@@ -248,8 +248,9 @@ fn sampling_parameters_that_cannot_sample() {
     }
 }
 
-/// A config's values the model does not run are refused by name: they used to be ignored,
-/// or taken on trust into a loop over a billion layers (issue #31).
+/// A config's values the model does not run, and fields of the wrong type, are refused by
+/// name: they used to be ignored, taken on trust into a loop over a billion layers, or
+/// reported by line and column alone (issue #31).
 #[test]
 fn config_values_the_model_does_not_run() {
     let dir = model_dir();
@@ -264,6 +265,26 @@ fn config_values_the_model_does_not_run() {
             ["num_hidden_layers", "above the 1024"],
         ),
         ("vocab_size", serde_json::json!(1u64 << 40), ["vocab_size", "above the"]),
+        // A field of the wrong type is named (the message said only a line and column).
+        ("hidden_size", serde_json::json!("64"), ["`hidden_size`", "wrong type"]),
+        // A rope type or value of the wrong type ran as the default rope without a word, or
+        // was reported missing.
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": 3, "factor": 8.0}),
+            ["rope_scaling.rope_type", "is 3"],
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "llama3", "factor": "8", "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+            ["rope_scaling.factor", "a number above 0"],
+        ),
+        (
+            "rope_parameters",
+            serde_json::json!({"rope_type": "default", "rope_theta": "500000"}),
+            ["rope_parameters.rope_theta", "must be a number"],
+        ),
     ] {
         let mut changed = original.clone();
         changed[field] = value;

@@ -110,10 +110,21 @@ impl LlamaConfig {
 
     /// Parses `config.json` text; `origin` names it in errors.
     pub fn from_json(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        let raw: RawConfig = serde_json::from_str(text).map_err(|e| ConfigError::Json {
-            path: PathBuf::from(origin),
-            detail: e.to_string(),
-        })?;
+        // A field of the wrong type is named (serde_json alone says only where it is).
+        let raw: RawConfig =
+            serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(text)).map_err(|e| {
+                match e.inner().classify() {
+                    serde_json::error::Category::Data => ConfigError::Invalid {
+                        origin: origin.to_string(),
+                        field: e.path().to_string(),
+                        detail: format!("has the wrong type or value: {}", e.inner()),
+                    },
+                    _ => ConfigError::Json {
+                        path: PathBuf::from(origin),
+                        detail: e.inner().to_string(),
+                    },
+                }
+            })?;
         let missing = |field: &str| ConfigError::Missing {
             origin: origin.to_string(),
             field: field.to_string(),
@@ -145,14 +156,19 @@ impl LlamaConfig {
         let num_attention_heads = raw.num_attention_heads.ok_or_else(|| missing("num_attention_heads"))?;
         // transformers 5 moves rope settings into `rope_parameters`; 4 keeps `rope_theta` and
         // `rope_scaling`. Both may be present in converted files; the newer form wins.
-        let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
-        let rope_theta = raw
-            .rope_parameters
-            .as_ref()
-            .and_then(|p| p.get("rope_theta"))
-            .and_then(Json::as_f64)
-            .or(raw.rope_theta)
-            .unwrap_or(10_000.0);
+        let rope = match (&raw.rope_parameters, &raw.rope_scaling) {
+            (Some(p), _) => Some(("rope_parameters", p)),
+            (None, Some(s)) => Some(("rope_scaling", s)),
+            (None, None) => None,
+        };
+        let rope_theta = match raw.rope_parameters.as_ref().and_then(|p| p.get("rope_theta")) {
+            Some(theta) => theta.as_f64().ok_or_else(|| ConfigError::Invalid {
+                origin: origin.to_string(),
+                field: "rope_parameters.rope_theta".into(),
+                detail: format!("is {theta}; it must be a number"),
+            })?,
+            None => raw.rope_theta.unwrap_or(10_000.0),
+        };
         let dtype_name = raw.dtype.as_deref().or(raw.torch_dtype.as_deref());
         let config = Self {
             hidden_size,
@@ -325,24 +341,37 @@ fn token_ids(value: Option<&Json>, origin: &str, field: &str) -> Result<Vec<u32>
     }
 }
 
-/// Reads a `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5) object.
-fn rope_scaling(value: Option<&Json>, origin: &str) -> Result<Option<RopeScaling>, ConfigError> {
-    let Some(value) = value.filter(|v| !v.is_null()) else {
+/// Reads a `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5) object,
+/// `key` naming which in errors.
+fn rope_scaling(value: Option<(&str, &Json)>, origin: &str) -> Result<Option<RopeScaling>, ConfigError> {
+    let Some((key, value)) = value.filter(|(_, v)| !v.is_null()) else {
         return Ok(None);
     };
-    let kind = value
-        .get("rope_type")
-        .or_else(|| value.get("type"))
-        .and_then(Json::as_str)
-        .unwrap_or("default");
+    let invalid = |name: &str, detail: String| ConfigError::Invalid {
+        origin: origin.to_string(),
+        field: format!("{key}.{name}"),
+        detail,
+    };
+    let kind = match value.get("rope_type").or_else(|| value.get("type")) {
+        None => "default",
+        Some(kind) => kind.as_str().ok_or_else(|| {
+            invalid(
+                "rope_type",
+                format!("is {kind}; it must be a name, `default` or `llama3`"),
+            )
+        })?,
+    };
     let field = |name: &str| -> Result<f64, ConfigError> {
-        value
-            .get(name)
-            .and_then(Json::as_f64)
-            .ok_or_else(|| ConfigError::Missing {
+        match value.get(name) {
+            None => Err(ConfigError::Missing {
                 origin: origin.to_string(),
-                field: format!("rope_scaling.{name}"),
-            })
+                field: format!("{key}.{name}"),
+            }),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .ok_or_else(|| invalid(name, format!("is {v}; it must be a number above 0"))),
+        }
     };
     match kind {
         "default" => Ok(None),
