@@ -293,14 +293,14 @@ fn config_values_the_model_does_not_run() {
     }
 }
 
-/// NaN weights stop a request at its prompt's forward, named, on every rank alike: they used
-/// to run to garbage tokens without a word (issue #31).
+/// Logits that overflow (finite weights of 1e38) stop a request at its prompt's forward,
+/// named, on every rank alike: they used to run to garbage tokens without a word (issue #31).
 #[test]
 fn non_finite_logits_stop_the_request() {
     let dir = model_dir();
     let weights = dir.path().join("model.safetensors");
     let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).expect("load");
-    let poisoned = (tensors["lm_head.weight"].clone() * f64::NAN).expect("nan");
+    let poisoned = (tensors["lm_head.weight"].ones_like().expect("ones") * 1e38).expect("huge");
     tensors.insert("lm_head.weight".into(), poisoned);
     candle_core::safetensors::save(&tensors, &weights).expect("save");
     let engine = Engine::builder(dir.path()).tp(2).build().expect("engine");
@@ -308,6 +308,29 @@ fn non_finite_logits_stop_the_request() {
         .generate(GenerateRequest::new(Prompt::text("hello"), 4))
         .expect("queued")
         .collect_text()
-        .expect_err("NaN logits");
+        .expect_err("infinite logits");
     assert_mentions(&err.to_string(), &["logits hold NaN", "the prompt's forward"]);
+}
+
+/// A weight that is not finite is refused at load, naming the tensor and the file: it used to
+/// load and run to NaN output (issue #31).
+#[test]
+fn non_finite_weights_are_refused_at_load() {
+    let dir = model_dir();
+    let weights = dir.path().join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).expect("load");
+    let name = "model.layers.1.mlp.down_proj.weight";
+    let t = &tensors[name];
+    let poisoned = t.slice_assign(
+        &[0..1, 0..1],
+        &candle_core::Tensor::full(f32::INFINITY, (1, 1), t.device()).expect("inf"),
+    );
+    tensors.insert(name.into(), poisoned.expect("poison"));
+    candle_core::safetensors::save(&tensors, &weights).expect("save");
+    for tp in [1, 2] {
+        assert_mentions(
+            &build_error(dir.path(), tp),
+            &[name, "model.safetensors", "NaN or infinite"],
+        );
+    }
 }

@@ -180,13 +180,16 @@ fn non_finite_values_stop_the_run_by_name() {
         .expect_err("NaN latents");
     assert!(err.to_string().contains("--init-latents hold NaN"), "{err}");
 
-    // The DiT's output projection made NaN: the first step's latents are not finite.
+    // The DiT's output projection overflows (finite weights of 1e38): the first step's
+    // latents are not finite.
     let weights = dir.path().join("transformer/diffusion_pytorch_model.safetensors");
     let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).expect("load");
-    let poisoned = (tensors["proj_out.weight"].clone() * f64::NAN).expect("nan");
+    let poisoned = (tensors["proj_out.weight"].ones_like().expect("ones") * 1e38).expect("huge");
     tensors.insert("proj_out.weight".into(), poisoned);
     candle_core::safetensors::save(&tensors, &weights).expect("save");
     let poisoned = engine(dir.path(), 2);
-    let err = poisoned.generate(request(text, None), |_| {}).expect_err("NaN weights");
+    let err = poisoned
+        .generate(request(text, None), |_| {})
+        .expect_err("overflowing weights");
     assert!(err.to_string().contains("after denoising step 1 of 2"), "{err}");
 }

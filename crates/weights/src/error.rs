@@ -30,4 +30,6 @@ pub enum WeightError {
     Gguf { path: PathBuf, detail: String },
     #[error("tensor `{name}`: {source}")]
     Tensor { name: String, source: candle_core::Error },
+    #[error("tensor `{name}` in {origin} holds NaN or infinite values; the checkpoint is corrupt: download or convert it again")]
+    NonFinite { name: String, origin: String },
 }

@@ -1,6 +1,6 @@
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{CpuStorage, DType, Device, Tensor};
 
 use crate::{ShardSpec, WeightError, WeightStore};
 
@@ -172,6 +172,17 @@ impl<'a> ShardLoader<'a> {
         })?;
         let (host, n) = self.store.read(&decl.name, &decl.spec)?;
         self.bytes_read += n;
+        // The slice is in host memory now: checked here, a corrupt checkpoint is named at load
+        // rather than found as NaN output, and no pass over the file is added.
+        if !all_finite(&host).map_err(|source| WeightError::Tensor {
+            name: decl.name.clone(),
+            source,
+        })? {
+            return Err(WeightError::NonFinite {
+                name: decl.name.clone(),
+                origin: self.store.origin(),
+            });
+        }
         // Converting on the host keeps the checkpoint-dtype copy off the device.
         host.to_dtype(self.dtype).map_err(|source| WeightError::Tensor {
             name: decl.name.clone(),
@@ -187,4 +198,31 @@ impl<'a> ShardLoader<'a> {
         self.bytes_on_device += tensor.elem_count() * tensor.dtype().size_in_bytes();
         Ok(tensor)
     }
+}
+
+/// Whether every value of a host tensor is finite (integer tensors always are).
+fn all_finite(t: &Tensor) -> candle_core::Result<bool> {
+    fn finite<T: Copy + Send + Sync>(values: &[T], is_finite: fn(T) -> bool) -> bool {
+        // Large tensors in parallel chunks: a rank's weights pass through here once.
+        use rayon::prelude::*;
+        values
+            .par_chunks(1 << 16)
+            .all(|chunk| chunk.iter().all(|&v| is_finite(v)))
+    }
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("a contiguous tensor has no contiguous offsets".into()))?;
+    Ok(match &*storage {
+        candle_core::Storage::Cpu(cpu) => match cpu {
+            CpuStorage::F32(v) => finite(&v[start..end], f32::is_finite),
+            CpuStorage::F64(v) => finite(&v[start..end], f64::is_finite),
+            CpuStorage::BF16(v) => finite(&v[start..end], half::bf16::is_finite),
+            CpuStorage::F16(v) => finite(&v[start..end], half::f16::is_finite),
+            _ => true,
+        },
+        // Stores read to the host; a device tensor is not theirs to check.
+        _ => true,
+    })
 }
