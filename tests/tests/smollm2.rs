@@ -84,4 +84,6 @@ fn a_gguf_whose_block_count_disagrees_with_its_tensors_is_refused() {
     let err = Engine::builder(&path).build().err().expect("refused").to_string();
     let last = format!("blk.{}.", blocks - 1);
     assert!(err.contains(&last) && err.contains("block_count"), "{err}");
+    // A GGUF file's config is its metadata: no message sends the user to a config.json.
+    assert!(err.contains("GGUF metadata") && !err.contains("config.json"), "{err}");
 }

@@ -11,14 +11,24 @@ pub enum WeightError {
     Corrupt { path: PathBuf, detail: String },
     #[error("{path}: {detail}; the index does not match the files beside it: download the model again")]
     BadIndex { path: PathBuf, detail: String },
-    #[error("tensor `{name}` is missing from {origin}; the checkpoint does not match config.json")]
-    Missing { name: String, origin: String },
-    #[error("tensor `{name}` in {origin} is not used by this model ({hint}); the checkpoint and config.json disagree")]
-    Unexpected { name: String, origin: String, hint: String },
-    #[error("tensor `{name}` in {origin} has shape {found:?}, but config.json implies {expected:?}; the checkpoint does not match config.json")]
+    #[error("tensor `{name}` is missing from {origin}; the checkpoint does not match {config}")]
+    Missing {
+        name: String,
+        origin: String,
+        config: String,
+    },
+    #[error("tensor `{name}` in {origin} is not used by this model ({hint}); the checkpoint and {config} disagree")]
+    Unexpected {
+        name: String,
+        origin: String,
+        config: String,
+        hint: String,
+    },
+    #[error("tensor `{name}` in {origin} has shape {found:?}, but {config} implies {expected:?}; the checkpoint does not match {config}")]
     Shape {
         name: String,
         origin: String,
+        config: String,
         found: Vec<usize>,
         expected: Vec<usize>,
     },

@@ -110,6 +110,7 @@ impl WeightStore for GgufStore {
         let (gguf_name, rotary_heads) = self.names.get(name).ok_or_else(|| WeightError::Missing {
             name: name.to_string(),
             origin: self.origin(),
+            config: self.config_origin(),
         })?;
         let mut file = File::open(&self.path).map_err(|source| WeightError::Io {
             path: self.path.clone(),
@@ -140,5 +141,9 @@ impl WeightStore for GgufStore {
 
     fn origin(&self) -> String {
         self.path.display().to_string()
+    }
+
+    fn config_origin(&self) -> String {
+        "its GGUF metadata".to_string()
     }
 }

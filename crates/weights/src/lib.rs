@@ -38,4 +38,9 @@ pub trait WeightStore: Send + Sync {
     fn read(&self, name: &str, spec: &ShardSpec) -> Result<(Tensor, usize), WeightError>;
     /// Where the checkpoint lives, for messages.
     fn origin(&self) -> String;
+    /// What says which tensors the checkpoint should hold, for messages: its `config.json`,
+    /// unless the store knows better (a GGUF file's own metadata).
+    fn config_origin(&self) -> String {
+        "config.json".to_string()
+    }
 }

@@ -48,11 +48,13 @@ impl<'a> ShardLoader<'a> {
             let info = store.info(&decl.name).ok_or_else(|| WeightError::Missing {
                 name: decl.name.clone(),
                 origin: store.origin(),
+                config: store.config_origin(),
             })?;
             if info.shape != decl.shape {
                 return Err(WeightError::Shape {
                     name: decl.name.clone(),
                     origin: store.origin(),
+                    config: store.config_origin(),
                     found: info.shape,
                     expected: decl.shape.clone(),
                 });
@@ -73,6 +75,7 @@ impl<'a> ShardLoader<'a> {
             return Err(WeightError::Unexpected {
                 name: extra,
                 origin: store.origin(),
+                config: store.config_origin(),
                 hint: "no layer of the configured model reads it".to_string(),
             });
         }
@@ -85,6 +88,7 @@ impl<'a> ShardLoader<'a> {
             let info = store.info(&decl.name).ok_or_else(|| WeightError::Missing {
                 name: decl.name.clone(),
                 origin: store.origin(),
+                config: store.config_origin(),
             })?;
             let bytes = decl
                 .spec
@@ -158,6 +162,7 @@ impl<'a> ShardLoader<'a> {
         let decl = self.decls.get(name).ok_or_else(|| WeightError::Missing {
             name: name.to_string(),
             origin: "the tensors declared for this rank (or it was taken twice)".to_string(),
+            config: self.store.config_origin(),
         })?;
         decl.spec.local_shape(&decl.shape).map_err(|detail| WeightError::Shard {
             name: name.to_string(),
@@ -169,6 +174,7 @@ impl<'a> ShardLoader<'a> {
         let decl = self.decls.remove(name).ok_or_else(|| WeightError::Missing {
             name: name.to_string(),
             origin: "the tensors declared for this rank (or it was taken twice)".to_string(),
+            config: self.store.config_origin(),
         })?;
         let (host, n) = self.store.read(&decl.name, &decl.spec)?;
         self.bytes_read += n;

@@ -49,4 +49,8 @@ impl WeightStore for RenamedStore {
     fn origin(&self) -> String {
         self.inner.origin()
     }
+
+    fn config_origin(&self) -> String {
+        self.inner.config_origin()
+    }
 }

@@ -174,6 +174,7 @@ impl WeightStore for SafetensorsStore {
         let (file_index, entry) = self.tensors.get(name).ok_or_else(|| WeightError::Missing {
             name: name.to_string(),
             origin: self.origin(),
+            config: self.config_origin(),
         })?;
         let file = &self.files[*file_index];
         let full = &entry.info.shape;

@@ -79,6 +79,7 @@ impl LlamaCheckpoint {
             return Err(WeightError::Unexpected {
                 name: name.to_string(),
                 origin: path.display().to_string(),
+                config: store.config_origin(),
                 hint: format!(
                     "the metadata describes {} layers (block_count) and no such tensor: the file's metadata and \
                      tensor table disagree",

@@ -37,7 +37,7 @@ pub enum ConfigError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{path}: not valid JSON: {detail}")]
     Json { path: PathBuf, detail: String },
-    #[error("{origin}: missing field `{field}`; add it (see the model's published config.json)")]
+    #[error("{origin}: missing field `{field}`; add it (see the model's published config)")]
     Missing { origin: String, field: String },
     #[error("{origin}: field `{field}` {detail}")]
     Invalid {
