@@ -29,8 +29,9 @@ pub enum WeightError {
         name: String,
         origin: String,
         config: String,
-        found: Vec<usize>,
-        expected: Vec<usize>,
+        // Boxed slices keep the error small on every `Result` path.
+        found: Box<[usize]>,
+        expected: Box<[usize]>,
     },
     #[error("tensor `{name}` has dtype {dtype}, which tpinfer does not load (use f32, f16 or bf16 weights)")]
     Dtype { name: String, dtype: String },

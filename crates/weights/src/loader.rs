@@ -55,8 +55,8 @@ impl<'a> ShardLoader<'a> {
                     name: decl.name.clone(),
                     origin: store.origin(),
                     config: store.config_origin(),
-                    found: info.shape,
-                    expected: decl.shape.clone(),
+                    found: info.shape.into(),
+                    expected: decl.shape.as_slice().into(),
                 });
             }
             decl.spec
