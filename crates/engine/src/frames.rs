@@ -118,11 +118,6 @@ impl FrameDecoder {
         Tensor::cat(&bands, 2).map_err(|e| RuntimeError::of_rank(0, e.into()).into())
     }
 
-    /// `[z, latent frames, h, w]` of the latents this decoder takes.
-    pub fn latent_shape(&self) -> [usize; 4] {
-        self.latent_shape
-    }
-
     pub fn plan<'a>(&self, group: &'a RankGroup) -> &'a Plan {
         &group.plans()[self.vae.index()]
     }
@@ -201,10 +196,6 @@ impl VaeEngine {
     /// rank 0's tiles and latent frames done, out of how many.
     pub fn decode(&self, latents: &Tensor, mut on_progress: impl FnMut(usize, usize)) -> Result<Frames, EngineError> {
         self.decoder.decode(&self.group, latents, &mut on_progress)
-    }
-
-    pub fn latent_shape(&self) -> [usize; 4] {
-        self.decoder.latent_shape()
     }
 
     pub fn plan(&self) -> &Plan {

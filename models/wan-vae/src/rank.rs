@@ -43,10 +43,6 @@ impl WanVaeRank {
         self.bytes_loaded
     }
 
-    pub fn config(&self) -> &WanVaeConfig {
-        &self.config
-    }
-
     /// Decodes normalised latents `[z, latent frames, h, w]` (the DiT's) to this rank's band
     /// of every frame's rows: `[frames, channels, band rows, w · 8]` in [−1, 1], f32 on the
     /// CPU, with the band's first row. Tiles of at most `tile_rows` rows (`None`: as many as
