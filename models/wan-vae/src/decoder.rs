@@ -11,7 +11,8 @@ use candle_core::{DType, Device, Tensor};
 use tpinfer_layers::Result;
 use tpinfer_weights::{ShardLoader, WeightDecl};
 
-use crate::blocks::{clamp_pixels, Band, Conv, ConvShape, FrameAttention, FrameCache, Head, ResBlock, Slots, Upsample};
+use crate::blocks::{FrameAttention, Head, ResBlock, Upsample};
+use crate::conv::{clamp_pixels, Band, Conv, ConvShape, FrameCache, Slots};
 use crate::layout::{Layout, PathStep};
 use crate::rows::{tiles, Rows};
 use crate::WanVaeConfig;

@@ -9,10 +9,11 @@
 //! [`WanVaeConfig`] reads `vae/config.json`; [`WanVaeShard`] says which rows a rank decodes;
 //! [`WanVaeRank`] is that rank's decoder; [`WanVaeModel`] is the family's seam
 //! (`tpinfer_family::Family`); [`memory`] is its footprint for the planner. The layers in
-//! `blocks` are the ones the VAE's encoder is made of too.
+//! `conv` and `blocks` are the ones the VAE's encoder is made of too.
 
 mod blocks;
 mod config;
+mod conv;
 mod decoder;
 mod family;
 mod layout;

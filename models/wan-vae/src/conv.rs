@@ -1,0 +1,217 @@
+//! The decoder's convolutions and norms on a window of rows, frames first
+//! (`[frames, channels, rows, width]`).
+//!
+//! A causal 3-D convolution runs as one 2-D convolution: its three time taps (the frame two
+//! back, one back, and now) are stacked along the input channels, so the kernel
+//! `[out, in, 3, k, k]` becomes `[out, 3·in, k, k]`. Its frame cache holds the last two
+//! frames it read, so a video decodes one latent frame at a time, as diffusers' does, with the
+//! zero frames of causal padding before the first.
+
+use candle_core::{DType, Tensor};
+use tpinfer_layers::Result;
+use tpinfer_weights::{ShardLoader, ShardSpec, WeightDecl};
+
+use crate::rows::Rows;
+/// Each causal convolution's last frames read, by slot.
+pub(crate) type FrameCache = Vec<Option<Tensor>>;
+
+/// Activations of some rows of a frame.
+#[derive(Clone)]
+pub(crate) struct Band {
+    /// `[frames, channels, rows, width]`.
+    pub x: Tensor,
+    pub rows: Rows,
+}
+
+impl Band {
+    /// The rows `rows` of this band, which must hold them.
+    pub fn narrowed(&self, rows: Rows) -> Result<Band> {
+        if !rows.within(&self.rows) {
+            return Err(tpinfer_layers::Error::Shard(format!(
+                "VAE window: rows {:?} of {} are not within the band {:?}",
+                rows.range(),
+                rows.height,
+                self.rows.range()
+            )));
+        }
+        Ok(Band {
+            x: self.x.narrow(2, rows.start - self.rows.start, rows.len())?,
+            rows,
+        })
+    }
+
+    /// This band's activations through `f`, on the same rows.
+    pub fn map(&self, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Band> {
+        Ok(Band {
+            x: f(&self.x)?,
+            rows: self.rows,
+        })
+    }
+}
+
+/// Hands out frame-cache slots as the causal convolutions are loaded.
+#[derive(Default)]
+pub(crate) struct Slots(usize);
+
+impl Slots {
+    fn next(&mut self) -> usize {
+        self.0 += 1;
+        self.0 - 1
+    }
+
+    /// A cache with an empty slot for each convolution handed one.
+    pub fn cache(&self) -> FrameCache {
+        vec![None; self.0]
+    }
+}
+
+/// A convolution over `taps` frames (1, or 3 causal) and `k`×`k` pixels (k = 1 or 3).
+pub(crate) struct Conv {
+    /// `[out, taps·in, k, k]`, the oldest tap's input channels first.
+    weight: Tensor,
+    /// `[1, out, 1, 1]`.
+    bias: Tensor,
+    taps: usize,
+    /// Rows (and columns) read on each side of a written one: k / 2.
+    reach: usize,
+    slot: Option<usize>,
+}
+
+/// A convolution's shape: `[out, in, taps, k, k]` in the checkpoint, or `[out, in, k, k]`
+/// for a 2-D one (`taps` 0).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConvShape {
+    pub out: usize,
+    pub inp: usize,
+    pub taps: usize,
+    pub k: usize,
+}
+
+impl ConvShape {
+    pub fn causal(inp: usize, out: usize, taps: usize, k: usize) -> Self {
+        Self { out, inp, taps, k }
+    }
+
+    pub fn flat(inp: usize, out: usize, k: usize) -> Self {
+        Self { out, inp, taps: 0, k }
+    }
+
+    fn weight(&self) -> Vec<usize> {
+        match self.taps {
+            0 => vec![self.out, self.inp, self.k, self.k],
+            t => vec![self.out, self.inp, t, self.k, self.k],
+        }
+    }
+}
+
+impl Conv {
+    pub fn decls(prefix: &str, shape: ConvShape, out: &mut Vec<WeightDecl>) {
+        out.push(WeightDecl::new(
+            format!("{prefix}.weight"),
+            &shape.weight(),
+            ShardSpec::Replicated,
+        ));
+        out.push(WeightDecl::new(
+            format!("{prefix}.bias"),
+            &[shape.out],
+            ShardSpec::Replicated,
+        ));
+    }
+
+    pub fn load(w: &mut ShardLoader, prefix: &str, shape: ConvShape, slots: &mut Slots) -> Result<Self> {
+        let weight = w.take(&format!("{prefix}.weight"))?;
+        let taps = shape.taps.max(1);
+        let weight = match shape.taps {
+            0 => weight,
+            _ => weight
+                .permute((0, 2, 1, 3, 4))?
+                .reshape((shape.out, taps * shape.inp, shape.k, shape.k))?
+                .contiguous()?,
+        };
+        Ok(Self {
+            weight,
+            bias: w.take(&format!("{prefix}.bias"))?.reshape((1, shape.out, 1, 1))?,
+            taps,
+            reach: shape.k / 2,
+            slot: (taps > 1).then(|| slots.next()),
+        })
+    }
+
+    /// Writes `out` from `x`, which holds the rows it reads; a causal one continues from the
+    /// frames its slot of `cache` holds, and leaves the last two it read there.
+    pub fn forward(&self, x: &Band, out: Rows, cache: &mut FrameCache) -> Result<Band> {
+        let read = x.narrowed(out.grown(self.reach))?;
+        let (top, bottom) = out.edge_padding(self.reach);
+        let mut input = read.x;
+        if top + bottom > 0 {
+            input = input.pad_with_zeros(2, top, bottom)?;
+        }
+        if self.reach > 0 {
+            input = input.pad_with_zeros(3, self.reach, self.reach)?;
+        }
+        if let Some(slot) = self.slot {
+            let frames = input.dim(0)?;
+            let seen = match cache[slot].take() {
+                Some(history) => Tensor::cat(&[&history, &input], 0)?,
+                None => input,
+            };
+            let n = seen.dim(0)?;
+            let history = self.taps - 1;
+            // A compact copy: a view (or candle's `copy`, which clones the whole storage) would
+            // keep all of `seen` alive in the cache.
+            cache[slot] = Some(
+                seen.narrow(0, n.saturating_sub(history), n.min(history))?
+                    .force_contiguous()?,
+            );
+            // Before the first frame, the causal padding's zero frames.
+            let padded = seen.pad_with_zeros(0, (history + frames).saturating_sub(n), 0)?;
+            let taps: Vec<Tensor> = (0..self.taps)
+                .map(|t| padded.narrow(0, t, frames))
+                .collect::<candle_core::Result<_>>()?;
+            input = Tensor::cat(&taps, 1)?;
+        }
+        let y = input.conv2d(&self.weight, 0, 1, 1, 1)?.broadcast_add(&self.bias)?;
+        Ok(Band { x: y, rows: out })
+    }
+}
+
+/// Wan's RMS norm over channels: `x / max(‖x‖, 1e-12) · √C · γ`, normalised in f32.
+pub(crate) struct ChannelNorm {
+    /// `[1, C, 1, 1]`: γ·√C in the compute dtype.
+    scale: Tensor,
+}
+
+impl ChannelNorm {
+    /// `images`: the attention's norm, whose γ is `[C, 1, 1]` rather than `[C, 1, 1, 1]`.
+    pub fn decls(prefix: &str, channels: usize, images: bool, out: &mut Vec<WeightDecl>) {
+        let shape: &[usize] = match images {
+            true => &[channels, 1, 1],
+            false => &[channels, 1, 1, 1],
+        };
+        out.push(WeightDecl::new(format!("{prefix}.gamma"), shape, ShardSpec::Replicated));
+    }
+
+    pub fn load(w: &mut ShardLoader, prefix: &str, channels: usize) -> Result<Self> {
+        let gamma = w.take(&format!("{prefix}.gamma"))?.reshape((1, channels, 1, 1))?;
+        Ok(Self {
+            scale: (gamma * (channels as f64).sqrt())?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let x32 = x.to_dtype(DType::F32)?;
+        let norm = x32.sqr()?.sum_keepdim(1)?.sqrt()?.maximum(1e-12)?;
+        Ok(x32.broadcast_div(&norm)?.to_dtype(dtype)?.broadcast_mul(&self.scale)?)
+    }
+
+    /// The norm, then SiLU: how every residual block and the head enter a convolution.
+    pub fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::silu(&self.forward(x)?)?)
+    }
+}
+
+/// Clamps decoded pixels to [−1, 1], as diffusers does, in f32.
+pub(crate) fn clamp_pixels(x: &Tensor) -> Result<Tensor> {
+    Ok(x.to_dtype(DType::F32)?.clamp(-1f32, 1f32)?)
+}
