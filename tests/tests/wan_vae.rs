@@ -198,3 +198,29 @@ fn the_checkpoint_is_checked_and_the_plan_refuses_what_cannot_split() {
         .expect_err("a res block too many");
     assert!(err.to_string().contains("decoder.up_blocks.0.resnets.2"), "{err}");
 }
+
+/// Frames that come out of the VAE not finite stop the decode by name: the clamp kept NaN,
+/// which the 8-bit conversion turned into black pixels without a word (issue #31). Finite
+/// weights of 1e38 overflow a convolution, and the norm after it makes NaN of the infinities.
+#[test]
+fn frames_that_are_not_finite_stop_the_decode() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let vae = TinyWanVae::default();
+    let path = vae.write(dir.path());
+    let weights = path.join("diffusion_pytorch_model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &Device::Cpu).expect("load");
+    let name = "decoder.up_blocks.0.resnets.0.conv1.weight";
+    let huge = (tensors[name].ones_like().expect("ones") * 1e38).expect("huge");
+    tensors.insert(name.into(), huge);
+    candle_core::safetensors::save(&tensors, &weights).expect("save");
+    let latents = latents(&vae);
+    let shape = tpinfer_engine::VaeEngine::video_shape(&path, 3, 6, 5).expect("shape");
+    let engine =
+        tpinfer_engine::VaeEngine::start(tpinfer_engine::EngineBuilder::new(&path).tp(2), shape).expect("start");
+    let err = engine.decode(&latents, |_, _| {}).expect_err("NaN frames");
+    assert!(
+        err.to_string()
+            .contains("frames hold NaN or infinite values after the VAE's decode"),
+        "{err}"
+    );
+}

@@ -115,7 +115,16 @@ impl FrameDecoder {
         let mut bands = pending.wait()?;
         bands.sort_by_key(|(first_row, _)| *first_row);
         let bands: Vec<Tensor> = bands.into_iter().map(|(_, pixels)| pixels).collect();
-        Tensor::cat(&bands, 2).map_err(|e| RuntimeError::of_rank(0, e.into()).into())
+        let tensor_err = |e: candle_core::Error| EngineError::from(RuntimeError::of_rank(0, e.into()));
+        let frames = Tensor::cat(&bands, 2).map_err(tensor_err)?;
+        // NaN would turn into black pixels without a word; the clamp keeps infinities in range.
+        match finite(&frames).map_err(tensor_err)? {
+            true => Ok(frames),
+            false => Err(EngineError::NonFinite {
+                what: "frames",
+                stage: "the VAE's decode".into(),
+            }),
+        }
     }
 
     pub fn plan<'a>(&self, group: &'a RankGroup) -> &'a Plan {
