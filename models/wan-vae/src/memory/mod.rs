@@ -54,7 +54,7 @@ impl DecodeMemory {
         let factor = c.spatial_factor();
         let model = Model::new(c, device, video);
         let mut tile = band.len().div_ceil(factor) * factor;
-        while tile > factor && model.path_peak(band, tile).0.peak > TILE_TEMPORARIES {
+        while tile > factor && model.path_peak(band, tile).peak > TILE_TEMPORARIES {
             tile -= factor;
         }
         model.decode(band, tile.clamp(1, band.len().max(1)))
@@ -149,13 +149,9 @@ impl Model {
         DecodeMemory {
             peak: middles
                 + (latents + middle.peak)
-                    .max(path.0.peak + band_frames)
+                    .max(path.peak + band_frames)
                     .max(2 * band_frames),
-            pool_slack: if self.cuda {
-                middle.largest.max(path.0.largest)
-            } else {
-                0
-            },
+            pool_slack: if self.cuda { middle.largest.max(path.largest) } else { 0 },
             tile_rows,
         }
     }
@@ -233,13 +229,13 @@ impl Model {
         }
     }
 
-    /// The tallest of `band`'s tiles of `tile_rows` rows, for a chunk after the first (whose
+    /// The largest peak of `band`'s tiles of `tile_rows` rows, for a chunk after the first (whose
     /// frames are the most): its peak with the path's frame caches.
-    fn path_peak(&self, band: Rows, tile_rows: usize) -> (Bytes, usize) {
+    fn path_peak(&self, band: Rows, tile_rows: usize) -> Bytes {
         tiles(band, tile_rows)
             .into_iter()
-            .map(|tile| (self.path(tile), tile.len()))
-            .fold((Bytes::default(), 0), |(a, rows), (b, r)| (a.max(b), rows.max(r)))
+            .map(|tile| self.path(tile))
+            .fold(Bytes::default(), Bytes::max)
     }
 
     /// One tile's path, every step on the rows the decoder gives it.
