@@ -193,3 +193,42 @@ fn non_finite_values_stop_the_run_by_name() {
         .expect_err("overflowing weights");
     assert!(err.to_string().contains("after denoising step 1 of 2"), "{err}");
 }
+
+/// Where the ranks cannot hold the text encoder beside the DiT and the VAE, the encoder runs
+/// first and is freed before they load: the same video, in less memory, and a later prompt
+/// is refused by name rather than run on freed weights.
+#[test]
+fn the_encoder_is_freed_after_encoding_when_the_budget_needs_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    TinyWanPipeline::default().write(dir.path());
+    let run = |engine: &VideoEngine| {
+        let request = VideoRequest {
+            text: engine.encode_prompt("a red fox").expect("prompt"),
+            negative: Some(engine.encode_prompt("").expect("negative")),
+            steps: 2,
+            shift: 5.0,
+            guide_scale: 5.0,
+            solver: Solver::UniPc(2),
+            seed: 3,
+            init_latents: None,
+        };
+        let latents = engine.generate(request, |_| {}).expect("generate");
+        engine.decode(&latents, |_, _| {}).expect("decode")
+    };
+    let together = engine(dir.path(), 2);
+    assert!(!together.frees_encoder());
+    let held_together = together.planned_peak();
+    let budget = |bytes: u64| Engine::builder(dir.path()).tp(2).gpu_mem(bytes);
+    let in_turns = VideoEngine::start(budget(held_together - 1), SHAPE).expect("in turns");
+    assert!(in_turns.frees_encoder());
+    let peak = in_turns.planned_peak();
+    assert!(peak < held_together, "{peak} against {held_together}");
+    let rel = tensor_rel_error(&run(&in_turns), &run(&together));
+    assert!(rel < 1e-6, "the video in turns against the one held together: {rel:e}");
+    let err = in_turns.encode_prompt("a blue fox").expect_err("the encoder is freed");
+    assert!(err.to_string().contains("text encoder was freed"), "{err}");
+    let err = VideoEngine::start(budget(peak - 1), SHAPE)
+        .err()
+        .expect("under the larger turn");
+    assert!(err.to_string().contains("freed before"), "{err}");
+}

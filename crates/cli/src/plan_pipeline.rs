@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use tpinfer_engine::DType;
-use tpinfer_plan::{held_together, mib, DeviceProfile, Placement, Plan, RankPlan, ShardedModel};
+use tpinfer_plan::{mib, DeviceProfile, Placement, Plan, RankPlan, Residency, ShardedModel};
 
 /// Wan's prompts, as the encoder is planned and run.
 const TEXT_TOKENS: usize = 512;
@@ -121,19 +121,32 @@ impl Stages {
         self.0.first().map_or(0, |s| s.plan.ranks.len())
     }
 
-    /// Each rank's bytes with every stage resident.
-    fn rank_totals(&self) -> Vec<u64> {
+    /// Each rank's bytes with the stages held as `residency` says.
+    fn rank_totals(&self, residency: Residency) -> Vec<u64> {
         (0..self.ranks())
-            .map(|rank| held_together(self.0.iter().map(|s| &s.plan.ranks[rank])))
+            .map(|rank| {
+                let ranks: Vec<_> = self.0.iter().map(|s| &s.plan.ranks[rank]).collect();
+                residency.rank_bytes(&ranks)
+            })
             .collect()
     }
 
-    fn peak(&self) -> (usize, u64) {
-        self.rank_totals()
+    fn peak(&self, residency: Residency) -> (usize, u64) {
+        self.rank_totals(residency)
             .into_iter()
             .enumerate()
             .max_by_key(|&(rank, total)| (total, std::cmp::Reverse(rank)))
             .unwrap_or((0, 0))
+    }
+
+    /// How the engine holds the stages within `budget`, as `Launch` decides it: every stage
+    /// resident where that fits, else the text encoder freed after encoding, before the
+    /// DiT and the VAE load.
+    fn residency(&self, budget: u64) -> Residency {
+        match self.peak(Residency::Together).1 <= budget {
+            true => Residency::Together,
+            false => Residency::InTurns { first: 1 },
+        }
     }
 
     /// One FSDP GPU for the pipeline: every stage's even shard resident, and at each stage
@@ -172,12 +185,13 @@ pub fn plan(
             .find(|&tp| {
                 models
                     .plan(tp, dtype, video, device)
-                    .is_ok_and(|s| s.peak().1 <= budget)
+                    .is_ok_and(|s| s.peak(s.residency(budget)).1 <= budget)
             })
             .unwrap_or(widest),
     };
     let stages = models.plan(tp, dtype, video, device)?;
-    let (peak_rank, peak) = stages.peak();
+    let residency = stages.residency(budget);
+    let (peak_rank, peak) = stages.peak(residency);
     let fits = peak <= budget;
     if json {
         let plans: serde_json::Map<String, serde_json::Value> = stages
@@ -190,17 +204,18 @@ pub fn plan(
             "tp": tp,
             "budget": budget,
             "stages": plans,
-            "rank_totals": stages.rank_totals(),
+            "rank_totals": stages.rank_totals(residency),
             "peak_rank": peak_rank,
             "peak": peak,
             "fits": fits,
-            "resident": stages.0.iter().map(|s| s.key).collect::<Vec<_>>(),
+            "residency": residency,
+            "encoder_freed_after_encoding": residency != Residency::Together,
             "fsdp_total": stages.fsdp_total(),
             "fsdp_fits": stages.fsdp_total() <= budget,
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print(&stages, name_or_dir, tp, budget);
+        print(&stages, name_or_dir, tp, budget, residency);
         if searched && fits {
             println!("\nThe smallest width that fits: --tp {tp}");
         }
@@ -209,8 +224,8 @@ pub fn plan(
         true => ExitCode::SUCCESS,
         false => {
             eprintln!(
-                "does not fit: rank {peak_rank} needs {:.1} MiB of the {:.1} MiB budget with every stage held \
-                 together; try a wider --tp, fewer --frames or a smaller --size",
+                "does not fit: rank {peak_rank} needs {:.1} MiB of the {:.1} MiB budget even with the text encoder \
+                 freed after encoding; try a wider --tp, fewer --frames or a smaller --size",
                 mib(peak),
                 mib(budget)
             );
@@ -219,7 +234,7 @@ pub fn plan(
     })
 }
 
-fn print(stages: &Stages, name: &str, tp: usize, budget: u64) {
+fn print(stages: &Stages, name: &str, tp: usize, budget: u64, residency: Residency) {
     let dit = stages.0.iter().find(|s| s.key == "transformer").map(|s| &s.plan);
     println!(
         "{name}, {}, TP {tp}: {}; budget {:.0} MiB per GPU ({} profile)\n",
@@ -238,10 +253,14 @@ fn print(stages: &Stages, name: &str, tp: usize, budget: u64) {
         header.push(format!("{} resident", s.label));
         header.push(format!("{} temporaries", s.label));
     }
-    header.extend(["workspace + context", "held together", "headroom"].map(String::from));
+    let held = match residency {
+        Residency::Together => "held together",
+        Residency::InTurns { .. } => "held at the peak",
+    };
+    header.extend(["workspace + context", held, "headroom"].map(String::from));
     println!("| {} |", header.join(" | "));
     println!("|{}", "---:|".repeat(header.len()));
-    for (rank, total) in stages.rank_totals().into_iter().enumerate() {
+    for (rank, total) in stages.rank_totals(residency).into_iter().enumerate() {
         let mut row = vec![rank.to_string()];
         for s in &stages.0 {
             let r = &s.plan.ranks[rank];
@@ -260,10 +279,21 @@ fn print(stages: &Stages, name: &str, tp: usize, budget: u64) {
     }
     println!(
         "\n(MiB per rank; resident: weights, buffers and the DiT's latents; temporaries: one stage's activation peak \
-         with the allocator's slack.) Every stage stays resident, its weights loaded once for every run; the stages \
-         run one at a time, so only the largest one's temporaries count. The VAE holds its whole weights on every \
-         rank and decodes a band of each frame's rows.\n"
+         with the allocator's slack.) The stages run one at a time, so only the largest one's temporaries count. \
+         The VAE holds its whole weights on every rank and decodes a band of each frame's rows."
     );
+    match residency {
+        Residency::Together => println!("Every stage stays resident, its weights loaded once for every run.\n"),
+        Residency::InTurns { .. } => {
+            let (rank, together) = stages.peak(Residency::Together);
+            println!(
+                "The text encoder's shard is freed after encoding, before the DiT and the VAE load: with every stage \
+                 held together rank {rank} would need {:.1} MiB. A run encodes its prompts first; an engine that \
+                 serves several runs takes text states for the later ones.\n",
+                mib(together)
+            );
+        }
+    }
     let fsdp = stages.fsdp_total();
     println!(
         "FSDP on {tp} GPUs, for comparison: {} + the largest stage's unshard buffer and full activations ({}) = \

@@ -164,11 +164,19 @@ pub fn generate_video(
         engine.plan().tokens_per_forward,
         tpinfer_plan::mib(engine.planned_peak())
     );
+    if engine.frees_encoder() {
+        eprintln!(
+            "the text encoder does not fit beside the DiT and the VAE: it is freed after encoding, and they load then"
+        );
+    }
     let (text, negative) = match (embeds, prompt) {
         (Some(embeds), _) => embeds,
         (None, Some(prompt)) => stages.time("encode", || encode(&engine, prompt, args))?,
         (None, None) => bail!("nothing to encode"),
     };
+    if engine.frees_encoder() {
+        stages.time("load DiT + VAE", || engine.end_encoding())?;
+    }
     let request = request(text, negative);
     let latents = stages.time("denoise", || denoise(&engine, request, args.steps))?;
     for path in &outputs.latents {

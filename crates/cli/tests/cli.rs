@@ -583,6 +583,45 @@ fn png_frames(dir: &Path) -> Vec<Vec<u8>> {
     names.iter().map(|p| std::fs::read(p).expect("png")).collect()
 }
 
+/// A budget that cannot hold the text encoder beside the DiT and the VAE frees it after
+/// encoding, before they load, as the plan says: the same frames as with every stage held.
+#[test]
+fn a_pipeline_frees_its_encoder_when_the_budget_needs_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pipeline = tpinfer_tests::TinyWanPipeline::default().write(&dir.path().join("pipe"));
+    let model = pipeline.to_str().expect("utf8");
+    let shape = ["--tp", "2", "--frames", "5", "--size", "64x32"];
+    let planned = json(&plan(
+        &[
+            &["--model", model, "--cpu", "--json", "--gpu-mem", "1GiB"][..],
+            &shape[..],
+        ]
+        .concat(),
+    ));
+    let held_together = planned["peak"].as_u64().expect("bytes");
+    let generate = |budget: Option<u64>, frames: &Path| {
+        let budget = budget.map(|b| format!("{b}B"));
+        let video = frames.with_extension("mp4");
+        let (frames, video) = (frames.to_str().expect("utf8"), video.to_str().expect("utf8"));
+        let mut args = vec!["generate", "--model", model, "--prompt", "a red fox", "--steps", "2"];
+        args.extend(["--save-frames", frames, "--out", video]);
+        args.extend(shape);
+        if let Some(budget) = &budget {
+            args.extend(["--gpu-mem", budget.as_str()]);
+        }
+        let output = tpinfer(&args, Duration::from_secs(120));
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8_lossy(&output.stderr).to_string()
+    };
+    let (held, in_turns) = (dir.path().join("held"), dir.path().join("turns"));
+    let stderr = generate(None, &held);
+    assert!(!stderr.contains("freed after encoding"), "{stderr}");
+    let stderr = generate(Some(held_together - 1), &in_turns);
+    assert!(stderr.contains("freed after encoding"), "{stderr}");
+    assert!(stderr.contains("load DiT + VAE "), "the second load is timed: {stderr}");
+    assert!(png_frames(&in_turns) == png_frames(&held), "the frames differ");
+}
+
 /// A pipeline's plan holds its stages on the same ranks (the text encoder, the DiT, the VAE):
 /// each rank's total is every stage's resident bytes and the largest stage's temporaries.
 #[test]
@@ -609,16 +648,41 @@ fn plan_of_a_pipeline_holds_every_stage() {
         );
     }
     assert_eq!(out["stages"]["text_encoder"]["tokens_per_forward"], 512);
+    assert_eq!(out["encoder_freed_after_encoding"], false);
+    // A byte short of holding every stage, the encoder is freed after encoding: each rank
+    // then needs the larger of its two turns (the encoder alone; the DiT and the VAE).
     let total = out["rank_totals"][0].as_u64().expect("bytes");
-    let tight = format!("{}B", total - 1);
-    let output = plan(&[&args[..], &["--gpu-mem", &tight]].concat());
+    let short = format!("{}B", total - 1);
+    let tight = [&args[..], &["--gpu-mem", &short]].concat();
+    let out = json(&plan(&tight));
+    assert_eq!(out["encoder_freed_after_encoding"], true, "{out}");
+    assert_eq!(out["fits"], true);
+    for rank in 0..2 {
+        let held = |names: &[&str]| {
+            let resident =
+                |name| stage(name, rank, "weights") + stage(name, rank, "buffers") + stage(name, rank, "cache");
+            let temporaries = |name| stage(name, rank, "activations") + stage(name, rank, "allocator_slack");
+            let reserves = stage(names[0], rank, "workspace") + stage(names[0], rank, "context");
+            names.iter().map(|s| resident(s)).sum::<u64>()
+                + names.iter().map(|s| temporaries(s)).max().expect("stages")
+                + reserves
+        };
+        let turns = held(&["text_encoder"]).max(held(&["transformer", "vae"]));
+        assert_eq!(out["rank_totals"][rank].as_u64(), Some(turns), "rank {rank}");
+    }
+    let table: Vec<&str> = tight.iter().copied().filter(|a| *a != "--json").collect();
+    let text = String::from_utf8_lossy(&plan(&table).stdout).to_string();
+    assert!(text.contains("freed after encoding"), "{text}");
+    // Under the larger turn nothing fits.
+    let turns = out["peak"].as_u64().expect("bytes");
+    let output = plan(&[&args[..], &["--gpu-mem", &format!("{}B", turns - 1)]].concat());
     assert_eq!(
         output.status.code(),
         Some(2),
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    assert!(String::from_utf8_lossy(&output.stderr).contains("held together"));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("even with the text encoder freed"));
 }
 
 /// Options of the other kind of model are refused by name, before anything loads: sampling

@@ -164,11 +164,14 @@ impl VideoEngine {
             cfg: true,
         };
         let mut launch = Launch::new(topology, b.group.clone());
-        let dit = launch.add(Arc::new(model), dtype, placement)?;
+        // The encoder runs first; where it does not fit beside the DiT and the VAE, it is freed
+        // before they load.
         let prompts = match &pipeline {
             Some(p) => Some(PromptEncoder::add(&mut launch, p, config.text_dim, dtype)?),
             None => None,
         };
+        launch.may_free_here();
+        let dit = launch.add(Arc::new(model), dtype, placement)?;
         let frames = match pipeline.as_ref().and_then(|p| p.vae.as_ref()) {
             Some(vae) => Some(FrameDecoder::add(&mut launch, vae, shape, config.out_channels, dtype)?),
             None => None,
@@ -195,7 +198,8 @@ impl VideoEngine {
     /// A prompt's umT5 states as the DiT takes them, `[512, text_dim]` f32 on the CPU: its
     /// tokens (whitespace folded, `</s>` appended, cut at 512) encoded on every rank, then
     /// zero-padded to 512, as Wan and diffusers hand them over. The empty prompt is diffusers'
-    /// default negative. Needs an engine started on a pipeline directory.
+    /// default negative. Needs an engine started on a pipeline directory, and where its
+    /// encoder must make room for the DiT ([`Self::frees_encoder`]), no run before.
     pub fn encode_prompt(&self, prompt: &str) -> Result<Tensor, EngineError> {
         let prompts = self.prompts.as_ref().ok_or_else(|| {
             EngineError::InvalidRequest(
@@ -204,7 +208,29 @@ impl VideoEngine {
                     .into(),
             )
         })?;
+        if self.group.is_freed(prompts.encoder.index()) {
+            return Err(EngineError::InvalidRequest(
+                "the text encoder was freed after the first run's prompts, to fit the DiT in the memory budget: encode \
+                 every prompt before the first run, give text states (--save-text-embeds, then --text-embeds), or \
+                 give the ranks room for both (a wider --tp or a larger --gpu-mem)"
+                    .into(),
+            ));
+        }
         prompts.encode(&self.group, prompt)
+    }
+
+    /// Frees the text encoder and loads the DiT and the VAE, where the encoder must make room
+    /// for them ([`Self::frees_encoder`]); otherwise nothing. The first run does it anyway:
+    /// call it to time the load apart from the run.
+    pub fn end_encoding(&self) -> Result<(), EngineError> {
+        self.group.next_turn()?;
+        Ok(())
+    }
+
+    /// Whether the text encoder is freed before the DiT and the VAE load, because the ranks'
+    /// budget cannot hold all three (see [`tpinfer_plan::Residency`]).
+    pub fn frees_encoder(&self) -> bool {
+        matches!(self.group.residency(), tpinfer_plan::Residency::InTurns { .. })
     }
 
     /// Whether the engine holds a prompt encoder (it was started on a pipeline directory).
@@ -222,6 +248,7 @@ impl VideoEngine {
                 "this engine holds no VAE: start it on a pipeline directory with a vae/ folder to decode frames".into(),
             )
         })?;
+        self.group.next_turn()?;
         frames.decode(&self.group, latents, &mut on_progress)
     }
 
@@ -329,7 +356,10 @@ impl VideoEngine {
             Work::Denoise(_) => true,
             Work::Velocity { latents, .. } => latents.dims() == self.latent_shape,
         };
+        // The DiT runs in the pipeline's second turn when its text encoder must make room.
+        self.group.next_turn()?;
         let check_memory = planned_size && self.unchecked.swap(false, Ordering::SeqCst);
+        let held_now = self.group.held_now();
         let (steps_tx, steps_rx) = mpsc::channel();
         let job = Arc::new(VideoJob {
             work,
@@ -341,7 +371,7 @@ impl VideoEngine {
             let model = rank.models.get_mut(&dit)?;
             let out = denoise(model, &*rank.env.comm, &rank.env.device, latent_shape, &task_job)?;
             if check_memory {
-                check_after_step(rank.env.rank, &rank.env.device, &rank.env.plans[0]);
+                check_after_step(rank.env.rank, &rank.env.device, held_now[rank.env.rank]);
             }
             Ok(out)
         });

@@ -16,7 +16,7 @@ mod search;
 
 pub use device::DeviceProfile;
 pub use model::{boxed_shards, numbered_unit, Accelerator, Footprint, Placement, RankShard, ShardedModel};
-pub use plan::{held_together, Fsdp, Plan, PlanError, RankPlan};
+pub use plan::{held_together, Fsdp, Plan, PlanError, RankPlan, Residency};
 pub use search::{fit_table, over_budget_message, smallest_width, WidthFit};
 
 /// Parses a byte size such as `24GiB`, `22.5 GB` or `1048576`.

@@ -85,6 +85,31 @@ pub fn held_together<'a>(ranks: impl IntoIterator<Item = &'a RankPlan>) -> u64 {
     resident + temporaries + reserves
 }
 
+/// How a rank holds models that run one after another (a pipeline's stages).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Residency {
+    /// Every model loaded at the start and kept: the models' weights load once for every run.
+    Together,
+    /// The first `first` models loaded at the start and run, then freed before the others load:
+    /// a text encoder freed after encoding, when holding it beside the DiT would not fit.
+    InTurns { first: usize },
+}
+
+impl Residency {
+    /// One rank's bytes for its plans of the models (in the order they run) under this
+    /// residency: the larger turn decides when they are held in turns.
+    pub fn rank_bytes(self, ranks: &[&RankPlan]) -> u64 {
+        match self {
+            Self::Together => held_together(ranks.iter().copied()),
+            Self::InTurns { first } => {
+                let (early, late) = ranks.split_at(first.min(ranks.len()));
+                held_together(early.iter().copied()).max(held_together(late.iter().copied()))
+            }
+        }
+    }
+}
+
 /// The same model under FSDP on as many GPUs, for comparison: every GPU holds an even shard
 /// of the flat parameters, gathers one whole wrapped unit (a block, or the root module with
 /// everything outside the blocks) before running it, and computes the full activations.

@@ -44,6 +44,10 @@ pub enum RuntimeError {
     Model(String),
     #[error("the group holds no such model at {index}: a handle of another group")]
     WrongModel { index: usize },
+    #[error("model {index} is not loaded yet: it loads in the next turn (RankGroup::next_turn)")]
+    NotLoaded { index: usize },
+    #[error("model {index} was freed after its turn, to fit the models after it in the memory budget")]
+    Freed { index: usize },
 }
 
 impl From<CommError> for RuntimeError {

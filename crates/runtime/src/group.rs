@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use candle_core::Device;
 use tpinfer_comm::Communicator;
 use tpinfer_family::RankOptions;
-use tpinfer_plan::Plan;
+use tpinfer_plan::{Plan, Residency};
 
 use crate::connect::{Connect, Startup};
 use crate::error::root_cause;
@@ -55,16 +55,28 @@ pub struct RankEnv {
     pub plans: Vec<tpinfer_plan::RankPlan>,
 }
 
+/// A model on a rank, through its turns (see [`Residency`]).
+enum Held {
+    Loaded(Box<dyn Any>),
+    /// Its turn has not come: the loader that will load it.
+    Pending(Loader),
+    /// Its turn is over: freed for the models after it.
+    Freed,
+}
+
 /// The models a rank holds, in the order they were added.
-pub struct Models(Vec<Box<dyn Any>>);
+pub struct Models(Vec<Held>);
 
 impl Models {
     /// The rank's model behind `handle`.
     pub fn get_mut<R: 'static>(&mut self, handle: &ModelHandle<R>) -> Result<&mut R, RuntimeError> {
-        self.0
-            .get_mut(handle.index)
-            .and_then(|m| m.downcast_mut::<R>())
-            .ok_or(RuntimeError::WrongModel { index: handle.index })
+        let index = handle.index;
+        match self.0.get_mut(index) {
+            Some(Held::Loaded(model)) => model.downcast_mut::<R>().ok_or(RuntimeError::WrongModel { index }),
+            Some(Held::Pending(_)) => Err(RuntimeError::NotLoaded { index }),
+            Some(Held::Freed) => Err(RuntimeError::Freed { index }),
+            None => Err(RuntimeError::WrongModel { index }),
+        }
     }
 }
 
@@ -72,6 +84,33 @@ impl Models {
 pub struct Rank {
     pub env: RankEnv,
     pub models: Models,
+    options: RankOptions,
+}
+
+impl Rank {
+    /// Frees the models of the first turn and loads the others: the weight bytes each one
+    /// read (0 for the freed), then meets its peers.
+    fn next_turn(&mut self, first: usize) -> Result<Vec<usize>, RuntimeError> {
+        let rank = self.env.rank;
+        let mut bytes = vec![0; self.models.0.len()];
+        for held in &mut self.models.0[..first] {
+            *held = Held::Freed;
+        }
+        // The freed blocks go back to the pool before the next turn's weights take them.
+        memory::reset_peak(&self.env.device);
+        for (index, held) in self.models.0.iter_mut().enumerate().skip(first) {
+            let Held::Pending(load) = std::mem::replace(held, Held::Freed) else {
+                continue;
+            };
+            let (model, read) = load(&self.env, self.options).map_err(|e| RuntimeError::of_rank(rank, e))?;
+            *held = Held::Loaded(model);
+            bytes[index] = read;
+        }
+        let at_load = self.env.plans[first..].iter().map(|p| p.weights + p.at_load).sum();
+        memory::check_after_load(rank, &self.env.device, at_load);
+        self.env.comm.barrier()?;
+        Ok(bytes)
+    }
 }
 
 /// Whether a rank goes on serving after a task.
@@ -93,6 +132,8 @@ pub(crate) struct RankSetup {
     pub plans: Vec<tpinfer_plan::RankPlan>,
     pub connect: Connect,
     pub loaders: Vec<Loader>,
+    /// How many of `loaders` load at the start; the others wait for [`RankGroup::next_turn`].
+    pub load_first: usize,
     pub options: RankOptions,
 }
 
@@ -104,7 +145,10 @@ pub struct RankGroup {
     threads: Vec<JoinHandle<()>>,
     topology: Topology,
     plans: Vec<Plan>,
-    weight_bytes: Vec<Vec<usize>>,
+    residency: Residency,
+    /// Whether the models of the first turn have been freed and the others loaded.
+    turned: Mutex<bool>,
+    weight_bytes: Mutex<Vec<Vec<usize>>>,
     broken: Mutex<Option<String>>,
 }
 
@@ -114,6 +158,7 @@ impl RankGroup {
         threads: Vec<JoinHandle<()>>,
         topology: Topology,
         plans: Vec<Plan>,
+        residency: Residency,
         weight_bytes: Vec<Vec<usize>>,
     ) -> Self {
         Self {
@@ -121,9 +166,46 @@ impl RankGroup {
             threads,
             topology,
             plans,
-            weight_bytes,
+            residency,
+            turned: Mutex::new(false),
+            weight_bytes: Mutex::new(weight_bytes),
             broken: Mutex::new(None),
         }
+    }
+
+    /// How the ranks hold their models: all together, or in turns because together they
+    /// would not fit the budget.
+    pub fn residency(&self) -> Residency {
+        self.residency
+    }
+
+    /// Whether the model at `index` was freed at the end of its turn.
+    pub fn is_freed(&self, index: usize) -> bool {
+        match self.residency {
+            Residency::InTurns { first } => index < first && *lock(&self.turned),
+            Residency::Together => false,
+        }
+    }
+
+    /// Ends the first turn of models held in turns: frees them on every rank and loads the
+    /// others. Returns whether it did; models held together, or a turn already ended, need
+    /// nothing.
+    pub fn next_turn(&self) -> Result<bool, RuntimeError> {
+        let Residency::InTurns { first } = self.residency else {
+            return Ok(false);
+        };
+        let mut turned = lock(&self.turned);
+        if *turned {
+            return Ok(false);
+        }
+        let bytes = self.run(move |rank| rank.next_turn(first))?;
+        *turned = true;
+        for (held, read) in lock(&self.weight_bytes).iter_mut().zip(bytes) {
+            for (held, read) in held.iter_mut().zip(read).skip(first) {
+                *held = read;
+            }
+        }
+        Ok(true)
     }
 
     /// Runs `task` on every rank and returns each rank's value in rank order, or the root
@@ -146,7 +228,7 @@ impl RankGroup {
         F: Fn(&mut Rank) -> Result<T, E> + Send + Sync + 'static,
     {
         let (results_tx, results) = mpsc::channel();
-        if let Some(cause) = self.broken.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+        if let Some(cause) = lock(&self.broken).clone() {
             return Pending {
                 group: self,
                 results,
@@ -189,17 +271,34 @@ impl RankGroup {
         &self.plans
     }
 
-    /// Each rank's planned bytes for all its models together (see
-    /// [`tpinfer_plan::held_together`]).
+    /// Each rank's planned bytes for all its models, held as [`Self::residency`] says.
     pub fn planned_totals(&self) -> Vec<u64> {
         (0..self.jobs.len())
-            .map(|rank| tpinfer_plan::held_together(self.plans.iter().map(|p| &p.ranks[rank])))
+            .map(|rank| {
+                let ranks: Vec<_> = self.plans.iter().map(|p| &p.ranks[rank]).collect();
+                self.residency.rank_bytes(&ranks)
+            })
             .collect()
     }
 
-    /// The weight bytes each rank read for the model at `index`.
+    /// Each rank's planned bytes for the models it holds now: all of them, or those of the
+    /// current turn.
+    pub fn held_now(&self) -> Vec<u64> {
+        let held = match self.residency {
+            Residency::Together => 0..self.plans.len(),
+            Residency::InTurns { first } => match *lock(&self.turned) {
+                false => 0..first,
+                true => first..self.plans.len(),
+            },
+        };
+        (0..self.jobs.len())
+            .map(|rank| tpinfer_plan::held_together(self.plans[held.clone()].iter().map(|p| &p.ranks[rank])))
+            .collect()
+    }
+
+    /// The weight bytes each rank read for the model at `index` (0 before its turn).
     pub fn weight_bytes(&self, index: usize) -> Vec<usize> {
-        self.weight_bytes
+        lock(&self.weight_bytes)
             .iter()
             .map(|r| r.get(index).copied().unwrap_or(0))
             .collect()
@@ -235,7 +334,7 @@ impl<T, E: RankFailure> Pending<'_, T, E> {
             return Err(refused);
         }
         collect(self.group.jobs.len(), &self.results).inspect_err(|root| {
-            *self.group.broken.lock().unwrap_or_else(|e| e.into_inner()) = Some(root.to_string());
+            *lock(&self.group.broken) = Some(root.to_string());
         })
     }
 }
@@ -272,6 +371,7 @@ pub(crate) fn rank_main(setup: RankSetup, ready: Sender<Startup>, jobs: Receiver
         plans,
         connect,
         loaders,
+        load_first,
         options,
     } = setup;
     let _span = tracing::info_span!("rank", rank, world).entered();
@@ -293,13 +393,18 @@ pub(crate) fn rank_main(setup: RankSetup, ready: Sender<Startup>, jobs: Receiver
     let loaded = guarded(rank, &*env.comm.clone(), || -> Result<_, RuntimeError> {
         let mut models = Vec::with_capacity(loaders.len());
         let mut bytes = Vec::with_capacity(loaders.len());
-        for load in loaders {
+        for (index, load) in loaders.into_iter().enumerate() {
+            if index >= load_first {
+                models.push(Held::Pending(load));
+                bytes.push(0);
+                continue;
+            }
             let (model, read) = load(&env, options).map_err(|e| RuntimeError::of_rank(rank, e))?;
-            models.push(model);
+            models.push(Held::Loaded(model));
             bytes.push(read);
         }
         tracing::info!(bytes = bytes.iter().sum::<usize>(), "loaded");
-        let at_load = env.plans.iter().map(|p| p.weights + p.at_load).sum();
+        let at_load = env.plans[..load_first].iter().map(|p| p.weights + p.at_load).sum();
         memory::check_after_load(rank, &env.device, at_load);
         env.comm.barrier()?;
         Ok((models, bytes))
@@ -318,6 +423,7 @@ pub(crate) fn rank_main(setup: RankSetup, ready: Sender<Startup>, jobs: Receiver
     let mut rank = Rank {
         env,
         models: Models(models),
+        options,
     };
     while let Ok(job) = jobs.recv() {
         if job(&mut rank) == Flow::Exit {
@@ -350,4 +456,9 @@ pub(crate) fn guarded<T, E: RankFailure>(
         }
     }
     outcome
+}
+
+/// A lock whose holder never leaves its data half-changed: a poisoned one is taken as is.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }

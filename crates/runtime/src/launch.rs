@@ -9,7 +9,7 @@ use std::time::Duration;
 use candle_core::DType;
 use tpinfer_comm::CommOptions;
 use tpinfer_family::{Family, LoadContext, RankOptions};
-use tpinfer_plan::{gib, held_together, over_budget_message, Placement, Plan, PlanError, RankShard, ShardedModel};
+use tpinfer_plan::{gib, over_budget_message, Placement, Plan, PlanError, RankShard, Residency, ShardedModel};
 
 use crate::connect::{await_startup, connectors};
 use crate::group::{rank_main, Loader, RankSetup};
@@ -73,6 +73,8 @@ pub struct Launch {
     topology: Topology,
     options: GroupOptions,
     slots: Vec<Slot>,
+    /// How many models may be freed before the others load (see [`Self::may_free_here`]).
+    first_turn: Option<usize>,
 }
 
 impl Launch {
@@ -81,7 +83,15 @@ impl Launch {
             topology,
             options,
             slots: Vec::new(),
+            first_turn: None,
         }
+    }
+
+    /// Lets the models added so far run in a first turn and be freed before the ones added
+    /// next load ([`RankGroup::next_turn`]), if holding all of them at once would not fit the
+    /// budget. Where they fit together, every model loads at the start and stays.
+    pub fn may_free_here(&mut self) {
+        self.first_turn = Some(self.slots.len());
     }
 
     /// Adds `model` in `dtype` for `placement`: splits it over the ranks once (checked against
@@ -126,8 +136,9 @@ impl Launch {
     }
 
     /// Refuses a placement over budget, then spawns one thread per rank, builds the
-    /// communicators, loads every model on every rank and checks the ranks' health. Fails
-    /// with the root cause among the ranks' errors.
+    /// communicators, loads every model on every rank (those of the first turn, where they
+    /// are held in turns) and checks the ranks' health. Fails with the root cause among the
+    /// ranks' errors.
     pub fn start(self) -> Result<RankGroup, RuntimeError> {
         // A zero wait would report every healthy peer as stalled.
         for (name, wait) in [
@@ -140,12 +151,17 @@ impl Launch {
                 )));
             }
         }
-        self.check_budget()?;
+        let residency = self.check_budget()?;
         let Self {
             topology,
             options,
             slots,
+            ..
         } = self;
+        let load_first = match residency {
+            Residency::Together => slots.len(),
+            Residency::InTurns { first } => first,
+        };
         let tp = topology.width();
         topology.devices().iter().for_each(memory::reset_peak);
         let connectors = connectors(topology.devices(), options.comm_timeout, options.comm)?;
@@ -168,6 +184,7 @@ impl Launch {
                 plans: rank_plans,
                 connect,
                 loaders,
+                load_first,
                 options: options.rank,
             };
             let ready = ready_tx.clone();
@@ -185,16 +202,41 @@ impl Launch {
         // Ranks still blocked in communicator init cannot be joined; on a failure the others
         // exit once their job channels close, and nothing waits for them.
         let weight_bytes = await_startup(&ready_rx, tp, options.init_timeout)?;
-        Ok(RankGroup::new(jobs, threads, topology, plans, weight_bytes))
+        Ok(RankGroup::new(jobs, threads, topology, plans, residency, weight_bytes))
     }
 
     /// Plans every rank's device bytes and refuses a placement over budget, before any rank
     /// allocates or joins NCCL. The budget is `gpu_mem`, and on GPUs at most each device's
     /// free memory (which already excludes the CUDA context this process created) less a 2%
-    /// margin. Models held together keep their weights, buffers and caches resident and
-    /// run one at a time: their temporaries do not add up.
-    fn check_budget(&self) -> Result<(), RuntimeError> {
-        self.check_host_memory()?;
+    /// margin. Models held together keep their weights, buffers and caches resident and run
+    /// one at a time: their temporaries do not add up. Where together they do not fit and
+    /// [`Self::may_free_here`] allows it, they are held in two turns. Returns how they are held.
+    fn check_budget(&self) -> Result<Residency, RuntimeError> {
+        let turns = self
+            .first_turn
+            .filter(|&first| first > 0 && first < self.slots.len())
+            .map(|first| Residency::InTurns { first });
+        let refusal = match self.over_budget(Residency::Together) {
+            None => return Ok(Residency::Together),
+            Some(refusal) => refusal,
+        };
+        let Some(turns) = turns else {
+            return Err(RuntimeError::OverBudget(refusal));
+        };
+        match self.over_budget(turns) {
+            None => {
+                tracing::info!("{refusal}: the first models are freed after their turn, before the others load");
+                Ok(turns)
+            }
+            Some(still) => Err(RuntimeError::OverBudget(format!("{refusal}; {still}"))),
+        }
+    }
+
+    /// Why the models held as `residency` do not fit, if they do not.
+    fn over_budget(&self, residency: Residency) -> Option<String> {
+        if let Some(refusal) = self.over_host_memory(residency) {
+            return Some(refusal);
+        }
         let profile = self.topology.profile();
         for (rank, device) in self.topology.devices().iter().enumerate() {
             let free =
@@ -205,18 +247,24 @@ impl Launch {
                 (None, Some(free)) => free,
                 (None, None) => continue,
             };
-            let needed = self.rank_total(rank);
+            let needed = self.rank_total(rank, residency);
             if needed <= budget {
                 continue;
             }
-            let mut message = match self.slots.as_slice() {
-                [one] => over_budget_message(&*one.model, &one.plan, one.dtype, budget),
-                all => format!(
-                    "rank {rank} needs {:.2} GiB for {} but {:.2} GiB is available {}",
+            let mut message = match (self.slots.as_slice(), residency) {
+                ([one], _) => over_budget_message(&*one.model, &one.plan, one.dtype, budget),
+                (all, Residency::Together) => format!(
+                    "rank {rank} needs {:.2} GiB for {} held together but {:.2} GiB is available {}",
                     gib(needed),
-                    all.iter().map(|s| s.model.name()).collect::<Vec<_>>().join(" + "),
+                    names(all),
                     gib(budget),
                     if profile.is_cuda() { "per GPU" } else { "per CPU rank" }
+                ),
+                (all, Residency::InTurns { first }) => format!(
+                    "with {} freed before {} load, it still needs {:.2} GiB",
+                    names(&all[..first]),
+                    names(&all[first..]),
+                    gib(needed)
                 ),
             };
             if free == Some(budget) {
@@ -225,37 +273,42 @@ impl Launch {
                      show in `nvidia-smi`)"
                 ));
             }
-            return Err(RuntimeError::OverBudget(message));
+            return Some(message);
         }
-        Ok(())
+        None
     }
 
     /// CPU ranks are threads of this process: together they must fit the host's available
     /// memory, which a start that swaps or is killed for memory would learn too late.
-    fn check_host_memory(&self) -> Result<(), RuntimeError> {
+    fn over_host_memory(&self, residency: Residency) -> Option<String> {
         if !self.topology.is_cpu() {
-            return Ok(());
+            return None;
         }
-        let Some(available) = memory::host_available() else {
-            return Ok(());
-        };
-        let needed: u64 = (0..self.topology.width()).map(|rank| self.rank_total(rank)).sum();
-        if needed <= available {
-            return Ok(());
-        }
-        Err(RuntimeError::OverBudget(format!(
-            "the {} CPU ranks need {:.2} GiB together, but the host has {:.2} GiB available (MemAvailable); \
-             the ranks share it, so a wider --tp does not help: use a smaller dtype, context or model",
-            self.topology.width(),
-            gib(needed),
-            gib(available)
-        )))
+        let available = memory::host_available()?;
+        let needed: u64 = (0..self.topology.width())
+            .map(|rank| self.rank_total(rank, residency))
+            .sum();
+        (needed > available).then(|| {
+            format!(
+                "the {} CPU ranks need {:.2} GiB together, but the host has {:.2} GiB available (MemAvailable); \
+                 the ranks share it, so a wider --tp does not help: use a smaller dtype, context or model",
+                self.topology.width(),
+                gib(needed),
+                gib(available)
+            )
+        })
     }
 
-    /// A rank's bytes for every model held together.
-    fn rank_total(&self, rank: usize) -> u64 {
-        held_together(self.slots.iter().map(|s| &s.plan.ranks[rank]))
+    /// A rank's bytes for every model, held as `residency` says.
+    fn rank_total(&self, rank: usize, residency: Residency) -> u64 {
+        let ranks: Vec<_> = self.slots.iter().map(|s| &s.plan.ranks[rank]).collect();
+        residency.rank_bytes(&ranks)
     }
+}
+
+/// The models' names, joined by " + ".
+fn names(slots: &[Slot]) -> String {
+    slots.iter().map(|s| s.model.name()).collect::<Vec<_>>().join(" + ")
 }
 
 fn plan_error(e: PlanError) -> RuntimeError {

@@ -78,10 +78,10 @@ pub fn check_after_load(rank: usize, device: &Device, planned: u64) {
 }
 
 /// Compares a DiT rank's peak device memory over its first step at the planned video size
-/// with the plan's total.
-pub fn check_after_step(rank: usize, device: &Device, plan: &RankPlan) {
+/// with the `planned` bytes of everything the rank holds (see `RankGroup::held_now`).
+pub fn check_after_step(rank: usize, device: &Device, planned: u64) {
     if let Some(m) = measure(device) {
-        check_against_plan(rank, "peak over the first step", m.peak(), plan.total());
+        check_against_plan(rank, "peak over the first step", m.peak(), planned);
     }
 }
 
