@@ -170,9 +170,53 @@ impl Conv {
                 .collect::<candle_core::Result<_>>()?;
             input = Tensor::cat(&taps, 1)?;
         }
-        let y = input.conv2d(&self.weight, 0, 1, 1, 1)?.broadcast_add(&self.bias)?;
-        Ok(Band { x: y, rows: out })
+        Ok(Band {
+            x: self.convolve(&input)?,
+            rows: out,
+        })
     }
+
+    /// candle's convolution of the padded `input` `[frames, taps·in, rows, width]`, plus the
+    /// bias. On CUDA it unfolds its whole input first (im2col, k²·taps copies of every
+    /// pixel), so there it runs on chunks of output rows whose unfolding stays under
+    /// [`UNFOLD_BYTES`], each written into the output in place.
+    fn convolve(&self, input: &Tensor) -> Result<Tensor> {
+        let (frames, channels, _, padded_width) = input.dims4()?;
+        let k = 2 * self.reach + 1;
+        let unfolded_row = frames * (padded_width - 2 * self.reach) * channels * k * k * input.dtype().size_in_bytes();
+        match input.device().is_cuda() {
+            true => self.convolve_rows(input, unfold_chunk_rows(unfolded_row)),
+            false => self.convolve_rows(input, usize::MAX),
+        }
+    }
+
+    /// [`Self::convolve`] in chunks of `chunk` output rows.
+    fn convolve_rows(&self, input: &Tensor, chunk: usize) -> Result<Tensor> {
+        let (frames, _, padded_rows, padded_width) = input.dims4()?;
+        let (rows, width) = (padded_rows - 2 * self.reach, padded_width - 2 * self.reach);
+        let part = |start: usize, len: usize| -> Result<Tensor> {
+            let read = input.narrow(2, start, len + 2 * self.reach)?;
+            Ok(read.conv2d(&self.weight, 0, 1, 1, 1)?.broadcast_add(&self.bias)?)
+        };
+        if chunk >= rows {
+            return part(0, rows);
+        }
+        let out = self.weight.dims()[0];
+        let y = Tensor::zeros((frames, out, rows, width), input.dtype(), input.device())?;
+        for start in (0..rows).step_by(chunk) {
+            y.slice_set(&part(start, chunk.min(rows - start))?, 2, start)?;
+        }
+        Ok(y)
+    }
+}
+
+/// The most bytes candle's CUDA convolution may unfold at once: its im2col buffer, which
+/// also bounds its element count far under the u32 its kernel indexes with.
+pub(crate) const UNFOLD_BYTES: usize = 256 << 20;
+
+/// The output rows per chunk of a CUDA convolution that unfolds `per_row` bytes for each.
+pub(crate) fn unfold_chunk_rows(per_row: usize) -> usize {
+    (UNFOLD_BYTES / per_row.max(1)).max(1)
 }
 
 /// Wan's RMS norm over channels: `x / max(‖x‖, 1e-12) · √C · γ`, normalised in f32.
@@ -214,4 +258,36 @@ impl ChannelNorm {
 /// Clamps decoded pixels to [−1, 1], as diffusers does, in f32.
 pub(crate) fn clamp_pixels(x: &Tensor) -> Result<Tensor> {
     Ok(x.to_dtype(DType::F32)?.clamp(-1f32, 1f32)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::Conv;
+
+    /// The chunks that CUDA's convolution runs in join into the whole convolution.
+    #[test]
+    fn a_convolution_in_chunks_of_rows_is_the_whole() {
+        let cpu = Device::Cpu;
+        let conv = Conv {
+            weight: Tensor::randn(0f32, 1.0, (4, 6, 3, 3), &cpu).expect("weight"),
+            bias: Tensor::randn(0f32, 1.0, (1, 4, 1, 1), &cpu).expect("bias"),
+            taps: 1,
+            reach: 1,
+            slot: None,
+        };
+        let input = Tensor::randn(0f32, 1.0, (2, 6, 11, 7), &cpu).expect("input");
+        let whole = conv.convolve_rows(&input, usize::MAX).expect("whole");
+        assert_eq!(whole.dims(), [2, 4, 9, 5]);
+        for chunk in [1, 2, 4, 8] {
+            let chunks = conv.convolve_rows(&input, chunk).expect("chunks");
+            let diff = (chunks - &whole).and_then(|d| d.abs()).and_then(|d| d.max_all());
+            assert_eq!(
+                diff.and_then(|d| d.to_scalar::<f32>()).expect("max"),
+                0.0,
+                "chunks of {chunk}"
+            );
+        }
+    }
 }

@@ -1,6 +1,7 @@
 //! The bytes of each layer of the decoder's path, as `blocks.rs` allocates them.
 
 use super::{Bytes, ConvCall, Model};
+use crate::conv::unfold_chunk_rows;
 use crate::rows::Rows;
 
 /// Output pixels per tile of candle's CPU convolution (its `TILE_SIZE`).
@@ -230,9 +231,21 @@ impl Model {
         // candle's CUDA convolution unfolds the input (im2col), multiplies, and transposes
         // the product into place; its CPU one copies the input pixel-major and unfolds one
         // tile of output pixels at a time beside the output; a 1×1 one copies one frame.
+        // On CUDA, in chunks of rows where the whole would unfold more than `UNFOLD_BYTES`,
+        // each written into the preallocated output.
+        let unfolded_row = frames * w * k * k * taps * inp * e;
+        let chunk = unfold_chunk_rows(unfolded_row);
+        let chunked = self.cuda && chunk < rows.len();
         let convolution = match (self.cuda, k) {
+            (true, _) if chunked => {
+                let (unfolded, part) = (chunk * unfolded_row, frames * chunk * w * out * e);
+                Bytes {
+                    peak: stacked + written + unfolded + 2 * part,
+                    largest: unfolded.max(written),
+                }
+            }
             (true, _) => {
-                let unfolded = frames * rows.len() * w * k * k * taps * inp * e;
+                let unfolded = rows.len() * unfolded_row;
                 Bytes {
                     peak: stacked + unfolded + 2 * written,
                     largest: unfolded,
@@ -250,9 +263,12 @@ impl Model {
                 }
             }
         };
-        let bias = Bytes {
-            peak: stacked + 2 * written,
-            largest: written,
+        let bias = match chunked {
+            true => Bytes::default(),
+            false => Bytes {
+                peak: stacked + 2 * written,
+                largest: written,
+            },
         };
         Bytes {
             peak: pads.max(taps_phase),
