@@ -118,7 +118,7 @@ struct Common {
     /// Decode kernel by kernel instead of replaying a captured CUDA graph.
     #[arg(long)]
     enforce_eager: bool,
-    /// Test switch: inject a fault, KIND:RANK:STEP with KIND one of error, panic, oom, exit.
+    /// Test switch: inject a fault, KIND:RANK:STEP with KIND one of error, panic, oom, exit, nan.
     #[arg(long, value_parser = parse_fault)]
     fault: Option<Fault>,
     /// Seconds a rank waits for its peers before naming them.
@@ -138,6 +138,7 @@ fn parse_fault(text: &str) -> Result<Fault, String> {
         "panic" => Fault::Panic { rank, step },
         "oom" => Fault::Oom { rank, step },
         "exit" => Fault::Exit { rank, step },
+        "nan" => Fault::NonFinite { rank, step },
         other => return Err(format!("unknown fault `{other}`")),
     })
 }
@@ -236,7 +237,11 @@ fn dtype_of(dtype: DtypeArg) -> DType {
 fn check_fault(common: &Common, new_tokens: usize) -> Result<()> {
     let step = match common.fault {
         Some(
-            Fault::Error { step, .. } | Fault::Panic { step, .. } | Fault::Oom { step, .. } | Fault::Exit { step, .. },
+            Fault::Error { step, .. }
+            | Fault::Panic { step, .. }
+            | Fault::Oom { step, .. }
+            | Fault::Exit { step, .. }
+            | Fault::NonFinite { step, .. },
         ) => step,
         None => return Ok(()),
     };

@@ -95,3 +95,33 @@ fn impossible_fault_and_timeout_options_are_refused() {
         "{err}"
     );
 }
+
+/// Logits that turn NaN mid-request (as a NaN in the KV cache makes them) stop it within the
+/// steps between two checks, named by its decode step, on every rank alike: before, only the
+/// prompt's logits were checked, and decoding ran on to the end on garbage.
+#[test]
+fn logits_that_turn_nan_stop_the_request_by_step() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    for (max_new_tokens, stopped_at) in [(80, "decode step 32"), (6, "decode step 6")] {
+        let engine = Engine::builder(&path)
+            .tp(3)
+            .comm_timeout(Duration::from_secs(5))
+            .inject_fault(Fault::NonFinite { rank: 0, step: 2 })
+            .build()
+            .expect("engine");
+        let request = GenerateRequest::new(Prompt::text("hello"), max_new_tokens);
+        let start = Instant::now();
+        let error = engine
+            .generate(request)
+            .expect("queued")
+            .collect_text()
+            .expect_err("NaN logits");
+        assert!(start.elapsed() < Duration::from_secs(4), "took {:?}", start.elapsed());
+        assert!(
+            matches!(error, EngineError::NonFinite { what: "logits", .. }),
+            "{error}"
+        );
+        assert!(error.to_string().contains(stopped_at), "{error}");
+    }
+}

@@ -20,6 +20,9 @@ pub enum Fault {
     Oom { rank: usize, step: usize },
     /// The rank's thread ends without a word, as a killed process would.
     Exit { rank: usize, step: usize },
+    /// The rank's logits turn NaN from this step on, as a NaN that reached its KV cache would
+    /// make them.
+    NonFinite { rank: usize, step: usize },
 }
 
 impl Fault {
@@ -33,7 +36,8 @@ impl Fault {
             Self::Error { rank, step }
             | Self::Panic { rank, step }
             | Self::Oom { rank, step }
-            | Self::Exit { rank, step } => (rank, step),
+            | Self::Exit { rank, step }
+            | Self::NonFinite { rank, step } => (rank, step),
         }
     }
 }

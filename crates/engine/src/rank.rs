@@ -25,6 +25,11 @@ pub(crate) struct RankJob {
     pub logits: Option<Sender<Vec<f32>>>,
 }
 
+/// Decode steps from one check that the logits are finite to the next. A NaN reaches every
+/// later step through the KV cache, so checks this far apart (and at a request's last step)
+/// find it within a few tokens, at one device sync per this many steps.
+const FINITE_CHECK_STEPS: usize = 32;
+
 /// What a request's run needs of its rank besides the model and the communicator.
 pub(crate) struct RankSetup<'a> {
     pub device: &'a Device,
@@ -87,6 +92,8 @@ struct JobRun<'a> {
     start: Instant,
     prefill: Option<std::time::Duration>,
     collectives_before: tpinfer_comm::StatsSnapshot,
+    /// An injected `Fault::NonFinite` has struck: the logits read as NaN from then on.
+    poisoned: bool,
 }
 
 impl<'a> JobRun<'a> {
@@ -98,6 +105,27 @@ impl<'a> JobRun<'a> {
             start: Instant::now(),
             prefill: None,
             collectives_before: comm.stats().snapshot(),
+            poisoned: false,
+        }
+    }
+
+    /// Fails, naming the decode step, where the `logits` of the step just run are not
+    /// finite: checked every [`FINITE_CHECK_STEPS`] steps, and at the `last`.
+    fn check_finite(&self, logits: &Tensor, last: bool) -> Result<(), EngineError> {
+        let step = self.context.len() - self.job.prompt.len();
+        if !last && !step.is_multiple_of(FINITE_CHECK_STEPS) {
+            return Ok(());
+        }
+        let finite = match self.poisoned {
+            true => crate::error::finite(&(logits * f64::NAN).map_err(sample_err)?),
+            false => crate::error::finite(logits),
+        };
+        match finite.map_err(sample_err)? {
+            true => Ok(()),
+            false => Err(EngineError::NonFinite {
+                what: "logits",
+                stage: format!("decode step {step}"),
+            }),
         }
     }
 
@@ -153,9 +181,13 @@ impl<'a> JobRun<'a> {
 
     /// Injects the configured fault before decode step `n` (the forward of the (n + 1)-th
     /// generated token).
-    fn maybe_fault(&self, setup: &RankSetup<'_>) -> Result<(), EngineError> {
+    fn maybe_fault(&mut self, setup: &RankSetup<'_>) -> Result<(), EngineError> {
         let step = self.context.len() - self.job.prompt.len() - 1;
         match setup.fault.filter(|f| f.at(self.rank, step)) {
+            Some(Fault::NonFinite { .. }) => {
+                self.poisoned = true;
+                Ok(())
+            }
             Some(fault) => inject(fault, self.rank, setup.device),
             None => Ok(()),
         }
@@ -193,6 +225,7 @@ fn run_greedy(
         }
         run.maybe_fault(setup)?;
         let step = model.greedy_step(encode(reason)).map_err(run.layer_err())?;
+        run.check_finite(&step.logits, decode(step.flags).is_some())?;
         if let Some(reason) = decode(step.flags) {
             run.finish(comm, reason);
             return Ok(model.cached_positions());
@@ -239,12 +272,14 @@ fn run_sampled(
         };
         run.context.push(token);
         if let Some(reason) = decode(code) {
+            run.check_finite(&logits, true)?;
             run.finish(comm, reason);
             // The last token was sampled but never run through the model.
             return Ok(run.context.len() - 1);
         }
         run.maybe_fault(setup)?;
         logits = model.forward(&[token]).map_err(run.layer_err())?;
+        run.check_finite(&logits, false)?;
     }
 }
 
@@ -261,6 +296,7 @@ fn inject(fault: Fault, rank: usize, device: &Device) -> Result<(), EngineError>
         }),
         Fault::Panic { .. } => panic!("injected panic on rank {rank}"),
         Fault::Exit { .. } => Err(RuntimeError::RankExited { rank }.into()),
+        Fault::NonFinite { .. } => Ok(()),
         Fault::Oom { .. } => {
             if device.is_cpu() {
                 // On the CPU a failed allocation aborts the process: nothing to report.
