@@ -192,6 +192,20 @@ fn non_finite_values_stop_the_run_by_name() {
         .generate(request(text, None), |_| {})
         .expect_err("overflowing weights");
     assert!(err.to_string().contains("after denoising step 1 of 2"), "{err}");
+
+    // The text encoder's final norm overflows: its states are not finite.
+    let weights = dir.path().join("text_encoder/model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).expect("load");
+    let poisoned = (tensors["encoder.final_layer_norm.weight"].ones_like().expect("ones") * 3e38).expect("huge");
+    tensors.insert("encoder.final_layer_norm.weight".into(), poisoned);
+    candle_core::safetensors::save(&tensors, &weights).expect("save");
+    let err = engine(dir.path(), 2)
+        .encode_prompt("a fox")
+        .expect_err("overflowing states");
+    assert!(
+        err.to_string().contains("text encoder's states hold NaN") && err.to_string().contains("encoding the prompt"),
+        "{err}"
+    );
 }
 
 /// Where the ranks cannot hold the text encoder beside the DiT and the VAE, the encoder runs

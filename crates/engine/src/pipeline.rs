@@ -118,7 +118,15 @@ impl PromptEncoder {
             .flatten()
             .next()
             .ok_or_else(|| RuntimeError::Stopped("rank 0 returned no states".into()))?;
-        pad_states(&states, TEXT_TOKENS)
+        // NaN states would denoise into NaN, found only after the whole run.
+        match crate::error::finite(&states) {
+            Ok(true) => pad_states(&states, TEXT_TOKENS),
+            Ok(false) => Err(EngineError::NonFinite {
+                what: "text encoder's states",
+                stage: "encoding the prompt".into(),
+            }),
+            Err(e) => Err(RuntimeError::of_rank(0, e.into()).into()),
+        }
     }
 
     /// The prompt's token ids as Wan's pipeline makes them: whitespace runs folded to one
