@@ -277,11 +277,13 @@ pub fn write_tokenizer(dir: &Path) {
     let mut tokenizer = tokenizers::Tokenizer::new(bpe);
     tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
-    tokenizer.add_special_tokens(&[
-        AddedToken::from("<|begin_of_text|>", true),
-        AddedToken::from("<|end_of_text|>", true),
-        AddedToken::from("<|eot_id|>", true),
-    ]);
+    tokenizer
+        .add_special_tokens([
+            AddedToken::from("<|begin_of_text|>", true),
+            AddedToken::from("<|end_of_text|>", true),
+            AddedToken::from("<|eot_id|>", true),
+        ])
+        .expect("special tokens");
     let processor = TemplateProcessing::builder()
         .try_single("<|begin_of_text|> $A")
         .expect("template")

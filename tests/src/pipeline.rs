@@ -90,11 +90,13 @@ fn write_unigram_tokenizer(dir: &Path, vocab: usize) {
     let model = Unigram::from(pieces, Some(2), false).expect("unigram");
     let mut tokenizer = tokenizers::Tokenizer::new(model);
     tokenizer.with_pre_tokenizer(Some(Metaspace::new('▁', PrependScheme::Always, true)));
-    tokenizer.add_special_tokens(&[
-        AddedToken::from("<pad>", true),
-        AddedToken::from("</s>", true),
-        AddedToken::from("<unk>", true),
-    ]);
+    tokenizer
+        .add_special_tokens([
+            AddedToken::from("<pad>", true),
+            AddedToken::from("</s>", true),
+            AddedToken::from("<unk>", true),
+        ])
+        .expect("special tokens");
     let processor = TemplateProcessing::builder()
         .try_single("$A </s>")
         .expect("template")

@@ -95,7 +95,9 @@ pub(crate) fn tokenizer_from_gguf(
         .filter(|(_, &t)| t == CONTROL || t == USER_DEFINED)
         .map(|(t, _)| AddedToken::from(t.to_string(), true))
         .collect();
-    tokenizer.add_special_tokens(&special);
+    tokenizer
+        .add_special_tokens(special)
+        .map_err(|e| err(format!("the special tokens: {e}")))?;
 
     let token_of = |key: &str| {
         metadata
