@@ -66,8 +66,9 @@ struct GenerateArgs {
     /// A system message for --chat.
     #[arg(long, requires = "chat", help_heading = "Language models")]
     system: Option<String>,
-    /// Longest sequence, prompt plus generated tokens (default: the model's, at most 8192).
-    #[arg(long, help_heading = "Language models")]
+    /// Longest sequence, prompt plus generated tokens (default: the model's, at most 8192;
+    /// vLLM's --max-model-len).
+    #[arg(long, alias = "max-model-len", help_heading = "Language models")]
     max_context: Option<usize>,
     /// Run each decode step kernel by kernel, not as a replayed CUDA graph (slower; for
     /// debugging).

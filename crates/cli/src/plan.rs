@@ -15,8 +15,9 @@ pub struct PlanArgs {
     /// (wan2.1-t2v-14b-pipeline) plans the whole pipeline: umT5-XXL, the DiT, Wan2.1's VAE.
     #[arg(long)]
     model: String,
-    /// Tensor-parallel width. Without it: how every width fits, and the smallest that does.
-    #[arg(long)]
+    /// Tensor-parallel width (vLLM's --tensor-parallel-size). Without it: how every width
+    /// fits, and the smallest that does.
+    #[arg(long, alias = "tensor-parallel-size")]
     tp: Option<usize>,
     /// Memory per GPU, e.g. 24GiB.
     #[arg(long, value_parser = tpinfer_plan::parse_bytes)]
@@ -24,8 +25,8 @@ pub struct PlanArgs {
     /// Compute dtype (default: the checkpoint's, else bf16).
     #[arg(long, value_enum)]
     dtype: Option<crate::ranks::DtypeArg>,
-    /// LLM: the longest sequence (default: the model's, at most 8192).
-    #[arg(long)]
+    /// LLM: the longest sequence (default: the model's, at most 8192; vLLM's --max-model-len).
+    #[arg(long, alias = "max-model-len")]
     max_context: Option<usize>,
     /// LLM: sequences served at once, each with its own KV cache (default 1; the engine
     /// serves one at a time, so larger batches are planning figures).

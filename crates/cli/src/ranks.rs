@@ -32,8 +32,8 @@ impl DtypeArg {
 /// The ranks' width, devices, dtype and memory budget.
 #[derive(clap::Args)]
 pub struct RankArgs {
-    /// Tensor-parallel width: the number of ranks.
-    #[arg(long, default_value_t = 1)]
+    /// Tensor-parallel width: the number of ranks (vLLM's --tensor-parallel-size).
+    #[arg(long, alias = "tensor-parallel-size", default_value_t = 1)]
     pub tp: usize,
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
@@ -47,6 +47,20 @@ pub struct RankArgs {
     /// The placement is planned first and refused, with what would fit, if over it.
     #[arg(long, value_parser = tpinfer_plan::parse_bytes)]
     pub gpu_mem: Option<u64>,
+    /// The share of each GPU's memory the ranks may use, above 0 and at most 1, as vLLM's
+    /// flag (default: the free memory less 2%); also at most --gpu-mem where both are given.
+    #[arg(long, value_parser = parse_fraction)]
+    pub gpu_memory_utilization: Option<f64>,
+}
+
+/// A share of memory: a number above 0 and at most 1.
+fn parse_fraction(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err(format!(
+            "`{text}` is not a share of memory: give a number above 0 and at most 1, e.g. 0.9"
+        )),
+    }
 }
 
 impl RankArgs {
@@ -67,6 +81,15 @@ impl RankArgs {
         }
         if let Some(bytes) = self.gpu_mem {
             builder = builder.gpu_mem(bytes);
+        }
+        if let Some(share) = self.gpu_memory_utilization {
+            if matches!(self.device, DeviceArg::Cpu) {
+                bail!(
+                    "--gpu-memory-utilization is a share of each GPU's memory, and these are CPU ranks: give \
+                     --gpu-mem BYTES, or --device cuda"
+                );
+            }
+            builder = builder.gpu_memory_utilization(share);
         }
         Ok(builder)
     }

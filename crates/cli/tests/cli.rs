@@ -59,6 +59,46 @@ fn generates_and_reports_speed() {
     assert!(chat.status.success(), "{}", String::from_utf8_lossy(&chat.stderr));
 }
 
+/// vLLM users' flags work as they expect: --tensor-parallel-size and --max-model-len are
+/// --tp and --max-context, and --gpu-memory-utilization is a share of each GPU's memory,
+/// refused by name on CPU ranks and outside (0, 1].
+#[test]
+fn vllm_flags_are_accepted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default().write(dir.path());
+    let ours = generate(&model, &["--tp", "2", "--max-context", "64", "--max-new-tokens", "6"]);
+    let theirs = generate(
+        &model,
+        &[
+            "--tensor-parallel-size",
+            "2",
+            "--max-model-len",
+            "64",
+            "--max-new-tokens",
+            "6",
+        ],
+    );
+    assert!(theirs.status.success(), "{}", String::from_utf8_lossy(&theirs.stderr));
+    assert_eq!(theirs.stdout, ours.stdout, "the same run under vLLM's names");
+    assert_fails_with(
+        &generate(&model, &["--gpu-memory-utilization", "0.9"]),
+        &["--gpu-memory-utilization", "CPU ranks", "--gpu-mem"],
+    );
+    let output = generate(&model, &["--gpu-memory-utilization", "1.5"]);
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("above 0 and at most 1"));
+    let model = model.to_str().expect("utf8");
+    let plan = |args: &[&str]| {
+        let mut all = vec!["plan", "--model", model, "--gpu-mem", "1GiB", "--json"];
+        all.extend_from_slice(args);
+        tpinfer(&all, Duration::from_secs(60))
+    };
+    assert_eq!(
+        plan(&["--tensor-parallel-size", "2", "--max-model-len", "128"]).stdout,
+        plan(&["--tp", "2", "--max-context", "128"]).stdout
+    );
+}
+
 #[test]
 fn bad_inputs_exit_non_zero_with_the_cause() {
     let dir = tempfile::tempdir().expect("tempdir");

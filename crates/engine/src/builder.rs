@@ -118,6 +118,14 @@ impl EngineBuilder {
         self
     }
 
+    /// The share of each GPU's total memory each rank may use, above 0 and at most 1 (vLLM's
+    /// `gpu_memory_utilization`): a GPU budget like [`Self::gpu_mem`], and at most it where
+    /// both are given.
+    pub fn gpu_memory_utilization(mut self, share: f64) -> Self {
+        self.group.gpu_share = Some(share);
+        self
+    }
+
     /// Runs every decode step kernel by kernel instead of replaying it as a captured CUDA
     /// graph (the default on GPUs with flash attention): slower, for debugging and comparison.
     pub fn enforce_eager(mut self, eager: bool) -> Self {

@@ -25,6 +25,9 @@ pub struct GroupOptions {
     /// The device memory each rank may use; on GPUs also at most each device's free memory
     /// less a 2% margin.
     pub gpu_mem: Option<u64>,
+    /// The share of each GPU's total memory each rank may use (vLLM's
+    /// `gpu_memory_utilization`); also at most `gpu_mem` and the free memory.
+    pub gpu_share: Option<f64>,
     pub comm: CommOptions,
     pub rank: RankOptions,
 }
@@ -35,6 +38,7 @@ impl Default for GroupOptions {
             comm_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
             init_timeout: tpinfer_comm::DEFAULT_TIMEOUT,
             gpu_mem: None,
+            gpu_share: None,
             comm: CommOptions::default(),
             rank: RankOptions::default(),
         }
@@ -239,9 +243,18 @@ impl Launch {
         }
         let profile = self.topology.profile();
         for (rank, device) in self.topology.devices().iter().enumerate() {
-            let free =
-                memory::measure(device).map(|m| (m.free() + profile.context_reserve).saturating_sub(m.total / 50));
-            let budget = match (self.options.gpu_mem, free) {
+            let measured = memory::measure(device);
+            let free = measured.map(|m| (m.free() + profile.context_reserve).saturating_sub(m.total / 50));
+            let share = self
+                .options
+                .gpu_share
+                .zip(measured)
+                .map(|(share, m)| (share * m.total as f64) as u64);
+            let given = match (self.options.gpu_mem, share) {
+                (Some(bytes), Some(share)) => Some(bytes.min(share)),
+                (bytes, share) => bytes.or(share),
+            };
+            let budget = match (given, free) {
                 (Some(given), Some(free)) => given.min(free),
                 (Some(given), None) => given,
                 (None, Some(free)) => free,
