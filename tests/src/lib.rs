@@ -481,3 +481,16 @@ pub fn tensor_rel_error(a: &Tensor, b: &Tensor) -> f64 {
     };
     rel_error(&flat(a), &flat(b))
 }
+
+/// The commit that [`hub_snapshot`]'s `main` names.
+pub const HUB_COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
+
+/// The snapshot directory of `repo` (`ORG/NAME`) at [`HUB_COMMIT`] in a Hugging Face cache at
+/// `root`, laid out as `huggingface_hub` writes it, with `refs/main` naming it; the caller
+/// writes the model into it.
+pub fn hub_snapshot(root: &Path, repo: &str, commit: &str) -> PathBuf {
+    let dir = root.join(format!("models--{}", repo.replace('/', "--")));
+    std::fs::create_dir_all(dir.join("refs")).expect("refs");
+    std::fs::write(dir.join("refs/main"), format!("{commit}\n")).expect("ref");
+    dir.join("snapshots").join(commit)
+}

@@ -13,7 +13,7 @@ use crate::progress::Stages;
 pub struct DecodeArgs {
     /// A Wan pipeline directory (its vae/ decodes), or a VAE directory (AutoencoderKLWan).
     #[arg(long)]
-    model: PathBuf,
+    pub model: PathBuf,
     /// The latents: a safetensors file with `latents` [channels, latent frames, h, w], as
     /// `tpinfer generate --save-latents` writes them (the DiT's, normalised).
     #[arg(long)]

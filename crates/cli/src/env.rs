@@ -25,6 +25,29 @@ pub fn comm_options() -> CommOptions {
     }
 }
 
+/// `--model` as given where such a path exists; otherwise, where it has the form
+/// `ORG/NAME[@REVISION]`, that model's snapshot in the Hugging Face cache (`HF_HUB_CACHE`,
+/// `HF_HOME/hub` or `~/.cache/huggingface/hub`), checked for the files a run reads.
+pub fn resolve_model(model: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
+    let repo = match model.exists() {
+        true => None,
+        false => model.to_str().and_then(tpinfer_hub::RepoId::parse),
+    };
+    let Some(repo) = repo else {
+        return Ok(model.to_path_buf());
+    };
+    let var = |name: &str| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(std::path::PathBuf::from)
+    };
+    let cache = tpinfer_hub::HubCache::locate(var("HF_HUB_CACHE"), var("HF_HOME"), var("HOME"))
+        .ok_or_else(|| anyhow::anyhow!("{}: no Hugging Face cache to look in (set HF_HOME)", model.display()))?;
+    let snapshot = cache.resolve(&repo)?;
+    eprintln!("{}: {}", model.display(), snapshot.display());
+    Ok(snapshot)
+}
+
 /// `builder` with the environment's switches.
 pub fn switches(builder: EngineBuilder) -> EngineBuilder {
     builder

@@ -186,7 +186,8 @@ const VIDEO_ONLY: &[&str] = &[
 
 fn run(cli: Cli, given: &Given) -> Result<ExitCode> {
     match cli.command {
-        Command::Generate(args) => {
+        Command::Generate(mut args) => {
+            args.model = env::resolve_model(&args.model)?;
             let (task, refused) = match tpinfer_engine::registry::task_of(&args.model) {
                 Task::Text => ("a language model", given.first("generate", VIDEO_ONLY)),
                 _ => ("a video model", given.first("generate", TEXT_ONLY)),
@@ -200,8 +201,16 @@ fn run(cli: Cli, given: &Given) -> Result<ExitCode> {
             }
             generate(*args)
         }
-        Command::Plan(args) => plan::plan(args),
-        Command::Decode(args) => decode::decode(args),
+        Command::Plan(mut args) => {
+            args.model = env::resolve_model(std::path::Path::new(&args.model))?
+                .to_string_lossy()
+                .into_owned();
+            plan::plan(args)
+        }
+        Command::Decode(mut args) => {
+            args.model = env::resolve_model(&args.model)?;
+            decode::decode(args)
+        }
         Command::Doctor(args) => doctor::doctor(args),
     }
 }

@@ -14,7 +14,7 @@ pub struct PlanArgs {
     /// wan2.2-s2v-14b, umt5-xxl, wan2.1-vae; a Wan DiT preset with `-pipeline` appended
     /// (wan2.1-t2v-14b-pipeline) plans the whole pipeline: umT5-XXL, the DiT, Wan2.1's VAE.
     #[arg(long)]
-    model: String,
+    pub model: String,
     /// Tensor-parallel width (vLLM's --tensor-parallel-size). Without it: how every width
     /// fits, and the smallest that does.
     #[arg(long, alias = "tensor-parallel-size")]

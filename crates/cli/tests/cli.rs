@@ -935,3 +935,46 @@ fn a_wan_run_without_text_says_what_it_needs() {
     );
     assert_fails_with(&output, &["--prompt (with a pipeline directory) or --text-embeds"]);
 }
+
+/// `tpinfer generate --model ORG/NAME` runs the cached snapshot as its directory would run,
+/// and `plan` finds it through HF_HOME.
+#[test]
+fn the_cli_takes_a_hub_id() {
+    use std::process::Command;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let snapshot = tpinfer_tests::hub_snapshot(&dir.path().join("hub"), "org/tiny", tpinfer_tests::HUB_COMMIT);
+    TinyLlama::default().write(&snapshot);
+    let run = |model: &str, var: &str| {
+        Command::new(env!("CARGO_BIN_EXE_tpinfer"))
+            .args([
+                "generate",
+                "--model",
+                model,
+                "--prompt",
+                "hello",
+                "--max-new-tokens",
+                "4",
+                "--tp",
+                "2",
+            ])
+            .env_remove("HF_HUB_CACHE")
+            .env(
+                var,
+                match var {
+                    "HF_HOME" => dir.path().to_path_buf(),
+                    _ => dir.path().join("hub"),
+                },
+            )
+            .output()
+            .expect("tpinfer")
+    };
+    let by_id = run("org/tiny", "HF_HUB_CACHE");
+    assert!(by_id.status.success(), "{}", String::from_utf8_lossy(&by_id.stderr));
+    let by_path = run(snapshot.to_str().expect("utf8"), "HF_HUB_CACHE");
+    assert_eq!(by_id.stdout, by_path.stdout);
+    let by_home = run("org/tiny", "HF_HOME");
+    assert_eq!(by_home.stdout, by_path.stdout);
+    let missing = run("org/absent", "HF_HUB_CACHE");
+    assert!(!missing.status.success());
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("org/absent is not in the Hugging Face cache"));
+}
