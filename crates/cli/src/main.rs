@@ -31,6 +31,45 @@ mod video;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// More log: -v the start-up stages and their times, -vv debugging, -vvv everything
+    /// (`RUST_LOG` overrides).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    /// Errors only.
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    quiet: bool,
+    /// How log lines are written to stderr.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    /// One JSON object per line, with the span (the rank) it came from.
+    Json,
+}
+
+impl Cli {
+    /// Log to stderr at the level the flags ask for, unless `RUST_LOG` says otherwise.
+    fn init_logging(&self) {
+        let level = match (self.quiet, self.verbose) {
+            (true, _) => "error",
+            (false, 0) => "warn",
+            (false, 1) => "info",
+            (false, 2) => "debug",
+            (false, _) => "trace",
+        };
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+        let logger = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr);
+        match self.log_format {
+            LogFormat::Text => logger.init(),
+            LogFormat::Json => logger.json().init(),
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -90,6 +129,10 @@ struct GenerateArgs {
     /// The sampler's seed (the video's noise for a Wan DiT).
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
+    /// Write one JSON object to stdout at the end (the text, its tokens and the run's
+    /// statistics) instead of streaming the text.
+    #[arg(long, help_heading = "Language models")]
+    json: bool,
     #[command(flatten)]
     video: video::VideoArgs,
 }
@@ -102,18 +145,12 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let matches = Cli::command().get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    cli.init_logging();
     let given = Given(matches);
     match run(cli, &given) {
         Ok(code) => code,
@@ -157,6 +194,7 @@ impl Given {
 /// `generate`'s options for language models alone, and for video alone.
 const TEXT_ONLY: &[&str] = &[
     "max_new_tokens",
+    "json",
     "chat",
     "system",
     "max_context",
@@ -293,6 +331,7 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
     let mut stdout = std::io::stdout().lock();
     let mut stream = engine.generate(request)?;
     generating.store(true, Ordering::SeqCst);
+    let (mut text, mut tokens) = (String::new(), Vec::new());
     while let Some(event) = stream.next() {
         if stop_requested() {
             // Dropping the stream cancels the request; dropping the engine then joins the
@@ -304,8 +343,30 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(INTERRUPTED));
         }
         match event? {
+            StreamEvent::Token { id, text: piece } if args.json => {
+                tokens.push(id);
+                text.push_str(&piece);
+            }
+            StreamEvent::Tail(piece) if args.json => text.push_str(&piece),
             StreamEvent::Token { text, .. } | StreamEvent::Tail(text) => {
                 stdout.write_all(text.as_bytes())?;
+                stdout.flush()?;
+            }
+            StreamEvent::Done(stats) if args.json => {
+                let report = serde_json::json!({
+                    "text": text,
+                    "tokens": tokens,
+                    "tp": engine.tp(),
+                    "prompt_tokens": stats.prompt_tokens,
+                    "generated_tokens": stats.generated_tokens,
+                    "prefill_seconds": stats.prefill.as_secs_f64(),
+                    "decode_seconds": stats.decode.as_secs_f64(),
+                    "prompt_tokens_per_second": stats.prompt_tokens_per_second(),
+                    "decode_tokens_per_second": stats.decode_tokens_per_second(),
+                    "collectives_seconds": stats.collectives.as_secs_f64(),
+                    "stop_reason": format!("{:?}", stats.stop_reason),
+                });
+                writeln!(stdout, "{report}")?;
                 stdout.flush()?;
             }
             StreamEvent::Done(stats) => {

@@ -978,3 +978,40 @@ fn the_cli_takes_a_hub_id() {
     assert!(!missing.status.success());
     assert!(String::from_utf8_lossy(&missing.stderr).contains("org/absent is not in the Hugging Face cache"));
 }
+
+/// `--json` writes the text, its tokens and the statistics as one JSON object; `-v` logs the
+/// start-up stages with their times, as JSON lines that name their rank with
+/// `--log-format json`; `-q` logs nothing but errors.
+#[test]
+fn json_output_and_log_levels() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default().write(dir.path());
+    let output = generate(&model, &["--tp", "2", "--max-new-tokens", "5", "--json", "-v"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON object");
+    let tokens = report["tokens"].as_array().expect("tokens").len();
+    assert!(tokens > 0 && report["generated_tokens"] == tokens, "{report}");
+    assert!(report["text"].is_string() && report["decode_tokens_per_second"].as_f64().is_some());
+    for stage in ["planned", "joined the communicator", "loaded", "started"] {
+        assert!(stderr.contains(stage), "no {stage} at -v: {stderr}");
+    }
+    let output = generate(&model, &["--max-new-tokens", "2", "-v", "--log-format", "json"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).expect("a JSON log line"))
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["span"]["rank"] == 0 && l["fields"]["message"] == "loaded"),
+        "{stderr}"
+    );
+    let quiet = generate(&model, &["--max-new-tokens", "2", "-q", "--gpu-mem", "1TiB"]);
+    assert!(quiet.status.success());
+    assert!(String::from_utf8_lossy(&quiet.stderr)
+        .lines()
+        .all(|l| !l.contains("WARN") && !l.contains("INFO")));
+}

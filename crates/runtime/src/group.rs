@@ -375,8 +375,12 @@ pub(crate) fn rank_main(setup: RankSetup, ready: Sender<Startup>, jobs: Receiver
         options,
     } = setup;
     let _span = tracing::info_span!("rank", rank, world).entered();
+    let start = std::time::Instant::now();
     let comm = match connect() {
-        Ok(comm) => comm,
+        Ok(comm) => {
+            tracing::info!(seconds = start.elapsed().as_secs_f64(), "joined the communicator");
+            comm
+        }
         Err(e) => {
             let _ = ready.send(Startup::Failed(e));
             return;
@@ -390,6 +394,7 @@ pub(crate) fn rank_main(setup: RankSetup, ready: Sender<Startup>, jobs: Receiver
         comm,
         plans,
     };
+    let start = std::time::Instant::now();
     let loaded = guarded(rank, &*env.comm.clone(), || -> Result<_, RuntimeError> {
         let mut models = Vec::with_capacity(loaders.len());
         let mut bytes = Vec::with_capacity(loaders.len());
@@ -403,10 +408,15 @@ pub(crate) fn rank_main(setup: RankSetup, ready: Sender<Startup>, jobs: Receiver
             models.push(Held::Loaded(model));
             bytes.push(read);
         }
-        tracing::info!(bytes = bytes.iter().sum::<usize>(), "loaded");
+        tracing::info!(
+            bytes = bytes.iter().sum::<usize>(),
+            seconds = start.elapsed().as_secs_f64(),
+            "loaded"
+        );
         let at_load = env.plans[..load_first].iter().map(|p| p.weights + p.at_load).sum();
         memory::check_after_load(rank, &env.device, at_load);
         env.comm.barrier()?;
+        tracing::info!(seconds = start.elapsed().as_secs_f64(), "loaded and met its peers");
         Ok((models, bytes))
     });
     let models = match loaded {

@@ -155,7 +155,13 @@ impl Launch {
                 )));
             }
         }
+        let start = std::time::Instant::now();
         let residency = self.check_budget()?;
+        tracing::info!(
+            seconds = start.elapsed().as_secs_f64(),
+            ?residency,
+            "planned: every rank fits its budget"
+        );
         let Self {
             topology,
             options,
@@ -206,6 +212,11 @@ impl Launch {
         // Ranks still blocked in communicator init cannot be joined; on a failure the others
         // exit once their job channels close, and nothing waits for them.
         let weight_bytes = await_startup(&ready_rx, tp, options.init_timeout)?;
+        tracing::info!(
+            seconds = start.elapsed().as_secs_f64(),
+            ranks = tp,
+            "started: connected, loaded and checked"
+        );
         Ok(RankGroup::new(jobs, threads, topology, plans, residency, weight_bytes))
     }
 
