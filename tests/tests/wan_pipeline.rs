@@ -17,6 +17,20 @@ fn engine(model: &std::path::Path, tp: usize) -> VideoEngine {
     VideoEngine::start(Engine::builder(model).tp(tp), SHAPE).expect("engine")
 }
 
+/// "a red fox", guided away from the empty prompt: 2 UniPC steps from seed 3.
+fn fox_request(engine: &VideoEngine) -> VideoRequest {
+    VideoRequest {
+        text: engine.encode_prompt("a red fox").expect("prompt"),
+        negative: Some(engine.encode_prompt("").expect("negative")),
+        steps: 2,
+        shift: 5.0,
+        guide_scale: 5.0,
+        solver: Solver::UniPc(2),
+        seed: 3,
+        init_latents: None,
+    }
+}
+
 #[test]
 fn prompts_are_tokenized_encoded_and_padded_as_wan_does() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -57,16 +71,7 @@ fn prompts_are_tokenized_encoded_and_padded_as_wan_does() {
 fn a_prompt_denoises_at_tp_3_as_at_tp_1_and_as_its_states_do() {
     let dir = tempfile::tempdir().expect("tempdir");
     TinyWanPipeline::default().write(dir.path());
-    let request = |engine: &VideoEngine| VideoRequest {
-        text: engine.encode_prompt("a red fox").expect("prompt"),
-        negative: Some(engine.encode_prompt("").expect("negative")),
-        steps: 2,
-        shift: 5.0,
-        guide_scale: 5.0,
-        solver: Solver::UniPc(2),
-        seed: 3,
-        init_latents: None,
-    };
+    let request = fox_request;
     let one = engine(dir.path(), 1);
     let states = request(&one);
     let latents = one.generate(states.clone(), |_| {}).expect("TP 1");
@@ -216,17 +221,7 @@ fn the_encoder_is_freed_after_encoding_when_the_budget_needs_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     TinyWanPipeline::default().write(dir.path());
     let run = |engine: &VideoEngine| {
-        let request = VideoRequest {
-            text: engine.encode_prompt("a red fox").expect("prompt"),
-            negative: Some(engine.encode_prompt("").expect("negative")),
-            steps: 2,
-            shift: 5.0,
-            guide_scale: 5.0,
-            solver: Solver::UniPc(2),
-            seed: 3,
-            init_latents: None,
-        };
-        let latents = engine.generate(request, |_| {}).expect("generate");
+        let latents = engine.generate(fox_request(engine), |_| {}).expect("generate");
         engine.decode(&latents, |_, _| {}).expect("decode")
     };
     let together = engine(dir.path(), 2);
