@@ -62,9 +62,11 @@ impl Cli {
         };
         let filter = tracing_subscriber::EnvFilter::try_from_default_env()
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+        // Colours only for a terminal: not in a file or a pipe.
         let logger = tracing_subscriber::fmt()
             .with_env_filter(filter)
-            .with_writer(std::io::stderr);
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
         match self.log_format {
             LogFormat::Text => logger.init(),
             LogFormat::Json => logger.json().init(),

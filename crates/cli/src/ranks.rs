@@ -6,8 +6,12 @@ use anyhow::{bail, Result};
 use clap::ValueEnum;
 use tpinfer_engine::{DeviceKind, Engine, EngineBuilder};
 
+/// Where the ranks run.
 #[derive(Clone, Copy, ValueEnum)]
 pub enum DeviceArg {
+    /// One rank per GPU where this build has CUDA and NCCL and a GPU is visible; else CPU
+    /// threads.
+    Auto,
     Cpu,
     Cuda,
 }
@@ -35,7 +39,7 @@ pub struct RankArgs {
     /// Tensor-parallel width: the number of ranks (vLLM's --tensor-parallel-size).
     #[arg(long, alias = "tensor-parallel-size", default_value_t = 1)]
     pub tp: usize,
-    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
     /// GPUs to use with --device cuda, e.g. 0,2 (default: 0..tp, as CUDA_VISIBLE_DEVICES maps them).
     #[arg(long, value_delimiter = ',')]
@@ -69,12 +73,18 @@ impl RankArgs {
         if self.tp == 0 {
             bail!("--tp must be at least 1");
         }
-        let device = match self.device {
-            DeviceArg::Cpu => DeviceKind::Cpu,
-            DeviceArg::Cuda => DeviceKind::Cuda {
+        let gpus = match self.device {
+            DeviceArg::Auto => cfg!(feature = "nccl") && DeviceKind::visible_gpus() > 0,
+            DeviceArg::Cpu => false,
+            DeviceArg::Cuda => true,
+        };
+        let device = match gpus {
+            true => DeviceKind::Cuda {
                 gpus: self.gpus.clone(),
             },
+            false => DeviceKind::Cpu,
         };
+        tracing::info!(?device, "the ranks' devices");
         let mut builder = crate::env::switches(Engine::builder(model)).tp(self.tp).device(device);
         if let Some(dtype) = self.dtype {
             builder = builder.dtype(dtype.dtype());
@@ -83,7 +93,7 @@ impl RankArgs {
             builder = builder.gpu_mem(bytes);
         }
         if let Some(share) = self.gpu_memory_utilization {
-            if matches!(self.device, DeviceArg::Cpu) {
+            if !gpus {
                 bail!(
                     "--gpu-memory-utilization is a share of each GPU's memory, and these are CPU ranks: give \
                      --gpu-mem BYTES, or --device cuda"

@@ -993,7 +993,14 @@ fn json_output_and_log_levels() {
     let tokens = report["tokens"].as_array().expect("tokens").len();
     assert!(tokens > 0 && report["generated_tokens"] == tokens, "{report}");
     assert!(report["text"].is_string() && report["decode_tokens_per_second"].as_f64().is_some());
-    for stage in ["planned", "joined the communicator", "loaded", "started"] {
+    // The default device is `auto`: CPU threads in a build without NCCL.
+    for stage in [
+        "the ranks' devices device=Cpu",
+        "planned",
+        "joined the communicator",
+        "loaded",
+        "started",
+    ] {
         assert!(stderr.contains(stage), "no {stage} at -v: {stderr}");
     }
     let output = generate(&model, &["--max-new-tokens", "2", "-v", "--log-format", "json"]);

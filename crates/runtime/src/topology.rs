@@ -15,6 +15,21 @@ pub enum DeviceKind {
     Cuda { gpus: Option<Vec<usize>> },
 }
 
+impl DeviceKind {
+    /// The GPUs this process sees (as `CUDA_VISIBLE_DEVICES` maps them): 0 in a build without
+    /// CUDA, or where the driver cannot be loaded.
+    pub fn visible_gpus() -> usize {
+        #[cfg(feature = "cuda")]
+        {
+            candle_core::cuda_backend::cudarc::driver::CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            0
+        }
+    }
+}
+
 /// The TP width and each rank's device, validated once when made: at least one rank, one GPU
 /// per rank, every GPU opened.
 #[derive(Debug, Clone)]
