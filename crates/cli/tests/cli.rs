@@ -89,14 +89,13 @@ fn vllm_flags_are_accepted() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("above 0 and at most 1"));
     let model = model.to_str().expect("utf8");
     let plan = |args: &[&str]| {
-        let mut all = vec!["plan", "--model", model, "--gpu-mem", "1GiB", "--json"];
+        let mut all = vec!["plan", "--model", model, "--gpu-mem", "64GiB", "--json"];
         all.extend_from_slice(args);
         tpinfer(&all, Duration::from_secs(60))
     };
-    assert_eq!(
-        plan(&["--tensor-parallel-size", "2", "--max-model-len", "128"]).stdout,
-        plan(&["--tp", "2", "--max-context", "128"]).stdout
-    );
+    let theirs = plan(&["--tensor-parallel-size", "2", "--max-model-len", "128"]);
+    assert!(theirs.status.success(), "{}", String::from_utf8_lossy(&theirs.stderr));
+    assert_eq!(theirs.stdout, plan(&["--tp", "2", "--max-context", "128"]).stdout);
 }
 
 #[test]
