@@ -97,6 +97,14 @@ pub enum Residency {
 }
 
 impl Residency {
+    /// How many of `models` load at the start: all of them, or the first turn's.
+    pub fn loaded_first(self, models: usize) -> usize {
+        match self {
+            Self::Together => models,
+            Self::InTurns { first } => first,
+        }
+    }
+
     /// One rank's bytes for its plans of the models (in the order they run) under this
     /// residency: the larger turn decides when they are held in turns.
     pub fn rank_bytes(self, ranks: &[&RankPlan]) -> u64 {

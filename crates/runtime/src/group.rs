@@ -284,12 +284,10 @@ impl RankGroup {
     /// Each rank's planned bytes for the models it holds now: all of them, or those of the
     /// current turn.
     pub fn held_now(&self) -> Vec<u64> {
-        let held = match self.residency {
-            Residency::Together => 0..self.plans.len(),
-            Residency::InTurns { first } => match *lock(&self.turned) {
-                false => 0..first,
-                true => first..self.plans.len(),
-            },
+        let first = self.residency.loaded_first(self.plans.len());
+        let held = match *lock(&self.turned) {
+            false => 0..first,
+            true => first..self.plans.len(),
         };
         (0..self.jobs.len())
             .map(|rank| tpinfer_plan::held_together(self.plans[held.clone()].iter().map(|p| &p.ranks[rank])))

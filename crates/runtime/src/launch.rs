@@ -168,10 +168,7 @@ impl Launch {
             slots,
             ..
         } = self;
-        let load_first = match residency {
-            Residency::Together => slots.len(),
-            Residency::InTurns { first } => first,
-        };
+        let load_first = residency.loaded_first(slots.len());
         let tp = topology.width();
         topology.devices().iter().for_each(memory::reset_peak);
         let connectors = connectors(topology.devices(), options.comm_timeout, options.comm)?;
