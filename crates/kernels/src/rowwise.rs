@@ -4,6 +4,10 @@
 
 use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
 
+/// cuda/rowwise.cu, whose kernels `channel_norm` also launches.
+#[cfg(feature = "cuda")]
+pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rowwise.ptx"));
+
 /// `x + y · gate` with `gate` `[cols]` f32: a gated residual.
 pub fn gated_residual(x: &Tensor, y: &Tensor, gate: &Tensor) -> Result<Tensor> {
     check(x, "gated_residual")?;
@@ -463,7 +467,7 @@ mod cuda {
     use crate::chain::Launch;
     use crate::launch::{elementwise, suffix, THREADS};
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rowwise.ptx"));
+    use super::PTX;
 
     type Input<'a> = (&'a CudaStorage, &'a Layout);
 

@@ -1,13 +1,16 @@
 //! The decoder's convolutions and norms on a window of rows, frames first
 //! (`[frames, channels, rows, width]`).
 //!
-//! A causal 3-D convolution runs as one 2-D convolution: its three time taps (the frame two
-//! back, one back, and now) are stacked along the input channels, so the kernel
-//! `[out, in, 3, k, k]` becomes `[out, 3·in, k, k]`. Its frame cache holds the last two
-//! frames it read, so a video decodes one latent frame at a time, as diffusers' does, with the
-//! zero frames of causal padding before the first.
+//! On CUDA with cuDNN a causal 3-D convolution runs as cuDNN's, which reads its three time
+//! taps (the frame two back, one back, and now) from the frames themselves and pads the
+//! frame's edges as it reads. Elsewhere it runs as one 2-D convolution of candle's: the taps
+//! stacked along the input channels, so the kernel `[out, in, 3, k, k]` becomes
+//! `[out, 3·in, k, k]`, on a zero-padded copy. Its frame cache holds the last two frames it
+//! read, so a video decodes one latent frame at a time, as diffusers' does, with the zero
+//! frames of causal padding before the first.
 
 use candle_core::{DType, Tensor};
+use tpinfer_kernels::{channel_rms_norm, channels_last_filter, conv2d_path, conv_frames_bias, ConvPath};
 use tpinfer_layers::Result;
 use tpinfer_weights::{ShardLoader, ShardSpec, WeightDecl};
 
@@ -67,10 +70,11 @@ impl Slots {
 
 /// A convolution over `taps` frames (1, or 3 causal) and `k`×`k` pixels (k = 1 or 3).
 pub(crate) struct Conv {
-    /// `[out, taps·in, k, k]`, the oldest tap's input channels first.
+    /// Through cuDNN, `[out, taps, k, k, in]` (channels last); unfolded, `[out, taps·in, k, k]`, the oldest tap's input channels first.
     weight: Tensor,
-    /// `[1, out, 1, 1]`.
+    /// `[out]` through cuDNN, `[1, out, 1, 1]` unfolded.
     bias: Tensor,
+    path: ConvPath,
     taps: usize,
     /// Rows (and columns) read on each side of a written one: k / 2.
     reach: usize,
@@ -121,16 +125,24 @@ impl Conv {
     pub fn load(w: &mut ShardLoader, prefix: &str, shape: ConvShape, slots: &mut Slots) -> Result<Self> {
         let weight = w.take(&format!("{prefix}.weight"))?;
         let taps = shape.taps.max(1);
-        let weight = match shape.taps {
-            0 => weight,
-            _ => weight
+        let path = conv2d_path(weight.device());
+        let weight = match (path, shape.taps) {
+            (ConvPath::Cudnn, _) => channels_last_filter(&weight)?,
+            (ConvPath::Unfolded, 0) => weight,
+            (ConvPath::Unfolded, _) => weight
                 .permute((0, 2, 1, 3, 4))?
                 .reshape((shape.out, taps * shape.inp, shape.k, shape.k))?
                 .contiguous()?,
         };
+        let bias = w.take(&format!("{prefix}.bias"))?;
+        let bias = match path {
+            ConvPath::Cudnn => bias,
+            ConvPath::Unfolded => bias.reshape((1, shape.out, 1, 1))?,
+        };
         Ok(Self {
             weight,
-            bias: w.take(&format!("{prefix}.bias"))?.reshape((1, shape.out, 1, 1))?,
+            bias,
+            path,
             taps,
             reach: shape.k / 2,
             slot: (taps > 1).then(|| slots.next()),
@@ -143,37 +155,66 @@ impl Conv {
         let read = x.narrowed(out.grown(self.reach))?;
         let (top, bottom) = out.edge_padding(self.reach);
         let mut input = read.x;
-        if top + bottom > 0 {
-            input = input.pad_with_zeros(2, top, bottom)?;
+        let y = match self.path {
+            ConvPath::Cudnn => {
+                // cuDNN pads as it reads, alike on both sides: a tile with the frame's edge on
+                // one side only gets its zero rows here.
+                let even = top.min(bottom);
+                if top + bottom > 2 * even {
+                    input = input.pad_with_zeros(2, top - even, bottom - even)?;
+                }
+                let input = self.after_history(input, cache)?;
+                conv_frames_bias(&input, &self.weight, &self.bias, [even, self.reach])?
+            }
+            ConvPath::Unfolded => {
+                if top + bottom > 0 {
+                    input = input.pad_with_zeros(2, top, bottom)?;
+                }
+                if self.reach > 0 {
+                    input = input.pad_with_zeros(3, self.reach, self.reach)?;
+                }
+                let input = self.stacked_taps(self.after_history(input, cache)?)?;
+                self.convolve(&input)?
+            }
+        };
+        Ok(Band { x: y, rows: out })
+    }
+
+    /// `padded` `[taps − 1 + frames, in, rows, width]` as `[frames, taps·in, rows, width]`,
+    /// each frame's taps side by side (`padded` is freed before the convolution).
+    fn stacked_taps(&self, padded: Tensor) -> Result<Tensor> {
+        if self.taps == 1 {
+            return Ok(padded);
         }
-        if self.reach > 0 {
-            input = input.pad_with_zeros(3, self.reach, self.reach)?;
-        }
-        if let Some(slot) = self.slot {
-            let frames = input.dim(0)?;
-            let seen = match cache[slot].take() {
-                Some(history) => Tensor::cat(&[&history, &input], 0)?,
-                None => input,
-            };
-            let n = seen.dim(0)?;
-            let history = self.taps - 1;
-            // A compact copy: a view (or candle's `copy`, which clones the whole storage) would
-            // keep all of `seen` alive in the cache.
-            cache[slot] = Some(
-                seen.narrow(0, n.saturating_sub(history), n.min(history))?
-                    .force_contiguous()?,
-            );
-            // Before the first frame, the causal padding's zero frames.
-            let padded = seen.pad_with_zeros(0, (history + frames).saturating_sub(n), 0)?;
-            let taps: Vec<Tensor> = (0..self.taps)
-                .map(|t| padded.narrow(0, t, frames))
-                .collect::<candle_core::Result<_>>()?;
-            input = Tensor::cat(&taps, 1)?;
-        }
-        Ok(Band {
-            x: self.convolve(&input)?,
-            rows: out,
-        })
+        let frames = padded.dim(0)? + 1 - self.taps;
+        let taps: Vec<Tensor> = (0..self.taps)
+            .map(|t| padded.narrow(0, t, frames))
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Tensor::cat(&taps, 1)?)
+    }
+
+    /// A causal convolution's input: `input`'s frames after the last ones its slot of `cache`
+    /// holds (zero frames before the first frame of the video), leaving the last ones it read
+    /// in the cache. A convolution within frames reads `input` alone.
+    fn after_history(&self, input: Tensor, cache: &mut FrameCache) -> Result<Tensor> {
+        let Some(slot) = self.slot else {
+            return Ok(input);
+        };
+        let frames = input.dim(0)?;
+        let seen = match cache[slot].take() {
+            Some(history) => Tensor::cat(&[&history, &input], 0)?,
+            None => input,
+        };
+        let n = seen.dim(0)?;
+        let history = self.taps - 1;
+        // A compact copy: a view (or candle's `copy`, which clones the whole storage) would
+        // keep all of `seen` alive in the cache.
+        cache[slot] = Some(
+            seen.narrow(0, n.saturating_sub(history), n.min(history))?
+                .force_contiguous()?,
+        );
+        // Before the first frame, the causal padding's zero frames.
+        Ok(seen.pad_with_zeros(0, (history + frames).saturating_sub(n), 0)?)
     }
 
     /// candle's convolution of the padded `input` `[frames, taps·in, rows, width]`, plus the
@@ -219,9 +260,9 @@ pub(crate) fn unfold_chunk_rows(per_row: usize) -> usize {
     (UNFOLD_BYTES / per_row.max(1)).max(1)
 }
 
-/// Wan's RMS norm over channels: `x / max(‖x‖, 1e-12) · √C · γ`, normalised in f32.
+/// Wan's RMS norm over channels: `x / max(‖x‖, 1e-12) · √C · γ`, in f32 (one fused pass).
 pub(crate) struct ChannelNorm {
-    /// `[1, C, 1, 1]`: γ·√C in the compute dtype.
+    /// `[C]`: γ·√C in f32.
     scale: Tensor,
 }
 
@@ -236,22 +277,19 @@ impl ChannelNorm {
     }
 
     pub fn load(w: &mut ShardLoader, prefix: &str, channels: usize) -> Result<Self> {
-        let gamma = w.take(&format!("{prefix}.gamma"))?.reshape((1, channels, 1, 1))?;
+        let gamma = w.take(&format!("{prefix}.gamma"))?.reshape(channels)?;
         Ok(Self {
-            scale: (gamma * (channels as f64).sqrt())?,
+            scale: (gamma.to_dtype(DType::F32)? * (channels as f64).sqrt())?,
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
-        let x32 = x.to_dtype(DType::F32)?;
-        let norm = x32.sqr()?.sum_keepdim(1)?.sqrt()?.maximum(1e-12)?;
-        Ok(x32.broadcast_div(&norm)?.to_dtype(dtype)?.broadcast_mul(&self.scale)?)
+        Ok(channel_rms_norm(x, &self.scale, false)?)
     }
 
     /// The norm, then SiLU: how every residual block and the head enter a convolution.
     pub fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(candle_nn::ops::silu(&self.forward(x)?)?)
+        Ok(channel_rms_norm(x, &self.scale, true)?)
     }
 }
 
@@ -263,6 +301,7 @@ pub(crate) fn clamp_pixels(x: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use candle_core::{Device, Tensor};
+    use tpinfer_kernels::ConvPath;
 
     use super::Conv;
 
@@ -273,6 +312,7 @@ mod tests {
         let conv = Conv {
             weight: Tensor::randn(0f32, 1.0, (4, 6, 3, 3), &cpu).expect("weight"),
             bias: Tensor::randn(0f32, 1.0, (1, 4, 1, 1), &cpu).expect("bias"),
+            path: ConvPath::Unfolded,
             taps: 1,
             reach: 1,
             slot: None,

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use candle_core::DType;
 use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
+use tpinfer_kernels::ConvPath;
 use tpinfer_plan::{boxed_shards, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel};
 use tpinfer_weights::{SafetensorsStore, ShardLoader, WeightDecl, WeightStore};
 
@@ -126,6 +127,11 @@ impl RankShard for WanVaeRankShard {
         let device = DecodeDevice {
             dtype,
             cuda: accelerator == Accelerator::Cuda,
+            // A CUDA install with cuDNN, as `doctor` checks for.
+            conv: match accelerator {
+                Accelerator::Cuda => ConvPath::Cudnn,
+                _ => ConvPath::Unfolded,
+            },
         };
         let m = DecodeMemory::new(c, device, video, band);
         Ok(Footprint {

@@ -4,6 +4,7 @@
 //! allocator of `tests/tests/activation_memory.rs` holds them together).
 
 use candle_core::DType;
+pub use tpinfer_kernels::ConvPath;
 
 mod steps;
 
@@ -44,9 +45,10 @@ pub struct DecodeShape {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecodeDevice {
     pub dtype: DType,
-    /// CUDA's convolution unfolds its input whole (im2col) before its GEMM; the CPU's works
-    /// through it in small tiles.
+    /// GPU ranks copy decoded frames to the host; CPU ranks keep them.
     pub cuda: bool,
+    /// How its convolutions run: cuDNN's on CUDA where it is installed.
+    pub conv: ConvPath,
 }
 
 impl DecodeMemory {
@@ -118,9 +120,11 @@ struct ConvCall {
 
 struct Model {
     layout: Layout,
+    dtype: DType,
     /// Bytes per element of the compute dtype.
     e: usize,
     cuda: bool,
+    conv: ConvPath,
     video: DecodeShape,
     factor: usize,
 }
@@ -129,8 +133,10 @@ impl Model {
     fn new(c: &WanVaeConfig, device: DecodeDevice, video: DecodeShape) -> Self {
         Self {
             layout: Layout::of(c),
+            dtype: device.dtype,
             e: device.dtype.size_in_bytes(),
             cuda: device.cuda,
+            conv: device.conv,
             video,
             factor: c.spatial_factor(),
         }
@@ -182,7 +188,7 @@ impl Model {
     fn middle(&self, h: usize, w: usize) -> Bytes {
         let (z, c, e) = (self.layout.z, self.layout.middle, self.e);
         let history = self.history();
-        let caches = self.cached() * (z + 4 * c) * (h + 2) * (w + 2) * e;
+        let caches = self.cached() * self.held_frame(z + 4 * c, Rows::all(h), 1, w);
         let all = Rows::all(h);
         let conv_in = self.conv(
             ConvCall {
@@ -204,7 +210,7 @@ impl Model {
         let pixels = h * w;
         let block = pixels.min(QUERY_BLOCK);
         let input = c * pixels * e;
-        let norm = self.norm(c * pixels, false);
+        let norm = self.norm(c * pixels);
         let qkv = 3 * c * pixels * e;
         let scores = block * pixels * (2 * e + 2 * 4);
         let attention = Bytes {
@@ -217,6 +223,19 @@ impl Model {
             peak: caches + steps.peak,
             largest: steps.largest,
         }
+    }
+
+    /// The bytes of one frame of `channels` that a convolution of reach `reach` writing `rows`
+    /// (of width `w`) reads, as its frame cache holds it: zero-padded at the frame's edges and
+    /// along the width; through cuDNN, which pads as it reads, padded only where the rows
+    /// have the frame's edge on one side.
+    fn held_frame(&self, channels: usize, rows: Rows, reach: usize, w: usize) -> usize {
+        let (top, bottom) = rows.edge_padding(reach);
+        let (rows, w) = match (self.cuda, self.conv) {
+            (true, ConvPath::Cudnn) => (rows.len() + 2 * reach - 2 * top.min(bottom), w),
+            _ => (rows.len() + 2 * reach, w + 2 * reach),
+        };
+        channels * rows * w * self.e
     }
 
     /// The frames of history a causal convolution finds in its cache in the steady state:
@@ -272,7 +291,7 @@ impl Model {
             let (bytes, cache, output) = match *step {
                 PathStep::Res { inp, out: o } => {
                     let mid = out.grown(1);
-                    let cache = cached * (inp * (mid.len() + 2) + o * (out.len() + 2)) * (w + 2) * self.e;
+                    let cache = cached * (self.held_frame(inp, mid, 1, w) + self.held_frame(o, out, 1, w));
                     let output = frames * o * out.len() * w * self.e;
                     (self.res(frames, inp, o, out, w, history), cache, output)
                 }
@@ -287,7 +306,7 @@ impl Model {
                     (self.up(frames, c, temporal, out, w), cache, output)
                 }
                 PathStep::Out { c, out: o } => {
-                    let cache = cached * c * (out.len() + 2) * (w + 2) * self.e;
+                    let cache = cached * self.held_frame(c, out, 1, w);
                     (self.head(frames, c, o, out, w), cache, 0)
                 }
             };

@@ -1,5 +1,7 @@
 //! The bytes of each layer of the decoder's path, as `blocks.rs` allocates them.
 
+use tpinfer_kernels::{cudnn_workspace_bound, ConvPath};
+
 use super::{Bytes, ConvCall, Model};
 use crate::conv::unfold_chunk_rows;
 use crate::rows::Rows;
@@ -8,18 +10,10 @@ use crate::rows::Rows;
 const CPU_CONV_TILE: usize = 512;
 
 impl Model {
-    /// `ChannelNorm::forward` (and `forward_silu`) of `n` elements: in f32 the quotient and
-    /// product (the input is its own f32 view); in 16 bits the f32 copy, quotient, cast and
-    /// product, alive to the statement's end; then the SiLU's output beside the product.
-    pub(super) fn norm(&self, n: usize, silu: bool) -> usize {
-        let product = match self.e {
-            4 => 2 * 4 * n,
-            e => 2 * 4 * n + 2 * e * n,
-        };
-        match silu {
-            true => product.max(2 * self.e * n),
-            false => product,
-        }
+    /// `ChannelNorm::forward` (and `forward_silu`) of `n` elements: one fused pass that
+    /// allocates only its output.
+    pub(super) fn norm(&self, n: usize) -> usize {
+        self.e * n
     }
 
     /// `ResBlock::forward` of `frames` frames writing `out` (of width `w`), not counting its
@@ -78,7 +72,7 @@ impl Model {
         shortcut
             .max(
                 Bytes {
-                    peak: self.norm(normed1, true),
+                    peak: self.norm(normed1),
                     largest: 0,
                 }
                 .on(skip),
@@ -86,7 +80,7 @@ impl Model {
             .max(conv1.on(skip + normed1 * e))
             .max(
                 Bytes {
-                    peak: self.norm(h, true),
+                    peak: self.norm(h),
                     largest: 0,
                 }
                 .on(skip + h * e),
@@ -165,7 +159,7 @@ impl Model {
         let pixels = frames * out * rows.len() * w;
         let clamp = pixels * self.e + 2 * pixels * 4;
         Bytes {
-            peak: self.norm(normed, true),
+            peak: self.norm(normed),
             largest: 0,
         }
         .max(conv.on(normed * self.e))
@@ -179,6 +173,9 @@ impl Model {
     /// columns' zero padding, the frames before them with the causal taps stacked along the
     /// channels, candle's convolution, and the bias.
     pub(super) fn conv(&self, call: ConvCall, rows: Rows, w: usize) -> Bytes {
+        if self.cuda && self.conv == ConvPath::Cudnn {
+            return self.cudnn_conv(call, rows, w);
+        }
         let ConvCall {
             frames,
             inp,
@@ -228,11 +225,11 @@ impl Model {
             }
         };
         let written = frames * rows.len() * w * out * e;
-        // candle's CUDA convolution unfolds the input (im2col), multiplies, and transposes
-        // the product into place; its CPU one copies the input pixel-major and unfolds one
-        // tile of output pixels at a time beside the output; a 1×1 one copies one frame.
-        // On CUDA, in chunks of rows where the whole would unfold more than `UNFOLD_BYTES`,
-        // each written into the preallocated output.
+        // candle's CUDA convolution unfolds the input (im2col), multiplies, and transposes the
+        // product into place; its CPU one copies the input pixel-major and unfolds one tile of
+        // output pixels at a time beside the output; a 1×1 one copies one frame. On CUDA, in
+        // chunks of rows where the whole would unfold more than `UNFOLD_BYTES`, each written
+        // into the preallocated output. The bias is added after.
         let unfolded_row = frames * w * k * k * taps * inp * e;
         let chunk = unfold_chunk_rows(unfolded_row);
         let chunked = self.cuda && chunk < rows.len();
@@ -276,5 +273,58 @@ impl Model {
         }
         .max(convolution)
         .max(bias)
+    }
+
+    /// `Conv::forward` through cuDNN (see [`Self::conv`]): zero rows only where the tile has
+    /// the frame's edge on one side; the history joined with the input (`seen`), its cache
+    /// copy, zero frames before it while the history is short; a contiguous copy of an input
+    /// that is a view of some rows; then cuDNN writing into a copy of the bias, with its
+    /// workspace beside.
+    fn cudnn_conv(&self, call: ConvCall, rows: Rows, w: usize) -> Bytes {
+        let ConvCall {
+            frames,
+            inp,
+            out,
+            taps,
+            k,
+            history,
+        } = call;
+        let e = self.e;
+        let reach = k / 2;
+        let (top, bottom) = rows.edge_padding(reach);
+        let frame = self.held_frame(inp, rows, reach, w);
+        let padded = match top != bottom {
+            true => frames * frame,
+            false => 0,
+        };
+        let zeros = (taps - 1).saturating_sub(history);
+        let seen = match (taps, history) {
+            (1, _) | (_, 0) => 0,
+            _ => (history + frames) * frame,
+        };
+        let zero_padded = match (taps, zeros) {
+            (1, _) | (_, 0) => 0,
+            _ => (zeros + history + frames) * frame,
+        };
+        let joining = padded + seen + zero_padded;
+        // What the convolution reads, if it is a new tensor: the joined frames; else the
+        // padded input; else a contiguous copy of the caller's rows where they are a part of
+        // its tensor (a 1×1 shortcut reads its block's output rows).
+        let read = match (zero_padded, seen, padded) {
+            (0, 0, 0) if reach == 0 && taps == 1 => frames * frame,
+            (0, 0, input) => input,
+            (0, seen, _) => seen,
+            (zero_padded, _, _) => zero_padded,
+        };
+        let written = frames * rows.len() * w * out * e;
+        let workspace = cudnn_workspace_bound((taps - 1 + frames) * frame / e, written / e, self.dtype);
+        Bytes {
+            peak: joining,
+            largest: 0,
+        }
+        .max(Bytes {
+            peak: read + written + workspace,
+            largest: written.max(workspace),
+        })
     }
 }
