@@ -124,7 +124,11 @@ fn print_report(report: &Report, timeout: u64) {
         // NCCL ≥ 2.9 encodes major·10000 + minor·100 + patch.
         format!("{}.{}.{}", v / 10000, (v % 10000) / 100, v % 100)
     });
-    println!("this binary: {built}; driver supports: {driver}; NCCL: {nccl}");
+    let cudnn = inv.cudnn_version.map_or("not found".into(), |v| {
+        // cuDNN ≥ 9 encodes major·10000 + minor·100 + patch.
+        format!("{}.{}.{}", v / 10000, (v % 10000) / 100, v % 100)
+    });
+    println!("this binary: {built}; driver supports: {driver}; NCCL: {nccl}; cuDNN: {cudnn}");
     if let Some(e) = &inv.driver_error {
         println!("driver error: {e}");
     }

@@ -28,6 +28,7 @@ pub fn inventory() -> Inventory {
     {
         inv.nccl_version = candle_core::cuda_backend::cudarc::nccl::result::get_nccl_version().ok();
     }
+    inv.cudnn_version = tpinfer_kernels::cudnn_version();
     let mut devices = Vec::new();
     for ordinal in 0..count {
         match gpu(ordinal) {
@@ -107,6 +108,7 @@ pub fn loaded_libraries() -> Vec<(String, String)> {
         "libnvrtc",
         "libcurand",
         "libcudart",
+        "libcudnn.so",
     ];
     let mut found: Vec<(String, String)> = Vec::new();
     for path in maps.lines().filter_map(|l| l.split_whitespace().nth(5)) {

@@ -20,6 +20,9 @@ pub struct Inventory {
     /// The newest CUDA version the installed driver supports (cuDriverGetVersion).
     pub driver_cuda: Option<i32>,
     pub nccl_version: Option<i32>,
+    /// cuDNN's version where it is installed: the video VAE's convolutions run on it.
+    #[serde(default)]
+    pub cudnn_version: Option<usize>,
     /// Why the CUDA driver could not be used, if it could not.
     pub driver_error: Option<String>,
     pub gpus: Vec<GpuInfo>,

@@ -76,6 +76,17 @@ pub fn verdict(report: &Report) -> Vec<Finding> {
             vec!["check CUDA_VISIBLE_DEVICES and `nvidia-smi`".into()],
         ));
     }
+    if inv.cudnn_version.is_none() {
+        out.push(finding(
+            Severity::Warning,
+            "cuDNN 9 was not found: the Wan VAE's convolutions fall back to candle's, about ten times slower",
+            vec![
+                "install cuDNN 9 (`pip install nvidia-cudnn-cu13`, or NVIDIA's cudnn9-cuda-13 package) and put the \
+                 directory holding libcudnn.so.9 on LD_LIBRARY_PATH"
+                    .into(),
+            ],
+        ));
+    }
     for (i, row) in inv.can_access_peer.iter().enumerate() {
         for (j, &ok) in row.iter().enumerate() {
             if i < j && !ok {

@@ -45,6 +45,7 @@ fn inventory(gpus: usize, p2p: bool) -> Inventory {
         built_for_cuda: Some(13000),
         driver_cuda: Some(13000),
         nccl_version: Some(22809),
+        cudnn_version: Some(91900),
         driver_error: None,
         gpus: (0..gpus).map(gpu).collect(),
         can_access_peer: (0..gpus).map(|i| (0..gpus).map(|j| i == j || p2p).collect()).collect(),
@@ -141,6 +142,23 @@ fn no_p2p_suggests_disabling_it_and_a_hang_names_the_rank() {
         .find(|f| f.title.contains("cannot access each other's memory"))
         .expect("a P2P warning");
     assert_eq!(p2p.severity, Severity::Warning);
+}
+
+#[test]
+fn a_missing_cudnn_is_a_warning_that_names_the_fix() {
+    let mut inv = inventory(1, true);
+    inv.cudnn_version = None;
+    let findings = verdict(&report(inv, Vec::new()));
+    let missing = findings
+        .iter()
+        .find(|f| f.title.contains("cuDNN"))
+        .expect("a finding about cuDNN");
+    assert_eq!(missing.severity, Severity::Warning);
+    assert!(
+        missing.advice.iter().any(|a| a.contains("LD_LIBRARY_PATH")),
+        "{:?}",
+        missing.advice
+    );
 }
 
 #[test]
