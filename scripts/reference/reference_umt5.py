@@ -36,11 +36,17 @@ def make(args):
     with torch.no_grad():
         for name, p in model.named_parameters():
             # Norms away from their identity init and a bias table that matters; matrices at
-            # T5's init scale (1/sqrt(fan-in)), so that 24 layers keep the states finite.
+            # T5's init scale (1/sqrt(fan-in)), so that 24 layers keep the states finite, and
+            # the queries 1/sqrt(d_kv) smaller still, as T5 initialises them: T5 does not scale
+            # its scores, and at 1/sqrt(fan-in) they come out with a standard deviation of 8,
+            # a softmax so saturated that the encoder is chaotic (transformers' own bf16 run
+            # then differs from its f32 one by 115%).
             if p.dim() == 1:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif "relative_attention_bias" in name:
                 p.copy_(torch.randn_like(p))
+            elif name.endswith(".q.weight"):
+                p.copy_(torch.randn_like(p) / (p.shape[-1] * shape["d_kv"]) ** 0.5)
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
