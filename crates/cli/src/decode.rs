@@ -46,7 +46,7 @@ pub fn decode(args: DecodeArgs) -> Result<std::process::ExitCode> {
     let shape = video_shape(&args.model, latents.dims())?;
     let mut stages = Stages::default();
     let engine = stages.time("load", || {
-        VaeEngine::start(args.ranks.builder(&args.model)?, shape).map_err(anyhow::Error::from)
+        args.ranks.ranks(&args.model)?.start(|b| VaeEngine::start(b, shape))
     })?;
     let frames = stages.time("decode", || {
         crate::video::decode_frames(|on| engine.decode(&latents, on))

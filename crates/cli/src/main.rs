@@ -284,13 +284,14 @@ fn stop_requested() -> bool {
 
 fn generate(args: GenerateArgs) -> Result<ExitCode> {
     let generating = interrupt_handler()?;
-    let mut builder = args.ranks.builder(&args.model)?.enforce_eager(args.enforce_eager);
+    let mut ranks = args.ranks.ranks(&args.model)?;
+    ranks.builder = ranks.builder.enforce_eager(args.enforce_eager);
     if let Some(tokens) = args.max_context {
-        builder = builder.max_context(tokens);
+        ranks.builder = ranks.builder.max_context(tokens);
     }
     match tpinfer_engine::registry::task_of(&args.model) {
         Task::Video => {
-            video::generate_video(builder, &args.model, args.prompt.as_deref(), &args.video, args.seed)?;
+            video::generate_video(ranks, &args.model, args.prompt.as_deref(), &args.video, args.seed)?;
             return Ok(ExitCode::SUCCESS);
         }
         Task::TextEncoder => bail!(
@@ -318,8 +319,8 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
         ..SamplingParams::default()
     };
     sampling.check()?; // before the model loads
-    let engine = builder
-        .build()
+    let engine = ranks
+        .start(|b| b.build())
         .with_context(|| format!("cannot load {}", args.model.display()))?;
     let prompt = match (args.chat, args.system) {
         (false, _) => Prompt::Text(prompt),

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use anyhow::{bail, Result};
 use clap::ValueEnum;
-use tpinfer_engine::{DeviceKind, Engine, EngineBuilder};
+use tpinfer_engine::{DeviceKind, Engine, EngineBuilder, EngineError, RuntimeError};
 
 /// Where the ranks run.
 #[derive(Clone, Copy, ValueEnum)]
@@ -33,12 +33,34 @@ impl DtypeArg {
     }
 }
 
+/// A tensor-parallel width as `--tp` gives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Width {
+    /// The smallest width whose plan fits the GPUs' budget (1 on CPU ranks).
+    Auto,
+    Ranks(usize),
+}
+
+fn parse_width(text: &str) -> Result<Width, String> {
+    match text {
+        "auto" => Ok(Width::Auto),
+        _ => match text.parse::<usize>() {
+            Ok(n) if n >= 1 => Ok(Width::Ranks(n)),
+            _ => Err(format!(
+                "`{text}` is not a width: give `auto` or a number of ranks, at least 1"
+            )),
+        },
+    }
+}
+
 /// The ranks' width, devices, dtype and memory budget.
 #[derive(clap::Args)]
 pub struct RankArgs {
-    /// Tensor-parallel width: the number of ranks (vLLM's --tensor-parallel-size).
-    #[arg(long, alias = "tensor-parallel-size", default_value_t = 1)]
-    pub tp: usize,
+    /// Tensor-parallel width: the number of ranks (vLLM's --tensor-parallel-size), or `auto`:
+    /// the smallest number of the GPUs this run may use whose plan fits their memory (1 on
+    /// CPU ranks). The chosen width and why are printed.
+    #[arg(long, alias = "tensor-parallel-size", default_value = "auto", value_parser = parse_width)]
+    pub tp: Width,
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
     /// GPUs to use with --device cuda, e.g. 0,2 (default: 0..tp, as CUDA_VISIBLE_DEVICES maps them).
@@ -68,16 +90,32 @@ fn parse_fraction(text: &str) -> Result<f64, String> {
 }
 
 impl RankArgs {
-    /// A builder for `model` on these ranks, with the environment's switches.
-    pub fn builder(&self, model: &Path) -> Result<EngineBuilder> {
-        if self.tp == 0 {
-            bail!("--tp must be at least 1");
-        }
-        let gpus = match self.device {
+    /// Whether the ranks run on GPUs.
+    fn on_gpus(&self) -> bool {
+        match self.device {
             DeviceArg::Auto => cfg!(feature = "nccl") && DeviceKind::visible_gpus() > 0,
             DeviceArg::Cpu => false,
             DeviceArg::Cuda => true,
-        };
+        }
+    }
+
+    /// The widths to try, smallest first: the one `--tp` gives, or with `auto` every width up
+    /// to the GPUs the run may use (`--gpus`, or every visible one).
+    fn widths(&self, gpus: bool) -> Vec<usize> {
+        match (self.tp, gpus) {
+            (Width::Ranks(n), _) => vec![n],
+            (Width::Auto, false) => vec![1],
+            (Width::Auto, true) => {
+                let usable = self.gpus.as_ref().map_or_else(DeviceKind::visible_gpus, Vec::len);
+                (1..=usable.max(1)).collect()
+            }
+        }
+    }
+
+    /// A builder for `model` on these ranks, with the environment's switches, and the widths
+    /// to start it at.
+    pub fn ranks(&self, model: &Path) -> Result<Ranks> {
+        let gpus = self.on_gpus();
         let device = match gpus {
             true => DeviceKind::Cuda {
                 gpus: self.gpus.clone(),
@@ -85,7 +123,8 @@ impl RankArgs {
             false => DeviceKind::Cpu,
         };
         tracing::info!(?device, "the ranks' devices");
-        let mut builder = crate::env::switches(Engine::builder(model)).tp(self.tp).device(device);
+        let widths = self.widths(gpus);
+        let mut builder = crate::env::switches(Engine::builder(model)).device(device);
         if let Some(dtype) = self.dtype {
             builder = builder.dtype(dtype.dtype());
         }
@@ -101,6 +140,110 @@ impl RankArgs {
             }
             builder = builder.gpu_memory_utilization(share);
         }
-        Ok(builder)
+        Ok(Ranks {
+            builder,
+            widths,
+            auto: self.tp == Width::Auto,
+        })
+    }
+}
+
+/// A builder and the tensor-parallel widths to start it at.
+pub struct Ranks {
+    pub builder: EngineBuilder,
+    /// Smallest first; more than one only for `--tp auto` on GPUs.
+    widths: Vec<usize>,
+    auto: bool,
+}
+
+impl Ranks {
+    /// `start` at the first width whose plan fits the budget: each width over budget is
+    /// refused by the plan before any rank loads a weight or joins NCCL, and the next is
+    /// tried; the last one's refusal is the error. With `--tp auto` the width chosen, and
+    /// why, is printed.
+    pub fn start<T>(self, mut start: impl FnMut(EngineBuilder) -> Result<T, EngineError>) -> Result<T> {
+        let mut refused: Option<(usize, String)> = None;
+        for (i, &tp) in self.widths.iter().enumerate() {
+            match start(self.builder.clone().tp(tp)) {
+                Ok(started) => {
+                    if self.auto {
+                        let why = match &refused {
+                            None => "the smallest width, and its plan fits".to_string(),
+                            Some((narrower, refusal)) => format!("TP {narrower} does not fit: {refusal}"),
+                        };
+                        eprintln!("--tp auto: TP {tp} of {} usable ranks ({why})", self.widths.len());
+                    }
+                    return Ok(started);
+                }
+                Err(EngineError::Runtime(RuntimeError::OverBudget(refusal))) if i + 1 < self.widths.len() => {
+                    tracing::info!(tp, %refusal, "--tp auto: over budget, trying a wider one");
+                    refused = Some((tp, refusal));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        bail!("--tp: no width to start at")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tpinfer_engine::{Engine, EngineError, RuntimeError};
+
+    use super::{parse_width, Ranks, Width};
+
+    fn ranks(widths: Vec<usize>) -> Ranks {
+        Ranks {
+            builder: Engine::builder("model"),
+            widths,
+            auto: true,
+        }
+    }
+
+    fn over_budget(tp: usize) -> EngineError {
+        EngineError::Runtime(RuntimeError::OverBudget(format!("TP {tp} needs more")))
+    }
+
+    /// `auto` starts at the first width whose plan fits, trying each narrower one first.
+    #[test]
+    fn auto_takes_the_smallest_width_that_fits() {
+        let mut tried = Vec::new();
+        let tp = ranks(vec![1, 2, 3, 4])
+            .start(|b| {
+                let tp = b.width();
+                tried.push(tp);
+                match tp {
+                    3.. => Ok(tp),
+                    _ => Err(over_budget(tp)),
+                }
+            })
+            .expect("starts");
+        assert_eq!((tp, tried), (3, vec![1, 2, 3]));
+    }
+
+    /// Where no width fits, the widest one's refusal is the error; other errors end the
+    /// search at once.
+    #[test]
+    fn auto_reports_the_widest_refusal_and_stops_at_other_errors() {
+        let err = ranks(vec![1, 2]).start(|b| -> Result<(), _> { Err(over_budget(b.width())) });
+        let message = format!("{:#}", err.expect_err("nothing fits"));
+        assert!(message.contains("TP 2 needs more"), "{message}");
+        let mut calls = 0;
+        let err = ranks(vec![1, 2]).start(|_| -> Result<(), _> {
+            calls += 1;
+            Err(EngineError::InvalidRequest("bad prompt".into()))
+        });
+        assert!(format!("{:#}", err.expect_err("fails")).contains("bad prompt"));
+        assert_eq!(calls, 1);
+    }
+
+    #[test]
+    fn a_width_is_auto_or_a_positive_number() {
+        assert_eq!(parse_width("auto"), Ok(Width::Auto));
+        assert_eq!(parse_width("3"), Ok(Width::Ranks(3)));
+        for bad in ["0", "-1", "two", ""] {
+            let err = parse_width(bad).expect_err(bad);
+            assert!(err.contains("auto"), "{err}");
+        }
     }
 }

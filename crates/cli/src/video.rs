@@ -6,10 +6,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use tpinfer_engine::{EngineBuilder, Solver, VideoEngine, VideoRequest, VideoShape, WanPipelineDir};
+use tpinfer_engine::{Solver, VideoEngine, VideoRequest, VideoShape, WanPipelineDir};
 
 use crate::frames::FrameFiles;
 use crate::progress::{self, Stages};
+use crate::ranks::Ranks;
 
 /// The video options of `tpinfer generate`.
 #[derive(clap::Args)]
@@ -97,13 +98,7 @@ fn read_embeds(text_path: &Path, negative_path: Option<&Path>) -> Result<(Tensor
     Ok((text, negative))
 }
 
-pub fn generate_video(
-    builder: EngineBuilder,
-    model: &Path,
-    prompt: Option<&str>,
-    args: &VideoArgs,
-    seed: u64,
-) -> Result<()> {
+pub fn generate_video(ranks: Ranks, model: &Path, prompt: Option<&str>, args: &VideoArgs, seed: u64) -> Result<()> {
     let embeds = match (&args.text_embeds, prompt) {
         (Some(_), Some(_)) => bail!("--prompt and --text-embeds both give the text: give one, not both"),
         (Some(path), None) => Some(read_embeds(path, args.negative_embeds.as_deref())?),
@@ -156,7 +151,7 @@ pub fn generate_video(
         crate::output::check("--save-text-embeds", path)?;
     }
     let mut stages = Stages::default();
-    let engine = stages.time("load", || VideoEngine::start(builder, shape))?;
+    let engine = stages.time("load", || ranks.start(|b| VideoEngine::start(b, shape)))?;
     let [c, f, h, w] = engine.latent_shape();
     eprintln!(
         "{} frames at {width}x{height}: latents {c}×{f}×{h}×{w}, {} video tokens per forward; peak plan per rank {:.0} MiB",

@@ -78,6 +78,11 @@ impl EngineBuilder {
         self
     }
 
+    /// The tensor-parallel width it starts at.
+    pub fn width(&self) -> usize {
+        self.tp
+    }
+
     pub fn device(mut self, device: DeviceKind) -> Self {
         self.device = device;
         self
