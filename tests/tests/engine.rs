@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use candle_core::DType;
-use tpinfer_engine::{Engine, GenerateRequest, Prompt, SamplingParams, StopReason, StreamEvent};
+use tpinfer_engine::{Engine, GenerateRequest, LoadProgress, Prompt, SamplingParams, StopReason, StreamEvent};
 use tpinfer_tests::{run_greedy, TinyLlama};
 
 fn tiny_engine(tp: usize) -> (tempfile::TempDir, Engine) {
@@ -182,4 +182,22 @@ fn chat_prompts_use_the_model_template() {
         .expect("stream");
     // BOS + "<|user|>" (8 bytes) + "hi" + <|eot_id|> + "<|assistant|>" (13 bytes)
     assert_eq!(stats.prompt_tokens, 1 + 8 + 2 + 1 + 13);
+}
+
+/// The load progress reaches the bytes it expected, which are the plan's weights over all
+/// ranks: what the CLI's bar shows while a model loads.
+#[test]
+fn load_progress_counts_every_rank_up_to_the_planned_weights() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default().write(dir.path());
+    let progress = LoadProgress::new();
+    let engine = Engine::builder(&model)
+        .tp(3)
+        .load_progress(progress.clone())
+        .build()
+        .expect("engine");
+    let planned: u64 = engine.plan().ranks.iter().map(|r| r.weights).sum();
+    assert!(planned > 0);
+    assert_eq!(progress.total(), planned);
+    assert_eq!(progress.placed(), planned, "every rank's weights counted once");
 }

@@ -1,8 +1,12 @@
 //! Progress bars for the stages of a run, and the time each stage took.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
+use tpinfer_engine::LoadProgress;
 
 /// A bar for `stage`, counting `len` `unit`s. It draws on a terminal and stays silent in a log.
 pub fn bar(stage: &str, len: u64, unit: &str) -> ProgressBar {
@@ -12,6 +16,48 @@ pub fn bar(stage: &str, len: u64, unit: &str) -> ProgressBar {
     bar.set_style(ProgressStyle::with_template(&template).unwrap_or_else(|_| ProgressStyle::default_bar()));
     bar.set_prefix(stage.to_string());
     bar
+}
+
+/// A bar of the weight bytes loaded over all ranks, drawn from `progress` until dropped.
+pub struct LoadBar {
+    done: Arc<AtomicBool>,
+    watcher: Option<JoinHandle<()>>,
+}
+
+impl LoadBar {
+    pub fn new(progress: LoadProgress) -> Self {
+        let done = Arc::new(AtomicBool::new(false));
+        let watching = done.clone();
+        let watcher = std::thread::spawn(move || {
+            let bar = ProgressBar::new(0);
+            let template = "{prefix:>7} {bar:40} {bytes}/{total_bytes}, {elapsed} elapsed, ~{eta} left";
+            bar.set_style(ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()));
+            bar.set_prefix("weights");
+            while !watching.load(Ordering::Relaxed) {
+                // The total is known once the plan fits, before the first weight is read.
+                let total = progress.total();
+                if total > 0 {
+                    bar.set_length(total);
+                    bar.set_position(progress.placed().min(total));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            bar.finish_and_clear();
+        });
+        Self {
+            done,
+            watcher: Some(watcher),
+        }
+    }
+}
+
+impl Drop for LoadBar {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::Relaxed);
+        if let Some(watcher) = self.watcher.take() {
+            let _ = watcher.join();
+        }
+    }
 }
 
 /// The wall time of each stage of a run, in order.

@@ -4,7 +4,9 @@ use std::path::Path;
 
 use anyhow::{bail, Result};
 use clap::ValueEnum;
-use tpinfer_engine::{DeviceKind, Engine, EngineBuilder, EngineError, RuntimeError};
+use tpinfer_engine::{DeviceKind, Engine, EngineBuilder, EngineError, LoadProgress, RuntimeError};
+
+use crate::progress::LoadBar;
 
 /// Where the ranks run.
 #[derive(Clone, Copy, ValueEnum)]
@@ -160,11 +162,14 @@ impl Ranks {
     /// `start` at the first width whose plan fits the budget: each width over budget is
     /// refused by the plan before any rank loads a weight or joins NCCL, and the next is
     /// tried; the last one's refusal is the error. With `--tp auto` the width chosen, and
-    /// why, is printed.
+    /// why, is printed. A bar shows the weight bytes loaded meanwhile.
     pub fn start<T>(self, mut start: impl FnMut(EngineBuilder) -> Result<T, EngineError>) -> Result<T> {
+        let progress = LoadProgress::new();
+        let builder = self.builder.load_progress(progress.clone());
+        let _bar = LoadBar::new(progress);
         let mut refused: Option<(usize, String)> = None;
         for (i, &tp) in self.widths.iter().enumerate() {
-            match start(self.builder.clone().tp(tp)) {
+            match start(builder.clone().tp(tp)) {
                 Ok(started) => {
                     if self.auto {
                         let why = match &refused {

@@ -3,6 +3,7 @@ use std::time::Duration;
 
 use candle_core::DType;
 use tpinfer_comm::CommOptions;
+use tpinfer_runtime::LoadProgress;
 use tpinfer_runtime::{DeviceKind, GroupOptions};
 
 use crate::{Engine, EngineError};
@@ -149,6 +150,13 @@ impl EngineBuilder {
     /// default; see [`CommOptions`]).
     pub fn comm_options(mut self, options: CommOptions) -> Self {
         self.group.comm = options;
+        self
+    }
+
+    /// Counts the weight bytes the ranks load into `progress`, for a progress bar the caller
+    /// draws from its clone.
+    pub fn load_progress(mut self, progress: LoadProgress) -> Self {
+        self.group.progress = progress;
         self
     }
 

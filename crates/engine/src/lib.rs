@@ -36,7 +36,8 @@ pub use request::{GenerateRequest, Prompt, SamplingParams};
 pub use stream::{GenerationStats, StopReason, StreamEvent, TokenStream};
 pub use tpinfer_comm::CommOptions;
 pub use tpinfer_plan::{Plan, RankPlan};
-pub use tpinfer_runtime::{DeviceKind, DeviceMemory, RuntimeError, PLAN_TOLERANCE};
+pub use tpinfer_runtime::{DeviceKind, DeviceMemory, LoadProgress, RuntimeError, PLAN_TOLERANCE};
+
 pub use tpinfer_tokenizer::ChatMessage;
 pub use tpinfer_wan::sampler::Solver;
 pub use video::{StageProfile, StepReport, VideoEngine, VideoRequest, VideoShape};

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use tpinfer_comm::Communicator;
 use tpinfer_plan::{Placement, PlanError, RankShard, ShardedModel};
+use tpinfer_weights::LoadProgress;
 
 /// A model family: its configs, its split over ranks and its rank model.
 pub trait Family: ShardedModel + Sized + 'static {
@@ -58,13 +59,14 @@ pub fn preset_has_no_weights(name: &str) -> tpinfer_layers::Error {
     ))
 }
 
-/// What a rank loads with: its communicator, its device, the compute dtype and the options
-/// its forward runs with.
+/// What a rank loads with: its communicator, its device, the compute dtype, the options its
+/// forward runs with, and the group's load progress, which its weight loader counts into.
 pub struct LoadContext<'a> {
     pub comm: &'a Arc<dyn Communicator>,
     pub device: &'a Device,
     pub dtype: DType,
     pub options: RankOptions,
+    pub progress: &'a LoadProgress,
 }
 
 /// How a rank's forwards run: switches for measured alternatives, chosen by the caller (the

@@ -53,6 +53,8 @@ pub struct RankEnv {
     pub comm: Arc<dyn Communicator>,
     /// This rank's plan of each model, in the order they were added.
     pub plans: Vec<tpinfer_plan::RankPlan>,
+    /// The group's load progress, which its weight loaders count into.
+    pub progress: tpinfer_weights::LoadProgress,
 }
 
 /// A model on a rank, through its turns (see [`Residency`]).
@@ -135,6 +137,7 @@ pub(crate) struct RankSetup {
     /// How many of `loaders` load at the start; the others wait for [`RankGroup::next_turn`].
     pub load_first: usize,
     pub options: RankOptions,
+    pub progress: tpinfer_weights::LoadProgress,
 }
 
 /// Ranks on their threads with their models loaded. Tasks run on every rank at once, one
@@ -150,6 +153,8 @@ pub struct RankGroup {
     turned: Mutex<bool>,
     weight_bytes: Mutex<Vec<Vec<usize>>>,
     broken: Mutex<Option<String>>,
+    /// The load progress the ranks count into: the second turn's weights are added to it.
+    progress: tpinfer_weights::LoadProgress,
 }
 
 impl RankGroup {
@@ -160,6 +165,7 @@ impl RankGroup {
         plans: Vec<Plan>,
         residency: Residency,
         weight_bytes: Vec<Vec<usize>>,
+        progress: tpinfer_weights::LoadProgress,
     ) -> Self {
         Self {
             jobs,
@@ -170,6 +176,7 @@ impl RankGroup {
             turned: Mutex::new(false),
             weight_bytes: Mutex::new(weight_bytes),
             broken: Mutex::new(None),
+            progress,
         }
     }
 
@@ -198,6 +205,11 @@ impl RankGroup {
         if *turned {
             return Ok(false);
         }
+        let second: u64 = self.plans[first..]
+            .iter()
+            .flat_map(|plan| plan.ranks.iter().map(|r| r.weights))
+            .sum();
+        self.progress.expect(second);
         let bytes = self.run(move |rank| rank.next_turn(first))?;
         *turned = true;
         for (held, read) in lock(&self.weight_bytes).iter_mut().zip(bytes) {
@@ -371,6 +383,7 @@ pub(crate) fn rank_main(setup: RankSetup, ready: Sender<Startup>, jobs: Receiver
         loaders,
         load_first,
         options,
+        progress,
     } = setup;
     let _span = tracing::info_span!("rank", rank, world).entered();
     let start = std::time::Instant::now();
@@ -391,6 +404,7 @@ pub(crate) fn rank_main(setup: RankSetup, ready: Sender<Startup>, jobs: Receiver
         device,
         comm,
         plans,
+        progress,
     };
     let start = std::time::Instant::now();
     let loaded = guarded(rank, &*env.comm.clone(), || -> Result<_, RuntimeError> {

@@ -10,6 +10,7 @@ use candle_core::DType;
 use tpinfer_comm::CommOptions;
 use tpinfer_family::{Family, LoadContext, RankOptions};
 use tpinfer_plan::{gib, over_budget_message, Placement, Plan, PlanError, RankShard, Residency, ShardedModel};
+use tpinfer_weights::LoadProgress;
 
 use crate::connect::{await_startup, connectors};
 use crate::group::{rank_main, Loader, RankSetup};
@@ -30,6 +31,9 @@ pub struct GroupOptions {
     pub gpu_share: Option<f64>,
     pub comm: CommOptions,
     pub rank: RankOptions,
+    /// Counts the weight bytes the ranks place, out of the bytes they will: for a progress
+    /// bar, which the caller draws from its clone.
+    pub progress: LoadProgress,
 }
 
 impl Default for GroupOptions {
@@ -41,6 +45,7 @@ impl Default for GroupOptions {
             gpu_share: None,
             comm: CommOptions::default(),
             rank: RankOptions::default(),
+            progress: LoadProgress::new(),
         }
     }
 }
@@ -123,6 +128,7 @@ impl Launch {
                         device: &env.device,
                         dtype,
                         options,
+                        progress: &env.progress,
                     };
                     let rank = model.load(&shard, placement, &ctx)?;
                     let bytes = F::bytes_loaded(&rank);
@@ -175,6 +181,11 @@ impl Launch {
         let mut per_rank: Vec<(Vec<Loader>, Vec<tpinfer_plan::RankPlan>)> =
             (0..tp).map(|_| (Vec::new(), Vec::new())).collect();
         let mut plans = Vec::with_capacity(slots.len());
+        let loaded_at_start: u64 = slots[..load_first]
+            .iter()
+            .flat_map(|slot| slot.plan.ranks.iter().map(|r| r.weights))
+            .sum();
+        options.progress.expect(loaded_at_start);
         for slot in slots {
             for (rank, loader) in slot.loaders.into_iter().enumerate() {
                 per_rank[rank].0.push(loader);
@@ -193,6 +204,7 @@ impl Launch {
                 loaders,
                 load_first,
                 options: options.rank,
+                progress: options.progress.clone(),
             };
             let ready = ready_tx.clone();
             let thread = std::thread::Builder::new()
@@ -214,7 +226,15 @@ impl Launch {
             ranks = tp,
             "started: connected, loaded and checked"
         );
-        Ok(RankGroup::new(jobs, threads, topology, plans, residency, weight_bytes))
+        Ok(RankGroup::new(
+            jobs,
+            threads,
+            topology,
+            plans,
+            residency,
+            weight_bytes,
+            options.progress,
+        ))
     }
 
     /// Plans every rank's device bytes and refuses a placement over budget, before any rank

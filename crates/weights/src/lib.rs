@@ -8,6 +8,7 @@
 mod error;
 mod gguf;
 mod loader;
+mod progress;
 mod renamed;
 mod safetensors_store;
 mod shard;
@@ -15,6 +16,7 @@ mod shard;
 pub use error::WeightError;
 pub use gguf::{GgufStore, GgufTensorMap};
 pub use loader::{ShardLoader, WeightDecl};
+pub use progress::{CountingStore, LoadProgress};
 pub use renamed::RenamedStore;
 pub use safetensors_store::SafetensorsStore;
 pub use shard::ShardSpec;

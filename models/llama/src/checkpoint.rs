@@ -3,7 +3,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::quantized::gguf_file::Value;
-use tpinfer_weights::{GgufStore, GgufTensorMap, SafetensorsStore, ShardLoader, WeightDecl, WeightError, WeightStore};
+use tpinfer_weights::{
+    CountingStore, GgufStore, GgufTensorMap, LoadProgress, SafetensorsStore, ShardLoader, WeightDecl, WeightError,
+    WeightStore,
+};
 
 use crate::shard::names;
 use crate::{ConfigError, LlamaConfig, LlamaShard};
@@ -38,6 +41,16 @@ pub enum CheckpointError {
 }
 
 impl LlamaCheckpoint {
+    /// The same checkpoint, its reads counted into `progress` at `dtype`'s size.
+    pub fn counted(&self, progress: &LoadProgress, dtype: candle_core::DType) -> Self {
+        Self {
+            config: self.config.clone(),
+            format: self.format.clone(),
+            store: Arc::new(CountingStore::new(self.store.clone(), progress, dtype)),
+            gguf: self.gguf.clone(),
+        }
+    }
+
     /// Opens a model directory or GGUF file. Reads config and headers only.
     pub fn open(path: &Path) -> Result<Self, CheckpointError> {
         if !path.exists() {

@@ -211,7 +211,7 @@ impl Family for LlamaModel {
             ));
         };
         let mut rank = LlamaRank::load(
-            checkpoint,
+            &checkpoint.counted(ctx.progress, ctx.dtype),
             shard.shard.clone(),
             ctx.comm.clone(),
             ctx.dtype,

@@ -8,7 +8,7 @@ use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
 use tpinfer_plan::{
     boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
 };
-use tpinfer_weights::{SafetensorsStore, ShardLoader, WeightDecl, WeightStore};
+use tpinfer_weights::{CountingStore, SafetensorsStore, ShardLoader, WeightDecl, WeightStore};
 
 use crate::memory::EncodeMemory;
 use crate::shard::names;
@@ -166,7 +166,7 @@ impl Family for Umt5Model {
         let store = self.store.as_ref().ok_or_else(|| preset_has_no_weights(&self.name))?;
         Umt5Rank::load(
             &self.config,
-            &**store,
+            &CountingStore::new(store.clone(), ctx.progress, ctx.dtype),
             &shard.shard,
             ctx.comm.clone(),
             ctx.dtype,

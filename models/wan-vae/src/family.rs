@@ -8,7 +8,7 @@ use candle_core::DType;
 use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
 use tpinfer_kernels::ConvPath;
 use tpinfer_plan::{boxed_shards, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel};
-use tpinfer_weights::{SafetensorsStore, ShardLoader, WeightDecl, WeightStore};
+use tpinfer_weights::{CountingStore, SafetensorsStore, ShardLoader, WeightDecl, WeightStore};
 
 use crate::memory::{DecodeDevice, DecodeMemory, DecodeShape};
 use crate::{is_encoder_tensor, WanVaeConfig, WanVaeRank, WanVaeShard};
@@ -204,7 +204,8 @@ impl Family for WanVaeModel {
         ctx: &LoadContext<'_>,
     ) -> Result<WanVaeRank, tpinfer_layers::Error> {
         let store = self.store.as_ref().ok_or_else(|| preset_has_no_weights(&self.name))?;
-        WanVaeRank::load(&self.config, &**store, shard.shard, ctx.dtype, ctx.device)
+        let store = CountingStore::new(store.clone(), ctx.progress, ctx.dtype);
+        WanVaeRank::load(&self.config, &store, shard.shard, ctx.dtype, ctx.device)
     }
 
     fn bytes_loaded(rank: &WanVaeRank) -> usize {

@@ -9,7 +9,7 @@ use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
 use tpinfer_plan::{
     boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
 };
-use tpinfer_weights::{ShardLoader, WeightDecl};
+use tpinfer_weights::{CountingStore, ShardLoader, WeightDecl};
 
 use crate::memory::{DitMemory, ForwardPath, Video};
 use crate::{WanCheckpoint, WanCheckpointError, WanConfig, WanRank, WanShard};
@@ -203,7 +203,7 @@ impl Family for WanModel {
             .ok_or_else(|| preset_has_no_weights(&self.name))?;
         WanRank::load(
             &self.config,
-            &*checkpoint.store,
+            &CountingStore::new(checkpoint.store.clone(), ctx.progress, ctx.dtype),
             shard.shard.clone(),
             ctx.comm.clone(),
             ctx.dtype,
