@@ -162,7 +162,8 @@ impl Ranks {
     /// `start` at the first width whose plan fits the budget: each width over budget is
     /// refused by the plan before any rank loads a weight or joins NCCL, and the next is
     /// tried; the last one's refusal is the error. With `--tp auto` the width chosen, and
-    /// why, is printed. A bar shows the weight bytes loaded meanwhile.
+    /// why, is printed (logged where only one width was possible). A bar shows the weight
+    /// bytes loaded meanwhile.
     pub fn start<T>(self, mut start: impl FnMut(EngineBuilder) -> Result<T, EngineError>) -> Result<T> {
         let progress = LoadProgress::new();
         let builder = self.builder.load_progress(progress.clone());
@@ -176,7 +177,13 @@ impl Ranks {
                             None => "the smallest width, and its plan fits".to_string(),
                             Some((narrower, refusal)) => format!("TP {narrower} does not fit: {refusal}"),
                         };
-                        eprintln!("--tp auto: TP {tp} of {} usable ranks ({why})", self.widths.len());
+                        let chosen = format!("--tp auto: TP {tp} of {} usable ranks ({why})", self.widths.len());
+                        // Printed where there was a choice; a lone width is logged (-v), so
+                        // that a later error stays the run's one line.
+                        match self.widths.len() {
+                            1 => tracing::info!("{chosen}"),
+                            _ => eprintln!("{chosen}"),
+                        }
                     }
                     return Ok(started);
                 }

@@ -67,8 +67,8 @@ fn vllm_flags_are_accepted() {
     let dir = tempfile::tempdir().expect("tempdir");
     let model = TinyLlama::default().write(dir.path());
     let ours = generate(&model, &["--tp", "2", "--max-context", "64", "--max-new-tokens", "6"]);
-    // The default width, `auto`, is one CPU rank, and says so.
-    let auto = generate(&model, &["--max-context", "64", "--max-new-tokens", "6"]);
+    // The default width, `auto`, is one CPU rank, and says so in the log.
+    let auto = generate(&model, &["-v", "--max-context", "64", "--max-new-tokens", "6"]);
     let one = generate(&model, &["--tp", "1", "--max-context", "64", "--max-new-tokens", "6"]);
     assert!(auto.status.success(), "{}", String::from_utf8_lossy(&auto.stderr));
     assert_eq!(auto.stdout, one.stdout, "--tp auto on CPU ranks is one rank");
