@@ -40,7 +40,8 @@ impl LoadBar {
                     bar.set_length(total);
                     bar.set_position(progress.placed().min(total));
                 }
-                std::thread::sleep(Duration::from_millis(100));
+                // Woken at once when the bar is dropped.
+                std::thread::park_timeout(Duration::from_millis(100));
             }
             bar.finish_and_clear();
         });
@@ -55,6 +56,7 @@ impl Drop for LoadBar {
     fn drop(&mut self) {
         self.done.store(true, Ordering::Relaxed);
         if let Some(watcher) = self.watcher.take() {
+            watcher.thread().unpark();
             let _ = watcher.join();
         }
     }

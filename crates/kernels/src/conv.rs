@@ -17,7 +17,7 @@ pub enum ConvPath {
 }
 
 /// The path on `device`: cuDNN's on CUDA where it is installed (opening it on the first call).
-pub fn conv2d_path(device: &Device) -> ConvPath {
+pub fn conv_path(device: &Device) -> ConvPath {
     match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(_) if crate::cudnn::available() => ConvPath::Cudnn,
@@ -80,7 +80,7 @@ pub fn conv_frames_bias(x: &Tensor, w: &Tensor, b: &Tensor, pad: [usize; 2]) -> 
             b.dtype()
         );
     }
-    match conv2d_path(x.device()) {
+    match conv_path(x.device()) {
         #[cfg(feature = "cuda")]
         ConvPath::Cudnn => cuda::conv_frames_bias(x, w, b, [o, wc, kt, kh, kw], pad),
         _ => candle_core::bail!(

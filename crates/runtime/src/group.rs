@@ -209,7 +209,7 @@ impl RankGroup {
             .iter()
             .flat_map(|plan| plan.ranks.iter().map(|r| r.weights))
             .sum();
-        self.progress.expect(second);
+        self.progress.add_total(second);
         let bytes = self.run(move |rank| rank.next_turn(first))?;
         *turned = true;
         for (held, read) in lock(&self.weight_bytes).iter_mut().zip(bytes) {

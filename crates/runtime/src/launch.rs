@@ -185,7 +185,7 @@ impl Launch {
             .iter()
             .flat_map(|slot| slot.plan.ranks.iter().map(|r| r.weights))
             .sum();
-        options.progress.expect(loaded_at_start);
+        options.progress.add_total(loaded_at_start);
         for slot in slots {
             for (rank, loader) in slot.loaders.into_iter().enumerate() {
                 per_rank[rank].0.push(loader);

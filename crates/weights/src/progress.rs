@@ -22,7 +22,7 @@ impl LoadProgress {
     }
 
     /// Adds `bytes` to the bytes to load (each start adds what it plans to load).
-    pub fn expect(&self, bytes: u64) {
+    pub fn add_total(&self, bytes: u64) {
         self.total.fetch_add(bytes, Ordering::Relaxed);
     }
 

@@ -10,7 +10,7 @@
 //! frames of causal padding before the first.
 
 use candle_core::{DType, Tensor};
-use tpinfer_kernels::{channel_rms_norm, channels_last_filter, conv2d_path, conv_frames_bias, ConvPath};
+use tpinfer_kernels::{channel_rms_norm, channels_last_filter, conv_frames_bias, conv_path, ConvPath};
 use tpinfer_layers::Result;
 use tpinfer_weights::{ShardLoader, ShardSpec, WeightDecl};
 
@@ -125,7 +125,7 @@ impl Conv {
     pub fn load(w: &mut ShardLoader, prefix: &str, shape: ConvShape, slots: &mut Slots) -> Result<Self> {
         let weight = w.take(&format!("{prefix}.weight"))?;
         let taps = shape.taps.max(1);
-        let path = conv2d_path(weight.device());
+        let path = conv_path(weight.device());
         let weight = match (path, shape.taps) {
             (ConvPath::Cudnn, _) => channels_last_filter(&weight)?,
             (ConvPath::Unfolded, 0) => weight,

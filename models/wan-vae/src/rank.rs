@@ -1,5 +1,5 @@
 use candle_core::{DType, Device, Tensor};
-use tpinfer_kernels::conv2d_path;
+use tpinfer_kernels::conv_path;
 use tpinfer_layers::Result;
 use tpinfer_weights::{ShardLoader, WeightStore};
 
@@ -65,7 +65,7 @@ impl WanVaeRank {
             let device = DecodeDevice {
                 dtype: self.dtype,
                 cuda: self.device.is_cuda(),
-                conv: conv2d_path(&self.device),
+                conv: conv_path(&self.device),
             };
             let video = DecodeShape {
                 latent_frames: frames,
