@@ -260,7 +260,7 @@ fn vae_decode_allocates_what_the_memory_model_says() {
     let device = DecodeDevice {
         dtype: DType::F32,
         cuda: false,
-        conv: tpinfer_wan_vae::memory::ConvPath::Unfolded,
+        conv: tpinfer_wan_vae::memory::ConvPath::Taps,
     };
     for (tp, rank, tile) in [(1, 0, 64), (1, 0, 16), (3, 1, 8), (2, 1, 32)] {
         let shard = WanVaeShard::new(tp, rank).expect("shard");

@@ -240,29 +240,31 @@ __device__ void embed_owned_rows(const unsigned* ids, const T* w, T* out, unsign
     for (int j = threadIdx.x; j < cols; j += blockDim.x) o[j] = owned ? row[j] : from_f32<T>(0.f);
 }
 
-// out[n, c, p] = x[n, c, p] / max(‖x[n, :, p]‖, 1e-12) · scale[c], then SiLU when `silu`: the
-// video VAE's RMS norm over channels, one thread per pixel of an NCHW activation (its reads
-// of a channel coalesce across the warp's pixels). x may be a view of some rows: strides per
-// image, channel and row, unit along a row; out is contiguous `[n, c, rows, width]`.
+// out[p, c] = x[p, c] / max(‖x[p, :]‖, 1e-12) · scale[c], then SiLU when `silu`: the video
+// VAE's RMS norm over the channels of each pixel of a channels-last activation, one warp per
+// pixel (its lanes read consecutive channels). x `[n, rows, width, channels]` may be a view of
+// some rows: strides per image and row, each row of pixels packed; out is contiguous.
 template <typename T>
 __device__ void channel_rms_norm(const T* x, const float* scale, T* out, int channels, int rows, int width,
-                                 long image_stride, long channel_stride, long row_stride, int silu) {
-    const long pixels = (long)rows * width;
-    const long p = blockIdx.x * (long)blockDim.x + threadIdx.x;
-    if (p >= pixels) return;
-    const long row = p / width, col = p % width;
-    const T* in = x + blockIdx.y * image_stride + row * row_stride + col;
-    T* o = out + blockIdx.y * (long)channels * pixels + p;
+                                 long images, long image_stride, long row_stride, int silu) {
+    const int lane = threadIdx.x & 31;
+    const long p = (blockIdx.x * (long)blockDim.x + threadIdx.x) >> 5;
+    const long per_image = (long)rows * width;
+    if (p >= images * per_image) return;
+    const long image = p / per_image, within = p % per_image;
+    const T* in = x + image * image_stride + (within / width) * row_stride + (within % width) * channels;
+    T* o = out + p * channels;
     float sum = 0.f;
-    for (int c = 0; c < channels; ++c) {
-        const float v = to_f32(in[c * channel_stride]);
+    for (int c = lane; c < channels; c += 32) {
+        const float v = to_f32(in[c]);
         sum += v * v;
     }
+    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     const float inv = 1.f / fmaxf(sqrtf(sum), 1e-12f);
-    for (int c = 0; c < channels; ++c) {
-        float v = to_f32(in[c * channel_stride]) * inv * scale[c];
+    for (int c = lane; c < channels; c += 32) {
+        float v = to_f32(in[c]) * inv * scale[c];
         if (silu) v = v / (1.f + expf(-v));
-        o[c * pixels] = from_f32<T>(v);
+        o[c] = from_f32<T>(v);
     }
 }
 
@@ -313,10 +315,9 @@ ROW_KERNELS(f16_packed, __half, 8)
         embed_owned_rows<T>(ids, w, out, first, end, cols);                                                    \
     }                                                                                                          \
     extern "C" __global__ void channel_rms_norm_##SUFFIX(const T* x, const float* scale, T* out, int channels, \
-                                                          int rows, int width, long image_stride,              \
-                                                          long channel_stride, long row_stride, int silu) {    \
-        channel_rms_norm<T>(x, scale, out, channels, rows, width, image_stride, channel_stride, row_stride,    \
-                            silu);                                                                             \
+                                                          int rows, int width, long images, long image_stride, \
+                                                          long row_stride, int silu) {                         \
+        channel_rms_norm<T>(x, scale, out, channels, rows, width, images, image_stride, row_stride, silu);     \
     }
 
 ROWWISE(f32, float)

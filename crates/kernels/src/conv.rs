@@ -1,19 +1,20 @@
-//! cuDNN's convolution for the video VAE, on its frames-first activations. candle's own CUDA
-//! convolution unfolds its input first (im2col, k² copies of every pixel) with 64-bit index
-//! arithmetic per copied element, which took 30 s for a 480p VAE decode that cuDNN (through
-//! PyTorch) runs in under 2.
+//! The video VAE's convolutions, on its channels-last frames (`[frames, h, w, c]`): cuDNN's
+//! where it is installed, else a matrix product per tap. candle's own CUDA convolution
+//! unfolds its input first (im2col, k² copies of every pixel) with 64-bit index arithmetic
+//! per copied element, which took 30 s for a 480p VAE decode that cuDNN (through PyTorch)
+//! runs in under 2; and it takes NCHW, which costs a transposed copy of every input and output.
 
 use candle_core::{DType, Device, Result, Tensor};
 
 /// How a device runs the VAE's convolutions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConvPath {
-    /// [`conv_frames_bias`]: cuDNN's, reading the causal taps from the frames themselves,
-    /// padding as it reads, on channels-last copies of its input and output.
+    /// cuDNN's, reading the causal taps from the frames themselves, padding as it reads, with
+    /// the bias and a residual added in its epilogue.
     Cudnn,
-    /// candle's, on the taps stacked along the channels and the frame padded: on CUDA it
-    /// unfolds its whole input first (its callers bound that by running it on chunks).
-    Unfolded,
+    /// One matrix product per tap (time, row, column) over a copy of the input shifted by it,
+    /// summed: candle's CPU and CUDA matmuls.
+    Taps,
 }
 
 /// The path on `device`: cuDNN's on CUDA where it is installed (opening it on the first call).
@@ -21,7 +22,7 @@ pub fn conv_path(device: &Device) -> ConvPath {
     match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(_) if crate::cudnn::available() => ConvPath::Cudnn,
-        _ => ConvPath::Unfolded,
+        _ => ConvPath::Taps,
     }
 }
 
@@ -35,58 +36,131 @@ pub fn cudnn_version() -> Option<usize> {
 }
 
 /// The most a cuDNN convolution of `input` elements into `output` allocates besides its
-/// output: channels-last copies of both, which its tensor-core kernels read and write, and
-/// its algorithm's workspace, which may take as much again and 16 MiB more.
+/// output: its algorithm's workspace, which may take the size of both and 16 MiB more.
 pub fn cudnn_workspace_bound(input: usize, output: usize, dtype: DType) -> usize {
-    2 * (input + output) * dtype.size_in_bytes() + INDEX_TABLE_BYTES
+    (input + output) * dtype.size_in_bytes() + INDEX_TABLE_BYTES
 }
 
 /// Workspace a cuDNN algorithm may take besides the size of its input and output: the
 /// implicit GEMMs' index tables.
 pub(crate) const INDEX_TABLE_BYTES: usize = 16 << 20;
 
-/// A filter `[o, c, kt, kh, kw]` (over `kt` consecutive frames) or `[o, c, kh, kw]` (within
-/// each frame) as [`conv_frames_bias`] takes it: channels last, `[o, kt, kh, kw, c]`.
-pub fn channels_last_filter(w: &Tensor) -> Result<Tensor> {
-    match *w.dims() {
-        [_, _, _, _, _] => w.permute((0, 2, 3, 4, 1))?.contiguous(),
-        [o, c, kh, kw] => w.reshape((o, c, 1, kh, kw))?.permute((0, 2, 3, 4, 1))?.contiguous(),
-        _ => candle_core::bail!("channels_last_filter: filter {:?} is neither 4-D nor 5-D", w.dims()),
+/// A checkpoint's filter `[o, c, kt, kh, kw]` (over `kt` consecutive frames) or `[o, c, kh,
+/// kw]` (within each frame) as [`conv_frames_bias`] takes it on `path`: channels last, `[o,
+/// kt, kh, kw, c]`, for cuDNN; for the taps path one `[c, o]` matrix per tap, `[kt·kh·kw, c,
+/// o]`, each tap's product then reading a packed matrix.
+pub fn conv_filter(w: &Tensor, path: ConvPath) -> Result<Tensor> {
+    let w = match *w.dims() {
+        [_, _, _, _, _] => w.clone(),
+        [o, c, kh, kw] => w.reshape((o, c, 1, kh, kw))?,
+        _ => candle_core::bail!("conv_filter: filter {:?} is neither 4-D nor 5-D", w.dims()),
+    };
+    let (o, c, kt, kh, kw) = w.dims5()?;
+    match path {
+        ConvPath::Cudnn => w.permute((0, 2, 3, 4, 1))?.contiguous(),
+        ConvPath::Taps => w.reshape((o, c, kt * kh * kw))?.permute((2, 1, 0))?.contiguous(),
     }
 }
 
-/// `x` `[frames, c, h, w]` convolved with `w` `[o, kt, kh, kw, c]` (over `kt` consecutive
-/// frames, channels last: [`channels_last_filter`]) after `pad[0]` zero rows and `pad[1]`
-/// zero columns on each side, plus `b` `[o]`: `[frames − kt + 1, o, h + 2·pad[0] − kh + 1,
-/// w + 2·pad[1] − kw + 1]`. Cross-correlation, stride 1, on the [`ConvPath::Cudnn`] path only.
-pub fn conv_frames_bias(x: &Tensor, w: &Tensor, b: &Tensor, pad: [usize; 2]) -> Result<Tensor> {
-    let (frames, c, h, width) = x.dims4()?;
-    let (o, kt, kh, kw, wc) = w.dims5()?;
+/// `x` `[frames, h, w, c]` (channels last) convolved with `filter` ([`conv_filter`]'s for
+/// `x`'s device: `[o, kt, kh, kw, c]` taken over `kt` consecutive frames) after `pad[0]`
+/// zero rows and `pad[1]` zero columns on each side, plus `b` `[o]`, plus `residual` where
+/// given: `[frames − kt + 1, h + 2·pad[0] − kh + 1, w + 2·pad[1] − kw + 1, o]`.
+/// Cross-correlation, stride 1; the shape of the filter is `[o, kt, kh, kw, c]` for both paths.
+pub fn conv_frames_bias(
+    x: &Tensor,
+    filter: &Tensor,
+    shape: [usize; 5],
+    b: &Tensor,
+    residual: Option<&Tensor>,
+    pad: [usize; 2],
+) -> Result<Tensor> {
+    let (frames, h, width, c) = x.dims4()?;
+    let [o, kt, kh, kw, wc] = shape;
+    let out = [
+        (frames + 1).saturating_sub(kt),
+        (h + 2 * pad[0] + 1).saturating_sub(kh),
+        (width + 2 * pad[1] + 1).saturating_sub(kw),
+        o,
+    ];
+    let path = conv_path(x.device());
+    let filter_dims = match path {
+        ConvPath::Cudnn => vec![o, kt, kh, kw, c],
+        ConvPath::Taps => vec![kt * kh * kw, c, o],
+    };
     if wc != c
+        || filter.dims() != filter_dims
         || b.dims() != [o]
-        || kt > frames
-        || kh > h + 2 * pad[0]
-        || kw > width + 2 * pad[1]
-        || w.dtype() != x.dtype()
+        || out.contains(&0)
+        || residual.is_some_and(|r| r.dims() != out || r.dtype() != x.dtype())
+        || filter.dtype() != x.dtype()
         || b.dtype() != x.dtype()
     {
         candle_core::bail!(
-            "conv_frames_bias: input {:?} {:?}, filter {:?} {:?}, bias {:?} {:?} and padding {pad:?} do not fit",
+            "conv_frames_bias: input {:?} {:?}, filter {:?} {:?} of {shape:?}, bias {:?} {:?}, residual {:?} \
+             and padding {pad:?} do not fit",
             x.dims(),
             x.dtype(),
-            w.dims(),
-            w.dtype(),
+            filter.dims(),
+            filter.dtype(),
             b.dims(),
-            b.dtype()
+            b.dtype(),
+            residual.map(|r| r.dims().to_vec())
         );
     }
-    match conv_path(x.device()) {
+    match path {
         #[cfg(feature = "cuda")]
-        ConvPath::Cudnn => cuda::conv_frames_bias(x, w, b, [o, wc, kt, kh, kw], pad),
-        _ => candle_core::bail!(
-            "conv_frames_bias runs on cuDNN, which {:?} does not have",
-            x.device().location()
-        ),
+        ConvPath::Cudnn => cuda::conv_frames_bias(x, filter, b, residual, shape, pad),
+        _ => conv_taps(x, filter, shape, b, residual, pad, out),
+    }
+}
+
+/// [`conv_frames_bias`] as a sum of one matrix product per tap: `x` zero-padded, then for
+/// each tap the window it reads, copied packed, times that tap's `[c, o]`. Each temporary is
+/// at most the size of the padded input or of the output.
+fn conv_taps(
+    x: &Tensor,
+    filter: &Tensor,
+    shape: [usize; 5],
+    b: &Tensor,
+    residual: Option<&Tensor>,
+    pad: [usize; 2],
+    out: [usize; 4],
+) -> Result<Tensor> {
+    let [o, kt, kh, kw, c] = shape;
+    let [frames, rows, width, _] = out;
+    let mut x = x.clone();
+    if pad[0] > 0 {
+        x = x.pad_with_zeros(1, pad[0], pad[0])?;
+    }
+    if pad[1] > 0 {
+        x = x.pad_with_zeros(2, pad[1], pad[1])?;
+    }
+    let pixels = frames * rows * width;
+    let mut sum: Option<Tensor> = None;
+    for t in 0..kt {
+        for i in 0..kh {
+            for j in 0..kw {
+                let window = x.narrow(0, t, frames)?.narrow(1, i, rows)?.narrow(2, j, width)?;
+                let window = window.contiguous()?.reshape((pixels, c))?;
+                let product = window.matmul(&filter.get((t * kh + i) * kw + j)?)?;
+                drop(window);
+                sum = Some(match sum {
+                    Some(sum) => (sum + product)?,
+                    None => product,
+                });
+            }
+        }
+    }
+    drop(x);
+    let Some(sum) = sum else {
+        candle_core::bail!("conv_frames_bias: a filter of no taps");
+    };
+    let y = sum.broadcast_add(b)?.reshape((frames, rows, width, o))?;
+    drop(sum);
+    match residual {
+        Some(r) => y + r,
+        None => Ok(y),
     }
 }
 
@@ -105,30 +179,27 @@ mod cuda {
         x: &Tensor,
         w: &Tensor,
         b: &Tensor,
+        residual: Option<&Tensor>,
         filter: [usize; 5],
         pad: [usize; 2],
     ) -> Result<Tensor> {
         let Device::Cuda(dev) = x.device() else {
             candle_core::bail!("conv_frames_bias: cuDNN runs on CUDA tensors");
         };
-        let (x, w) = (x.contiguous()?, w.contiguous()?);
-        let (frames, c, h, width) = x.dims4()?;
-        let [o, _, kt, _, _] = filter;
+        let (x, w, b) = (x.contiguous()?, w.contiguous()?, b.contiguous()?);
+        let residual = residual.map(|r| r.contiguous()).transpose()?;
+        let (frames, h, width, c) = x.dims4()?;
+        let [_, kt, _, _, _] = filter;
         let whole = ConvShape {
-            input: [frames, c, h, width],
+            input: [frames, h, width, c],
             filter,
             pad,
             dtype: x.dtype(),
         };
         let out = whole.output();
-        let bias = b.reshape((1, o, 1, 1))?.broadcast_as(out.as_slice())?;
-        // A fresh buffer in every case: `contiguous` of an already contiguous view (a 1×1
-        // output of one frame) would hand back the bias's own storage.
-        let y = match bias.is_contiguous() {
-            true => Tensor::zeros(out.as_slice(), b.dtype(), x.device())?.broadcast_add(&bias)?,
-            false => bias.contiguous()?,
-        };
-        let (in_frame, out_frame) = (c * h * width, out[1] * out[2] * out[3]);
+        // Every element is written by the convolution.
+        let y = crate::linear::empty(&out, x.dtype(), x.device())?;
+        let (in_frame, out_frame) = (h * width * c, out[1] * out[2] * out[3]);
         // Output frames per call: their input frames (kt − 1 more) and their output within
         // cuDNN's indexing.
         let per_call = (MAX_ELEMENTS / in_frame.max(1))
@@ -141,20 +212,30 @@ mod cuda {
                 x.dims()
             );
         }
-        let (x_address, w_address, y_address) = (device_address(&x)?, device_address(&w)?, device_address(&y)?);
+        let address = |t: &Tensor| device_address(t);
+        let (x_address, w_address, b_address, y_address) = (address(&x)?, address(&w)?, address(&b)?, address(&y)?);
+        let r_address = residual.as_ref().map(address).transpose()?;
         let size = x.dtype().size_in_bytes() as u64;
         for first in (0..out[0]).step_by(per_call) {
             let count = per_call.min(out[0] - first);
             let shape = ConvShape {
-                input: [count + kt - 1, c, h, width],
+                input: [count + kt - 1, h, width, c],
                 ..whole
             };
-            let (x_at, y_at) = ((first * in_frame) as u64, (first * out_frame) as u64);
-            // SAFETY: x, w and y are contiguous CUDA tensors holding the frames described
-            // (input frames `first..first + count + kt − 1`, output frames
+            let (x_at, y_at) = ((first * in_frame) as u64 * size, (first * out_frame) as u64 * size);
+            // SAFETY: x, w, b, y and the residual are contiguous CUDA tensors holding the
+            // frames described (input frames `first..first + count + kt − 1`, output frames
             // `first..first + count`), and y is a fresh buffer.
             unsafe {
-                convolve_into(dev, &shape, x_address + x_at * size, w_address, y_address + y_at * size)?;
+                convolve_into(
+                    dev,
+                    &shape,
+                    x_address + x_at,
+                    w_address,
+                    b_address,
+                    r_address.map(|r| r + y_at),
+                    y_address + y_at,
+                )?;
             }
         }
         Ok(y)

@@ -1,20 +1,19 @@
-//! cuDNN's 2-D convolution, loaded when first asked for: the library (`libcudnn.so.9`) is
-//! opened at run time, so a binary built with CUDA starts and runs every other model on a
-//! machine without it. The legacy convolution API is enough here: a handful of descriptors,
-//! the heuristic's algorithm list, one forward call, two layout transforms. Every convolution
-//! runs as a 3-D one (a 2-D one is its case of one tap in time), so that cuDNN reads the
-//! causal taps from the frames themselves instead of a copy with them stacked, on
-//! channels-last copies of the frames-first input and output: the layout its Hopper
-//! tensor-core kernels read. Given the frames-first layout through strides, cuDNN transposed
-//! it with a generic kernel that took 90% of a decode's time; per-frame NCHW ↔ NHWC transforms
-//! run at memory speed.
+//! cuDNN's convolution, loaded when first asked for: the library (`libcudnn.so.9`) is opened
+//! at run time, so a binary built with CUDA starts and runs every other model on a machine
+//! without it. The legacy convolution API is enough here: a handful of descriptors, the
+//! heuristic's algorithm list, one fused call. Every convolution runs as a 3-D one (a 2-D one
+//! is its case of one tap in time), so that cuDNN reads the causal taps from the frames
+//! themselves instead of a copy with them stacked, on the channels-last layout (`[frames, h,
+//! w, c]`, NDHWC) that its Hopper tensor-core kernels read and write; the bias and a residual
+//! are added in the kernel's epilogue (`cudnnConvolutionBiasActivationForward` with the
+//! identity activation).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::{Arc, OnceLock};
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream};
+use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{CudaDevice, DType, Result};
 
 use crate::conv::INDEX_TABLE_BYTES;
@@ -33,12 +32,17 @@ const TENSOR_OP_MATH: c_int = 1;
 const FMA_MATH: c_int = 3;
 const CROSS_CORRELATION: c_int = 1;
 const FORMAT_NHWC: c_int = 1;
+const NOT_SUPPORTED: Status = 9;
+// cudnnActivationMode_t, cudnnNanPropagation_t
+const ACTIVATION_IDENTITY: c_int = 5;
+const NOT_PROPAGATE_NAN: c_int = 0;
 /// Algorithms the heuristic ranks (cudnnConvolutionFwdAlgo_t has 8).
 const ALGORITHMS: usize = 8;
 
 /// cuDNN's implicit GEMM with precomputed indices: the algorithm whose sm90 kernels run on
-/// tensor cores. The heuristic ranks the plain implicit GEMM (a CUDA-core kernel that took
-/// 72% of a VAE decode) first for many of the VAE's shapes.
+/// tensor cores, and the one that the fused bias and identity activation require. The
+/// heuristic ranks the plain implicit GEMM (a CUDA-core kernel that took 72% of a VAE
+/// decode) first for many of the VAE's shapes.
 const IMPLICIT_PRECOMP_GEMM: c_int = 1;
 
 #[repr(C)]
@@ -96,7 +100,28 @@ struct Api {
         *mut c_void,
     ) -> Status,
     #[allow(clippy::type_complexity)]
-    transform: unsafe extern "C" fn(
+    forward_bias: unsafe extern "C" fn(
+        Handle,
+        *const c_void,
+        Descriptor,
+        *const c_void,
+        Descriptor,
+        *const c_void,
+        Descriptor,
+        c_int,
+        *mut c_void,
+        usize,
+        *const c_void,
+        Descriptor,
+        *const c_void,
+        Descriptor,
+        *const c_void,
+        Descriptor,
+        Descriptor,
+        *mut c_void,
+    ) -> Status,
+    #[allow(clippy::type_complexity)]
+    add: unsafe extern "C" fn(
         Handle,
         *const c_void,
         Descriptor,
@@ -105,6 +130,9 @@ struct Api {
         Descriptor,
         *mut c_void,
     ) -> Status,
+    create_activation: unsafe extern "C" fn(*mut Descriptor) -> Status,
+    set_activation: unsafe extern "C" fn(Descriptor, c_int, c_int, f64) -> Status,
+    destroy_activation: unsafe extern "C" fn(Descriptor) -> Status,
     error_string: unsafe extern "C" fn(Status) -> *const c_char,
     version: unsafe extern "C" fn() -> usize,
     /// Keeps the entry points valid.
@@ -118,7 +146,7 @@ fn api() -> Option<&'static Api> {
         Ok(api) => Some(api),
         Err(why) => {
             tracing::warn!(
-                "cuDNN not found ({why}): convolutions on CUDA run through candle's unfolding, about ten \
+                "cuDNN not found ({why}): convolutions on CUDA run as one matrix product per tap, several \
                  times slower. Install cuDNN 9 (e.g. `pip install nvidia-cudnn-cu13`) and put its lib \
                  directory on LD_LIBRARY_PATH"
             );
@@ -156,7 +184,11 @@ fn open() -> std::result::Result<Api, libloading::Error> {
             destroy_conv: sym!("cudnnDestroyConvolutionDescriptor"),
             algorithms: sym!("cudnnGetConvolutionForwardAlgorithm_v7"),
             forward: sym!("cudnnConvolutionForward"),
-            transform: sym!("cudnnTransformTensor"),
+            forward_bias: sym!("cudnnConvolutionBiasActivationForward"),
+            add: sym!("cudnnAddTensor"),
+            create_activation: sym!("cudnnCreateActivationDescriptor"),
+            set_activation: sym!("cudnnSetActivationDescriptor"),
+            destroy_activation: sym!("cudnnDestroyActivationDescriptor"),
             error_string: sym!("cudnnGetErrorString"),
             version: sym!("cudnnGetVersion"),
             _library: library,
@@ -184,26 +216,27 @@ fn check(api: &Api, status: Status, what: &str) -> Result<()> {
     candle_core::bail!("cuDNN {what}: {} ({status})", message.to_string_lossy())
 }
 
-/// One convolution of a video held frames first (`[frames, c, h, w]`, as the VAE keeps its
-/// activations): filter `[o, c, kt, kh, kw]` (stored channels last, `[o, kt, kh, kw, c]`),
-/// zero padding of `pad` rows and columns on each side, stride 1; the output frames first
-/// too. Packed input and output.
+/// One convolution of a video held channels last (`[frames, h, w, c]`, as the VAE keeps its
+/// activations): filter `[o, kt, kh, kw, c]` (its dims in this order, stored so), zero padding
+/// of `pad` rows and columns on each side, stride 1; the output channels last too. Packed
+/// input and output.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub struct ConvShape {
-    /// `[frames, c, h, w]`.
+    /// `[frames, h, w, c]`.
     pub input: [usize; 4],
+    /// `[o, kt, kh, kw, c]`.
     pub filter: [usize; 5],
     pub pad: [usize; 2],
     pub dtype: DType,
 }
 
 impl ConvShape {
-    /// `[frames, o, h, w]`.
+    /// `[frames, h, w, o]`.
     pub fn output(&self) -> [usize; 4] {
-        let [f, _, h, w] = self.input;
-        let [o, _, kt, kh, kw] = self.filter;
+        let [f, h, w, _] = self.input;
+        let [o, kt, kh, kw, _] = self.filter;
         let [ph, pw] = self.pad;
-        [f + 1 - kt, o, h + 2 * ph + 1 - kh, w + 2 * pw + 1 - kw]
+        [f + 1 - kt, h + 2 * ph + 1 - kh, w + 2 * pw + 1 - kw, o]
     }
 
     fn input_elements(&self) -> usize {
@@ -221,11 +254,21 @@ impl ConvShape {
     }
 }
 
-/// A thread's handle for a stream, and the algorithm chosen for each shape it ran.
+/// How a shape runs: its algorithm and workspace, and whether its bias and residual are added
+/// in the convolution's epilogue (else by separate additions, where cuDNN does not fuse them
+/// for this shape, dtype or algorithm).
+#[derive(Clone, Copy, Debug)]
+struct Chosen {
+    algo: c_int,
+    workspace: usize,
+    fused: bool,
+}
+
+/// A thread's handle for a stream, and how each shape it ran runs.
 struct Context {
     stream: Arc<CudaStream>,
     handle: Handle,
-    chosen: HashMap<ConvShape, (c_int, usize)>,
+    chosen: HashMap<ConvShape, Chosen>,
 }
 
 impl Drop for Context {
@@ -245,23 +288,20 @@ thread_local! {
 /// Descriptors destroyed when dropped.
 struct Descriptors<'a> {
     api: &'a Api,
-    /// The convolution's 5-D channels-last input and output.
+    /// The 5-D channels-last input and output, and the bias `[1, o, 1, 1, 1]`.
     x: Descriptor,
     y: Descriptor,
-    /// The 4-D frames-first input and output, and their channels-last copies.
-    x_first: Descriptor,
-    x_last: Descriptor,
-    y_first: Descriptor,
-    y_last: Descriptor,
+    bias: Descriptor,
     w: Descriptor,
     conv: Descriptor,
+    identity: Descriptor,
 }
 
 impl Drop for Descriptors<'_> {
     fn drop(&mut self) {
         // SAFETY: each was created by this struct's constructor (null ones are skipped).
         unsafe {
-            for t in [self.x, self.y, self.x_first, self.x_last, self.y_first, self.y_last] {
+            for t in [self.x, self.y, self.bias] {
                 if !t.is_null() {
                     (self.api.destroy_tensor)(t);
                 }
@@ -272,27 +312,20 @@ impl Drop for Descriptors<'_> {
             if !self.conv.is_null() {
                 (self.api.destroy_conv)(self.conv);
             }
+            if !self.identity.is_null() {
+                (self.api.destroy_activation)(self.identity);
+            }
         }
     }
 }
 
-/// The 5-D `[1, c, frames, h, w]` dims and the strides of a channels-last copy
-/// (`[frames, h, w, c]`) of a frames-first `[frames, c, h, w]`: what the convolution reads.
+/// The 5-D `[1, c, frames, h, w]` dims and the strides of a packed channels-last `[frames,
+/// h, w, c]`: how cuDNN describes NDHWC.
 fn channels_last(dims: [usize; 4]) -> ([c_int; 5], [c_int; 5]) {
-    let [f, c, h, w] = dims;
+    let [f, h, w, c] = dims;
     let d = [1, c, f, h, w].map(|d| d as c_int);
     let s = [f * h * w * c, 1, h * w * c, w * c, c].map(|s| s as c_int);
     (d, s)
-}
-
-/// The 4-D `[frames, c, h, w]` dims with the strides of its frames-first layout and of its
-/// channels-last copy: the two ends of a transform.
-fn per_frame(dims: [usize; 4]) -> ([c_int; 4], [c_int; 4], [c_int; 4]) {
-    let [f, c, h, w] = dims;
-    let d = [f, c, h, w].map(|d| d as c_int);
-    let first = [c * h * w, h * w, w, 1].map(|s| s as c_int);
-    let last = [h * w * c, 1, w * c, c].map(|s| s as c_int);
-    (d, first, last)
 }
 
 impl<'a> Descriptors<'a> {
@@ -307,54 +340,34 @@ impl<'a> Descriptors<'a> {
             api,
             x: std::ptr::null_mut(),
             y: std::ptr::null_mut(),
-            x_first: std::ptr::null_mut(),
-            x_last: std::ptr::null_mut(),
-            y_first: std::ptr::null_mut(),
-            y_last: std::ptr::null_mut(),
+            bias: std::ptr::null_mut(),
             w: std::ptr::null_mut(),
             conv: std::ptr::null_mut(),
+            identity: std::ptr::null_mut(),
         };
-        let output = shape.output();
+        let o = shape.filter[0];
         // SAFETY: every pointer passed points at a live local array of the stated length.
         unsafe {
-            for t in [
-                &mut d.x,
-                &mut d.y,
-                &mut d.x_first,
-                &mut d.x_last,
-                &mut d.y_first,
-                &mut d.y_last,
-            ] {
+            for t in [&mut d.x, &mut d.y, &mut d.bias] {
                 check(api, (api.create_tensor)(t), "create tensor")?;
             }
             check(api, (api.create_filter)(&mut d.w), "create filter")?;
             check(api, (api.create_conv)(&mut d.conv), "create convolution")?;
-            let (x_dims, x_strides) = channels_last(shape.input);
-            check(
-                api,
-                (api.set_tensor)(d.x, data, 5, x_dims.as_ptr(), x_strides.as_ptr()),
-                "input",
-            )?;
-            let (y_dims, y_strides) = channels_last(output);
-            check(
-                api,
-                (api.set_tensor)(d.y, data, 5, y_dims.as_ptr(), y_strides.as_ptr()),
-                "output",
-            )?;
-            for (dims, first, last) in [(shape.input, d.x_first, d.x_last), (output, d.y_first, d.y_last)] {
-                let (dims, first_strides, last_strides) = per_frame(dims);
-                check(
-                    api,
-                    (api.set_tensor)(first, data, 4, dims.as_ptr(), first_strides.as_ptr()),
-                    "frames",
-                )?;
-                check(
-                    api,
-                    (api.set_tensor)(last, data, 4, dims.as_ptr(), last_strides.as_ptr()),
-                    "frames",
-                )?;
+            check(api, (api.create_activation)(&mut d.identity), "create activation")?;
+            for (t, dims, what) in [(d.x, shape.input, "input"), (d.y, shape.output(), "output")] {
+                let (dims, strides) = channels_last(dims);
+                check(api, (api.set_tensor)(t, data, 5, dims.as_ptr(), strides.as_ptr()), what)?;
             }
-            let w_dims = shape.filter.map(|d| d as c_int);
+            let (bias_dims, bias_strides) = channels_last([1, 1, 1, o]);
+            check(
+                api,
+                (api.set_tensor)(d.bias, data, 5, bias_dims.as_ptr(), bias_strides.as_ptr()),
+                "bias",
+            )?;
+            // cuDNN's filter dims are [o, c, kt, kh, kw] whatever the format; NHWC stores
+            // them [o, kt, kh, kw, c].
+            let [fo, kt, kh, kw, c] = shape.filter;
+            let w_dims = [fo, c, kt, kh, kw].map(|d| d as c_int);
             check(
                 api,
                 (api.set_filter)(d.w, data, FORMAT_NHWC, 5, w_dims.as_ptr()),
@@ -373,157 +386,210 @@ impl<'a> Descriptors<'a> {
             );
             check(api, conv, "convolution")?;
             check(api, (api.set_math)(d.conv, math), "math type")?;
+            check(
+                api,
+                (api.set_activation)(d.identity, ACTIVATION_IDENTITY, NOT_PROPAGATE_NAN, 0.0),
+                "activation",
+            )?;
         }
         Ok(d)
     }
 }
 
-/// `y = conv(x, w) + y`: the convolution accumulated into `y`, which holds the bias
-/// broadcast. Addresses are of contiguous buffers on `dev`'s stream, shaped as `shape` says;
-/// the filter channels last. Besides its workspace, it takes channels-last copies of the
-/// input and the output.
+/// The handle for `stream` on this thread (made on its first use) and the context's index.
+fn context(api: &Api, contexts: &mut Vec<Context>, stream: &Arc<CudaStream>) -> Result<usize> {
+    if let Some(at) = contexts.iter().position(|c| Arc::ptr_eq(&c.stream, stream)) {
+        return Ok(at);
+    }
+    let mut handle: Handle = std::ptr::null_mut();
+    // SAFETY: the handle is written by cudnnCreate and bound to this stream.
+    unsafe {
+        check(api, (api.create)(&mut handle), "create handle")?;
+        check(
+            api,
+            (api.set_stream)(handle, stream.cu_stream() as *mut c_void),
+            "set stream",
+        )?;
+    }
+    contexts.push(Context {
+        stream: stream.clone(),
+        handle,
+        chosen: HashMap::new(),
+    });
+    Ok(contexts.len() - 1)
+}
+
+/// The heuristic's choice for `shape`: the implicit precomputed GEMM where it is usable
+/// within the workspace cap, else the best ranked that is.
+fn choose(api: &Api, handle: Handle, d: &Descriptors, shape: &ConvShape) -> Result<Chosen> {
+    let mut perf = [AlgoPerf {
+        algo: 0,
+        status: 0,
+        time: 0.0,
+        memory: 0,
+        determinism: 0,
+        math_type: 0,
+        reserved: [0; 3],
+    }; ALGORITHMS];
+    let mut found: c_int = 0;
+    // SAFETY: `perf` holds ALGORITHMS entries, as requested.
+    let status = unsafe {
+        (api.algorithms)(
+            handle,
+            d.x,
+            d.w,
+            d.conv,
+            d.y,
+            ALGORITHMS as c_int,
+            &mut found,
+            perf.as_mut_ptr(),
+        )
+    };
+    check(api, status, "algorithm heuristic")?;
+    let ranked = &perf[..found.clamp(0, ALGORITHMS as c_int) as usize];
+    let cap = shape.workspace_cap();
+    let usable: Vec<&AlgoPerf> = ranked
+        .iter()
+        .filter(|p| p.status == SUCCESS && p.memory <= cap)
+        .collect();
+    let (algo, workspace) = usable
+        .iter()
+        .find(|p| p.algo == IMPLICIT_PRECOMP_GEMM)
+        .or(usable.first())
+        .map(|p| (p.algo, p.memory))
+        .ok_or_else(|| {
+            let ranked: Vec<(c_int, Status, usize)> = ranked.iter().map(|p| (p.algo, p.status, p.memory)).collect();
+            candle_core::Error::Msg(format!(
+                "cuDNN convolution: no algorithm for {shape:?} within {cap} bytes of workspace \
+                 (algorithm, status, bytes: {ranked:?})"
+            ))
+        })?;
+    Ok(Chosen {
+        algo,
+        workspace,
+        fused: algo == IMPLICIT_PRECOMP_GEMM,
+    })
+}
+
+/// `y = conv(x, w) + b (+ r)`. Addresses are of contiguous buffers on `dev`'s stream, shaped
+/// as `shape` says (the bias `[o]`, `r` as the output). Besides `y`, it takes its algorithm's
+/// workspace.
 ///
 /// # Safety
-/// `x`, `w` and `y` must be device addresses of live buffers holding `shape`'s input, filter
-/// and output in its dtype, and `y` must not alias the others.
-pub unsafe fn convolve_into(dev: &CudaDevice, shape: &ConvShape, x: u64, w: u64, y: u64) -> Result<()> {
+/// `x`, `w`, `b`, `r` and `y` must be device addresses of live buffers holding `shape`'s
+/// input, filter, bias, output and output in its dtype, and `y` must alias none of them.
+pub unsafe fn convolve_into(
+    dev: &CudaDevice,
+    shape: &ConvShape,
+    x: u64,
+    w: u64,
+    b: u64,
+    r: Option<u64>,
+    y: u64,
+) -> Result<()> {
     let Some(api) = api() else {
         candle_core::bail!("cuDNN convolution: cuDNN is not installed");
     };
     let stream = dev.cuda_stream();
     let d = Descriptors::new(api, shape)?;
-    let (handle, (algo, workspace_bytes)) = CONTEXTS.with(|contexts| -> Result<_> {
+    CONTEXTS.with(|contexts| -> Result<()> {
         let mut contexts = contexts.borrow_mut();
-        let at = match contexts.iter().position(|c| Arc::ptr_eq(&c.stream, &stream)) {
-            Some(at) => at,
+        let at = context(api, &mut contexts, &stream)?;
+        let context = &mut contexts[at];
+        let chosen = match context.chosen.get(shape) {
+            Some(&chosen) => chosen,
             None => {
-                let mut handle: Handle = std::ptr::null_mut();
-                // SAFETY: the handle is written by cudnnCreate and bound to this stream.
-                unsafe {
-                    check(api, (api.create)(&mut handle), "create handle")?;
-                    check(
-                        api,
-                        (api.set_stream)(handle, stream.cu_stream() as *mut c_void),
-                        "set stream",
-                    )?;
-                }
-                contexts.push(Context {
-                    stream: stream.clone(),
-                    handle,
-                    chosen: HashMap::new(),
-                });
-                contexts.len() - 1
+                let chosen = choose(api, context.handle, &d, shape)?;
+                tracing::debug!(?shape, ?chosen, "cuDNN convolution");
+                context.chosen.insert(*shape, chosen);
+                chosen
             }
         };
-        let context = &mut contexts[at];
-        if let Some(&chosen) = context.chosen.get(shape) {
-            return Ok((context.handle, chosen));
-        }
-        let mut perf = [AlgoPerf {
-            algo: 0,
-            status: 0,
-            time: 0.0,
-            memory: 0,
-            determinism: 0,
-            math_type: 0,
-            reserved: [0; 3],
-        }; ALGORITHMS];
-        let mut found: c_int = 0;
-        // SAFETY: `perf` holds ALGORITHMS entries, as requested.
-        let status = unsafe {
-            (api.algorithms)(
-                context.handle,
-                d.x,
-                d.w,
-                d.conv,
-                d.y,
-                ALGORITHMS as c_int,
-                &mut found,
-                perf.as_mut_ptr(),
-            )
+        // SAFETY: every byte of it is written (by cuDNN) before it is read.
+        let workspace = unsafe { dev.alloc::<u8>(chosen.workspace.max(1))? };
+        let workspace = {
+            use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+            workspace.device_ptr(&stream).0 as *mut c_void
         };
-        check(api, status, "algorithm heuristic")?;
-        let cap = shape.workspace_cap();
-        let usable: Vec<&AlgoPerf> = perf[..found.max(0) as usize]
-            .iter()
-            .filter(|p| p.status == SUCCESS && p.memory <= cap)
-            .collect();
-        let chosen = usable
-            .iter()
-            .find(|p| p.algo == IMPLICIT_PRECOMP_GEMM)
-            .or(usable.first())
-            .map(|p| (p.algo, p.memory))
-            .ok_or_else(|| {
-                let ranked: Vec<(c_int, Status, usize)> = perf[..found.max(0) as usize]
-                    .iter()
-                    .map(|p| (p.algo, p.status, p.memory))
-                    .collect();
-                candle_core::Error::Msg(format!(
-                    "cuDNN convolution: no algorithm for {shape:?} within {cap} bytes of workspace \
-                     (algorithm, status, bytes: {ranked:?})"
-                ))
-            })?;
-        tracing::debug!(?shape, algorithm = chosen.0, workspace = chosen.1, "cuDNN convolution");
-        context.chosen.insert(*shape, chosen);
-        Ok((context.handle, chosen))
-    })?;
-    let address = |buffer: &CudaSlice<u8>| {
-        use candle_core::cuda_backend::cudarc::driver::DevicePtr;
-        buffer.device_ptr(&stream).0 as *mut c_void
-    };
-    let size = shape.dtype.size_in_bytes();
-    // SAFETY: every byte of these is written (by cuDNN) before it is read.
-    let (workspace, x_last, y_last) = unsafe {
-        (
-            dev.alloc::<u8>(workspace_bytes.max(1))?,
-            dev.alloc::<u8>(shape.input_elements() * size)?,
-            dev.alloc::<u8>(shape.output_elements() * size)?,
-        )
-    };
-    let (one_f32, zero_f32) = (1f32, 0f32);
-    let (one, zero) = (
-        &one_f32 as *const f32 as *const c_void,
-        &zero_f32 as *const f32 as *const c_void,
-    );
-    // SAFETY: the caller vouches for x, w and y; the channels-last copies hold the input's
-    // and the output's elements, the workspace `workspace_bytes`.
-    unsafe {
-        let to_last = (api.transform)(
-            handle,
-            one,
-            d.x_first,
+        let (one_f32, zero_f32) = (1f32, 0f32);
+        let (one, zero) = (
+            &one_f32 as *const f32 as *const c_void,
+            &zero_f32 as *const f32 as *const c_void,
+        );
+        let handle = context.handle;
+        let (x, w, b, y) = (
             x as *const c_void,
-            zero,
-            d.x_last,
-            address(&x_last),
-        );
-        check(api, to_last, "input to channels last")?;
-        let status = (api.forward)(
-            handle,
-            one,
-            d.x,
-            address(&x_last),
-            d.w,
             w as *const c_void,
-            d.conv,
-            algo,
-            address(&workspace),
-            workspace_bytes,
-            zero,
-            d.y,
-            address(&y_last),
-        );
-        check(api, status, "forward")?;
-        // Added to the bias that `y` holds.
-        let to_first = (api.transform)(
-            handle,
-            one,
-            d.y_last,
-            address(&y_last),
-            one,
-            d.y_first,
+            b as *const c_void,
             y as *mut c_void,
         );
-        check(api, to_first, "output to frames first")
-    }
+        if chosen.fused {
+            // y = identity(conv(x) + α₂·z + b), with z the residual (α₂ = 1), or y itself
+            // unread (α₂ = 0).
+            let (alpha2, z) = match r {
+                Some(r) => (one, r as *const c_void),
+                None => (zero, y as *const c_void),
+            };
+            // SAFETY: the caller vouches for the buffers; the workspace holds
+            // `chosen.workspace` bytes.
+            let status = unsafe {
+                (api.forward_bias)(
+                    handle,
+                    one,
+                    d.x,
+                    x,
+                    d.w,
+                    w,
+                    d.conv,
+                    chosen.algo,
+                    workspace,
+                    chosen.workspace,
+                    alpha2,
+                    d.y,
+                    z,
+                    d.bias,
+                    b,
+                    d.identity,
+                    d.y,
+                    y,
+                )
+            };
+            if status != NOT_SUPPORTED {
+                return check(api, status, "forward with bias");
+            }
+            tracing::debug!(?shape, "cuDNN does not fuse the bias here: added separately");
+            context.chosen.insert(*shape, Chosen { fused: false, ..chosen });
+        }
+        // SAFETY: as above; `y` takes the residual first, so that the convolution adds to it.
+        unsafe {
+            let beta = match r {
+                Some(r) => {
+                    check(
+                        api,
+                        (api.add)(handle, one, d.y, r as *const c_void, zero, d.y, y),
+                        "residual",
+                    )?;
+                    one
+                }
+                None => zero,
+            };
+            let status = (api.forward)(
+                handle,
+                one,
+                d.x,
+                x,
+                d.w,
+                w,
+                d.conv,
+                chosen.algo,
+                workspace,
+                chosen.workspace,
+                beta,
+                d.y,
+                y,
+            );
+            check(api, status, "forward")?;
+            check(api, (api.add)(handle, one, d.bias, b, one, d.y, y), "bias")
+        }
+    })
 }

@@ -36,7 +36,7 @@ pub use chain::chained;
 #[cfg(feature = "timeline")]
 pub use chain::{trace_launches, trace_step, trace_to, TracedLaunch};
 pub use channel_norm::channel_rms_norm;
-pub use conv::{channels_last_filter, conv_frames_bias, conv_path, cudnn_version, cudnn_workspace_bound, ConvPath};
+pub use conv::{conv_filter, conv_frames_bias, conv_path, cudnn_version, cudnn_workspace_bound, ConvPath};
 pub use gemv::{
     gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_gate_up_silu_on_cuda, gemv_into, gemv_on_cuda,
     gemv_rotary_qkv_into, gemv_tiled, GEMV_TILES,

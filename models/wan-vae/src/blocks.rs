@@ -64,24 +64,19 @@ impl ResBlock {
     pub fn forward(&self, x: &Band, out: Rows, cache: &mut FrameCache) -> Result<Band> {
         let mid = out.grown(1);
         let skip = match &self.shortcut {
-            Some(conv) => conv.forward(x, out, cache)?,
-            None => x.narrowed(out)?,
+            Some(conv) => conv.forward(x, out, cache, None)?.x,
+            None => x.narrowed(out)?.x,
         };
         // Each temporary is dropped as soon as the next exists: these are the decoder's
         // largest tensors.
         let h = {
             let normed = x.narrowed(mid.grown(1))?.map(|x| self.norm1.forward_silu(x))?;
-            self.conv1.forward(&normed, mid, cache)?
+            self.conv1.forward(&normed, mid, cache, None)?
         };
-        let h = {
-            let normed = h.map(|x| self.norm2.forward_silu(x))?;
-            drop(h);
-            self.conv2.forward(&normed, out, cache)?
-        };
-        Ok(Band {
-            x: (h.x + skip.x)?,
-            rows: out,
-        })
+        let normed = h.map(|x| self.norm2.forward_silu(x))?;
+        drop(h);
+        // The sum with the skip in the convolution's epilogue.
+        self.conv2.forward(&normed, out, cache, Some(&skip))
     }
 }
 
@@ -111,33 +106,33 @@ impl FrameAttention {
     }
 
     pub fn forward(&self, x: &Band, cache: &mut FrameCache) -> Result<Band> {
-        let (frames, c, h, w) = x.x.dims4()?;
+        let (frames, h, w, c) = x.x.dims4()?;
         let all = Rows::all(x.rows.height);
         if x.rows != all {
             return Err(tpinfer_layers::Error::Shard(
                 "the VAE's middle attention reads whole frames".into(),
             ));
         }
-        let qkv = self.qkv.forward(&x.map(|x| self.norm.forward(x))?, all, cache)?.x;
-        // [frames, pixels, 3C]: q, k and v are its channel thirds.
-        let qkv = qkv.reshape((frames, 3 * c, h * w))?.transpose(1, 2)?;
-        let part = |i: usize| qkv.narrow(2, i * c, c).and_then(|t| t.contiguous());
-        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-        let k_t = k.t()?;
-        let scale = 1.0 / (self.channels as f64).sqrt();
-        let mut blocks = Vec::with_capacity((h * w).div_ceil(QUERY_BLOCK));
-        for start in (0..h * w).step_by(QUERY_BLOCK) {
-            let q = q.narrow(1, start, QUERY_BLOCK.min(h * w - start))?;
-            let scores = (q.matmul(&k_t)? * scale)?.to_dtype(DType::F32)?;
-            let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
-            blocks.push(p.matmul(&v)?);
-        }
-        let o = Tensor::cat(&blocks, 1)?.transpose(1, 2)?.reshape((frames, c, h, w))?;
-        let o = self.proj.forward(&Band { x: o, rows: all }, all, cache)?;
-        Ok(Band {
-            x: (o.x + &x.x)?,
-            rows: all,
-        })
+        let o = {
+            let qkv = self.qkv.forward(&x.map(|x| self.norm.forward(x))?, all, cache, None)?.x;
+            // [frames, pixels, 3C]: q, k and v are its channel thirds.
+            let qkv = qkv.reshape((frames, h * w, 3 * c))?;
+            let part = |i: usize| qkv.narrow(2, i * c, c).and_then(|t| t.contiguous());
+            let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+            drop(qkv);
+            let k_t = k.t()?;
+            let scale = 1.0 / (self.channels as f64).sqrt();
+            let mut blocks = Vec::with_capacity((h * w).div_ceil(QUERY_BLOCK));
+            for start in (0..h * w).step_by(QUERY_BLOCK) {
+                let q = q.narrow(1, start, QUERY_BLOCK.min(h * w - start))?;
+                let scores = (q.matmul(&k_t)? * scale)?.to_dtype(DType::F32)?;
+                let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+                blocks.push(p.matmul(&v)?);
+            }
+            Tensor::cat(&blocks, 1)?.reshape((frames, h, w, c))?
+        };
+        // The residual in the projection's epilogue.
+        self.proj.forward(&Band { x: o, rows: all }, all, cache, Some(&x.x))
     }
 }
 
@@ -184,20 +179,31 @@ impl Upsample {
         let low = Self::input_rows(out);
         let mut x = x.narrowed(low)?;
         if let (Some(time), false) = (&self.time, first) {
-            let doubled = time.forward(&x, low, cache)?.x;
-            let (frames, c2, h, w) = doubled.dims4()?;
-            x.x = doubled.reshape((2 * frames, c2 / 2, h, w))?;
+            let doubled = time.forward(&x, low, cache, None)?.x;
+            // Channel halves become frames 2t and 2t + 1, as diffusers' reshape and stack.
+            let (frames, rows, w, c2) = doubled.dims4()?;
+            x.x = doubled
+                .reshape((frames, rows, w, 2, c2 / 2))?
+                .permute((0, 3, 1, 2, 4))?
+                .reshape((2 * frames, rows, w, c2 / 2))?;
         }
-        let (_, _, h, w) = x.x.dims4()?;
+        // Nearest 2×: each pixel repeated along two new axes (views), then one copy.
+        let (frames, rows, w, c) = x.x.dims4()?;
+        let up =
+            x.x.unsqueeze(2)?
+                .unsqueeze(4)?
+                .broadcast_as((frames, rows, 2, w, 2, c))?
+                .reshape((frames, 2 * rows, 2 * w, c))?;
+        drop(x);
         let up = Band {
-            x: x.x.upsample_nearest2d(2 * h, 2 * w)?,
+            x: up,
             rows: Rows {
                 start: 2 * low.start,
                 end: 2 * low.end,
                 height: out.height,
             },
         };
-        self.conv.forward(&up, out, cache)
+        self.conv.forward(&up, out, cache, None)
     }
 }
 
@@ -226,6 +232,6 @@ impl Head {
 
     pub fn forward(&self, x: &Band, out: Rows, cache: &mut FrameCache) -> Result<Band> {
         let h = x.narrowed(out.grown(1))?.map(|x| self.norm.forward_silu(x))?;
-        self.conv.forward(&h, out, cache)
+        self.conv.forward(&h, out, cache, None)
     }
 }

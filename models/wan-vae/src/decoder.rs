@@ -166,12 +166,12 @@ impl Decoder {
                 c.z_dim
             )));
         }
-        let per_channel = |values: &[f32]| Tensor::from_slice(values, (1, z, 1, 1), device);
-        // [frames, z, h, w], as the DiT's latents were before normalising: z · std + mean.
+        let per_channel = |values: &[f32]| Tensor::from_slice(values, z, device);
+        // [frames, h, w, z], as the DiT's latents were before normalising: z · std + mean.
         let x = latents
             .to_device(device)?
             .to_dtype(DType::F32)?
-            .permute((1, 0, 2, 3))?
+            .permute((1, 2, 3, 0))?
             .broadcast_mul(&per_channel(&c.latents_std)?)?
             .broadcast_add(&per_channel(&c.latents_mean)?)?
             .to_dtype(dtype)?;
@@ -179,7 +179,7 @@ impl Decoder {
         let mut cache = self.middle_slots.cache();
         let x = self
             .post_quant
-            .forward(&Band { x, rows: latent_rows }, latent_rows, &mut cache)?;
+            .forward(&Band { x, rows: latent_rows }, latent_rows, &mut cache, None)?;
         let (middle_rows, _) = self.layout.windows(band);
         let middles = (0..latent_frames)
             .map(|f| {
@@ -219,7 +219,7 @@ impl Decoder {
     /// `conv_in` and the middle block on one whole latent frame.
     fn middle(&self, frame: &Band, cache: &mut FrameCache) -> Result<Band> {
         let all = frame.rows;
-        let x = self.conv_in.forward(frame, all, cache)?;
+        let x = self.conv_in.forward(frame, all, cache, None)?;
         let x = self.middle[0].forward(&x, all, cache)?;
         let x = self.attention.forward(&x, cache)?;
         self.middle[1].forward(&x, all, cache)

@@ -130,7 +130,7 @@ impl RankShard for WanVaeRankShard {
             // A CUDA install with cuDNN, as `doctor` checks for.
             conv: match accelerator {
                 Accelerator::Cuda => ConvPath::Cudnn,
-                _ => ConvPath::Unfolded,
+                _ => ConvPath::Taps,
             },
         };
         let m = DecodeMemory::new(c, device, video, band);

@@ -117,6 +117,37 @@ struct ConvCall {
     k: usize,
     /// The frames of history in its cache (causal convolutions).
     history: usize,
+    /// Whether the rows it reads of its input are packed (all of the input's rows, or those
+    /// of one frame), where it reads them as a view.
+    packed: bool,
+    /// A residual added to its output, and whether that is packed.
+    residual: Option<bool>,
+}
+
+impl ConvCall {
+    fn new(frames: usize, inp: usize, out: usize, taps: usize, k: usize, history: usize) -> Self {
+        Self {
+            frames,
+            inp,
+            out,
+            taps,
+            k,
+            history,
+            packed: true,
+            residual: None,
+        }
+    }
+
+    fn packed(self, packed: bool) -> Self {
+        Self { packed, ..self }
+    }
+
+    fn residual(self, packed: bool) -> Self {
+        Self {
+            residual: Some(packed),
+            ..self
+        }
+    }
 }
 
 struct Model {
@@ -191,33 +222,36 @@ impl Model {
         let history = self.history();
         let caches = self.cached() * self.held_frame(z + 4 * c, Rows::all(h), 1, w);
         let all = Rows::all(h);
-        let conv_in = self.conv(
-            ConvCall {
-                frames: 1,
-                inp: z,
-                out: c,
-                taps: 3,
-                k: 3,
-                history,
-            },
-            all,
-            w,
-        );
-        let res = self.res(1, c, c, all, w, history);
-        // `FrameAttention::forward`: the norm, q/k/v from the 1×1 convolution (and its bias
-        // add) with their contiguous copies, one query block's scores (scaled, in f32,
-        // softmaxed, cast back) and every block's output, then the joined and transposed
-        // output, the projection and the residual.
+        let conv_in = self.conv(ConvCall::new(1, z, c, 3, 3, history), all, w);
+        let res = self.res(1, c, c, all, all, w, history);
+        // `FrameAttention::forward` beside its input: the norm and q/k/v from the 1×1
+        // convolution; their contiguous copies beside it; one query block's scores (scaled,
+        // in f32, softmaxed, cast back) beside q, k, v and the blocks' outputs; the joined
+        // output beside them; the projection adding the input.
         let pixels = h * w;
         let block = pixels.min(QUERY_BLOCK);
         let input = c * pixels * e;
+        let qkv = 3 * input;
         let norm = self.norm(c * pixels);
-        let qkv = 3 * c * pixels * e;
+        let projection = self.conv(ConvCall::new(1, c, 3 * c, 1, 1, 0), all, w);
         let scores = block * pixels * (2 * e + 2 * 4);
-        let attention = Bytes {
-            peak: input + norm.max(qkv + 3 * input + scores + input).max(qkv + 5 * input),
-            largest: scores.max(qkv),
-        };
+        let proj = self.conv(ConvCall::new(1, c, c, 1, 1, 0).residual(true), all, w);
+        let attention = projection
+            .on(norm)
+            .max(Bytes {
+                peak: qkv + 3 * input,
+                largest: qkv,
+            })
+            .max(Bytes {
+                peak: 3 * input + input + scores,
+                largest: scores,
+            })
+            .max(Bytes {
+                peak: 3 * input + 2 * input,
+                largest: input,
+            })
+            .max(proj.on(input))
+            .on(input);
         // Each block beside its input: conv_in's output onward.
         let steps = conv_in.max(res.on(input)).max(attention);
         Bytes {
@@ -227,16 +261,11 @@ impl Model {
     }
 
     /// The bytes of one frame of `channels` that a convolution of reach `reach` writing `rows`
-    /// (of width `w`) reads, as its frame cache holds it: zero-padded at the frame's edges and
-    /// along the width; through cuDNN, which pads as it reads, padded only where the rows
-    /// have the frame's edge on one side.
+    /// (of width `w`) reads, as its frame cache holds it: with zero rows only where the rows
+    /// have the frame's edge on one side (the convolution pads alike on both sides as it reads).
     fn held_frame(&self, channels: usize, rows: Rows, reach: usize, w: usize) -> usize {
         let (top, bottom) = rows.edge_padding(reach);
-        let (rows, w) = match (self.cuda, self.conv) {
-            (true, ConvPath::Cudnn) => (rows.len() + 2 * reach - 2 * top.min(bottom), w),
-            _ => (rows.len() + 2 * reach, w + 2 * reach),
-        };
-        channels * rows * w * self.e
+        channels * (rows.len() + 2 * reach - 2 * top.min(bottom)) * w * self.e
     }
 
     /// The frames of history a causal convolution finds in its cache in the steady state:
@@ -294,7 +323,8 @@ impl Model {
                     let mid = out.grown(1);
                     let cache = cached * (self.held_frame(inp, mid, 1, w) + self.held_frame(o, out, 1, w));
                     let output = frames * o * out.len() * w * self.e;
-                    (self.res(frames, inp, o, out, w, history), cache, output)
+                    let held = crate::blocks::ResBlock::input_rows(out);
+                    (self.res(frames, inp, o, out, held, w, history), cache, output)
                 }
                 PathStep::Up { c, temporal } => {
                     level += 1;
