@@ -268,6 +268,69 @@ __device__ void channel_rms_norm(const T* x, const float* scale, T* out, int cha
     }
 }
 
+// The same, each thread moving one 16-byte unit of a pixel's channels (channels · size a
+// multiple of 16, rows of pixels on 16 bytes): a pixel's `units` threads are consecutive, a
+// block holds blockDim.x / units pixels, and each pixel's sum is added up in order by its
+// first thread (deterministic).
+template <typename T>
+__device__ void channel_rms_norm_units(const T* x, const float* scale, T* out, int channels, int rows,
+                                       int width, long images, long image_stride, long row_stride, int silu) {
+    constexpr int PER = 16 / sizeof(T);
+    __shared__ float partial[THREADS];
+    const int units = channels / PER;
+    const int per_block = blockDim.x / units;
+    const int local = threadIdx.x / units, unit = threadIdx.x % units;
+    const long p = (long)blockIdx.x * per_block + local;
+    const long per_image = (long)rows * width;
+    const bool active = local < per_block && p < images * per_image;
+    float v[PER];
+    float sum = 0.f;
+    if (active) {
+        const long image = p / per_image, within = p % per_image;
+        const T* in =
+            x + image * image_stride + (within / width) * row_stride + (within % width) * channels + unit * PER;
+        const uint4 raw = *reinterpret_cast<const uint4*>(in);
+        const T* values = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            v[k] = to_f32(values[k]);
+            sum += v[k] * v[k];
+        }
+    }
+    partial[threadIdx.x] = sum;
+    __syncthreads();
+    if (active && unit == 0) {
+        float total = 0.f;
+        for (int u = 0; u < units; ++u) total += partial[threadIdx.x + u];
+        partial[threadIdx.x] = total;
+    }
+    __syncthreads();
+    if (!active) return;
+    const float inv = 1.f / fmaxf(sqrtf(partial[local * units]), 1e-12f);
+    uint4 raw;
+    T* values = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+        float y = v[k] * inv * scale[unit * PER + k];
+        if (silu) y = y / (1.f + expf(-y));
+        values[k] = from_f32<T>(y);
+    }
+    *reinterpret_cast<uint4*>(out + p * channels + unit * PER) = raw;
+}
+
+// out = x repeated in 2 × 2 squares: nearest 2× upsampling of a packed channels-last x
+// `[n, rows, width, units]` (n · rows = image_rows; a unit is an element or 16 bytes). Output
+// row r2 of the stacked n · 2 · rows reads input row r2 / 2, column c2 reads c2 / 2.
+template <typename U>
+__device__ void upsample_nearest2x(const U* x, U* out, long image_rows, int width, int units) {
+    const long total = image_rows * 4 * width * units;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
+        const long p = i / units;
+        const long c2 = p % (2 * width), r2 = p / (2 * width);
+        out[i] = x[((r2 >> 1) * width + (c2 >> 1)) * units + i % units];
+    }
+}
+
 }  // namespace
 
 // Each row-wise kernel as `NAME_SUFFIX` (one value at a time; scale_rows_cols two) and
@@ -318,8 +381,26 @@ ROW_KERNELS(f16_packed, __half, 8)
                                                           int rows, int width, long images, long image_stride, \
                                                           long row_stride, int silu) {                         \
         channel_rms_norm<T>(x, scale, out, channels, rows, width, images, image_stride, row_stride, silu);     \
+    }                                                                                                          \
+    extern "C" __global__ void channel_rms_norm_units_##SUFFIX(                                                 \
+        const T* x, const float* scale, T* out, int channels, int rows, int width, long images,                \
+        long image_stride, long row_stride, int silu) {                                                        \
+        channel_rms_norm_units<T>(x, scale, out, channels, rows, width, images, image_stride, row_stride,      \
+                                  silu);                                                                       \
     }
 
 ROWWISE(f32, float)
 ROWWISE(bf16, __nv_bfloat16)
 ROWWISE(f16, __half)
+
+extern "C" __global__ void upsample_nearest2x_16(const uint4* x, uint4* out, long image_rows, int width, int units) {
+    upsample_nearest2x<uint4>(x, out, image_rows, width, units);
+}
+extern "C" __global__ void upsample_nearest2x_2(const unsigned short* x, unsigned short* out, long image_rows,
+                                                int width, int units) {
+    upsample_nearest2x<unsigned short>(x, out, image_rows, width, units);
+}
+extern "C" __global__ void upsample_nearest2x_4(const unsigned* x, unsigned* out, long image_rows, int width,
+                                                int units) {
+    upsample_nearest2x<unsigned>(x, out, image_rows, width, units);
+}

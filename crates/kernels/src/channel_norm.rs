@@ -136,15 +136,21 @@ mod cuda {
     fn typed<T: CudaDType + DeviceRepr>(silu: bool, (x, xl): Input, (s, sl): Input) -> Result<CudaStorage> {
         let ([n, rows, width, c], [image, row], start) = super::strides(xl)?;
         let dev = x.device();
-        let func = dev.get_or_load_custom_func(
-            &format!("channel_rms_norm_{}", suffix(x.dtype())?),
-            "tpinfer_rowwise",
-            PTX,
-        )?;
+        // Whole 16-byte units per pixel, on 16 bytes: one thread per unit.
+        let size = x.dtype().size_in_bytes();
+        let per_unit = 16 / size;
+        let units = (c * size).is_multiple_of(16)
+            && [start, image, row].iter().all(|v| (v * size).is_multiple_of(16))
+            && c / per_unit <= THREADS as usize;
+        let name = match units {
+            true => format!("channel_rms_norm_units_{}", suffix(x.dtype())?),
+            false => format!("channel_rms_norm_{}", suffix(x.dtype())?),
+        };
+        let func = dev.get_or_load_custom_func(&name, "tpinfer_rowwise", PTX)?;
         let xs = x.as_cuda_slice::<T>()?.slice(start..);
         let ss = s.as_cuda_slice::<f32>()?.slice(sl.start_offset()..);
         let pixels = n * rows * width;
-        // SAFETY: every element is written by the kernel, one warp per pixel.
+        // SAFETY: every element is written by the kernel.
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(pixels * c)? };
         let (c_i, rows_i, width_i, silu_i) = (c as i32, rows as i32, width as i32, silu as i32);
         let (images_i, image_i, row_i) = (n as i64, image as i64, row as i64);
@@ -160,9 +166,13 @@ mod cuda {
             .arg(&image_i)
             .arg(&row_i)
             .arg(&silu_i);
-        let warps = (THREADS / 32) as usize;
+        // A warp per pixel, or a pixel per `c / per_unit` threads.
+        let per_block = match units {
+            true => THREADS as usize / (c / per_unit),
+            false => (THREADS / 32) as usize,
+        };
         let cfg = LaunchConfig {
-            grid_dim: (pixels.div_ceil(warps) as u32, 1, 1),
+            grid_dim: (pixels.div_ceil(per_block) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };

@@ -169,6 +169,7 @@ mod cuda {
     use candle_core::{Device, Result, Tensor};
 
     use crate::cudnn::{convolve_into, ConvShape};
+    use crate::frames::packed_frames;
     use crate::launch::device_address;
 
     /// cuDNN indexes tensors with 32-bit integers: a larger video runs a few output frames
@@ -186,8 +187,8 @@ mod cuda {
         let Device::Cuda(dev) = x.device() else {
             candle_core::bail!("conv_frames_bias: cuDNN runs on CUDA tensors");
         };
-        let (x, w, b) = (x.contiguous()?, w.contiguous()?, b.contiguous()?);
-        let residual = residual.map(|r| r.contiguous()).transpose()?;
+        let (x, w, b) = (packed_frames(x)?, w.contiguous()?, b.contiguous()?);
+        let residual = residual.map(packed_frames).transpose()?;
         let (frames, h, width, c) = x.dims4()?;
         let [_, kt, _, _, _] = filter;
         let whole = ConvShape {

@@ -9,6 +9,7 @@
 //! identity activation).
 
 use std::cell::RefCell;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::{Arc, OnceLock};
@@ -264,11 +265,18 @@ struct Chosen {
     fused: bool,
 }
 
-/// A thread's handle for a stream, and how each shape it ran runs.
+/// A shape's descriptors and how it runs, made on its first call.
+struct Prepared {
+    d: Descriptors<'static>,
+    chosen: Chosen,
+}
+
+/// A thread's handle for a stream, and each shape it ran: a VAE decode runs a few dozen
+/// shapes a thousand times, and making descriptors took as long as launching.
 struct Context {
     stream: Arc<CudaStream>,
     handle: Handle,
-    chosen: HashMap<ConvShape, Chosen>,
+    prepared: HashMap<ConvShape, Prepared>,
 }
 
 impl Drop for Context {
@@ -315,6 +323,30 @@ impl Drop for Descriptors<'_> {
             if !self.identity.is_null() {
                 (self.api.destroy_activation)(self.identity);
             }
+        }
+    }
+}
+
+/// A shape's descriptors as the calls take them (the [`Descriptors`] own them).
+#[derive(Clone, Copy)]
+struct Raw {
+    x: Descriptor,
+    y: Descriptor,
+    bias: Descriptor,
+    w: Descriptor,
+    conv: Descriptor,
+    identity: Descriptor,
+}
+
+impl Raw {
+    fn of(d: &Descriptors) -> Self {
+        Self {
+            x: d.x,
+            y: d.y,
+            bias: d.bias,
+            w: d.w,
+            conv: d.conv,
+            identity: d.identity,
         }
     }
 }
@@ -414,7 +446,7 @@ fn context(api: &Api, contexts: &mut Vec<Context>, stream: &Arc<CudaStream>) -> 
     contexts.push(Context {
         stream: stream.clone(),
         handle,
-        chosen: HashMap::new(),
+        prepared: HashMap::new(),
     });
     Ok(contexts.len() - 1)
 }
@@ -491,20 +523,22 @@ pub unsafe fn convolve_into(
         candle_core::bail!("cuDNN convolution: cuDNN is not installed");
     };
     let stream = dev.cuda_stream();
-    let d = Descriptors::new(api, shape)?;
     CONTEXTS.with(|contexts| -> Result<()> {
         let mut contexts = contexts.borrow_mut();
         let at = context(api, &mut contexts, &stream)?;
         let context = &mut contexts[at];
-        let chosen = match context.chosen.get(shape) {
-            Some(&chosen) => chosen,
-            None => {
-                let chosen = choose(api, context.handle, &d, shape)?;
+        let handle = context.handle;
+        let prepared = match context.prepared.entry(*shape) {
+            Entry::Occupied(entry) => entry.into_mut(),
+            Entry::Vacant(entry) => {
+                let d = Descriptors::new(api, shape)?;
+                let chosen = choose(api, handle, &d, shape)?;
                 tracing::debug!(?shape, ?chosen, "cuDNN convolution");
-                context.chosen.insert(*shape, chosen);
-                chosen
+                entry.insert(Prepared { d, chosen })
             }
         };
+        let chosen = prepared.chosen;
+        let d = Raw::of(&prepared.d);
         // SAFETY: every byte of it is written (by cuDNN) before it is read.
         let workspace = unsafe { dev.alloc::<u8>(chosen.workspace.max(1))? };
         let workspace = {
@@ -516,7 +550,6 @@ pub unsafe fn convolve_into(
             &one_f32 as *const f32 as *const c_void,
             &zero_f32 as *const f32 as *const c_void,
         );
-        let handle = context.handle;
         let (x, w, b, y) = (
             x as *const c_void,
             w as *const c_void,
@@ -558,7 +591,7 @@ pub unsafe fn convolve_into(
                 return check(api, status, "forward with bias");
             }
             tracing::debug!(?shape, "cuDNN does not fuse the bias here: added separately");
-            context.chosen.insert(*shape, Chosen { fused: false, ..chosen });
+            prepared.chosen.fused = false;
         }
         // SAFETY: as above; `y` takes the residual first, so that the convolution adds to it.
         unsafe {

@@ -2,6 +2,7 @@
 //! upsamplers and the output layers.
 
 use candle_core::{DType, Tensor};
+use tpinfer_kernels::upsample_nearest2x;
 use tpinfer_layers::Result;
 use tpinfer_weights::{ShardLoader, WeightDecl};
 
@@ -187,13 +188,7 @@ impl Upsample {
                 .permute((0, 3, 1, 2, 4))?
                 .reshape((2 * frames, rows, w, c2 / 2))?;
         }
-        // Nearest 2×: each pixel repeated along two new axes (views), then one copy.
-        let (frames, rows, w, c) = x.x.dims4()?;
-        let up =
-            x.x.unsqueeze(2)?
-                .unsqueeze(4)?
-                .broadcast_as((frames, rows, 2, w, 2, c))?
-                .reshape((frames, 2 * rows, 2 * w, c))?;
+        let up = upsample_nearest2x(&x.x)?;
         drop(x);
         let up = Band {
             x: up,

@@ -8,7 +8,7 @@
 //! diffusers' does, with the zero frames of causal padding before the first.
 
 use candle_core::{DType, Tensor};
-use tpinfer_kernels::{channel_rms_norm, conv_filter, conv_frames_bias, conv_path};
+use tpinfer_kernels::{cat_frames, channel_rms_norm, conv_filter, conv_frames_bias, conv_path};
 use tpinfer_layers::Result;
 use tpinfer_weights::{ShardLoader, ShardSpec, WeightDecl};
 
@@ -167,21 +167,19 @@ impl Conv {
         let Some(slot) = self.slot else {
             return Ok(input);
         };
-        let frames = input.dim(0)?;
-        let seen = match cache[slot].take() {
-            Some(history) => Tensor::cat(&[&history, &input], 0)?,
-            None => input,
-        };
-        let n = seen.dim(0)?;
         let history = self.taps - 1;
-        // A compact copy: a view (or candle's `copy`, which clones the whole storage) would
-        // keep all of `seen` alive in the cache.
-        cache[slot] = Some(
-            seen.narrow(0, n.saturating_sub(history), n.min(history))?
-                .force_contiguous()?,
-        );
+        let held = cache[slot].take();
+        let seen = held.as_ref().map_or(Ok(0), |h| h.dim(0))? + input.dim(0)?;
         // Before the first frame, the causal padding's zero frames.
-        Ok(seen.pad_with_zeros(0, (history + frames).saturating_sub(n), 0)?)
+        let zeros = (history + input.dim(0)?).saturating_sub(seen);
+        let parts: Vec<&Tensor> = held.iter().chain([&input]).collect();
+        let joined = cat_frames(zeros, &parts)?;
+        drop(held);
+        // A compact copy of the last frames read: a view would keep all of `joined` alive.
+        let keep = seen.min(history);
+        let n = joined.dim(0)?;
+        cache[slot] = Some(joined.narrow(0, n - keep, keep)?.force_contiguous()?);
+        Ok(joined)
     }
 }
 

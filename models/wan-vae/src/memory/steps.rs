@@ -115,8 +115,7 @@ impl Model {
 
     /// `Conv::forward` writing `rows` (of width `w`), not counting its input or residual,
     /// counting its output: zero rows where the rows have the frame's edge on one side only,
-    /// the history joined with the input (`seen`) and its cache copy, zero frames before it
-    /// while the history is short; then the convolution of the device's path.
+    /// the history joined with the input; then the convolution of the device's path.
     pub(super) fn conv(&self, call: ConvCall, rows: Rows, w: usize) -> Bytes {
         let ConvCall {
             frames,
@@ -133,27 +132,28 @@ impl Model {
             true => frames * frame,
             false => 0,
         };
+        // The history and the input joined, after zero frames while the history is short
+        // (on CPU ranks a tensor of them, joined by candle's `cat`); the new cache copy
+        // replaces the old one, which the caches' term counts.
         let zeros = (taps - 1).saturating_sub(history);
-        let seen = match (taps, history) {
-            (1, _) | (_, 0) => 0,
-            _ => (history + frames) * frame,
+        let joined = match taps {
+            1 => 0,
+            _ => (taps - 1 + frames) * frame,
         };
-        let zero_padded = match (taps, zeros) {
-            (1, _) | (_, 0) => 0,
-            _ => (zeros + history + frames) * frame,
+        let zero_frames = match (self.cuda, taps) {
+            (false, 2..) => zeros * frame,
+            _ => 0,
         };
-        // The new cache copy replaces the old one, which the caches' term counts.
         let joining = Bytes {
-            peak: padded + seen + zero_padded,
+            peak: padded + joined + zero_frames,
             largest: 0,
         };
         // What the convolution reads, if it is a new tensor: the joined frames; else the
         // padded input; else the caller's rows, a view (packed or not).
-        let (read, view) = match (zero_padded, seen, padded) {
-            (0, 0, 0) => (0, true),
-            (0, 0, input) => (input, false),
-            (0, seen, _) => (seen, false),
-            (zero_padded, _, _) => (zero_padded, false),
+        let (read, view) = match (joined, padded) {
+            (0, 0) => (0, true),
+            (0, input) => (input, false),
+            (joined, _) => (joined, false),
         };
         let convolution = match (self.cuda, self.conv) {
             (true, ConvPath::Cudnn) => self.cudnn_conv(call, rows, w, view, frame),
