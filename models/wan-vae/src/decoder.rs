@@ -195,25 +195,29 @@ impl Decoder {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        drop(x);
+        // The middle's frame caches and its input are done with: the path holds its own.
+        drop((x, cache));
         let tiles = tiles(band, tile_rows.max(factor));
         let chunks = tiles.len() * latent_frames;
-        let mut decoded_tiles = Vec::with_capacity(tiles.len());
+        // The band's pixels, each (tile, latent frame) copied into place as it is decoded:
+        // joining them as tensors took longer than a tenth of the decode.
+        let width = latents.dim(3)? * factor;
+        let mut pixels = Pixels::new(c.frames(latent_frames), band, width);
         for (t, tile) in tiles.into_iter().enumerate() {
             let (rows, outs) = self.layout.windows(tile);
             let mut cache = self.path_slots.cache();
-            let mut frames = Vec::with_capacity(c.frames(latent_frames));
             for (f, middle) in middles.iter().enumerate() {
                 let mut x = middle.narrowed(rows)?;
                 for (step, &out) in self.path.iter().zip(&outs) {
                     x = step.forward(&x, out, f == 0, &mut cache)?;
                 }
-                frames.push(clamp_pixels(&x.x)?.to_device(&Device::Cpu)?);
+                let chunk = clamp_pixels(&x.x)?.to_device(&Device::Cpu)?;
+                drop(x);
+                pixels.write(c.frames(f), tile, &chunk)?;
                 on_chunk(t * latent_frames + f + 1, chunks);
             }
-            decoded_tiles.push(Tensor::cat(&frames, 0)?);
         }
-        Ok(Tensor::cat(&decoded_tiles, 2)?)
+        pixels.into_tensor()
     }
 
     /// `conv_in` and the middle block on one whole latent frame.
@@ -223,5 +227,59 @@ impl Decoder {
         let x = self.middle[0].forward(&x, all, cache)?;
         let x = self.attention.forward(&x, cache)?;
         self.middle[1].forward(&x, all, cache)
+    }
+}
+
+/// A band of decoded frames on the host, `[frames, 3, band rows, width]` f32, filled chunk by
+/// chunk.
+struct Pixels {
+    values: Vec<f32>,
+    frames: usize,
+    band: Rows,
+    width: usize,
+}
+
+impl Pixels {
+    fn new(frames: usize, band: Rows, width: usize) -> Self {
+        Self {
+            values: vec![0f32; frames * 3 * band.len() * width],
+            frames,
+            band,
+            width,
+        }
+    }
+
+    /// Copies `chunk` `[chunk frames, 3, tile rows, width]` (f32 on the CPU) into place, from
+    /// frame `first`.
+    fn write(&mut self, first: usize, tile: Rows, chunk: &Tensor) -> Result<()> {
+        let (count, channels, rows, width) = chunk.dims4()?;
+        if first + count > self.frames || channels != 3 || rows != tile.len() || width != self.width {
+            return Err(tpinfer_layers::Error::Shard(format!(
+                "VAE: decoded chunk {:?} from frame {first} does not fit {} frames of {} × {width}",
+                chunk.dims(),
+                self.frames,
+                self.band.len()
+            )));
+        }
+        let chunk = chunk.contiguous()?;
+        let (storage, layout) = chunk.storage_and_layout();
+        let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(values)) = &*storage else {
+            return Err(tpinfer_layers::Error::Shard(
+                "VAE: decoded pixels are not f32 on the CPU".into(),
+            ));
+        };
+        let values = &values[layout.start_offset()..];
+        let run = rows * width;
+        let skip = (tile.start - self.band.start) * width;
+        for (plane, source) in values.chunks_exact(run).take(count * channels).enumerate() {
+            let at = (first * channels + plane) * self.band.len() * width + skip;
+            self.values[at..at + run].copy_from_slice(source);
+        }
+        Ok(())
+    }
+
+    fn into_tensor(self) -> Result<Tensor> {
+        let shape = (self.frames, 3, self.band.len(), self.width);
+        Ok(Tensor::from_vec(self.values, shape, &Device::Cpu)?)
     }
 }

@@ -185,18 +185,15 @@ impl Model {
         let middles = f * c * window.len() * w * e;
         let middle = self.middle(h, w);
         let path = self.path_peak(band, tile_rows);
-        // CPU ranks keep the decoded frames in their own memory, f32: while a tile decodes,
-        // the tiles before it and its own frames so far (at most the band), and at the end
-        // the band's joined copy beside them; GPU ranks copy them to the host.
+        // CPU ranks keep the decoded frames in their own memory, f32: the band's buffer, made
+        // before the first tile, which each chunk is copied into; GPU ranks copy them to the
+        // host.
         let band_frames = match self.cuda {
             true => 0,
             false => self.frames(f) * 3 * band.len() * self.video.width * 4,
         };
         DecodeMemory {
-            peak: middles
-                + (latents + middle.peak)
-                    .max(path.peak + band_frames)
-                    .max(2 * band_frames),
+            peak: middles + (latents + middle.peak).max(path.peak + band_frames),
             pool_slack: if self.cuda { middle.largest.max(path.largest) } else { 0 },
             tile_rows,
         }
