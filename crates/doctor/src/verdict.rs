@@ -79,7 +79,7 @@ pub fn verdict(report: &Report) -> Vec<Finding> {
     if inv.cudnn_version.is_none() {
         out.push(finding(
             Severity::Warning,
-            "cuDNN 9 was not found: the Wan VAE's convolutions fall back to one matrix product per tap, several times slower",
+            "cuDNN 9 was not found: the Wan VAE's convolutions fall back to one matrix product per tap, slower than cuDNN's",
             vec![
                 "install cuDNN 9 (`pip install nvidia-cudnn-cu13`, or NVIDIA's cudnn9-cuda-13 package) and put the \
                  directory holding libcudnn.so.9 on LD_LIBRARY_PATH"

@@ -147,8 +147,8 @@ fn api() -> Option<&'static Api> {
         Ok(api) => Some(api),
         Err(why) => {
             tracing::warn!(
-                "cuDNN not found ({why}): convolutions on CUDA run as one matrix product per tap, several \
-                 times slower. Install cuDNN 9 (e.g. `pip install nvidia-cudnn-cu13`) and put its lib \
+                "cuDNN not found ({why}): convolutions on CUDA run as one matrix product per tap, slower \
+                 than cuDNN's. Install cuDNN 9 (e.g. `pip install nvidia-cudnn-cu13`) and put its lib \
                  directory on LD_LIBRARY_PATH"
             );
             None
