@@ -2,7 +2,8 @@
 //! where it is installed, else a matrix product per tap. candle's own CUDA convolution
 //! unfolds its input first (im2col, k² copies of every pixel) with 64-bit index arithmetic
 //! per copied element, which took 30 s for a 480p VAE decode that cuDNN (through PyTorch)
-//! runs in under 2; and it takes NCHW, which costs a transposed copy of every input and output.
+//! runs in under 2; and it takes NCHW, which would cost a transposed copy of every input and
+//! output.
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -66,7 +67,7 @@ pub fn conv_filter(w: &Tensor, path: ConvPath) -> Result<Tensor> {
 /// `x`'s device: `[o, kt, kh, kw, c]` taken over `kt` consecutive frames) after `pad[0]`
 /// zero rows and `pad[1]` zero columns on each side, plus `b` `[o]`, plus `residual` where
 /// given: `[frames − kt + 1, h + 2·pad[0] − kh + 1, w + 2·pad[1] − kw + 1, o]`.
-/// Cross-correlation, stride 1; the shape of the filter is `[o, kt, kh, kw, c]` for both paths.
+/// Cross-correlation, stride 1; `shape` is the filter's `[o, kt, kh, kw, c]` on both paths.
 pub fn conv_frames_bias(
     x: &Tensor,
     filter: &Tensor,

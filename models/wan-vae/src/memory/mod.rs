@@ -15,8 +15,8 @@ use crate::WanVaeConfig;
 /// The bytes a decode may hold besides its weights: its tiles are the tallest that keep its
 /// peak under this (or one latent row's worth, if none does). Each tile recomputes the halo
 /// its convolutions read, so fewer tiles are faster: this lets a 480p video decode in two
-/// tiles and a 720p one in three in bf16 on one GPU (4.1 and 4.8 GiB at the peak with the
-/// weights, measured on an H200: benches/RESULTS.md).
+/// tiles and a 720p one in three in bf16 on one GPU (3.7–3.9 and 5.2 GiB at the peak with
+/// the weights and the CUDA context, measured on an H200: benches/RESULTS.md).
 pub const DECODE_TEMPORARIES: usize = 3840 << 20;
 
 /// Queries per block of the middle attention (`blocks::QUERY_BLOCK`).
