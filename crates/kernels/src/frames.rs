@@ -152,7 +152,7 @@ mod cuda {
         };
         let out = crate::linear::empty(&[n, 2 * rows, 2 * width, c], x.dtype(), x.device())?;
         let pixel_bytes = c * x.dtype().size_in_bytes();
-        let aligned = x.layout().start_offset() * x.dtype().size_in_bytes() % 16 == 0;
+        let aligned = (x.layout().start_offset() * x.dtype().size_in_bytes()).is_multiple_of(16);
         let (name, units) = match (pixel_bytes % 16, x.dtype().size_in_bytes()) {
             (0, _) if aligned => ("upsample_nearest2x_16", pixel_bytes / 16),
             (_, 2) => ("upsample_nearest2x_2", c),
