@@ -293,41 +293,8 @@ thread_local! {
     static CONTEXTS: RefCell<Vec<Context>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Descriptors destroyed when dropped.
-struct Descriptors<'a> {
-    api: &'a Api,
-    /// The 5-D channels-last input and output, and the bias `[1, o, 1, 1, 1]`.
-    x: Descriptor,
-    y: Descriptor,
-    bias: Descriptor,
-    w: Descriptor,
-    conv: Descriptor,
-    identity: Descriptor,
-}
-
-impl Drop for Descriptors<'_> {
-    fn drop(&mut self) {
-        // SAFETY: each was created by this struct's constructor (null ones are skipped).
-        unsafe {
-            for t in [self.x, self.y, self.bias] {
-                if !t.is_null() {
-                    (self.api.destroy_tensor)(t);
-                }
-            }
-            if !self.w.is_null() {
-                (self.api.destroy_filter)(self.w);
-            }
-            if !self.conv.is_null() {
-                (self.api.destroy_conv)(self.conv);
-            }
-            if !self.identity.is_null() {
-                (self.api.destroy_activation)(self.identity);
-            }
-        }
-    }
-}
-
-/// A shape's descriptors as the calls take them (the [`Descriptors`] own them).
+/// A shape's descriptors: the 5-D channels-last input and output, the bias `[1, o, 1, 1,
+/// 1]`, the filter, the convolution and the identity activation.
 #[derive(Clone, Copy)]
 struct Raw {
     x: Descriptor,
@@ -338,15 +305,31 @@ struct Raw {
     identity: Descriptor,
 }
 
-impl Raw {
-    fn of(d: &Descriptors) -> Self {
-        Self {
-            x: d.x,
-            y: d.y,
-            bias: d.bias,
-            w: d.w,
-            conv: d.conv,
-            identity: d.identity,
+/// Descriptors destroyed when dropped.
+struct Descriptors<'a> {
+    api: &'a Api,
+    raw: Raw,
+}
+
+impl Drop for Descriptors<'_> {
+    fn drop(&mut self) {
+        let r = self.raw;
+        // SAFETY: each was created by this struct's constructor (null ones are skipped).
+        unsafe {
+            for t in [r.x, r.y, r.bias] {
+                if !t.is_null() {
+                    (self.api.destroy_tensor)(t);
+                }
+            }
+            if !r.w.is_null() {
+                (self.api.destroy_filter)(r.w);
+            }
+            if !r.conv.is_null() {
+                (self.api.destroy_conv)(r.conv);
+            }
+            if !r.identity.is_null() {
+                (self.api.destroy_activation)(r.identity);
+            }
         }
     }
 }
@@ -368,15 +351,19 @@ impl<'a> Descriptors<'a> {
             DType::F32 => (DATA_FLOAT, DATA_FLOAT, FMA_MATH),
             other => candle_core::bail!("cuDNN convolution: unsupported dtype {other:?}"),
         };
-        let mut d = Self {
+        let null = std::ptr::null_mut();
+        let mut owned = Self {
             api,
-            x: std::ptr::null_mut(),
-            y: std::ptr::null_mut(),
-            bias: std::ptr::null_mut(),
-            w: std::ptr::null_mut(),
-            conv: std::ptr::null_mut(),
-            identity: std::ptr::null_mut(),
+            raw: Raw {
+                x: null,
+                y: null,
+                bias: null,
+                w: null,
+                conv: null,
+                identity: null,
+            },
         };
+        let d = &mut owned.raw;
         let o = shape.filter[0];
         // SAFETY: every pointer passed points at a live local array of the stated length.
         unsafe {
@@ -424,7 +411,7 @@ impl<'a> Descriptors<'a> {
                 "activation",
             )?;
         }
-        Ok(d)
+        Ok(owned)
     }
 }
 
@@ -453,7 +440,7 @@ fn context(api: &Api, contexts: &mut Vec<Context>, stream: &Arc<CudaStream>) -> 
 
 /// The heuristic's choice for `shape`: the implicit precomputed GEMM where it is usable
 /// within the workspace cap, else the best ranked that is.
-fn choose(api: &Api, handle: Handle, d: &Descriptors, shape: &ConvShape) -> Result<Chosen> {
+fn choose(api: &Api, handle: Handle, d: &Raw, shape: &ConvShape) -> Result<Chosen> {
     let mut perf = [AlgoPerf {
         algo: 0,
         status: 0,
@@ -532,13 +519,13 @@ pub unsafe fn convolve_into(
             Entry::Occupied(entry) => entry.into_mut(),
             Entry::Vacant(entry) => {
                 let d = Descriptors::new(api, shape)?;
-                let chosen = choose(api, handle, &d, shape)?;
+                let chosen = choose(api, handle, &d.raw, shape)?;
                 tracing::debug!(?shape, ?chosen, "cuDNN convolution");
                 entry.insert(Prepared { d, chosen })
             }
         };
         let chosen = prepared.chosen;
-        let d = Raw::of(&prepared.d);
+        let d = prepared.d.raw;
         // SAFETY: every byte of it is written (by cuDNN) before it is read.
         let workspace = unsafe { dev.alloc::<u8>(chosen.workspace.max(1))? };
         let workspace = {

@@ -74,9 +74,6 @@ pub(crate) struct Conv {
     shape: [usize; 5],
     /// `[out]`.
     bias: Tensor,
-    taps: usize,
-    /// Rows (and columns) read on each side of a written one: k / 2.
-    reach: usize,
     slot: Option<usize>,
 }
 
@@ -129,8 +126,6 @@ impl Conv {
             filter,
             shape: [shape.out, taps, shape.k, shape.k, shape.inp],
             bias: w.take(&format!("{prefix}.bias"))?,
-            taps,
-            reach: shape.k / 2,
             slot: (taps > 1).then(|| slots.next()),
         })
     }
@@ -139,8 +134,10 @@ impl Conv {
     /// this convolution's output shape) where given; a causal one continues from the frames
     /// its slot of `cache` holds, and leaves the last two it read there.
     pub fn forward(&self, x: &Band, out: Rows, cache: &mut FrameCache, residual: Option<&Tensor>) -> Result<Band> {
-        let read = x.narrowed(out.grown(self.reach))?;
-        let (top, bottom) = out.edge_padding(self.reach);
+        // Rows (and columns) read on each side of a written one.
+        let reach = self.shape[2] / 2;
+        let read = x.narrowed(out.grown(reach))?;
+        let (top, bottom) = out.edge_padding(reach);
         // The convolution pads alike on both sides: a tile with the frame's edge on one side
         // only gets its zero rows here.
         let even = top.min(bottom);
@@ -149,14 +146,7 @@ impl Conv {
             input = input.pad_with_zeros(1, top - even, bottom - even)?;
         }
         let input = self.after_history(input, cache)?;
-        let y = conv_frames_bias(
-            &input,
-            &self.filter,
-            self.shape,
-            &self.bias,
-            residual,
-            [even, self.reach],
-        )?;
+        let y = conv_frames_bias(&input, &self.filter, self.shape, &self.bias, residual, [even, reach])?;
         Ok(Band { x: y, rows: out })
     }
 
@@ -167,7 +157,7 @@ impl Conv {
         let Some(slot) = self.slot else {
             return Ok(input);
         };
-        let history = self.taps - 1;
+        let history = self.shape[1] - 1;
         let held = cache[slot].take();
         let seen = held.as_ref().map_or(Ok(0), |h| h.dim(0))? + input.dim(0)?;
         // Before the first frame, the causal padding's zero frames.
