@@ -14,21 +14,5 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 [ -n "$NCU" ] || { log "no ncu on this host"; exit 1; }
 run "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/vae-profile.csv" \
   "$BIN/tpinfer-bench" vae --model "$W/vae" --latents "$lat" --cuda --dtype bf16 --tp 1 --repeats 0
-# Sum each kernel's time over its launches (ncu's CSV: one row per kernel and metric).
-$PY - "$OUT/vae-profile.csv" <<'PY' | tee -a "$OUT/$LOG"
-import csv, sys, collections
-rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))]
-total = collections.Counter()
-count = collections.Counter()
-for r in rows:
-    if r.get("Metric Name") == "gpu__time_duration.sum":
-        value = float(r["Metric Value"].replace(",", ""))
-        scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}.get(r.get("Metric Unit", ""), 1e-6)
-        total[r["Kernel Name"][:80]] += value * scale
-        count[r["Kernel Name"][:80]] += 1
-all_ms = sum(total.values())
-print(f"{len(rows)} kernel launches, {all_ms:.1f} ms of kernel time")
-for name, ms in total.most_common(25):
-    print(f"{ms:10.2f} ms {100 * ms / all_ms:5.1f}% {count[name]:7d}x  {name}")
-PY
+$PY "$SCRIPTS/gpu/kernel-sum.py" "$OUT/vae-profile.csv" | tee -a "$OUT/$LOG"
 log done

@@ -216,17 +216,54 @@ __device__ void add_rms_norm(const T* x, const T* __restrict__ y, const T* __res
         normed[j] = from_f32<T>(to_f32(sum[j]) * rstd * to_f32(weight[j]));
 }
 
-// out[row, j] = T(silu(x[row, j]) · x[row, half + j]) for x `[rows, 2 · half]`: a gated
-// MLP's activation on its fused gate/up output, rounded once.
+// out[row, j] = T(act(x[row, j]) · x[row, half + j]) for x `[rows, 2 · half]`: a gated MLP's
+// activation on its fused gate/up output, rounded once. act is SiLU, or with `gelu` the tanh
+// approximation of GELU (T5's gated-GELU FFN).
 template <typename T>
-__device__ void silu_mul(const T* x, T* out, long n, int half) {
+__device__ void gate_mul(const T* x, T* out, long n, int half, int gelu) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         const long row = i / half;
         const int j = i % half;
         const float g = to_f32(x[row * 2 * half + j]);
         const float u = to_f32(x[row * 2 * half + half + j]);
-        out[i] = from_f32<T>(g / (1.f + expf(-g)) * u);
+        const float a = gelu ? 0.5f * g * (1.f + tanhf(0.7978845608028654f * g * (1.f + 0.044715f * g * g)))
+                             : g / (1.f + expf(-g));
+        out[i] = from_f32<T>(a * u);
     }
+}
+
+// out[h, q, :] = T(softmax(scores[h, q, k] + table[buckets[k - q + queries - 1], h] over k)):
+// attention probabilities with T5's relative position bias, the bias looked up by the key's
+// distance from the query (buckets holds one entry per distance, `queries + keys - 1`), in
+// f32 and rounded once. One warp per row: an online max and sum, then the write.
+template <typename T>
+__device__ void softmax_relative_bias(const T* scores, const float* table, const unsigned* buckets, T* out,
+                                      int heads, int queries, int keys) {
+    const int lane = threadIdx.x & 31;
+    const long row = (blockIdx.x * (long)blockDim.x + threadIdx.x) >> 5;
+    if (row >= (long)heads * queries) return;
+    const int h = row / queries, q = row % queries;
+    const T* s = scores + row * keys;
+    const unsigned* b = buckets + (queries - 1 - q);
+    // Finite, so that a lane with no keys (keys < 32) joins the reduction as a zero sum.
+    float m = -3.0e38f, sum = 0.f;
+    for (int k = lane; k < keys; k += 32) {
+        const float v = to_f32(s[k]) + table[(long)b[k] * heads + h];
+        const float top = fmaxf(m, v);
+        sum = sum * expf(m - top) + expf(v - top);
+        m = top;
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float m_other = __shfl_xor_sync(0xffffffffu, m, offset);
+        const float sum_other = __shfl_xor_sync(0xffffffffu, sum, offset);
+        const float top = fmaxf(m, m_other);
+        sum = sum * expf(m - top) + sum_other * expf(m_other - top);
+        m = top;
+    }
+    const float inv = 1.f / sum;
+    T* o = out + row * keys;
+    for (int k = lane; k < keys; k += 32)
+        o[k] = from_f32<T>(expf(to_f32(s[k]) + table[(long)b[k] * heads + h] - m) * inv);
 }
 
 // out[t] = w[ids[t] - first] where first <= ids[t] < end, else zeros: a vocabulary-parallel
@@ -365,8 +402,13 @@ ROW_KERNELS(bf16_packed, __nv_bfloat16, 8)
 ROW_KERNELS(f16_packed, __half, 8)
 
 #define ROWWISE(SUFFIX, T)                                                                                      \
-    extern "C" __global__ void silu_mul_##SUFFIX(const T* x, T* out, long n, int half) {                       \
-        silu_mul<T>(x, out, n, half);                                                                          \
+    extern "C" __global__ void gate_mul_##SUFFIX(const T* x, T* out, long n, int half, int gelu) {             \
+        gate_mul<T>(x, out, n, half, gelu);                                                                    \
+    }                                                                                                          \
+    extern "C" __global__ void softmax_relative_bias_##SUFFIX(const T* scores, const float* table,             \
+                                                               const unsigned* buckets, T* out, int heads,      \
+                                                               int queries, int keys) {                         \
+        softmax_relative_bias<T>(scores, table, buckets, out, heads, queries, keys);                           \
     }                                                                                                          \
     extern "C" __global__ void add_rms_norm_##SUFFIX(const T* x, const T* y, const T* w, T* out, int rows,     \
                                                       int cols, float eps CHAIN_TRACE_PARAM) {                \

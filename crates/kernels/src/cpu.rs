@@ -212,7 +212,8 @@ pub(crate) fn flash_attention(
     })
 }
 
-pub(crate) fn silu_mul(x: (&CpuStorage, &Layout), half: usize) -> Result<CpuStorage> {
+/// act(gate) · up, act SiLU or (with `gelu`) GELU's tanh approximation.
+pub(crate) fn gate_mul(x: (&CpuStorage, &Layout), half: usize, gelu: bool) -> Result<CpuStorage> {
     typed!(x.0, T => {
         let xs = contiguous::<T>(x.0, x.1)?;
         let mut out = vec![T::from_f64(0.0); xs.len() / 2];
@@ -220,7 +221,41 @@ pub(crate) fn silu_mul(x: (&CpuStorage, &Layout), half: usize) -> Result<CpuStor
             let row = &xs[r * 2 * half..][..2 * half];
             for j in 0..half {
                 let (g, u) = (f(row[j]), f(row[half + j]));
-                o[j] = T::from_f64((g / (1.0 + (-g).exp()) * u) as f64);
+                let a = match gelu {
+                    true => 0.5 * g * (1.0 + (0.797_884_6 * g * (1.0 + 0.044715 * g * g)).tanh()),
+                    false => g / (1.0 + (-g).exp()),
+                };
+                o[j] = T::from_f64((a * u) as f64);
+            }
+        });
+        Ok(T::to_cpu_storage_owned(out))
+    })
+}
+
+/// softmax(scores[h, q, :] + table[buckets[k − q + queries − 1], h]) in f32, rounded once.
+pub(crate) fn softmax_relative_bias(
+    scores: (&CpuStorage, &Layout),
+    table: (&CpuStorage, &Layout),
+    buckets: (&CpuStorage, &Layout),
+    [heads, queries, keys]: [usize; 3],
+) -> Result<CpuStorage> {
+    let table = contiguous::<f32>(table.0, table.1)?;
+    let buckets = contiguous::<u32>(buckets.0, buckets.1)?;
+    typed!(scores.0, T => {
+        let xs = contiguous::<T>(scores.0, scores.1)?;
+        let mut out = vec![T::from_f64(0.0); xs.len()];
+        for_each_chunk(&mut out, keys, xs.len(), |row, o| {
+            let (h, q) = (row / queries, row % queries);
+            let distance = &buckets[queries - 1 - q..][..keys];
+            let v: Vec<f32> = xs[row * keys..][..keys]
+                .iter()
+                .zip(distance)
+                .map(|(&s, &b)| f(s) + table[b as usize * heads + h])
+                .collect();
+            let top = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f32 = v.iter().map(|x| (x - top).exp()).sum();
+            for (o, x) in o.iter_mut().zip(&v) {
+                *o = T::from_f64(((x - top).exp() / sum) as f64);
             }
         });
         Ok(T::to_cpu_storage_owned(out))

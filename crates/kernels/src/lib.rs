@@ -50,7 +50,7 @@ pub use position::write_u32s;
 pub use rotary::{rotary_qkv, rotary_qkv_into};
 pub use rowwise::{
     add_rms_norm, add_rms_norm_into, embed_owned_rows, gated_residual, layer_norm, residual_sum, row_sum_squares,
-    scale_rows_cols, silu_mul, sum_in_order,
+    gelu_tanh_mul, scale_rows_cols, silu_mul, softmax_relative_bias, sum_in_order,
 };
 
 use candle_core::{DType, Device, Result, Tensor};

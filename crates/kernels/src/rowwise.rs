@@ -2,7 +2,7 @@
 //! input's dtype: one kernel on CUDA (cuda/rowwise.cu), one pass on CPU (`crate::cpu`).
 //! Either way the op allocates only its output.
 
-use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 
 /// cuda/rowwise.cu, whose kernels `channel_norm` also launches.
 #[cfg(feature = "cuda")]
@@ -249,12 +249,63 @@ pub fn add_rms_norm_into(stream: &Tensor, y: &Tensor, weight: &Tensor, eps: f64)
 /// `silu(x[:, j]) · x[:, n + j]` for `x` `[rows, 2n]`: a gated MLP's activation on its fused
 /// gate/up output, `[rows, n]`.
 pub fn silu_mul(x: &Tensor) -> Result<Tensor> {
-    check(x, "silu_mul")?;
+    gate_mul(x, false, "silu_mul")
+}
+
+/// `gelu(x[:, j]) · x[:, n + j]` for `x` `[rows, 2n]`, GELU's tanh approximation (T5's
+/// `gelu_new`): a gated-GELU FFN's activation on its fused gate/up output, `[rows, n]`,
+/// rounded once.
+pub fn gelu_tanh_mul(x: &Tensor) -> Result<Tensor> {
+    gate_mul(x, true, "gelu_tanh_mul")
+}
+
+fn gate_mul(x: &Tensor, gelu: bool, op: &str) -> Result<Tensor> {
+    check(x, op)?;
     let (rows, cols) = x.dims2()?;
     if cols % 2 != 0 {
-        candle_core::bail!("silu_mul takes [rows, 2n], got {:?}", x.dims());
+        candle_core::bail!("{op} takes [rows, 2n], got {:?}", x.dims());
     }
-    x.contiguous()?.apply_op1_no_bwd(&SiluMul { rows, half: cols / 2 })
+    x.contiguous()?.apply_op1_no_bwd(&GateMul {
+        rows,
+        half: cols / 2,
+        gelu,
+    })
+}
+
+/// `softmax(scores[h, q, :] + bias)` where the bias of key `k` is
+/// `table[buckets[k − q + queries − 1], h]`: attention probabilities with T5's relative
+/// position bias, looked up by each key's distance from its query. `scores` `[heads, queries,
+/// keys]` (any float dtype), `table` `[buckets, heads]` f32, `buckets` u32 `[queries + keys −
+/// 1]` (the bucket of each distance, nearest the far-left key first). Computed in f32 and
+/// rounded once to the scores' dtype: one pass where candle takes a gather, a permuted add, a
+/// softmax and two casts over score-sized buffers.
+pub fn softmax_relative_bias(scores: &Tensor, table: &Tensor, buckets: &Tensor) -> Result<Tensor> {
+    let (heads, queries, keys) = scores.dims3()?;
+    let distances = queries + keys - 1;
+    if table.rank() != 2 || table.dim(1)? != heads || table.dtype() != DType::F32 {
+        candle_core::bail!(
+            "softmax_relative_bias: the table must be f32 [buckets, {heads}], got {:?} {:?}",
+            table.dtype(),
+            table.dims()
+        );
+    }
+    if buckets.dims() != [distances] || buckets.dtype() != DType::U32 {
+        candle_core::bail!(
+            "softmax_relative_bias: buckets must be u32 [{distances}], got {:?} {:?}",
+            buckets.dtype(),
+            buckets.dims()
+        );
+    }
+    scores.contiguous()?.apply_op3_no_bwd(
+        &table.contiguous()?,
+        &buckets.contiguous()?,
+        &SoftmaxRelativeBias {
+            heads,
+            queries,
+            keys,
+            buckets: table.dim(0)?,
+        },
+    )
 }
 
 /// The rows of a vocabulary-parallel embedding's slice `weight` `[vocab rows, hidden]`, which
@@ -305,9 +356,18 @@ struct AddRmsNorm {
     eps: f32,
 }
 
-struct SiluMul {
+struct GateMul {
     rows: usize,
     half: usize,
+    gelu: bool,
+}
+
+struct SoftmaxRelativeBias {
+    heads: usize,
+    queries: usize,
+    keys: usize,
+    /// The table's rows: every bucket index must be below it.
+    buckets: usize,
 }
 
 struct EmbedOwnedRows {
@@ -414,20 +474,72 @@ impl candle_core::CustomOp3 for AddRmsNorm {
     }
 }
 
-impl candle_core::CustomOp1 for SiluMul {
+impl candle_core::CustomOp1 for GateMul {
     fn name(&self) -> &'static str {
-        "silu_mul"
+        if self.gelu {
+            "gelu_tanh_mul"
+        } else {
+            "silu_mul"
+        }
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = crate::cpu::silu_mul((x, xl), self.half)?;
+        let out = crate::cpu::gate_mul((x, xl), self.half, self.gelu)?;
         Ok((out, Shape::from((self.rows, self.half))))
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, x: &candle_core::CudaStorage, xl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = cuda::silu_mul(x, xl, self.rows * self.half, self.half)?;
+        let out = cuda::gate_mul(x, xl, self.rows * self.half, self.half, self.gelu)?;
         Ok((out, Shape::from((self.rows, self.half))))
+    }
+}
+
+impl candle_core::CustomOp3 for SoftmaxRelativeBias {
+    fn name(&self) -> &'static str {
+        "softmax_relative_bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        scores: &CpuStorage,
+        sl: &Layout,
+        table: &CpuStorage,
+        tl: &Layout,
+        buckets: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.check_buckets(buckets.as_slice::<u32>()?, bl)?;
+        let shape = [self.heads, self.queries, self.keys];
+        let out = crate::cpu::softmax_relative_bias((scores, sl), (table, tl), (buckets, bl), shape)?;
+        Ok((out, sl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        scores: &candle_core::CudaStorage,
+        sl: &Layout,
+        table: &candle_core::CudaStorage,
+        tl: &Layout,
+        buckets: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = cuda::softmax_relative_bias((scores, sl), (table, tl), (buckets, bl), self)?;
+        Ok((out, sl.shape().clone()))
+    }
+}
+
+impl SoftmaxRelativeBias {
+    /// Every bucket names a row of the table (checked where the buckets are on the host).
+    fn check_buckets(&self, all: &[u32], l: &Layout) -> Result<()> {
+        let Some((start, end)) = l.contiguous_offsets() else {
+            candle_core::bail!("softmax_relative_bias: buckets must be contiguous");
+        };
+        if let Some(b) = all[start..end].iter().find(|&&b| b as usize >= self.buckets) {
+            candle_core::bail!("softmax_relative_bias: bucket {b} is outside the table's {} rows", self.buckets);
+        }
+        Ok(())
     }
 }
 
@@ -735,31 +847,85 @@ mod cuda {
         }
     }
 
-    pub(super) fn silu_mul(x: &CudaStorage, xl: &Layout, n: usize, half: usize) -> Result<CudaStorage> {
+    pub(super) fn gate_mul(x: &CudaStorage, xl: &Layout, n: usize, half: usize, gelu: bool) -> Result<CudaStorage> {
         match x.dtype() {
-            DType::F32 => silu_mul_typed::<f32>((x, xl), n, half),
-            DType::BF16 => silu_mul_typed::<bf16>((x, xl), n, half),
-            DType::F16 => silu_mul_typed::<f16>((x, xl), n, half),
-            other => candle_core::bail!("silu_mul: unsupported dtype {other:?}"),
+            DType::F32 => gate_mul_typed::<f32>((x, xl), n, half, gelu),
+            DType::BF16 => gate_mul_typed::<bf16>((x, xl), n, half, gelu),
+            DType::F16 => gate_mul_typed::<f16>((x, xl), n, half, gelu),
+            other => candle_core::bail!("gate_mul: unsupported dtype {other:?}"),
         }
     }
 
-    fn silu_mul_typed<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+    fn gate_mul_typed<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
         x: Input,
         n: usize,
         half: usize,
+        gelu: bool,
     ) -> Result<CudaStorage> {
         let dev = x.0.device();
         let func =
-            dev.get_or_load_custom_func(&format!("silu_mul_{}", suffix(x.0.dtype())?), "tpinfer_rowwise", PTX)?;
+            dev.get_or_load_custom_func(&format!("gate_mul_{}", suffix(x.0.dtype())?), "tpinfer_rowwise", PTX)?;
         let xs = view::<T>(x)?;
         // SAFETY: every element is written by the kernel.
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
-        let (n_i, half_i) = (n as i64, half as i32);
+        let (n_i, half_i, gelu_i) = (n as i64, half as i32, gelu as i32);
         let mut builder = func.builder();
-        builder.arg(&xs).arg(&out).arg(&n_i).arg(&half_i);
+        builder.arg(&xs).arg(&out).arg(&n_i).arg(&half_i).arg(&gelu_i);
         // SAFETY: the arguments match the kernel's signature; `xs` holds 2n elements.
         unsafe { builder.launch(elementwise(n)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
+    pub(super) fn softmax_relative_bias(
+        scores: Input,
+        table: Input,
+        buckets: Input,
+        op: &super::SoftmaxRelativeBias,
+    ) -> Result<CudaStorage> {
+        match scores.0.dtype() {
+            DType::F32 => softmax_relative_bias_typed::<f32>(scores, table, buckets, op),
+            DType::BF16 => softmax_relative_bias_typed::<bf16>(scores, table, buckets, op),
+            DType::F16 => softmax_relative_bias_typed::<f16>(scores, table, buckets, op),
+            other => candle_core::bail!("softmax_relative_bias: unsupported dtype {other:?}"),
+        }
+    }
+
+    fn softmax_relative_bias_typed<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+        scores: Input,
+        table: Input,
+        buckets: Input,
+        op: &super::SoftmaxRelativeBias,
+    ) -> Result<CudaStorage> {
+        let dev = scores.0.device();
+        let func = dev.get_or_load_custom_func(
+            &format!("softmax_relative_bias_{}", suffix(scores.0.dtype())?),
+            "tpinfer_rowwise",
+            PTX,
+        )?;
+        let (ss, ts, bs) = (view::<T>(scores)?, view::<f32>(table)?, view::<u32>(buckets)?);
+        let rows = op.heads * op.queries;
+        // SAFETY: every element is written by the kernel.
+        let out: CudaSlice<T> = unsafe { dev.alloc::<T>(rows * op.keys)? };
+        let (heads_i, queries_i, keys_i) = (op.heads as i32, op.queries as i32, op.keys as i32);
+        let mut builder = func.builder();
+        builder
+            .arg(&ss)
+            .arg(&ts)
+            .arg(&bs)
+            .arg(&out)
+            .arg(&heads_i)
+            .arg(&queries_i)
+            .arg(&keys_i);
+        let warps_per_block = THREADS as usize / 32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(warps_per_block) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature: scores and out hold rows · keys
+        // values, buckets queries + keys − 1 (checked by the caller), each below the table's
+        // rows (the caller's promise: they are made on the host from the table's config).
+        unsafe { builder.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 

@@ -11,7 +11,7 @@ use crate::{Umt5Config, Umt5Shard};
 pub struct EncodeMemory {
     /// The most bytes alive at once.
     pub peak: usize,
-    /// What a stream-ordered pool may hold beyond them: the two largest buffers, the f32
+    /// What a stream-ordered pool may hold beyond them: the two largest buffers, the
     /// score-sized ones, freed and split by smaller allocations.
     pub pool_slack: usize,
 }
@@ -20,19 +20,19 @@ impl EncodeMemory {
     pub fn new(c: &Umt5Config, shard: &Umt5Shard, dtype: DType, tokens: usize) -> Self {
         let (s, d, e) = (tokens, c.d_model, dtype.size_in_bytes());
         let (heads, ffn) = (shard.heads.len(), shard.ffn_cols.len());
-        // `encode`: the bucket grid (u32 `[s, s]`) and the residual stream `x` live
+        // `encode`: the distance buckets (u32 `[2s − 1]`) and the residual stream `x` live
         // throughout; each half of a layer adds its normed input `h`.
-        let (buckets, x, h) = (s * s * 4, s * d * e, s * d * e);
+        let (buckets, x, h) = ((2 * s - 1) * 4, s * d * e, s * d * e);
         // `Layer::attention`: the merged Q/K/V output (its views stay alive) and the three
-        // per-head copies; at the bias add, the gathered bias, the f32 scores and their sum
-        // (f32 `[heads, s, s]` each).
+        // per-head copies; then the scores beside their probabilities, or the probabilities
+        // beside the product with V and its heads-last copy (`[heads, s, s]` and
+        // `[s, heads · d_kv]` in the compute dtype).
         let qkv = 2 * 3 * s * heads * c.d_kv * e;
-        let score = heads * s * s * 4;
-        let attention = qkv + 3 * score;
-        // The FFN: the merged gate/up output, then beside it the GELU and the product, or at
-        // the down projection its partial sum and the all-reduced sum.
-        let gate_up = 2 * s * ffn * e;
-        let mlp = gate_up + (2 * s * ffn * e).max(s * ffn * e + 2 * s * d * e);
+        let score = heads * s * s * e;
+        let attention = qkv + score + score.max(2 * s * heads * c.d_kv * e);
+        // The FFN: the merged gate/up output, beside it the gated product, and at the down
+        // projection its partial sum and the all-reduced sum.
+        let mlp = 2 * s * ffn * e + s * ffn * e + 2 * s * d * e;
         Self {
             peak: buckets + x + h + attention.max(mlp),
             pool_slack: 2 * score,

@@ -5,7 +5,7 @@ use tpinfer_comm::Communicator;
 use tpinfer_layers::{rms_norm, MergedColumnParallelLinear, Result, RowParallelLinear, VocabParallelEmbedding};
 use tpinfer_weights::{ShardLoader, WeightStore};
 
-use crate::position::bucket_grid;
+use crate::position::distance_buckets;
 use crate::shard::names;
 use crate::{Umt5Config, Umt5Shard};
 
@@ -99,18 +99,16 @@ impl Umt5Rank {
         let s = ids.len();
         let eps = c.layer_norm_epsilon as f32;
         let mut x = self.embed.embed(&Tensor::new(ids, device)?.unsqueeze(0)?)?.squeeze(0)?;
-        let buckets = Tensor::from_vec(
-            bucket_grid(s, c.relative_attention_num_buckets, c.relative_attention_max_distance),
-            s * s,
+        let buckets = Tensor::new(
+            distance_buckets(s, c.relative_attention_num_buckets, c.relative_attention_max_distance),
             device,
         )?;
         for layer in &self.layers {
             let attention = layer.attention(&rms_norm(&x, &layer.attention_norm, eps)?, &buckets, c)?;
             x = (x + layer.o.forward(&attention)?)?;
-            let [gate, up] = <[Tensor; 2]>::try_from(layer.gate_up.forward(&rms_norm(&x, &layer.ffn_norm, eps)?)?)
-                .map_err(|_| tpinfer_layers::Error::Shard("umT5: gate/up did not split in two".into()))?;
-            // transformers' `gelu_new`: the tanh approximation, which candle's `gelu` is.
-            x = (x + layer.down.forward(&(gate.gelu()? * up)?)?)?;
+            let gate_up = layer.gate_up.forward_merged(&rms_norm(&x, &layer.ffn_norm, eps)?)?;
+            // transformers' `gelu_new`: GELU's tanh approximation.
+            x = (x + layer.down.forward(&tpinfer_kernels::gelu_tanh_mul(&gate_up)?)?)?;
         }
         Ok(rms_norm(&x, &self.final_norm, eps)?)
     }
@@ -118,8 +116,8 @@ impl Umt5Rank {
 
 impl Layer {
     /// Self-attention of the normed states `h` `[s, d]` over this rank's heads: T5's scores
-    /// are not scaled by 1/√d, and carry the relative position bias of each query × key
-    /// `buckets` entry; softmax in f32.
+    /// are not scaled by 1/√d, and carry the relative position bias of each key − query
+    /// distance's bucket (`buckets`); softmax in f32.
     fn attention(&self, h: &Tensor, buckets: &Tensor, c: &Umt5Config) -> Result<Tensor> {
         let s = h.dim(0)?;
         let heads = self.position_bias.dim(1)?;
@@ -127,13 +125,7 @@ impl Layer {
         let [q, k, v] = <[Tensor; 3]>::try_from(self.qkv.forward(h)?)
             .map_err(|_| tpinfer_layers::Error::Shard("umT5: q/k/v did not split in three".into()))?;
         let (q, k, v) = (per_head(&q)?, per_head(&k)?, per_head(&v)?);
-        let bias = self
-            .position_bias
-            .index_select(buckets, 0)?
-            .reshape((s, s, heads))?
-            .permute((2, 0, 1))?;
-        let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? + bias)?;
-        let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+        let p = tpinfer_kernels::softmax_relative_bias(&q.matmul(&k.t()?)?, &self.position_bias, buckets)?;
         Ok(p.matmul(&v)?.transpose(0, 1)?.reshape((s, heads * c.d_kv))?)
     }
 }

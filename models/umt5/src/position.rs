@@ -20,17 +20,13 @@ pub fn relative_position_bucket(relative: i64, num_buckets: usize, max_distance:
     offset + (exact + log_ratio as usize).min(half - 1)
 }
 
-/// The buckets of every query × key pair of a sequence of `tokens`, row-major `[query, key]`.
-pub fn bucket_grid(tokens: usize, num_buckets: usize, max_distance: usize) -> Vec<u32> {
-    // Sized once: the grid is the size of a score buffer, and a grown Vec would hold up to
-    // twice that.
-    let mut grid = Vec::with_capacity(tokens * tokens);
-    for q in 0..tokens {
-        grid.extend(
-            (0..tokens).map(|k| relative_position_bucket(k as i64 - q as i64, num_buckets, max_distance) as u32),
-        );
-    }
-    grid
+/// The bucket of every key − query distance of a sequence of `tokens`, from −(tokens − 1) to
+/// tokens − 1: what `tpinfer_kernels::softmax_relative_bias` looks each score's bias up by.
+pub fn distance_buckets(tokens: usize, num_buckets: usize, max_distance: usize) -> Vec<u32> {
+    let reach = tokens as i64 - 1;
+    (-reach..=reach)
+        .map(|relative| relative_position_bucket(relative, num_buckets, max_distance) as u32)
+        .collect()
 }
 
 #[cfg(test)]
