@@ -37,14 +37,20 @@ pub fn cudnn_version() -> Option<usize> {
 }
 
 /// The most a cuDNN convolution of `input` elements into `output` allocates besides its
-/// output: its algorithm's workspace, which may take the size of both and 16 MiB more.
+/// output: its algorithm's workspace, which the algorithm choice keeps within this. In bf16
+/// and f16 that is the implicit GEMMs' index tables; in f32 the fastest algorithm also takes
+/// the size of the input and output (on an H200 with cuDNN 9.19: at most 16 MiB + 415 bytes in
+/// bf16 at 480p, and up to 640 MiB in f32, scripts/gpu/vae-workspaces.sh).
 pub fn cudnn_workspace_bound(input: usize, output: usize, dtype: DType) -> usize {
-    (input + output) * dtype.size_in_bytes() + INDEX_TABLE_BYTES
+    match dtype.size_in_bytes() {
+        4.. => (input + output) * dtype.size_in_bytes() + INDEX_TABLE_BYTES,
+        _ => INDEX_TABLE_BYTES,
+    }
 }
 
 /// Workspace a cuDNN algorithm may take besides the size of its input and output: the
 /// implicit GEMMs' index tables.
-pub(crate) const INDEX_TABLE_BYTES: usize = 16 << 20;
+const INDEX_TABLE_BYTES: usize = 32 << 20;
 
 /// A checkpoint's filter `[o, c, kt, kh, kw]` (over `kt` consecutive frames) or `[o, c, kh,
 /// kw]` (within each frame) as [`conv_frames_bias`] takes it on `path`: channels last, `[o,

@@ -17,7 +17,7 @@ use std::sync::{Arc, OnceLock};
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{CudaDevice, DType, Result};
 
-use crate::conv::INDEX_TABLE_BYTES;
+use crate::conv::cudnn_workspace_bound;
 
 type Status = c_int;
 type Handle = *mut c_void;
@@ -244,10 +244,9 @@ impl ConvShape {
         self.input.iter().product()
     }
 
-    /// The most workspace its algorithm may take: the size of its input and output, and
-    /// [`INDEX_TABLE_BYTES`] more.
+    /// The most workspace its algorithm may take, as the memory plan counts it.
     fn workspace_cap(&self) -> usize {
-        (self.input_elements() + self.output_elements()) * self.dtype.size_in_bytes() + INDEX_TABLE_BYTES
+        cudnn_workspace_bound(self.input_elements(), self.output_elements(), self.dtype)
     }
 
     fn output_elements(&self) -> usize {

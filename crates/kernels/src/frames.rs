@@ -41,6 +41,27 @@ pub fn cat_frames(zeros: usize, parts: &[&Tensor]) -> Result<Tensor> {
     }
 }
 
+/// Overwrites the frames of `dst` (contiguous) with those of `src` (alike in shape and
+/// dtype, each frame packed): a frame cache rewritten where it is, so that it keeps its
+/// block of a stream-ordered pool from one chunk of frames to the next.
+pub fn write_frames(dst: &Tensor, src: &Tensor) -> Result<()> {
+    if dst.dims() != src.dims() || dst.dtype() != src.dtype() || !dst.is_contiguous() {
+        candle_core::bail!(
+            "write_frames: {:?} {:?} into {:?} {:?} (contiguous: {})",
+            src.dims(),
+            src.dtype(),
+            dst.dims(),
+            dst.dtype(),
+            dst.is_contiguous()
+        );
+    }
+    match dst.device() {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(_) => cuda::write_frames(dst, src),
+        _ => dst.slice_set(&src.contiguous()?, 0, 0),
+    }
+}
+
 /// `t` with its elements packed: itself where they are, else a copy (on CUDA a 2-D memcpy
 /// where each frame is packed, as in a view of some rows of each).
 pub fn packed_frames(t: &Tensor) -> Result<Tensor> {
@@ -84,23 +105,36 @@ mod cuda {
         !dims.is_empty() && Shape::from(&dims[1..]).is_contiguous(&t.stride()[1..])
     }
 
-    /// [`super::cat_frames`]: a memset for the zeros, then per part a memcpy (a 2-D one, row
-    /// by frame, where its frames are packed runs apart).
+    /// [`super::cat_frames`], into a new tensor.
     pub(super) fn cat_frames(zeros: usize, parts: &[&Tensor]) -> Result<Tensor> {
         let first = parts[0];
         let frames = zeros + parts.iter().map(|p| p.dim(0)).sum::<Result<usize>>()?;
-        let Device::Cuda(dev) = first.device() else {
-            candle_core::bail!("cat_frames: not a CUDA tensor");
-        };
         let mut dims = first.dims().to_vec();
         dims[0] = frames;
         let out = crate::linear::empty(&dims, first.dtype(), first.device())?;
-        let size = first.dtype().size_in_bytes();
-        let frame_bytes = dims[1..].iter().product::<usize>() * size;
+        copy_frames(&out, zeros, parts)?;
+        Ok(out)
+    }
+
+    /// [`super::write_frames`]: `src`'s frames copied over `dst`'s.
+    pub(super) fn write_frames(dst: &Tensor, src: &Tensor) -> Result<()> {
+        copy_frames(dst, 0, &[src])
+    }
+
+    /// Writes `zeros` zero frames, then each part's frames, from the start of `out`
+    /// (contiguous, of their frames in all): a memset for the zeros, then per part a memcpy (a
+    /// 2-D one, row by frame, where its frames are packed runs apart).
+    fn copy_frames(out: &Tensor, zeros: usize, parts: &[&Tensor]) -> Result<()> {
+        let Device::Cuda(dev) = out.device() else {
+            candle_core::bail!("copy_frames: not a CUDA tensor");
+        };
+        let size = out.dtype().size_in_bytes();
+        let frame_bytes = out.dims()[1..].iter().product::<usize>() * size;
         let stream = dev.cuda_stream().cu_stream();
-        let mut at = device_address(&out)?;
-        // SAFETY: `out` holds `frames` frames of `frame_bytes`, written here in order; each
-        // part's frames lie at its address, `stride[0]` elements apart; all on `stream`.
+        let mut at = device_address(out)?;
+        // SAFETY: `out` holds `zeros` and the parts' frames, of `frame_bytes` each, written
+        // here in order; each part's frames lie at its address, `stride[0]` elements apart;
+        // all on `stream`.
         unsafe {
             if zeros > 0 {
                 result::memset_d8_async(at, 0, zeros * frame_bytes, stream).w()?;
@@ -141,7 +175,7 @@ mod cuda {
                 at += (count * frame_bytes) as u64;
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// [`super::upsample_nearest2x`] of a packed `x`: one thread per 16 bytes of output where

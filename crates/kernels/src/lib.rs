@@ -38,7 +38,7 @@ pub use chain::chained;
 pub use chain::{trace_launches, trace_step, trace_to, TracedLaunch};
 pub use channel_norm::channel_rms_norm;
 pub use conv::{conv_filter, conv_frames_bias, conv_path, cudnn_version, cudnn_workspace_bound, ConvPath};
-pub use frames::{cat_frames, packed_frames, upsample_nearest2x};
+pub use frames::{cat_frames, packed_frames, upsample_nearest2x, write_frames};
 pub use gemv::{
     gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_gate_up_silu_on_cuda, gemv_into, gemv_on_cuda,
     gemv_rotary_qkv_into, gemv_tiled, GEMV_TILES,
@@ -49,8 +49,8 @@ pub use linear::{empty, fused_linear_covers, linear_bias, linear_bias_into};
 pub use position::write_u32s;
 pub use rotary::{rotary_qkv, rotary_qkv_into};
 pub use rowwise::{
-    add_rms_norm, add_rms_norm_into, embed_owned_rows, gated_residual, layer_norm, residual_sum, row_sum_squares,
-    gelu_tanh_mul, scale_rows_cols, silu_mul, softmax_relative_bias, sum_in_order,
+    add_rms_norm, add_rms_norm_into, embed_owned_rows, gated_residual, gelu_tanh_mul, layer_norm, residual_sum,
+    row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias, sum_in_order,
 };
 
 use candle_core::{DType, Device, Result, Tensor};

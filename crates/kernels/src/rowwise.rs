@@ -537,7 +537,10 @@ impl SoftmaxRelativeBias {
             candle_core::bail!("softmax_relative_bias: buckets must be contiguous");
         };
         if let Some(b) = all[start..end].iter().find(|&&b| b as usize >= self.buckets) {
-            candle_core::bail!("softmax_relative_bias: bucket {b} is outside the table's {} rows", self.buckets);
+            candle_core::bail!(
+                "softmax_relative_bias: bucket {b} is outside the table's {} rows",
+                self.buckets
+            );
         }
         Ok(())
     }

@@ -6,9 +6,9 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
-    add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, gated_residual, gemv,
-    gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, linear_bias_into, residual_sum, rotary_qkv,
-    gelu_tanh_mul, row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias, write_u32s, DecodeScratch,
+    add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, gated_residual, gelu_tanh_mul,
+    gemv, gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, linear_bias_into, residual_sum, rotary_qkv,
+    row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias, write_u32s, DecodeScratch,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -158,7 +158,10 @@ fn silu_product_matches_candle_at(rows: usize, cols: usize) {
 fn the_gelu_product_is_candles_gelu_times_up() {
     let (rows, cols) = (5, 2 * 37);
     let x = (randn(&[rows, cols], 11) * 3.0).expect("scale");
-    let (g, u) = (x.narrow(1, 0, cols / 2).expect("gate"), x.narrow(1, cols / 2, cols / 2).expect("up"));
+    let (g, u) = (
+        x.narrow(1, 0, cols / 2).expect("gate"),
+        x.narrow(1, cols / 2, cols / 2).expect("up"),
+    );
     let want = (g.gelu().expect("gelu") * &u).expect("product");
     assert!(rel(&gelu_tanh_mul(&x).expect("gelu_tanh_mul"), &want) < 1e-6);
     assert!(gelu_tanh_mul(&randn(&[rows, cols - 1], 7)).is_err());
@@ -171,7 +174,9 @@ fn the_relative_bias_softmax_is_the_gathered_bias_added_then_softmax() {
     let (heads, queries, keys, buckets) = (3, 5, 7, 4);
     let scores = (randn(&[heads, queries, keys], 3) * 4.0).expect("scores");
     let table = randn(&[buckets, heads], 5);
-    let distance: Vec<u32> = (0..queries + keys - 1).map(|i| ((i * 7 + 3) % buckets) as u32).collect();
+    let distance: Vec<u32> = (0..queries + keys - 1)
+        .map(|i| ((i * 7 + 3) % buckets) as u32)
+        .collect();
     let grid: Vec<u32> = (0..queries)
         .flat_map(|q| (0..keys).map(move |k| k + queries - 1 - q))
         .map(|i| distance[i])
@@ -190,7 +195,12 @@ fn the_relative_bias_softmax_is_the_gathered_bias_added_then_softmax() {
     // A bucket past the table, and buckets of the wrong length, are refused.
     let outside = Tensor::new(vec![buckets as u32; queries + keys - 1], &Device::Cpu).expect("outside");
     assert!(softmax_relative_bias(&scores, &table, &outside).is_err());
-    assert!(softmax_relative_bias(&scores, &table, &distance.narrow(0, 1, queries + keys - 2).expect("short")).is_err());
+    assert!(softmax_relative_bias(
+        &scores,
+        &table,
+        &distance.narrow(0, 1, queries + keys - 2).expect("short")
+    )
+    .is_err());
 }
 
 /// Rotates each head of `x` `[rows, heads · d]` (halves layout) by `cos`, `sin` `[rows, d / 2]`.

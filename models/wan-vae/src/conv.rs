@@ -8,7 +8,7 @@
 //! diffusers' does, with the zero frames of causal padding before the first.
 
 use candle_core::{DType, Tensor};
-use tpinfer_kernels::{cat_frames, channel_rms_norm, conv_filter, conv_frames_bias, conv_path};
+use tpinfer_kernels::{cat_frames, channel_rms_norm, conv_filter, conv_frames_bias, conv_path, write_frames};
 use tpinfer_layers::Result;
 use tpinfer_weights::{ShardLoader, ShardSpec, WeightDecl};
 
@@ -164,11 +164,22 @@ impl Conv {
         let zeros = (history + input.dim(0)?).saturating_sub(seen);
         let parts: Vec<&Tensor> = held.iter().chain([&input]).collect();
         let joined = cat_frames(zeros, &parts)?;
-        drop(held);
-        // A compact copy of the last frames read: a view would keep all of `joined` alive.
+        // A compact copy of the last frames read (a view would keep all of `joined` alive),
+        // written over the one held once it has their shape: a cache then keeps its block of
+        // the device's pool, where a new one each chunk would take a block amid the chunk's
+        // temporaries and leave their holes unusable when they are freed.
         let keep = seen.min(history);
-        let n = joined.dim(0)?;
-        cache[slot] = Some(joined.narrow(0, n - keep, keep)?.force_contiguous()?);
+        let last = joined.narrow(0, joined.dim(0)? - keep, keep)?;
+        cache[slot] = Some(match held {
+            Some(held) if held.dims() == last.dims() => {
+                write_frames(&held, &last)?;
+                held
+            }
+            held => {
+                drop(held);
+                last.force_contiguous()?
+            }
+        });
         Ok(joined)
     }
 }
