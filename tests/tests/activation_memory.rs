@@ -240,7 +240,7 @@ fn umt5_encode_allocates_what_the_memory_model_says() {
 fn vae_decode_allocates_what_the_memory_model_says() {
     let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     use tpinfer_tests::{vae_latents, TinyWanVae};
-    use tpinfer_wan_vae::memory::{DecodeDevice, DecodeMemory, DecodeShape};
+    use tpinfer_wan_vae::memory::{DecodeDevice, DecodeMemory, DecodeShape, Tiling};
     use tpinfer_wan_vae::{WanVaeConfig, WanVaeRank, WanVaeShard};
 
     let model = TinyWanVae {
@@ -262,7 +262,8 @@ fn vae_decode_allocates_what_the_memory_model_says() {
         cuda: false,
         conv: tpinfer_wan_vae::memory::ConvPath::Taps,
     };
-    for (tp, rank, tile) in [(1, 0, 64), (1, 0, 16), (3, 1, 8), (2, 1, 32)] {
+    for (tp, rank, rows, frames) in [(1, 0, 64, 4), (1, 0, 16, 4), (3, 1, 8, 2), (2, 1, 32, 1), (1, 0, 64, 1)] {
+        let tile = Tiling { rows, frames };
         let shard = WanVaeShard::new(tp, rank).expect("shard");
         let band = shard.band(&config, 64).expect("band");
         let measured = single_thread(|| {
@@ -272,11 +273,7 @@ fn vae_decode_allocates_what_the_memory_model_says() {
             drop(pixels);
             measured
         });
-        let expected = DecodeMemory::with_tiles(&config, device, video, band, tile).peak;
-        assert_close(
-            measured,
-            expected,
-            &format!("VAE TP {tp} rank {rank}, tiles of {tile} rows"),
-        );
+        let expected = DecodeMemory::with_tiling(&config, device, video, band, tile).peak;
+        assert_close(measured, expected, &format!("VAE TP {tp} rank {rank}, {tile:?}"));
     }
 }

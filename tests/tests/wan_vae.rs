@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use tpinfer_family::Family;
 use tpinfer_plan::{Accelerator, Placement, ShardedModel};
 use tpinfer_tests::{reference_vae_decode, tensor_rel_error, vae_latents, TinyWanVae};
+use tpinfer_wan_vae::memory::Tiling;
 use tpinfer_wan_vae::{WanVaeConfig, WanVaeModel, WanVaeRank, WanVaeShard};
 use tpinfer_weights::SafetensorsStore;
 
@@ -15,8 +16,8 @@ fn latents(vae: &TinyWanVae) -> Tensor {
     vae_latents(vae.z_dim, 3, 6, 5, 7)
 }
 
-/// Every rank's band of `latents` decoded at TP `tp` in tiles of `tile` rows, joined.
-fn decode_split(dir: &std::path::Path, latents: &Tensor, tp: usize, tile: Option<usize>) -> Tensor {
+/// Every rank's band of `latents` decoded at TP `tp`, split as `tile` says, joined.
+fn decode_split(dir: &std::path::Path, latents: &Tensor, tp: usize, tile: Option<Tiling>) -> Tensor {
     let config = WanVaeConfig::from_dir(dir).expect("config");
     let store = SafetensorsStore::open(dir).expect("store");
     let bands: Vec<Tensor> = (0..tp)
@@ -47,7 +48,7 @@ fn decoder_matches_the_whole_video_reference() {
     let latents = latents(&vae);
     let reference = reference_vae_decode(&path, &latents);
     assert_eq!(reference.dims(), [9, 3, 48, 40], "1 + 4 × 2 frames of 8× the latents");
-    let ours = decode_split(&path, &latents, 1, Some(48));
+    let ours = decode_split(&path, &latents, 1, Some(tiling(48, 4)));
     assert_eq!(ours.dims(), reference.dims());
     let err = tensor_rel_error(&ours, &reference);
     assert!(err < 1e-5, "the VAE decode against the reference: rel {err:.3e}");
@@ -69,24 +70,30 @@ fn bands_and_tiles_join_into_the_unsplit_decode() {
     let vae = TinyWanVae::default();
     let path = vae.write(dir.path());
     let latents = latents(&vae);
-    let whole = decode_split(&path, &latents, 1, Some(48));
-    // Uneven bands (6 latent rows over 4 ranks: 2, 2, 1, 1), tiles of one latent row, and
-    // tiles that do not divide the band.
+    let whole = decode_split(&path, &latents, 1, Some(tiling(48, 4)));
+    // Uneven bands (6 latent rows over 4 ranks: 2, 2, 1, 1), tiles of one latent row, tiles
+    // that do not divide the band, and the full-rate layers a frame or three at a time (three
+    // does not divide a chunk's four).
     for (tp, tile) in [
         (2, None),
-        (3, Some(8)),
-        (4, Some(8)),
-        (1, Some(16)),
-        (2, Some(16)),
+        (3, Some(tiling(8, 4))),
+        (4, Some(tiling(8, 1))),
+        (1, Some(tiling(16, 2))),
+        (2, Some(tiling(16, 3))),
+        (1, Some(tiling(48, 1))),
         (6, None),
     ] {
         let split = decode_split(&path, &latents, tp, tile);
         let err = tensor_rel_error(&split, &whole);
         assert!(
             err < 1e-6,
-            "TP {tp}, tiles of {tile:?} rows against the unsplit decode: rel {err:.3e}"
+            "TP {tp}, split as {tile:?} against the unsplit decode: rel {err:.3e}"
         );
     }
+}
+
+fn tiling(rows: usize, frames: usize) -> Tiling {
+    Tiling { rows, frames }
 }
 
 #[test]
@@ -102,7 +109,9 @@ fn f16_decode_stays_near_f32() {
     let store = SafetensorsStore::open(&path).expect("store");
     let shard = WanVaeShard::new(2, 1).expect("shard");
     let vae = WanVaeRank::load(&config, &store, shard, DType::F16, &Device::Cpu).expect("load");
-    let (pixels, first) = vae.decode(&latents, Some(8), &mut |_, _| {}).expect("decode");
+    let (pixels, first) = vae
+        .decode(&latents, Some(tiling(8, 2)), &mut |_, _| {})
+        .expect("decode");
     let reference = reference.narrow(2, first, pixels.dim(2).expect("rows")).expect("band");
     let err = tensor_rel_error(&pixels, &reference);
     assert!(err > 0.0 && err < 2e-2, "f16 against the f32 reference: rel {err:.3e}");

@@ -14,6 +14,7 @@ use tpinfer_weights::{ShardLoader, WeightDecl};
 use crate::blocks::{FrameAttention, Head, ResBlock, Upsample};
 use crate::conv::{clamp_pixels, Band, Conv, ConvShape, FrameCache, Slots};
 use crate::layout::{Layout, PathStep};
+use crate::memory::Tiling;
 use crate::rows::{tiles, Rows};
 use crate::WanVaeConfig;
 
@@ -142,14 +143,15 @@ impl Decoder {
 
     /// Decodes normalised latents `[z, latent frames, h, w]` (the DiT's, f32, on any device)
     /// to the pixels of rows `band` of every frame, `[frames, channels, band rows, width]` in
-    /// [−1, 1], f32 on the CPU. The rows are decoded `tile_rows` at a time (at least one
-    /// latent row's worth), each tile streaming every latent frame; `on_chunk` hears each
-    /// (tile, latent frame) done, out of how many.
+    /// [−1, 1], f32 on the CPU. The rows are decoded `tiling.rows` at a time (at least one
+    /// latent row's worth), each tile streaming every latent frame, whose frames run through
+    /// the layers after the last temporal upsampling `tiling.frames` at a time; `on_chunk`
+    /// hears each (tile, latent frame) done, out of how many.
     pub fn decode(
         &self,
         latents: &Tensor,
         band: Rows,
-        tile_rows: usize,
+        tiling: Tiling,
         dtype: DType,
         device: &Device,
         on_chunk: &mut dyn FnMut(usize, usize),
@@ -197,7 +199,8 @@ impl Decoder {
             .collect::<Result<Vec<_>>>()?;
         // The middle's frame caches and its input are done with: the path holds its own.
         drop((x, cache));
-        let tiles = tiles(band, tile_rows.max(factor));
+        let tiles = tiles(band, tiling.rows.max(factor));
+        let (split, at_once) = (self.layout.full_rate_start(), tiling.frames.max(1));
         let chunks = tiles.len() * latent_frames;
         // The band's pixels, each (tile, latent frame) copied into place as it is decoded:
         // joining them as tensors took longer than a tenth of the decode.
@@ -208,12 +211,23 @@ impl Decoder {
             let mut cache = self.path_slots.cache();
             for (f, middle) in middles.iter().enumerate() {
                 let mut x = middle.narrowed(rows)?;
-                for (step, &out) in self.path.iter().zip(&outs) {
+                for (step, &out) in self.path[..split].iter().zip(&outs) {
                     x = step.forward(&x, out, f == 0, &mut cache)?;
                 }
-                let chunk = clamp_pixels(&x.x)?.to_device(&Device::Cpu)?;
+                let frames = x.x.dim(0)?;
+                for first in (0..frames).step_by(at_once) {
+                    let mut y = Band {
+                        x: x.x.narrow(0, first, at_once.min(frames - first))?,
+                        rows: x.rows,
+                    };
+                    for (step, &out) in self.path[split..].iter().zip(&outs[split..]) {
+                        y = step.forward(&y, out, f == 0, &mut cache)?;
+                    }
+                    let chunk = clamp_pixels(&y.x)?.to_device(&Device::Cpu)?;
+                    drop(y);
+                    pixels.write(c.frames(f) + first, tile, &chunk)?;
+                }
                 drop(x);
-                pixels.write(c.frames(f), tile, &chunk)?;
                 on_chunk(t * latent_frames + f + 1, chunks);
             }
         }

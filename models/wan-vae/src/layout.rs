@@ -67,6 +67,16 @@ impl Layout {
         }
     }
 
+    /// The first step after the last temporal upsampling: from there on a frame's layers read
+    /// the frames before it only through their causal caches, so its frames can run through
+    /// them a few at a time.
+    pub fn full_rate_start(&self) -> usize {
+        self.path
+            .iter()
+            .rposition(|s| matches!(s, PathStep::Up { temporal: true, .. }))
+            .map_or(0, |i| i + 1)
+    }
+
     /// The rows of the middle's output (at latent resolution) that decoding `out` reads, and
     /// each path step's output rows, in order.
     pub fn windows(&self, out: Rows) -> (Rows, Vec<Rows>) {

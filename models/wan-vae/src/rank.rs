@@ -4,7 +4,7 @@ use tpinfer_layers::Result;
 use tpinfer_weights::{ShardLoader, WeightStore};
 
 use crate::decoder::Decoder;
-use crate::memory::{DecodeDevice, DecodeMemory, DecodeShape};
+use crate::memory::{DecodeDevice, DecodeMemory, DecodeShape, Tiling};
 use crate::{WanVaeConfig, WanVaeShard};
 
 /// One rank's VAE decoder, and the band of rows it decodes.
@@ -46,13 +46,12 @@ impl WanVaeRank {
 
     /// Decodes normalised latents `[z, latent frames, h, w]` (the DiT's) to this rank's band
     /// of every frame's rows: `[frames, channels, band rows, w · 8]` in [−1, 1], f32 on the
-    /// CPU, with the band's first row. Tiles of at most `tile_rows` rows (`None`: as many as
-    /// the memory plan gives this rank for the size) bound the temporaries; `on_chunk` hears
-    /// each tile's latent frames done.
+    /// CPU, with the band's first row. `tiling` bounds the temporaries (`None`: the memory
+    /// plan's for this rank and size); `on_chunk` hears each tile's latent frames done.
     pub fn decode(
         &self,
         latents: &Tensor,
-        tile_rows: Option<usize>,
+        tiling: Option<Tiling>,
         on_chunk: &mut dyn FnMut(usize, usize),
     ) -> Result<(Tensor, usize)> {
         let (_, frames, h, w) = latents.dims4()?;
@@ -61,7 +60,7 @@ impl WanVaeRank {
             .shard
             .band(&self.config, h * factor)
             .map_err(tpinfer_layers::Error::Shard)?;
-        let tile = tile_rows.unwrap_or_else(|| {
+        let tiling = tiling.unwrap_or_else(|| {
             let device = DecodeDevice {
                 dtype: self.dtype,
                 cuda: self.device.is_cuda(),
@@ -72,11 +71,11 @@ impl WanVaeRank {
                 height: h * factor,
                 width: w * factor,
             };
-            DecodeMemory::new(&self.config, device, video, band).tile_rows
+            DecodeMemory::new(&self.config, device, video, band).tiling
         });
         let pixels = self
             .decoder
-            .decode(latents, band, tile, self.dtype, &self.device, on_chunk)?;
+            .decode(latents, band, tiling, self.dtype, &self.device, on_chunk)?;
         Ok((pixels, band.start))
     }
 }

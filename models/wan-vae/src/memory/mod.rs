@@ -12,15 +12,29 @@ use crate::layout::{Layout, PathStep};
 use crate::rows::{tiles, Rows};
 use crate::WanVaeConfig;
 
-/// The bytes a decode may hold besides its weights: its tiles are the tallest that keep its
-/// peak under this (or one latent row's worth, if none does). Each tile recomputes the halo
-/// its convolutions read, so fewer tiles are faster: this lets a 480p video decode in two
-/// tiles and a 720p one in three in bf16 on one GPU (3.7–3.9 and 5.2 GiB at the peak with
-/// the weights and the CUDA context, measured on an H200: benches/RESULTS.md).
-pub const DECODE_TEMPORARIES: usize = 3840 << 20;
+/// The bytes a decode may hold besides its weights: it takes the fewest tiles, and then the
+/// most frames at once after the last temporal upsampling ([`Tiling`]), that keep its peak
+/// under this (or one latent row's worth of rows and one frame, if none does). Each tile
+/// recomputes the halo its convolutions read (a 480p video decodes 20% faster in one tile than
+/// in two), while fewer frames at once cost next to nothing. This keeps a decode's tensors near
+/// 2 GiB in bf16, beside a DiT shard on a 24 GiB card: 480p in two tiles of four frames, 720p
+/// in four tiles of two (2.0 and 2.1 GiB with the weights, 1.53 and 3.54 s on an H200,
+/// benches/RESULTS.md).
+pub const DECODE_TEMPORARIES: usize = 2400 << 20;
 
 /// Queries per block of the middle attention (`blocks::QUERY_BLOCK`).
 const QUERY_BLOCK: usize = 1024;
+
+/// How a decode bounds its temporaries: tiles of `rows` rows of the output frame, each
+/// decoding every latent frame in turn; and within a latent frame, `frames` of its frames at a
+/// time through the layers after the last temporal upsampling, which do most of the work.
+/// Those frames meet only through their causal convolutions' caches, so running them a few at
+/// a time recomputes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tiling {
+    pub rows: usize,
+    pub frames: usize,
+}
 
 /// One decode's bytes on one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,8 +44,7 @@ pub struct DecodeMemory {
     /// What a stream-ordered pool may hold beyond them: the largest temporary, freed and
     /// split by smaller allocations.
     pub pool_slack: usize,
-    /// The rows a tile decodes at once (of the output frame).
-    pub tile_rows: usize,
+    pub tiling: Tiling,
 }
 
 /// A video to decode: its latent frames and pixel size.
@@ -54,16 +67,31 @@ pub struct DecodeDevice {
 
 impl DecodeMemory {
     /// The decode of `band` (rows of the output frame) in the fewest tiles, each of whole
-    /// latent rows, that keep its peak under [`DECODE_TEMPORARIES`].
+    /// latent rows, and then the most frames at once, that keep its peak under
+    /// [`DECODE_TEMPORARIES`].
     pub fn new(c: &WanVaeConfig, device: DecodeDevice, video: DecodeShape, band: Rows) -> Self {
         let factor = c.spatial_factor();
         let model = Model::new(c, device, video);
         let rows = band.len().max(1);
+        let most = model.chunk_frames(model.layout.full_rate_start());
         let mut tile = rows.div_ceil(factor) * factor;
         loop {
-            let decode = model.decode(band, tile.min(rows));
-            if decode.peak <= DECODE_TEMPORARIES || tile <= factor {
-                return decode;
+            let mut frames = most;
+            loop {
+                let decode = model.decode(
+                    band,
+                    Tiling {
+                        rows: tile.min(rows),
+                        frames,
+                    },
+                );
+                if decode.peak <= DECODE_TEMPORARIES || (tile <= factor && frames == 1) {
+                    return decode;
+                }
+                if frames == 1 {
+                    break;
+                }
+                frames = frames.div_ceil(2);
             }
             // One tile more: the tallest tiles of whole latent rows that make that many.
             let count = rows.div_ceil(tile) + 1;
@@ -71,15 +99,14 @@ impl DecodeMemory {
         }
     }
 
-    /// The decode of `band` in tiles of `tile_rows` rows.
-    pub fn with_tiles(
-        c: &WanVaeConfig,
-        device: DecodeDevice,
-        video: DecodeShape,
-        band: Rows,
-        tile_rows: usize,
-    ) -> Self {
-        Model::new(c, device, video).decode(band, tile_rows.max(c.spatial_factor()).min(band.len().max(1)))
+    /// The decode of `band` split as `tiling` says (at least one latent row's worth of rows
+    /// and one frame).
+    pub fn with_tiling(c: &WanVaeConfig, device: DecodeDevice, video: DecodeShape, band: Rows, tiling: Tiling) -> Self {
+        let tiling = Tiling {
+            rows: tiling.rows.max(c.spatial_factor()).min(band.len().max(1)),
+            frames: tiling.frames.max(1),
+        };
+        Model::new(c, device, video).decode(band, tiling)
     }
 }
 
@@ -174,7 +201,7 @@ impl Model {
         }
     }
 
-    fn decode(&self, band: Rows, tile_rows: usize) -> DecodeMemory {
+    fn decode(&self, band: Rows, tiling: Tiling) -> DecodeMemory {
         let (h, w) = (self.video.height / self.factor, self.video.width / self.factor);
         let (f, z, c, e) = (self.video.latent_frames, self.layout.z, self.layout.middle, self.e);
         // `Decoder::decode`: the latents on the device, their de-normalised product in f32,
@@ -184,7 +211,7 @@ impl Model {
         let (window, _) = self.layout.windows(band);
         let middles = f * c * window.len() * w * e;
         let middle = self.middle(h, w);
-        let path = self.path_peak(band, tile_rows);
+        let path = self.path_peak(band, tiling);
         // CPU ranks keep the decoded frames in their own memory, f32: the band's buffer, made
         // before the first tile, which each chunk is copied into; GPU ranks copy them to the
         // host.
@@ -195,7 +222,7 @@ impl Model {
         DecodeMemory {
             peak: middles + (latents + middle.peak).max(path.peak + band_frames),
             pool_slack: if self.cuda { middle.largest.max(path.largest) } else { 0 },
-            tile_rows,
+            tiling,
         }
     }
 
@@ -283,17 +310,18 @@ impl Model {
         }
     }
 
-    /// The largest peak of `band`'s tiles of `tile_rows` rows, for a chunk after the first (whose
-    /// frames are the most): its peak with the path's frame caches.
-    fn path_peak(&self, band: Rows, tile_rows: usize) -> Bytes {
-        tiles(band, tile_rows)
+    /// The largest peak of `band`'s tiles, for a chunk after the first (whose frames are the
+    /// most): its peak with the path's frame caches.
+    fn path_peak(&self, band: Rows, tiling: Tiling) -> Bytes {
+        tiles(band, tiling.rows)
             .into_iter()
-            .map(|tile| self.path(tile))
+            .map(|tile| self.path(tile, tiling.frames))
             .fold(Bytes::default(), Bytes::max)
     }
 
-    /// One tile's path, every step on the rows the decoder gives it.
-    fn path(&self, tile: Rows) -> Bytes {
+    /// One tile's path, every step on the rows the decoder gives it, the steps after the last
+    /// temporal upsampling on `at_once` frames at a time.
+    fn path(&self, tile: Rows, at_once: usize) -> Bytes {
         let (_, outs) = self.layout.windows(tile);
         let levels = self
             .layout
@@ -302,14 +330,18 @@ impl Model {
             .filter(|s| matches!(s, PathStep::Up { .. }))
             .count();
         let (history, cached) = (self.history(), self.cached());
-        // Chunks after the first decode `chunk_frames` frames at each step, the first one.
+        let split = self.layout.full_rate_start();
+        // Chunks after the first decode `chunk_frames` frames at each step, the first one;
+        // from `split` on, `at_once` of them at a time.
         let chunk = |step: usize| match self.video.latent_frames {
             1 => 1,
+            _ if step >= split => self.chunk_frames(step).min(at_once),
             _ => self.chunk_frames(step),
         };
         // Each step runs beside its input, the step before it's output (the first reads a
-        // view of the middles).
-        let (mut caches, mut steps, mut input) = (0, Bytes::default(), 0);
+        // view of the middles); from `split` on, also beside the last temporal upsampling's
+        // output, whose frames they take a few at a time (views).
+        let (mut caches, mut steps, mut input, mut held) = (0, Bytes::default(), 0, 0);
         let mut level = 0;
         for (i, step) in self.layout.path.iter().enumerate() {
             let out = outs[i];
@@ -330,7 +362,12 @@ impl Model {
                         true => cached * c * low.len() * w * self.e,
                         false => 0,
                     };
-                    let output = chunk(i + 1) * (c / 2) * out.len() * 2 * w * self.e;
+                    // The last temporal upsampling writes all its frames at once.
+                    let written = match i + 1 == split && self.video.latent_frames > 1 {
+                        true => self.chunk_frames(i + 1),
+                        false => chunk(i + 1),
+                    };
+                    let output = written * (c / 2) * out.len() * 2 * w * self.e;
                     (self.up(frames, c, temporal, out, w), cache, output)
                 }
                 PathStep::Out { c, out: o } => {
@@ -339,8 +376,11 @@ impl Model {
                 }
             };
             caches += cache;
-            steps = steps.max(bytes.on(input));
-            input = output;
+            steps = steps.max(bytes.on(input + held));
+            match i + 1 == split {
+                true => (held, input) = (output, 0),
+                false => input = output,
+            }
         }
         steps.on(caches)
     }
