@@ -16,10 +16,12 @@ use serde_json::json;
 use tpinfer_comm::{Communicator, ThreadGroup};
 use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
 
+mod fake_hub;
 mod pipeline;
 mod umt5;
 mod vae;
 mod wan;
+pub use fake_hub::FakeHub;
 pub use pipeline::{TinyWanPipeline, END_OF_TEXT};
 pub use umt5::TinyUmt5;
 pub use vae::{reference_vae_decode, vae_latents, TinyWanVae};

@@ -1,10 +1,11 @@
 //! Hugging Face ids resolved in a hub cache laid out as `huggingface_hub` writes it
-//! (`models--ORG--NAME/refs/REV` and `snapshots/COMMIT/`), offline.
+//! (`models--ORG--NAME/refs/REV` and `snapshots/COMMIT/`), and what it lacks downloaded from
+//! a hub on a local port.
 
 use std::path::{Path, PathBuf};
 
-use tpinfer_hub::{HubCache, HubError, RepoId};
-use tpinfer_tests::{hub_snapshot, TinyLlama, HUB_COMMIT};
+use tpinfer_hub::{HubCache, HubError, Remote, RepoId};
+use tpinfer_tests::{hub_snapshot, FakeHub, TinyLlama, TinyWanPipeline, TinyWanVae, HUB_COMMIT};
 
 /// A cache holding a tiny Llama as `org/tiny` (in two safetensors shards); returns the
 /// snapshot.
@@ -98,6 +99,148 @@ fn an_incomplete_snapshot_names_what_it_lacks() {
     assert!(matches!(err, HubError::Incomplete { .. }), "{err}");
     assert!(
         err.to_string().contains(&shard) && err.to_string().contains("tokenizer.json"),
+        "{err}"
+    );
+}
+
+fn hub(endpoint: &str) -> Remote {
+    Remote::Hub {
+        endpoint: endpoint.to_string(),
+        token: None,
+        progress: false,
+    }
+}
+
+/// A tiny Llama (two shards) as a hub repository holds it, with files a run never reads
+/// beside it: PyTorch weights, Meta's originals, a shard no index names.
+fn remote_tiny(dir: &Path) -> FakeHub {
+    TinyLlama {
+        files: 2,
+        ..TinyLlama::default()
+    }
+    .write(dir);
+    std::fs::create_dir_all(dir.join("original")).expect("original/");
+    for extra in [
+        "pytorch_model.bin",
+        "original/consolidated.00.pth",
+        "model-unused.safetensors",
+        "README.md",
+    ] {
+        std::fs::write(dir.join(extra), b"never read").expect("extra file");
+    }
+    FakeHub::serve_dir("org/tiny", HUB_COMMIT, dir)
+}
+
+/// An id missing from the cache is downloaded into it, in `huggingface_hub`'s layout: only
+/// the files a run reads and the shards the index names. Once cached, it is read without a
+/// request, offline too.
+#[test]
+fn a_missing_model_is_downloaded_and_only_what_the_run_reads() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = remote_tiny(&dir.path().join("remote"));
+    let cache = HubCache::new(dir.path().join("cache"));
+    let id = RepoId::parse("org/tiny").expect("id");
+    let snapshot = cache.fetch(&id, &hub(&server.endpoint)).expect("download");
+    assert_eq!(
+        snapshot,
+        dir.path().join("cache/models--org--tiny/snapshots").join(HUB_COMMIT)
+    );
+    let requested = server.requested();
+    for extra in [
+        "pytorch_model.bin",
+        "original/consolidated.00.pth",
+        "model-unused.safetensors",
+        "README.md",
+    ] {
+        assert!(
+            !requested.iter().any(|r| r == extra),
+            "{extra} was downloaded: {requested:?}"
+        );
+    }
+    let index = std::fs::read_to_string(snapshot.join("model.safetensors.index.json")).expect("index");
+    let remote = dir.path().join("remote");
+    for file in ["config.json", "tokenizer.json", "model.safetensors.index.json"] {
+        assert!(
+            requested.iter().any(|r| r == file),
+            "{file} not asked for: {requested:?}"
+        );
+        assert_eq!(
+            std::fs::read(snapshot.join(file)).ok(),
+            std::fs::read(remote.join(file)).ok(),
+            "{file}"
+        );
+    }
+    let shards: Vec<&String> = requested.iter().filter(|r| r.ends_with(".safetensors")).collect();
+    assert_eq!(shards.len(), 2, "{requested:?}");
+    assert!(shards.iter().all(|s| index.contains(s.as_str())), "{shards:?}");
+    // Cached now: no request, offline or not.
+    assert_eq!(cache.fetch(&id, &hub(&server.endpoint)).expect("cached"), snapshot);
+    assert_eq!(cache.fetch(&id, &Remote::Offline).expect("offline"), snapshot);
+    assert_eq!(server.requested(), requested, "a cached snapshot asked the hub again");
+}
+
+/// A diffusers pipeline downloads each stage tpinfer runs, and resolves as complete.
+#[test]
+fn a_missing_pipeline_is_downloaded_stage_by_stage() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    TinyWanPipeline {
+        vae: Some(TinyWanVae::default()),
+        ..TinyWanPipeline::default()
+    }
+    .write(&dir.path().join("remote"));
+    std::fs::write(dir.path().join("remote/text_encoder/pytorch_model.bin"), b"never read").expect("extra");
+    let server = FakeHub::serve_dir("org/wan", HUB_COMMIT, &dir.path().join("remote"));
+    let cache = HubCache::new(dir.path().join("cache"));
+    let id = RepoId::parse("org/wan").expect("id");
+    let snapshot = cache.fetch(&id, &hub(&server.endpoint)).expect("download");
+    assert!(snapshot.join("transformer/config.json").is_file());
+    assert!(snapshot.join("vae/diffusion_pytorch_model.safetensors").is_file());
+    assert!(
+        !server.requested().iter().any(|r| r.ends_with(".bin")),
+        "{:?}",
+        server.requested()
+    );
+}
+
+/// Offline (`HF_HUB_OFFLINE=1`), a model the cache lacks is refused at once, naming it and
+/// how to get it; an unreachable hub fails at once, naming the file, the endpoint and the
+/// offline switch; a shard the hub lacks is named.
+#[test]
+fn what_cannot_be_had_is_named_without_waiting() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cache = HubCache::new(dir.path().join("cache"));
+    let id = RepoId::parse("org/tiny").expect("id");
+    let err = cache.fetch(&id, &Remote::Offline).expect_err("offline, not cached");
+    assert!(matches!(err, HubError::NotCached { .. }), "{err}");
+
+    // Nothing listens on port 1.
+    let start = std::time::Instant::now();
+    let err = cache.fetch(&id, &hub("http://127.0.0.1:1")).expect_err("unreachable");
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(10),
+        "waited {:?}",
+        start.elapsed()
+    );
+    let text = err.to_string();
+    assert!(matches!(err, HubError::Download { .. }), "{text}");
+    assert!(
+        text.contains("127.0.0.1:1") && text.contains("HF_HUB_OFFLINE=1"),
+        "{text}"
+    );
+
+    let remote = dir.path().join("remote");
+    remote_tiny(&remote);
+    let index = std::fs::read_to_string(remote.join("model.safetensors.index.json")).expect("index");
+    let shard = index
+        .split('"')
+        .find(|s| s.ends_with(".safetensors"))
+        .expect("a shard")
+        .to_string();
+    std::fs::remove_file(remote.join(&shard)).expect("remove");
+    let server = FakeHub::serve_dir("org/tiny", HUB_COMMIT, &remote);
+    let err = cache.fetch(&id, &hub(&server.endpoint)).expect_err("a shard missing");
+    assert!(
+        err.to_string().contains(&shard) && err.to_string().contains("no such file"),
         "{err}"
     );
 }

@@ -27,7 +27,8 @@ pub fn comm_options() -> CommOptions {
 
 /// `--model` as given where such a path exists; otherwise, where it has the form
 /// `ORG/NAME[@REVISION]`, that model's snapshot in the Hugging Face cache (`HF_HUB_CACHE`,
-/// `HF_HOME/hub` or `~/.cache/huggingface/hub`), checked for the files a run reads.
+/// `HF_HOME/hub` or `~/.cache/huggingface/hub`), checked for the files a run reads, and with
+/// those it lacks downloaded from `HF_ENDPOINT` (the Hub) unless `HF_HUB_OFFLINE` is set.
 pub fn resolve_model(model: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
     let repo = match model.exists() {
         true => None,
@@ -36,14 +37,22 @@ pub fn resolve_model(model: &std::path::Path) -> anyhow::Result<std::path::PathB
     let Some(repo) = repo else {
         return Ok(model.to_path_buf());
     };
-    let var = |name: &str| {
-        std::env::var_os(name)
-            .filter(|v| !v.is_empty())
-            .map(std::path::PathBuf::from)
-    };
-    let cache = tpinfer_hub::HubCache::locate(var("HF_HUB_CACHE"), var("HF_HOME"), var("HOME"))
+    let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let path = |name: &str| var(name).map(std::path::PathBuf::from);
+    let cache = tpinfer_hub::HubCache::locate(path("HF_HUB_CACHE"), path("HF_HOME"), path("HOME"))
         .ok_or_else(|| anyhow::anyhow!("{}: no Hugging Face cache to look in (set HF_HOME)", model.display()))?;
-    let snapshot = cache.resolve(&repo)?;
+    // `huggingface_hub`'s truthy values.
+    let offline =
+        var("HF_HUB_OFFLINE").is_some_and(|v| ["1", "true", "yes", "on"].contains(&v.trim().to_lowercase().as_str()));
+    let remote = match offline {
+        true => tpinfer_hub::Remote::Offline,
+        false => tpinfer_hub::Remote::Hub {
+            endpoint: var("HF_ENDPOINT").unwrap_or_else(|| tpinfer_hub::Remote::ENDPOINT.to_string()),
+            token: var("HF_TOKEN"),
+            progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        },
+    };
+    let snapshot = cache.fetch(&repo, &remote)?;
     eprintln!("{}: {}", model.display(), snapshot.display());
     Ok(snapshot)
 }

@@ -90,7 +90,9 @@ enum Command {
 #[derive(clap::Args)]
 struct GenerateArgs {
     /// A Hugging Face model directory (config.json, safetensors, tokenizer.json), a GGUF file,
-    /// or a Wan pipeline directory in diffusers' layout (or its transformer/ alone).
+    /// a Wan pipeline directory in diffusers' layout (or its transformer/ alone), or a Hugging
+    /// Face id ORG/NAME[@REVISION], from the cache or downloaded into it (HF_HUB_OFFLINE=1:
+    /// the cache alone).
     #[arg(long)]
     model: PathBuf,
     #[command(flatten)]

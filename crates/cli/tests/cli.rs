@@ -944,15 +944,19 @@ fn a_wan_run_without_text_says_what_it_needs() {
 }
 
 /// `tpinfer generate --model ORG/NAME` runs the cached snapshot as its directory would run,
-/// and `plan` finds it through HF_HOME.
+/// and finds it through HF_HOME too; a model the cache lacks is downloaded from HF_ENDPOINT
+/// (here a hub on a local port), or refused at once with HF_HUB_OFFLINE=1.
 #[test]
 fn the_cli_takes_a_hub_id() {
     use std::process::Command;
     let dir = tempfile::tempdir().expect("tempdir");
     let snapshot = tpinfer_tests::hub_snapshot(&dir.path().join("hub"), "org/tiny", tpinfer_tests::HUB_COMMIT);
     TinyLlama::default().write(&snapshot);
-    let run = |model: &str, var: &str| {
-        Command::new(env!("CARGO_BIN_EXE_tpinfer"))
+    let remote = TinyLlama::default().write(&dir.path().join("remote"));
+    let server = tpinfer_tests::FakeHub::serve_dir("org/fetched", tpinfer_tests::HUB_COMMIT, &remote);
+    let run = |model: &str, vars: &[(&str, std::path::PathBuf)]| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_tpinfer"));
+        command
             .args([
                 "generate",
                 "--model",
@@ -964,26 +968,47 @@ fn the_cli_takes_a_hub_id() {
                 "--tp",
                 "2",
             ])
-            .env_remove("HF_HUB_CACHE")
-            .env(
-                var,
-                match var {
-                    "HF_HOME" => dir.path().to_path_buf(),
-                    _ => dir.path().join("hub"),
-                },
-            )
+            .env("HF_ENDPOINT", &server.endpoint);
+        for var in ["HF_HUB_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "HF_TOKEN"] {
+            command.env_remove(var);
+        }
+        command
+            .envs(vars.iter().map(|(k, v)| (k, v)))
             .output()
             .expect("tpinfer")
     };
-    let by_id = run("org/tiny", "HF_HUB_CACHE");
+    let cache = [("HF_HUB_CACHE", dir.path().join("hub"))];
+    let by_id = run("org/tiny", &cache);
     assert!(by_id.status.success(), "{}", String::from_utf8_lossy(&by_id.stderr));
-    let by_path = run(snapshot.to_str().expect("utf8"), "HF_HUB_CACHE");
+    let by_path = run(snapshot.to_str().expect("utf8"), &cache);
     assert_eq!(by_id.stdout, by_path.stdout);
-    let by_home = run("org/tiny", "HF_HOME");
+    let by_home = run("org/tiny", &[("HF_HOME", dir.path().to_path_buf())]);
     assert_eq!(by_home.stdout, by_path.stdout);
-    let missing = run("org/absent", "HF_HUB_CACHE");
+    assert!(
+        server.requested().is_empty(),
+        "a cached model asked the hub: {:?}",
+        server.requested()
+    );
+
+    let offline = [cache[0].clone(), ("HF_HUB_OFFLINE", "1".into())];
+    let missing = run("org/fetched", &offline);
     assert!(!missing.status.success());
-    assert!(String::from_utf8_lossy(&missing.stderr).contains("org/absent is not in the Hugging Face cache"));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("org/fetched is not in the Hugging Face cache"));
+    assert!(
+        server.requested().is_empty(),
+        "offline, the hub was asked: {:?}",
+        server.requested()
+    );
+
+    let fetched = run("org/fetched", &cache);
+    assert!(fetched.status.success(), "{}", String::from_utf8_lossy(&fetched.stderr));
+    assert_eq!(
+        fetched.stdout, by_path.stdout,
+        "the downloaded model runs as the cached one"
+    );
+    assert!(server.requested().iter().any(|f| f.ends_with(".safetensors")));
+    let again = run("org/fetched", &offline);
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
 }
 
 /// `--json` writes the text, its tokens and the statistics as one JSON object; `-v` logs the

@@ -4,10 +4,18 @@
 //! files a run reads (the config, the tokenizer, every safetensors shard its index names; for
 //! a diffusers pipeline, each stage's), and a missing one is named rather than found later.
 //!
-//! Where the cache is comes from the caller ([`HubCache::locate`] takes the environment's
-//! values): the library reads no environment.
+//! What the cache lacks is downloaded into it through `hf-hub` ([`HubCache::fetch`]), unless
+//! the run is offline.
+//!
+//! Where the cache is, and where downloads come from, come from the caller
+//! ([`HubCache::locate`] and [`Remote`] take the environment's values): the library reads no
+//! environment.
+
+mod fetch;
 
 use std::path::{Path, PathBuf};
+
+pub use fetch::Remote;
 
 /// Why an id could not be resolved.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +43,13 @@ pub enum HubError {
     },
     #[error("{path}: {detail}")]
     Unreadable { path: PathBuf, detail: String },
+    #[error("{id}: cannot download `{file}` from {endpoint}: {detail}")]
+    Download {
+        id: String,
+        file: String,
+        endpoint: String,
+        detail: String,
+    },
 }
 
 /// `ORG/NAME` with an optional `@REVISION` (a branch, a tag or a commit hash; `main` when
@@ -70,6 +85,11 @@ impl RepoId {
 
     fn id(&self) -> String {
         format!("{}/{}", self.org, self.name)
+    }
+
+    /// `ORG/NAME@REVISION`.
+    fn spec(&self) -> String {
+        format!("{}@{}", self.id(), self.revision)
     }
 }
 
@@ -156,27 +176,56 @@ fn listing(dir: &Path) -> String {
     }
 }
 
-/// The files a run reads that `snapshot` lacks, relative to it: for a diffusers pipeline
-/// (`model_index.json`) each stage tpinfer runs, else one model.
+/// What a run reads of a snapshot besides the weights: each file, and whether it must be
+/// there (the rest are read where present); then the weights' stems, each
+/// `stem.safetensors` or `stem.safetensors.index.json` with every shard it names.
+struct Reads {
+    files: &'static [(&'static str, bool)],
+    weights: &'static [&'static str],
+}
+
+/// A diffusers pipeline (`model_index.json`): each stage tpinfer runs.
+const PIPELINE: Reads = Reads {
+    files: &[
+        ("model_index.json", true),
+        ("tokenizer/tokenizer.json", true),
+        ("tokenizer/tokenizer_config.json", false),
+        ("text_encoder/config.json", true),
+        ("transformer/config.json", true),
+        ("vae/config.json", true),
+    ],
+    weights: &[
+        "text_encoder/model",
+        "transformer/diffusion_pytorch_model",
+        "vae/diffusion_pytorch_model",
+    ],
+};
+
+/// One model: its config, tokenizer (with its chat template) and EOS ids.
+const MODEL: Reads = Reads {
+    files: &[
+        ("config.json", true),
+        ("tokenizer.json", true),
+        ("tokenizer_config.json", false),
+        ("generation_config.json", false),
+    ],
+    weights: &["model"],
+};
+
+/// The files a run reads that `snapshot` lacks, relative to it.
 fn missing_files(snapshot: &Path) -> Result<Vec<String>, HubError> {
     let mut missing = Vec::new();
-    match snapshot.join("model_index.json").is_file() {
-        true => {
-            need(snapshot, "tokenizer/tokenizer.json", &mut missing);
-            for (stage, weights) in [
-                ("text_encoder", "model"),
-                ("transformer", "diffusion_pytorch_model"),
-                ("vae", "diffusion_pytorch_model"),
-            ] {
-                need(snapshot, &format!("{stage}/config.json"), &mut missing);
-                weights_of(snapshot, &format!("{stage}/{weights}"), &mut missing)?;
-            }
+    let reads = match snapshot.join("model_index.json").is_file() {
+        true => PIPELINE,
+        false => MODEL,
+    };
+    for &(file, required) in reads.files {
+        if required {
+            need(snapshot, file, &mut missing);
         }
-        false => {
-            need(snapshot, "config.json", &mut missing);
-            need(snapshot, "tokenizer.json", &mut missing);
-            weights_of(snapshot, "model", &mut missing)?;
-        }
+    }
+    for stem in reads.weights {
+        weights_of(snapshot, stem, &mut missing)?;
     }
     Ok(missing)
 }
@@ -198,25 +247,39 @@ fn weights_of(snapshot: &Path, stem: &str, missing: &mut Vec<String>) -> Result<
         missing.push(format!("{single} (or its index)"));
         return Ok(());
     }
+    for shard in shards_of(&index, stem)? {
+        if !snapshot.join(&shard).is_file() {
+            missing.push(shard);
+        }
+    }
+    Ok(())
+}
+
+/// The shards a safetensors `index` (of weights `stem`) names, relative to the snapshot,
+/// sorted and each once.
+fn shards_of(index: &Path, stem: &str) -> Result<Vec<String>, HubError> {
     let unreadable = |detail: String| HubError::Unreadable {
-        path: index.clone(),
+        path: index.to_path_buf(),
         detail,
     };
-    let text = std::fs::read_to_string(&index).map_err(|e| unreadable(e.to_string()))?;
+    let text = std::fs::read_to_string(index).map_err(|e| unreadable(e.to_string()))?;
     let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| unreadable(e.to_string()))?;
     let map = json
         .get("weight_map")
         .and_then(|m| m.as_object())
         .ok_or_else(|| unreadable("no `weight_map` object".into()))?;
     let folder = Path::new(stem).parent().unwrap_or(Path::new(""));
-    let mut shards: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
+    let mut shards: Vec<String> = Vec::new();
+    for shard in map.values().filter_map(|v| v.as_str()) {
+        // A shard names a file beside its index: nothing that climbs out of the snapshot.
+        if shard.is_empty() || shard.contains('/') || shard.contains('\\') || shard.starts_with('.') {
+            return Err(unreadable(format!(
+                "shard `{shard}` is not a file name beside the index"
+            )));
+        }
+        shards.push(folder.join(shard).to_string_lossy().into_owned());
+    }
     shards.sort_unstable();
     shards.dedup();
-    for shard in shards {
-        let shard = folder.join(shard);
-        if !snapshot.join(&shard).is_file() {
-            missing.push(shard.to_string_lossy().into_owned());
-        }
-    }
-    Ok(())
+    Ok(shards)
 }
