@@ -130,8 +130,22 @@ fn line_chart(out: &Path, name: &str, title: &str, x_desc: &str, y_desc: &str, s
     let labels = (title, x_desc, y_desc);
     chart(SVGBackend::new(&svg, SIZE).into_drawing_area(), labels, series)
         .map_err(|e| anyhow!("plotting {}: {e}", svg.display()))?;
-    chart(BitMapBackend::new(&png, SIZE).into_drawing_area(), labels, series)
-        .map_err(|e| anyhow!("plotting {}: {e}", png.display()))
+    // Drawn into memory and written by tpinfer-media's PNG encoder: plotters' own encoder
+    // would bring a second `png` version (through `image` 0.24).
+    let mut rgb = vec![0u8; SIZE.0 as usize * SIZE.1 as usize * 3];
+    chart(
+        BitMapBackend::with_buffer(&mut rgb, SIZE).into_drawing_area(),
+        labels,
+        series,
+    )
+    .map_err(|e| anyhow!("plotting {}: {e}", png.display()))?;
+    let size = tpinfer_media::FrameSize {
+        width: SIZE.0 as usize,
+        height: SIZE.1 as usize,
+    };
+    let file = std::fs::File::create(&png).map_err(|e| anyhow!("writing {}: {e}", png.display()))?;
+    tpinfer_media::write_png(std::io::BufWriter::new(file), size, &rgb)
+        .map_err(|e| anyhow!("writing {}: {e}", png.display()))
 }
 
 const SIZE: (u32, u32) = (720, 440);
