@@ -55,9 +55,7 @@ impl HubCache {
         if let Some(token) = token {
             builder = builder.with_token(Some(token.clone()));
         }
-        let api = builder.build().map_err(|e| HubError::Download {
-            id: repo.id(),
-            file: String::new(),
+        let api = builder.build().map_err(|e| HubError::Client {
             endpoint: endpoint.clone(),
             detail: e.to_string(),
         })?;

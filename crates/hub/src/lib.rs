@@ -43,6 +43,8 @@ pub enum HubError {
     },
     #[error("{path}: {detail}")]
     Unreadable { path: PathBuf, detail: String },
+    #[error("cannot make an HTTP client for {endpoint}: {detail}")]
+    Client { endpoint: String, detail: String },
     #[error("{id}: cannot download `{file}` from {endpoint}: {detail}")]
     Download {
         id: String,

@@ -165,9 +165,8 @@ impl Conv {
         let parts: Vec<&Tensor> = held.iter().chain([&input]).collect();
         let joined = cat_frames(zeros, &parts)?;
         // A compact copy of the last frames read (a view would keep all of `joined` alive),
-        // written over the one held once it has their shape: a cache then keeps its block of
-        // the device's pool, where a new one each chunk would take a block amid the chunk's
-        // temporaries and leave their holes unusable when they are freed.
+        // written over the one held once it has their shape: no allocation per chunk. (It did
+        // not measurably shrink the device pool's reserve, benches/RESULTS.md.)
         let keep = seen.min(history);
         let last = joined.narrow(0, joined.dim(0)? - keep, keep)?;
         cache[slot] = Some(match held {
