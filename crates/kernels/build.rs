@@ -1,14 +1,15 @@
-//! With the `cuda` feature, compiles each kernel source to PTX with nvcc (found through
-//! `NVCC`, `CUDA_HOME`/`CUDA_PATH`, or `PATH`) for `CUDA_COMPUTE_CAP` (default 80; mma.sync,
-//! ldmatrix and cp.async need sm_80 or newer). The driver JIT-compiles the PTX for the GPU.
-//! For compute capability 90 (H100/H200) it also compiles the Hopper attention kernel for
-//! sm_90a (wgmma exists only there) and sets the `tpinfer_sm90` cfg.
-//! `TPINFER_PTX_CHECK_CAPS` (e.g. "89") also compiles every kernel for those compute
-//! capabilities into `OUT_DIR/check-sm<cap>/`, unused by the crate: `scripts/build/build-cuda.sh
-//! check` assembles them, so that one build checks the PTX of several GPUs.
+//! With the `cuda` feature, compiles each kernel source with nvcc (found through `NVCC`,
+//! `CUDA_HOME`/`CUDA_PATH`, or `PATH`) into a fatbin: machine code (SASS) for compute
+//! capability `CUDA_COMPUTE_CAP` (default 80; mma.sync, ldmatrix and cp.async need sm_80 or
+//! newer) and for each of `TPINFER_CUDA_SASS` (default "89 90": the RTX 4090 and the
+//! H100/H200), so that those GPUs load the kernels without compiling them; and PTX for
+//! `CUDA_COMPUTE_CAP`, which the driver compiles at first use on any other (newer) GPU.
+//! When 90 is among them it also compiles the Hopper attention kernel for sm_90a (wgmma exists
+//! only there) and sets the `tpinfer_sm90` cfg. `TPINFER_CUDA_TARGETS` tells the crate what
+//! was built, for its error when a GPU has no code.
 //! With the `timeline` feature every kernel is compiled with TPINFER_TIMELINE (cuda/chain.cuh).
 use std::env;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const SOURCES: [&str; 6] = [
@@ -20,75 +21,90 @@ const SOURCES: [&str; 6] = [
     "peer_all_reduce",
 ];
 /// The decode attention kernels, one module per GQA group size (DECODE_GROUP in
-/// cuda/decode_attention.cu): the driver JIT-compiles a whole module at its first use, and a
-/// model needs only one of them.
+/// cuda/decode_attention.cu): a model loads only the one it needs.
 const DECODE_GROUPS: [usize; 4] = [1, 2, 4, 8];
 
 fn main() {
     println!("cargo::rerun-if-env-changed=CUDA_COMPUTE_CAP");
-    println!("cargo::rerun-if-env-changed=TPINFER_PTX_CHECK_CAPS");
+    println!("cargo::rerun-if-env-changed=TPINFER_CUDA_SASS");
     println!("cargo::rerun-if-env-changed=NVCC");
     println!("cargo::rustc-check-cfg=cfg(tpinfer_sm90)");
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap_or_else(|_| fail("OUT_DIR is not set")));
-    let cap = env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
+    let ptx_cap = cap(&env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into()));
+    let mut sass = vec![ptx_cap.clone()];
+    for c in env::var("TPINFER_CUDA_SASS")
+        .unwrap_or_else(|_| "89 90".into())
+        .split_whitespace()
+    {
+        let c = cap(c);
+        if !sass.contains(&c) {
+            sass.push(c);
+        }
+    }
+    let mut gencode: Vec<String> = sass.iter().map(|c| format!("arch=compute_{c},code=sm_{c}")).collect();
+    gencode.push(format!("arch=compute_{ptx_cap},code=compute_{ptx_cap}"));
+    println!(
+        "cargo::rustc-env=TPINFER_CUDA_TARGETS=SASS for {}, PTX for compute_{ptx_cap}",
+        sass.iter().map(|c| format!("sm_{c}")).collect::<Vec<_>>().join(", ")
+    );
     let nvcc = nvcc();
     println!("cargo::rerun-if-changed=cuda/convert.cuh");
     println!("cargo::rerun-if-changed=cuda/tile.cuh");
     println!("cargo::rerun-if-changed=cuda/chain.cuh");
     println!("cargo::rerun-if-changed=cuda/rotate.cuh");
-    if compile_all(&nvcc, &out_dir, &cap) {
-        println!("cargo::rustc-cfg=tpinfer_sm90");
-    }
-    let checks = env::var("TPINFER_PTX_CHECK_CAPS").unwrap_or_default();
-    for check in checks.split_whitespace() {
-        let dir = out_dir.join(format!("check-sm{check}"));
-        std::fs::create_dir_all(&dir).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", dir.display())));
-        compile_all(&nvcc, &dir, check);
-    }
-}
-
-/// Compiles every kernel for compute capability `cap` into `dir`; whether that includes the
-/// Hopper (sm_90a) attention kernel.
-fn compile_all(nvcc: &PathBuf, dir: &std::path::Path, cap: &str) -> bool {
-    let cap = cap.trim().trim_start_matches("sm_").trim_end_matches('a');
-    let arch = format!("compute_{cap}");
     for name in SOURCES {
-        compile(nvcc, dir, name, name, &arch, &[]);
+        compile(&nvcc, &out_dir, name, name, &gencode, &[]);
     }
     for group in DECODE_GROUPS {
         let define = format!("-DDECODE_GROUP={group}");
-        compile(
-            nvcc,
-            dir,
-            "decode_attention",
-            &format!("decode_attention_g{group}"),
-            &arch,
-            &[&define],
-        );
+        let out = format!("decode_attention_g{group}");
+        compile(&nvcc, &out_dir, "decode_attention", &out, &gencode, &[&define]);
     }
-    let hopper = cap == "90";
-    if hopper {
+    if sass.iter().any(|c| c == "90") {
         let name = "flash_attention_sm90";
-        compile(nvcc, dir, name, name, "compute_90a", &[]);
+        compile(
+            &nvcc,
+            &out_dir,
+            name,
+            name,
+            &["arch=compute_90a,code=sm_90a".into()],
+            &[],
+        );
+        println!("cargo::rustc-cfg=tpinfer_sm90");
     }
-    hopper
 }
 
-/// Compiles cuda/{source}.cu, with the `defines` given, to {out}.ptx.
-fn compile(nvcc: &PathBuf, out_dir: &std::path::Path, source: &str, out: &str, arch: &str, defines: &[&str]) {
+/// A compute capability as nvcc spells it: "90" from "90", "sm_90" or "9.0".
+fn cap(text: &str) -> String {
+    let c = text
+        .trim()
+        .trim_start_matches("sm_")
+        .trim_start_matches("compute_")
+        .replace('.', "");
+    if c.is_empty() || !c.chars().all(|ch| ch.is_ascii_digit()) {
+        fail(&format!(
+            "\"{text}\" is not a compute capability (CUDA_COMPUTE_CAP, TPINFER_CUDA_SASS): write 89 or 90"
+        ));
+    }
+    c
+}
+
+/// Compiles cuda/{source}.cu, with the `defines` given, to {out}.fatbin for each of `gencode`.
+fn compile(nvcc: &Path, out_dir: &Path, source: &str, out: &str, gencode: &[String], defines: &[&str]) {
     let source = format!("cuda/{source}.cu");
     println!("cargo::rerun-if-changed={source}");
-    let ptx = out_dir.join(format!("{out}.ptx"));
+    let fatbin = out_dir.join(format!("{out}.fatbin"));
     let timeline = env::var_os("CARGO_FEATURE_TIMELINE").map(|_| "-DTPINFER_TIMELINE");
     let status = Command::new(nvcc)
-        .args(["--ptx", "-O3", "-std=c++17", &format!("-arch={arch}")])
+        .args(["--fatbin", "-O3", "-std=c++17", "--threads", "0"])
+        .args(gencode.iter().flat_map(|g| ["-gencode", g]))
         .args(defines)
         .args(timeline)
         .arg("-o")
-        .arg(&ptx)
+        .arg(&fatbin)
         .arg(&source)
         .status()
         .unwrap_or_else(|e| fail(&format!("cannot run {}: {e}; set NVCC or CUDA_HOME", nvcc.display())));

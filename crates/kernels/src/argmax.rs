@@ -44,7 +44,6 @@ mod cuda {
             .reshape(shape)
     }
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/argmax.ptx"));
     /// Rows one launch takes (a grid's y extent).
     const MAX_ROWS: usize = 65_535;
     /// Values per CTA of the first pass: 8 per thread, about 63 CTAs for a 128K vocabulary.
@@ -87,8 +86,7 @@ mod cuda {
         let (values, indices, out): (CudaSlice<f32>, CudaSlice<u32>, CudaSlice<u32>) =
             unsafe { (dev.alloc(rows * parts)?, dev.alloc(rows * parts)?, dev.alloc(rows)?) };
         let (n_i, chunk_i, parts_i) = (n as i32, CHUNK as i32, parts as i32);
-        let first =
-            dev.get_or_load_custom_func(&format!("argmax_parts_{}", suffix(x.dtype())?), "tpinfer_argmax", PTX)?;
+        let first = crate::module::ARGMAX.kernel(dev, &format!("argmax_parts_{}", suffix(x.dtype())?))?;
         let mut b = first.builder();
         b.arg(&xs).arg(&n_i).arg(&chunk_i).arg(&values).arg(&indices);
         let cfg = LaunchConfig {
@@ -98,7 +96,7 @@ mod cuda {
         };
         // SAFETY: the arguments match the kernel's signature; xs holds rows × n values.
         unsafe { b.launch(cfg) }.w()?;
-        let join = dev.get_or_load_custom_func("argmax_join", "tpinfer_argmax", PTX)?;
+        let join = crate::module::ARGMAX.kernel(dev, "argmax_join")?;
         let mut b = join.builder();
         b.arg(&values).arg(&indices).arg(&parts_i).arg(&out);
         let cfg = LaunchConfig {

@@ -120,7 +120,6 @@ mod cuda {
     use half::{bf16, f16};
 
     use crate::launch::{suffix, THREADS};
-    use crate::rowwise::PTX;
 
     type Input<'a> = (&'a CudaStorage, &'a Layout);
 
@@ -146,7 +145,7 @@ mod cuda {
             true => format!("channel_rms_norm_units_{}", suffix(x.dtype())?),
             false => format!("channel_rms_norm_{}", suffix(x.dtype())?),
         };
-        let func = dev.get_or_load_custom_func(&name, "tpinfer_rowwise", PTX)?;
+        let func = crate::module::ROWWISE.kernel(dev, &name)?;
         let xs = x.as_cuda_slice::<T>()?.slice(start..);
         let ss = s.as_cuda_slice::<f32>()?.slice(sl.start_offset()..);
         let pixels = n * rows * width;

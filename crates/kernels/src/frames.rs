@@ -97,7 +97,6 @@ mod cuda {
     use candle_core::{Device, Result, Shape, Tensor};
 
     use crate::launch::device_address;
-    use crate::rowwise::PTX;
 
     /// Whether every frame of `t` (its first dimension) is one packed run of elements.
     pub(super) fn packed_within_frames(t: &Tensor) -> bool {
@@ -193,7 +192,7 @@ mod cuda {
             (_, 4) => ("upsample_nearest2x_4", c),
             (_, other) => candle_core::bail!("upsample_nearest2x: {other}-byte elements"),
         };
-        let func = dev.get_or_load_custom_func(name, "tpinfer_rowwise", PTX)?;
+        let func = crate::module::ROWWISE.kernel(dev, name)?;
         let (src, dst) = (device_address(x)?, device_address(&out)?);
         let (image_rows, width_i, units_i) = ((n * rows) as i64, width as i32, units as i32);
         let mut builder = func.builder();

@@ -177,7 +177,6 @@ mod cuda {
     use crate::chain::Launch;
     use crate::launch::{check_output, device_address, suffix};
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemv.ptx"));
     /// Threads per CTA (cuda/gemv.cu).
     const THREADS: u32 = 256;
 
@@ -259,7 +258,7 @@ mod cuda {
         if !(k.is_multiple_of(8) && [&x, &w].iter().all(|t| t.layout().start_offset().is_multiple_of(8))) {
             candle_core::bail!("gemv_rotary_qkv: k = {k} and the offsets of x and w must be multiples of 8");
         }
-        let func = dev.get_or_load_custom_func(&format!("gemv_rotary_{}", suffix(dtype)?), "tpinfer_gemv", PTX)?;
+        let func = crate::module::GEMV.kernel(dev, &format!("gemv_rotary_{}", suffix(dtype)?))?;
         let cfg = LaunchConfig {
             grid_dim: ((rows / 2) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
@@ -292,7 +291,7 @@ mod cuda {
         }
         let kernel = if op.gate_up { "gemv_gate_up_silu" } else { "gemv" };
         let name = format!("{kernel}_{}_r{}", suffix(dtype)?, op.tile);
-        let func = dev.get_or_load_custom_func(&name, "tpinfer_gemv", PTX)?;
+        let func = crate::module::GEMV.kernel(dev, &name)?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(op.tile) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),

@@ -27,6 +27,8 @@ pub mod graph;
 mod launch;
 mod linear;
 #[cfg(feature = "cuda")]
+mod module;
+#[cfg(feature = "cuda")]
 pub mod peer_all_reduce;
 mod position;
 mod rotary;
@@ -291,15 +293,8 @@ mod cuda {
 
     use super::FlashAttention;
     use crate::chain::Launch;
+    use crate::module::{DECODE_ATTENTION, FLASH_ATTENTION};
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx"));
-    /// The decode kernels' modules by GQA group size G (the group rounded up to a power of two).
-    const DECODE_PTX: [(usize, &str); 4] = [
-        (1, include_str!(concat!(env!("OUT_DIR"), "/decode_attention_g1.ptx"))),
-        (2, include_str!(concat!(env!("OUT_DIR"), "/decode_attention_g2.ptx"))),
-        (4, include_str!(concat!(env!("OUT_DIR"), "/decode_attention_g4.ptx"))),
-        (8, include_str!(concat!(env!("OUT_DIR"), "/decode_attention_g8.ptx"))),
-    ];
     /// Query heads per KV head the decode kernel handles (MAX_GROUP in cuda/decode_attention.cu).
     const DECODE_MAX_GROUP: usize = 8;
     /// Query rows per CTA, 16 per warp (cuda/flash_attention.cu).
@@ -415,15 +410,14 @@ mod cuda {
         let group = heads / kv_heads;
         // The kernel instantiated for the smallest power of two that holds the group.
         let padded = group.next_power_of_two();
-        let ptx = DECODE_PTX.iter().find(|(g, _)| *g == padded).map(|(_, ptx)| *ptx);
-        let ptx = ptx.ok_or_else(|| {
+        let module = DECODE_ATTENTION
+            .iter()
+            .find(|(g, _)| *g == padded)
+            .map(|(_, module)| module);
+        let module = module.ok_or_else(|| {
             candle_core::Error::Msg(format!("decode attention: no kernel for a GQA group of {group}"))
         })?;
-        let split = dev.get_or_load_custom_func(
-            &format!("decode_split_{suffix}_d{d}_g{padded}"),
-            &format!("tpinfer_decode_g{padded}"),
-            ptx,
-        )?;
+        let split = module.kernel(dev, &format!("decode_split_{suffix}_d{d}_g{padded}"))?;
         // About four CTAs per SM of an H100/H200 in all, fewer for small caches (a CTA takes
         // at least 64 keys past a cluster's 512, and only as many run as the filled length needs); at most
         // MAX_SPLITS, and a whole number of CLUSTERs (cuda/decode_attention.cu).
@@ -550,11 +544,7 @@ mod cuda {
                 return Ok(done);
             }
         }
-        let func = dev.get_or_load_custom_func(
-            &format!("flash_attention_{suffix}_d{d}"),
-            "tpinfer_flash_attention",
-            PTX,
-        )?;
+        let func = FLASH_ATTENTION.kernel(dev, &format!("flash_attention_{suffix}_d{d}"))?;
         let qs = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
         let ks = k.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
         let vs = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
@@ -607,7 +597,6 @@ mod cuda {
 
         use super::{strides, FlashAttention, Input, Position, Scalars};
 
-        const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention_sm90.ptx"));
         /// Query rows per CTA: two consumer warpgroups of 64.
         const QUERY_ROWS: usize = 128;
         /// A producer warpgroup and the two consumers.
@@ -682,8 +671,7 @@ mod cuda {
             let (kv_len, kv_heads, _) = kl.shape().dims3()?;
             let (q_row, q_head) = strides(ql, "q")?;
             let dev = q.device();
-            let func =
-                dev.get_or_load_custom_func("flash_attention_sm90_bf16_d128", "tpinfer_flash_attention_sm90", PTX)?;
+            let func = crate::module::FLASH_ATTENTION_SM90.kernel(dev, "flash_attention_sm90_bf16_d128")?;
             func.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM_BYTES as i32)
                 .w()?;
             let stream = dev.cuda_stream();

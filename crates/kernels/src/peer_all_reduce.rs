@@ -8,8 +8,6 @@ use candle_core::{DType, Device, Result, Tensor};
 use crate::chain::Launch;
 use crate::launch::{device_address, suffix};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/peer_all_reduce.ptx"));
-
 /// The most ranks, and the blocks of every call (cuda/peer_all_reduce.cu). Every call runs all
 /// blocks, even those with no elements: each block's handshake with its peers is what lets the
 /// next calls reuse the buffers.
@@ -75,11 +73,7 @@ unsafe fn launch(x: &Tensor, out: &Tensor, peers: &Peers, rank: usize, world: us
     let Device::Cuda(dev) = x.device() else {
         candle_core::bail!("peer_all_reduce needs a CUDA tensor");
     };
-    let func = dev.get_or_load_custom_func(
-        &format!("peer_all_reduce_{}", suffix(x.dtype())?),
-        "tpinfer_peer_all_reduce",
-        PTX,
-    )?;
+    let func = crate::module::PEER_ALL_REDUCE.kernel(dev, &format!("peer_all_reduce_{}", suffix(x.dtype())?))?;
     let cfg = LaunchConfig {
         grid_dim: (MAX_BLOCKS as u32, 1, 1),
         block_dim: (THREADS, 1, 1),

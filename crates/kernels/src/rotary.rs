@@ -211,8 +211,6 @@ mod cuda {
     use crate::chain::Launch;
     use crate::launch::{elementwise, suffix};
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rotary.ptx"));
-
     type Input<'a> = (&'a CudaStorage, &'a Layout);
     type Position<'a, 'b> = &'a CudaView<'b, u32>;
 
@@ -245,8 +243,7 @@ mod cuda {
     ) -> Result<Option<CudaStorage>> {
         let dev = qkv.device().clone();
         let stream = dev.cuda_stream();
-        let func =
-            dev.get_or_load_custom_func(&format!("rotary_qkv_{}", suffix(qkv.dtype())?), "tpinfer_rotary", PTX)?;
+        let func = crate::module::ROTARY.kernel(&dev, &format!("rotary_qkv_{}", suffix(qkv.dtype())?))?;
         let xs = qkv.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
         let ts = table.as_cuda_slice::<T>()?.slice(tl.start_offset()..);
         let cs = cache.as_cuda_slice::<T>()?.slice(cl.start_offset()..);

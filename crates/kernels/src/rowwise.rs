@@ -4,10 +4,6 @@
 
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 
-/// cuda/rowwise.cu, whose kernels `channel_norm` also launches.
-#[cfg(feature = "cuda")]
-pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rowwise.ptx"));
-
 /// `x + y · gate` with `gate` `[cols]` f32: a gated residual.
 pub fn gated_residual(x: &Tensor, y: &Tensor, gate: &Tensor) -> Result<Tensor> {
     check(x, "gated_residual")?;
@@ -582,8 +578,6 @@ mod cuda {
     use crate::chain::Launch;
     use crate::launch::{elementwise, suffix, THREADS};
 
-    use super::PTX;
-
     type Input<'a> = (&'a CudaStorage, &'a Layout);
 
     fn view<'a, T: CudaDType>((s, l): Input<'a>) -> Result<CudaView<'a, T>> {
@@ -669,8 +663,7 @@ mod cuda {
                     candle_core::bail!("gated_residual: y or gate do not match x [{rows}, {cols}]");
                 }
                 let starts = [x.1.start_offset(), a.1.start_offset()];
-                let func =
-                    dev.get_or_load_custom_func(&row_kernel::<T>(name, dtype, cols, &starts)?, "tpinfer_rowwise", PTX)?;
+                let func = crate::module::ROWWISE.kernel(dev, &row_kernel::<T>(name, dtype, cols, &starts)?)?;
                 let mut builder = func.builder();
                 builder.arg(&xs).arg(&y).arg(&gate).arg(&out).arg(&cols_i);
                 // SAFETY: the arguments match the kernel's signature and sizes were checked.
@@ -688,8 +681,7 @@ mod cuda {
                     );
                 }
                 let starts = [x.1.start_offset(), stride];
-                let func =
-                    dev.get_or_load_custom_func(&row_kernel::<T>(name, dtype, cols, &starts)?, "tpinfer_rowwise", PTX)?;
+                let func = crate::module::ROWWISE.kernel(dev, &row_kernel::<T>(name, dtype, cols, &starts)?)?;
                 let (stride_i, null) = (stride as i64, 0u64);
                 let table = rope.as_ref().map(|t| t.storage_and_layout());
                 let table = match &table {
@@ -718,11 +710,8 @@ mod cuda {
                 if w.len() != cols || bias.len() != cols {
                     candle_core::bail!("layer_norm: weight or bias do not match x [{rows}, {cols}]");
                 }
-                let func = dev.get_or_load_custom_func(
-                    &row_kernel::<T>(name, dtype, cols, &[x.1.start_offset()])?,
-                    "tpinfer_rowwise",
-                    PTX,
-                )?;
+                let func =
+                    crate::module::ROWWISE.kernel(dev, &row_kernel::<T>(name, dtype, cols, &[x.1.start_offset()])?)?;
                 let mut builder = func.builder();
                 builder.arg(&xs).arg(&w).arg(&bias).arg(&out).arg(&cols_i).arg(eps);
                 // SAFETY: as above.
@@ -759,11 +748,8 @@ mod cuda {
             candle_core::bail!("residual_pair: parts or gate do not match x [{rows}, {cols}]");
         }
         let starts = [x.1.start_offset(), y0.1.start_offset(), y1.1.start_offset()];
-        let func = dev.get_or_load_custom_func(
-            &row_kernel::<T>("residual_pair", x.0.dtype(), cols, &starts)?,
-            "tpinfer_rowwise",
-            PTX,
-        )?;
+        let func =
+            crate::module::ROWWISE.kernel(dev, &row_kernel::<T>("residual_pair", x.0.dtype(), cols, &starts)?)?;
         // SAFETY: every element is written by the kernel.
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
         let (cols_i, null) = (cols as i32, 0u64);
@@ -830,7 +816,7 @@ mod cuda {
         cols: usize,
         eps: f32,
     ) -> Result<()> {
-        let func = dev.get_or_load_custom_func(&format!("add_rms_norm_{}", suffix(dtype)?), "tpinfer_rowwise", PTX)?;
+        let func = crate::module::ROWWISE.kernel(dev, &format!("add_rms_norm_{}", suffix(dtype)?))?;
         let cfg = LaunchConfig {
             block_dim: (NORM_THREADS, 1, 1),
             ..per_row(rows)
@@ -866,8 +852,7 @@ mod cuda {
         gelu: bool,
     ) -> Result<CudaStorage> {
         let dev = x.0.device();
-        let func =
-            dev.get_or_load_custom_func(&format!("gate_mul_{}", suffix(x.0.dtype())?), "tpinfer_rowwise", PTX)?;
+        let func = crate::module::ROWWISE.kernel(dev, &format!("gate_mul_{}", suffix(x.0.dtype())?))?;
         let xs = view::<T>(x)?;
         // SAFETY: every element is written by the kernel.
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
@@ -900,11 +885,8 @@ mod cuda {
         op: &super::SoftmaxRelativeBias,
     ) -> Result<CudaStorage> {
         let dev = scores.0.device();
-        let func = dev.get_or_load_custom_func(
-            &format!("softmax_relative_bias_{}", suffix(scores.0.dtype())?),
-            "tpinfer_rowwise",
-            PTX,
-        )?;
+        let func =
+            crate::module::ROWWISE.kernel(dev, &format!("softmax_relative_bias_{}", suffix(scores.0.dtype())?))?;
         let (ss, ts, bs) = (view::<T>(scores)?, view::<f32>(table)?, view::<u32>(buckets)?);
         let rows = op.heads * op.queries;
         // SAFETY: every element is written by the kernel.
@@ -949,11 +931,7 @@ mod cuda {
         cols: usize,
     ) -> Result<CudaStorage> {
         let dev = w.0.device();
-        let func = dev.get_or_load_custom_func(
-            &format!("embed_owned_rows_{}", suffix(w.0.dtype())?),
-            "tpinfer_rowwise",
-            PTX,
-        )?;
+        let func = crate::module::ROWWISE.kernel(dev, &format!("embed_owned_rows_{}", suffix(w.0.dtype())?))?;
         let (ids, ws) = (view::<u32>(ids)?, view::<T>(w)?);
         let tokens = ids.len();
         if ws.len() != (end - first) as usize * cols {
@@ -985,10 +963,9 @@ mod cuda {
         let (rows, cols) = x.1.shape().dims2()?;
         let dev = x.0.device();
         let (xs, stride) = rows_view::<T>(x)?;
-        let func = dev.get_or_load_custom_func(
+        let func = crate::module::ROWWISE.kernel(
+            dev,
             &row_kernel::<T>("row_sum_squares", x.0.dtype(), cols, &[x.1.start_offset(), stride])?,
-            "tpinfer_rowwise",
-            PTX,
         )?;
         // SAFETY: one value per row, every row written.
         let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows)? };
