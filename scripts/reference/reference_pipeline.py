@@ -8,12 +8,17 @@ CUDA; needs torch, transformers, diffusers and ftfy.
   latents --frames F --height H --width W [--z Z] [--seed S] --out FILE
                                      starting latents `latents` [Z, (F-1)/4+1, H/8, W/8]
   run --model DIR --init FILE --prompt P --frames F --size WxH --steps N --guide-scale G
-      --shift S --out FILE           WanPipeline's frames `frames` [F, H, W, 3], 8-bit
+      --shift S [--dtype f32|bf16] --out FILE
+                                     WanPipeline's frames `frames` [F, H, W, 3], 8-bit, and on
+                                     CUDA the call's wall time, its steps' and its peak memory;
+                                     bf16: the transformer and umT5 in bf16, the VAE in f32, as
+                                     diffusers' Wan examples load them
   compare --ref FILE --frames DIR    the largest difference, in 8-bit steps, of tpinfer's PNG
                                      frames (`--save-frames DIR`) against the reference's
 """
 import argparse
 import glob
+import time
 
 import numpy as np
 import torch
@@ -45,22 +50,46 @@ def run(args):
     torch.backends.cuda.matmul.allow_tf32 = False
     device = "cuda" if torch.cuda.is_available() else "cpu"
     d, f32 = args.model, torch.float32
+    dtype = {"f32": f32, "bf16": torch.bfloat16}[args.dtype]
     tokenizer = T5TokenizerFast(tokenizer_file=f"{d}/tokenizer/tokenizer.json", pad_token="<pad>",
                                 eos_token="</s>", unk_token="<unk>")
     pipe = WanPipeline(
         tokenizer=tokenizer,
-        text_encoder=UMT5EncoderModel.from_pretrained(f"{d}/text_encoder", torch_dtype=f32),
-        transformer=WanTransformer3DModel.from_pretrained(f"{d}/transformer", torch_dtype=f32),
+        text_encoder=UMT5EncoderModel.from_pretrained(f"{d}/text_encoder", torch_dtype=dtype),
+        transformer=WanTransformer3DModel.from_pretrained(f"{d}/transformer", torch_dtype=dtype),
         vae=vae(f"{d}/vae"),
         scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                           num_train_timesteps=1000, flow_shift=args.shift),
     ).to(device)
     width, height = (int(v) for v in args.size.split("x"))
     init = load_file(args.init)["latents"][None].to(device)
+    cuda = device == "cuda"
+    step_ends = []
+
+    def on_step_end(pipe, step, timestep, kwargs):
+        if cuda:
+            torch.cuda.synchronize()
+        step_ends.append(time.perf_counter())
+        print(f"step {step + 1}: {step_ends[-1] - (step_ends[-2] if len(step_ends) > 1 else start):.3f} s", flush=True)
+        return kwargs
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
     with torch.no_grad():
         video = pipe(prompt=args.prompt, negative_prompt="", height=height, width=width,
                      num_frames=args.frames, num_inference_steps=args.steps,
-                     guidance_scale=args.guide_scale, latents=init, output_type="np").frames[0]
+                     guidance_scale=args.guide_scale, latents=init, output_type="np",
+                     callback_on_step_end=on_step_end).frames[0]
+    if cuda:
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        steps = [b - a for a, b in zip(step_ends, step_ends[1:])]
+        print(f"diffusers {args.dtype}: {wall:.2f} s from prompt to frames; steps after the first: median "
+              f"{sorted(steps)[len(steps) // 2] if steps else float('nan'):.3f} s; until the first step's end "
+              f"{step_ends[0] - start:.2f} s; after the last {wall - (step_ends[-1] - start):.2f} s (decode, "
+              f"frames to the host); peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated")
     frames = torch.from_numpy(np.round(np.clip(video, 0, 1) * 255).astype(np.uint8))
     save_file({"frames": frames.contiguous()}, args.out)
     print(f"wrote {args.out}: frames {list(frames.shape)}")
@@ -97,6 +126,7 @@ def main():
     r.add_argument("--steps", type=int, default=4)
     r.add_argument("--guide-scale", type=float, default=5.0)
     r.add_argument("--shift", type=float, default=5.0)
+    r.add_argument("--dtype", choices=("f32", "bf16"), default="f32")
     r.add_argument("--out", required=True)
     c = sub.add_parser("compare")
     c.add_argument("--ref", required=True)
