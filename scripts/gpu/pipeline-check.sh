@@ -14,11 +14,7 @@ LOG=pipeline.log LIMIT=${LIMIT:-300}
 . "$(dirname "$0")/wan-env.sh"
 R=$SCRIPTS/reference
 P=$W/pipe13 F=${FRAMES:-81} N=${STEPS:-4} PROMPT=${PROMPT:-"a red fox in the snow"}
-[ -f .carry/pipeline-skel/model_index.json ] || { log "no .carry/pipeline-skel (see this script's header)"; exit 1; }
-mkdir -p "$P" && cp -r .carry/pipeline-skel/. "$P/"
-[ -f "$P/text_encoder/config.json" ] || run $PY $R/reference_umt5.py make --out "$P/text_encoder" || exit 1
-[ -f "$P/transformer/config.json" ] || run $PY $R/reference_wan.py make --shape 1.3b --out "$P/transformer" || exit 1
-[ -f "$P/vae/config.json" ] || run $PY $R/reference_vae.py make --out "$P/vae" || exit 1
+make_pipeline "$P" 1.3b || exit 1
 run $PY $R/reference_pipeline.py latents --frames "$F" --height 480 --width 832 --out "$W/init.st" || exit 1
 run $PY $R/reference_pipeline.py run --model "$P" --init "$W/init.st" --prompt "$PROMPT" --frames "$F" \
   --size 832x480 --steps "$N" --guide-scale 5 --shift 5 --out "$W/pipe_ref.st"

@@ -13,11 +13,7 @@ LOG=pipeline-speed.log LIMIT=${LIMIT:-580}
 . "$(dirname "$0")/wan-env.sh"
 R=$SCRIPTS/reference
 P=$W/pipe14 F=${FRAMES:-81} N=${STEPS:-50} PROMPT=${PROMPT:-"a red fox in the snow"}
-[ -f .carry/pipeline-skel/model_index.json ] || { log "no .carry/pipeline-skel (see pipeline-check.sh)"; exit 1; }
-mkdir -p "$P" && cp -r .carry/pipeline-skel/. "$P/"
-[ -f "$P/text_encoder/config.json" ] || run $PY $R/reference_umt5.py make --out "$P/text_encoder" || exit 1
-[ -f "$P/transformer/config.json" ] || run $PY $R/reference_wan.py make --shape 14b --save bf16 --out "$P/transformer" || exit 1
-[ -f "$P/vae/config.json" ] || run $PY $R/reference_vae.py make --out "$P/vae" || exit 1
+make_pipeline "$P" 14b --save bf16 || exit 1
 [ -f "$W/init14.st" ] || run $PY $R/reference_pipeline.py latents --frames "$F" --height 480 --width 832 --out "$W/init14.st" || exit 1
 # The weights into the page cache, so that neither run's load waits on the disk.
 cat "$P"/*/*.safetensors > /dev/null
