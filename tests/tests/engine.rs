@@ -161,6 +161,23 @@ fn generation_stops_when_the_context_is_full() {
     );
 }
 
+/// The start-up warm-up (a two-token prompt and two decode steps) needs four positions; a
+/// shorter context starts without it, and its requests give a host loop's tokens.
+#[test]
+fn an_engine_too_short_to_warm_up_still_serves() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let prompt = vec![256, 72];
+    let expected = run_greedy(&path, 1, DType::F32, &prompt, 1).tokens;
+    let engine = Engine::builder(&path).tp(2).max_context(3).build().expect("engine");
+    let (_, ids, _) = engine
+        .generate(GenerateRequest::new(Prompt::Tokens(prompt), 1))
+        .expect("generate")
+        .collect_text()
+        .expect("stream");
+    assert_eq!(ids, expected);
+}
+
 #[test]
 fn a_dropped_stream_cancels_and_the_engine_serves_the_next_request() {
     let (_d, engine) = tiny_engine(3);

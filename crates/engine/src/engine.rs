@@ -61,6 +61,7 @@ impl Engine {
         let mut launch = Launch::new(topology, b.group.clone());
         let llama = launch.add(Arc::new(model), dtype, Placement::Llm { max_context, batch: 1 })?;
         let group = launch.start()?;
+        warm_up(&group, llama)?;
         let plan = group.plans()[llama.index()].clone();
         let devices = group.topology().devices().to_vec();
         let rank_weight_bytes = group.weight_bytes(llama.index());
@@ -185,6 +186,22 @@ impl Drop for Engine {
             let _ = scheduler.join();
         }
     }
+}
+
+/// Runs a short request's kernels once on every rank before the first request: the driver
+/// compiles candle's PTX kernels and the decode step's CUDA graph is captured at start-up, as
+/// vLLM warms up before serving, instead of inside the first request's prefill.
+fn warm_up(group: &RankGroup, llama: ModelHandle<LlamaRank>) -> Result<(), EngineError> {
+    let start = std::time::Instant::now();
+    group.run(move |rank| -> Result<(), EngineError> {
+        let r = rank.env.rank;
+        crate::rank::warm_up(rank.models.get_mut(&llama)?).map_err(|e| RuntimeError::of_rank(r, e).into())
+    })?;
+    tracing::info!(
+        seconds = start.elapsed().as_secs_f64(),
+        "warmed up: kernels loaded, decode step captured"
+    );
+    Ok(())
 }
 
 /// Runs jobs one at a time on all ranks. After a failure the ranks' collectives are aborted,

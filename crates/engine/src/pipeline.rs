@@ -95,7 +95,9 @@ impl PromptEncoder {
     /// The prompt's states on `group`'s ranks, zero-padded to 512 (see
     /// `VideoEngine::encode_prompt`).
     pub fn encode(&self, group: &RankGroup, prompt: &str) -> Result<Tensor, EngineError> {
+        let start = std::time::Instant::now();
         let ids = self.ids(prompt, TEXT_TOKENS)?;
+        let tokens = ids.len();
         let encoder = self.encoder;
         let states = group.run(move |rank| -> Result<Option<Tensor>, EngineError> {
             let r = rank.env.rank;
@@ -118,6 +120,7 @@ impl PromptEncoder {
             .flatten()
             .next()
             .ok_or_else(|| RuntimeError::Stopped("rank 0 returned no states".into()))?;
+        tracing::debug!(tokens, seconds = start.elapsed().as_secs_f64(), "encoded a prompt");
         // NaN states would denoise into NaN, found only after the whole run.
         match crate::error::finite(&states) {
             Ok(true) => pad_states(&states, TEXT_TOKENS),
