@@ -8,7 +8,11 @@
 # takes about five minutes, so one call runs one (tpinfer first: the weights are made then, and
 # a second call on the still-warm host finds them). Needs torch + transformers, diffusers,
 # ftfy and wcwidth (carried wheels), .dist/ from scripts/build/build-cuda.sh and
-# .carry/pipeline-skel (see scripts/gpu/pipeline-check.sh). Results: $OUT/pipeline-speed.log.
+# .carry/pipeline-skel (see scripts/gpu/pipeline-check.sh). JIT=warm (the default) first runs
+# tpinfer once on the tiny pipeline at $TINY (default .carry/tiny-pipe, from the
+# `tiny_wan_pipeline` example), as a user's machine has run it before: the driver compiles
+# candle's PTX kernels on a machine's first run and keeps them (~/.nv/ComputeCache); JIT=cold
+# times a fresh machine's first run. Results: $OUT/pipeline-speed.log.
 LOG=pipeline-speed.log LIMIT=${LIMIT:-580}
 . "$(dirname "$0")/wan-env.sh"
 R=$SCRIPTS/reference
@@ -22,9 +26,14 @@ SMI=$!
 for who in ${WHO:-tpinfer diffusers}; do
   case $who in
   tpinfer)
+    if [ "${JIT:-warm}" = warm ]; then
+      run "$BIN/tpinfer" generate --model "${TINY:-.carry/tiny-pipe}" --prompt "$PROMPT" --frames 5 --size 64x48 \
+        --steps 1 --device cuda --tp 1 --dtype bf16 --out "$W/tiny.mp4" || exit 1
+    fi
     start=$(date +%s.%N)
-    run "$BIN/tpinfer" generate --model "$P" --prompt "$PROMPT" --frames "$F" --size 832x480 --steps "$N" \
-      --guide-scale 5 --shift 5 --init-latents "$W/init14.st" --device cuda --tp 1 --dtype bf16 -v \
+    # Debug events of the engine: each prompt's encode.
+    RUST_LOG=info,tpinfer_engine=debug run "$BIN/tpinfer" generate --model "$P" --prompt "$PROMPT" --frames "$F" \
+      --size 832x480 --steps "$N" --guide-scale 5 --shift 5 --init-latents "$W/init14.st" --device cuda --tp 1 --dtype bf16 \
       --out "$OUT/pipeline14.mp4"
     log "tpinfer: $(awk "BEGIN { print $(date +%s.%N) - $start }") s in all, load included" ;;
   diffusers)
