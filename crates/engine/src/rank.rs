@@ -83,16 +83,15 @@ pub(crate) fn run_job(
     }
 }
 
-/// A two-token prompt and two greedy decode steps (the second captures the step's CUDA graph,
-/// which later requests replay), then an empty KV cache. The tokens are id 0: only the kernels
-/// matter. A context too short for it is left cold.
+/// A two-token prompt and two greedy decode steps on a model just loaded (the second step
+/// captures the step's CUDA graph, which later requests replay), then an empty KV cache. The
+/// tokens are id 0: only the kernels matter. A context too short for it is left cold.
 pub(crate) fn warm_up(model: &mut LlamaRank) -> Result<(), tpinfer_layers::Error> {
     const PROMPT: [u32; 2] = [0, 0];
     const STEPS: usize = 2;
     if model.max_positions() < PROMPT.len() + STEPS {
         return Ok(());
     }
-    model.clear_cache();
     let logits = model.forward(&PROMPT)?;
     model.greedy_start(&logits)?;
     for _ in 0..STEPS {
