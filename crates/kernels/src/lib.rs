@@ -30,6 +30,7 @@ mod linear;
 mod module;
 #[cfg(feature = "cuda")]
 pub mod peer_all_reduce;
+mod pool;
 mod position;
 mod rotary;
 mod rowwise;
@@ -48,6 +49,7 @@ pub use gemv::{
 #[cfg(feature = "cuda")]
 pub use launch::device_address;
 pub use linear::{empty, fused_linear_covers, linear_bias, linear_bias_into};
+pub use pool::PoolHold;
 pub use position::write_u32s;
 pub use rotary::{rotary_qkv, rotary_qkv_into};
 pub use rowwise::{

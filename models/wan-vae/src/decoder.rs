@@ -8,6 +8,7 @@
 //! tile of the band's rows at a time, each layer on exactly the rows the next one reads.
 
 use candle_core::{DType, Device, Tensor};
+use tpinfer_kernels::PoolHold;
 use tpinfer_layers::Result;
 use tpinfer_weights::{ShardLoader, WeightDecl};
 
@@ -205,32 +206,74 @@ impl Decoder {
         // The band's pixels, each (tile, latent frame) copied into place as it is decoded:
         // joining them as tensors took longer than a tenth of the decode.
         let width = latents.dim(3)? * factor;
-        let mut pixels = Pixels::new(c.frames(latent_frames), band, width);
-        for (t, tile) in tiles.into_iter().enumerate() {
-            let (rows, outs) = self.layout.windows(tile);
-            let mut cache = self.path_slots.cache();
-            for (f, middle) in middles.iter().enumerate() {
-                let mut x = middle.narrowed(rows)?;
-                for (step, &out) in self.path[..split].iter().zip(&outs) {
-                    x = step.forward(&x, out, f == 0, &mut cache)?;
-                }
-                let frames = x.x.dim(0)?;
-                for first in (0..frames).step_by(at_once) {
-                    let mut y = Band {
-                        x: x.x.narrow(0, first, at_once.min(frames - first))?,
-                        rows: x.rows,
-                    };
-                    for (step, &out) in self.path[split..].iter().zip(&outs[split..]) {
-                        y = step.forward(&y, out, f == 0, &mut cache)?;
+        let pixels = Pixels::new(c.frames(latent_frames), band, width);
+        // Frees queued on the stream become reusable blocks once the device has run them: a
+        // host far ahead of the device makes the pool map new memory for each step's
+        // temporaries (1.4 GiB beyond the live tensors at 480p, 0.5 GiB with a
+        // synchronisation after each step, which the pool then keeps rather than mapping its
+        // blocks again: benches/RESULTS.md).
+        let _hold = PoolHold::new(device);
+        let mut decode = |write: &mut dyn FnMut(Chunk) -> Result<()>| -> Result<()> {
+            for (t, &tile) in tiles.iter().enumerate() {
+                let (rows, outs) = self.layout.windows(tile);
+                let mut cache = self.path_slots.cache();
+                for (f, middle) in middles.iter().enumerate() {
+                    let mut x = middle.narrowed(rows)?;
+                    for (step, &out) in self.path[..split].iter().zip(&outs) {
+                        x = step.forward(&x, out, f == 0, &mut cache)?;
+                        device.synchronize()?;
                     }
-                    let chunk = clamp_pixels(&y.x)?.to_device(&Device::Cpu)?;
-                    drop(y);
-                    pixels.write(c.frames(f) + first, tile, &chunk)?;
+                    let frames = x.x.dim(0)?;
+                    for first in (0..frames).step_by(at_once) {
+                        let mut y = Band {
+                            x: x.x.narrow(0, first, at_once.min(frames - first))?,
+                            rows: x.rows,
+                        };
+                        for (step, &out) in self.path[split..].iter().zip(&outs[split..]) {
+                            y = step.forward(&y, out, f == 0, &mut cache)?;
+                            device.synchronize()?;
+                        }
+                        let pixels = clamp_pixels(&y.x)?.to_device(&Device::Cpu)?;
+                        drop(y);
+                        write(Chunk {
+                            first: c.frames(f) + first,
+                            tile,
+                            pixels,
+                        })?;
+                    }
+                    drop(x);
+                    on_chunk(t * latent_frames + f + 1, chunks);
                 }
-                drop(x);
-                on_chunk(t * latent_frames + f + 1, chunks);
             }
-        }
+            Ok(())
+        };
+        let pixels = match device.is_cuda() {
+            // The host copies each chunk into place on a thread of its own while the device
+            // decodes the next: done in turn, the copies left the device idle for a sixth of
+            // the decode.
+            true => std::thread::scope(|scope| {
+                let (send, receive) = std::sync::mpsc::sync_channel::<Chunk>(2);
+                let writer = scope.spawn(move || {
+                    let mut pixels = pixels;
+                    receive.into_iter().try_for_each(|chunk| pixels.write(&chunk))?;
+                    Ok(pixels)
+                });
+                let decoded = decode(&mut |chunk| {
+                    send.send(chunk)
+                        .map_err(|_| tpinfer_layers::Error::Shard("VAE: the pixel writer has stopped".into()))
+                });
+                drop(send);
+                let written = writer
+                    .join()
+                    .unwrap_or_else(|_| Err(tpinfer_layers::Error::Shard("VAE: the pixel writer panicked".into())));
+                // The writer's own error explains a decode that found it gone.
+                written.and_then(|pixels| decoded.map(|()| pixels))
+            }),
+            false => {
+                let mut pixels = pixels;
+                decode(&mut |chunk| pixels.write(&chunk)).map(|()| pixels)
+            }
+        }?;
         pixels.into_tensor()
     }
 
@@ -242,6 +285,14 @@ impl Decoder {
         let x = self.attention.forward(&x, cache)?;
         self.middle[1].forward(&x, all, cache)
     }
+}
+
+/// Decoded pixels `[frames, 3, tile rows, width]` on the host, in [−1, 1], from frame
+/// `first`.
+struct Chunk {
+    first: usize,
+    tile: Rows,
+    pixels: Tensor,
 }
 
 /// A band of decoded frames on the host, `[frames, 3, band rows, width]` f32, filled chunk by
@@ -263,20 +314,24 @@ impl Pixels {
         }
     }
 
-    /// Copies `chunk` `[chunk frames, 3, tile rows, width]` (f32 on the CPU) into place, from
-    /// frame `first`.
-    fn write(&mut self, first: usize, tile: Rows, chunk: &Tensor) -> Result<()> {
-        let (count, channels, rows, width) = chunk.dims4()?;
+    /// Copies a chunk's pixels (f32 on the CPU) into place.
+    fn write(&mut self, chunk: &Chunk) -> Result<()> {
+        let &Chunk {
+            first,
+            tile,
+            ref pixels,
+        } = chunk;
+        let (count, channels, rows, width) = pixels.dims4()?;
         if first + count > self.frames || channels != 3 || rows != tile.len() || width != self.width {
             return Err(tpinfer_layers::Error::Shard(format!(
                 "VAE: decoded chunk {:?} from frame {first} does not fit {} frames of {} × {width}",
-                chunk.dims(),
+                pixels.dims(),
                 self.frames,
                 self.band.len()
             )));
         }
-        let chunk = chunk.contiguous()?;
-        let (storage, layout) = chunk.storage_and_layout();
+        let pixels = pixels.contiguous()?;
+        let (storage, layout) = pixels.storage_and_layout();
         let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(values)) = &*storage else {
             return Err(tpinfer_layers::Error::Shard(
                 "VAE: decoded pixels are not f32 on the CPU".into(),

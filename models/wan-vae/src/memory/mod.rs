@@ -18,7 +18,7 @@ use crate::WanVaeConfig;
 /// recomputes the halo its convolutions read (a 480p video decodes 20% faster in one tile than
 /// in two), while fewer frames at once cost next to nothing. This keeps a decode's tensors near
 /// 2 GiB in bf16, beside a DiT shard on a 24 GiB card: 480p in two tiles of four frames, 720p
-/// in four tiles of two (2.0 and 2.1 GiB with the weights, 1.53 and 3.54 s on an H200,
+/// in four tiles of two (2.0 and 2.1 GiB with the weights, 1.33 and 3.07 s on an H200,
 /// benches/RESULTS.md).
 pub const DECODE_TEMPORARIES: usize = 2400 << 20;
 
