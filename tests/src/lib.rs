@@ -406,6 +406,103 @@ pub fn run_device_greedy(
     (trace, flags, all_reduces)
 }
 
+/// Greedy decoding of several prompts together through [`LlamaRank::forward_batch`] at TP
+/// `tp` on CPU rank threads, as continuous batching runs them: sequence `i` joins at step `i`,
+/// prompts are prefilled `chunk` positions a step beside the others' decode steps, and the
+/// paged cache's blocks of `block_size` positions are handed out in a scrambled order, so
+/// that no sequence's blocks are contiguous. Per sequence, rank 0's trace (the logits at the
+/// prompt's end and after each of `steps` decode steps).
+pub fn run_batched_greedy(
+    model: &Path,
+    tp: usize,
+    dtype: DType,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    chunk: usize,
+    block_size: usize,
+) -> Vec<LogitsTrace> {
+    struct Sequence {
+        prompt: usize,
+        context: Vec<u32>,
+        cached: usize,
+        table: tpinfer_layers::BlockTable,
+        trace: LogitsTrace,
+    }
+    let blocks = prompts
+        .iter()
+        .map(|p| (p.len() + steps).div_ceil(block_size))
+        .sum::<usize>();
+    let runs = on_cpu_ranks(model, tp, dtype, |mut rank, _| {
+        rank.use_paged_cache(blocks, block_size).expect("paged cache");
+        // Odd blocks first, then even ones, each run backwards.
+        let mut free: Vec<u32> = (0..blocks as u32)
+            .filter(|b| b % 2 == 0)
+            .chain((0..blocks as u32).filter(|b| b % 2 == 1))
+            .collect();
+        let mut sequences: Vec<Sequence> = Vec::new();
+        for step in 0.. {
+            if let Some(prompt) = prompts.get(step) {
+                sequences.push(Sequence {
+                    prompt: prompt.len(),
+                    context: prompt.clone(),
+                    cached: 0,
+                    table: Default::default(),
+                    trace: LogitsTrace {
+                        logits: Vec::new(),
+                        tokens: Vec::new(),
+                        prefill_all_reduces: 0,
+                    },
+                });
+            }
+            let running: Vec<usize> = (0..sequences.len())
+                .filter(|&i| sequences[i].trace.tokens.len() <= steps)
+                .collect();
+            if running.is_empty() {
+                break;
+            }
+            let mut lens = Vec::new();
+            for &i in &running {
+                let s = &mut sequences[i];
+                let len = match s.cached < s.prompt {
+                    true => chunk.min(s.prompt - s.cached),
+                    false => 1,
+                };
+                while s.table.blocks.len() * block_size < s.cached + len {
+                    s.table.blocks.push(free.pop().expect("a free block"));
+                }
+                lens.push(len);
+            }
+            let chunks: Vec<tpinfer_llama::SequenceChunk> = running
+                .iter()
+                .zip(&lens)
+                .map(|(&i, &len)| {
+                    let s = &sequences[i];
+                    tpinfer_llama::SequenceChunk {
+                        tokens: &s.context[s.cached..s.cached + len],
+                        start: s.cached,
+                        table: &s.table,
+                    }
+                })
+                .collect();
+            let logits = rank.forward_batch(&chunks).expect("batched forward");
+            drop(chunks);
+            for (row, (&i, &len)) in running.iter().zip(&lens).enumerate() {
+                let s = &mut sequences[i];
+                s.cached += len;
+                if s.cached >= s.prompt {
+                    let values = logits.get(row).and_then(|l| l.to_vec1::<f32>()).expect("logits");
+                    let token = argmax(&values);
+                    s.trace.logits.push(values);
+                    s.trace.tokens.push(token);
+                    s.context.push(token);
+                }
+            }
+        }
+        sequences.into_iter().map(|s| s.trace).collect::<Vec<_>>()
+    });
+    runs.into_iter().next().expect("rank 0")
+}
+
 /// Loads `model` at TP `tp` on CPU rank threads (a 512-position cache each) and runs `f` on
 /// every rank with its communicator. The ranks' results, in rank order.
 fn on_cpu_ranks<T: Send>(

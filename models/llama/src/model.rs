@@ -4,13 +4,16 @@ use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
     add_rms_norm, add_rms_norm_into, argmax, causal_mask, chained, flash_attention_cached, flash_attention_cached_into,
-    grouped_attention, rms_norm, write_u32s, DecodeScratch, GatedMlp, KvCache, MergedColumnParallelLinear, Position,
-    Result, Rope, RowParallelLinear, VocabParallelEmbedding,
+    grouped_attention, rms_norm, write_u32s, DecodeScratch, GatedMlp, KvCache, MergedColumnParallelLinear,
+    PagedKvCache, Position, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
 use crate::shard::names;
+
+mod batch;
 use crate::{LlamaCheckpoint, LlamaConfig, LlamaShard};
+pub use batch::SequenceChunk;
 
 /// One rank's part of a Llama model, with its KV cache.
 pub struct LlamaRank {
@@ -128,6 +131,8 @@ struct DecoderLayer {
     post_norm: Tensor,
     mlp: GatedMlp,
     cache: KvCache,
+    /// The layer's paged KV cache, for batched forwards (`LlamaRank::use_paged_cache`).
+    paged: Option<PagedKvCache>,
 }
 
 impl LlamaRank {
@@ -169,6 +174,7 @@ impl LlamaRank {
                     post_norm: w.take(&n.post_norm)?,
                     mlp: GatedMlp::load(&mut w, &n.mlp(), comm.clone())?,
                     cache: KvCache::new(n_kv, max_positions, c.head_dim, dtype, device)?,
+                    paged: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

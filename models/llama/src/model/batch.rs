@@ -1,0 +1,171 @@
+//! Many sequences in one forward pass over a paged KV cache: the continuous-batching step.
+//!
+//! Every sequence's new tokens (a decode step's one, or a chunk of its prompt) run as the rows
+//! of one matrix through the linears, so the weights are read once for the whole batch;
+//! attention runs per sequence over the KV blocks of its table.
+
+use candle_core::{DType, Tensor};
+use tpinfer_layers::{causal_mask, grouped_attention, rotate_at, BlockTable, PagedKvCache, Result};
+
+use super::{add_norm, DecoderLayer, LayerContext, LlamaRank};
+
+/// One sequence's part of a batched forward: `tokens` at positions `start..start +
+/// tokens.len()`, its positions before `start` already cached in the blocks of `table`, which
+/// must cover every position up to the last token.
+#[derive(Debug, Clone, Copy)]
+pub struct SequenceChunk<'a> {
+    pub tokens: &'a [u32],
+    pub start: usize,
+    pub table: &'a BlockTable,
+}
+
+/// Where each sequence's rows and cached positions are, for every layer of one pass.
+struct BatchLayout {
+    /// Each token's position, `[rows]` u32.
+    positions: Tensor,
+    /// Each token's KV slot, `[rows]` u32.
+    slots: Tensor,
+    sequences: Vec<SequenceRows>,
+}
+
+struct SequenceRows {
+    /// The sequence's first row in the batch, and how many it has.
+    first: usize,
+    len: usize,
+    /// The slots of all its positions up to its last token, `[start + len]` u32.
+    context: Tensor,
+}
+
+impl LlamaRank {
+    /// Gives every layer a paged KV cache of `blocks` blocks of `block_size` positions, for
+    /// [`Self::forward_batch`], in place of the one-sequence cache (freed: a rank serves
+    /// either one sequence at a time or batches).
+    pub fn use_paged_cache(&mut self, blocks: usize, block_size: usize) -> Result<()> {
+        let (heads, d) = (self.shard.heads.kv_heads.len(), self.config.head_dim);
+        let device = self.norm.device().clone();
+        for layer in &mut self.layers {
+            layer.cache = tpinfer_layers::KvCache::new(heads, 0, d, self.dtype, &device)?;
+            layer.paged = Some(PagedKvCache::new(heads, blocks, block_size, d, self.dtype, &device)?);
+        }
+        Ok(())
+    }
+
+    /// Runs each sequence's chunk, caching their keys and values in the blocks of its table,
+    /// and returns the f32 logits over the full vocabulary at each chunk's last token, `[chunks,
+    /// vocab]`, ready to read on the host; every rank returns the same. Needs
+    /// [`Self::use_paged_cache`].
+    pub fn forward_batch(&self, chunks: &[SequenceChunk<'_>]) -> Result<Tensor> {
+        let layout = self.batch_layout(chunks)?;
+        let device = self.norm.device();
+        let ids: Vec<u32> = chunks.iter().flat_map(|c| c.tokens.iter().copied()).collect();
+        let ids = Tensor::new(ids.as_slice(), device)?.unsqueeze(0)?;
+        let mut x = self.embed.embed(&ids)?;
+        drop(ids);
+        let ctx = LayerContext {
+            at: &self.position,
+            flash: false,
+            mask: None,
+            rope: &self.rope,
+            shard: &self.shard,
+            kv_index: &self.kv_index,
+            config: &self.config,
+            decode_scratch: &self.decode_scratch,
+        };
+        let eps = self.config.rms_norm_eps;
+        let mut pending = None;
+        for layer in &self.layers {
+            let (residual, h) = add_norm(x, pending.take(), &layer.input_norm, eps)?;
+            let attn = layer.batch_attention(h, &layout, &ctx)?;
+            let (residual, h) = add_norm(residual, Some(attn), &layer.post_norm, eps)?;
+            let mlp = layer.mlp.forward(&h)?;
+            (x, pending) = (residual, Some(mlp));
+        }
+        let hidden = add_norm(x, pending, &self.norm, eps)?.1.squeeze(0)?;
+        let last: Vec<u32> = layout.sequences.iter().map(|s| (s.first + s.len - 1) as u32).collect();
+        let last = hidden.index_select(&Tensor::new(last.as_slice(), device)?, 0)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let logits = head.project(&last)?.to_dtype(DType::F32)?;
+        self.comm.wait()?;
+        Ok(logits)
+    }
+
+    fn batch_layout(&self, chunks: &[SequenceChunk<'_>]) -> Result<BatchLayout> {
+        let layers = self.layers.first().and_then(|l| l.paged.as_ref());
+        let Some(block_size) = layers.map(PagedKvCache::block_size) else {
+            return Err(tpinfer_layers::Error::Shard(
+                "a batched forward needs a paged KV cache (use_paged_cache)".into(),
+            ));
+        };
+        let device = self.norm.device();
+        let (mut positions, mut slots, mut sequences) = (Vec::new(), Vec::new(), Vec::new());
+        for chunk in chunks {
+            let end = chunk.start + chunk.tokens.len();
+            if chunk.tokens.is_empty() || end > self.max_positions() {
+                return Err(tpinfer_layers::Error::CacheFull {
+                    needed: end,
+                    capacity: self.max_positions(),
+                });
+            }
+            let context = chunk.table.slots(0..end, block_size)?;
+            sequences.push(SequenceRows {
+                first: positions.len(),
+                len: chunk.tokens.len(),
+                context: Tensor::new(context.as_slice(), device)?,
+            });
+            positions.extend(chunk.start as u32..end as u32);
+            slots.extend_from_slice(&context[chunk.start..]);
+        }
+        Ok(BatchLayout {
+            positions: Tensor::new(positions.as_slice(), device)?,
+            slots: Tensor::new(slots.as_slice(), device)?,
+            sequences,
+        })
+    }
+}
+
+impl DecoderLayer {
+    /// Attention of every sequence's rows `h` `[1, rows, hidden]` over its own cached
+    /// positions and these.
+    fn batch_attention(&self, h: Tensor, layout: &BatchLayout, ctx: &LayerContext) -> Result<Tensor> {
+        let Some(cache) = &self.paged else {
+            return Err(tpinfer_layers::Error::Shard("no paged KV cache".into()));
+        };
+        let (c, heads) = (ctx.config, &ctx.shard.heads);
+        let (n_q, n_kv, d) = (heads.q_heads.len(), heads.kv_heads.len(), c.head_dim);
+        let rows = h.dim(1)?;
+        let qkv = self.qkv.forward_merged(&h)?.reshape((rows, n_q + 2 * n_kv, d))?;
+        drop(h);
+        let q = rotate_at(&qkv.narrow(1, 0, n_q)?, ctx.rope, &layout.positions)?;
+        let k = rotate_at(&qkv.narrow(1, n_q, n_kv)?, ctx.rope, &layout.positions)?;
+        cache.write(&k, &qkv.narrow(1, n_q + n_kv, n_kv)?.contiguous()?, &layout.slots)?;
+        drop((k, qkv));
+        let scale = 1.0 / (d as f64).sqrt();
+        // [t, heads, d] to [1, heads, t, d].
+        let head_major = |x: Tensor| -> Result<Tensor> { Ok(x.transpose(0, 1)?.contiguous()?.unsqueeze(0)?) };
+        let outs = layout
+            .sequences
+            .iter()
+            .map(|s| {
+                let (k, v) = cache.read(&s.context)?;
+                let t = k.dim(0)?;
+                let mask = match s.len {
+                    1 => None,
+                    n => Some(causal_mask(n, t, q.device())?),
+                };
+                let q = head_major(q.narrow(0, s.first, s.len)?)?;
+                let out = grouped_attention(
+                    &q,
+                    &head_major(k)?,
+                    &head_major(v)?,
+                    heads,
+                    ctx.kv_index,
+                    mask.as_ref(),
+                    scale,
+                )?;
+                Ok(out.squeeze(0)?.transpose(0, 1)?.reshape((s.len, n_q * d))?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let attn = Tensor::cat(&outs, 0)?.unsqueeze(0)?;
+        self.o_proj.forward(&attn)
+    }
+}
