@@ -432,8 +432,7 @@ pub fn run_batched_greedy(
         .iter()
         .map(|p| (p.len() + steps).div_ceil(block_size))
         .sum::<usize>();
-    let runs = on_cpu_ranks(model, tp, dtype, |mut rank, _| {
-        rank.use_paged_cache(blocks, block_size).expect("paged cache");
+    let runs = on_cpu_ranks_paged(model, tp, dtype, Some((blocks, block_size)), |rank, _| {
         // Odd blocks first, then even ones, each run backwards.
         let mut free: Vec<u32> = (0..blocks as u32)
             .filter(|b| b % 2 == 0)
@@ -511,6 +510,18 @@ fn on_cpu_ranks<T: Send>(
     dtype: DType,
     f: impl Fn(LlamaRank, &dyn Communicator) -> T + Sync,
 ) -> Vec<T> {
+    on_cpu_ranks_paged(model, tp, dtype, None, f)
+}
+
+/// [`on_cpu_ranks`] with the ranks loaded with a paged KV cache of `paged` (blocks, block
+/// size) where it is set.
+fn on_cpu_ranks_paged<T: Send>(
+    model: &Path,
+    tp: usize,
+    dtype: DType,
+    paged: Option<(usize, usize)>,
+    f: impl Fn(LlamaRank, &dyn Communicator) -> T + Sync,
+) -> Vec<T> {
     let checkpoint = Arc::new(LlamaCheckpoint::open(model).expect("open checkpoint"));
     let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
     std::thread::scope(|s| {
@@ -521,8 +532,14 @@ fn on_cpu_ranks<T: Send>(
                 s.spawn(move || {
                     let comm: Arc<dyn Communicator> = Arc::new(comm);
                     let shard = LlamaShard::new(&checkpoint.config, tp, comm.rank()).expect("shard");
-                    let rank =
-                        LlamaRank::load(&checkpoint, shard, comm.clone(), dtype, &Device::Cpu, 512).expect("load");
+                    let (c, device) = (comm.clone(), &Device::Cpu);
+                    let rank = match paged {
+                        None => LlamaRank::load(&checkpoint, shard, c, dtype, device, 512),
+                        Some((blocks, size)) => {
+                            LlamaRank::load_paged(&checkpoint, shard, c, dtype, device, 512, blocks, size)
+                        }
+                    }
+                    .expect("load");
                     f(rank, &*comm)
                 })
             })

@@ -51,6 +51,8 @@ pub struct EngineBuilder {
     pub(crate) device: DeviceKind,
     pub(crate) dtype: Option<DType>,
     pub(crate) max_context: Option<usize>,
+    pub(crate) max_seqs: usize,
+    pub(crate) step_tokens: usize,
     pub(crate) fault: Option<Fault>,
     pub(crate) group: GroupOptions,
 }
@@ -58,6 +60,10 @@ pub struct EngineBuilder {
 /// Context used when none is given, so that a 128k-context model does not reserve rotary
 /// tables and cache growth for 128k positions by default.
 pub const DEFAULT_MAX_CONTEXT: usize = 8192;
+
+/// New tokens per batched step when none is given: a long prompt is prefilled this many
+/// positions a step beside the other sequences' decode tokens.
+pub const DEFAULT_STEP_TOKENS: usize = 512;
 
 impl EngineBuilder {
     /// A builder for the model at `model`: a Hugging Face directory or a GGUF file.
@@ -68,6 +74,8 @@ impl EngineBuilder {
             device: DeviceKind::Cpu,
             dtype: None,
             max_context: None,
+            max_seqs: 1,
+            step_tokens: DEFAULT_STEP_TOKENS,
             fault: None,
             group: GroupOptions::default(),
         }
@@ -99,6 +107,22 @@ impl EngineBuilder {
     /// Default: the model's limit, at most 8192.
     pub fn max_context(mut self, tokens: usize) -> Self {
         self.max_context = Some(tokens);
+        self
+    }
+
+    /// The most sequences decoding at once. 1 (the default) serves one request at a time
+    /// through the captured single-sequence decode step; more batch every running sequence's
+    /// tokens into each forward over a paged KV cache sized for this many sequences at full
+    /// context (continuous batching).
+    pub fn max_seqs(mut self, sequences: usize) -> Self {
+        self.max_seqs = sequences;
+        self
+    }
+
+    /// New tokens (decode tokens and prompt chunks) per batched step, with `max_seqs` > 1.
+    /// Default: [`DEFAULT_STEP_TOKENS`].
+    pub fn step_tokens(mut self, tokens: usize) -> Self {
+        self.step_tokens = tokens;
         self
     }
 

@@ -8,13 +8,15 @@ use tpinfer_plan::Placement;
 use tpinfer_runtime::{check_after_request, DeviceMemory, Launch, ModelHandle, RankGroup, RuntimeError, Topology};
 use tpinfer_tokenizer::Tokenizer;
 
+use crate::batching::{self, BatchLimits};
 use crate::builder::DEFAULT_MAX_CONTEXT;
 use crate::rank::{run_job, RankJob, RankSetup};
 use crate::stream::RankEvent;
 use crate::{EngineBuilder, EngineError, Fault, GenerateRequest, Prompt, TokenStream};
 
 /// A loaded model on its ranks. Share it between threads (`Arc<Engine>`): requests from any
-/// thread are queued and run one at a time on all ranks.
+/// thread are queued, and run one at a time on all ranks or, with
+/// [`EngineBuilder::max_seqs`] above 1, batched continuously.
 pub struct Engine {
     jobs: Option<Sender<Arc<RankJob>>>,
     scheduler: Option<JoinHandle<()>>,
@@ -58,18 +60,38 @@ impl Engine {
         let max_context = b
             .max_context
             .unwrap_or(DEFAULT_MAX_CONTEXT.min(config.max_position_embeddings));
+        if b.max_seqs == 0 || b.step_tokens == 0 {
+            return Err(EngineError::InvalidRequest(format!(
+                "max_seqs ({}) and step_tokens ({}) must be at least 1",
+                b.max_seqs, b.step_tokens
+            )));
+        }
+        let batch = b.max_seqs;
         let mut launch = Launch::new(topology, b.group.clone());
-        let llama = launch.add(Arc::new(model), dtype, Placement::Llm { max_context, batch: 1 })?;
+        let llama = launch.add(Arc::new(model), dtype, Placement::Llm { max_context, batch })?;
         let group = launch.start()?;
-        warm_up(&group, llama)?;
+        match batch {
+            1 => warm_up(&group, llama)?,
+            _ => batching::warm_up(&group, llama)?,
+        }
         let plan = group.plans()[llama.index()].clone();
         let devices = group.topology().devices().to_vec();
         let rank_weight_bytes = group.weight_bytes(llama.index());
         let (jobs_tx, jobs_rx) = mpsc::channel();
         let fault = b.fault;
+        let limits = BatchLimits {
+            max_seqs: batch,
+            step_tokens: b.step_tokens,
+            blocks: tpinfer_llama::memory::kv_blocks(max_context, batch),
+            block_size: tpinfer_llama::memory::KV_BLOCK_SIZE,
+            max_positions: max_context,
+        };
         let scheduler = std::thread::Builder::new()
             .name("tpinfer-scheduler".into())
-            .spawn(move || schedule(jobs_rx, group, llama, fault))
+            .spawn(move || match batch {
+                1 => schedule(jobs_rx, group, llama, fault),
+                _ => batching::serve(jobs_rx, group, llama, limits, fault),
+            })
             .map_err(|e| RuntimeError::Stopped(format!("cannot start the scheduler thread: {e}")))?;
         Ok(Self {
             jobs: Some(jobs_tx),

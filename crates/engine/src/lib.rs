@@ -14,6 +14,7 @@
 //! # Ok::<(), tpinfer_engine::EngineError>(())
 //! ```
 
+mod batching;
 mod builder;
 mod denoise;
 mod engine;

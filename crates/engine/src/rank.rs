@@ -306,7 +306,7 @@ fn rank_error(rank: usize, source: tpinfer_layers::Error) -> EngineError {
 }
 
 /// Carries out an injected fault (see [`Fault`]).
-fn inject(fault: Fault, rank: usize, device: &Device) -> Result<(), EngineError> {
+pub(crate) fn inject(fault: Fault, rank: usize, device: &Device) -> Result<(), EngineError> {
     match fault {
         Fault::Error { .. } => Err(EngineError::Injected {
             rank,

@@ -205,19 +205,29 @@ impl Family for LlamaModel {
             .checkpoint
             .as_ref()
             .ok_or_else(|| preset_has_no_weights(&self.name))?;
-        let Placement::Llm { max_context, .. } = placement else {
+        let Placement::Llm { max_context, batch } = placement else {
             return Err(tpinfer_layers::Error::Shard(
                 "a Llama model is placed with a context length".into(),
             ));
         };
-        let mut rank = LlamaRank::load(
-            &checkpoint.counted(ctx.progress, ctx.dtype),
-            shard.shard.clone(),
-            ctx.comm.clone(),
-            ctx.dtype,
-            ctx.device,
-            max_context,
-        )?;
+        let checkpoint = checkpoint.counted(ctx.progress, ctx.dtype);
+        let (shard, comm) = (shard.shard.clone(), ctx.comm.clone());
+        // Several sequences share a paged cache (`memory::RankMemory::batched`).
+        if batch > 1 {
+            let blocks = crate::memory::kv_blocks(max_context, batch);
+            let size = crate::memory::KV_BLOCK_SIZE;
+            return LlamaRank::load_paged(
+                &checkpoint,
+                shard,
+                comm,
+                ctx.dtype,
+                ctx.device,
+                max_context,
+                blocks,
+                size,
+            );
+        }
+        let mut rank = LlamaRank::load(&checkpoint, shard, comm, ctx.dtype, ctx.device, max_context)?;
         rank.set_cuda_graphs(ctx.options.cuda_graphs)?;
         rank.set_kernel_chains(ctx.options.kernel_chains);
         Ok(rank)

@@ -2,13 +2,22 @@
 //! memory planner counts them. Each term names the code it models; keep them in step.
 
 use candle_core::DType;
-use tpinfer_layers::KvCache;
+use tpinfer_layers::{KvCache, PagedKvCache};
 
 use crate::{LlamaConfig, LlamaShard};
 
 /// Bytes one prompt chunk may spend on one attention score buffer (f32, `q_heads × chunk ×
 /// context`): prompts run in chunks sized to stay under it.
 pub const SCORE_BUFFER_BYTES: usize = 512 << 20;
+
+/// Positions per block of a paged KV cache: small enough that a sequence wastes little of its
+/// last block, large enough that a block table stays short.
+pub const KV_BLOCK_SIZE: usize = 16;
+
+/// The blocks of a paged KV cache that holds `sequences` sequences of `max_positions` each.
+pub fn kv_blocks(max_positions: usize, sequences: usize) -> usize {
+    sequences * max_positions.div_ceil(KV_BLOCK_SIZE)
+}
 
 /// The prompt positions per forward pass for a rank with `q_heads` local query heads and a
 /// context of `max_positions`: with `flash` attention 2048 (no score buffer exists), else as
@@ -61,10 +70,9 @@ impl RankMemory {
         Self::batched(config, shard, dtype, max_positions, chunk, 1, flash)
     }
 
-    /// For `batch` sequences of up to `max_positions` each: a KV cache per sequence, prompts
-    /// prefilled one sequence at a time, and decode steps of all `batch` tokens at once (one
-    /// query per sequence, masked to its own keys). A planning figure for batch > 1: the
-    /// engine serves one sequence at a time, so only batch 1 is checked against a device.
+    /// For `batch` sequences of up to `max_positions` each. One sequence has a KV cache of its
+    /// own and a captured decode step; more share a paged cache of [`kv_blocks`] blocks (every
+    /// sequence at full length), their decode tokens and prompt chunks in one forward.
     pub fn batched(
         config: &LlamaConfig,
         shard: &LlamaShard,
@@ -78,11 +86,15 @@ impl RankMemory {
         let (nq, nkv) = (shard.heads.q_heads.len(), shard.heads.kv_heads.len());
         // `Rope::new`: cos and sin, `[2, t, d / 2]`; `kv_index`: one u32 per local Q head.
         let buffers = 2 * t * (d / 2) * e + nq * 4;
-        let kv_cache = batch.max(1) * config.num_hidden_layers * KvCache::bytes(nkv, t, d, dtype);
+        let kv_cache = config.num_hidden_layers
+            * match batch {
+                0 | 1 => KvCache::bytes(nkv, t, d, dtype),
+                _ => PagedKvCache::bytes(nkv, kv_blocks(t, batch), KV_BLOCK_SIZE, d, dtype),
+            };
         let forward = |positions: usize| forward_memory(config, shard, e, positions, t, flash);
         let worst = forward(chunk.min(t)).max(forward(batch.max(1)));
-        // The captured step is one sequence's.
-        let graph = match flash {
+        // The captured step is one sequence's, and only a lone sequence's rank captures it.
+        let graph = match flash && batch <= 1 {
             true => config.vocab_size * 4 + forward(1).peak,
             false => 0,
         };

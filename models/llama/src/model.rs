@@ -131,7 +131,7 @@ struct DecoderLayer {
     post_norm: Tensor,
     mlp: GatedMlp,
     cache: KvCache,
-    /// The layer's paged KV cache, for batched forwards (`LlamaRank::use_paged_cache`).
+    /// The layer's paged KV cache, for batched forwards (`LlamaRank::load_paged`).
     paged: Option<PagedKvCache>,
 }
 
@@ -148,10 +148,41 @@ impl LlamaRank {
         device: &Device,
         max_positions: usize,
     ) -> Result<Self> {
+        Self::load_with_cache(checkpoint, shard, comm, dtype, device, max_positions, None)
+    }
+
+    /// [`Self::load`] with a paged KV cache of `blocks` blocks of `block_size` positions in
+    /// every layer, for [`Self::forward_batch`], and none for one sequence: a rank serves
+    /// either one sequence at a time or batches.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load_paged(
+        checkpoint: &LlamaCheckpoint,
+        shard: LlamaShard,
+        comm: Arc<dyn Communicator>,
+        dtype: DType,
+        device: &Device,
+        max_positions: usize,
+        blocks: usize,
+        block_size: usize,
+    ) -> Result<Self> {
+        let paged = Some((blocks, block_size));
+        Self::load_with_cache(checkpoint, shard, comm, dtype, device, max_positions, paged)
+    }
+
+    fn load_with_cache(
+        checkpoint: &LlamaCheckpoint,
+        shard: LlamaShard,
+        comm: Arc<dyn Communicator>,
+        dtype: DType,
+        device: &Device,
+        max_positions: usize,
+        paged: Option<(usize, usize)>,
+    ) -> Result<Self> {
         let c = &checkpoint.config;
         let decls = shard.weight_decls(c);
         let mut w = ShardLoader::new(&*checkpoint.store, &decls, dtype, device);
         let n_kv = shard.heads.kv_heads.len();
+        let one_sequence = if paged.is_some() { 0 } else { max_positions };
         let flash = crate::memory::flash_attention(device.is_cuda(), dtype, c.head_dim, &shard);
         let vocab_parts = LlamaShard::vocab_parts(c, shard.world);
         let embed = VocabParallelEmbedding::load(&mut w, names::EMBED, &vocab_parts, comm.clone())?;
@@ -173,8 +204,10 @@ impl LlamaRank {
                     o_proj: RowParallelLinear::load(&mut w, &n.o, c.attention_bias, comm.clone())?,
                     post_norm: w.take(&n.post_norm)?,
                     mlp: GatedMlp::load(&mut w, &n.mlp(), comm.clone())?,
-                    cache: KvCache::new(n_kv, max_positions, c.head_dim, dtype, device)?,
-                    paged: None,
+                    cache: KvCache::new(n_kv, one_sequence, c.head_dim, dtype, device)?,
+                    paged: paged
+                        .map(|(blocks, size)| PagedKvCache::new(n_kv, blocks, size, c.head_dim, dtype, device))
+                        .transpose()?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -197,8 +230,12 @@ impl LlamaRank {
             position: Position::new(device)?,
             step_io: StepIo::new(device)?,
             step_buffers: std::cell::OnceCell::new(),
+            // A batched rank's forwards are not captured.
             #[cfg(feature = "cuda")]
-            decode: crate::graph::DecodeGraph::new(device, flash, c.vocab_size)?,
+            decode: match paged {
+                None => crate::graph::DecodeGraph::new(device, flash, c.vocab_size)?,
+                Some(_) => None,
+            },
             comm,
             dtype,
             shard,

@@ -37,23 +37,10 @@ struct SequenceRows {
 }
 
 impl LlamaRank {
-    /// Gives every layer a paged KV cache of `blocks` blocks of `block_size` positions, for
-    /// [`Self::forward_batch`], in place of the one-sequence cache (freed: a rank serves
-    /// either one sequence at a time or batches).
-    pub fn use_paged_cache(&mut self, blocks: usize, block_size: usize) -> Result<()> {
-        let (heads, d) = (self.shard.heads.kv_heads.len(), self.config.head_dim);
-        let device = self.norm.device().clone();
-        for layer in &mut self.layers {
-            layer.cache = tpinfer_layers::KvCache::new(heads, 0, d, self.dtype, &device)?;
-            layer.paged = Some(PagedKvCache::new(heads, blocks, block_size, d, self.dtype, &device)?);
-        }
-        Ok(())
-    }
-
     /// Runs each sequence's chunk, caching their keys and values in the blocks of its table,
     /// and returns the f32 logits over the full vocabulary at each chunk's last token, `[chunks,
-    /// vocab]`, ready to read on the host; every rank returns the same. Needs
-    /// [`Self::use_paged_cache`].
+    /// vocab]`, ready to read on the host; every rank returns the same. Needs a rank loaded
+    /// by [`Self::load_paged`].
     pub fn forward_batch(&self, chunks: &[SequenceChunk<'_>]) -> Result<Tensor> {
         let layout = self.batch_layout(chunks)?;
         let device = self.norm.device();
@@ -93,7 +80,7 @@ impl LlamaRank {
         let layers = self.layers.first().and_then(|l| l.paged.as_ref());
         let Some(block_size) = layers.map(PagedKvCache::block_size) else {
             return Err(tpinfer_layers::Error::Shard(
-                "a batched forward needs a paged KV cache (use_paged_cache)".into(),
+                "a batched forward needs a rank loaded with a paged KV cache (load_paged)".into(),
             ));
         };
         let device = self.norm.device();

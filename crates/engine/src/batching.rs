@@ -1,0 +1,503 @@
+//! Continuous batching: each step is one forward of every running sequence's new tokens over a
+//! paged KV cache. Requests join between steps; prompts run in chunks under a per-step token
+//! budget beside the others' decode tokens, so a long prompt does not stall them; a sequence
+//! that finds no free KV block is preempted (its blocks freed, its tokens kept) and recomputed
+//! when there is room again. Each sequence samples with its own parameters and seed, so a
+//! seeded request gives the same tokens alone as in any batch.
+
+use std::collections::VecDeque;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use candle_transformers::generation::LogitsProcessor;
+use candle_transformers::utils::apply_repeat_penalty;
+use tpinfer_layers::BlockTable;
+use tpinfer_llama::{LlamaRank, SequenceChunk};
+use tpinfer_runtime::{ModelHandle, RankGroup, RuntimeError};
+
+use crate::rank::{inject, RankJob};
+use crate::stream::RankEvent;
+use crate::{EngineError, Fault, GenerationStats, StopReason};
+
+/// What one step may hold, and the cache it draws from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BatchLimits {
+    /// Sequences running at once.
+    pub max_seqs: usize,
+    /// New tokens (decode tokens and prompt chunks) in one forward.
+    pub step_tokens: usize,
+    /// The paged cache's blocks, and positions per block.
+    pub blocks: usize,
+    pub block_size: usize,
+    /// The most positions a sequence may reach.
+    pub max_positions: usize,
+}
+
+/// Runs a two-token prompt on every rank of a model just loaded, so that the driver compiles
+/// the kernels before the first request. Its keys and values land in block 0, which every
+/// sequence overwrites before it reads.
+pub(crate) fn warm_up(group: &RankGroup, llama: ModelHandle<LlamaRank>) -> Result<(), EngineError> {
+    group.run(move |rank| -> Result<(), EngineError> {
+        let r = rank.env.rank;
+        let table = BlockTable { blocks: vec![0] };
+        let chunk = SequenceChunk {
+            tokens: &[0, 0],
+            start: 0,
+            table: &table,
+        };
+        let model = rank.models.get_mut(&llama)?;
+        model.forward_batch(&[chunk]).map_err(|e| RuntimeError::of_rank(r, e))?;
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// Serves `jobs` until the sender is dropped and every sequence has ended. After a rank
+/// failure every sequence in flight gets the error, and the group refuses later ones with it.
+pub(crate) fn serve(
+    jobs: Receiver<Arc<RankJob>>,
+    group: RankGroup,
+    llama: ModelHandle<LlamaRank>,
+    limits: BatchLimits,
+    fault: Option<Fault>,
+) {
+    let mut batch = Batch::new(limits);
+    for step in 0.. {
+        if !batch.take_jobs(&jobs) {
+            return;
+        }
+        let plan = batch.plan_step();
+        if plan.is_empty() {
+            batch.refuse_unplaceable();
+            continue;
+        }
+        let chunks: Arc<Vec<(Vec<u32>, usize, BlockTable)>> = Arc::new(
+            plan.iter()
+                .map(|&(i, len)| {
+                    let s = &batch.running[i];
+                    (s.context[s.cached..s.cached + len].to_vec(), s.cached, s.table.clone())
+                })
+                .collect(),
+        );
+        let outcome = group.run(move |rank| -> Result<StepRows, EngineError> {
+            let r = rank.env.rank;
+            let mut poisoned = false;
+            if let Some(fault) = fault.filter(|f| f.at(r, step)) {
+                poisoned = matches!(fault, Fault::NonFinite { .. });
+                inject(fault, r, &rank.env.device)?;
+            }
+            let before = rank.env.comm.stats().snapshot();
+            let model = rank.models.get_mut(&llama)?;
+            let refs: Vec<SequenceChunk> = chunks
+                .iter()
+                .map(|(tokens, start, table)| SequenceChunk {
+                    tokens,
+                    start: *start,
+                    table,
+                })
+                .collect();
+            let mut logits = model.forward_batch(&refs).map_err(|e| RuntimeError::of_rank(r, e))?;
+            if r != 0 {
+                return Ok(StepRows::default());
+            }
+            if poisoned {
+                logits = (logits * f64::NAN).map_err(sample_err)?;
+            }
+            Ok(StepRows {
+                rows: logits.to_vec2::<f32>().map_err(sample_err)?,
+                collectives: rank.env.comm.stats().snapshot().since(&before).time,
+            })
+        });
+        match outcome {
+            Ok(mut ranks) if !ranks.is_empty() => batch.advance(&plan, ranks.swap_remove(0)),
+            Ok(_) => batch.fail_all(RuntimeError::Stopped("the ranks returned nothing".into()).into()),
+            Err(e) => batch.fail_all(e),
+        }
+    }
+}
+
+/// Rank 0's part of a step: each chunk's logits at its last token, and its host time in
+/// collectives.
+#[derive(Default)]
+struct StepRows {
+    rows: Vec<Vec<f32>>,
+    collectives: Duration,
+}
+
+fn sample_err(e: candle_core::Error) -> EngineError {
+    EngineError::Sampling(e.to_string())
+}
+
+/// One request as the scheduler holds it.
+struct Sequence {
+    job: Arc<RankJob>,
+    /// The prompt, then every generated token; once generation started, the last one is not
+    /// cached yet.
+    context: Vec<u32>,
+    /// Positions in the KV cache: the first `cached` of `context`.
+    cached: usize,
+    table: BlockTable,
+    sampler: LogitsProcessor,
+    submitted: Instant,
+    first_token: Option<Duration>,
+    /// Rank 0's collective time over the steps it was in.
+    collectives: Duration,
+}
+
+impl Sequence {
+    fn new(job: Arc<RankJob>) -> Self {
+        Self {
+            sampler: LogitsProcessor::from_sampling(job.sampling.seed, job.sampling.sampling()),
+            context: job.prompt.clone(),
+            job,
+            cached: 0,
+            table: BlockTable::default(),
+            submitted: Instant::now(),
+            first_token: None,
+            collectives: Duration::ZERO,
+        }
+    }
+
+    /// The positions of its next chunk: from the first uncached one on, at most `budget`.
+    fn next_chunk(&self, budget: usize) -> usize {
+        (self.context.len() - self.cached).min(budget)
+    }
+
+    fn generated(&self) -> usize {
+        self.context.len() - self.job.prompt.len()
+    }
+
+    /// Chooses the next token from `logits` and streams it; says why the sequence stops, if it
+    /// does (the token is kept either way).
+    fn sample(&mut self, logits: Vec<f32>, max_positions: usize) -> Result<Option<StopReason>, EngineError> {
+        if logits.iter().any(|v| !v.is_finite()) {
+            return Err(EngineError::NonFinite {
+                what: "logits",
+                stage: format!("decode step {}", self.generated()),
+            });
+        }
+        if let Some(trace) = &self.job.logits {
+            let _ = trace.send(logits.clone());
+        }
+        let sampling = &self.job.sampling;
+        let vocab = logits.len();
+        let mut scores = Tensor::from_vec(logits, vocab, &Device::Cpu).map_err(sample_err)?;
+        if sampling.repetition_penalty != 1.0 {
+            let window = &self.context[self.context.len().saturating_sub(sampling.repetition_window)..];
+            scores = apply_repeat_penalty(&scores, sampling.repetition_penalty, window).map_err(sample_err)?;
+        }
+        let token = self.sampler.sample(&scores).map_err(sample_err)?;
+        self.first_token.get_or_insert_with(|| self.submitted.elapsed());
+        self.context.push(token);
+        let cancelled = self.job.events.send(RankEvent::Token(token)).is_err();
+        Ok(if self.job.eos.contains(&token) {
+            Some(StopReason::Eos)
+        } else if self.generated() >= self.job.max_new_tokens {
+            Some(StopReason::MaxTokens)
+        } else if self.cached + 1 > max_positions {
+            Some(StopReason::ContextFull)
+        } else if cancelled {
+            Some(StopReason::Cancelled)
+        } else {
+            None
+        })
+    }
+
+    fn finish(self, outcome: Result<StopReason, EngineError>) {
+        let event = match outcome {
+            Ok(stop_reason) => {
+                let total = self.submitted.elapsed();
+                let prefill = self.first_token.unwrap_or(total);
+                RankEvent::Done(GenerationStats {
+                    prompt_tokens: self.job.prompt.len(),
+                    generated_tokens: self.generated(),
+                    prefill,
+                    decode: total - prefill,
+                    collectives: self.collectives,
+                    stop_reason,
+                })
+            }
+            Err(e) => RankEvent::Error(e),
+        };
+        let _ = self.job.events.send(event);
+    }
+}
+
+/// The free blocks of the paged cache, handed to sequences' tables and back.
+struct FreeBlocks {
+    free: Vec<u32>,
+    size: usize,
+}
+
+impl FreeBlocks {
+    fn new(count: usize, size: usize) -> Self {
+        Self {
+            free: (0..count as u32).rev().collect(),
+            size,
+        }
+    }
+
+    /// Grows `table` to cover `positions`; false, and nothing taken, if too few are free.
+    fn cover(&mut self, table: &mut BlockTable, positions: usize) -> bool {
+        let needed = positions.div_ceil(self.size).saturating_sub(table.blocks.len());
+        if needed > self.free.len() {
+            return false;
+        }
+        let at = self.free.len() - needed;
+        table.blocks.extend(self.free.drain(at..));
+        true
+    }
+
+    fn release(&mut self, table: &mut BlockTable) {
+        self.free.append(&mut table.blocks);
+    }
+}
+
+/// The scheduler's state: sequences running (oldest first) and waiting (next first).
+struct Batch {
+    running: Vec<Sequence>,
+    waiting: VecDeque<Sequence>,
+    blocks: FreeBlocks,
+    limits: BatchLimits,
+}
+
+impl Batch {
+    fn new(limits: BatchLimits) -> Self {
+        Self {
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            blocks: FreeBlocks::new(limits.blocks, limits.block_size),
+            limits,
+        }
+    }
+
+    /// Queues the jobs sent since the last step, waiting for one when there is nothing to do.
+    /// False once the sender is gone and nothing is left.
+    fn take_jobs(&mut self, jobs: &Receiver<Arc<RankJob>>) -> bool {
+        if self.running.is_empty() && self.waiting.is_empty() {
+            match jobs.recv() {
+                Ok(job) => self.waiting.push_back(Sequence::new(job)),
+                Err(_) => return false,
+            }
+        }
+        self.waiting.extend(jobs.try_iter().map(Sequence::new));
+        true
+    }
+
+    /// The next step: (index in `running`, positions) per chunk. Running sequences come first,
+    /// oldest first; then waiting ones join while the budget, `max_seqs` and the free blocks
+    /// allow. A running sequence that needs a block when none is free takes the newest
+    /// sequence's blocks, preempting it.
+    fn plan_step(&mut self) -> Vec<(usize, usize)> {
+        let mut budget = self.limits.step_tokens;
+        let mut plan = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let s = &mut self.running[i];
+            let len = s.next_chunk(budget);
+            if self.blocks.cover(&mut s.table, s.cached + len) {
+                plan.push((i, len));
+                budget -= len;
+                i += 1;
+                continue;
+            }
+            let newest = self.running.len() - 1;
+            self.preempt(newest);
+            if newest == i {
+                break;
+            }
+        }
+        while budget > 0 && self.running.len() < self.limits.max_seqs {
+            let Some(next) = self.waiting.front_mut() else {
+                break;
+            };
+            let len = next.next_chunk(budget);
+            if !self.blocks.cover(&mut next.table, len) {
+                break;
+            }
+            if let Some(s) = self.waiting.pop_front() {
+                self.running.push(s);
+                plan.push((self.running.len() - 1, len));
+                budget -= len;
+            }
+        }
+        plan
+    }
+
+    /// Frees sequence `i`'s blocks and queues it first, to recompute what it had cached.
+    fn preempt(&mut self, i: usize) {
+        let mut s = self.running.remove(i);
+        self.blocks.release(&mut s.table);
+        s.cached = 0;
+        tracing::debug!(tokens = s.context.len(), "preempted a sequence for its KV blocks");
+        self.waiting.push_front(s);
+    }
+
+    /// With nothing running, the next sequence's first chunk must fit the free blocks; one
+    /// that does not can never run.
+    fn refuse_unplaceable(&mut self) {
+        if !self.running.is_empty() {
+            return;
+        }
+        if let Some(s) = self.waiting.pop_front() {
+            let blocks = self.limits.blocks;
+            s.finish(Err(EngineError::InvalidRequest(format!(
+                "the request needs more KV blocks than the cache's {blocks}"
+            ))));
+        }
+    }
+
+    /// Takes a step's logits: each chunk that reached the end of its sequence's tokens samples
+    /// the next one; sequences that stop leave with their blocks freed.
+    fn advance(&mut self, plan: &[(usize, usize)], step: StepRows) {
+        let max_positions = self.limits.max_positions;
+        let mut ended = Vec::new();
+        for (&(i, len), logits) in plan.iter().zip(step.rows) {
+            let s = &mut self.running[i];
+            s.cached += len;
+            s.collectives += step.collectives;
+            if s.cached < s.context.len() {
+                continue;
+            }
+            match s.sample(logits, max_positions) {
+                Ok(None) => {}
+                Ok(Some(reason)) => ended.push((i, Ok(reason))),
+                Err(e) => ended.push((i, Err(e))),
+            }
+        }
+        // From the back, so that the indices still hold.
+        ended.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
+        for (i, outcome) in ended {
+            let mut s = self.running.remove(i);
+            self.blocks.release(&mut s.table);
+            s.finish(outcome);
+        }
+    }
+
+    /// Ends every sequence with `error`: the oldest gets it as it is, the others its words.
+    fn fail_all(&mut self, error: EngineError) {
+        let cause = error.to_string();
+        let mut error = Some(error);
+        for mut s in self.running.drain(..).chain(self.waiting.drain(..)) {
+            self.blocks.release(&mut s.table);
+            let e = error
+                .take()
+                .unwrap_or_else(|| RuntimeError::Stopped(cause.clone()).into());
+            s.finish(Err(e));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::SamplingParams;
+
+    fn sequence(prompt: usize, max_new_tokens: usize) -> (Sequence, mpsc::Receiver<RankEvent>) {
+        let (events, received) = mpsc::channel();
+        let job = Arc::new(RankJob {
+            prompt: (0..prompt as u32).collect(),
+            max_new_tokens,
+            sampling: SamplingParams::default(),
+            eos: vec![],
+            events,
+            logits: None,
+        });
+        (Sequence::new(job), received)
+    }
+
+    fn batch(max_seqs: usize, step_tokens: usize, blocks: usize) -> Batch {
+        Batch::new(BatchLimits {
+            max_seqs,
+            step_tokens,
+            blocks,
+            block_size: 4,
+            max_positions: 64,
+        })
+    }
+
+    /// Greedy logits choosing token 1 for every chunk of `plan`.
+    fn rows(plan: &[(usize, usize)]) -> StepRows {
+        StepRows {
+            rows: plan.iter().map(|_| vec![0.0, 1.0, 0.0]).collect(),
+            collectives: Duration::ZERO,
+        }
+    }
+
+    #[test]
+    fn prompts_join_in_chunks_under_the_step_budget() {
+        let mut b = batch(3, 8, 16);
+        let receivers: Vec<_> = (0..3)
+            .map(|_| {
+                let (s, r) = sequence(5, 4);
+                b.waiting.push_back(s);
+                r
+            })
+            .collect();
+        // The first prompt whole, the second's first 3 positions; the third waits.
+        let plan = b.plan_step();
+        assert_eq!(plan, [(0, 5), (1, 3)]);
+        assert_eq!((b.running.len(), b.waiting.len()), (2, 1));
+        assert_eq!(b.running[0].table.blocks.len(), 2);
+        b.advance(&plan, rows(&plan));
+        // Sequence 0 sampled its first token; sequence 1 did not (its prompt is not done).
+        assert_eq!(receivers[0].try_iter().count(), 1);
+        assert_eq!(receivers[1].try_iter().count(), 0);
+        // Decode of 0, the rest of 1's prompt, then 3 joins with what is left of the budget.
+        let plan = b.plan_step();
+        assert_eq!(plan, [(0, 1), (1, 2), (2, 5)]);
+    }
+
+    #[test]
+    fn a_sequence_without_a_free_block_preempts_the_newest_which_recomputes_later() {
+        // Four blocks of 4: prompts of 8 and 6 positions fill all four.
+        let mut b = batch(4, 64, 4);
+        let (first, r0) = sequence(8, 6);
+        let (second, r1) = sequence(6, 20);
+        b.waiting.extend([first, second]);
+        let plan = b.plan_step();
+        assert_eq!(plan, [(0, 8), (1, 6)]);
+        assert!(b.blocks.free.is_empty());
+        b.advance(&plan, rows(&plan));
+        // Position 8 of the first needs a third block: the second is preempted for it.
+        let plan = b.plan_step();
+        assert_eq!(plan, [(0, 1)]);
+        assert_eq!((b.running.len(), b.waiting.len()), (1, 1));
+        let preempted = &b.waiting[0];
+        assert_eq!((preempted.cached, preempted.table.blocks.len()), (0, 0));
+        assert_eq!(preempted.context.len(), 7, "its prompt and its sampled token are kept");
+        assert_eq!(b.running[0].table.blocks.len(), 3);
+        assert_eq!(b.blocks.free.len(), 1);
+        b.advance(&plan, rows(&plan));
+        assert_eq!(r0.try_iter().count(), 2);
+        assert_eq!(r1.try_iter().count(), 1);
+        // The first finishes, its blocks come back, and the second resumes from position 0.
+        while b.running.first().is_some_and(|s| s.job.prompt.len() == 8) {
+            let plan = b.plan_step();
+            b.advance(&plan, rows(&plan));
+        }
+        let plan = b.plan_step();
+        assert_eq!(plan, [(0, 7)], "the whole context, recomputed");
+        assert_eq!(
+            r0.try_iter().last().map(|e| matches!(e, RankEvent::Done(_))),
+            Some(true)
+        );
+    }
+
+    #[test]
+    fn a_finished_sequence_returns_its_blocks() {
+        let mut b = batch(2, 64, 8);
+        let (s, r) = sequence(3, 1);
+        b.waiting.push_back(s);
+        let plan = b.plan_step();
+        b.advance(&plan, rows(&plan));
+        assert!(b.running.is_empty());
+        assert_eq!(b.blocks.free.len(), 8);
+        let events: Vec<_> = r.try_iter().collect();
+        assert!(matches!(events.as_slice(), [RankEvent::Token(1), RankEvent::Done(_)]));
+    }
+}

@@ -1,0 +1,138 @@
+//! Continuous batching through the engine: concurrent requests, each with its own sampling
+//! parameters and seed, batched into shared steps over a paged KV cache, give the tokens of
+//! the same request run alone; a dropped stream leaves the others running; a rank failure
+//! ends every request in flight with its cause.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tpinfer_engine::{Engine, EngineError, Fault, GenerateRequest, Prompt, SamplingParams, StopReason, StreamEvent};
+use tpinfer_tests::TinyLlama;
+
+/// Request `i`: prompts of 1 to 17 tokens; even ones greedy, odd ones sampled with their own
+/// seed; 3 to 18 new tokens.
+fn request(i: usize) -> GenerateRequest {
+    let prompt: Vec<u32> = (0..1 + (i * 5) % 17).map(|t| ((i * 31 + t * 7) % 250) as u32).collect();
+    let sampling = match i % 2 {
+        0 => SamplingParams::default(),
+        _ => SamplingParams {
+            temperature: 0.9,
+            top_k: Some(40),
+            top_p: Some(0.95),
+            repetition_penalty: 1.1,
+            seed: 1000 + i as u64,
+            ..SamplingParams::default()
+        },
+    };
+    GenerateRequest::new(Prompt::Tokens(prompt), 3 + i % 16).with_sampling(sampling)
+}
+
+fn tokens(engine: &Engine, request: GenerateRequest) -> (Vec<u32>, StopReason) {
+    let (_, ids, stats) = engine
+        .generate(request)
+        .expect("generate")
+        .collect_text()
+        .expect("stream");
+    (ids, stats.stop_reason)
+}
+
+#[test]
+fn concurrent_requests_equal_each_run_alone() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let alone = Engine::builder(&path).max_context(64).build().expect("engine");
+    let expected: Vec<_> = (0..24).map(|i| tokens(&alone, request(i))).collect();
+    drop(alone);
+    for (tp, step_tokens) in [(1, 512), (2, 5), (3, 16)] {
+        let engine = Engine::builder(&path)
+            .tp(tp)
+            .max_context(64)
+            .max_seqs(8)
+            .step_tokens(step_tokens)
+            .build()
+            .expect("batching engine");
+        let engine = Arc::new(engine);
+        let handles: Vec<_> = (0..24)
+            .map(|i| {
+                let engine = engine.clone();
+                std::thread::spawn(move || tokens(&engine, request(i)))
+            })
+            .collect();
+        for (i, (h, want)) in handles.into_iter().zip(&expected).enumerate() {
+            let got = h.join().expect("request thread");
+            assert_eq!(&got, want, "TP {tp}, step budget {step_tokens}: request {i}");
+        }
+    }
+}
+
+#[test]
+fn a_dropped_stream_ends_its_request_alone() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let engine = Engine::builder(&path).tp(2).max_seqs(4).build().expect("engine");
+    let mut dropped = engine
+        .generate(GenerateRequest::new(Prompt::Tokens(vec![1, 2, 3]), 400))
+        .expect("generate");
+    let kept = engine
+        .generate(GenerateRequest::new(Prompt::Tokens(vec![4, 5]), 30))
+        .expect("generate");
+    assert!(matches!(dropped.next(), Some(Ok(StreamEvent::Token { .. }))));
+    drop(dropped);
+    let (_, ids, stats) = kept.collect_text().expect("the other request finishes");
+    assert_eq!((ids.len(), stats.stop_reason), (30, StopReason::MaxTokens));
+    // The dropped request's blocks came back: the engine still serves.
+    let (ids, _) = tokens(&engine, GenerateRequest::new(Prompt::Tokens(vec![7]), 5));
+    assert_eq!(ids.len(), 5);
+}
+
+#[test]
+fn a_rank_failure_ends_every_request_in_flight_with_its_cause() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let engine = Engine::builder(&path)
+        .tp(3)
+        .max_seqs(4)
+        .comm_timeout(Duration::from_secs(5))
+        .inject_fault(Fault::Error { rank: 1, step: 3 })
+        .build()
+        .expect("engine");
+    let streams: Vec<_> = (0..3)
+        .map(|i| {
+            engine
+                .generate(GenerateRequest::new(Prompt::Tokens(vec![1 + i]), 20))
+                .expect("generate")
+        })
+        .collect();
+    let errors: Vec<EngineError> = streams
+        .into_iter()
+        .map(|s| s.collect_text().expect_err("the step failed"))
+        .collect();
+    assert!(
+        errors
+            .iter()
+            .any(|e| matches!(e, EngineError::Injected { rank: 1, .. })),
+        "{errors:?}"
+    );
+    for e in &errors {
+        assert!(e.to_string().contains("rank 1: injected fault"), "{e}");
+    }
+    let again = engine
+        .generate(GenerateRequest::new(Prompt::Tokens(vec![9]), 2))
+        .expect("queued")
+        .collect_text()
+        .expect_err("the engine is broken");
+    assert!(again.to_string().contains("rank 1: injected fault"), "{again}");
+}
+
+#[test]
+fn zero_sequences_or_step_tokens_are_refused_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    for builder in [
+        Engine::builder(&path).max_seqs(0),
+        Engine::builder(&path).max_seqs(2).step_tokens(0),
+    ] {
+        let error = builder.build().err().expect("refused");
+        assert!(error.to_string().contains("max_seqs"), "{error}");
+    }
+}
