@@ -20,6 +20,7 @@ mod plan;
 mod plan_pipeline;
 mod progress;
 mod ranks;
+mod serve;
 mod video;
 
 #[derive(Parser)]
@@ -85,6 +86,9 @@ enum Command {
     Decode(decode::DecodeArgs),
     /// Diagnose the GPUs, drivers, libraries, links and NCCL of this machine.
     Doctor(doctor::DoctorArgs),
+    /// Serve a language model over an OpenAI-compatible HTTP API, batching requests
+    /// continuously.
+    Serve(Box<serve::ServeArgs>),
 }
 
 #[derive(clap::Args)]
@@ -254,6 +258,12 @@ fn run(cli: Cli, given: &Given) -> Result<ExitCode> {
             decode::decode(args)
         }
         Command::Doctor(args) => doctor::doctor(args),
+        Command::Serve(mut args) => {
+            let given = args.model.to_string_lossy().into_owned();
+            args.model = env::resolve_model(&args.model)?;
+            serve::serve(*args, given)?;
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 

@@ -18,6 +18,7 @@ use tpinfer_llama::{LlamaRank, SequenceChunk};
 use tpinfer_runtime::{ModelHandle, RankGroup, RuntimeError};
 
 use crate::rank::{inject, RankJob};
+use crate::status::Status;
 use crate::stream::RankEvent;
 use crate::{EngineError, Fault, GenerationStats, StopReason};
 
@@ -62,12 +63,16 @@ pub(crate) fn serve(
     llama: ModelHandle<LlamaRank>,
     limits: BatchLimits,
     fault: Option<Fault>,
+    status: &Status,
 ) {
     let mut batch = Batch::new(limits);
     for step in 0.. {
+        batch.report(status);
+        let before = batch.waiting.len() + batch.running.len();
         if !batch.take_jobs(&jobs) {
             return;
         }
+        status.taken(batch.waiting.len() + batch.running.len() - before);
         let plan = batch.plan_step();
         if plan.is_empty() {
             batch.refuse_unplaceable();
@@ -113,7 +118,10 @@ pub(crate) fn serve(
         match outcome {
             Ok(mut ranks) if !ranks.is_empty() => batch.advance(&plan, ranks.swap_remove(0)),
             Ok(_) => batch.fail_all(RuntimeError::Stopped("the ranks returned nothing".into()).into()),
-            Err(e) => batch.fail_all(e),
+            Err(e) => {
+                status.failed(&e.to_string());
+                batch.fail_all(e);
+            }
         }
     }
 }
@@ -326,6 +334,16 @@ impl Batch {
         plan
     }
 
+    fn report(&self, status: &Status) {
+        let blocks = self.limits.blocks;
+        status.set(
+            self.running.len(),
+            self.waiting.len(),
+            blocks - self.blocks.free.len(),
+            blocks,
+        );
+    }
+
     /// Frees sequence `i`'s blocks and queues it first, to recompute what it had cached.
     fn preempt(&mut self, i: usize) {
         let mut s = self.running.remove(i);
@@ -404,7 +422,7 @@ mod tests {
             max_new_tokens,
             sampling: SamplingParams::default(),
             eos: vec![],
-            events,
+            events: crate::stream::EventSink::Blocking(events),
             logits: None,
         });
         (Sequence::new(job), received)

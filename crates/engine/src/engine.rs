@@ -11,8 +11,9 @@ use tpinfer_tokenizer::Tokenizer;
 use crate::batching::{self, BatchLimits};
 use crate::builder::DEFAULT_MAX_CONTEXT;
 use crate::rank::{run_job, RankJob, RankSetup};
-use crate::stream::RankEvent;
-use crate::{EngineBuilder, EngineError, Fault, GenerateRequest, Prompt, TokenStream};
+use crate::status::Status;
+use crate::stream::{EventSink, RankEvent};
+use crate::{EngineBuilder, EngineError, EventStream, Fault, GenerateRequest, Health, Load, Prompt, TokenStream};
 
 /// A loaded model on its ranks. Share it between threads (`Arc<Engine>`): requests from any
 /// thread are queued, and run one at a time on all ranks or, with
@@ -28,6 +29,7 @@ pub struct Engine {
     rank_weight_bytes: Vec<usize>,
     devices: Vec<Device>,
     plan: tpinfer_plan::Plan,
+    status: Arc<Status>,
 }
 
 impl Engine {
@@ -86,11 +88,13 @@ impl Engine {
             block_size: tpinfer_llama::memory::KV_BLOCK_SIZE,
             max_positions: max_context,
         };
+        let status = Arc::new(Status::default());
+        let shared = status.clone();
         let scheduler = std::thread::Builder::new()
             .name("tpinfer-scheduler".into())
             .spawn(move || match batch {
-                1 => schedule(jobs_rx, group, llama, fault),
-                _ => batching::serve(jobs_rx, group, llama, limits, fault),
+                1 => schedule(jobs_rx, group, llama, fault, &shared),
+                _ => batching::serve(jobs_rx, group, llama, limits, fault, &shared),
             })
             .map_err(|e| RuntimeError::Stopped(format!("cannot start the scheduler thread: {e}")))?;
         Ok(Self {
@@ -104,23 +108,41 @@ impl Engine {
             rank_weight_bytes,
             devices,
             plan,
+            status,
         })
     }
 
     /// Queues a request and returns its token stream. Prompt errors are reported here, before
     /// anything runs.
     pub fn generate(&self, request: GenerateRequest) -> Result<TokenStream, EngineError> {
-        self.submit(request, None)
+        let (tx, rx) = mpsc::channel();
+        self.submit(request, EventSink::Blocking(tx), None)?;
+        Ok(TokenStream::new(rx, self.tokenizer.clone()))
+    }
+
+    /// [`Self::generate`] as an async stream, for services on an async runtime: polling it
+    /// never blocks a thread, and dropping it cancels the request.
+    pub fn generate_stream(&self, request: GenerateRequest) -> Result<EventStream, EngineError> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let prompt_tokens = self.submit(request, EventSink::Async(tx), None)?;
+        Ok(EventStream::new(rx, self.tokenizer.clone(), prompt_tokens))
     }
 
     /// Like [`Self::generate`], and also returns the f32 logits over the vocabulary of every
     /// step (prefill first), as sampled from: for checking numerics against a reference.
     pub fn generate_traced(&self, request: GenerateRequest) -> Result<(TokenStream, Receiver<Vec<f32>>), EngineError> {
         let (tx, rx) = mpsc::channel();
-        Ok((self.submit(request, Some(tx))?, rx))
+        let (events, stream) = mpsc::channel();
+        self.submit(request, EventSink::Blocking(events), Some(tx))?;
+        Ok((TokenStream::new(stream, self.tokenizer.clone()), rx))
     }
 
-    fn submit(&self, request: GenerateRequest, logits: Option<Sender<Vec<f32>>>) -> Result<TokenStream, EngineError> {
+    fn submit(
+        &self,
+        request: GenerateRequest,
+        events: EventSink,
+        logits: Option<Sender<Vec<f32>>>,
+    ) -> Result<usize, EngineError> {
         request.sampling.check()?;
         let prompt = match &request.prompt {
             Prompt::Text(text) => self.tokenizer.encode(text, true)?,
@@ -146,13 +168,13 @@ impl Engine {
                 "token id {id} is outside the model's vocabulary of {vocab}"
             )));
         }
-        let (events_tx, events_rx) = mpsc::channel();
+        let prompt_tokens = prompt.len();
         let job = Arc::new(RankJob {
             prompt,
             max_new_tokens: request.max_new_tokens,
             sampling: request.sampling,
             eos: self.config.eos_token_ids.clone(),
-            events: events_tx,
+            events,
             logits,
         });
         self.jobs
@@ -160,7 +182,8 @@ impl Engine {
             .ok_or_else(|| RuntimeError::Stopped("shutting down".into()))?
             .send(job)
             .map_err(|_| RuntimeError::Stopped("the scheduler has exited".into()))?;
-        Ok(TokenStream::new(events_rx, self.tokenizer.clone()))
+        self.status.submitted();
+        Ok(prompt_tokens)
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -188,6 +211,16 @@ impl Engine {
     /// Each rank's device memory now, with its peak since the start; `None` for CPU ranks.
     pub fn device_memory(&self) -> Vec<Option<DeviceMemory>> {
         self.devices.iter().map(tpinfer_runtime::measure).collect()
+    }
+
+    /// Whether the ranks still serve, or the cause of the failure that stopped them.
+    pub fn health(&self) -> Health {
+        self.status.health()
+    }
+
+    /// Requests running and queued, and KV blocks in use, now.
+    pub fn load(&self) -> Load {
+        self.status.load()
     }
 
     /// The memory plan the engine was started with.
@@ -228,9 +261,17 @@ fn warm_up(group: &RankGroup, llama: ModelHandle<LlamaRank>) -> Result<(), Engin
 
 /// Runs jobs one at a time on all ranks. After a failure the ranks' collectives are aborted,
 /// and the group refuses later requests with the original cause.
-fn schedule(jobs: Receiver<Arc<RankJob>>, group: RankGroup, llama: ModelHandle<LlamaRank>, fault: Option<Fault>) {
+fn schedule(
+    jobs: Receiver<Arc<RankJob>>,
+    group: RankGroup,
+    llama: ModelHandle<LlamaRank>,
+    fault: Option<Fault>,
+    status: &Status,
+) {
     let mut first = true;
     for job in jobs.iter() {
+        status.taken(1);
+        status.set(1, 0, 0, 0);
         // The first request is held to the plan: its peak against the planned one for it.
         let check_memory = std::mem::take(&mut first);
         let task_job = job.clone();
@@ -248,7 +289,9 @@ fn schedule(jobs: Receiver<Arc<RankJob>>, group: RankGroup, llama: ModelHandle<L
             }
             Ok(())
         });
+        status.set(0, 0, 0, 0);
         if let Err(e) = outcome {
+            status.failed(&e.to_string());
             let _ = job.events.send(RankEvent::Error(e));
         }
     }

@@ -24,6 +24,7 @@ mod pipeline;
 mod rank;
 pub mod registry;
 mod request;
+mod status;
 mod stream;
 mod video;
 
@@ -34,7 +35,8 @@ pub use error::EngineError;
 pub use frames::{Frames, VaeEngine};
 pub use pipeline::WanPipelineDir;
 pub use request::{GenerateRequest, Prompt, SamplingParams};
-pub use stream::{GenerationStats, StopReason, StreamEvent, TokenStream};
+pub use status::{Health, Load};
+pub use stream::{EventStream, GenerationStats, StopReason, StreamEvent, TokenStream};
 pub use tpinfer_comm::CommOptions;
 pub use tpinfer_plan::{Plan, RankPlan};
 pub use tpinfer_runtime::{DeviceKind, DeviceMemory, LoadProgress, RuntimeError, PLAN_TOLERANCE};

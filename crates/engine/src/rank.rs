@@ -10,7 +10,7 @@ use tpinfer_comm::Communicator;
 use tpinfer_llama::LlamaRank;
 use tpinfer_runtime::RuntimeError;
 
-use crate::stream::RankEvent;
+use crate::stream::{EventSink, RankEvent};
 use crate::{EngineError, Fault, GenerationStats, SamplingParams, StopReason};
 
 /// A request as every rank sees it.
@@ -20,7 +20,7 @@ pub(crate) struct RankJob {
     pub sampling: SamplingParams,
     pub eos: Vec<u32>,
     /// Rank 0 streams tokens here.
-    pub events: Sender<RankEvent>,
+    pub events: EventSink,
     /// If set, rank 0 sends the logits of every step here, before sampling.
     pub logits: Option<Sender<Vec<f32>>>,
 }

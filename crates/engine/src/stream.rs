@@ -67,13 +67,28 @@ pub(crate) enum RankEvent {
     Error(EngineError),
 }
 
-/// The tokens of one request as they are generated. Dropping it cancels the request.
-pub struct TokenStream {
-    events: Receiver<RankEvent>,
+/// Where a request's events go: a blocking [`TokenStream`] or an async [`EventStream`].
+pub(crate) enum EventSink {
+    Blocking(std::sync::mpsc::Sender<RankEvent>),
+    Async(tokio::sync::mpsc::UnboundedSender<RankEvent>),
+}
+
+impl EventSink {
+    /// Fails when the stream was dropped: the request is cancelled.
+    pub fn send(&self, event: RankEvent) -> Result<(), ()> {
+        match self {
+            Self::Blocking(tx) => tx.send(event).map_err(|_| ()),
+            Self::Async(tx) => tx.send(event).map_err(|_| ()),
+        }
+    }
+}
+
+/// Turns a request's events into [`StreamEvent`]s: incremental detokenization, with text
+/// emitted once the tokens since `read_offset` decode to whole characters, decoded from
+/// `prefix_offset` so that spacing is right.
+struct Detokenizer {
     tokenizer: Arc<Tokenizer>,
     ids: Vec<u32>,
-    /// Incremental detokenization: text is emitted once the tokens since `read_offset` decode
-    /// to whole characters, decoding from `prefix_offset` so that spacing is right.
     prefix_offset: usize,
     read_offset: usize,
     finished: bool,
@@ -81,10 +96,9 @@ pub struct TokenStream {
     done: Option<GenerationStats>,
 }
 
-impl TokenStream {
-    pub(crate) fn new(events: Receiver<RankEvent>, tokenizer: Arc<Tokenizer>) -> Self {
+impl Detokenizer {
+    fn new(tokenizer: Arc<Tokenizer>) -> Self {
         Self {
-            events,
             tokenizer,
             ids: Vec::new(),
             prefix_offset: 0,
@@ -94,21 +108,35 @@ impl TokenStream {
         }
     }
 
-    /// Collects the whole generation: its text, token ids and stats.
-    pub fn collect_text(self) -> Result<(String, Vec<u32>, GenerationStats), EngineError> {
-        let mut text = String::new();
-        let mut ids = Vec::new();
-        for event in self {
-            match event? {
-                StreamEvent::Token { id, text: piece } => {
-                    ids.push(id);
-                    text.push_str(&piece);
-                }
-                StreamEvent::Tail(tail) => text.push_str(&tail),
-                StreamEvent::Done(stats) => return Ok((text, ids, stats)),
-            }
+    /// The `Done` held back behind a `Tail`, or nothing once the stream ended.
+    fn pending(&mut self) -> Option<Option<Result<StreamEvent, EngineError>>> {
+        if let Some(stats) = self.done.take() {
+            self.finished = true;
+            return Some(Some(Ok(StreamEvent::Done(stats))));
         }
-        Err(tpinfer_runtime::RuntimeError::Stopped("the stream ended without a result".into()).into())
+        self.finished.then_some(None)
+    }
+
+    /// The stream event of `event`; `None` when the ranks stopped without a word.
+    fn next(&mut self, event: Option<RankEvent>) -> Result<StreamEvent, EngineError> {
+        let event = match event {
+            Some(RankEvent::Token(id)) => return self.next_text(id).map(|text| StreamEvent::Token { id, text }),
+            Some(RankEvent::Done(stats)) => match self.tail() {
+                Ok(tail) if !tail.is_empty() => {
+                    self.done = Some(stats);
+                    return Ok(StreamEvent::Tail(tail));
+                }
+                Ok(_) => Ok(StreamEvent::Done(stats)),
+                Err(e) => Err(e),
+            },
+            Some(RankEvent::Error(e)) => Err(e),
+            None => Err(tpinfer_runtime::RuntimeError::Stopped(
+                "the ranks stopped without finishing the request".into(),
+            )
+            .into()),
+        };
+        self.finished = true;
+        event
     }
 
     fn next_text(&mut self, id: u32) -> Result<String, EngineError> {
@@ -133,34 +161,91 @@ impl TokenStream {
     }
 }
 
+/// The tokens of one request as they are generated, read by blocking. Dropping it cancels the
+/// request.
+pub struct TokenStream {
+    events: Receiver<RankEvent>,
+    detokenizer: Detokenizer,
+}
+
+impl TokenStream {
+    pub(crate) fn new(events: Receiver<RankEvent>, tokenizer: Arc<Tokenizer>) -> Self {
+        Self {
+            events,
+            detokenizer: Detokenizer::new(tokenizer),
+        }
+    }
+
+    /// Collects the whole generation: its text, token ids and stats.
+    pub fn collect_text(self) -> Result<(String, Vec<u32>, GenerationStats), EngineError> {
+        let mut text = String::new();
+        let mut ids = Vec::new();
+        for event in self {
+            match event? {
+                StreamEvent::Token { id, text: piece } => {
+                    ids.push(id);
+                    text.push_str(&piece);
+                }
+                StreamEvent::Tail(tail) => text.push_str(&tail),
+                StreamEvent::Done(stats) => return Ok((text, ids, stats)),
+            }
+        }
+        Err(tpinfer_runtime::RuntimeError::Stopped("the stream ended without a result".into()).into())
+    }
+}
+
 impl Iterator for TokenStream {
     type Item = Result<StreamEvent, EngineError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if let Some(stats) = self.done.take() {
-            self.finished = true;
-            return Some(Ok(StreamEvent::Done(stats)));
+        if let Some(pending) = self.detokenizer.pending() {
+            return pending;
         }
-        if self.finished {
-            return None;
+        Some(self.detokenizer.next(self.events.recv().ok()))
+    }
+}
+
+/// The tokens of one request as they are generated, as an async [`futures_core::Stream`]
+/// (for tokio services: polling never blocks a thread). Dropping it cancels the request,
+/// which frees its KV blocks at the next step.
+pub struct EventStream {
+    events: tokio::sync::mpsc::UnboundedReceiver<RankEvent>,
+    detokenizer: Detokenizer,
+    prompt_tokens: usize,
+}
+
+impl EventStream {
+    pub(crate) fn new(
+        events: tokio::sync::mpsc::UnboundedReceiver<RankEvent>,
+        tokenizer: Arc<Tokenizer>,
+        prompt_tokens: usize,
+    ) -> Self {
+        Self {
+            events,
+            detokenizer: Detokenizer::new(tokenizer),
+            prompt_tokens,
         }
-        let event = match self.events.recv() {
-            Ok(RankEvent::Token(id)) => return Some(self.next_text(id).map(|text| StreamEvent::Token { id, text })),
-            Ok(RankEvent::Done(stats)) => match self.tail() {
-                Ok(tail) if !tail.is_empty() => {
-                    self.done = Some(stats);
-                    return Some(Ok(StreamEvent::Tail(tail)));
-                }
-                Ok(_) => Ok(StreamEvent::Done(stats)),
-                Err(e) => Err(e),
-            },
-            Ok(RankEvent::Error(e)) => Err(e),
-            Err(_) => Err(tpinfer_runtime::RuntimeError::Stopped(
-                "the ranks stopped without finishing the request".into(),
-            )
-            .into()),
-        };
-        self.finished = true;
-        Some(event)
+    }
+
+    /// The prompt's length in tokens, its template and special tokens included.
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+}
+
+impl futures_core::Stream for EventStream {
+    type Item = Result<StreamEvent, EngineError>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        if let Some(pending) = self.detokenizer.pending() {
+            return std::task::Poll::Ready(pending);
+        }
+        match self.events.poll_recv(cx) {
+            std::task::Poll::Pending => std::task::Poll::Pending,
+            std::task::Poll::Ready(event) => std::task::Poll::Ready(Some(self.detokenizer.next(event))),
+        }
     }
 }

@@ -1,0 +1,125 @@
+//! `tpinfer serve`: the OpenAI-compatible server (tpinfer-server) over an engine that batches
+//! requests continuously.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+use crate::ranks::RankArgs;
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// A language model: a Hugging Face directory, a GGUF file, or a Hugging Face id.
+    #[arg(long)]
+    pub model: PathBuf,
+    #[command(flatten)]
+    pub ranks: RankArgs,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Sequences decoding at once; the KV cache is sized for this many at full context.
+    #[arg(long, default_value_t = 64)]
+    max_seqs: usize,
+    /// New tokens per step: decode tokens, and prompts prefilled in chunks beside them.
+    #[arg(long, default_value_t = 512)]
+    step_tokens: usize,
+    /// Requests running or queued beyond which new ones get 429 (default: 4 × --max-seqs).
+    #[arg(long)]
+    max_queue: Option<usize>,
+    /// The longest sequence (prompt and generated tokens) a request may reach.
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// The model name clients give (default: the --model argument as given).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// After SIGTERM or Ctrl-C, how long requests in flight may take to finish before they
+    /// are cancelled.
+    #[arg(long, default_value_t = 30)]
+    shutdown_timeout_secs: u64,
+}
+
+pub fn serve(args: ServeArgs, given_model: String) -> Result<()> {
+    if tpinfer_engine::registry::task_of(&args.model) != tpinfer_engine::registry::Task::Text {
+        bail!(
+            "{} is not a language model: `tpinfer serve` serves LLMs (`tpinfer generate` makes videos)",
+            args.model.display()
+        );
+    }
+    let address: SocketAddr = format!("{}:{}", args.host, args.port).parse().with_context(|| {
+        format!(
+            "--host {} --port {} is not an address to listen on",
+            args.host, args.port
+        )
+    })?;
+    let mut ranks = args.ranks.ranks(&args.model)?;
+    ranks.builder = ranks.builder.max_seqs(args.max_seqs).step_tokens(args.step_tokens);
+    if let Some(tokens) = args.max_context {
+        ranks.builder = ranks.builder.max_context(tokens);
+    }
+    let engine = ranks
+        .start(|b| b.build())
+        .with_context(|| format!("cannot load {}", args.model.display()))?;
+    let options = tpinfer_server::ServerOptions {
+        model: args.served_model_name.unwrap_or(given_model),
+        max_queue: args.max_queue.unwrap_or(4 * args.max_seqs),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the server's runtime")?;
+    let grace = Duration::from_secs(args.shutdown_timeout_secs);
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(address)
+            .await
+            .with_context(|| format!("cannot listen on {address}"))?;
+        eprintln!(
+            "serving {} on http://{} (OpenAI API: /v1/chat/completions, /v1/completions, /v1/models; /health, /metrics)",
+            options.model,
+            listener.local_addr().unwrap_or(address)
+        );
+        let app = tpinfer_server::router(Arc::new(engine), options);
+        let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
+        let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+            shutdown_signal().await;
+            eprintln!("stopping: no new connections; requests in flight have {grace:?} to finish");
+            let _ = stopping_tx.send(true);
+        });
+        let mut stopping = stopping;
+        tokio::select! {
+            served = server => served.context("the server failed"),
+            () = async {
+                let _ = stopping.wait_for(|&s| s).await;
+                tokio::time::sleep(grace).await;
+            } => {
+                eprintln!("requests still in flight after {grace:?}: cancelled");
+                Ok(())
+            }
+        }
+    })
+}
+
+/// SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}

@@ -1,0 +1,134 @@
+//! `tpinfer serve` as a user starts it: it listens, answers over HTTP, refuses what it cannot
+//! serve, and on SIGTERM under load stops within its grace period and exits 0.
+#![allow(clippy::expect_used)] // test helpers: a failed expectation is a failed test
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tpinfer_tests::TinyLlama;
+
+/// Starts the server on a free port; returns it and its address, read from its first line.
+fn start(model: &str, extra: &[&str]) -> (Child, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tpinfer"))
+        .args([
+            "serve",
+            "--model",
+            model,
+            "--served-model-name",
+            "tiny",
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+        ])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn tpinfer serve");
+    let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let address = loop {
+        let line = lines
+            .next()
+            .expect("a line before the server exits")
+            .expect("stderr line");
+        if let Some(at) = line.find("http://") {
+            let rest = &line[at + "http://".len()..];
+            break rest.split_whitespace().next().expect("an address").to_string();
+        }
+    };
+    // Keep draining stderr so that the server never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    (child, address)
+}
+
+/// A POST over a plain socket; the whole answer, headers included, once the server closes it
+/// or the body ends.
+fn post(address: &str, route: &str, body: &str) -> String {
+    let mut stream = TcpStream::connect(address).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
+    write!(
+        stream,
+        "POST {route} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("write");
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer
+}
+
+fn wait(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return status;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("tpinfer serve did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn serve_answers_then_stops_on_sigterm_under_load_and_exits_0() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default().write(dir.path());
+    let model = model.to_str().expect("utf8 path");
+    let (mut child, address) = start(model, &["--tp", "2", "--max-seqs", "2", "--shutdown-timeout-secs", "3"]);
+    let answer = post(
+        &address,
+        "/v1/completions",
+        r#"{"model": "tiny", "prompt": "hi", "max_tokens": 3}"#,
+    );
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("\"completion_tokens\":3"), "{answer}");
+    // Long streams running and queued, then SIGTERM.
+    let load: Vec<_> = (0..8)
+        .map(|i| {
+            let address = address.clone();
+            std::thread::spawn(move || {
+                let body = format!(r#"{{"model": "tiny", "prompt": "load {i}", "max_tokens": 500, "stream": true}}"#);
+                let answer = post(&address, "/v1/completions", &body);
+                (answer, Instant::now())
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let signalled = Instant::now();
+    // SAFETY: a plain signal to the child this test started.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let status = wait(&mut child, Duration::from_secs(20));
+    assert!(status.success(), "exit status {status}");
+    let ends: Vec<Instant> = load
+        .into_iter()
+        .map(|stream| {
+            // Every stream ended: finished, or cut when the grace period ran out.
+            let (answer, end) = stream.join().expect("load thread");
+            assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+            end
+        })
+        .collect();
+    assert!(ends.iter().any(|&end| end > signalled), "the signal came under load");
+}
+
+#[test]
+fn serve_refuses_a_bad_address_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default().write(dir.path());
+    let model = model.to_str().expect("utf8 path");
+    let output = Command::new(env!("CARGO_BIN_EXE_tpinfer"))
+        .args(["serve", "--model", model, "--device", "cpu", "--host", "not an address"])
+        .output()
+        .expect("run");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.starts_with("error: ") && stderr.contains("--host"), "{stderr}");
+}

@@ -1,0 +1,270 @@
+//! The OpenAI request bodies this server reads, checked field by field into an engine request,
+//! and the error shape it answers with.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use tpinfer_engine::{ChatMessage, GenerateRequest, Prompt, SamplingParams};
+
+/// An error in OpenAI's JSON shape: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn bad_request(param: Option<&'static str>, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param,
+        }
+    }
+
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::BAD_REQUEST => "invalid_request_error",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
+            _ => "server_error",
+        }
+    }
+
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({"error": {
+            "message": self.message,
+            "type": self.kind(),
+            "param": self.param,
+            "code": null,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The fields both endpoints share.
+#[derive(Debug, Deserialize)]
+pub struct Common {
+    pub model: String,
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub seed: Option<u64>,
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<i64>,
+    pub repetition_penalty: Option<f32>,
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: PromptInput,
+    pub logprobs: Option<serde_json::Value>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: serde_json::Value,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    pub max_completion_tokens: Option<i64>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// A request checked and ready for the engine.
+pub struct Checked {
+    pub request: GenerateRequest,
+    pub stops: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Parses a JSON body, naming what is wrong with it.
+pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(None, format!("the request body is not valid: {e}")))
+}
+
+impl CompletionRequest {
+    pub fn check(self, served: &str, seed: u64) -> Result<Checked, ApiError> {
+        if self.logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::bad_request(
+                Some("logprobs"),
+                "logprobs are not supported yet",
+            ));
+        }
+        let prompt = match self.prompt {
+            PromptInput::Text(text) => Prompt::Text(text),
+            PromptInput::Texts(mut texts) if texts.len() == 1 => Prompt::Text(texts.remove(0)),
+            PromptInput::Texts(_) => {
+                return Err(ApiError::bad_request(Some("prompt"), "give one prompt per request"));
+            }
+            PromptInput::Tokens(ids) => Prompt::Tokens(ids),
+        };
+        // OpenAI's default for completions.
+        self.common.check(served, prompt, None, 16, seed)
+    }
+}
+
+impl ChatRequest {
+    pub fn check(self, served: &str, seed: u64, context: usize) -> Result<Checked, ApiError> {
+        if self.logprobs == Some(true) || self.top_logprobs.is_some() {
+            return Err(ApiError::bad_request(
+                Some("logprobs"),
+                "logprobs are not supported yet",
+            ));
+        }
+        if self.messages.is_empty() {
+            return Err(ApiError::bad_request(Some("messages"), "messages is empty"));
+        }
+        let messages = self
+            .messages
+            .into_iter()
+            .map(|m| match m.content {
+                serde_json::Value::String(content) => Ok(ChatMessage { role: m.role, content }),
+                _ => Err(ApiError::bad_request(
+                    Some("messages"),
+                    "a message's content must be a string (content parts are not supported)",
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        // Without a limit a chat runs to the end of its turn or of the context.
+        let max_tokens = self.max_completion_tokens;
+        self.common
+            .check(served, Prompt::Chat(messages), max_tokens, context, seed)
+    }
+}
+
+impl Common {
+    fn check(
+        self,
+        served: &str,
+        prompt: Prompt,
+        max_tokens: Option<i64>,
+        default_max_tokens: usize,
+        seed: u64,
+    ) -> Result<Checked, ApiError> {
+        if self.model != served {
+            return Err(ApiError::bad_request(
+                Some("model"),
+                format!("unknown model '{}': this server serves '{served}'", self.model),
+            ));
+        }
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::bad_request(Some("n"), "n must be 1"));
+        }
+        for (param, value) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if value.is_some_and(|v| v != 0.0) {
+                return Err(ApiError::bad_request(
+                    Some(param),
+                    format!("{param} is not supported (repetition_penalty is)"),
+                ));
+            }
+        }
+        let max_new_tokens = match max_tokens.or(self.max_tokens) {
+            None => default_max_tokens,
+            Some(n) if n >= 1 => n as usize,
+            Some(n) => {
+                return Err(ApiError::bad_request(
+                    Some("max_tokens"),
+                    format!("max_tokens {n} must be at least 1"),
+                ))
+            }
+        };
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::bad_request(
+                Some("temperature"),
+                format!("temperature {temperature} must be in [0, 2]"),
+            ));
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) => None,
+            Some(k) if k >= 1 => Some(k as usize),
+            Some(k) => {
+                return Err(ApiError::bad_request(
+                    Some("top_k"),
+                    format!("top_k {k} must be at least 1 (-1 disables it)"),
+                ))
+            }
+        };
+        let sampling = SamplingParams {
+            temperature,
+            top_k,
+            top_p: self.top_p,
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            seed: self.seed.unwrap_or(seed),
+            ..SamplingParams::default()
+        };
+        if let Err(e) = sampling.check() {
+            let param = match () {
+                _ if self.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) => "top_p",
+                _ => "repetition_penalty",
+            };
+            return Err(ApiError::bad_request(Some(param), e.to_string()));
+        }
+        let stops = match self.stop {
+            None => Vec::new(),
+            Some(Stop::One(stop)) => vec![stop],
+            Some(Stop::Many(stops)) => stops,
+        };
+        Ok(Checked {
+            request: GenerateRequest::new(prompt, max_new_tokens).with_sampling(sampling),
+            stops,
+            stream: self.stream,
+            include_usage: self.stream_options.is_some_and(|o| o.include_usage),
+        })
+    }
+}
