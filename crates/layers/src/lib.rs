@@ -17,7 +17,9 @@ mod partition;
 mod position;
 mod rope;
 
-pub use attention::{blockwise_attention, causal_attention, causal_mask, full_attention, grouped_attention};
+pub use attention::{
+    blockwise_attention, causal_attention, causal_mask, full_attention, grouped_attention, padded_decode_attention,
+};
 pub use embedding::VocabParallelEmbedding;
 pub use error::{Error, Result};
 pub use kv_cache::KvCache;

@@ -5,7 +5,9 @@
 //! attention runs per sequence over the KV blocks of its table.
 
 use candle_core::{DType, Tensor};
-use tpinfer_layers::{causal_mask, grouped_attention, rotate_at, BlockTable, PagedKvCache, Result};
+use tpinfer_layers::{
+    causal_mask, grouped_attention, padded_decode_attention, rotate_at, BlockTable, PagedKvCache, Result,
+};
 
 use super::{add_norm, DecoderLayer, LayerContext, LlamaRank};
 
@@ -25,7 +27,25 @@ struct BatchLayout {
     positions: Tensor,
     /// Each token's KV slot, `[rows]` u32.
     slots: Tensor,
-    sequences: Vec<SequenceRows>,
+    /// The sequences with one new token (decode steps), attended together.
+    decodes: Option<DecodeGroup>,
+    /// The sequences with several (prompt chunks), attended one by one.
+    prompts: Vec<SequenceRows>,
+    /// Where each row's attention output lands among the decode group's rows, then the
+    /// prompts' (`None` when that is already the batch's order).
+    order: Option<Tensor>,
+}
+
+/// Decode steps' attention inputs: their rows of the batch, and every sequence's keys padded
+/// to the longest.
+struct DecodeGroup {
+    /// `[n]` u32.
+    rows: Tensor,
+    /// `[n · longest]` u32: each sequence's slots, then slot 0 as padding.
+    slots: Tensor,
+    /// `[n, longest]` f32: 0 over a sequence's keys, −∞ over its padding.
+    mask: Tensor,
+    longest: usize,
 }
 
 struct SequenceRows {
@@ -68,7 +88,15 @@ impl LlamaRank {
             (x, pending) = (residual, Some(mlp));
         }
         let hidden = add_norm(x, pending, &self.norm, eps)?.1.squeeze(0)?;
-        let last: Vec<u32> = layout.sequences.iter().map(|s| (s.first + s.len - 1) as u32).collect();
+
+        // Each chunk's last row.
+        let last: Vec<u32> = chunks
+            .iter()
+            .scan(0, |end, c| {
+                *end += c.tokens.len() as u32;
+                Some(*end - 1)
+            })
+            .collect();
         let last = hidden.index_select(&Tensor::new(last.as_slice(), device)?, 0)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let logits = head.project(&last)?.to_dtype(DType::F32)?;
@@ -84,7 +112,8 @@ impl LlamaRank {
             ));
         };
         let device = self.norm.device();
-        let (mut positions, mut slots, mut sequences) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut positions, mut slots) = (Vec::new(), Vec::new());
+        let (mut decodes, mut prompts) = (Vec::new(), Vec::new());
         for chunk in chunks {
             let end = chunk.start + chunk.tokens.len();
             if chunk.tokens.is_empty() || end > self.max_positions() {
@@ -94,19 +123,57 @@ impl LlamaRank {
                 });
             }
             let context = chunk.table.slots(0..end, block_size)?;
-            sequences.push(SequenceRows {
-                first: positions.len(),
-                len: chunk.tokens.len(),
-                context: Tensor::new(context.as_slice(), device)?,
-            });
+            let first = positions.len();
             positions.extend(chunk.start as u32..end as u32);
             slots.extend_from_slice(&context[chunk.start..]);
+            match chunk.tokens.len() {
+                1 => decodes.push((first as u32, context)),
+                len => prompts.push(SequenceRows {
+                    first,
+                    len,
+                    context: Tensor::new(context.as_slice(), device)?,
+                }),
+            }
         }
+        // The attention outputs come out decode rows first, then each prompt's rows.
+        let order: Vec<u32> = decodes
+            .iter()
+            .map(|&(row, _)| row)
+            .chain(prompts.iter().flat_map(|p| p.first as u32..(p.first + p.len) as u32))
+            .collect();
+        let mut landing = vec![0u32; order.len()];
+        for (at, &row) in order.iter().enumerate() {
+            landing[row as usize] = at as u32;
+        }
+        let in_order = landing.iter().enumerate().all(|(i, &at)| at as usize == i);
         Ok(BatchLayout {
             positions: Tensor::new(positions.as_slice(), device)?,
             slots: Tensor::new(slots.as_slice(), device)?,
-            sequences,
+            decodes: Self::decode_group(&decodes, device)?,
+            prompts,
+            order: (!in_order)
+                .then(|| Tensor::new(landing.as_slice(), device))
+                .transpose()?,
         })
+    }
+
+    fn decode_group(decodes: &[(u32, Vec<u32>)], device: &candle_core::Device) -> Result<Option<DecodeGroup>> {
+        let Some(longest) = decodes.iter().map(|(_, context)| context.len()).max() else {
+            return Ok(None);
+        };
+        let n = decodes.len();
+        let (mut slots, mut mask) = (vec![0u32; n * longest], vec![f32::NEG_INFINITY; n * longest]);
+        for (i, (_, context)) in decodes.iter().enumerate() {
+            slots[i * longest..i * longest + context.len()].copy_from_slice(context);
+            mask[i * longest..i * longest + context.len()].fill(0.0);
+        }
+        let rows: Vec<u32> = decodes.iter().map(|&(row, _)| row).collect();
+        Ok(Some(DecodeGroup {
+            rows: Tensor::new(rows.as_slice(), device)?,
+            slots: Tensor::new(slots.as_slice(), device)?,
+            mask: Tensor::from_vec(mask, (n, longest), device)?,
+            longest,
+        }))
     }
 }
 
@@ -127,32 +194,48 @@ impl DecoderLayer {
         cache.write(&k, &qkv.narrow(1, n_q + n_kv, n_kv)?.contiguous()?, &layout.slots)?;
         drop((k, qkv));
         let scale = 1.0 / (d as f64).sqrt();
+        let mut outs = Vec::with_capacity(1 + layout.prompts.len());
+        if let Some(group) = &layout.decodes {
+            let n = group.rows.dim(0)?;
+            let (k, v) = cache.read(&group.slots)?;
+            // [n · longest, kv, d] to [n, kv, longest, d].
+            let per_sequence = |x: Tensor| -> Result<Tensor> {
+                Ok(x.reshape((n, group.longest, n_kv, d))?.transpose(1, 2)?.contiguous()?)
+            };
+            let q = q.index_select(&group.rows, 0)?;
+            let out = padded_decode_attention(
+                &q,
+                &per_sequence(k)?,
+                &per_sequence(v)?,
+                &group.mask,
+                heads,
+                ctx.kv_index,
+                scale,
+            )?;
+            outs.push(out.reshape((n, n_q * d))?);
+        }
         // [t, heads, d] to [1, heads, t, d].
         let head_major = |x: Tensor| -> Result<Tensor> { Ok(x.transpose(0, 1)?.contiguous()?.unsqueeze(0)?) };
-        let outs = layout
-            .sequences
-            .iter()
-            .map(|s| {
-                let (k, v) = cache.read(&s.context)?;
-                let t = k.dim(0)?;
-                let mask = match s.len {
-                    1 => None,
-                    n => Some(causal_mask(n, t, q.device())?),
-                };
-                let q = head_major(q.narrow(0, s.first, s.len)?)?;
-                let out = grouped_attention(
-                    &q,
-                    &head_major(k)?,
-                    &head_major(v)?,
-                    heads,
-                    ctx.kv_index,
-                    mask.as_ref(),
-                    scale,
-                )?;
-                Ok(out.squeeze(0)?.transpose(0, 1)?.reshape((s.len, n_q * d))?)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let attn = Tensor::cat(&outs, 0)?.unsqueeze(0)?;
-        self.o_proj.forward(&attn)
+        for s in &layout.prompts {
+            let (k, v) = cache.read(&s.context)?;
+            let mask = causal_mask(s.len, k.dim(0)?, q.device())?;
+            let q = head_major(q.narrow(0, s.first, s.len)?)?;
+            let out = grouped_attention(
+                &q,
+                &head_major(k)?,
+                &head_major(v)?,
+                heads,
+                ctx.kv_index,
+                Some(&mask),
+                scale,
+            )?;
+            outs.push(out.squeeze(0)?.transpose(0, 1)?.reshape((s.len, n_q * d))?);
+        }
+        let attn = Tensor::cat(&outs, 0)?;
+        let attn = match &layout.order {
+            Some(order) => attn.index_select(order, 0)?,
+            None => attn,
+        };
+        self.o_proj.forward(&attn.unsqueeze(0)?)
     }
 }
