@@ -17,6 +17,7 @@ mod collectives;
 mod decode;
 mod encode;
 mod linear;
+mod load;
 mod plots;
 mod sweep;
 #[cfg(feature = "timeline")]
@@ -61,6 +62,9 @@ enum Command {
     /// The Wan VAE decoder at each TP width: seconds per decode, memory against the plan,
     /// and the frames for reference_vae.py to compare.
     Vae(vae::VaeArgs),
+    /// An OpenAI-compatible server (`tpinfer serve`) under concurrent streamed requests:
+    /// output tok/s, time to first token and inter-token latency per concurrency.
+    Load(load::LoadArgs),
     /// One rank's decode step as its chain kernels' CTAs saw it (a `timeline` build).
     #[cfg(feature = "timeline")]
     Timeline(timeline::TimelineArgs),
@@ -578,6 +582,7 @@ fn main() -> Result<()> {
         Command::Collectives(args) => collectives::run(args),
         Command::Encode(args) => encode::encode(args),
         Command::Vae(args) => vae::vae(args),
+        Command::Load(args) => load::run(args),
         #[cfg(feature = "timeline")]
         Command::Timeline(args) => timeline::run(args),
     }

@@ -28,9 +28,9 @@ pub struct PlanArgs {
     /// LLM: the longest sequence (default: the model's, at most 8192; vLLM's --max-model-len).
     #[arg(long, alias = "max-model-len")]
     max_context: Option<usize>,
-    /// LLM: sequences served at once, each with its own KV cache (default 1; the engine
-    /// serves one at a time, so larger batches are planning figures).
-    #[arg(long)]
+    /// LLM: sequences served at once (`tpinfer serve --max-seqs`), sharing a paged KV cache
+    /// sized for this many at full context (default 1: one sequence with a cache of its own).
+    #[arg(long, visible_alias = "max-seqs")]
     batch: Option<usize>,
     /// DiT: frames, 4k + 1 (default 81).
     #[arg(long)]

@@ -173,7 +173,10 @@ impl Engine {
             prompt,
             max_new_tokens: request.max_new_tokens,
             sampling: request.sampling,
-            eos: self.config.eos_token_ids.clone(),
+            eos: match request.ignore_eos {
+                true => Vec::new(),
+                false => self.config.eos_token_ids.clone(),
+            },
             events,
             logits,
         });

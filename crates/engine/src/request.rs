@@ -114,6 +114,9 @@ pub struct GenerateRequest {
     pub prompt: Prompt,
     pub max_new_tokens: usize,
     pub sampling: SamplingParams,
+    /// Generate past the model's end-of-sequence tokens, to `max_new_tokens` or a full
+    /// context: for benchmarks that need outputs of a fixed length.
+    pub ignore_eos: bool,
 }
 
 impl GenerateRequest {
@@ -123,6 +126,7 @@ impl GenerateRequest {
             prompt,
             max_new_tokens,
             sampling: SamplingParams::default(),
+            ignore_eos: false,
         }
     }
 

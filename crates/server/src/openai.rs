@@ -85,6 +85,9 @@ pub struct Common {
     pub stream_options: Option<StreamOptions>,
     pub n: Option<i64>,
     pub repetition_penalty: Option<f32>,
+    /// vLLM's: generate past end-of-sequence tokens (benchmarks of fixed output lengths).
+    #[serde(default)]
+    pub ignore_eos: bool,
     pub frequency_penalty: Option<f64>,
     pub presence_penalty: Option<f64>,
 }
@@ -260,8 +263,10 @@ impl Common {
             Some(Stop::One(stop)) => vec![stop],
             Some(Stop::Many(stops)) => stops,
         };
+        let mut request = GenerateRequest::new(prompt, max_new_tokens).with_sampling(sampling);
+        request.ignore_eos = self.ignore_eos;
         Ok(Checked {
-            request: GenerateRequest::new(prompt, max_new_tokens).with_sampling(sampling),
+            request,
             stops,
             stream: self.stream,
             include_usage: self.stream_options.is_some_and(|o| o.include_usage),

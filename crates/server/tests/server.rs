@@ -353,7 +353,7 @@ async fn a_soak_of_500_requests_loses_nothing() {
     for i in 0..500usize {
         let (base, client) = (base.clone(), client.clone());
         tasks.spawn(async move {
-            // A few requests a millisecond, for some 30 s of load in a debug build at most.
+            // One request every 2 ms: a second of arrivals, far more than the engine clears.
             tokio::time::sleep(Duration::from_millis(i as u64 * 2)).await;
             let request = json!({
                 "model": MODEL, "prompt": format!("soak {i}"), "max_tokens": 1 + i % 7,

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The serving benchmark (issue #33) on one GPU: `tpinfer serve` of the Llama-3-8B shape
+# (random bf16 weights) driven over HTTP by `tpinfer-bench load` at each concurrency of
+# $LEVELS (default 1,8,32,64,128; prompt 512, output 256 tokens, greedy), then transformers'
+# batched generate on the same checkpoint (scripts/reference/reference_serving.py) at $BATCHES
+# (default 1,32,64). Binaries from $BIN (scripts/build/build-cuda.sh's .dist). Needs torch.
+# Results: $OUT/serve-speed.log (and the servers' own logs, $OUT/serve-*.log). First, a server
+# with --max-seqs 1 (one request at a time, the captured decode step) at concurrency 1,
+# greedy and at temperature 0.7.
+. "$(dirname "$0")/env.sh"
+TOK=${TOK:-.dist/llama3-tokenizer}
+LOG=$OUT/serve-speed.log
+log() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
+[ -f "$W/m8b/config.json" ] || $PY "$SCRIPTS/reference/reference_llama.py" make --shape 8b --dtype bf16 \
+  --out "$W/m8b" --tokenizer "$TOK" >> "$LOG" 2>&1 || { log "making the model failed"; exit 1; }
+cat "$W"/m8b/*.safetensors > /dev/null
+# serve MAX_SEQS: starts the server, waits until it answers.
+serve() {
+  log "tpinfer serve --max-seqs $1"
+  "$BIN/tpinfer" serve --model "$W/m8b" --served-model-name m8b --tp 1 --device cuda --port 8123 \
+    --max-seqs "$1" --max-context "${CONTEXT:-1024}" > "$OUT/serve-$1.log" 2>&1 &
+  server=$!
+  for _ in $(seq 300); do
+    curl -sf localhost:8123/health > /dev/null && return 0
+    kill -0 $server 2> /dev/null || { log "the server exited"; tail -n 5 "$OUT/serve-$1.log" | tee -a "$LOG"; return 1; }
+    sleep 1
+  done
+}
+# load LEVELS [EXTRA...]
+load() {
+  local levels=$1; shift
+  log "load: levels $levels $*"
+  timeout "${LIMIT:-300}" "$BIN/tpinfer-bench" load --url http://127.0.0.1:8123 --model m8b \
+    --concurrency "$levels" --rounds "${ROUNDS:-1}" --vocab 128000 "$@" 2>&1 | tee -a "$LOG"
+}
+stop() {
+  curl -s localhost:8123/metrics | grep -E "^tpinfer_(kv_blocks|requests_total|generation_tokens_total)" | tee -a "$LOG"
+  kill -TERM $server; wait $server; log "server exit status $?"
+}
+# One request at a time through the captured decode step, greedy and sampled.
+if serve 1; then
+  load 1
+  load 1 --temperature 0.7
+  stop
+fi
+# Continuous batching.
+if serve "${MAX_SEQS:-128}"; then
+  load "${LEVELS:-1,8,32,64,128}"
+  stop
+fi
+log "transformers baseline"
+timeout 240 $PY "$SCRIPTS/reference/reference_serving.py" --model "$W/m8b" --batch "${BATCHES:-1,32,64}" 2>&1 \
+  | grep -v Warning | tee -a "$LOG"
+log done
