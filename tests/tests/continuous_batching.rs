@@ -136,3 +136,22 @@ fn zero_sequences_or_step_tokens_are_refused_by_name() {
         assert!(error.to_string().contains("max_seqs"), "{error}");
     }
 }
+
+#[test]
+fn non_finite_logits_end_greedy_and_sampled_requests_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let engine = Engine::builder(&path)
+        .max_seqs(4)
+        .inject_fault(Fault::NonFinite { rank: 0, step: 2 })
+        .build()
+        .expect("engine");
+    let streams: Vec<_> = [request(0), request(1)]
+        .into_iter()
+        .map(|r| engine.generate(r).expect("generate"))
+        .collect();
+    for stream in streams {
+        let error = stream.collect_text().expect_err("NaN logits");
+        assert!(matches!(error, EngineError::NonFinite { .. }), "{error}");
+    }
+}

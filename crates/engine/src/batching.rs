@@ -78,14 +78,20 @@ pub(crate) fn serve(
             batch.refuse_unplaceable();
             continue;
         }
-        let chunks: Arc<Vec<(Vec<u32>, usize, BlockTable)>> = Arc::new(
+        let chunks: Arc<Vec<StepChunk>> = Arc::new(
             plan.iter()
                 .map(|&(i, len)| {
                     let s = &batch.running[i];
-                    (s.context[s.cached..s.cached + len].to_vec(), s.cached, s.table.clone())
+                    StepChunk {
+                        tokens: s.context[s.cached..s.cached + len].to_vec(),
+                        start: s.cached,
+                        table: s.table.clone(),
+                        need: s.need(len),
+                    }
                 })
                 .collect(),
         );
+        let started = Instant::now();
         let outcome = group.run(move |rank| -> Result<StepRows, EngineError> {
             let r = rank.env.rank;
             let mut poisoned = false;
@@ -97,10 +103,10 @@ pub(crate) fn serve(
             let model = rank.models.get_mut(&llama)?;
             let refs: Vec<SequenceChunk> = chunks
                 .iter()
-                .map(|(tokens, start, table)| SequenceChunk {
-                    tokens,
-                    start: *start,
-                    table,
+                .map(|c| SequenceChunk {
+                    tokens: &c.tokens,
+                    start: c.start,
+                    table: &c.table,
                 })
                 .collect();
             let mut logits = model.forward_batch(&refs).map_err(|e| RuntimeError::of_rank(r, e))?;
@@ -110,13 +116,25 @@ pub(crate) fn serve(
             if poisoned {
                 logits = (logits * f64::NAN).map_err(sample_err)?;
             }
+            let needs: Vec<Need> = chunks.iter().map(|c| c.need).collect();
             Ok(StepRows {
-                rows: logits.to_vec2::<f32>().map_err(sample_err)?,
+                rows: rows_out(&logits, &needs).map_err(sample_err)?,
                 collectives: rank.env.comm.stats().snapshot().since(&before).time,
             })
         });
+        let forward = started.elapsed();
         match outcome {
-            Ok(mut ranks) if !ranks.is_empty() => batch.advance(&plan, ranks.swap_remove(0)),
+            Ok(mut ranks) if !ranks.is_empty() => {
+                let tokens: usize = plan.iter().map(|&(_, len)| len).sum();
+                batch.advance(&plan, ranks.swap_remove(0));
+                tracing::debug!(
+                    sequences = plan.len(),
+                    tokens,
+                    forward_ms = forward.as_secs_f64() * 1e3,
+                    step_ms = started.elapsed().as_secs_f64() * 1e3,
+                    "a batched step"
+                );
+            }
             Ok(_) => batch.fail_all(RuntimeError::Stopped("the ranks returned nothing".into()).into()),
             Err(e) => {
                 status.failed(&e.to_string());
@@ -126,12 +144,73 @@ pub(crate) fn serve(
     }
 }
 
-/// Rank 0's part of a step: each chunk's logits at its last token, and its host time in
-/// collectives.
+/// One sequence's chunk of a step, as the ranks take it.
+struct StepChunk {
+    tokens: Vec<u32>,
+    start: usize,
+    table: BlockTable,
+    need: Need,
+}
+
+/// What a chunk's logits are read for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Need {
+    /// A prompt chunk before the prompt's end: nothing.
+    Nothing,
+    /// A greedy choice: the argmax, taken on the device.
+    Argmax,
+    /// Sampling (or a trace of the logits): the whole row on the host.
+    Row,
+}
+
+/// What rank 0 reads of one chunk's logits.
+#[derive(Debug, Clone, PartialEq)]
+enum RowOut {
+    Nothing,
+    Token(u32),
+    Logits(Vec<f32>),
+    /// The row holds NaN or infinite values.
+    NonFinite,
+}
+
+/// Rank 0's part of a step: what each chunk's logits at its last token give, and its host
+/// time in collectives.
 #[derive(Default)]
 struct StepRows {
-    rows: Vec<Vec<f32>>,
+    rows: Vec<RowOut>,
     collectives: Duration,
+}
+
+/// Reads `logits` `[chunks, vocab]` as `needs` says: the argmax of every row and each row's
+/// sum (a NaN or an infinity makes it not finite) in two small copies, and only the rows that
+/// sample in full.
+fn rows_out(logits: &Tensor, needs: &[Need]) -> candle_core::Result<Vec<RowOut>> {
+    if needs.iter().all(|&n| n == Need::Nothing) {
+        return Ok(vec![RowOut::Nothing; needs.len()]);
+    }
+    let ids = tpinfer_layers::argmax(logits)?.flatten_all()?.to_vec1::<u32>()?;
+    let sums = logits.sum_keepdim(1)?.flatten_all()?.to_vec1::<f32>()?;
+    let full: Vec<u32> = (0..needs.len() as u32)
+        .filter(|&i| needs[i as usize] == Need::Row)
+        .collect();
+    let mut rows = match full.is_empty() {
+        true => Vec::new(),
+        false => {
+            let index = Tensor::new(full.as_slice(), logits.device())?;
+            logits.index_select(&index, 0)?.to_vec2::<f32>()?
+        }
+    }
+    .into_iter();
+    Ok(needs
+        .iter()
+        .zip(ids.into_iter().zip(sums))
+        .map(|(need, (id, sum))| match (need, sum.is_finite()) {
+            (Need::Nothing, _) => RowOut::Nothing,
+            (_, false) => RowOut::NonFinite,
+            (Need::Argmax, true) => RowOut::Token(id),
+            (Need::Row, true) => rows.next().map_or(RowOut::NonFinite, RowOut::Logits),
+        })
+        .collect())
 }
 
 fn sample_err(e: candle_core::Error) -> EngineError {
@@ -177,26 +256,29 @@ impl Sequence {
         self.context.len() - self.job.prompt.len()
     }
 
-    /// Chooses the next token from `logits` and streams it; says why the sequence stops, if it
-    /// does (the token is kept either way).
-    fn sample(&mut self, logits: Vec<f32>, max_positions: usize) -> Result<Option<StopReason>, EngineError> {
-        if logits.iter().any(|v| !v.is_finite()) {
-            return Err(EngineError::NonFinite {
-                what: "logits",
-                stage: format!("decode step {}", self.generated()),
-            });
+    /// How its next chunk of `len` positions reads its logits.
+    fn need(&self, len: usize) -> Need {
+        match self.cached + len < self.context.len() {
+            true => Need::Nothing,
+            false if self.job.sampling.is_greedy() && self.job.logits.is_none() => Need::Argmax,
+            false => Need::Row,
         }
-        if let Some(trace) = &self.job.logits {
-            let _ = trace.send(logits.clone());
-        }
-        let sampling = &self.job.sampling;
-        let vocab = logits.len();
-        let mut scores = Tensor::from_vec(logits, vocab, &Device::Cpu).map_err(sample_err)?;
-        if sampling.repetition_penalty != 1.0 {
-            let window = &self.context[self.context.len().saturating_sub(sampling.repetition_window)..];
-            scores = apply_repeat_penalty(&scores, sampling.repetition_penalty, window).map_err(sample_err)?;
-        }
-        let token = self.sampler.sample(&scores).map_err(sample_err)?;
+    }
+
+    /// Takes the next token from a step's `row` (chosen on the device, or sampled here from
+    /// the logits) and streams it; says why the sequence stops, if it does (the token is kept
+    /// either way).
+    fn take(&mut self, row: RowOut, max_positions: usize) -> Result<Option<StopReason>, EngineError> {
+        let token = match row {
+            RowOut::Token(token) => token,
+            RowOut::Logits(logits) => self.sample(logits)?,
+            RowOut::Nothing | RowOut::NonFinite => {
+                return Err(EngineError::NonFinite {
+                    what: "logits",
+                    stage: format!("decode step {}", self.generated()),
+                })
+            }
+        };
         self.first_token.get_or_insert_with(|| self.submitted.elapsed());
         self.context.push(token);
         let cancelled = self.job.events.send(RankEvent::Token(token)).is_err();
@@ -211,6 +293,21 @@ impl Sequence {
         } else {
             None
         })
+    }
+
+    /// Samples from the whole row of `logits`, with the request's own sampler.
+    fn sample(&mut self, logits: Vec<f32>) -> Result<u32, EngineError> {
+        if let Some(trace) = &self.job.logits {
+            let _ = trace.send(logits.clone());
+        }
+        let sampling = &self.job.sampling;
+        let vocab = logits.len();
+        let mut scores = Tensor::from_vec(logits, vocab, &Device::Cpu).map_err(sample_err)?;
+        if sampling.repetition_penalty != 1.0 {
+            let window = &self.context[self.context.len().saturating_sub(sampling.repetition_window)..];
+            scores = apply_repeat_penalty(&scores, sampling.repetition_penalty, window).map_err(sample_err)?;
+        }
+        self.sampler.sample(&scores).map_err(sample_err)
     }
 
     fn finish(self, outcome: Result<StopReason, EngineError>) {
@@ -372,14 +469,14 @@ impl Batch {
     fn advance(&mut self, plan: &[(usize, usize)], step: StepRows) {
         let max_positions = self.limits.max_positions;
         let mut ended = Vec::new();
-        for (&(i, len), logits) in plan.iter().zip(step.rows) {
+        for (&(i, len), row) in plan.iter().zip(step.rows) {
             let s = &mut self.running[i];
             s.cached += len;
             s.collectives += step.collectives;
             if s.cached < s.context.len() {
                 continue;
             }
-            match s.sample(logits, max_positions) {
+            match s.take(row, max_positions) {
                 Ok(None) => {}
                 Ok(Some(reason)) => ended.push((i, Ok(reason))),
                 Err(e) => ended.push((i, Err(e))),
@@ -438,10 +535,10 @@ mod tests {
         })
     }
 
-    /// Greedy logits choosing token 1 for every chunk of `plan`.
+    /// Token 1 for every chunk of `plan`, as greedy rows read on the device give it.
     fn rows(plan: &[(usize, usize)]) -> StepRows {
         StepRows {
-            rows: plan.iter().map(|_| vec![0.0, 1.0, 0.0]).collect(),
+            rows: plan.iter().map(|_| RowOut::Token(1)).collect(),
             collectives: Duration::ZERO,
         }
     }

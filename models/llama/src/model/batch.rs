@@ -198,10 +198,10 @@ impl DecoderLayer {
         if let Some(group) = &layout.decodes {
             let n = group.rows.dim(0)?;
             let (k, v) = cache.read(&group.slots)?;
-            // [n · longest, kv, d] to [n, kv, longest, d].
-            let per_sequence = |x: Tensor| -> Result<Tensor> {
-                Ok(x.reshape((n, group.longest, n_kv, d))?.transpose(1, 2)?.contiguous()?)
-            };
+            // [n · longest, kv, d] to [n, kv, longest, d], a view: the attention's cast to f32
+            // lays it out.
+            let per_sequence =
+                |x: Tensor| -> Result<Tensor> { Ok(x.reshape((n, group.longest, n_kv, d))?.transpose(1, 2)?) };
             let q = q.index_select(&group.rows, 0)?;
             let out = padded_decode_attention(
                 &q,
