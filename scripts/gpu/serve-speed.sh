@@ -17,7 +17,7 @@ cat "$W"/m8b/*.safetensors > /dev/null
 # serve MAX_SEQS: starts the server, waits until it answers.
 serve() {
   log "tpinfer serve --max-seqs $1"
-  "$BIN/tpinfer" serve --model "$W/m8b" --served-model-name m8b --tp 1 --device cuda --port 8123 \
+  RUST_LOG=${RUST_LOG:-info,tpinfer_engine::batching=debug} "$BIN/tpinfer" serve --model "$W/m8b" --served-model-name m8b --tp 1 --device cuda --port 8123 \
     --max-seqs "$1" --max-context "${CONTEXT:-1024}" > "$OUT/serve-$1.log" 2>&1 &
   server=$!
   for _ in $(seq 300); do
@@ -37,8 +37,8 @@ stop() {
   curl -s localhost:8123/metrics | grep -E "^tpinfer_(kv_blocks|requests_total|generation_tokens_total)" | tee -a "$LOG"
   kill -TERM $server; wait $server; log "server exit status $?"
 }
-# One request at a time through the captured decode step, greedy and sampled.
-if serve 1; then
+# One request at a time through the captured decode step, greedy and sampled (SINGLE=0 skips it).
+if [ "${SINGLE:-1}" = 1 ] && serve 1; then
   load 1
   load 1 --temperature 0.7
   stop
@@ -47,6 +47,14 @@ fi
 if serve "${MAX_SEQS:-128}"; then
   load "${LEVELS:-1,8,32,64,128}"
   stop
+  # Each batched step's times (the engine's debug events), by the sequences in it.
+  log "batched steps: kind and sequences, steps, mean forward ms, mean step ms"
+  grep "a batched step" "$OUT/serve-${MAX_SEQS:-128}.log" | sed 's/\x1b\[[0-9;]*m//g' | awk '
+    { for (i = 1; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
+      s = v["sequences"]; b = (v["tokens"] == s ? "decode " : "with a prompt chunk ")
+      b = b (s >= 128 ? 128 : s >= 64 ? 64 : s >= 32 ? 32 : s >= 8 ? 8 : 1) "+"
+      n[b]++; f[b] += v["forward_ms"]; t[b] += v["step_ms"] }
+    END { for (b in n) printf "%s\t%d\t%.2f\t%.2f\n", b, n[b], f[b] / n[b], t[b] / n[b] }' | sort | tee -a "$LOG"
 fi
 log "transformers baseline"
 timeout 240 $PY "$SCRIPTS/reference/reference_serving.py" --model "$W/m8b" --batch "${BATCHES:-1,32,64}" 2>&1 \
