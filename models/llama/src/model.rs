@@ -475,6 +475,21 @@ impl LlamaRank {
         Ok(head.project(&last)?.to_dtype(DType::F32)?)
     }
 
+    /// What every layer of a forward shares: attention through the fused kernel where
+    /// `flash`, else with `mask` (none for one query).
+    fn layer_context<'a>(&'a self, flash: bool, mask: Option<&'a Tensor>) -> LayerContext<'a> {
+        LayerContext {
+            at: &self.position,
+            flash,
+            mask,
+            rope: &self.rope,
+            shard: &self.shard,
+            kv_index: &self.kv_index,
+            config: &self.config,
+            decode_scratch: &self.decode_scratch,
+        }
+    }
+
     /// The final norm's output for `ids`, `[1, s, hidden]`, after caching their keys and values.
     fn hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
         if self.flash && ids.dims() == [1, 1] {
@@ -488,16 +503,7 @@ impl LlamaRank {
             _ if self.flash => None,
             _ => Some(causal_mask(seq, offset + seq, x.device())?),
         };
-        let ctx = LayerContext {
-            at: &self.position,
-            flash: self.flash,
-            mask: mask.as_ref(),
-            rope: &self.rope,
-            shard: &self.shard,
-            kv_index: &self.kv_index,
-            config: &self.config,
-            decode_scratch: &self.decode_scratch,
-        };
+        let ctx = self.layer_context(self.flash, mask.as_ref());
         let eps = self.config.rms_norm_eps;
         // The last MLP's output, not yet added to the residual stream `x`: the next input norm
         // adds it in the same pass.
@@ -524,16 +530,7 @@ impl LlamaRank {
         let x = self.embed.embed(ids)?;
         b.stream.slice_set(&x.reshape(b.zeros.shape())?.unsqueeze(0)?, 0, 0)?;
         drop(x);
-        let ctx = LayerContext {
-            at: &self.position,
-            flash: true,
-            mask: None,
-            rope: &self.rope,
-            shard: &self.shard,
-            kv_index: &self.kv_index,
-            config: &self.config,
-            decode_scratch: &self.decode_scratch,
-        };
+        let ctx = self.layer_context(true, None);
         // Outside the chain: a copy, not a kernel, comes before it.
         let first = self.layers.first().map_or(&self.norm, |l| &l.input_norm);
         add_rms_norm_into(&b.stream, &b.zeros, first, eps)?;

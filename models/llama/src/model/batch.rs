@@ -68,16 +68,8 @@ impl LlamaRank {
         let ids = Tensor::new(ids.as_slice(), device)?.unsqueeze(0)?;
         let mut x = self.embed.embed(&ids)?;
         drop(ids);
-        let ctx = LayerContext {
-            at: &self.position,
-            flash: false,
-            mask: None,
-            rope: &self.rope,
-            shard: &self.shard,
-            kv_index: &self.kv_index,
-            config: &self.config,
-            decode_scratch: &self.decode_scratch,
-        };
+        // The batch's attention builds its own masks.
+        let ctx = self.layer_context(false, None);
         let eps = self.config.rms_norm_eps;
         let mut pending = None;
         for layer in &self.layers {
