@@ -171,6 +171,7 @@ struct Generation {
 }
 
 fn start(s: Arc<AppState>, kind: Kind, checked: Result<Checked, ApiError>) -> Result<(Generation, bool), ApiError> {
+    let arrived = Instant::now();
     let checked = checked?;
     if let Health::Failed(cause) = s.engine.health() {
         return Err(unavailable(&cause));
@@ -185,7 +186,14 @@ fn start(s: Arc<AppState>, kind: Kind, checked: Result<Checked, ApiError>) -> Re
         ));
     }
     let in_flight = InFlight(s.clone());
-    let events = s.engine.generate_stream(checked.request).map_err(engine_error)?;
+    let prompt = match kind {
+        Kind::Completion => "prompt",
+        Kind::Chat => "messages",
+    };
+    let events = s
+        .engine
+        .generate_stream(checked.request)
+        .map_err(|e| request_error(e, prompt))?;
     let n = s.next_id.fetch_add(1, Ordering::Relaxed);
     let id = match kind {
         Kind::Completion => format!("cmpl-{n}"),
@@ -199,7 +207,7 @@ fn start(s: Arc<AppState>, kind: Kind, checked: Result<Checked, ApiError>) -> Re
         events,
         stops: StopMatcher::new(checked.stops),
         include_usage: checked.include_usage,
-        arrived: Instant::now(),
+        arrived,
         last_token: None,
         first_token: None,
         gaps: Vec::new(),
@@ -213,14 +221,27 @@ fn start(s: Arc<AppState>, kind: Kind, checked: Result<Checked, ApiError>) -> Re
     Ok((generation, checked.stream))
 }
 
-/// An engine error as the client sees it: its request's fault (400), or the engine's (503).
+/// An error of the engine's taking a request: the request's fault (400, naming the field its
+/// prompt came in, `prompt`), or the engine's.
+fn request_error(e: EngineError, prompt: &'static str) -> ApiError {
+    match e {
+        EngineError::PromptTooLong { .. } | EngineError::EmptyPrompt => {
+            ApiError::bad_request(Some(prompt), e.to_string())
+        }
+        EngineError::InvalidRequest(_) | EngineError::Tokenizer(_) => ApiError::bad_request(None, e.to_string()),
+        e => engine_error(e),
+    }
+}
+
+/// An engine error during a request: a rank failed (503, as every later request gets), or
+/// this request did (500: its logits were not finite, or its sampling failed).
 fn engine_error(e: EngineError) -> ApiError {
     match e {
-        EngineError::PromptTooLong { .. } => ApiError::bad_request(Some("prompt"), e.to_string()),
-        EngineError::EmptyPrompt => ApiError::bad_request(Some("prompt"), e.to_string()),
-        EngineError::InvalidRequest(_) | EngineError::Tokenizer(_) => ApiError::bad_request(None, e.to_string()),
         EngineError::Runtime(RuntimeError::Stopped(cause)) => unavailable(&cause),
-        e => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        EngineError::Runtime(_) | EngineError::Injected { .. } => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+        }
+        e => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
 }
 

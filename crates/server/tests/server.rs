@@ -309,10 +309,13 @@ async fn bad_requests_get_400_naming_the_field() {
             assert_eq!(error["error"]["param"], param, "{request}: {body}");
         }
     }
-    let chat = json!({"model": MODEL, "messages": []});
-    let (status, body) = post(&base, "/v1/chat/completions", chat).await;
-    assert_eq!(status, 400, "{body}");
-    assert!(body.contains("messages"), "{body}");
+    for messages in [json!([]), json!([{"role": "user", "content": "y".repeat(200)}])] {
+        let chat = json!({"model": MODEL, "messages": messages});
+        let (status, body) = post(&base, "/v1/chat/completions", chat).await;
+        assert_eq!(status, 400, "{body}");
+        let error: Value = serde_json::from_str(&body).expect("JSON");
+        assert_eq!(error["error"]["param"], "messages", "{body}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
