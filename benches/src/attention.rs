@@ -1,7 +1,9 @@
 //! `tpinfer-bench attention`: the fused flash-attention kernel against an f32 reference
 //! computed from the same bf16 inputs (one head at a time, scores materialized), for numerics,
 //! and its time per call in ms and TFLOP/s. A `cached` case runs the KV-cache entry point over
-//! a cache whose slots past the filled keys hold NaN, which must not reach the output.
+//! a cache whose slots past the filled keys hold NaN, which must not reach the output. A
+//! `paged` case runs the continuous-batching decode kernel: many sequences of different
+//! lengths, each over its own scattered blocks of a pool whose unused blocks hold NaN.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
@@ -9,8 +11,10 @@ use clap::Args;
 
 #[derive(Args)]
 pub struct AttentionArgs {
-    /// Cases `Q_LEN:KV_LEN:HEADS:KV_HEADS:HEAD_DIM[:causal|:cached]`; `cached`: causal, the
-    /// last Q_LEN of KV_LEN keys through a KV cache with 77 unfilled (NaN) slots after them.
+    /// Cases `Q_LEN:KV_LEN:HEADS:KV_HEADS:HEAD_DIM[:causal|:cached|:paged]`; `cached`: causal,
+    /// the last Q_LEN of KV_LEN keys through a KV cache with 77 unfilled (NaN) slots after
+    /// them; `paged`: Q_LEN sequences of one query each, sequence i over KV_LEN · (i + 1) /
+    /// Q_LEN keys in blocks of 16 of a paged pool.
     #[arg(long, value_delimiter = ',', required = true)]
     cases: Vec<String>,
     /// Timed calls per case, after one warm-up.
@@ -33,15 +37,17 @@ struct Case {
     head_dim: usize,
     causal: bool,
     cached: bool,
+    paged: bool,
 }
 
 fn parse(case: &str) -> Result<Case> {
     let parts: Vec<&str> = case.split(':').collect();
     let n = |i: usize| -> Result<usize> { parts.get(i).context("too few fields")?.parse().context("not a number") };
-    let (causal, cached) = match parts.get(5) {
-        None => (false, false),
-        Some(&"causal") => (true, false),
-        Some(&"cached") => (true, true),
+    let (causal, cached, paged) = match parts.get(5) {
+        None => (false, false, false),
+        Some(&"causal") => (true, false, false),
+        Some(&"cached") => (true, true, false),
+        Some(&"paged") => (false, false, true),
         Some(other) => bail!("unknown flag {other} in {case}"),
     };
     Ok(Case {
@@ -52,6 +58,7 @@ fn parse(case: &str) -> Result<Case> {
         head_dim: n(4)?,
         causal,
         cached,
+        paged,
     })
 }
 
@@ -61,6 +68,10 @@ pub fn run(args: AttentionArgs) -> Result<()> {
     println!("|---|---|---|---|---|---|---|---|");
     for text in &args.cases {
         let c = parse(text).with_context(|| format!("case {text}"))?;
+        if c.paged {
+            paged(&c, &args, &device)?;
+            continue;
+        }
         let randn = |len: usize, heads: usize| -> Result<Tensor> {
             Ok(Tensor::randn(0f32, 1.0, (len, heads, c.head_dim), &device)?.to_dtype(DType::BF16)?)
         };
@@ -182,4 +193,89 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Re
         out.push(probs.matmul(&head(v, kv)?)?);
     }
     Ok(Tensor::stack(&out, 1)?)
+}
+
+/// Positions per block of a `paged` case (the engine's KV_BLOCK_SIZE).
+const PAGED_BLOCK: usize = 16;
+
+/// A `paged` case: `q_len` sequences, sequence i over `kv_len · (i + 1) / q_len` keys, their
+/// blocks dealt out of the pool in a scrambled order; the pool's unused block holds NaN.
+fn paged(c: &Case, args: &AttentionArgs, device: &candle_core::Device) -> Result<()> {
+    let n = c.q_len;
+    let lens: Vec<usize> = (0..n).map(|i| (c.kv_len * (i + 1) / n).max(1)).collect();
+    let counts: Vec<usize> = lens.iter().map(|l| l.div_ceil(PAGED_BLOCK)).collect();
+    let used: usize = counts.iter().sum();
+    // Block `used` (the last) is never dealt: NaN there must not reach any output.
+    let blocks = used + 1;
+    let mut order: Vec<u32> = (0..used as u32).collect();
+    order.sort_by_key(|&b| (b as u64 * 2_654_435_761) % used as u64);
+    let most = *counts.iter().max().context("no sequences")?;
+    let mut tables = vec![0u32; n * most];
+    let mut next = order.iter();
+    for (i, &count) in counts.iter().enumerate() {
+        for t in &mut tables[i * most..i * most + count] {
+            *t = *next.next().context("blocks")?;
+        }
+    }
+    let slots = blocks * PAGED_BLOCK;
+    let pool = Tensor::randn(0f32, 1.0, (2, slots, c.kv_heads, c.head_dim), device)?.to_dtype(DType::BF16)?;
+    let nan = Tensor::full(f32::NAN, (2, PAGED_BLOCK, c.kv_heads, c.head_dim), device)?.to_dtype(DType::BF16)?;
+    pool.slice_set(&nan, 1, used * PAGED_BLOCK)?;
+    let q = Tensor::randn(0f32, 1.0, (n, c.heads, c.head_dim), device)?.to_dtype(DType::BF16)?;
+    let u32s = |v: &[u32], shape: &[usize]| Tensor::from_vec(v.to_vec(), shape, device);
+    let q_rows: Vec<u32> = (0..n as u32).rev().collect();
+    let lens_u32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+    let group = c.heads / c.kv_heads;
+    let kv_of_q: Vec<u32> = (0..c.heads as u32).map(|h| h / group as u32).collect();
+    let (q_rows_t, tables_t) = (u32s(&q_rows, &[n])?, u32s(&tables, &[n, most])?);
+    let (lens_t, kv_t) = (u32s(&lens_u32, &[n])?, u32s(&kv_of_q, &[c.heads])?);
+    let decode = tpinfer_kernels::DecodeRows {
+        q_rows: &q_rows_t,
+        tables: &tables_t,
+        lens: &lens_t,
+        block_size: PAGED_BLOCK,
+        kv_of_q: &kv_t,
+    };
+    let scale = 1.0 / (c.head_dim as f64).sqrt();
+    let out = tpinfer_kernels::paged_decode_attention(&q, &pool, decode, scale)?;
+    device.synchronize()?;
+    let start = std::time::Instant::now();
+    for _ in 0..args.repeats {
+        tpinfer_kernels::paged_decode_attention(&q, &pool, decode, scale)?;
+    }
+    device.synchronize()?;
+    let ms = start.elapsed().as_secs_f64() * 1e3 / args.repeats as f64;
+    let keys: usize = lens.iter().sum();
+    let flops = 4.0 * (keys * c.heads * c.head_dim) as f64;
+    let bytes = (2 * keys * c.kv_heads * c.head_dim * 2) as f64;
+    let (err, rounding) = match args.no_reference {
+        true => ("—".to_string(), "—".to_string()),
+        false => {
+            let mut refs = Vec::with_capacity(n);
+            for i in 0..n {
+                let table = &tables[i * most..];
+                let at: Vec<u32> = (0..lens[i])
+                    .map(|p| table[p / PAGED_BLOCK] * PAGED_BLOCK as u32 + (p % PAGED_BLOCK) as u32)
+                    .collect();
+                let at = u32s(&at, &[lens[i]])?;
+                let (k, v) = (pool.get(0)?.index_select(&at, 0)?, pool.get(1)?.index_select(&at, 0)?);
+                let query = q.narrow(0, q_rows[i] as usize, 1)?;
+                refs.push(reference(&query, &k, &v, scale, false)?);
+            }
+            let reference = Tensor::cat(&refs, 0)?;
+            let rounded = reference.to_dtype(DType::BF16)?;
+            let rel = |x: &Tensor| crate::relative_error(x, &reference);
+            (format!("{:.2e}", rel(&out)?), format!("{:.2e}", rel(&rounded)?))
+        }
+    };
+    println!(
+        "| {n} seqs × ≤ {} ({keys} keys) | {} ({}) | {} | paged | {ms:.3} | {:.1} ({:.0} GB/s) | {err} | {rounding} |",
+        c.kv_len,
+        c.heads,
+        c.kv_heads,
+        c.head_dim,
+        flops / ms / 1e9,
+        bytes / ms / 1e6
+    );
+    Ok(())
 }

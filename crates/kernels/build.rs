@@ -12,8 +12,9 @@ use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const SOURCES: [&str; 6] = [
+const SOURCES: [&str; 7] = [
     "flash_attention",
+    "paged",
     "rowwise",
     "rotary",
     "gemv",

@@ -406,6 +406,16 @@ pub fn run_device_greedy(
     (trace, flags, all_reduces)
 }
 
+/// How [`run_batched_greedy`] batches: prompt chunks of `chunk` positions, blocks of
+/// `block_size`, and prompt chunks through the flash kernel's CPU twin when `flash` (the
+/// path CUDA ranks take in bf16).
+#[derive(Debug, Clone, Copy)]
+pub struct Batching {
+    pub chunk: usize,
+    pub block_size: usize,
+    pub flash: bool,
+}
+
 /// Greedy decoding of several prompts together through [`LlamaRank::forward_batch`] at TP
 /// `tp` on CPU rank threads, as continuous batching runs them: sequence `i` joins at step `i`,
 /// prompts are prefilled `chunk` positions a step beside the others' decode steps, and the
@@ -418,9 +428,13 @@ pub fn run_batched_greedy(
     dtype: DType,
     prompts: &[Vec<u32>],
     steps: usize,
-    chunk: usize,
-    block_size: usize,
+    how: Batching,
 ) -> Vec<LogitsTrace> {
+    let Batching {
+        chunk,
+        block_size,
+        flash,
+    } = how;
     struct Sequence {
         prompt: usize,
         context: Vec<u32>,
@@ -432,7 +446,10 @@ pub fn run_batched_greedy(
         .iter()
         .map(|p| (p.len() + steps).div_ceil(block_size))
         .sum::<usize>();
-    let runs = on_cpu_ranks_paged(model, tp, dtype, Some((blocks, block_size)), |rank, _| {
+    let runs = on_cpu_ranks_paged(model, tp, dtype, Some((blocks, block_size)), |mut rank, _| {
+        if flash {
+            rank.set_flash_attention(true).expect("flash attention");
+        }
         // Odd blocks first, then even ones, each run backwards.
         let mut free: Vec<u32> = (0..blocks as u32)
             .filter(|b| b % 2 == 0)

@@ -3,7 +3,7 @@
 //! logits of each sequence run alone at TP 1.
 
 use candle_core::DType;
-use tpinfer_tests::{rel_error, run_batched_greedy, run_greedy, TinyLlama};
+use tpinfer_tests::{rel_error, run_batched_greedy, run_greedy, Batching, TinyLlama};
 
 const DECODE_STEPS: usize = 12;
 
@@ -17,7 +17,7 @@ fn prompts() -> Vec<Vec<u32>> {
     ]
 }
 
-fn assert_batch_matches_alone(model: &TinyLlama, widths: &[usize], chunk: usize, block_size: usize) {
+fn assert_batch_matches_alone(model: &TinyLlama, widths: &[usize], how: Batching) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = model.write(dir.path());
     let prompts = prompts();
@@ -26,7 +26,7 @@ fn assert_batch_matches_alone(model: &TinyLlama, widths: &[usize], chunk: usize,
         .map(|p| run_greedy(&path, 1, DType::F32, p, DECODE_STEPS))
         .collect();
     for &tp in widths {
-        let batched = run_batched_greedy(&path, tp, DType::F32, &prompts, DECODE_STEPS, chunk, block_size);
+        let batched = run_batched_greedy(&path, tp, DType::F32, &prompts, DECODE_STEPS, how);
         assert_eq!(batched.len(), prompts.len());
         for (i, (got, want)) in batched.iter().zip(&alone).enumerate() {
             assert_eq!(got.logits.len(), DECODE_STEPS + 1, "TP {tp} sequence {i}");
@@ -41,13 +41,34 @@ fn assert_batch_matches_alone(model: &TinyLlama, widths: &[usize], chunk: usize,
 
 #[test]
 fn a_batch_over_paged_blocks_equals_each_sequence_alone() {
-    assert_batch_matches_alone(&TinyLlama::default(), &[1, 2, 3], 5, 4);
+    let how = Batching {
+        chunk: 5,
+        block_size: 4,
+        flash: false,
+    };
+    assert_batch_matches_alone(&TinyLlama::default(), &[1, 2, 3], how);
+}
+
+#[test]
+fn prompt_chunks_through_the_flash_kernel_equal_each_sequence_alone() {
+    // As CUDA ranks run bf16: each prompt chunk's causal attention in the fused kernel.
+    let how = Batching {
+        chunk: 5,
+        block_size: 4,
+        flash: true,
+    };
+    assert_batch_matches_alone(&TinyLlama::default(), &[1, 2], how);
 }
 
 #[test]
 fn whole_prompts_in_one_block_size_of_one() {
     // Every position its own block; every prompt prefilled in one step.
-    assert_batch_matches_alone(&TinyLlama::default(), &[1], 64, 1);
+    let how = Batching {
+        chunk: 64,
+        block_size: 1,
+        flash: false,
+    };
+    assert_batch_matches_alone(&TinyLlama::default(), &[1], how);
 }
 
 #[test]
@@ -59,5 +80,10 @@ fn tied_embeddings_and_biases_with_uneven_heads() {
         attention_bias: true,
         ..TinyLlama::default()
     };
-    assert_batch_matches_alone(&model, &[1, 4], 3, 8);
+    let how = Batching {
+        chunk: 3,
+        block_size: 8,
+        flash: false,
+    };
+    assert_batch_matches_alone(&model, &[1, 4], how);
 }

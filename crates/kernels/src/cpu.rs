@@ -392,6 +392,146 @@ pub(crate) fn append_rotated_kv(
     Ok(())
 }
 
+/// A batched step's rows over a paged pool `[2, slots, kv_heads, head_dim]`: row `r` at
+/// position `positions[r]`, its key and value into slot `at[r]`.
+pub(crate) struct PagedRows<'a> {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub slots: usize,
+    pub table_positions: usize,
+    pub positions: &'a [u32],
+    pub at: &'a [u32],
+}
+
+/// The rotated queries `[rows, q_heads, d]`, after writing each row's rotated keys and its
+/// values into the pool at its slot.
+pub(crate) fn rotary_qkv_paged(
+    pool: (&mut CpuStorage, &Layout),
+    qkv: (&CpuStorage, &Layout),
+    table: (&CpuStorage, &Layout),
+    g: &PagedRows<'_>,
+) -> Result<CpuStorage> {
+    if let Some(r) =
+        (0..g.positions.len()).find(|&r| g.positions[r] as usize >= g.table_positions || g.at[r] as usize >= g.slots)
+    {
+        candle_core::bail!(
+            "rotary_qkv_paged: row {r} at position {} into slot {} is outside the table's {} positions or the pool's \
+             {} slots",
+            g.positions[r],
+            g.at[r],
+            g.table_positions,
+            g.slots
+        );
+    }
+    fn write<T: WithDType>(pool: &mut [T], xs: &[T], ts: &[T], g: &PagedRows<'_>) -> Vec<T> {
+        let (d, half) = (g.head_dim, g.head_dim / 2);
+        let width = (g.q_heads + 2 * g.kv_heads) * d;
+        let (keys, values) = pool.split_at_mut(g.slots * g.kv_heads * d);
+        let mut queries = vec![T::from_f64(0.0); g.positions.len() * g.q_heads * d];
+        for (r, (&position, &slot)) in g.positions.iter().zip(g.at).enumerate() {
+            let (cos, sin) = rotation(ts, g.table_positions, half, position as usize);
+            let row = &xs[r * width..][..width];
+            for h in 0..g.q_heads {
+                rotate(
+                    &row[h * d..][..d],
+                    cos,
+                    sin,
+                    &mut queries[(r * g.q_heads + h) * d..][..d],
+                );
+            }
+            let at = slot as usize * g.kv_heads * d;
+            for h in 0..g.kv_heads {
+                let k = &row[(g.q_heads + h) * d..][..d];
+                rotate(k, cos, sin, &mut keys[at + h * d..][..d]);
+                let v = &row[(g.q_heads + g.kv_heads + h) * d..][..d];
+                values[at + h * d..][..d].copy_from_slice(v);
+            }
+        }
+        queries
+    }
+    let Some((start, end)) = pool.1.contiguous_offsets() else {
+        candle_core::bail!("rotary_qkv_paged: the pool must be contiguous");
+    };
+    macro_rules! write_to {
+        ($p:expr, $t:ty) => {
+            <$t>::to_cpu_storage_owned(write(
+                &mut $p[start..end],
+                contiguous(qkv.0, qkv.1)?,
+                contiguous(table.0, table.1)?,
+                g,
+            ))
+        };
+    }
+    Ok(match pool.0 {
+        CpuStorage::F32(p) => write_to!(p, f32),
+        CpuStorage::BF16(p) => write_to!(p, half::bf16),
+        CpuStorage::F16(p) => write_to!(p, half::f16),
+        other => candle_core::bail!("rotary_qkv_paged: unsupported dtype {:?}", other.dtype()),
+    })
+}
+
+/// The decode rows of a batched step over a paged pool (see `crate::DecodeRows`), on the
+/// host; checked against the pool by the caller.
+pub(crate) struct PagedDecode<'a> {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub slots: usize,
+    pub block_size: usize,
+    pub max_blocks: usize,
+    pub q_rows: &'a [u32],
+    pub tables: &'a [u32],
+    pub lens: &'a [u32],
+    pub kv_of_q: &'a [u32],
+}
+
+/// Each decode row's attention over its sequence's slots, `[n, q_heads, d]`, with an online
+/// softmax as the CUDA kernel (no score buffer).
+pub(crate) fn paged_decode_attention(
+    q: (&CpuStorage, &Layout),
+    pool: (&CpuStorage, &Layout),
+    g: &PagedDecode<'_>,
+    scale: f32,
+) -> Result<CpuStorage> {
+    let d = g.head_dim;
+    let row = g.kv_heads * d;
+    typed!(q.0, T => {
+        let (qs, ps) = (contiguous::<T>(q.0, q.1)?, contiguous::<T>(pool.0, pool.1)?);
+        let (keys, values) = ps.split_at(g.slots * row);
+        let work: usize = g.lens.iter().map(|&l| l as usize).sum::<usize>() * g.q_heads * d;
+        let mut out = vec![T::from_f64(0.0); g.q_rows.len() * g.q_heads * d];
+        for_each_chunk(&mut out, g.q_heads * d, work, |i, o| {
+            let table = &g.tables[i * g.max_blocks..][..g.max_blocks];
+            let mut acc = vec![0f32; d];
+            for h in 0..g.q_heads {
+                let query: Vec<f32> =
+                    qs[(g.q_rows[i] as usize * g.q_heads + h) * d..][..d].iter().map(|&x| f(x) * scale).collect();
+                let head = g.kv_of_q[h] as usize * d;
+                let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+                acc.iter_mut().for_each(|a| *a = 0.0);
+                for p in 0..g.lens[i] as usize {
+                    let slot = table[p / g.block_size] as usize * g.block_size + p % g.block_size;
+                    let at = slot * row + head;
+                    let score: f32 = query.iter().zip(&keys[at..at + d]).map(|(&a, &b)| a * f(b)).sum();
+                    let new_max = max.max(score);
+                    let (alpha, weight) = ((max - new_max).exp(), (score - new_max).exp());
+                    sum = sum * alpha + weight;
+                    acc.iter_mut()
+                        .zip(&values[at..at + d])
+                        .for_each(|(a, &v)| *a = *a * alpha + weight * f(v));
+                    max = new_max;
+                }
+                let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+                for (o, a) in o[h * d..][..d].iter_mut().zip(&acc) {
+                    *o = T::from_f64((a * inv) as f64);
+                }
+            }
+        });
+        Ok(T::to_cpu_storage_owned(out))
+    })
+}
+
 /// `[2, rows, cols]`: the sum `x + y` (rounded), then its RMSNorm times `weight`.
 pub(crate) fn add_rms_norm(
     x: (&CpuStorage, &Layout),

@@ -35,6 +35,7 @@ pub(crate) const FLASH_ATTENTION: Module = fatbin!("flash_attention");
 #[cfg(tpinfer_sm90)]
 pub(crate) const FLASH_ATTENTION_SM90: Module = fatbin!("flash_attention_sm90");
 pub(crate) const GEMV: Module = fatbin!("gemv");
+pub(crate) const PAGED: Module = fatbin!("paged");
 pub(crate) const PEER_ALL_REDUCE: Module = fatbin!("peer_all_reduce");
 pub(crate) const ROTARY: Module = fatbin!("rotary");
 pub(crate) const ROWWISE: Module = fatbin!("rowwise");

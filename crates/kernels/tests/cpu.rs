@@ -7,8 +7,9 @@
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
     add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, gated_residual, gelu_tanh_mul,
-    gemv, gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, linear_bias_into, residual_sum, rotary_qkv,
-    row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias, write_u32s, DecodeScratch,
+    gemv, gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, linear_bias_into, paged_decode_attention,
+    residual_sum, rotary_qkv, rotary_qkv_paged, row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias,
+    write_u32s, DecodeRows, DecodeScratch, RowsAt,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -379,6 +380,114 @@ fn cached_flash_attention_reads_only_the_filled_slots() {
     // Writes must fill a contiguous u32 tensor exactly.
     assert!(write_u32s(&at, &[1, 2]).is_err());
     assert!(write_u32s(&q, &[1]).is_err());
+}
+
+fn u32s(values: &[u32], shape: &[usize]) -> Tensor {
+    Tensor::from_vec(values.to_vec(), shape, &Device::Cpu).expect("u32s")
+}
+
+#[test]
+fn paged_rotary_writes_each_row_at_its_own_slot_and_position() {
+    let (q_heads, kv_heads, d, slots) = (4, 2, 8, 24);
+    // Three rows of different sequences: positions and slots in no order.
+    let (positions, at) = ([7u32, 0, 3], [17u32, 2, 9]);
+    let qkv = randn(&[3, (q_heads + 2 * kv_heads) * d], 60);
+    let angles = (randn(&[10, d / 2], 61) * 3.0).expect("angles");
+    let table = Tensor::stack(&[angles.cos().expect("cos"), angles.sin().expect("sin")], 0).expect("table");
+    let pool = Tensor::full(f32::NAN, (2, slots, kv_heads, d), &Device::Cpu).expect("pool");
+    let (p, s) = (u32s(&positions, &[3]), u32s(&at, &[3]));
+    let rows = RowsAt {
+        positions: &p,
+        slots: &s,
+    };
+    let got = rotary_qkv_paged(&pool, &qkv, &table, rows, q_heads).expect("paged rotary");
+    assert_eq!(got.dims(), [3, q_heads, d]);
+    // Each row against the contiguous kernel at its own position, one row at a time.
+    for (r, (&position, &slot)) in positions.iter().zip(&at).enumerate() {
+        let cache = Tensor::zeros((2, kv_heads, 1 + position as usize, d), DType::F32, &Device::Cpu).expect("cache");
+        let row = qkv.narrow(0, r, 1).expect("row");
+        let want = rotary_qkv(&cache, &row, &table, &self::position(position as usize), q_heads).expect("rotary");
+        assert_eq!(rel(&got.narrow(0, r, 1).expect("got"), &want), 0.0, "row {r} queries");
+        for i in 0..2 {
+            let written = pool.get(i).and_then(|p| p.get(slot as usize)).expect("slot");
+            let cached = cache
+                .get(i)
+                .and_then(|c| c.narrow(1, position as usize, 1)?.squeeze(1))
+                .expect("cached");
+            assert_eq!(rel(&written, &cached), 0.0, "row {r} {}", ["keys", "values"][i]);
+        }
+    }
+    // Every other slot is untouched (still NaN).
+    let untouched = pool
+        .flatten_all()
+        .and_then(|p| p.to_vec1::<f32>())
+        .expect("pool")
+        .iter()
+        .filter(|x| x.is_nan())
+        .count();
+    assert_eq!(untouched, 2 * (slots - 3) * kv_heads * d);
+
+    // A slot past the pool, or a position past the table, is refused.
+    let past = u32s(&[7, 0, slots as u32], &[3]);
+    let far = u32s(&[7, 10, 3], &[3]);
+    for (p, s) in [(&p, &past), (&far, &s)] {
+        let rows = RowsAt { positions: p, slots: s };
+        assert!(rotary_qkv_paged(&pool, &qkv, &table, rows, q_heads).is_err());
+    }
+}
+
+#[test]
+fn paged_decode_attention_equals_attention_over_each_sequences_gathered_keys() {
+    let (q_heads, kv_heads, d, block_size, blocks) = (6, 2, 16, 4, 12);
+    let slots = block_size * blocks;
+    let pool = randn(&[2, slots, kv_heads, d], 70);
+    // Blocks 0 and 11 unused: NaN there must not reach any output.
+    let nan = Tensor::full(f32::NAN, (2, block_size, kv_heads, d), &Device::Cpu).expect("nan");
+    pool.slice_set(&nan, 1, 0).expect("block 0");
+    pool.slice_set(&nan, 1, 11 * block_size).expect("block 11");
+    // Three sequences: 9 keys, 1 key, 16 keys, their blocks scattered; rows 2, 0, 4 of q.
+    let tables = [[5u32, 1, 8, 0], [3, 0, 0, 0], [10, 2, 7, 4]];
+    let (lens, q_rows) = ([9u32, 1, 16], [2u32, 0, 4]);
+    let q = randn(&[5, q_heads, d], 71);
+    let scale = 1.0 / (d as f64).sqrt();
+    let flat: Vec<u32> = tables.iter().flatten().copied().collect();
+    let (t, l, r) = (u32s(&flat, &[3, 4]), u32s(&lens, &[3]), u32s(&q_rows, &[3]));
+    // Query heads 0..3 on KV head 0, 3..6 on KV head 1, as h / (q_heads / kv_heads).
+    let kv_of_q = u32s(&[0, 0, 0, 1, 1, 1], &[q_heads]);
+    let decode = DecodeRows {
+        q_rows: &r,
+        tables: &t,
+        lens: &l,
+        block_size,
+        kv_of_q: &kv_of_q,
+    };
+    let got = paged_decode_attention(&q, &pool, decode, scale).expect("paged attention");
+    assert_eq!(got.dims(), [3, q_heads, d]);
+    for i in 0..3 {
+        let keys: Vec<u32> = (0..lens[i] as usize)
+            .map(|p| tables[i][p / block_size] * block_size as u32 + (p % block_size) as u32)
+            .collect();
+        let gather = |part: usize| {
+            pool.get(part)
+                .and_then(|p| p.index_select(&u32s(&keys, &[keys.len()]), 0))
+        };
+        let query = q.narrow(0, q_rows[i] as usize, 1).expect("query");
+        let want = reference(&query, &gather(0).expect("k"), &gather(1).expect("v"), scale, false);
+        let err = rel(&got.narrow(0, i, 1).expect("row"), &want);
+        assert!(err < 1e-5, "sequence {i}: {err:e}");
+    }
+
+    // A table reaching past the pool, or a row past q, is refused.
+    let beyond = u32s(&[5, 1, 8, 0, 3, 0, 0, 0, 10, 2, 7, blocks as u32], &[3, 4]);
+    let outside = u32s(&[2, 0, 5], &[3]);
+    for (t, r) in [(&beyond, &r), (&t, &outside)] {
+        let decode = DecodeRows {
+            tables: t,
+            q_rows: r,
+            ..decode
+        };
+        assert!(paged_decode_attention(&q, &pool, decode, scale).is_err());
+    }
 }
 
 #[test]

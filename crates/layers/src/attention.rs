@@ -111,37 +111,3 @@ pub fn blockwise_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, score
     }
     Ok(Tensor::stack(&per_head, 1)?.to_dtype(q.dtype())?)
 }
-
-/// One query per sequence over each sequence's keys, for many sequences at once: `q` `[n,
-/// q_local, d]`, `k` and `v` `[n, kv_local, t, d]` (each sequence's keys padded to the longest,
-/// `t`), and `mask` `[n, t]` (0 where a sequence has a key, −∞ where it is padding). Returns
-/// `[n, q_local, d]`. A batched decode step's attention in a few kernels whatever the batch,
-/// computed in f32 as [`causal_attention`].
-pub fn padded_decode_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &Tensor,
-    heads: &HeadShard,
-    kv_index: &Tensor,
-    scale: f64,
-) -> Result<Tensor> {
-    let (n, n_q, d) = q.dims3()?;
-    let (_, n_kv, t, _) = k.dims4()?;
-    let f32 = |x: &Tensor| x.to_dtype(DType::F32)?.contiguous();
-    // Each KV head's queries as rows `[n, kv, g, d]`; where groups straddle ranks, each Q head's
-    // KV head gathered (`[n, q, 1, d]` against `[n, q, t, d]`).
-    let (q, k, v) = match heads.uniform_group() {
-        Some(g) => (q.reshape((n, n_kv, g, d))?, k.clone(), v.clone()),
-        None => {
-            let gather = |x: &Tensor| x.contiguous()?.index_select(kv_index, 1);
-            (q.reshape((n, n_q, 1, d))?, gather(k)?, gather(v)?)
-        }
-    };
-    let q = (f32(&q)? * scale)?;
-    let scores = q.matmul(&f32(&k)?.t()?)?;
-    let scores = scores.broadcast_add(&mask.reshape((n, 1, 1, t))?)?;
-    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-    drop(scores);
-    Ok(probs.matmul(&f32(&v)?)?.to_dtype(v.dtype())?.reshape((n, n_q, d))?)
-}

@@ -17,18 +17,17 @@ mod partition;
 mod position;
 mod rope;
 
-pub use attention::{
-    blockwise_attention, causal_attention, causal_mask, full_attention, grouped_attention, padded_decode_attention,
-};
+pub use attention::{blockwise_attention, causal_attention, causal_mask, full_attention, grouped_attention};
 pub use embedding::VocabParallelEmbedding;
 pub use error::{Error, Result};
 pub use kv_cache::KvCache;
 pub use linear::{ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear};
 pub use mlp::{GatedMlp, GatedMlpNames};
-pub use paged_kv::{rotate_at, BlockTable, PagedKvCache};
+pub use paged_kv::{BlockTable, PagedKvCache};
 pub use partition::{split_aligned, split_evenly, HeadShard};
 pub use position::Position;
 pub use rope::{Rope, RopeScaling};
+pub use tpinfer_kernels::{DecodeRows, RowsAt};
 
 pub use candle_nn::ops::rms_norm;
 #[cfg(feature = "cuda")]

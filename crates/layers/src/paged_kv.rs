@@ -1,4 +1,5 @@
 use candle_core::{DType, Device, Tensor};
+use tpinfer_kernels::{DecodeRows, RowsAt};
 
 use crate::{Error, Result, Rope};
 
@@ -41,18 +42,23 @@ impl PagedKvCache {
         self.kv.dims()[1]
     }
 
-    /// Writes keys `k` and values `v` `[t, heads, head_dim]` of `t` positions at `slots`
-    /// (`[t]` u32, from [`BlockTable::slots`]).
-    pub fn write(&self, k: &Tensor, v: &Tensor, slots: &Tensor) -> Result<()> {
-        let (t, heads, d) = k.dims3()?;
-        let source = Tensor::stack(&[k, v], 0)?.reshape((2, t, heads * d))?;
-        let rows = slots
-            .reshape((1, t, 1))?
-            .broadcast_as((2, t, heads * d))?
-            .contiguous()?;
-        let (_, total, _, _) = self.kv.dims4()?;
-        self.kv.reshape((2, total, heads * d))?.scatter_set(&rows, &source, 1)?;
-        Ok(())
+    /// The query heads of the fused QKV projection `qkv` `[t, (q_heads + 2 · kv_heads) · d]`
+    /// rotated for each row's position, `[t, q_heads, d]`, after writing each row's rotated
+    /// keys and its values at its slot (`rows`, from [`BlockTable::slots`]). One kernel.
+    pub fn write_rotated(&self, qkv: &Tensor, rope: &Rope, rows: RowsAt<'_>, q_heads: usize) -> Result<Tensor> {
+        Ok(tpinfer_kernels::rotary_qkv_paged(
+            &self.kv,
+            qkv,
+            rope.table(),
+            rows,
+            q_heads,
+        )?)
+    }
+
+    /// Attention of each decode row's query in `q` `[t, q_heads, d]` over its own sequence's
+    /// cached positions, `[n, q_heads, d]`; see [`tpinfer_kernels::paged_decode_attention`].
+    pub fn decode_attention(&self, q: &Tensor, decode: DecodeRows<'_>, scale: f64) -> Result<Tensor> {
+        Ok(tpinfer_kernels::paged_decode_attention(q, &self.kv, decode, scale)?)
     }
 
     /// The keys and values at `slots` (`[t]` u32), `[t, heads, head_dim]` each.
@@ -83,30 +89,4 @@ impl BlockTable {
             .map(|p| self.blocks[p / block_size] * block_size as u32 + (p % block_size) as u32)
             .collect())
     }
-}
-
-/// [`Rope`] applied to `x` `[t, heads, head_dim]` at one position per row (`positions`, `[t]`
-/// u32): the halves of each head rotated as Hugging Face's `rotate_half`, computed in f32
-/// and returned in `x`'s dtype.
-pub fn rotate_at(x: &Tensor, rope: &Rope, positions: &Tensor) -> Result<Tensor> {
-    let (t, _, d) = x.dims3()?;
-    if d % 2 != 0 || positions.dims() != [t] {
-        return Err(Error::Shard(format!(
-            "rotary: rows {:?} need an even head size and one position each, got positions {:?}",
-            x.dims(),
-            positions.dims()
-        )));
-    }
-    // [t, 1, d / 2], broadcast over the heads.
-    let at = |i: usize| -> Result<Tensor> {
-        let rows = rope.table().get(i)?.index_select(positions, 0)?;
-        Ok(rows.to_dtype(DType::F32)?.unsqueeze(1)?)
-    };
-    let (cos, sin) = (at(0)?, at(1)?);
-    let dtype = x.dtype();
-    let x = x.to_dtype(DType::F32)?;
-    let (x1, x2) = (x.narrow(2, 0, d / 2)?, x.narrow(2, d / 2, d / 2)?);
-    let first = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
-    let second = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
-    Ok(Tensor::cat(&[first, second], 2)?.to_dtype(dtype)?)
 }

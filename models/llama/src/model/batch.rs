@@ -1,12 +1,13 @@
 //! Many sequences in one forward pass over a paged KV cache: the continuous-batching step.
 //!
 //! Every sequence's new tokens (a decode step's one, or a chunk of its prompt) run as the rows
-//! of one matrix through the linears, so the weights are read once for the whole batch;
-//! attention runs per sequence over the KV blocks of its table.
+//! of one matrix through the linears, so the weights are read once for the whole batch. One
+//! kernel rotates every row and writes its key and value into its sequence's block; the
+//! decode rows attend in one kernel over their tables, prompt chunks one by one.
 
 use candle_core::{DType, Tensor};
 use tpinfer_layers::{
-    causal_mask, grouped_attention, padded_decode_attention, rotate_at, BlockTable, PagedKvCache, Result,
+    causal_mask, flash_attention, grouped_attention, BlockTable, DecodeRows, PagedKvCache, Result, RowsAt,
 };
 
 use super::{add_norm, DecoderLayer, LayerContext, LlamaRank};
@@ -36,16 +37,14 @@ struct BatchLayout {
     order: Option<Tensor>,
 }
 
-/// Decode steps' attention inputs: their rows of the batch, and every sequence's keys padded
-/// to the longest.
+/// Decode steps' attention inputs (see [`DecodeRows`]).
 struct DecodeGroup {
-    /// `[n]` u32.
+    /// Each sequence's row of the batch, `[n]` u32.
     rows: Tensor,
-    /// `[n · longest]` u32: each sequence's slots, then slot 0 as padding.
-    slots: Tensor,
-    /// `[n, longest]` f32: 0 over a sequence's keys, −∞ over its padding.
-    mask: Tensor,
-    longest: usize,
+    /// `[n, most blocks]` u32: each sequence's blocks, then block 0 as padding.
+    tables: Tensor,
+    /// Each sequence's cached positions, its new token's included, `[n]` u32.
+    lens: Tensor,
 }
 
 struct SequenceRows {
@@ -68,8 +67,9 @@ impl LlamaRank {
         let ids = Tensor::new(ids.as_slice(), device)?.unsqueeze(0)?;
         let mut x = self.embed.embed(&ids)?;
         drop(ids);
-        // The batch's attention builds its own masks.
-        let ctx = self.layer_context(false, None);
+        // Prompt chunks attend through the flash kernel where the rank does (causal in the
+        // kernel), else with masks of their own.
+        let ctx = self.layer_context(self.flash, None);
         let eps = self.config.rms_norm_eps;
         let mut pending = None;
         for layer in &self.layers {
@@ -119,7 +119,7 @@ impl LlamaRank {
             positions.extend(chunk.start as u32..end as u32);
             slots.extend_from_slice(&context[chunk.start..]);
             match chunk.tokens.len() {
-                1 => decodes.push((first as u32, context)),
+                1 => decodes.push((first as u32, end, &chunk.table.blocks[..end.div_ceil(block_size)])),
                 len => prompts.push(SequenceRows {
                     first,
                     len,
@@ -130,7 +130,7 @@ impl LlamaRank {
         // The attention outputs come out decode rows first, then each prompt's rows.
         let order: Vec<u32> = decodes
             .iter()
-            .map(|&(row, _)| row)
+            .map(|&(row, _, _)| row)
             .chain(prompts.iter().flat_map(|p| p.first as u32..(p.first + p.len) as u32))
             .collect();
         let mut landing = vec![0u32; order.len()];
@@ -149,22 +149,22 @@ impl LlamaRank {
         })
     }
 
-    fn decode_group(decodes: &[(u32, Vec<u32>)], device: &candle_core::Device) -> Result<Option<DecodeGroup>> {
-        let Some(longest) = decodes.iter().map(|(_, context)| context.len()).max() else {
+    /// `decodes`: each decode sequence's row, cached length and blocks.
+    fn decode_group(decodes: &[(u32, usize, &[u32])], device: &candle_core::Device) -> Result<Option<DecodeGroup>> {
+        let Some(most) = decodes.iter().map(|(_, _, blocks)| blocks.len()).max() else {
             return Ok(None);
         };
         let n = decodes.len();
-        let (mut slots, mut mask) = (vec![0u32; n * longest], vec![f32::NEG_INFINITY; n * longest]);
-        for (i, (_, context)) in decodes.iter().enumerate() {
-            slots[i * longest..i * longest + context.len()].copy_from_slice(context);
-            mask[i * longest..i * longest + context.len()].fill(0.0);
+        let mut tables = vec![0u32; n * most];
+        for (i, (_, _, blocks)) in decodes.iter().enumerate() {
+            tables[i * most..i * most + blocks.len()].copy_from_slice(blocks);
         }
-        let rows: Vec<u32> = decodes.iter().map(|&(row, _)| row).collect();
+        let rows: Vec<u32> = decodes.iter().map(|&(row, _, _)| row).collect();
+        let lens: Vec<u32> = decodes.iter().map(|&(_, len, _)| len as u32).collect();
         Ok(Some(DecodeGroup {
             rows: Tensor::new(rows.as_slice(), device)?,
-            slots: Tensor::new(slots.as_slice(), device)?,
-            mask: Tensor::from_vec(mask, (n, longest), device)?,
-            longest,
+            tables: Tensor::from_vec(tables, (n, most), device)?,
+            lens: Tensor::new(lens.as_slice(), device)?,
         }))
     }
 }
@@ -179,51 +179,47 @@ impl DecoderLayer {
         let (c, heads) = (ctx.config, &ctx.shard.heads);
         let (n_q, n_kv, d) = (heads.q_heads.len(), heads.kv_heads.len(), c.head_dim);
         let rows = h.dim(1)?;
-        let qkv = self.qkv.forward_merged(&h)?.reshape((rows, n_q + 2 * n_kv, d))?;
+        let qkv = self.qkv.forward_merged(&h)?.reshape((rows, (n_q + 2 * n_kv) * d))?;
         drop(h);
-        let q = rotate_at(&qkv.narrow(1, 0, n_q)?, ctx.rope, &layout.positions)?;
-        let k = rotate_at(&qkv.narrow(1, n_q, n_kv)?, ctx.rope, &layout.positions)?;
-        cache.write(&k, &qkv.narrow(1, n_q + n_kv, n_kv)?.contiguous()?, &layout.slots)?;
-        drop((k, qkv));
+        let at = RowsAt {
+            positions: &layout.positions,
+            slots: &layout.slots,
+        };
+        let q = cache.write_rotated(&qkv, ctx.rope, at, n_q)?;
+        drop(qkv);
         let scale = 1.0 / (d as f64).sqrt();
         let mut outs = Vec::with_capacity(1 + layout.prompts.len());
         if let Some(group) = &layout.decodes {
-            let n = group.rows.dim(0)?;
-            let (k, v) = cache.read(&group.slots)?;
-            // [n · longest, kv, d] to [n, kv, longest, d], a view: the attention's cast to f32
-            // lays it out.
-            let per_sequence =
-                |x: Tensor| -> Result<Tensor> { Ok(x.reshape((n, group.longest, n_kv, d))?.transpose(1, 2)?) };
-            let q = q.index_select(&group.rows, 0)?;
-            let out = padded_decode_attention(
-                &q,
-                &per_sequence(k)?,
-                &per_sequence(v)?,
-                &group.mask,
-                heads,
-                ctx.kv_index,
-                scale,
-            )?;
-            outs.push(out.reshape((n, n_q * d))?);
+            let decode = DecodeRows {
+                q_rows: &group.rows,
+                tables: &group.tables,
+                lens: &group.lens,
+                block_size: cache.block_size(),
+                kv_of_q: ctx.kv_index,
+            };
+            let out = cache.decode_attention(&q, decode, scale)?;
+            outs.push(out.reshape((group.rows.dim(0)?, n_q * d))?);
         }
         // [t, heads, d] to [1, heads, t, d].
         let head_major = |x: Tensor| -> Result<Tensor> { Ok(x.transpose(0, 1)?.contiguous()?.unsqueeze(0)?) };
         for s in &layout.prompts {
             let (k, v) = cache.read(&s.context)?;
-            let mask = causal_mask(s.len, k.dim(0)?, q.device())?;
-            let q = head_major(q.narrow(0, s.first, s.len)?)?;
-            let out = grouped_attention(
-                &q,
-                &head_major(k)?,
-                &head_major(v)?,
-                heads,
-                ctx.kv_index,
-                Some(&mask),
-                scale,
-            )?;
-            outs.push(out.squeeze(0)?.transpose(0, 1)?.reshape((s.len, n_q * d))?);
+            let q = q.narrow(0, s.first, s.len)?;
+            let out = match ctx.flash {
+                true => flash_attention(&q, &k, &v, scale, true)?,
+                false => {
+                    let mask = causal_mask(s.len, k.dim(0)?, q.device())?;
+                    let (q, k, v) = (head_major(q)?, head_major(k)?, head_major(v)?);
+                    let out = grouped_attention(&q, &k, &v, heads, ctx.kv_index, Some(&mask), scale)?;
+                    out.squeeze(0)?.transpose(0, 1)?
+                }
+            };
+            outs.push(out.reshape((s.len, n_q * d))?);
         }
-        let attn = Tensor::cat(&outs, 0)?;
+        let attn = match outs.len() {
+            1 => outs.swap_remove(0),
+            _ => Tensor::cat(&outs, 0)?,
+        };
         let attn = match &layout.order {
             Some(order) => attn.index_select(order, 0)?,
             None => attn,

@@ -1,0 +1,445 @@
+//! A continuous-batching step over a paged KV cache `pool` `[2, slots, kv_heads, d]` (keys,
+//! then values; one token-major row per slot): rotary embedding fused with the write of every
+//! row's key and value into its own slot, and the decode attention of many sequences, each
+//! over the blocks of its own table, in one launch each. They replace the gather of every
+//! sequence's keys into a padded f32 copy per layer, which cost a step a millisecond per
+//! sequence, and some forty small launches per layer.
+
+use std::sync::Mutex;
+
+use candle_core::op::BackpropOp;
+use candle_core::{CpuStorage, DType, Layout, Result, Shape, Storage, Tensor};
+
+/// The rows of a batched step: row `r` of the QKV projection is at position `positions[r]`,
+/// and its key and value go to pool slot `slots[r]` (`[rows]` u32 each).
+#[derive(Debug, Clone, Copy)]
+pub struct RowsAt<'a> {
+    pub positions: &'a Tensor,
+    pub slots: &'a Tensor,
+}
+
+/// The decode rows of a batched step: sequence `i` has its query at row `q_rows[i]` and its
+/// keys at positions `0..lens[i]`, position `p` in slot `tables[i, p / block_size] ·
+/// block_size + p % block_size` (`q_rows`, `lens` `[n]` u32, `tables` `[n, max_blocks]` u32).
+/// `kv_of_q` `[q_heads]` u32 names each query head's KV head.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeRows<'a> {
+    pub q_rows: &'a Tensor,
+    pub tables: &'a Tensor,
+    pub lens: &'a Tensor,
+    pub block_size: usize,
+    pub kv_of_q: &'a Tensor,
+}
+
+/// The sizes both ops check their tensors against.
+#[derive(Debug, Clone, Copy)]
+struct Sizes {
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    /// Slots of the pool.
+    slots: usize,
+}
+
+impl Sizes {
+    fn of_pool(pool: &Tensor, q_heads: usize, like: &Tensor, op: &str) -> Result<Self> {
+        let (two, slots, kv_heads, head_dim) = pool.dims4()?;
+        if two != 2
+            || !pool.is_contiguous()
+            || pool.dtype() != like.dtype()
+            || !pool.device().same_device(like.device())
+        {
+            candle_core::bail!(
+                "{op}: the pool {:?} {:?} is not a contiguous [2, slots, kv_heads, d] of {:?} beside it",
+                pool.dims(),
+                pool.dtype(),
+                like.dtype()
+            );
+        }
+        Ok(Self {
+            q_heads,
+            kv_heads,
+            head_dim,
+            slots,
+        })
+    }
+}
+
+/// Checks that `t` is a contiguous u32 tensor of `dims` on `like`'s device.
+fn check_index(t: &Tensor, dims: &[usize], like: &Tensor, op: &str, name: &str) -> Result<()> {
+    if t.dtype() != DType::U32 || t.dims() != dims || !t.is_contiguous() || !t.device().same_device(like.device()) {
+        candle_core::bail!(
+            "{op}: {name} must be a contiguous u32 {dims:?} on {:?}, got {:?} {:?}",
+            like.device().location(),
+            t.dtype(),
+            t.dims()
+        );
+    }
+    Ok(())
+}
+
+/// The query heads of `qkv` `[rows, (q_heads + 2 · kv_heads) · d]` rotated for each row's
+/// position, `[rows, q_heads, d]`, after writing each row's rotated key heads and value heads
+/// into `pool` at its slot. `table` `[2, positions, d / 2]` (cos, then sin) in `qkv`'s dtype.
+/// f32 arithmetic, one rounding, the same bits as [`crate::rotary_qkv`]. The caller checks
+/// the positions and slots (CPU tensors are checked again; the CUDA kernel skips rows outside
+/// the table or the pool).
+pub fn rotary_qkv_paged(
+    pool: &Tensor,
+    qkv: &Tensor,
+    table: &Tensor,
+    rows: RowsAt<'_>,
+    q_heads: usize,
+) -> Result<Tensor> {
+    const OP: &str = "rotary_qkv_paged";
+    let s = Sizes::of_pool(pool, q_heads, qkv, OP)?;
+    let (n, width) = qkv.dims2()?;
+    let (two, positions, half) = table.dims3()?;
+    if two != 2
+        || 2 * half != s.head_dim
+        || width != (q_heads + 2 * s.kv_heads) * s.head_dim
+        || table.dtype() != qkv.dtype()
+    {
+        candle_core::bail!(
+            "{OP}: qkv {:?} is not [rows, ({q_heads} + 2 · {}) · {}], or the table {:?} {:?} is not [2, positions, {}]",
+            qkv.dims(),
+            s.kv_heads,
+            s.head_dim,
+            table.dims(),
+            table.dtype(),
+            s.head_dim / 2
+        );
+    }
+    if n == 0 {
+        candle_core::bail!("{OP}: no rows");
+    }
+    check_index(rows.positions, &[n], qkv, OP, "positions")?;
+    check_index(rows.slots, &[n], qkv, OP, "slots")?;
+    let (qkv, table) = (qkv.contiguous()?, table.contiguous()?);
+    #[cfg(feature = "cuda")]
+    if qkv.device().is_cuda() {
+        let queries = crate::empty(&[n, q_heads, s.head_dim], qkv.dtype(), qkv.device())?;
+        cuda::rotary_qkv_paged(pool, &qkv, &table, rows, &queries, s, positions)?;
+        return Ok(queries);
+    }
+    let op = RotaryPaged {
+        sizes: s,
+        table_positions: positions,
+        positions: rows.positions.to_vec1()?,
+        slots: rows.slots.to_vec1()?,
+        queries: Mutex::new(None),
+    };
+    pool.inplace_op3(&qkv, &table, &op)?;
+    let queries = op
+        .queries
+        .into_inner()
+        .map_err(|_| candle_core::Error::Msg(format!("{OP}: the queries' lock is poisoned")))?
+        .ok_or_else(|| candle_core::Error::Msg(format!("{OP}: no queries came out")))?;
+    Ok(Tensor::from_storage(
+        Storage::Cpu(queries),
+        (n, q_heads, s.head_dim),
+        BackpropOp::none(),
+        false,
+    ))
+}
+
+/// The CPU twin: writes the pool in place and keeps the queries for [`rotary_qkv_paged`].
+struct RotaryPaged {
+    sizes: Sizes,
+    table_positions: usize,
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    queries: Mutex<Option<CpuStorage>>,
+}
+
+impl candle_core::InplaceOp3 for RotaryPaged {
+    fn name(&self) -> &'static str {
+        "rotary_qkv_paged"
+    }
+
+    fn cpu_fwd(
+        &self,
+        pool: &mut CpuStorage,
+        pl: &Layout,
+        qkv: &CpuStorage,
+        ql: &Layout,
+        table: &CpuStorage,
+        tl: &Layout,
+    ) -> Result<()> {
+        let s = &self.sizes;
+        let geometry = crate::cpu::PagedRows {
+            q_heads: s.q_heads,
+            kv_heads: s.kv_heads,
+            head_dim: s.head_dim,
+            slots: s.slots,
+            table_positions: self.table_positions,
+            positions: &self.positions,
+            at: &self.slots,
+        };
+        let queries = crate::cpu::rotary_qkv_paged((pool, pl), (qkv, ql), (table, tl), &geometry)?;
+        *self
+            .queries
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("rotary_qkv_paged: the queries' lock is poisoned".into()))? =
+            Some(queries);
+        Ok(())
+    }
+}
+
+/// Head sizes the CUDA [`paged_decode_attention`] kernel is compiled for.
+pub const PAGED_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Attention of each decode row's query (rows of `q` `[rows, q_heads, d]`) over its own
+/// sequence's keys and values in `pool`, `[n, q_heads, d]`: softmax of the scores scaled by
+/// `scale`, in f32, rounded once. Slots past a sequence's length are never read. On CUDA the
+/// head size must be one of [`PAGED_HEAD_DIMS`].
+pub fn paged_decode_attention(q: &Tensor, pool: &Tensor, decode: DecodeRows<'_>, scale: f64) -> Result<Tensor> {
+    const OP: &str = "paged_decode_attention";
+    let (rows, q_heads, d) = q.dims3()?;
+    let s = Sizes::of_pool(pool, q_heads, q, OP)?;
+    let n = decode.q_rows.elem_count();
+    let max_blocks = decode.tables.dims().get(1).copied().unwrap_or(0);
+    if n == 0 || d != s.head_dim || !q.is_contiguous() || decode.block_size == 0 {
+        candle_core::bail!(
+            "{OP}: q {:?} must be contiguous with the pool's head size {}, with a decode row and blocks of a slot or more",
+            q.dims(),
+            s.head_dim
+        );
+    }
+    check_index(decode.q_rows, &[n], q, OP, "q_rows")?;
+    check_index(decode.tables, &[n, max_blocks], q, OP, "tables")?;
+    check_index(decode.lens, &[n], q, OP, "lens")?;
+    check_index(decode.kv_of_q, &[q_heads], q, OP, "kv_of_q")?;
+    let op = PagedAttention {
+        sizes: s,
+        n,
+        rows,
+        max_blocks,
+        block_size: decode.block_size,
+        scale,
+        decode,
+    };
+    let out = q.apply_op2_no_bwd(pool, &op)?;
+    Ok(out)
+}
+
+struct PagedAttention<'a> {
+    sizes: Sizes,
+    n: usize,
+    /// Rows of q.
+    rows: usize,
+    max_blocks: usize,
+    block_size: usize,
+    scale: f64,
+    decode: DecodeRows<'a>,
+}
+
+impl candle_core::CustomOp2 for PagedAttention<'_> {
+    fn name(&self) -> &'static str {
+        "paged_decode_attention"
+    }
+
+    fn cpu_fwd(&self, q: &CpuStorage, ql: &Layout, pool: &CpuStorage, pl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let s = &self.sizes;
+        let d = self.decode;
+        let (q_rows, lens): (Vec<u32>, Vec<u32>) = (d.q_rows.to_vec1()?, d.lens.to_vec1()?);
+        let (tables, kv_of_q): (Vec<u32>, Vec<u32>) = (d.tables.flatten_all()?.to_vec1()?, d.kv_of_q.to_vec1()?);
+        // Every slot a sequence reads must lie in its table and the pool.
+        for (i, (&row, &len)) in q_rows.iter().zip(&lens).enumerate() {
+            let table = &tables[i * self.max_blocks..(i + 1) * self.max_blocks];
+            let blocks = (len as usize).div_ceil(self.block_size);
+            if row as usize >= self.rows
+                || blocks > self.max_blocks
+                || table[..blocks]
+                    .iter()
+                    .any(|&b| (b as usize + 1) * self.block_size > s.slots)
+            {
+                candle_core::bail!(
+                    "paged_decode_attention: sequence {i} (row {row}, {len} keys) reaches past q's {} rows, its table \
+                     or the pool's {} slots",
+                    self.rows,
+                    s.slots
+                );
+            }
+        }
+        if kv_of_q.iter().any(|&h| h as usize >= s.kv_heads) {
+            candle_core::bail!("paged_decode_attention: kv_of_q names a KV head past {}", s.kv_heads);
+        }
+        let out = crate::cpu::paged_decode_attention(
+            (q, ql),
+            (pool, pl),
+            &crate::cpu::PagedDecode {
+                q_heads: s.q_heads,
+                kv_heads: s.kv_heads,
+                head_dim: s.head_dim,
+                slots: s.slots,
+                block_size: self.block_size,
+                max_blocks: self.max_blocks,
+                q_rows: &q_rows,
+                tables: &tables,
+                lens: &lens,
+                kv_of_q: &kv_of_q,
+            },
+            self.scale as f32,
+        )?;
+        Ok((out, Shape::from((self.n, s.q_heads, s.head_dim))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        ql: &Layout,
+        pool: &candle_core::CudaStorage,
+        pl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = cuda::paged_decode_attention(self, (q, ql), (pool, pl))?;
+        Ok((out, Shape::from((self.n, self.sizes.q_heads, self.sizes.head_dim))))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
+
+    use super::{PagedAttention, RowsAt, Sizes, PAGED_HEAD_DIMS};
+    use crate::launch::{device_address, elementwise, suffix};
+
+    /// Threads per CTA of the attention kernel (WARPS · 32 in cuda/paged.cu).
+    const ATTENTION_THREADS: u32 = 256;
+
+    pub(super) fn rotary_qkv_paged(
+        pool: &Tensor,
+        qkv: &Tensor,
+        table: &Tensor,
+        rows: RowsAt<'_>,
+        queries: &Tensor,
+        s: Sizes,
+        table_positions: usize,
+    ) -> Result<()> {
+        let candle_core::Device::Cuda(dev) = qkv.device() else {
+            candle_core::bail!("rotary_qkv_paged: not a CUDA tensor");
+        };
+        let n = qkv.dim(0)?;
+        let func = crate::module::PAGED.kernel(dev, &format!("rotary_qkv_paged_{}", suffix(qkv.dtype())?))?;
+        let addresses = [qkv, table, queries, pool, rows.positions, rows.slots]
+            .into_iter()
+            .map(device_address)
+            .collect::<Result<Vec<u64>>>()?;
+        let mut b = func.builder();
+        for a in &addresses {
+            b.arg(a);
+        }
+        let ints = [n, s.q_heads, s.kv_heads, s.head_dim, table_positions].map(|v| v as i32);
+        for v in &ints {
+            b.arg(v);
+        }
+        let slots = s.slots as i64;
+        b.arg(&slots);
+        // SAFETY: the arguments match the kernel's signature; rotary_qkv_paged checked that
+        // qkv, the table, the pool, the positions and the slots are contiguous and shaped as
+        // the kernel reads them, and `queries` holds rows · q_heads · d elements; the kernel
+        // skips rows whose position or slot lies outside the table or the pool.
+        unsafe { b.launch(elementwise(n * (s.q_heads + s.kv_heads) * s.head_dim / 2)) }.w()?;
+        Ok(())
+    }
+
+    pub(super) fn paged_decode_attention(
+        op: &PagedAttention<'_>,
+        (q, ql): (&CudaStorage, &Layout),
+        (pool, pl): (&CudaStorage, &Layout),
+    ) -> Result<CudaStorage> {
+        let s = &op.sizes;
+        if !PAGED_HEAD_DIMS.contains(&s.head_dim) {
+            candle_core::bail!(
+                "paged_decode_attention: head size {} has no CUDA kernel (compiled for {PAGED_HEAD_DIMS:?})",
+                s.head_dim
+            );
+        }
+        let dev = q.device().clone();
+        let name = format!("paged_decode_attention_{}_d{}", suffix(q.dtype())?, s.head_dim);
+        let func = crate::module::PAGED.kernel(&dev, &name)?;
+        let d = op.decode;
+        let [q_rows, tables, lens, kv_of_q] = [d.q_rows, d.tables, d.lens, d.kv_of_q].map(device_address);
+        let out = match q.dtype() {
+            DType::F32 => launch::<f32>(
+                op,
+                &dev,
+                &func,
+                (q, ql),
+                (pool, pl),
+                [q_rows?, tables?, lens?, kv_of_q?],
+            ),
+            DType::BF16 => launch::<half::bf16>(
+                op,
+                &dev,
+                &func,
+                (q, ql),
+                (pool, pl),
+                [q_rows?, tables?, lens?, kv_of_q?],
+            ),
+            DType::F16 => launch::<half::f16>(
+                op,
+                &dev,
+                &func,
+                (q, ql),
+                (pool, pl),
+                [q_rows?, tables?, lens?, kv_of_q?],
+            ),
+            other => candle_core::bail!("paged_decode_attention: unsupported dtype {other:?}"),
+        }?;
+        Ok(out)
+    }
+
+    fn launch<T>(
+        op: &PagedAttention<'_>,
+        dev: &candle_core::CudaDevice,
+        func: &crate::module::Kernel,
+        (q, ql): (&CudaStorage, &Layout),
+        (pool, pl): (&CudaStorage, &Layout),
+        [q_rows, tables, lens, kv_of_q]: [u64; 4],
+    ) -> Result<CudaStorage>
+    where
+        T: candle_core::cuda_backend::CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+    {
+        let s = &op.sizes;
+        let stream = dev.cuda_stream();
+        let qs = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
+        let ps = pool.as_cuda_slice::<T>()?.slice(pl.start_offset()..);
+        // SAFETY: the kernel writes every (sequence, head, column) of the output.
+        let out = unsafe { dev.alloc::<T>(op.n * s.q_heads * s.head_dim)? };
+        let (q_ptr, pool_ptr, out_ptr) = (
+            qs.device_ptr(&stream).0,
+            ps.device_ptr(&stream).0,
+            out.device_ptr(&stream).0,
+        );
+        let ints = [s.q_heads, s.kv_heads, op.max_blocks, op.block_size].map(|v| v as i32);
+        let slots = s.slots as i64;
+        let scale_log2 = (op.scale * std::f64::consts::LOG2_E) as f32;
+        let mut b = func.builder();
+        b.arg(&q_ptr)
+            .arg(&q_rows)
+            .arg(&pool_ptr)
+            .arg(&tables)
+            .arg(&lens)
+            .arg(&kv_of_q)
+            .arg(&out_ptr);
+        for v in &ints {
+            b.arg(v);
+        }
+        b.arg(&slots).arg(&scale_log2);
+        let cfg = LaunchConfig {
+            grid_dim: (s.q_heads as u32, op.n as u32, 1),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature; paged_decode_attention checked the
+        // shapes, dtypes and contiguity of q, the pool and the index tensors. The slots the
+        // kernel reads are the sequences' tables' (the scheduler's blocks, inside the pool).
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+}
