@@ -184,6 +184,9 @@ fn token_ids_outside_the_vocabulary_and_empty_requests() {
         &refused(GenerateRequest::new(Prompt::text("a"), 0)),
         &["max_new_tokens"],
     );
+    let mut greedy_logprobs = GenerateRequest::new(Prompt::text("a"), 4);
+    greedy_logprobs.logprobs = Some(21);
+    assert_mentions(&refused(greedy_logprobs), &["logprobs", "21", "at most 20"]);
 }
 
 #[test]

@@ -358,7 +358,7 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(INTERRUPTED));
         }
         match event? {
-            StreamEvent::Token { id, text: piece } if args.json => {
+            StreamEvent::Token { id, text: piece, .. } if args.json => {
                 tokens.push(id);
                 text.push_str(&piece);
             }

@@ -260,7 +260,7 @@ impl Sequence {
     fn need(&self, len: usize) -> Need {
         match self.cached + len < self.context.len() {
             true => Need::Nothing,
-            false if self.job.sampling.is_greedy() && self.job.logits.is_none() => Need::Argmax,
+            false if self.job.greedy_on_device() && self.job.logits.is_none() => Need::Argmax,
             false => Need::Row,
         }
     }
@@ -269,9 +269,12 @@ impl Sequence {
     /// the logits) and streams it; says why the sequence stops, if it does (the token is kept
     /// either way).
     fn take(&mut self, row: RowOut, max_positions: usize) -> Result<Option<StopReason>, EngineError> {
-        let token = match row {
-            RowOut::Token(token) => token,
-            RowOut::Logits(logits) => self.sample(logits)?,
+        let (token, logprobs) = match row {
+            RowOut::Token(token) => (token, None),
+            RowOut::Logits(logits) => {
+                let token = self.sample(&logits)?;
+                (token, self.job.token_logprobs(&logits, token))
+            }
             RowOut::Nothing | RowOut::NonFinite => {
                 return Err(EngineError::NonFinite {
                     what: "logits",
@@ -281,7 +284,7 @@ impl Sequence {
         };
         self.first_token.get_or_insert_with(|| self.submitted.elapsed());
         self.context.push(token);
-        let cancelled = self.job.events.send(RankEvent::Token(token)).is_err();
+        let cancelled = self.job.events.send(RankEvent::Token(token, logprobs)).is_err();
         Ok(if self.job.eos.contains(&token) {
             Some(StopReason::Eos)
         } else if self.generated() >= self.job.max_new_tokens {
@@ -296,13 +299,12 @@ impl Sequence {
     }
 
     /// Samples from the whole row of `logits`, with the request's own sampler.
-    fn sample(&mut self, logits: Vec<f32>) -> Result<u32, EngineError> {
+    fn sample(&mut self, logits: &[f32]) -> Result<u32, EngineError> {
         if let Some(trace) = &self.job.logits {
-            let _ = trace.send(logits.clone());
+            let _ = trace.send(logits.to_vec());
         }
         let sampling = &self.job.sampling;
-        let vocab = logits.len();
-        let mut scores = Tensor::from_vec(logits, vocab, &Device::Cpu).map_err(sample_err)?;
+        let mut scores = Tensor::new(logits, &Device::Cpu).map_err(sample_err)?;
         if sampling.repetition_penalty != 1.0 {
             let window = &self.context[self.context.len().saturating_sub(sampling.repetition_window)..];
             scores = apply_repeat_penalty(&scores, sampling.repetition_penalty, window).map_err(sample_err)?;
@@ -521,6 +523,7 @@ mod tests {
             eos: vec![],
             events: crate::stream::EventSink::Blocking(events),
             logits: None,
+            logprobs: None,
         });
         (Sequence::new(job), received)
     }
@@ -613,6 +616,9 @@ mod tests {
         assert!(b.running.is_empty());
         assert_eq!(b.blocks.free.len(), 8);
         let events: Vec<_> = r.try_iter().collect();
-        assert!(matches!(events.as_slice(), [RankEvent::Token(1), RankEvent::Done(_)]));
+        assert!(matches!(
+            events.as_slice(),
+            [RankEvent::Token(1, None), RankEvent::Done(_)]
+        ));
     }
 }

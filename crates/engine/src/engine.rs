@@ -144,6 +144,12 @@ impl Engine {
         logits: Option<Sender<Vec<f32>>>,
     ) -> Result<usize, EngineError> {
         request.sampling.check()?;
+        if let Some(n) = request.logprobs.filter(|&n| n > crate::MAX_TOP_LOGPROBS) {
+            return Err(EngineError::InvalidRequest(format!(
+                "logprobs asks for the {n} most likely tokens; at most {} are reported",
+                crate::MAX_TOP_LOGPROBS
+            )));
+        }
         let prompt = match &request.prompt {
             Prompt::Text(text) => self.tokenizer.encode(text, true)?,
             Prompt::Chat(messages) => self.tokenizer.encode_chat(messages)?,
@@ -179,6 +185,7 @@ impl Engine {
             },
             events,
             logits,
+            logprobs: request.logprobs,
         });
         self.jobs
             .as_ref()

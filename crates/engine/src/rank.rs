@@ -23,6 +23,21 @@ pub(crate) struct RankJob {
     pub events: EventSink,
     /// If set, rank 0 sends the logits of every step here, before sampling.
     pub logits: Option<Sender<Vec<f32>>>,
+    /// Report the log-probabilities of each token and of this many alternatives.
+    pub logprobs: Option<usize>,
+}
+
+impl RankJob {
+    /// Whether each token can be chosen on the device: greedy, with no log-probabilities to
+    /// report (a trace of the logits reads them either way).
+    pub fn greedy_on_device(&self) -> bool {
+        self.sampling.is_greedy() && self.logprobs.is_none()
+    }
+
+    /// `token`'s log-probabilities from the `logits` it was chosen from, if asked for.
+    pub fn token_logprobs(&self, logits: &[f32], token: u32) -> Option<crate::TokenLogprobs> {
+        self.logprobs.map(|top| crate::TokenLogprobs::of(logits, token, top))
+    }
 }
 
 /// Decode steps from one check that the logits are finite to the next. A NaN reaches every
@@ -77,7 +92,7 @@ pub(crate) fn run_job(
             stage: "the prompt's forward".into(),
         });
     }
-    match job.sampling.is_greedy() {
+    match job.greedy_on_device() {
         true => run_greedy(model, comm, setup, run, logits),
         false => run_sampled(model, comm, setup, job, run, logits),
     }
@@ -155,10 +170,16 @@ impl<'a> JobRun<'a> {
     /// Rank 0's part of a new `token`: streams it and says whether the request stops here
     /// (the token itself is kept either way). `cached` is the number of positions in the
     /// KV cache, `capacity` the most it holds.
-    fn accept(&mut self, token: u32, cached: usize, capacity: usize) -> Option<StopReason> {
+    fn accept(
+        &mut self,
+        token: u32,
+        logprobs: Option<crate::TokenLogprobs>,
+        cached: usize,
+        capacity: usize,
+    ) -> Option<StopReason> {
         self.prefill.get_or_insert_with(|| self.start.elapsed());
         let generated = self.context.len() + 1 - self.job.prompt.len();
-        let cancelled = self.job.events.send(RankEvent::Token(token)).is_err();
+        let cancelled = self.job.events.send(RankEvent::Token(token, logprobs)).is_err();
         if self.job.eos.contains(&token) {
             Some(StopReason::Eos)
         } else if generated >= self.job.max_new_tokens {
@@ -233,7 +254,7 @@ fn run_greedy(
     let mut token = model.greedy_start(&logits).map_err(run.layer_err())?;
     loop {
         let reason = match run.rank {
-            0 => run.accept(token, model.cached_positions(), capacity),
+            0 => run.accept(token, None, model.cached_positions(), capacity),
             _ => None,
         };
         run.context.push(token);
@@ -273,7 +294,14 @@ fn run_sampled(
                 scores = apply_repeat_penalty(&scores, job.sampling.repetition_penalty, window).map_err(sample_err)?;
             }
             let token = processor.sample(&scores).map_err(sample_err)?;
-            let reason = run.accept(token, model.cached_positions(), model.max_positions());
+            let logprobs = match job.logprobs {
+                Some(_) => {
+                    let raw = logits.squeeze(0).and_then(|l| l.to_vec1::<f32>()).map_err(sample_err)?;
+                    job.token_logprobs(&raw, token)
+                }
+                None => None,
+            };
+            let reason = run.accept(token, logprobs, model.cached_positions(), model.max_positions());
             step = [token, encode(reason)];
         }
         // A lone rank has its step already: no trip to the device and back.

@@ -117,6 +117,11 @@ pub struct GenerateRequest {
     /// Generate past the model's end-of-sequence tokens, to `max_new_tokens` or a full
     /// context: for benchmarks that need outputs of a fixed length.
     pub ignore_eos: bool,
+    /// Report each generated token's log-probability and those of the `n` most likely
+    /// tokens (at most [`crate::MAX_TOP_LOGPROBS`]) with every token (see
+    /// [`crate::TokenLogprobs`]); `None` reports none. The logits then come to the host
+    /// even for greedy decoding.
+    pub logprobs: Option<usize>,
 }
 
 impl GenerateRequest {
@@ -127,6 +132,7 @@ impl GenerateRequest {
             max_new_tokens,
             sampling: SamplingParams::default(),
             ignore_eos: false,
+            logprobs: None,
         }
     }
 

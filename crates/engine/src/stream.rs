@@ -52,7 +52,12 @@ impl GenerationStats {
 pub enum StreamEvent {
     /// A generated token and the text it completes (empty while a multi-byte character is
     /// still partial).
-    Token { id: u32, text: String },
+    Token {
+        id: u32,
+        text: String,
+        /// Its log-probabilities, when the request asked for them.
+        logprobs: Option<crate::TokenLogprobs>,
+    },
     /// Text held back at the end because its last character was incomplete, decoded with
     /// U+FFFD; comes just before `Done`, and only then.
     Tail(String),
@@ -62,7 +67,7 @@ pub enum StreamEvent {
 
 /// What rank 0 sends for a request.
 pub(crate) enum RankEvent {
-    Token(u32),
+    Token(u32, Option<crate::TokenLogprobs>),
     Done(GenerationStats),
     Error(EngineError),
 }
@@ -120,7 +125,9 @@ impl Detokenizer {
     /// The stream event of `event`; `None` when the ranks stopped without a word.
     fn next(&mut self, event: Option<RankEvent>) -> Result<StreamEvent, EngineError> {
         let event = match event {
-            Some(RankEvent::Token(id)) => return self.next_text(id).map(|text| StreamEvent::Token { id, text }),
+            Some(RankEvent::Token(id, logprobs)) => {
+                return self.next_text(id).map(|text| StreamEvent::Token { id, text, logprobs })
+            }
             Some(RankEvent::Done(stats)) => match self.tail() {
                 Ok(tail) if !tail.is_empty() => {
                     self.done = Some(stats);
@@ -182,7 +189,7 @@ impl TokenStream {
         let mut ids = Vec::new();
         for event in self {
             match event? {
-                StreamEvent::Token { id, text: piece } => {
+                StreamEvent::Token { id, text: piece, .. } => {
                     ids.push(id);
                     text.push_str(&piece);
                 }

@@ -7,6 +7,7 @@
 //! 429; after a rank failure every request gets 503 with its cause, as `/health` does. A
 //! client that disconnects drops its stream, which cancels its request.
 
+mod logprobs;
 mod metrics;
 mod openai;
 mod stop;
@@ -27,6 +28,7 @@ use futures_util::{Stream, StreamExt};
 use serde_json::{json, Value};
 use tpinfer_engine::{Engine, EngineError, EventStream, Health, RuntimeError, StopReason, StreamEvent};
 
+use logprobs::LogprobsOut;
 pub use metrics::Metrics;
 pub use openai::ApiError;
 use openai::{ChatRequest, Checked, CompletionRequest};
@@ -156,6 +158,8 @@ struct Generation {
     created: u64,
     events: EventStream,
     stops: StopMatcher,
+    /// Each token's log-probabilities, when asked for, until a chunk carries them.
+    logprobs: Option<LogprobsOut>,
     include_usage: bool,
     arrived: Instant,
     last_token: Option<Instant>,
@@ -190,6 +194,10 @@ fn start(s: Arc<AppState>, kind: Kind, checked: Result<Checked, ApiError>) -> Re
         Kind::Completion => "prompt",
         Kind::Chat => "messages",
     };
+    let logprobs = checked
+        .request
+        .logprobs
+        .map(|_| LogprobsOut::new(matches!(kind, Kind::Chat)));
     let events = s
         .engine
         .generate_stream(checked.request)
@@ -206,6 +214,7 @@ fn start(s: Arc<AppState>, kind: Kind, checked: Result<Checked, ApiError>) -> Re
         created: unix_time(),
         events,
         stops: StopMatcher::new(checked.stops),
+        logprobs,
         include_usage: checked.include_usage,
         arrived,
         last_token: None,
@@ -270,8 +279,11 @@ impl Generation {
                 None => return self.fail(unavailable("the request's stream ended without a result")),
             };
             let text = match event {
-                StreamEvent::Token { text, .. } => {
+                StreamEvent::Token { id, text, logprobs } => {
                     self.token();
+                    if let (Some(out), Some(lp)) = (&mut self.logprobs, &logprobs) {
+                        out.push(self.state.engine.tokenizer(), id, lp);
+                    }
                     text
                 }
                 StreamEvent::Tail(text) => text,
@@ -337,11 +349,19 @@ impl Generation {
         }
     }
 
-    /// One streamed chunk: a piece of text, or the end's finish reason.
+    /// The log-probabilities of the tokens since the last chunk, or null when not asked for.
+    fn take_logprobs(&mut self) -> Value {
+        self.logprobs.as_mut().map_or(Value::Null, LogprobsOut::take)
+    }
+
+    /// One streamed chunk: a piece of text, or the end's finish reason, with the
+    /// log-probabilities of the tokens since the last chunk when asked for (those of a stop
+    /// string's tokens included).
     fn chunk(&mut self, text: Option<String>, finish: Option<&str>) -> Event {
+        let logprobs = self.take_logprobs();
         let choice = match self.kind {
             Kind::Completion => json!({
-                "index": 0, "text": text.unwrap_or_default(), "logprobs": null, "finish_reason": finish,
+                "index": 0, "text": text.unwrap_or_default(), "logprobs": logprobs, "finish_reason": finish,
             }),
             Kind::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -351,7 +371,7 @@ impl Generation {
                 if let Some(text) = text {
                     delta.insert("content".into(), json!(text));
                 }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
         };
         self.event(json!([choice]), None)
@@ -413,10 +433,12 @@ async fn whole_response(mut g: Generation) -> Response {
             None => return unavailable("the request ended without a result").into_response(),
         }
     };
+    let logprobs = g.take_logprobs();
     let choice = match g.kind {
-        Kind::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason}),
+        Kind::Completion => json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}),
         Kind::Chat => json!({
-            "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": reason,
+            "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": reason,
         }),
     };
     Json(json!({

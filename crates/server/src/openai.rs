@@ -4,7 +4,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use tpinfer_engine::{ChatMessage, GenerateRequest, Prompt, SamplingParams};
+use tpinfer_engine::{ChatMessage, GenerateRequest, Prompt, SamplingParams, MAX_TOP_LOGPROBS};
 
 /// An error in OpenAI's JSON shape: `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug)]
@@ -139,12 +139,19 @@ pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
 
 impl CompletionRequest {
     pub fn check(self, served: &str, seed: u64) -> Result<Checked, ApiError> {
-        if self.logprobs.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(ApiError::bad_request(
-                Some("logprobs"),
-                "logprobs are not supported yet",
-            ));
-        }
+        // The legacy field: how many alternatives, with each token's own log-probability.
+        let logprobs = match self.logprobs {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => match v.as_u64() {
+                Some(n) if n as usize <= MAX_TOP_LOGPROBS => Some(n as usize),
+                _ => {
+                    return Err(ApiError::bad_request(
+                        Some("logprobs"),
+                        format!("logprobs {v} must be an integer from 0 to {MAX_TOP_LOGPROBS}"),
+                    ))
+                }
+            },
+        };
         let prompt = match self.prompt {
             PromptInput::Text(text) => Prompt::Text(text),
             PromptInput::Texts(mut texts) if texts.len() == 1 => Prompt::Text(texts.remove(0)),
@@ -154,18 +161,31 @@ impl CompletionRequest {
             PromptInput::Tokens(ids) => Prompt::Tokens(ids),
         };
         // OpenAI's default for completions.
-        self.common.check(served, prompt, None, 16, seed)
+        let mut checked = self.common.check(served, prompt, None, 16, seed)?;
+        checked.request.logprobs = logprobs;
+        Ok(checked)
     }
 }
 
 impl ChatRequest {
     pub fn check(self, served: &str, seed: u64, context: usize) -> Result<Checked, ApiError> {
-        if self.logprobs == Some(true) || self.top_logprobs.is_some() {
-            return Err(ApiError::bad_request(
-                Some("logprobs"),
-                "logprobs are not supported yet",
-            ));
-        }
+        let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (false, None) => None,
+            (false, Some(_)) => {
+                return Err(ApiError::bad_request(
+                    Some("top_logprobs"),
+                    "top_logprobs needs logprobs: true",
+                ))
+            }
+            (true, None) => Some(0),
+            (true, Some(n)) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Some(n as usize),
+            (true, Some(n)) => {
+                return Err(ApiError::bad_request(
+                    Some("top_logprobs"),
+                    format!("top_logprobs {n} must be from 0 to {MAX_TOP_LOGPROBS}"),
+                ))
+            }
+        };
         if self.messages.is_empty() {
             return Err(ApiError::bad_request(Some("messages"), "messages is empty"));
         }
@@ -182,8 +202,11 @@ impl ChatRequest {
             .collect::<Result<Vec<_>, _>>()?;
         // Without a limit a chat runs to the end of its turn or of the context.
         let max_tokens = self.max_completion_tokens;
-        self.common
-            .check(served, Prompt::Chat(messages), max_tokens, context, seed)
+        let mut checked = self
+            .common
+            .check(served, Prompt::Chat(messages), max_tokens, context, seed)?;
+        checked.request.logprobs = logprobs;
+        Ok(checked)
     }
 }
 

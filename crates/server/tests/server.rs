@@ -293,7 +293,8 @@ async fn bad_requests_get_400_naming_the_field() {
         (with("top_k", json!(0)), Some("top_k")),
         (with("max_tokens", json!(0)), Some("max_tokens")),
         (with("n", json!(2)), Some("n")),
-        (with("logprobs", json!(2)), Some("logprobs")),
+        (with("logprobs", json!(21)), Some("logprobs")),
+        (with("logprobs", json!("many")), Some("logprobs")),
         (with("presence_penalty", json!(0.5)), Some("presence_penalty")),
         (with("temperature", json!("hot")), None),
     ];
@@ -315,6 +316,130 @@ async fn bad_requests_get_400_naming_the_field() {
         assert_eq!(status, 400, "{body}");
         let error: Value = serde_json::from_str(&body).expect("JSON");
         assert_eq!(error["error"]["param"], "messages", "{body}");
+    }
+    // Alternatives without logprobs, or more than 20 of them.
+    for (logprobs, top) in [(json!(null), 2), (json!(true), 21), (json!(true), -1)] {
+        let chat = json!({
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": logprobs, "top_logprobs": top,
+        });
+        let (status, body) = post(&base, "/v1/chat/completions", chat).await;
+        assert_eq!(status, 400, "{body}");
+        let error: Value = serde_json::from_str(&body).expect("JSON");
+        assert_eq!(error["error"]["param"], "top_logprobs", "{body}");
+    }
+}
+
+/// The log-softmax of `logits` in f64: an independent reference for the server's figures.
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let norm = max + logits.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+    logits.iter().map(|&x| x as f64 - norm).collect()
+}
+
+/// The ids of the `n` largest `values`, largest first (ties: the lower id first).
+fn top_ids(values: &[f64], n: usize) -> Vec<usize> {
+    let mut ids: Vec<usize> = (0..values.len()).collect();
+    ids.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    ids.truncate(n);
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_are_the_log_softmax_of_the_logits_each_token_came_from() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // The reference: the same requests through an engine of its own, with their logits.
+    let reference = tiny(&dir).build().expect("reference engine");
+    let tokenizer = reference.tokenizer();
+    // One request at a time (the captured greedy step's path is left for the host's), and
+    // continuously batched.
+    for max_seqs in [1, 4] {
+        let base = serve(tiny(&dir).max_seqs(max_seqs).build().expect("engine"), 16).await;
+        for (temperature, seed) in [(0.0, 1u64), (0.9, 7)] {
+            let prompt = "logprobs of a tiny model";
+            let mut request = tpinfer_engine::GenerateRequest::new(tpinfer_engine::Prompt::text(prompt), 6);
+            request.sampling.temperature = temperature;
+            request.sampling.seed = seed;
+            let (stream, logits) = reference.generate_traced(request).expect("traced");
+            let (_, ids, _) = stream.collect_text().expect("reference run");
+            let steps: Vec<Vec<f64>> = logits.iter().take(ids.len()).map(|l| log_softmax(&l)).collect();
+            assert_eq!(steps.len(), ids.len());
+
+            // A whole completion, the legacy shape: parallel arrays.
+            let body = json!({
+                "model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": temperature,
+                "seed": seed, "logprobs": 3,
+            });
+            let (status, answer) = post(&base, "/v1/completions", body).await;
+            assert_eq!(status, 200, "{answer}");
+            let answer: Value = serde_json::from_str(&answer).expect("JSON");
+            let lp = &answer["choices"][0]["logprobs"];
+            let chosen = lp["token_logprobs"].as_array().expect("token_logprobs");
+            assert_eq!(chosen.len(), ids.len(), "{lp}");
+            let mut offset = 0;
+            for (i, (&id, want)) in ids.iter().zip(&steps).enumerate() {
+                let got = chosen[i].as_f64().expect("a number");
+                assert!(
+                    (got - want[id as usize]).abs() < 1e-4,
+                    "T {temperature} token {i}: {got} vs {}",
+                    want[id as usize]
+                );
+                let top = lp["top_logprobs"][i].as_object().expect("top_logprobs");
+                // Keyed by text: alternatives that decode alike (pieces of characters) keep the
+                // likelier one.
+                let mut want_top = std::collections::BTreeMap::new();
+                for t in top_ids(want, 3) {
+                    let text = tokenizer.decode(&[t as u32]).expect("decode");
+                    want_top.entry(text).or_insert(want[t]);
+                }
+                assert_eq!(top.len(), want_top.len(), "{top:?}");
+                for (text, w) in &want_top {
+                    let got = top.get(text).and_then(Value::as_f64).expect("an alternative");
+                    assert!((got - w).abs() < 1e-4, "token {i} alternative {text:?}: {got} vs {w}");
+                }
+                let token = lp["tokens"][i].as_str().expect("token");
+                assert_eq!(token, tokenizer.decode(&[id]).expect("decode"));
+                assert_eq!(lp["text_offset"][i], offset);
+                offset += token.chars().count();
+            }
+
+            // A streamed chat's entries, gathered over its chunks, against the chat's own run.
+            let messages = [tpinfer_engine::ChatMessage::user(prompt)];
+            let mut request = tpinfer_engine::GenerateRequest::new(tpinfer_engine::Prompt::Chat(messages.to_vec()), 5);
+            request.sampling.temperature = temperature;
+            request.sampling.seed = seed;
+            let (stream, logits) = reference.generate_traced(request).expect("traced chat");
+            let (_, ids, _) = stream.collect_text().expect("reference chat");
+            let body = json!({
+                "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 5,
+                "temperature": temperature, "seed": seed, "logprobs": true, "top_logprobs": 2, "stream": true,
+            });
+            let (status, text) = post(&base, "/v1/chat/completions", body).await;
+            assert_eq!(status, 200, "{text}");
+            let entries: Vec<Value> = events(&text)
+                .0
+                .iter()
+                .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+                .flatten()
+                .collect();
+            assert_eq!(entries.len(), ids.len(), "{text}");
+            for (i, (entry, (&id, logits))) in entries.iter().zip(ids.iter().zip(logits.iter())).enumerate() {
+                let want = log_softmax(&logits);
+                let got = entry["logprob"].as_f64().expect("logprob");
+                assert!((got - want[id as usize]).abs() < 1e-4, "chat token {i}");
+                assert_eq!(entry["token"], tokenizer.decode(&[id]).expect("decode"));
+                let top = entry["top_logprobs"].as_array().expect("top_logprobs");
+                let alternatives: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().expect("logprob")).collect();
+                let want_top: Vec<f64> = top_ids(&want, 2).iter().map(|&t| want[t]).collect();
+                assert_eq!(alternatives.len(), 2);
+                for (g, w) in alternatives.iter().zip(&want_top) {
+                    assert!(
+                        (g - w).abs() < 1e-4,
+                        "chat token {i} alternatives {alternatives:?} vs {want_top:?}"
+                    );
+                }
+            }
+        }
     }
 }
 
