@@ -52,10 +52,7 @@ pub fn encode(args: EncodeArgs) -> Result<()> {
             ..GroupOptions::default()
         };
         let mut launch = Launch::new(Topology::new(tp, &kind)?, options);
-        let placement = Placement::Llm {
-            max_context: ids.len(),
-            batch: 1,
-        };
+        let placement = Placement::llm(ids.len(), 1);
         let handle = launch.add(Arc::new(model), dtype, placement)?;
         let group = launch.start()?;
         let (prompt, repeats) = (ids.clone(), args.repeats);

@@ -6,7 +6,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tpinfer_engine::{Engine, EngineError, Fault, GenerateRequest, Prompt, SamplingParams, StopReason, StreamEvent};
+use tpinfer_engine::{
+    DType, Engine, EngineError, Fault, GenerateRequest, Prompt, SamplingParams, StopReason, StreamEvent,
+};
 use tpinfer_tests::TinyLlama;
 
 /// Request `i`: prompts of 1 to 17 tokens; even ones greedy, odd ones sampled with their own
@@ -154,4 +156,71 @@ fn non_finite_logits_end_greedy_and_sampled_requests_by_name() {
         let error = stream.collect_text().expect_err("NaN logits");
         assert!(matches!(error, EngineError::NonFinite { .. }), "{error}");
     }
+}
+
+#[test]
+fn a_budget_that_holds_two_full_contexts_serves_eight_sequences_by_preempting() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let (tp, context, sequences) = (2, 64, 8);
+    // The budget of a KV cache of two full contexts: not enough for a third.
+    let model = tpinfer_llama::LlamaModel::open_checkpoint(&path).expect("model");
+    let plan = |held: usize| {
+        let placement = tpinfer_plan::Placement::Llm {
+            max_context: context,
+            batch: sequences,
+            kv_sequences: Some(held),
+        };
+        tpinfer_plan::Plan::new(&model, tp, DType::F32, placement, tpinfer_plan::DeviceProfile::cpu())
+            .expect("plan")
+            .peak()
+            .total()
+    };
+    let budget = plan(2);
+    assert!(plan(3) > budget);
+    let full = tpinfer_plan::Placement::llm(context, sequences);
+    let fit =
+        tpinfer_plan::kv_sequences_that_fit(&model, tp, DType::F32, full, tpinfer_plan::DeviceProfile::cpu(), budget);
+    assert_eq!(fit, Some(2));
+
+    // 16 requests whose prompts and outputs fill 48 of the 64 positions.
+    let long = |i: usize| {
+        let prompt: Vec<u32> = (0..8 + i % 5).map(|t| ((i * 17 + t * 11) % 250) as u32).collect();
+        let mut request = GenerateRequest::new(Prompt::Tokens(prompt), 36);
+        request.ignore_eos = true;
+        if i % 2 == 1 {
+            request.sampling = SamplingParams {
+                temperature: 0.8,
+                seed: 77 + i as u64,
+                ..SamplingParams::default()
+            };
+        }
+        request
+    };
+    let alone = Engine::builder(&path).max_context(context).build().expect("engine");
+    let expected: Vec<_> = (0..16).map(|i| tokens(&alone, long(i))).collect();
+    drop(alone);
+    let engine = Engine::builder(&path)
+        .tp(tp)
+        .max_context(context)
+        .max_seqs(sequences)
+        .gpu_mem(budget)
+        .build()
+        .expect("an engine whose KV cache holds two full contexts");
+    assert_eq!(engine.load().kv_blocks, 2 * context / 16);
+    let engine = Arc::new(engine);
+    let handles: Vec<_> = (0..16)
+        .map(|i| {
+            let engine = engine.clone();
+            std::thread::spawn(move || tokens(&engine, long(i)))
+        })
+        .collect();
+    for (i, (h, want)) in handles.into_iter().zip(&expected).enumerate() {
+        let got = h.join().expect("request thread");
+        assert_eq!(got.0.len(), 36, "request {i} is complete");
+        assert_eq!(&got, want, "request {i}");
+    }
+    let load = engine.load();
+    assert!(load.preemptions > 0, "{load:?}");
+    assert_eq!(load.kv_blocks_used, 0, "every block is back");
 }

@@ -65,10 +65,7 @@ impl ShardedModel for ToyMlp {
         DType::F32
     }
     fn default_placement(&self) -> Placement {
-        Placement::Llm {
-            max_context: 16,
-            batch: 1,
-        }
+        Placement::llm(16, 1)
     }
     fn max_context(&self) -> Option<usize> {
         Some(1 << 20)
@@ -94,7 +91,7 @@ impl RankShard for ToyShard {
     }
     /// One forward of `max_context` rows: the hidden layer's columns and the f32 output.
     fn footprint(&self, dtype: DType, placement: Placement, _: Accelerator) -> Result<Footprint, PlanError> {
-        let Placement::Llm { max_context, batch } = placement else {
+        let Placement::Llm { max_context, batch, .. } = placement else {
             return Err(PlanError::Placement("the toy takes --max-context".into()));
         };
         let rows = (max_context * batch) as u64;
@@ -381,10 +378,7 @@ fn cpu_ranks_are_held_to_the_hosts_memory() {
         GroupOptions::default(),
     );
     // 2^34 rows of activations: terabytes, more than any host has.
-    let placement = Placement::Llm {
-        max_context: 1 << 34,
-        batch: 1,
-    };
+    let placement = Placement::llm(1 << 34, 1);
     launch.add(Arc::new(model), DType::F32, placement).expect("planned");
     match launch.start() {
         Err(RuntimeError::OverBudget(message)) => {

@@ -256,7 +256,7 @@ proptest! {
     ) {
         let (_, model) = tpinfer_engine::registry::open(preset).expect("preset");
         let placement = match model.default_placement() {
-            Placement::Llm { .. } => Placement::Llm { max_context: big, batch: other },
+            Placement::Llm { .. } => Placement::llm(big, other),
             Placement::Dit { .. } => Placement::Dit { frames, width: big, height: other, cfg: true },
         };
         let device = if cuda { DeviceProfile::cuda() } else { DeviceProfile::cpu() };

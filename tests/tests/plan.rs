@@ -31,10 +31,7 @@ fn planned_weight_bytes_equal_loaded_bytes_at_tp_1_to_5() {
     let spec = open(path.to_str().expect("utf8")).expect("plan model");
     for dtype in [DType::F32, DType::BF16] {
         for tp in 1..=5 {
-            let placement = Placement::Llm {
-                max_context: 64,
-                batch: 1,
-            };
+            let placement = Placement::llm(64, 1);
             let plan = Plan::new(&*spec, tp, dtype, placement, DeviceProfile::cpu()).expect("plan");
             let comms = ThreadGroup::ranks(tp, std::time::Duration::from_secs(30));
             for (rank, comm) in comms.into_iter().enumerate() {
@@ -135,19 +132,7 @@ fn engine_refuses_an_over_budget_placement_naming_what_fits() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = model.write(dir.path());
     let spec = open(path.to_str().expect("utf8")).expect("plan model");
-    let plan = |tp| {
-        Plan::new(
-            &*spec,
-            tp,
-            DType::F32,
-            Placement::Llm {
-                max_context: 512,
-                batch: 1,
-            },
-            DeviceProfile::cpu(),
-        )
-        .expect("plan")
-    };
+    let plan = |tp| Plan::new(&*spec, tp, DType::F32, Placement::llm(512, 1), DeviceProfile::cpu()).expect("plan");
     // A budget between what TP 2 and TP 1 need.
     let (one, two) = (plan(1).peak().total(), plan(2).peak().total());
     assert!(two < one);
@@ -176,46 +161,65 @@ fn engine_refuses_an_over_budget_placement_naming_what_fits() {
 }
 
 /// `batch` sequences hold one KV cache each, exactly; a decode step of the batch never plans
-/// less than one sequence's; a batch that does not fit is refused with the batch that does.
+/// less than one sequence's. A budget too small for them all sizes the paged cache to the full
+/// contexts it holds; one too small for even one names the context that fits.
 #[test]
-fn batch_multiplies_the_kv_cache_and_names_the_batch_that_fits() {
+fn batch_multiplies_the_kv_cache_and_a_budget_sizes_the_pool() {
     let model = open("llama-3-8b").expect("preset");
-    let plan = |batch: usize| {
-        let placement = Placement::Llm {
-            max_context: 8192,
-            batch,
-        };
-        Plan::new(&*model, 2, DType::BF16, placement, DeviceProfile::cuda()).expect("plan")
-    };
+    let planned = |placement: Placement| Plan::new(&*model, 2, DType::BF16, placement, DeviceProfile::cuda());
+    let plan = |batch: usize| planned(Placement::llm(8192, batch)).expect("plan");
     let (one, eight) = (plan(1), plan(8));
     for (a, b) in one.ranks.iter().zip(&eight.ranks) {
         assert_eq!(b.cache, 8 * a.cache);
         assert_eq!(b.weights, a.weights);
         assert!(b.activations >= a.activations);
     }
+    let pooled = |max_context: usize, held: usize| {
+        planned(Placement::Llm {
+            max_context,
+            batch: 32,
+            kv_sequences: Some(held),
+        })
+        .expect("plan")
+    };
     // 8B at TP 2 with 8k contexts: 0.5 GiB of KV cache per sequence and rank; 12 GiB of
     // budget leaves room for a few sequences, not 32.
     let budget = 12u64 << 30;
-    let big = plan(32);
-    assert!(!big.fits(budget));
-    let message = tpinfer_plan::over_budget_message(&*model, &big, DType::BF16, budget);
-    let fewer: usize = message
-        .split("--batch ")
-        .nth(1)
-        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no --batch suggestion in: {message}"));
-    assert!(plan(fewer).fits(budget) && !plan(fewer + 1).fits(budget), "{message}");
-    let zero = Plan::new(
+    assert!(!plan(32).fits(budget));
+    let sized = tpinfer_plan::with_kv_pool_from_budget(
         &*model,
         2,
         DType::BF16,
-        Placement::Llm {
-            max_context: 8192,
-            batch: 0,
-        },
+        Placement::llm(8192, 32),
         DeviceProfile::cuda(),
+        budget,
     );
+    let Placement::Llm {
+        kv_sequences: Some(held),
+        ..
+    } = sized
+    else {
+        panic!("no pool sized: {sized:?}");
+    };
+    assert!((1..32).contains(&held), "{held}");
+    assert!(pooled(8192, held).fits(budget) && !pooled(8192, held + 1).fits(budget));
+    assert_eq!(pooled(8192, held).ranks[0].cache, held as u64 * one.ranks[0].cache);
+    // Too small for one 8k context beside the weights: the longest that fits is named.
+    let tight = one.peak().total() - (one.ranks[0].cache / 2);
+    let full = plan(32);
+    assert!(!pooled(8192, 1).fits(tight));
+    let message = tpinfer_plan::over_budget_message(&*model, &full, DType::BF16, tight);
+    let context: usize = message
+        .split("--max-context ")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no --max-context suggestion in: {message}"));
+    assert!(
+        pooled(context, 1).fits(tight) && !pooled(context + 1, 1).fits(tight),
+        "{message}"
+    );
+    let zero = planned(Placement::llm(8192, 0));
     assert!(zero.is_err());
 }
 

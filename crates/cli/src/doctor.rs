@@ -46,7 +46,7 @@ pub fn doctor(args: DoctorArgs) -> Result<ExitCode> {
             let (_, model) = tpinfer_engine::registry::open(model)?;
             let model = &*model;
             let placement = match (model.default_placement(), args.max_context) {
-                (Placement::Llm { batch, .. }, Some(max_context)) => Placement::Llm { max_context, batch },
+                (Placement::Llm { batch, .. }, Some(max_context)) => Placement::llm(max_context, batch),
                 (placement, _) => placement,
             };
             Some(Plan::new(

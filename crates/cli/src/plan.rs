@@ -4,7 +4,10 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Result};
 use tpinfer_engine::DType;
-use tpinfer_plan::{fit_table, mib, over_budget_message, DeviceProfile, Placement, Plan, ShardedModel};
+use tpinfer_plan::{
+    fit_table, kv_sequences_that_fit, mib, over_budget_message, with_kv_pool_from_budget, DeviceProfile, Placement,
+    Plan, ShardedModel,
+};
 
 #[derive(clap::Args)]
 pub struct PlanArgs {
@@ -29,7 +32,8 @@ pub struct PlanArgs {
     #[arg(long, alias = "max-model-len")]
     max_context: Option<usize>,
     /// LLM: sequences served at once (`tpinfer serve --max-seqs`), sharing a paged KV cache
-    /// sized for this many at full context (default 1: one sequence with a cache of its own).
+    /// of this many full contexts, or of as many as the budget holds where that is fewer, as
+    /// `tpinfer serve` sizes it (default 1: one sequence with a cache of its own).
     #[arg(long, visible_alias = "max-seqs")]
     batch: Option<usize>,
     /// DiT: frames, 4k + 1 (default 81).
@@ -80,10 +84,9 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         bail!("--no-cfg is for video DiT models");
     }
     let placement = match (model.default_placement(), args.max_context, args.frames, args.size) {
-        (Placement::Llm { max_context, batch }, context, None, None) => Placement::Llm {
-            max_context: context.unwrap_or(max_context),
-            batch: args.batch.unwrap_or(batch),
-        },
+        (Placement::Llm { max_context, batch, .. }, context, None, None) => {
+            Placement::llm(context.unwrap_or(max_context), args.batch.unwrap_or(batch))
+        }
         (Placement::Dit { .. }, ..) if args.batch.is_some() => {
             bail!("--batch is for LLMs; a DiT runs one video, its CFG passes in turn")
         }
@@ -146,12 +149,15 @@ fn one_width(
     budget: u64,
     json: bool,
 ) -> Result<ExitCode> {
+    let placement = with_kv_pool_from_budget(model, tp, dtype, placement, device, budget);
     let plan = Plan::new(model, tp, dtype, placement, device)?;
     let peak = plan.peak().total();
     let fits = peak <= budget;
+    let kv_sequences = kv_sequences_that_fit(model, tp, dtype, placement, device, budget);
     if json {
         let report = serde_json::json!({
             "plan": plan,
+            "kv_sequences_that_fit": kv_sequences,
             "budget": budget,
             "fits": fits,
             "peak_rank": plan.peak().rank,
@@ -164,6 +170,25 @@ fn one_width(
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print_plan(&plan, budget);
+        if let (
+            Placement::Llm {
+                max_context,
+                batch,
+                kv_sequences: pool,
+            },
+            Some(fit),
+        ) = (placement, kv_sequences)
+        {
+            let held = pool.unwrap_or(batch);
+            println!(
+                "KV cache: the budget holds {fit} sequences of {max_context} positions at full length; the paged \
+                 cache is sized for {held} of the {batch} served at once{}",
+                match held < batch {
+                    true => " (shorter ones share it; when its blocks run out, the newest is preempted and recomputed)",
+                    false => "",
+                }
+            );
+        }
     }
     if !fits {
         eprintln!("does not fit: {}", over_budget_message(model, &plan, dtype, budget));
@@ -174,10 +199,22 @@ fn one_width(
 
 fn describe(placement: Placement, tokens: usize) -> String {
     match placement {
-        Placement::Llm { max_context, batch: 1 } => {
+        Placement::Llm {
+            max_context, batch: 1, ..
+        } => {
             format!("max context {max_context} (prompts in chunks of {tokens})")
         }
-        Placement::Llm { max_context, batch } => {
+        Placement::Llm {
+            max_context,
+            batch,
+            kv_sequences: Some(held),
+        } => {
+            format!(
+                "batch {batch} × max context {max_context}, a KV cache of {held} full contexts (prompts in chunks of \
+                 {tokens})"
+            )
+        }
+        Placement::Llm { max_context, batch, .. } => {
             format!("batch {batch} × max context {max_context} (prompts in chunks of {tokens})")
         }
         Placement::Dit {
@@ -302,8 +339,14 @@ fn all_widths(
             describe(placement, 0).split(" (").next().unwrap_or_default(),
             mib(budget)
         );
-        println!("| TP | fullest rank, MiB | fits | {limit} |");
-        println!("|---:|---:|:---:|---:|");
+        // Serving several sequences, also how many full contexts the budget's KV cache holds.
+        let pooled = matches!(placement, Placement::Llm { batch, .. } if batch > 1);
+        let pool = match pooled {
+            true => " full contexts the budget's KV cache holds |",
+            false => "",
+        };
+        println!("| TP | fullest rank, MiB | fits | {limit} |{pool}");
+        println!("|---:|---:|:---:|---:|{}", if pooled { "---:|" } else { "" });
         // Past the smallest fitting width, show a few more: wider only ever fits better.
         let shown = smallest.map_or(table.len(), |tp| table.iter().position(|w| w.tp == tp).unwrap_or(0) + 4);
         for w in table.iter().take(shown) {
@@ -311,8 +354,12 @@ fn all_widths(
                 .max_context
                 .or(w.max_frames)
                 .map_or("none".to_string(), |v| v.to_string());
+            let pool = match pooled {
+                true => format!(" {} |", w.kv_sequences.map_or("none".to_string(), |n| n.to_string())),
+                false => String::new(),
+            };
             println!(
-                "| {} | {:.1} | {} | {limit} |",
+                "| {} | {:.1} | {} | {limit} |{pool}",
                 w.tp,
                 mib(w.peak),
                 if w.fits { "yes" } else { "no" }

@@ -82,10 +82,7 @@ impl Models {
     }
 
     fn plan(&self, tp: usize, dtype: DType, video: Placement, device: DeviceProfile) -> Result<Stages> {
-        let text = Placement::Llm {
-            max_context: TEXT_TOKENS,
-            batch: 1,
-        };
+        let text = Placement::llm(TEXT_TOKENS, 1);
         let planned = self
             .0
             .iter()

@@ -21,7 +21,9 @@ pub struct ServeArgs {
     host: String,
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Sequences decoding at once; the KV cache is sized for this many at full context.
+    /// Sequences decoding at once; the paged KV cache holds this many full contexts, or as
+    /// many as the memory budget affords where that is fewer (then the newest sequence is
+    /// preempted and recomputed when its blocks run out).
     #[arg(long, default_value_t = 64)]
     max_seqs: usize,
     /// New tokens per step: decode tokens, and prompts prefilled in chunks beside them.

@@ -920,6 +920,51 @@ fn plan_refuses_absurd_sizes_quickly() {
     assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
 }
 
+/// Serving 64 sequences of 8,192 positions of Llama-3-8B on one 24 GiB GPU: their KV caches
+/// at full length (64 GiB) do not fit, so the paged cache holds as many full contexts as the
+/// budget affords, as `tpinfer serve` sizes it: one more would not fit.
+#[test]
+fn plan_sizes_a_serving_kv_cache_to_the_budget() {
+    let args = [
+        "--model",
+        "llama-3-8b",
+        "--tp",
+        "1",
+        "--gpu-mem",
+        "24GiB",
+        "--max-context",
+        "8192",
+        "--max-seqs",
+        "64",
+    ];
+    let mut with_json = args.to_vec();
+    with_json.push("--json");
+    let out = json(&plan(&with_json));
+    assert_eq!(out["fits"], true, "{out}");
+    let held = out["kv_sequences_that_fit"].as_u64().expect("kv_sequences_that_fit") as u128;
+    assert!((1..64).contains(&held), "{held}");
+    assert_eq!(out["plan"]["placement"]["kv_sequences"], held as u64);
+    let rank = &out["plan"]["ranks"][0];
+    // Llama-3-8B's keys and values: 32 layers × 8 KV heads × 128 × 2 × 2 bytes a position.
+    let per_sequence = 8192u128 * 32 * 8 * 128 * 2 * 2;
+    assert_eq!(rank["cache"].as_u64().expect("cache") as u128, held * per_sequence);
+    let (peak, budget) = (out["peak"].as_u64().expect("peak") as u128, 24u128 << 30);
+    assert!(peak <= budget && peak + per_sequence > budget, "{peak} {budget}");
+    // In words, and for every width.
+    let text = plan(&args);
+    let stdout = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        stdout.contains(&format!("the budget holds {held} sequences of 8192 positions")),
+        "{stdout}"
+    );
+    let widths = [&args[..2], &args[4..]].concat();
+    let table = plan(&widths);
+    let stdout = String::from_utf8_lossy(&table.stdout);
+    assert!(stdout.contains("full contexts the budget's KV cache holds"), "{stdout}");
+    let tp1 = stdout.lines().find(|l| l.starts_with("| 1 |")).expect("the TP 1 row");
+    assert!(tp1.ends_with(&format!(" {held} |")), "{tp1}");
+}
+
 /// An error says its cause once: a missing config.json used to print the OS error twice.
 #[test]
 fn an_error_names_its_cause_once() {

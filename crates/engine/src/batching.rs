@@ -20,7 +20,7 @@ use tpinfer_runtime::{ModelHandle, RankGroup, RuntimeError};
 use crate::rank::{inject, RankJob};
 use crate::status::Status;
 use crate::stream::RankEvent;
-use crate::{EngineError, Fault, GenerationStats, StopReason};
+use crate::{EngineError, Fault, GenerationStats, Load, StopReason};
 
 /// What one step may hold, and the cache it draws from.
 #[derive(Debug, Clone, Copy)]
@@ -368,6 +368,8 @@ struct Batch {
     waiting: VecDeque<Sequence>,
     blocks: FreeBlocks,
     limits: BatchLimits,
+    /// Sequences preempted so far.
+    preemptions: usize,
 }
 
 impl Batch {
@@ -377,6 +379,7 @@ impl Batch {
             waiting: VecDeque::new(),
             blocks: FreeBlocks::new(limits.blocks, limits.block_size),
             limits,
+            preemptions: 0,
         }
     }
 
@@ -435,12 +438,13 @@ impl Batch {
 
     fn report(&self, status: &Status) {
         let blocks = self.limits.blocks;
-        status.set(
-            self.running.len(),
-            self.waiting.len(),
-            blocks - self.blocks.free.len(),
-            blocks,
-        );
+        status.set(Load {
+            running: self.running.len(),
+            queued: self.waiting.len(),
+            kv_blocks_used: blocks - self.blocks.free.len(),
+            kv_blocks: blocks,
+            preemptions: self.preemptions,
+        });
     }
 
     /// Frees sequence `i`'s blocks and queues it first, to recompute what it had cached.
@@ -448,6 +452,7 @@ impl Batch {
         let mut s = self.running.remove(i);
         self.blocks.release(&mut s.table);
         s.cached = 0;
+        self.preemptions += 1;
         tracing::debug!(tokens = s.context.len(), "preempted a sequence for its KV blocks");
         self.waiting.push_front(s);
     }

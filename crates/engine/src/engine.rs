@@ -70,7 +70,20 @@ impl Engine {
         }
         let batch = b.max_seqs;
         let mut launch = Launch::new(topology, b.group.clone());
-        let llama = launch.add(Arc::new(model), dtype, Placement::Llm { max_context, batch })?;
+        // Serving several sequences, the paged KV cache holds as many full contexts as the
+        // budget affords, up to all of them; shorter sequences share it finer, and when its
+        // blocks run out the newest is preempted.
+        let full = Placement::llm(max_context, batch);
+        let held = launch
+            .budget()
+            .and_then(|budget| tpinfer_plan::kv_sequences_that_fit(&model, b.tp, dtype, full, launch.profile(), budget))
+            .map_or(batch, |fit| fit.min(batch));
+        let placement = Placement::Llm {
+            max_context,
+            batch,
+            kv_sequences: (held < batch).then_some(held),
+        };
+        let llama = launch.add(Arc::new(model), dtype, placement)?;
         let group = launch.start()?;
         match batch {
             1 => warm_up(&group, llama)?,
@@ -84,11 +97,18 @@ impl Engine {
         let limits = BatchLimits {
             max_seqs: batch,
             step_tokens: b.step_tokens,
-            blocks: tpinfer_llama::memory::kv_blocks(max_context, batch),
+            blocks: tpinfer_llama::memory::kv_blocks(max_context, held),
             block_size: tpinfer_llama::memory::KV_BLOCK_SIZE,
             max_positions: max_context,
         };
         let status = Arc::new(Status::default());
+        // The paged cache's size is known before the scheduler's first report.
+        if batch > 1 {
+            status.set(Load {
+                kv_blocks: limits.blocks,
+                ..Load::default()
+            });
+        }
         let shared = status.clone();
         let scheduler = std::thread::Builder::new()
             .name("tpinfer-scheduler".into())
@@ -281,7 +301,10 @@ fn schedule(
     let mut first = true;
     for job in jobs.iter() {
         status.taken(1);
-        status.set(1, 0, 0, 0);
+        status.set(Load {
+            running: 1,
+            ..Load::default()
+        });
         // The first request is held to the plan: its peak against the planned one for it.
         let check_memory = std::mem::take(&mut first);
         let task_job = job.clone();
@@ -299,7 +322,7 @@ fn schedule(
             }
             Ok(())
         });
-        status.set(0, 0, 0, 0);
+        status.set(Load::default());
         if let Err(e) = outcome {
             status.failed(&e.to_string());
             let _ = job.events.send(RankEvent::Error(e));

@@ -82,10 +82,7 @@ impl PromptEncoder {
                 encoder.config().d_model
             )));
         }
-        let placement = Placement::Llm {
-            max_context: TEXT_TOKENS,
-            batch: 1,
-        };
+        let placement = Placement::llm(TEXT_TOKENS, 1);
         Ok(Self {
             encoder: launch.add(Arc::new(encoder), dtype, placement)?,
             tokenizer,

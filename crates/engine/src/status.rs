@@ -23,6 +23,8 @@ pub struct Load {
     /// one request at a time with a cache of its own).
     pub kv_blocks_used: usize,
     pub kv_blocks: usize,
+    /// Sequences preempted for KV blocks since the start (each recomputed when it resumes).
+    pub preemptions: usize,
 }
 
 /// Written by the scheduler, read by the engine's handle.
@@ -36,6 +38,7 @@ pub(crate) struct Status {
     waiting: AtomicUsize,
     kv_blocks_used: AtomicUsize,
     kv_blocks: AtomicUsize,
+    preemptions: AtomicUsize,
     failure: Mutex<Option<String>>,
 }
 
@@ -48,11 +51,13 @@ impl Status {
         self.taken.fetch_add(jobs, Ordering::Relaxed);
     }
 
-    pub fn set(&self, running: usize, waiting: usize, kv_blocks_used: usize, kv_blocks: usize) {
-        self.running.store(running, Ordering::Relaxed);
-        self.waiting.store(waiting, Ordering::Relaxed);
-        self.kv_blocks_used.store(kv_blocks_used, Ordering::Relaxed);
-        self.kv_blocks.store(kv_blocks, Ordering::Relaxed);
+    /// The batching scheduler's state after a step (see [`Load`]).
+    pub fn set(&self, load: Load) {
+        self.running.store(load.running, Ordering::Relaxed);
+        self.waiting.store(load.queued, Ordering::Relaxed);
+        self.kv_blocks_used.store(load.kv_blocks_used, Ordering::Relaxed);
+        self.kv_blocks.store(load.kv_blocks, Ordering::Relaxed);
+        self.preemptions.store(load.preemptions, Ordering::Relaxed);
     }
 
     pub fn failed(&self, cause: &str) {
@@ -77,6 +82,7 @@ impl Status {
             queued: self.waiting.load(Ordering::Relaxed) + in_channel,
             kv_blocks_used: self.kv_blocks_used.load(Ordering::Relaxed),
             kv_blocks: self.kv_blocks.load(Ordering::Relaxed),
+            preemptions: self.preemptions.load(Ordering::Relaxed),
         }
     }
 }

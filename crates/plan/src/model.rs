@@ -11,9 +11,16 @@ use crate::PlanError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Placement {
-    /// An LLM holding `batch` sequences of up to `max_context` positions each (the engine
-    /// serves batch 1; larger batches are planning figures).
-    Llm { max_context: usize, batch: usize },
+    /// An LLM running up to `batch` sequences of up to `max_context` positions each at once.
+    /// More than one share a paged KV cache that holds `kv_sequences` sequences at full
+    /// length (shorter ones share it finer), or with `None` all `batch` of them (see
+    /// [`crate::kv_sequences_that_fit`]).
+    Llm {
+        max_context: usize,
+        batch: usize,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        kv_sequences: Option<usize>,
+    },
     /// A DiT denoising `frames` frames of `width` × `height` pixels, with classifier-free
     /// guidance (`cfg`: its unconditional passes run in turn with the conditional ones).
     Dit {
@@ -22,6 +29,17 @@ pub enum Placement {
         height: usize,
         cfg: bool,
     },
+}
+
+impl Placement {
+    /// An LLM's placement with a KV cache for every sequence at full length.
+    pub fn llm(max_context: usize, batch: usize) -> Self {
+        Self::Llm {
+            max_context,
+            batch,
+            kv_sequences: None,
+        }
+    }
 }
 
 /// The kind of device a rank computes on, which decides the kernels its forward runs and so

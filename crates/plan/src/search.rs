@@ -16,9 +16,13 @@ pub struct WidthFit {
     pub max_context: Option<usize>,
     /// DiT: the most frames (4k + 1) that fit at this width, at the requested size.
     pub max_frames: Option<usize>,
+    /// LLM serving several sequences: how many at full context the paged KV cache the
+    /// budget affords holds, beside the requested batch's temporaries.
+    pub kv_sequences: Option<usize>,
 }
 
-/// How `model` fits `budget` at each width in `widths` (widths it cannot shard to are skipped).
+/// How `model` fits `budget` at each width in `widths` (widths it cannot shard to are skipped),
+/// a serving LLM's KV cache sized to the budget at each ([`with_kv_pool_from_budget`]).
 pub fn fit_table(
     model: &dyn ShardedModel,
     dtype: DType,
@@ -30,6 +34,8 @@ pub fn fit_table(
     widths
         .into_iter()
         .filter_map(|tp| {
+            // Planned as the engine places it: a serving LLM's KV cache sized to the budget.
+            let placement = with_kv_pool_from_budget(model, tp, dtype, placement, device, budget);
             let plan = Plan::new(model, tp, dtype, placement, device).ok()?;
             let peak = plan.peak().total();
             let (max_context, max_frames) = match placement {
@@ -45,9 +51,65 @@ pub fn fit_table(
                 fits: peak <= budget,
                 max_context,
                 max_frames,
+                kv_sequences: kv_sequences_that_fit(model, tp, dtype, placement, device, budget),
             })
         })
         .collect()
+}
+
+/// The most sequences at full context whose paged KV cache fits `budget` at width `tp`,
+/// beside the rest of `placement` (an LLM serving `batch` > 1 sequences, whose temporaries
+/// count at the batch): what a budget-sized pool holds. `None` for other placements, or when
+/// not even one fits.
+pub fn kv_sequences_that_fit(
+    model: &dyn ShardedModel,
+    tp: usize,
+    dtype: DType,
+    placement: Placement,
+    device: DeviceProfile,
+    budget: u64,
+) -> Option<usize> {
+    let Placement::Llm { max_context, batch, .. } = placement else {
+        return None;
+    };
+    if batch <= 1 {
+        return None;
+    }
+    let fits = |sequences: usize| {
+        let placement = Placement::Llm {
+            max_context,
+            batch,
+            kv_sequences: Some(sequences),
+        };
+        Plan::new(model, tp, dtype, placement, device).is_ok_and(|p| p.fits(budget))
+    };
+    // A pool past a million full contexts is beyond any device.
+    largest(1, 1 << 20, fits)
+}
+
+/// `placement` with its paged KV cache sized to the budget: an LLM serving `batch` > 1
+/// sequences keeps a pool of at most `batch` full contexts, fewer where the budget holds
+/// fewer (at least one). Other placements, or one that fits not even one sequence, come back
+/// as they are (and their plan refuses them).
+pub fn with_kv_pool_from_budget(
+    model: &dyn ShardedModel,
+    tp: usize,
+    dtype: DType,
+    placement: Placement,
+    device: DeviceProfile,
+    budget: u64,
+) -> Placement {
+    match (
+        placement,
+        kv_sequences_that_fit(model, tp, dtype, placement, device, budget),
+    ) {
+        (Placement::Llm { max_context, batch, .. }, Some(fit)) if fit < batch => Placement::Llm {
+            max_context,
+            batch,
+            kv_sequences: Some(fit),
+        },
+        _ => placement,
+    }
 }
 
 /// The smallest width from `from` up that fits `placement` in `budget`.
@@ -75,10 +137,13 @@ fn largest_context(
     batch: usize,
 ) -> Option<usize> {
     let limit = model.max_context()?;
+    // Serving several sequences, a context fits when the budget's KV cache holds one at full
+    // length (the others share it).
     let fits = |context: usize| {
         let placement = Placement::Llm {
             max_context: context,
             batch,
+            kv_sequences: (batch > 1).then_some(1),
         };
         Plan::new(model, tp, dtype, placement, device)
             .map(|p| p.fits(budget))
@@ -170,9 +235,14 @@ pub fn over_budget_message(model: &dyn ShardedModel, plan: &Plan, dtype: DType, 
                     Placement::Llm { max_context, .. } => max_context,
                     Placement::Dit { .. } => 0,
                 };
-                // Bisection: fewer sequences never need more bytes.
+                // Bisection: fewer sequences never need more bytes (their KV cache sized to
+                // the budget, so at least one full context).
                 let fits = |b: usize| {
-                    let placement = Placement::Llm { max_context, batch: b };
+                    let placement = Placement::Llm {
+                        max_context,
+                        batch: b,
+                        kv_sequences: (b > 1).then_some(1),
+                    };
                     Plan::new(model, plan.tp, dtype, placement, plan.device).is_ok_and(|p| p.fits(budget))
                 };
                 if let Some(fewer) = largest(1, batch - 1, fits) {

@@ -264,29 +264,53 @@ impl Launch {
         }
     }
 
+    /// The smallest of the ranks' budgets (see [`Self::start`]), if any rank has one: what a
+    /// model may size a memory pool to before it is added, such as an LLM's paged KV cache.
+    pub fn budget(&self) -> Option<u64> {
+        (0..self.topology.width())
+            .filter_map(|rank| self.rank_budget(rank).map(|(budget, _)| budget))
+            .min()
+    }
+
+    /// The device profile the ranks are planned with.
+    pub fn profile(&self) -> tpinfer_plan::DeviceProfile {
+        self.topology.profile()
+    }
+
+    /// Rank `rank`'s budget, and its device's free memory less the margin where measured:
+    /// `gpu_mem` and the share of `gpu_memory_utilization`, and on GPUs at most the free
+    /// memory.
+    fn rank_budget(&self, rank: usize) -> Option<(u64, Option<u64>)> {
+        let profile = self.topology.profile();
+        let measured = memory::measure(&self.topology.devices()[rank]);
+        let free = measured.map(|m| (m.free() + profile.context_reserve).saturating_sub(m.total / 50));
+        let share = self
+            .options
+            .gpu_share
+            .zip(measured)
+            .map(|(share, m)| (share * m.total as f64) as u64);
+        let given = match (self.options.gpu_mem, share) {
+            (Some(bytes), Some(share)) => Some(bytes.min(share)),
+            (bytes, share) => bytes.or(share),
+        };
+        let budget = match (given, free) {
+            (Some(given), Some(free)) => given.min(free),
+            (Some(given), None) => given,
+            (None, Some(free)) => free,
+            (None, None) => return None,
+        };
+        Some((budget, free))
+    }
+
     /// Why the models held as `residency` do not fit, if they do not.
     fn over_budget(&self, residency: Residency) -> Option<String> {
         if let Some(refusal) = self.over_host_memory(residency) {
             return Some(refusal);
         }
         let profile = self.topology.profile();
-        for (rank, device) in self.topology.devices().iter().enumerate() {
-            let measured = memory::measure(device);
-            let free = measured.map(|m| (m.free() + profile.context_reserve).saturating_sub(m.total / 50));
-            let share = self
-                .options
-                .gpu_share
-                .zip(measured)
-                .map(|(share, m)| (share * m.total as f64) as u64);
-            let given = match (self.options.gpu_mem, share) {
-                (Some(bytes), Some(share)) => Some(bytes.min(share)),
-                (bytes, share) => bytes.or(share),
-            };
-            let budget = match (given, free) {
-                (Some(given), Some(free)) => given.min(free),
-                (Some(given), None) => given,
-                (None, Some(free)) => free,
-                (None, None) => continue,
+        for rank in 0..self.topology.width() {
+            let Some((budget, free)) = self.rank_budget(rank) else {
+                continue;
             };
             let needed = self.rank_total(rank, residency);
             if needed <= budget {

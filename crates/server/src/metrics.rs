@@ -127,6 +127,12 @@ impl Metrics {
             load.kv_blocks as f64,
         );
         gauge(
+            "tpinfer_preemptions_total",
+            "Sequences preempted for KV blocks (recomputed when they resume).",
+            "counter",
+            load.preemptions as f64,
+        );
+        gauge(
             "tpinfer_requests_total",
             "Requests that ended.",
             "counter",

@@ -10,7 +10,7 @@ use tpinfer_plan::{
 };
 use tpinfer_weights::WeightDecl;
 
-use crate::memory::{flash_attention, prefill_chunk, RankMemory};
+use crate::memory::{flash_attention, prefill_chunk, Batch, RankMemory};
 use crate::{CheckpointError, LlamaCheckpoint, LlamaConfig, LlamaRank, LlamaShard};
 
 /// The most sequences a plan holds at once: far past any one box's memory, and far from any
@@ -77,10 +77,7 @@ impl ShardedModel for LlamaModel {
 
     /// 8192 positions, at most the model's.
     fn default_placement(&self) -> Placement {
-        Placement::Llm {
-            max_context: self.config.max_position_embeddings.min(8192),
-            batch: 1,
-        }
+        Placement::llm(self.config.max_position_embeddings.min(8192), 1)
     }
 
     fn max_context(&self) -> Option<usize> {
@@ -111,7 +108,12 @@ impl RankShard for LlamaRankShard {
     }
 
     fn footprint(&self, dtype: DType, placement: Placement, accelerator: Accelerator) -> Result<Footprint, PlanError> {
-        let Placement::Llm { max_context, batch } = placement else {
+        let Placement::Llm {
+            max_context,
+            batch,
+            kv_sequences,
+        } = placement
+        else {
             return Err(PlanError::Placement(
                 "--frames and --size are for video DiT models; give an LLM --max-context".into(),
             ));
@@ -130,6 +132,15 @@ impl RankShard for LlamaRankShard {
         }
         let flash = flash_attention(accelerator == Accelerator::Cuda, dtype, config.head_dim, &self.shard);
         let chunk = prefill_chunk(self.shard.heads.q_heads.len(), max_context, flash);
+        if kv_sequences == Some(0) {
+            return Err(PlanError::Placement(
+                "a KV cache must hold at least one sequence at full length".into(),
+            ));
+        }
+        let batch = Batch {
+            sequences: batch,
+            kv_sequences,
+        };
         let m = RankMemory::batched(config, &self.shard, dtype, max_context, chunk, batch, flash);
         Ok(Footprint {
             buffers: m.buffers as u64,
@@ -205,7 +216,12 @@ impl Family for LlamaModel {
             .checkpoint
             .as_ref()
             .ok_or_else(|| preset_has_no_weights(&self.name))?;
-        let Placement::Llm { max_context, batch } = placement else {
+        let Placement::Llm {
+            max_context,
+            batch,
+            kv_sequences,
+        } = placement
+        else {
             return Err(tpinfer_layers::Error::Shard(
                 "a Llama model is placed with a context length".into(),
             ));
@@ -214,7 +230,11 @@ impl Family for LlamaModel {
         let (shard, comm) = (shard.shard.clone(), ctx.comm.clone());
         // Several sequences share a paged cache (`memory::RankMemory::batched`).
         if batch > 1 {
-            let blocks = crate::memory::kv_blocks(max_context, batch);
+            let blocks = Batch {
+                sequences: batch,
+                kv_sequences,
+            }
+            .pool_blocks(max_context);
             let size = crate::memory::KV_BLOCK_SIZE;
             return LlamaRank::load_paged(
                 &checkpoint,

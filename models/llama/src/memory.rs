@@ -19,6 +19,21 @@ pub fn kv_blocks(max_positions: usize, sequences: usize) -> usize {
     sequences * max_positions.div_ceil(KV_BLOCK_SIZE)
 }
 
+/// The sequences a rank runs at once, and how many of them at full length the paged KV
+/// cache they share holds (`None`: all).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batch {
+    pub sequences: usize,
+    pub kv_sequences: Option<usize>,
+}
+
+impl Batch {
+    /// The paged cache's blocks for sequences of up to `max_positions`.
+    pub fn pool_blocks(&self, max_positions: usize) -> usize {
+        kv_blocks(max_positions, self.kv_sequences.unwrap_or(self.sequences))
+    }
+}
+
 /// The prompt positions per forward pass for a rank with `q_heads` local query heads and a
 /// context of `max_positions`: with `flash` attention 2048 (no score buffer exists), else as
 /// many as keep a score buffer under [`SCORE_BUFFER_BYTES`], a multiple of 16 between 16 and
@@ -67,19 +82,23 @@ impl RankMemory {
         chunk: usize,
         flash: bool,
     ) -> Self {
-        Self::batched(config, shard, dtype, max_positions, chunk, 1, flash)
+        let one = Batch {
+            sequences: 1,
+            kv_sequences: None,
+        };
+        Self::batched(config, shard, dtype, max_positions, chunk, one, flash)
     }
 
     /// For `batch` sequences of up to `max_positions` each. One sequence has a KV cache of its
-    /// own and a captured decode step; more share a paged cache of [`kv_blocks`] blocks (every
-    /// sequence at full length), their decode tokens and prompt chunks in one forward.
+    /// own and a captured decode step; more share a paged cache ([`Batch::pool_blocks`]),
+    /// their decode tokens and prompt chunks in one forward.
     pub fn batched(
         config: &LlamaConfig,
         shard: &LlamaShard,
         dtype: DType,
         max_positions: usize,
         chunk: usize,
-        batch: usize,
+        batch: Batch,
         flash: bool,
     ) -> Self {
         let (t, d, e) = (max_positions, config.head_dim, dtype.size_in_bytes());
@@ -87,14 +106,14 @@ impl RankMemory {
         // `Rope::new`: cos and sin, `[2, t, d / 2]`; `kv_index`: one u32 per local Q head.
         let buffers = 2 * t * (d / 2) * e + nq * 4;
         let kv_cache = config.num_hidden_layers
-            * match batch {
+            * match batch.sequences {
                 0 | 1 => KvCache::bytes(nkv, t, d, dtype),
-                _ => PagedKvCache::bytes(nkv, kv_blocks(t, batch), KV_BLOCK_SIZE, d, dtype),
+                _ => PagedKvCache::bytes(nkv, batch.pool_blocks(t), KV_BLOCK_SIZE, d, dtype),
             };
         let forward = |positions: usize| forward_memory(config, shard, e, positions, t, flash);
-        let worst = forward(chunk.min(t)).max(forward(batch.max(1)));
+        let worst = forward(chunk.min(t)).max(forward(batch.sequences.max(1)));
         // The captured step is one sequence's, and only a lone sequence's rank captures it.
-        let graph = match flash && batch <= 1 {
+        let graph = match flash && batch.sequences <= 1 {
             true => config.vocab_size * 4 + forward(1).peak,
             false => 0,
         };

@@ -56,10 +56,7 @@ impl ShardedModel for Umt5Model {
     /// One prompt of Wan's 512 tokens. An encoder is placed as a prompt is: `max_context`
     /// tokens a sequence, `batch` sequences.
     fn default_placement(&self) -> Placement {
-        Placement::Llm {
-            max_context: TEXT_TOKENS,
-            batch: 1,
-        }
+        Placement::llm(TEXT_TOKENS, 1)
     }
 
     /// Relative positions carry no limit; past 512 the planner searches up to 4,096.
@@ -92,7 +89,7 @@ impl RankShard for Umt5RankShard {
 
     /// Prompts are encoded one at a time: the temporaries are one prompt's.
     fn footprint(&self, dtype: DType, placement: Placement, _: Accelerator) -> Result<Footprint, PlanError> {
-        let Placement::Llm { max_context, batch } = placement else {
+        let Placement::Llm { max_context, batch, .. } = placement else {
             return Err(PlanError::Placement(
                 "a text encoder is placed with the prompt's tokens (--max-context), not --frames and --size".into(),
             ));
