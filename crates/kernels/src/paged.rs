@@ -210,6 +210,12 @@ pub fn paged_decode_attention(q: &Tensor, pool: &Tensor, decode: DecodeRows<'_>,
     check_index(decode.tables, &[n, max_blocks], q, OP, "tables")?;
     check_index(decode.lens, &[n], q, OP, "lens")?;
     check_index(decode.kv_of_q, &[q_heads], q, OP, "kv_of_q")?;
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        let out = crate::empty(&[n, q_heads, d], q.dtype(), q.device())?;
+        cuda::paged_decode_attention(q, pool, decode, &out, (s, max_blocks), scale)?;
+        return Ok(out);
+    }
     let op = PagedAttention {
         sizes: s,
         n,
@@ -284,28 +290,15 @@ impl candle_core::CustomOp2 for PagedAttention<'_> {
         )?;
         Ok((out, Shape::from((self.n, s.q_heads, s.head_dim))))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        q: &candle_core::CudaStorage,
-        ql: &Layout,
-        pool: &candle_core::CudaStorage,
-        pl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = cuda::paged_decode_attention(self, (q, ql), (pool, pl))?;
-        Ok((out, Shape::from((self.n, self.sizes.q_heads, self.sizes.head_dim))))
-    }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::WrapErr;
-    use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
+    use candle_core::{Result, Tensor};
 
-    use super::{PagedAttention, RowsAt, Sizes, PAGED_HEAD_DIMS};
+    use super::{DecodeRows, RowsAt, Sizes, PAGED_HEAD_DIMS};
     use crate::launch::{device_address, elementwise, suffix};
 
     /// Threads per CTA of the attention kernel (WARPS · 32 in cuda/paged.cu).
@@ -348,98 +341,53 @@ mod cuda {
     }
 
     pub(super) fn paged_decode_attention(
-        op: &PagedAttention<'_>,
-        (q, ql): (&CudaStorage, &Layout),
-        (pool, pl): (&CudaStorage, &Layout),
-    ) -> Result<CudaStorage> {
-        let s = &op.sizes;
+        q: &Tensor,
+        pool: &Tensor,
+        decode: DecodeRows<'_>,
+        out: &Tensor,
+        (s, max_blocks): (Sizes, usize),
+        scale: f64,
+    ) -> Result<()> {
         if !PAGED_HEAD_DIMS.contains(&s.head_dim) {
             candle_core::bail!(
                 "paged_decode_attention: head size {} has no CUDA kernel (compiled for {PAGED_HEAD_DIMS:?})",
                 s.head_dim
             );
         }
-        let dev = q.device().clone();
+        // Each lane loads its columns of a head in one vector load: heads start aligned.
+        if [q, pool].iter().any(|t| t.layout().start_offset() % s.head_dim != 0) {
+            candle_core::bail!("paged_decode_attention: q and the pool must start on a head's boundary");
+        }
+        let candle_core::Device::Cuda(dev) = q.device() else {
+            candle_core::bail!("paged_decode_attention: not a CUDA tensor");
+        };
         let name = format!("paged_decode_attention_{}_d{}", suffix(q.dtype())?, s.head_dim);
-        let func = crate::module::PAGED.kernel(&dev, &name)?;
-        let d = op.decode;
-        let [q_rows, tables, lens, kv_of_q] = [d.q_rows, d.tables, d.lens, d.kv_of_q].map(device_address);
-        let out = match q.dtype() {
-            DType::F32 => launch::<f32>(
-                op,
-                &dev,
-                &func,
-                (q, ql),
-                (pool, pl),
-                [q_rows?, tables?, lens?, kv_of_q?],
-            ),
-            DType::BF16 => launch::<half::bf16>(
-                op,
-                &dev,
-                &func,
-                (q, ql),
-                (pool, pl),
-                [q_rows?, tables?, lens?, kv_of_q?],
-            ),
-            DType::F16 => launch::<half::f16>(
-                op,
-                &dev,
-                &func,
-                (q, ql),
-                (pool, pl),
-                [q_rows?, tables?, lens?, kv_of_q?],
-            ),
-            other => candle_core::bail!("paged_decode_attention: unsupported dtype {other:?}"),
-        }?;
-        Ok(out)
-    }
-
-    fn launch<T>(
-        op: &PagedAttention<'_>,
-        dev: &candle_core::CudaDevice,
-        func: &crate::module::Kernel,
-        (q, ql): (&CudaStorage, &Layout),
-        (pool, pl): (&CudaStorage, &Layout),
-        [q_rows, tables, lens, kv_of_q]: [u64; 4],
-    ) -> Result<CudaStorage>
-    where
-        T: candle_core::cuda_backend::CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
-    {
-        let s = &op.sizes;
-        let stream = dev.cuda_stream();
-        let qs = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
-        let ps = pool.as_cuda_slice::<T>()?.slice(pl.start_offset()..);
-        // SAFETY: the kernel writes every (sequence, head, column) of the output.
-        let out = unsafe { dev.alloc::<T>(op.n * s.q_heads * s.head_dim)? };
-        let (q_ptr, pool_ptr, out_ptr) = (
-            qs.device_ptr(&stream).0,
-            ps.device_ptr(&stream).0,
-            out.device_ptr(&stream).0,
-        );
-        let ints = [s.q_heads, s.kv_heads, op.max_blocks, op.block_size].map(|v| v as i32);
-        let slots = s.slots as i64;
-        let scale_log2 = (op.scale * std::f64::consts::LOG2_E) as f32;
+        let func = crate::module::PAGED.kernel(dev, &name)?;
+        let addresses = [q, decode.q_rows, pool, decode.tables, decode.lens, decode.kv_of_q, out]
+            .into_iter()
+            .map(device_address)
+            .collect::<Result<Vec<u64>>>()?;
         let mut b = func.builder();
-        b.arg(&q_ptr)
-            .arg(&q_rows)
-            .arg(&pool_ptr)
-            .arg(&tables)
-            .arg(&lens)
-            .arg(&kv_of_q)
-            .arg(&out_ptr);
+        for a in &addresses {
+            b.arg(a);
+        }
+        let ints = [s.q_heads, s.kv_heads, max_blocks, decode.block_size].map(|v| v as i32);
         for v in &ints {
             b.arg(v);
         }
+        let slots = s.slots as i64;
+        let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         b.arg(&slots).arg(&scale_log2);
         let cfg = LaunchConfig {
-            grid_dim: (s.q_heads as u32, op.n as u32, 1),
+            grid_dim: (s.q_heads as u32, decode.q_rows.elem_count() as u32, 1),
             block_dim: (ATTENTION_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match the kernel's signature; paged_decode_attention checked the
-        // shapes, dtypes and contiguity of q, the pool and the index tensors. The slots the
-        // kernel reads are the sequences' tables' (the scheduler's blocks, inside the pool).
+        // SAFETY: the arguments match the kernel's signature; paged_decode_attention checked
+        // the shapes, dtypes and contiguity of q, the pool, the index tensors and the output
+        // (n · q_heads · d elements, each written once). The slots the kernel reads are the
+        // sequences' tables' (the scheduler's blocks, inside the pool).
         unsafe { b.launch(cfg) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        Ok(())
     }
 }
