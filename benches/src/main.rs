@@ -170,6 +170,10 @@ struct LogitsArgs {
     /// Greedy tokens to generate.
     #[arg(long, default_value_t = 32)]
     steps: usize,
+    /// Above 1, run through the continuous-batching engine (the paged KV cache and its
+    /// kernels), as `tpinfer serve` does.
+    #[arg(long, default_value_t = 1)]
+    max_seqs: usize,
     #[arg(long)]
     out: PathBuf,
 }
@@ -258,8 +262,9 @@ fn check_fault(common: &Common, new_tokens: usize) -> Result<()> {
     Ok(())
 }
 
-fn engine(common: &Common, tp: usize) -> Result<Engine> {
+fn engine(common: &Common, tp: usize, max_seqs: usize) -> Result<Engine> {
     let mut builder = builder(&common.model, tp, common.cuda, common.dtype)
+        .max_seqs(max_seqs)
         .comm_timeout(std::time::Duration::from_secs(common.comm_timeout))
         .enforce_eager(common.enforce_eager);
     if let Some(fault) = common.fault {
@@ -292,7 +297,7 @@ fn speed(args: SpeedArgs) -> Result<()> {
     println!("|---|---|---|---|---|---|---|");
     let mut details = Vec::new();
     for &tp in &args.tp {
-        let engine = engine(&args.common, tp)?;
+        let engine = engine(&args.common, tp, 1)?;
         let ids = prompt(&engine, args.common.prompt_tokens);
         let (mut prefill, mut decode) = (Vec::new(), Vec::new());
         for run in 0..=args.repeats {
@@ -394,7 +399,7 @@ fn planned_for_run(engine: &Engine, cuda: bool, prompt: usize, new: usize) -> Re
 
 fn logits(args: LogitsArgs) -> Result<()> {
     check_fault(&args.common, args.steps)?;
-    let engine = engine(&args.common, args.tp)?;
+    let engine = engine(&args.common, args.tp, args.max_seqs)?;
     let ids = prompt(&engine, args.common.prompt_tokens);
     let (stream, trace) = engine.generate_traced(GenerateRequest::new(Prompt::Tokens(ids), args.steps))?;
     let (_, tokens, stats) = stream.collect_text()?;

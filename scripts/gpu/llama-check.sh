@@ -23,9 +23,12 @@ run $REF make --shape 1b --dtype f32 --out "$W/m1b" --tokenizer $TOK || exit 1
 runs() { for tp in $TPS; do printf '%s ' "$1$tp${3:-}=$W/$2$tp${3:-}.st"; done; }
 for tp in $TPS; do
   run "$BIN/tpinfer-bench" logits --model "$W/m1b" --cuda --dtype f32 --tp $tp --steps 32 --out "$W/t1b_tp$tp.st"
+  # Through the continuous-batching engine: its paged KV cache and kernels.
+  run "$BIN/tpinfer-bench" logits --model "$W/m1b" --cuda --dtype f32 --tp $tp --steps 32 --max-seqs 4 \
+    --out "$W/t1b_tp${tp}_paged.st"
 done
 run $REF logits --model "$W/m1b" --dtype f32 --steps 32 --out "$W/r1b.st"
-run $REF compare --ref "$W/r1b.st" --out-json "$OUT/f32_1b.json" $(runs tp t1b_tp)
+run $REF compare --ref "$W/r1b.st" --out-json "$OUT/f32_1b.json" $(runs tp t1b_tp) $(runs tp t1b_tp _paged)
 for tp in $TPS; do
   [ -f "$W/t1b_tp$tp.st" ] || { log "TP $tp failed on the small model: stopping"; kill $SMI; exit 1; }
 done
@@ -36,11 +39,13 @@ for tp in $TPS; do
   run "$BIN/tpinfer-bench" logits --model "$W/m8b" --cuda --dtype bf16 --tp $tp --steps 8 --out "$W/t8b_tp$tp.st"
   run "$BIN/tpinfer-bench" logits --model "$W/m8b" --cuda --dtype bf16 --tp $tp --steps 8 --enforce-eager \
     --out "$W/t8b_tp${tp}_eager.st"
+  run "$BIN/tpinfer-bench" logits --model "$W/m8b" --cuda --dtype bf16 --tp $tp --steps 8 --max-seqs 4 \
+    --out "$W/t8b_tp${tp}_paged.st"
 done
 run $REF logits --model "$W/m8b" --dtype f32 --steps 8 --out "$W/r8b_f32.st"
 run $REF logits --model "$W/m8b" --dtype bf16 --steps 8 --out "$W/r8b_bf16.st"
 run $REF compare --ref "$W/r8b_f32.st" --out-json "$OUT/bf16_8b.json" \
-  $(runs tp t8b_tp) $(runs tp t8b_tp _eager) transformers_bf16="$W/r8b_bf16.st"
+  $(runs tp t8b_tp) $(runs tp t8b_tp _eager) $(runs tp t8b_tp _paged) transformers_bf16="$W/r8b_bf16.st"
 run $REF compare --ref "$W/t8b_tp1_eager.st" --out-json "$OUT/graph_vs_eager.json" $(runs tp t8b_tp)
 fi
 [ -d "$W/m8b" ] || run $REF make --shape 8b --dtype bf16 --out "$W/m8b" --tokenizer $TOK || exit 1
