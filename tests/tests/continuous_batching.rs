@@ -222,5 +222,11 @@ fn a_budget_that_holds_two_full_contexts_serves_eight_sequences_by_preempting() 
     }
     let load = engine.load();
     assert!(load.preemptions > 0, "{load:?}");
-    assert_eq!(load.kv_blocks_used, 0, "every block is back");
+    // The scheduler reports its blocks after the step that ended the last request, which a
+    // client may see end first.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while engine.load().kv_blocks_used > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(engine.load().kv_blocks_used, 0, "every block is back");
 }

@@ -117,10 +117,16 @@ impl RankMemory {
             true => config.vocab_size * 4 + forward(1).peak,
             false => 0,
         };
+        // A batched step's prompt chunk attends over keys and values gathered from its
+        // sequence's blocks (`PagedKvCache::read`): two `[t, kv, d]` copies beside the rest.
+        let gathered = match batch.sequences {
+            0 | 1 => 0,
+            _ => 2 * t * nkv * d * e,
+        };
         Self {
             buffers: buffers + graph,
             kv_cache,
-            activations: worst.peak,
+            activations: worst.peak + gathered,
             pool_slack: worst.pool_slack(),
         }
     }
