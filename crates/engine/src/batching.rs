@@ -10,9 +10,8 @@ use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use candle_transformers::generation::LogitsProcessor;
-use candle_transformers::utils::apply_repeat_penalty;
 use tpinfer_layers::BlockTable;
 use tpinfer_llama::{LlamaRank, SequenceChunk};
 use tpinfer_runtime::{ModelHandle, RankGroup, RuntimeError};
@@ -303,13 +302,7 @@ impl Sequence {
         if let Some(trace) = &self.job.logits {
             let _ = trace.send(logits.to_vec());
         }
-        let sampling = &self.job.sampling;
-        let mut scores = Tensor::new(logits, &Device::Cpu).map_err(sample_err)?;
-        if sampling.repetition_penalty != 1.0 {
-            let window = &self.context[self.context.len().saturating_sub(sampling.repetition_window)..];
-            scores = apply_repeat_penalty(&scores, sampling.repetition_penalty, window).map_err(sample_err)?;
-        }
-        self.sampler.sample(&scores).map_err(sample_err)
+        crate::rank::sample_row(&mut self.sampler, &self.job.sampling, &self.context, logits)
     }
 
     fn finish(self, outcome: Result<StopReason, EngineError>) {

@@ -274,6 +274,22 @@ fn run_greedy(
     }
 }
 
+/// Chooses the next token from one step's `logits` on the host: the repetition penalty over
+/// the last tokens of `context`, then the request's `processor`.
+pub(crate) fn sample_row(
+    processor: &mut LogitsProcessor,
+    sampling: &SamplingParams,
+    context: &[u32],
+    logits: &[f32],
+) -> Result<u32, EngineError> {
+    let mut scores = Tensor::new(logits, &Device::Cpu).map_err(sample_err)?;
+    if sampling.repetition_penalty != 1.0 {
+        let window = &context[context.len().saturating_sub(sampling.repetition_window)..];
+        scores = apply_repeat_penalty(&scores, sampling.repetition_penalty, window).map_err(sample_err)?;
+    }
+    processor.sample(&scores).map_err(sample_err)
+}
+
 /// Sampling on rank 0's host: it broadcasts each token and whether to stop.
 fn run_sampled(
     model: &mut LlamaRank,
@@ -287,20 +303,14 @@ fn run_sampled(
     loop {
         let mut step = [0u32, 0u32];
         if run.rank == 0 {
-            run.trace(&logits)?;
-            let mut scores = logits.squeeze(0).map_err(sample_err)?;
-            if job.sampling.repetition_penalty != 1.0 {
-                let window = &run.context[run.context.len().saturating_sub(job.sampling.repetition_window)..];
-                scores = apply_repeat_penalty(&scores, job.sampling.repetition_penalty, window).map_err(sample_err)?;
+            // One copy of the row to the host, where the batching engine samples too: the
+            // same arithmetic either way, and no kernels over one long row.
+            let row = logits.squeeze(0).and_then(|l| l.to_vec1::<f32>()).map_err(sample_err)?;
+            if let Some(trace) = &job.logits {
+                let _ = trace.send(row.clone());
             }
-            let token = processor.sample(&scores).map_err(sample_err)?;
-            let logprobs = match job.logprobs {
-                Some(_) => {
-                    let raw = logits.squeeze(0).and_then(|l| l.to_vec1::<f32>()).map_err(sample_err)?;
-                    job.token_logprobs(&raw, token)
-                }
-                None => None,
-            };
+            let token = sample_row(&mut processor, &job.sampling, &run.context, &row)?;
+            let logprobs = job.token_logprobs(&row, token);
             let reason = run.accept(token, logprobs, model.cached_positions(), model.max_positions());
             step = [token, encode(reason)];
         }
