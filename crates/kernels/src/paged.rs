@@ -304,6 +304,11 @@ mod cuda {
     /// Threads per CTA of the attention kernel (WARPS · 32 in cuda/paged.cu).
     const ATTENTION_THREADS: u32 = 256;
 
+    /// The device addresses of `tensors`, the kernels' pointer arguments in order.
+    fn addresses(tensors: &[&Tensor]) -> Result<Vec<u64>> {
+        tensors.iter().map(|t| device_address(t)).collect()
+    }
+
     pub(super) fn rotary_qkv_paged(
         pool: &Tensor,
         qkv: &Tensor,
@@ -318,10 +323,7 @@ mod cuda {
         };
         let n = qkv.dim(0)?;
         let func = crate::module::PAGED.kernel(dev, &format!("rotary_qkv_paged_{}", suffix(qkv.dtype())?))?;
-        let addresses = [qkv, table, queries, pool, rows.positions, rows.slots]
-            .into_iter()
-            .map(device_address)
-            .collect::<Result<Vec<u64>>>()?;
+        let addresses = addresses(&[qkv, table, queries, pool, rows.positions, rows.slots])?;
         let mut b = func.builder();
         for a in &addresses {
             b.arg(a);
@@ -363,10 +365,7 @@ mod cuda {
         };
         let name = format!("paged_decode_attention_{}_d{}", suffix(q.dtype())?, s.head_dim);
         let func = crate::module::PAGED.kernel(dev, &name)?;
-        let addresses = [q, decode.q_rows, pool, decode.tables, decode.lens, decode.kv_of_q, out]
-            .into_iter()
-            .map(device_address)
-            .collect::<Result<Vec<u64>>>()?;
+        let addresses = addresses(&[q, decode.q_rows, pool, decode.tables, decode.lens, decode.kv_of_q, out])?;
         let mut b = func.builder();
         for a in &addresses {
             b.arg(a);
