@@ -186,14 +186,9 @@ fn batch_multiplies_the_kv_cache_and_a_budget_sizes_the_pool() {
     // budget leaves room for a few sequences, not 32.
     let budget = 12u64 << 30;
     assert!(!plan(32).fits(budget));
-    let sized = tpinfer_plan::with_kv_pool_from_budget(
-        &*model,
-        2,
-        DType::BF16,
-        Placement::llm(8192, 32),
-        DeviceProfile::cuda(),
-        budget,
-    );
+    let serving = Placement::llm(8192, 32);
+    let fit = tpinfer_plan::kv_sequences_that_fit(&*model, 2, DType::BF16, serving, DeviceProfile::cuda(), budget);
+    let sized = tpinfer_plan::with_kv_sequences(serving, fit);
     let Placement::Llm {
         kv_sequences: Some(held),
         ..

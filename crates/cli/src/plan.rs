@@ -5,8 +5,8 @@ use std::process::ExitCode;
 use anyhow::{bail, Result};
 use tpinfer_engine::DType;
 use tpinfer_plan::{
-    fit_table, kv_sequences_that_fit, mib, over_budget_message, with_kv_pool_from_budget, DeviceProfile, Placement,
-    Plan, ShardedModel,
+    fit_table, kv_sequences_that_fit, mib, over_budget_message, with_kv_sequences, DeviceProfile, Placement, Plan,
+    ShardedModel,
 };
 
 #[derive(clap::Args)]
@@ -149,11 +149,11 @@ fn one_width(
     budget: u64,
     json: bool,
 ) -> Result<ExitCode> {
-    let placement = with_kv_pool_from_budget(model, tp, dtype, placement, device, budget);
+    let kv_sequences = kv_sequences_that_fit(model, tp, dtype, placement, device, budget);
+    let placement = with_kv_sequences(placement, kv_sequences);
     let plan = Plan::new(model, tp, dtype, placement, device)?;
     let peak = plan.peak().total();
     let fits = peak <= budget;
-    let kv_sequences = kv_sequences_that_fit(model, tp, dtype, placement, device, budget);
     if json {
         let report = serde_json::json!({
             "plan": plan,

@@ -74,15 +74,10 @@ impl Engine {
         // budget affords, up to all of them; shorter sequences share it finer, and when its
         // blocks run out the newest is preempted.
         let full = Placement::llm(max_context, batch);
-        let held = launch
-            .budget()
-            .and_then(|budget| tpinfer_plan::kv_sequences_that_fit(&model, b.tp, dtype, full, launch.profile(), budget))
-            .map_or(batch, |fit| fit.min(batch));
-        let placement = Placement::Llm {
-            max_context,
-            batch,
-            kv_sequences: (held < batch).then_some(held),
-        };
+        let fit = launch.budget().and_then(|budget| {
+            tpinfer_plan::kv_sequences_that_fit(&model, b.tp, dtype, full, launch.profile(), budget)
+        });
+        let placement = tpinfer_plan::with_kv_sequences(full, fit);
         let llama = launch.add(Arc::new(model), dtype, placement)?;
         let group = launch.start()?;
         match batch {
@@ -97,7 +92,9 @@ impl Engine {
         let limits = BatchLimits {
             max_seqs: batch,
             step_tokens: b.step_tokens,
-            blocks: tpinfer_llama::memory::kv_blocks(max_context, held),
+            // The pool the ranks allocated (none for one sequence at a time, whose scheduler
+            // hands out no blocks).
+            blocks: tpinfer_llama::memory::paged_blocks(placement).unwrap_or(0),
             block_size: tpinfer_llama::memory::KV_BLOCK_SIZE,
             max_positions: max_context,
         };

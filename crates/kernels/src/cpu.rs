@@ -395,10 +395,7 @@ pub(crate) fn append_rotated_kv(
 /// A batched step's rows over a paged pool `[2, slots, kv_heads, head_dim]`: row `r` at
 /// position `positions[r]`, its key and value into slot `at[r]`.
 pub(crate) struct PagedRows<'a> {
-    pub q_heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub slots: usize,
+    pub sizes: crate::paged::Sizes,
     pub table_positions: usize,
     pub positions: &'a [u32],
     pub at: &'a [u32],
@@ -412,8 +409,8 @@ pub(crate) fn rotary_qkv_paged(
     table: (&CpuStorage, &Layout),
     g: &PagedRows<'_>,
 ) -> Result<CpuStorage> {
-    if let Some(r) =
-        (0..g.positions.len()).find(|&r| g.positions[r] as usize >= g.table_positions || g.at[r] as usize >= g.slots)
+    if let Some(r) = (0..g.positions.len())
+        .find(|&r| g.positions[r] as usize >= g.table_positions || g.at[r] as usize >= g.sizes.slots)
     {
         candle_core::bail!(
             "rotary_qkv_paged: row {r} at position {} into slot {} is outside the table's {} positions or the pool's \
@@ -421,30 +418,30 @@ pub(crate) fn rotary_qkv_paged(
             g.positions[r],
             g.at[r],
             g.table_positions,
-            g.slots
+            g.sizes.slots
         );
     }
     fn write<T: WithDType>(pool: &mut [T], xs: &[T], ts: &[T], g: &PagedRows<'_>) -> Vec<T> {
-        let (d, half) = (g.head_dim, g.head_dim / 2);
-        let width = (g.q_heads + 2 * g.kv_heads) * d;
-        let (keys, values) = pool.split_at_mut(g.slots * g.kv_heads * d);
-        let mut queries = vec![T::from_f64(0.0); g.positions.len() * g.q_heads * d];
+        let (d, half) = (g.sizes.head_dim, g.sizes.head_dim / 2);
+        let width = (g.sizes.q_heads + 2 * g.sizes.kv_heads) * d;
+        let (keys, values) = pool.split_at_mut(g.sizes.slots * g.sizes.kv_heads * d);
+        let mut queries = vec![T::from_f64(0.0); g.positions.len() * g.sizes.q_heads * d];
         for (r, (&position, &slot)) in g.positions.iter().zip(g.at).enumerate() {
             let (cos, sin) = rotation(ts, g.table_positions, half, position as usize);
             let row = &xs[r * width..][..width];
-            for h in 0..g.q_heads {
+            for h in 0..g.sizes.q_heads {
                 rotate(
                     &row[h * d..][..d],
                     cos,
                     sin,
-                    &mut queries[(r * g.q_heads + h) * d..][..d],
+                    &mut queries[(r * g.sizes.q_heads + h) * d..][..d],
                 );
             }
-            let at = slot as usize * g.kv_heads * d;
-            for h in 0..g.kv_heads {
-                let k = &row[(g.q_heads + h) * d..][..d];
+            let at = slot as usize * g.sizes.kv_heads * d;
+            for h in 0..g.sizes.kv_heads {
+                let k = &row[(g.sizes.q_heads + h) * d..][..d];
                 rotate(k, cos, sin, &mut keys[at + h * d..][..d]);
-                let v = &row[(g.q_heads + g.kv_heads + h) * d..][..d];
+                let v = &row[(g.sizes.q_heads + g.sizes.kv_heads + h) * d..][..d];
                 values[at + h * d..][..d].copy_from_slice(v);
             }
         }
@@ -474,10 +471,7 @@ pub(crate) fn rotary_qkv_paged(
 /// The decode rows of a batched step over a paged pool (see `crate::DecodeRows`), on the
 /// host; checked against the pool by the caller.
 pub(crate) struct PagedDecode<'a> {
-    pub q_heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub slots: usize,
+    pub sizes: crate::paged::Sizes,
     pub block_size: usize,
     pub max_blocks: usize,
     pub q_rows: &'a [u32],
@@ -494,19 +488,19 @@ pub(crate) fn paged_decode_attention(
     g: &PagedDecode<'_>,
     scale: f32,
 ) -> Result<CpuStorage> {
-    let d = g.head_dim;
-    let row = g.kv_heads * d;
+    let d = g.sizes.head_dim;
+    let row = g.sizes.kv_heads * d;
     typed!(q.0, T => {
         let (qs, ps) = (contiguous::<T>(q.0, q.1)?, contiguous::<T>(pool.0, pool.1)?);
-        let (keys, values) = ps.split_at(g.slots * row);
-        let work: usize = g.lens.iter().map(|&l| l as usize).sum::<usize>() * g.q_heads * d;
-        let mut out = vec![T::from_f64(0.0); g.q_rows.len() * g.q_heads * d];
-        for_each_chunk(&mut out, g.q_heads * d, work, |i, o| {
+        let (keys, values) = ps.split_at(g.sizes.slots * row);
+        let work: usize = g.lens.iter().map(|&l| l as usize).sum::<usize>() * g.sizes.q_heads * d;
+        let mut out = vec![T::from_f64(0.0); g.q_rows.len() * g.sizes.q_heads * d];
+        for_each_chunk(&mut out, g.sizes.q_heads * d, work, |i, o| {
             let table = &g.tables[i * g.max_blocks..][..g.max_blocks];
             let mut acc = vec![0f32; d];
-            for h in 0..g.q_heads {
+            for h in 0..g.sizes.q_heads {
                 let query: Vec<f32> =
-                    qs[(g.q_rows[i] as usize * g.q_heads + h) * d..][..d].iter().map(|&x| f(x) * scale).collect();
+                    qs[(g.q_rows[i] as usize * g.sizes.q_heads + h) * d..][..d].iter().map(|&x| f(x) * scale).collect();
                 let head = g.kv_of_q[h] as usize * d;
                 let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
                 acc.iter_mut().for_each(|a| *a = 0.0);

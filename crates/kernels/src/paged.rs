@@ -33,12 +33,12 @@ pub struct DecodeRows<'a> {
 
 /// The sizes both ops check their tensors against.
 #[derive(Debug, Clone, Copy)]
-struct Sizes {
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
+pub(crate) struct Sizes {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
     /// Slots of the pool.
-    slots: usize,
+    pub slots: usize,
 }
 
 impl Sizes {
@@ -166,12 +166,8 @@ impl candle_core::InplaceOp3 for RotaryPaged {
         table: &CpuStorage,
         tl: &Layout,
     ) -> Result<()> {
-        let s = &self.sizes;
         let geometry = crate::cpu::PagedRows {
-            q_heads: s.q_heads,
-            kv_heads: s.kv_heads,
-            head_dim: s.head_dim,
-            slots: s.slots,
+            sizes: self.sizes,
             table_positions: self.table_positions,
             positions: &self.positions,
             at: &self.slots,
@@ -218,10 +214,8 @@ pub fn paged_decode_attention(q: &Tensor, pool: &Tensor, decode: DecodeRows<'_>,
     }
     let op = PagedAttention {
         sizes: s,
-        n,
         rows,
         max_blocks,
-        block_size: decode.block_size,
         scale,
         decode,
     };
@@ -231,11 +225,9 @@ pub fn paged_decode_attention(q: &Tensor, pool: &Tensor, decode: DecodeRows<'_>,
 
 struct PagedAttention<'a> {
     sizes: Sizes,
-    n: usize,
     /// Rows of q.
     rows: usize,
     max_blocks: usize,
-    block_size: usize,
     scale: f64,
     decode: DecodeRows<'a>,
 }
@@ -253,12 +245,12 @@ impl candle_core::CustomOp2 for PagedAttention<'_> {
         // Every slot a sequence reads must lie in its table and the pool.
         for (i, (&row, &len)) in q_rows.iter().zip(&lens).enumerate() {
             let table = &tables[i * self.max_blocks..(i + 1) * self.max_blocks];
-            let blocks = (len as usize).div_ceil(self.block_size);
+            let blocks = (len as usize).div_ceil(d.block_size);
             if row as usize >= self.rows
                 || blocks > self.max_blocks
                 || table[..blocks]
                     .iter()
-                    .any(|&b| (b as usize + 1) * self.block_size > s.slots)
+                    .any(|&b| (b as usize + 1) * d.block_size > s.slots)
             {
                 candle_core::bail!(
                     "paged_decode_attention: sequence {i} (row {row}, {len} keys) reaches past q's {} rows, its table \
@@ -275,11 +267,8 @@ impl candle_core::CustomOp2 for PagedAttention<'_> {
             (q, ql),
             (pool, pl),
             &crate::cpu::PagedDecode {
-                q_heads: s.q_heads,
-                kv_heads: s.kv_heads,
-                head_dim: s.head_dim,
-                slots: s.slots,
-                block_size: self.block_size,
+                sizes: *s,
+                block_size: d.block_size,
                 max_blocks: self.max_blocks,
                 q_rows: &q_rows,
                 tables: &tables,
@@ -288,7 +277,7 @@ impl candle_core::CustomOp2 for PagedAttention<'_> {
             },
             self.scale as f32,
         )?;
-        Ok((out, Shape::from((self.n, s.q_heads, s.head_dim))))
+        Ok((out, Shape::from((q_rows.len(), s.q_heads, s.head_dim))))
     }
 }
 

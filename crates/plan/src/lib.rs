@@ -17,9 +17,7 @@ mod search;
 pub use device::DeviceProfile;
 pub use model::{boxed_shards, numbered_unit, Accelerator, Footprint, Placement, RankShard, ShardedModel};
 pub use plan::{held_together, Fsdp, Plan, PlanError, RankPlan, Residency};
-pub use search::{
-    fit_table, kv_sequences_that_fit, over_budget_message, smallest_width, with_kv_pool_from_budget, WidthFit,
-};
+pub use search::{fit_table, kv_sequences_that_fit, over_budget_message, smallest_width, with_kv_sequences, WidthFit};
 
 /// Parses a byte size such as `24GiB`, `22.5 GB` or `1048576`.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {

@@ -22,7 +22,7 @@ pub struct WidthFit {
 }
 
 /// How `model` fits `budget` at each width in `widths` (widths it cannot shard to are skipped),
-/// a serving LLM's KV cache sized to the budget at each ([`with_kv_pool_from_budget`]).
+/// a serving LLM's KV cache sized to the budget at each ([`with_kv_sequences`]).
 pub fn fit_table(
     model: &dyn ShardedModel,
     dtype: DType,
@@ -35,7 +35,8 @@ pub fn fit_table(
         .into_iter()
         .filter_map(|tp| {
             // Planned as the engine places it: a serving LLM's KV cache sized to the budget.
-            let placement = with_kv_pool_from_budget(model, tp, dtype, placement, device, budget);
+            let kv_sequences = kv_sequences_that_fit(model, tp, dtype, placement, device, budget);
+            let placement = with_kv_sequences(placement, kv_sequences);
             let plan = Plan::new(model, tp, dtype, placement, device).ok()?;
             let peak = plan.peak().total();
             let (max_context, max_frames) = match placement {
@@ -51,7 +52,7 @@ pub fn fit_table(
                 fits: peak <= budget,
                 max_context,
                 max_frames,
-                kv_sequences: kv_sequences_that_fit(model, tp, dtype, placement, device, budget),
+                kv_sequences,
             })
         })
         .collect()
@@ -87,22 +88,12 @@ pub fn kv_sequences_that_fit(
     largest(1, 1 << 20, fits)
 }
 
-/// `placement` with its paged KV cache sized to the budget: an LLM serving `batch` > 1
-/// sequences keeps a pool of at most `batch` full contexts, fewer where the budget holds
-/// fewer (at least one). Other placements, or one that fits not even one sequence, come back
-/// as they are (and their plan refuses them).
-pub fn with_kv_pool_from_budget(
-    model: &dyn ShardedModel,
-    tp: usize,
-    dtype: DType,
-    placement: Placement,
-    device: DeviceProfile,
-    budget: u64,
-) -> Placement {
-    match (
-        placement,
-        kv_sequences_that_fit(model, tp, dtype, placement, device, budget),
-    ) {
+/// `placement` with its paged KV cache holding the `fit` full contexts a budget affords
+/// ([`kv_sequences_that_fit`]): an LLM serving `batch` > 1 sequences keeps a pool of at most
+/// `batch`, fewer where the budget holds fewer. Other placements, or no fit (not even one
+/// sequence), come back as they are (and their plan refuses them).
+pub fn with_kv_sequences(placement: Placement, fit: Option<usize>) -> Placement {
+    match (placement, fit) {
         (Placement::Llm { max_context, batch, .. }, Some(fit)) if fit < batch => Placement::Llm {
             max_context,
             batch,

@@ -216,12 +216,7 @@ impl Family for LlamaModel {
             .checkpoint
             .as_ref()
             .ok_or_else(|| preset_has_no_weights(&self.name))?;
-        let Placement::Llm {
-            max_context,
-            batch,
-            kv_sequences,
-        } = placement
-        else {
+        let Placement::Llm { max_context, .. } = placement else {
             return Err(tpinfer_layers::Error::Shard(
                 "a Llama model is placed with a context length".into(),
             ));
@@ -229,12 +224,7 @@ impl Family for LlamaModel {
         let checkpoint = checkpoint.counted(ctx.progress, ctx.dtype);
         let (shard, comm) = (shard.shard.clone(), ctx.comm.clone());
         // Several sequences share a paged cache (`memory::RankMemory::batched`).
-        if batch > 1 {
-            let blocks = Batch {
-                sequences: batch,
-                kv_sequences,
-            }
-            .pool_blocks(max_context);
+        if let Some(blocks) = crate::memory::paged_blocks(placement) {
             let size = crate::memory::KV_BLOCK_SIZE;
             return LlamaRank::load_paged(
                 &checkpoint,

@@ -3,6 +3,7 @@
 
 use candle_core::DType;
 use tpinfer_layers::{KvCache, PagedKvCache};
+use tpinfer_plan::Placement;
 
 use crate::{LlamaConfig, LlamaShard};
 
@@ -31,6 +32,25 @@ impl Batch {
     /// The paged cache's blocks for sequences of up to `max_positions`.
     pub fn pool_blocks(&self, max_positions: usize) -> usize {
         kv_blocks(max_positions, self.kv_sequences.unwrap_or(self.sequences))
+    }
+}
+
+/// The blocks of the paged KV cache a rank loaded for `placement` allocates, and its
+/// scheduler hands out: `None` where there is none (one sequence, with a cache of its own).
+pub fn paged_blocks(placement: Placement) -> Option<usize> {
+    match placement {
+        Placement::Llm {
+            max_context,
+            batch,
+            kv_sequences,
+        } if batch > 1 => Some(
+            Batch {
+                sequences: batch,
+                kv_sequences,
+            }
+            .pool_blocks(max_context),
+        ),
+        _ => None,
     }
 }
 
