@@ -225,16 +225,17 @@ fn paged(c: &Case, args: &AttentionArgs, device: &candle_core::Device) -> Result
     let u32s = |v: &[u32], shape: &[usize]| Tensor::from_vec(v.to_vec(), shape, device);
     let q_rows: Vec<u32> = (0..n as u32).rev().collect();
     let lens_u32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
-    let group = c.heads / c.kv_heads;
-    let kv_of_q: Vec<u32> = (0..c.heads as u32).map(|h| h / group as u32).collect();
     let (q_rows_t, tables_t) = (u32s(&q_rows, &[n])?, u32s(&tables, &[n, most])?);
-    let (lens_t, kv_t) = (u32s(&lens_u32, &[n])?, u32s(&kv_of_q, &[c.heads])?);
+    let lens_t = u32s(&lens_u32, &[n])?;
     let decode = tpinfer_kernels::DecodeRows {
         q_rows: &q_rows_t,
         tables: &tables_t,
         lens: &lens_t,
         block_size: PAGED_BLOCK,
-        kv_of_q: &kv_t,
+        groups: tpinfer_kernels::QueryGroups {
+            group: c.heads / c.kv_heads,
+            offset: 0,
+        },
     };
     let scale = 1.0 / (c.head_dim as f64).sqrt();
     let out = tpinfer_kernels::paged_decode_attention(&q, &pool, decode, scale)?;

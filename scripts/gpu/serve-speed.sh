@@ -3,7 +3,7 @@
 # (random bf16 weights) driven over HTTP by `tpinfer-bench load` at each concurrency of
 # $LEVELS (default 1,8,32,64,128; prompt 512, output 256 tokens, greedy), then transformers'
 # batched generate on the same checkpoint (scripts/reference/reference_serving.py) at $BATCHES
-# (default 1,32,64). Binaries from $BIN (scripts/build/build-cuda.sh's .dist). Needs torch.
+# (default 1,32,64; "none" skips it). Binaries from $BIN (scripts/build/build-cuda.sh's .dist). Needs torch.
 # Results: $OUT/serve-speed.log (and the servers' own logs, $OUT/serve-*.log). First, a server
 # with --max-seqs 1 (one request at a time, the captured decode step) at concurrency 1,
 # greedy and at temperature 0.7.
@@ -56,6 +56,7 @@ if serve "${MAX_SEQS:-128}"; then
       n[b]++; f[b] += v["forward_ms"]; t[b] += v["step_ms"] }
     END { for (b in n) printf "%s\t%d\t%.2f\t%.2f\n", b, n[b], f[b] / n[b], t[b] / n[b] }' | sort | tee -a "$LOG"
 fi
+[ "${BATCHES:-}" = none ] && { log done; exit 0; }
 log "transformers baseline"
 timeout 240 $PY "$SCRIPTS/reference/reference_serving.py" --model "$W/m8b" --batch "${BATCHES:-1,32,64}" 2>&1 \
   | grep -v Warning | tee -a "$LOG"

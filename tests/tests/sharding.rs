@@ -53,6 +53,25 @@ fn kv_heads_follow_their_q_heads() {
     assert!(HeadShard::new(9, 3, 10, 0).is_err(), "TP above the head count");
 }
 
+/// The paged kernel's arithmetic map from query to KV head agrees with the shard's table at
+/// every width, cut groups included (32 heads over 5 ranks start rank 1 inside a group).
+#[test]
+fn query_groups_name_the_same_kv_heads_as_the_table() {
+    for (heads, kv_heads) in [(32, 8), (8, 2), (10, 2), (12, 12), (28, 4)] {
+        for world in 1..=heads.min(9) {
+            for rank in 0..world {
+                let shard = HeadShard::new(heads, kv_heads, world, rank).expect("shard");
+                let groups = shard.query_groups();
+                assert!(groups.offset < groups.group, "{heads}/{kv_heads} at {rank} of {world}");
+                let mapped: Vec<u32> = (0..shard.q_heads.len()).map(|h| groups.kv_head(h) as u32).collect();
+                assert_eq!(mapped, shard.kv_of_q, "{heads}/{kv_heads} at {rank} of {world}");
+            }
+        }
+    }
+    let rank1 = HeadShard::new(32, 8, 5, 1).expect("shard").query_groups();
+    assert_eq!((rank1.group, rank1.offset), (4, 3));
+}
+
 /// The bytes a rank reads equal its shard's bytes computed from the headers alone.
 #[test]
 fn each_rank_reads_exactly_its_shard() {

@@ -43,114 +43,211 @@ __device__ void rotary_qkv_paged(const T* qkv, const T* table, T* out, T* pool, 
     }
 }
 
-constexpr int WARPS = 8;  // warps per CTA, each over its own share of the sequence's keys
-constexpr int KEYS = 8;   // keys a warp loads before it uses any: one memory latency per 8 keys
+constexpr int WARPS = 4;       // warps per CTA of the attention kernel
+constexpr int MIN_SLICE = 64;  // the fewest keys a split takes
 
-// E consecutive elements, loaded in one (or two) vector loads.
+// E consecutive elements, loaded in one (or two) 16-byte loads.
 template <typename T, int E>
-struct alignas(sizeof(T) * E) Pack {
+struct alignas(16) Pack {
     T v[E];
 };
 
-// One query row per sequence over that sequence's cached keys. CTA (h, s) computes query head
-// h of sequence s, whose query is row q_rows[s] of `q` `[rows, q_heads, D]` and whose keys are
-// positions 0 .. lens[s] - 1, position p in slot tables[s][p / block_size] · block_size +
-// p % block_size, KV head kv_of_q[h]. Warp w takes keys w·KEYS .. w·KEYS + KEYS - 1, then
-// WARPS·KEYS further on, and so on, each lane D/32 columns of every key, with an online
-// softmax in base 2; the warps' partials meet in shared memory. Slots past a sequence's
-// length are never read (they may hold anything, NaN included). Writes `out` `[n, q_heads, D]`.
-template <typename T, int D>
-__device__ void paged_decode_attention(const T* q, const unsigned* q_rows, const T* pool, const unsigned* tables,
-                                       const unsigned* lens, const unsigned* kv_of_q, T* out, int q_heads,
-                                       int kv_heads, int max_blocks, int block_size, long pool_slots,
-                                       float scale_log2) {
-    constexpr int E = D / 32;
+// How a warp covers keys of D columns: LANES lanes per key, E elements (at least 16 bytes)
+// each, KEYS keys at once; STEPS keys per lane loaded before any is used (one memory latency
+// per pass), fewer for groups of 8, whose queries and outputs take twice the registers.
+template <typename T, int D, int G>
+struct KeyLayout {
+    static constexpr int LANES = D * (int)sizeof(T) / 16 < 32 ? D * (int)sizeof(T) / 16 : 32;
+    static constexpr int E = D / LANES;
+    static constexpr int KEYS = 32 / LANES;
+    static constexpr int STEPS = G >= 8 ? 4 : 8;
+    static constexpr int PASS = STEPS * WARPS * KEYS;  // keys per pass of the CTA
+};
+
+// Each sequence's length split into `splits` slices of at least MIN_SLICE keys: the slice
+// size, and how many slices hold keys (0 for an empty sequence).
+__device__ __forceinline__ int2 slices_of(int len, int splits) {
+    const int chunk = max((len + splits - 1) / splits, MIN_SLICE);
+    return make_int2(chunk, (len + chunk - 1) / chunk);
+}
+
+// One decode row per sequence over its cached keys, split along the keys. CTA (k, s, p) takes
+// slice p of sequence s for every query head of KV head k (local query head h reads KV head
+// (h + offset) / group; a rank's first group may be cut), so each K and V row is read once
+// for the group. Sequence s's query is row q_rows[s] of `q` `[rows, q_heads, D]`; its key at
+// position j lies in slot tables[s][j >> block_shift] << block_shift | j % block_size.
+// Lane (slot, piece) of a warp scores its key against every head of the group (the pieces'
+// dot products summed across the key's lanes) and adds the key's weighted V piece into its
+// own E output columns; each warp keeps its own online softmax (base 2) and the warps meet in
+// shared memory at the end. A sequence with one slice writes `out` `[n, q_heads, D]` here;
+// with several, each slice writes its partial (o, then max and sum) for merge_slices.
+template <typename T, int D, int G>
+__device__ void paged_split(const T* __restrict__ q, const unsigned* __restrict__ q_rows,
+                            const T* __restrict__ pool, const unsigned* __restrict__ tables,
+                            const unsigned* __restrict__ lens, float* __restrict__ part_o,
+                            float* __restrict__ part_ml, T* __restrict__ out, int q_heads, int kv_heads, int group,
+                            int offset, int max_blocks, int block_shift, long pool_slots, float scale_log2) {
+    using L = KeyLayout<T, D, G>;
+    constexpr int LANES = L::LANES, E = L::E, KEYS = L::KEYS, STEPS = L::STEPS, PASS = L::PASS;
     using P = Pack<T, E>;
-    const int h = blockIdx.x, s = blockIdx.y;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int k = blockIdx.x, s = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int len = lens[s];
+    const int2 sl = slices_of(len, splits);
+    if (split >= sl.y) return;
+    const int start = split * sl.x, end = min(len, start + sl.x);
+    const int h0 = max(0, k * group - offset), heads = min(q_heads, (k + 1) * group - offset) - h0;
+    const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    const int piece = lane % LANES, slot = lane / LANES;
     const unsigned* table = tables + (long)s * max_blocks;
+    const int block_mask = (1 << block_shift) - 1;
     const long row = (long)kv_heads * D;
-    const T* keys = pool + (long)kv_of_q[h] * D + lane * E;
+    const T* keys = pool + (long)k * D + piece * E;
     const T* values = keys + pool_slots * row;
-    float qf[E];
-    {
-        const P p = *reinterpret_cast<const P*>(q + ((long)q_rows[s] * q_heads + h) * D + lane * E);
+
+    float qf[G][E];
 #pragma unroll
-        for (int e = 0; e < E; ++e) qf[e] = to_f32(p.v[e]) * scale_log2;
+    for (int g = 0; g < G; ++g) {
+        if (g >= heads) break;
+        const P p = *reinterpret_cast<const P*>(q + ((long)q_rows[s] * q_heads + h0 + g) * D + piece * E);
+#pragma unroll
+        for (int e = 0; e < E; ++e) qf[g][e] = to_f32(p.v[e]) * scale_log2;
     }
-    float m = -INFINITY, l = 0.f, o[E] = {};
-    for (int k0 = warp * KEYS; k0 < len; k0 += WARPS * KEYS) {
-        P kr[KEYS], vr[KEYS];
+    // Head g's state in this lane: the warp's running max m (every lane alike), and the sum l
+    // and output columns o over the keys of this lane's slot alone.
+    float m[G], l[G], o[G][E];
 #pragma unroll
-        for (int i = 0; i < KEYS; ++i) {
-            const int j = k0 + i;
-            if (j < len) {
-                const long at = ((long)table[j / block_size] * block_size + j % block_size) * row;
-                kr[i] = *reinterpret_cast<const P*>(keys + at);
-                vr[i] = *reinterpret_cast<const P*>(values + at);
-            } else {
+    for (int g = 0; g < G; ++g) {
+        m[g] = -INFINITY, l[g] = 0.f;
 #pragma unroll
-                for (int e = 0; e < E; ++e) kr[i].v[e] = vr[i].v[e] = from_f32<T>(0.f);
+        for (int e = 0; e < E; ++e) o[g][e] = 0.f;
+    }
+    for (int pass0 = start; pass0 < end; pass0 += PASS) {
+        // Every step's slot first (their table reads in flight together), then its K and V.
+        long at[STEPS];
+#pragma unroll
+        for (int i = 0; i < STEPS; ++i) {
+            const int j = min(pass0 + (i * WARPS + warp) * KEYS + slot, end - 1);
+            at[i] = ((long)table[j >> block_shift] << block_shift | (j & block_mask)) * row;
+        }
+        P kr[STEPS], vr[STEPS];
+#pragma unroll
+        for (int i = 0; i < STEPS; ++i) {
+            kr[i] = *reinterpret_cast<const P*>(keys + at[i]);
+            vr[i] = *reinterpret_cast<const P*>(values + at[i]);
+        }
+        // Scores; keys past the end (their loads repeat the last key) score -inf.
+        float sc[G][STEPS];
+#pragma unroll
+        for (int i = 0; i < STEPS; ++i) {
+            const bool filled = pass0 + (i * WARPS + warp) * KEYS + slot < end;
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                if (g >= heads) break;
+                float dot = 0.f;
+#pragma unroll
+                for (int e = 0; e < E; ++e) dot = fmaf(qf[g][e], to_f32(kr[i].v[e]), dot);
+#pragma unroll
+                for (int w = LANES / 2; w > 0; w /= 2) dot += __shfl_xor_sync(0xffffffff, dot, w);
+                sc[g][i] = filled ? dot : -INFINITY;
             }
         }
-        float score[KEYS];
+        // The warp's max over this pass (its slots meet by shuffle), earlier sums rescaled. A
+        // warp with no filled key yet keeps m = -inf; its exponentials are taken from 0.
 #pragma unroll
-        for (int i = 0; i < KEYS; ++i) {
-            float dot = 0.f;
+        for (int g = 0; g < G; ++g) {
+            if (g >= heads) break;
+            float mx = m[g];
 #pragma unroll
-            for (int e = 0; e < E; ++e) dot = fmaf(qf[e], to_f32(kr[i].v[e]), dot);
-            score[i] = dot;
+            for (int i = 0; i < STEPS; ++i) mx = fmaxf(mx, sc[g][i]);
+#pragma unroll
+            for (int w = LANES; w < 32; w *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, w));
+            const float base = mx == -INFINITY ? 0.f : mx;
+            const float alpha = exp2f(m[g] - base);
+            float sum = 0.f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) o[g][e] *= alpha;
+#pragma unroll
+            for (int i = 0; i < STEPS; ++i) {
+                const float p = exp2f(sc[g][i] - base);  // 0 past the end
+                sum += p;
+#pragma unroll
+                for (int e = 0; e < E; ++e) o[g][e] = fmaf(p, to_f32(vr[i].v[e]), o[g][e]);
+            }
+            m[g] = mx;
+            l[g] = l[g] * alpha + sum;
         }
-#pragma unroll
-        for (int w = 16; w > 0; w /= 2) {
-#pragma unroll
-            for (int i = 0; i < KEYS; ++i) score[i] += __shfl_xor_sync(0xffffffff, score[i], w);
-        }
-        // Key k0 is filled, so the new maximum is finite; exp2(−∞) = 0 drops the first pass's
-        // (empty) earlier state.
-        float top = m;
-#pragma unroll
-        for (int i = 0; i < KEYS; ++i) {
-            if (k0 + i >= len) score[i] = -INFINITY;
-            top = fmaxf(top, score[i]);
-        }
-        const float alpha = exp2f(m - top);
-        l *= alpha;
-#pragma unroll
-        for (int e = 0; e < E; ++e) o[e] *= alpha;
-#pragma unroll
-        for (int i = 0; i < KEYS; ++i) {
-            const float p = exp2f(score[i] - top);
-            l += p;
-#pragma unroll
-            for (int e = 0; e < E; ++e) o[e] = fmaf(p, to_f32(vr[i].v[e]), o[e]);
-        }
-        m = top;
     }
-    __shared__ float part_o[WARPS][D];
-    __shared__ float part_m[WARPS], part_l[WARPS];
+    // The slots of a warp share its max: their sums add, and slot 0's lanes hold the warp's.
 #pragma unroll
-    for (int e = 0; e < E; ++e) part_o[warp][lane * E + e] = o[e];
-    if (lane == 0) {
-        part_m[warp] = m;
-        part_l[warp] = l;
+    for (int g = 0; g < G; ++g) {
+        if (g >= heads) break;
+#pragma unroll
+        for (int w = LANES; w < 32; w *= 2) {
+            l[g] += __shfl_xor_sync(0xffffffff, l[g], w);
+#pragma unroll
+            for (int e = 0; e < E; ++e) o[g][e] += __shfl_xor_sync(0xffffffff, o[g][e], w);
+        }
+    }
+    __shared__ float warp_o[WARPS][G][D];
+    __shared__ float warp_ml[WARPS][G][2];
+    if (slot == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (g >= heads) break;
+#pragma unroll
+            for (int e = 0; e < E; ++e) warp_o[warp][g][piece * E + e] = o[g][e];
+            if (piece == 0) warp_ml[warp][g][0] = m[g], warp_ml[warp][g][1] = l[g];
+        }
     }
     __syncthreads();
-    for (int t = threadIdx.x; t < D; t += blockDim.x) {
-        float top = -INFINITY;
+    // Thread t merges columns t, t + WARPS · 32, … of every head.
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, part_m[w]);
-        float sum = 0.f, acc = 0.f;
+    for (int g = 0; g < G; ++g) {
+        if (g >= heads) break;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, warp_ml[w][g][0]);
+        float sum = 0.f;
+        float weight[WARPS];
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
-            // A warp with no keys (a sequence shorter than its first share) has m = −∞.
-            if (part_m[w] == -INFINITY) continue;
-            const float weight = exp2f(part_m[w] - top);
-            sum += weight * part_l[w];
-            acc += weight * part_o[w][t];
+            weight[w] = warp_ml[w][g][0] == -INFINITY ? 0.f : exp2f(warp_ml[w][g][0] - mx);
+            sum += weight[w] * warp_ml[w][g][1];
         }
-        out[((long)s * q_heads + h) * D + t] = from_f32<T>(sum > 0.f ? acc / sum : 0.f);
+        const long head = (long)s * q_heads + h0 + g;
+        for (int c = t; c < D; c += WARPS * 32) {
+            float acc = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) acc += weight[w] * warp_o[w][g][c];
+            if (sl.y == 1)
+                out[head * D + c] = from_f32<T>(sum > 0.f ? acc / sum : 0.f);
+            else
+                part_o[(head * splits + split) * D + c] = acc;
+        }
+        if (sl.y > 1 && t == 0) part_ml[2 * (head * splits + split)] = mx, part_ml[2 * (head * splits + split) + 1] = sum;
+    }
+}
+
+// CTA (h, s): query head h of sequence s, when its keys took several slices: their partials
+// weighted by exp2(max - the largest max), summed and divided by the weighted sums. An empty
+// sequence's output is zeros.
+template <typename T, int D>
+__device__ void merge_slices(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                             const unsigned* __restrict__ lens, T* __restrict__ out, int q_heads, int splits) {
+    const int h = blockIdx.x, s = blockIdx.y;
+    const int active = slices_of(lens[s], splits).y;
+    if (active == 1) return;
+    const long head = (long)s * q_heads + h;
+    const float* ml = part_ml + 2 * head * splits;
+    float mx = -INFINITY;
+    for (int p = 0; p < active; ++p) mx = fmaxf(mx, ml[2 * p]);
+    float sum = 0.f;
+    for (int p = 0; p < active; ++p) sum += ml[2 * p] == -INFINITY ? 0.f : exp2f(ml[2 * p] - mx) * ml[2 * p + 1];
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+        float acc = 0.f;
+        for (int p = 0; p < active; ++p)
+            if (ml[2 * p] != -INFINITY) acc += exp2f(ml[2 * p] - mx) * part_o[(head * splits + p) * D + c];
+        out[head * D + c] = from_f32<T>(sum > 0.f ? acc / sum : 0.f);
     }
 }
 
@@ -164,20 +261,34 @@ __device__ void paged_decode_attention(const T* q, const unsigned* q_rows, const
                             pool_slots);                                                                         \
     }
 
-#define PAGED_ATTENTION(SUFFIX, T, D)                                                                           \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_decode_attention_##SUFFIX##_d##D(            \
+#define PAGED_ATTENTION(SUFFIX, T, D, G)                                                                        \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_split_##SUFFIX##_d##D##_g##G(                \
         const T* q, const unsigned* q_rows, const T* pool, const unsigned* tables, const unsigned* lens,        \
-        const unsigned* kv_of_q, T* out, int q_heads, int kv_heads, int max_blocks, int block_size,             \
-        long pool_slots, float scale_log2) {                                                                    \
-        paged_decode_attention<T, D>(q, q_rows, pool, tables, lens, kv_of_q, out, q_heads, kv_heads, max_blocks, \
-                                     block_size, pool_slots, scale_log2);                                       \
+        float* part_o, float* part_ml, T* out, int q_heads, int kv_heads, int group, int offset, int max_blocks, \
+        int block_shift, long pool_slots, float scale_log2) {                                                   \
+        paged_split<T, D, G>(q, q_rows, pool, tables, lens, part_o, part_ml, out, q_heads, kv_heads, group,     \
+                             offset, max_blocks, block_shift, pool_slots, scale_log2);                          \
     }
 
-#define PAGED(SUFFIX, T)           \
-    ROTARY_PAGED(SUFFIX, T)        \
-    PAGED_ATTENTION(SUFFIX, T, 64) \
-    PAGED_ATTENTION(SUFFIX, T, 128) \
-    PAGED_ATTENTION(SUFFIX, T, 256)
+#define MERGE_SLICES(SUFFIX, T, D)                                                                              \
+    extern "C" __global__ void merge_slices_##SUFFIX##_d##D(const float* part_o, const float* part_ml,          \
+                                                             const unsigned* lens, T* out, int q_heads,         \
+                                                             int splits) {                                      \
+        merge_slices<T, D>(part_o, part_ml, lens, out, q_heads, splits);                                        \
+    }
+
+#define PAGED_HEAD(SUFFIX, T, D)       \
+    PAGED_ATTENTION(SUFFIX, T, D, 1)   \
+    PAGED_ATTENTION(SUFFIX, T, D, 2)   \
+    PAGED_ATTENTION(SUFFIX, T, D, 4)   \
+    PAGED_ATTENTION(SUFFIX, T, D, 8)   \
+    MERGE_SLICES(SUFFIX, T, D)
+
+#define PAGED(SUFFIX, T)         \
+    ROTARY_PAGED(SUFFIX, T)      \
+    PAGED_HEAD(SUFFIX, T, 64)    \
+    PAGED_HEAD(SUFFIX, T, 128)   \
+    PAGED_HEAD(SUFFIX, T, 256)
 
 PAGED(f32, float)
 PAGED(bf16, __nv_bfloat16)

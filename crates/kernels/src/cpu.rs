@@ -477,7 +477,7 @@ pub(crate) struct PagedDecode<'a> {
     pub q_rows: &'a [u32],
     pub tables: &'a [u32],
     pub lens: &'a [u32],
-    pub kv_of_q: &'a [u32],
+    pub groups: crate::QueryGroups,
 }
 
 /// Each decode row's attention over its sequence's slots, `[n, q_heads, d]`, with an online
@@ -501,7 +501,7 @@ pub(crate) fn paged_decode_attention(
             for h in 0..g.sizes.q_heads {
                 let query: Vec<f32> =
                     qs[(g.q_rows[i] as usize * g.sizes.q_heads + h) * d..][..d].iter().map(|&x| f(x) * scale).collect();
-                let head = g.kv_of_q[h] as usize * d;
+                let head = g.groups.kv_head(h) * d;
                 let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
                 acc.iter_mut().for_each(|a| *a = 0.0);
                 for p in 0..g.lens[i] as usize {

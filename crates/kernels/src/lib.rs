@@ -50,7 +50,7 @@ pub use gemv::{
 #[cfg(feature = "cuda")]
 pub use launch::device_address;
 pub use linear::{empty, fused_linear_covers, linear_bias, linear_bias_into};
-pub use paged::{paged_decode_attention, rotary_qkv_paged, DecodeRows, RowsAt, PAGED_HEAD_DIMS};
+pub use paged::{paged_decode_attention, rotary_qkv_paged, DecodeRows, QueryGroups, RowsAt, PAGED_HEAD_DIMS};
 pub use pool::PoolHold;
 pub use position::write_u32s;
 pub use rotary::{rotary_qkv, rotary_qkv_into};

@@ -21,14 +21,30 @@ pub struct RowsAt<'a> {
 /// The decode rows of a batched step: sequence `i` has its query at row `q_rows[i]` and its
 /// keys at positions `0..lens[i]`, position `p` in slot `tables[i, p / block_size] ·
 /// block_size + p % block_size` (`q_rows`, `lens` `[n]` u32, `tables` `[n, max_blocks]` u32).
-/// `kv_of_q` `[q_heads]` u32 names each query head's KV head.
+/// On CUDA the block size is a power of two.
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeRows<'a> {
     pub q_rows: &'a Tensor,
     pub tables: &'a Tensor,
     pub lens: &'a Tensor,
     pub block_size: usize,
-    pub kv_of_q: &'a Tensor,
+    pub groups: QueryGroups,
+}
+
+/// Which KV head each query head reads: local query head `h` reads local KV head `(h +
+/// offset) / group`. A rank's shard of GQA heads may start inside a group (`offset <
+/// group`), when the query heads do not split evenly over the ranks by whole groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueryGroups {
+    pub group: usize,
+    pub offset: usize,
+}
+
+impl QueryGroups {
+    /// The KV head of query head `h`.
+    pub fn kv_head(&self, h: usize) -> usize {
+        (h + self.offset) / self.group
+    }
 }
 
 /// The sizes both ops check their tensors against.
@@ -205,7 +221,15 @@ pub fn paged_decode_attention(q: &Tensor, pool: &Tensor, decode: DecodeRows<'_>,
     check_index(decode.q_rows, &[n], q, OP, "q_rows")?;
     check_index(decode.tables, &[n, max_blocks], q, OP, "tables")?;
     check_index(decode.lens, &[n], q, OP, "lens")?;
-    check_index(decode.kv_of_q, &[q_heads], q, OP, "kv_of_q")?;
+    let g = decode.groups;
+    if g.group == 0 || g.offset >= g.group || g.kv_head(q_heads - 1) >= s.kv_heads {
+        candle_core::bail!(
+            "{OP}: {q_heads} query heads in groups of {} from offset {} do not map onto {} KV heads",
+            g.group,
+            g.offset,
+            s.kv_heads
+        );
+    }
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
         let out = crate::empty(&[n, q_heads, d], q.dtype(), q.device())?;
@@ -241,7 +265,7 @@ impl candle_core::CustomOp2 for PagedAttention<'_> {
         let s = &self.sizes;
         let d = self.decode;
         let (q_rows, lens): (Vec<u32>, Vec<u32>) = (d.q_rows.to_vec1()?, d.lens.to_vec1()?);
-        let (tables, kv_of_q): (Vec<u32>, Vec<u32>) = (d.tables.flatten_all()?.to_vec1()?, d.kv_of_q.to_vec1()?);
+        let tables: Vec<u32> = d.tables.flatten_all()?.to_vec1()?;
         // Every slot a sequence reads must lie in its table and the pool.
         for (i, (&row, &len)) in q_rows.iter().zip(&lens).enumerate() {
             let table = &tables[i * self.max_blocks..(i + 1) * self.max_blocks];
@@ -260,9 +284,6 @@ impl candle_core::CustomOp2 for PagedAttention<'_> {
                 );
             }
         }
-        if kv_of_q.iter().any(|&h| h as usize >= s.kv_heads) {
-            candle_core::bail!("paged_decode_attention: kv_of_q names a KV head past {}", s.kv_heads);
-        }
         let out = crate::cpu::paged_decode_attention(
             (q, ql),
             (pool, pl),
@@ -273,7 +294,7 @@ impl candle_core::CustomOp2 for PagedAttention<'_> {
                 q_rows: &q_rows,
                 tables: &tables,
                 lens: &lens,
-                kv_of_q: &kv_of_q,
+                groups: d.groups,
             },
             self.scale as f32,
         )?;
@@ -285,13 +306,18 @@ impl candle_core::CustomOp2 for PagedAttention<'_> {
 mod cuda {
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::WrapErr;
-    use candle_core::{Result, Tensor};
+    use candle_core::{DType, Result, Tensor};
 
     use super::{DecodeRows, RowsAt, Sizes, PAGED_HEAD_DIMS};
     use crate::launch::{device_address, elementwise, suffix};
 
     /// Threads per CTA of the attention kernel (WARPS · 32 in cuda/paged.cu).
-    const ATTENTION_THREADS: u32 = 256;
+    const ATTENTION_THREADS: u32 = 128;
+    /// The largest GQA group the attention kernel is instantiated for.
+    const MAX_GROUP: usize = 8;
+    /// The CTAs the attention aims for, and the most slices a sequence's keys split into.
+    const TARGET_CTAS: usize = 512;
+    const MAX_SPLITS: usize = 32;
 
     /// The device addresses of `tensors`, the kernels' pointer arguments in order.
     fn addresses(tensors: &[&Tensor]) -> Result<Vec<u64>> {
@@ -339,27 +365,72 @@ mod cuda {
         (s, max_blocks): (Sizes, usize),
         scale: f64,
     ) -> Result<()> {
+        const OP: &str = "paged_decode_attention";
         if !PAGED_HEAD_DIMS.contains(&s.head_dim) {
             candle_core::bail!(
-                "paged_decode_attention: head size {} has no CUDA kernel (compiled for {PAGED_HEAD_DIMS:?})",
+                "{OP}: head size {} has no CUDA kernel (compiled for {PAGED_HEAD_DIMS:?})",
                 s.head_dim
+            );
+        }
+        if !decode.block_size.is_power_of_two() {
+            candle_core::bail!(
+                "{OP}: blocks of {} slots; the CUDA kernel takes a power of two",
+                decode.block_size
+            );
+        }
+        let groups = decode.groups;
+        // The kernel instantiated for the smallest power of two that holds a group.
+        let padded = groups.group.next_power_of_two();
+        if padded > MAX_GROUP {
+            candle_core::bail!(
+                "{OP}: GQA groups of {} query heads; the CUDA kernel takes at most {MAX_GROUP}",
+                groups.group
             );
         }
         // Each lane loads its columns of a head in one vector load: heads start aligned.
         if [q, pool].iter().any(|t| t.layout().start_offset() % s.head_dim != 0) {
-            candle_core::bail!("paged_decode_attention: q and the pool must start on a head's boundary");
+            candle_core::bail!("{OP}: q and the pool must start on a head's boundary");
         }
         let candle_core::Device::Cuda(dev) = q.device() else {
-            candle_core::bail!("paged_decode_attention: not a CUDA tensor");
+            candle_core::bail!("{OP}: not a CUDA tensor");
         };
-        let name = format!("paged_decode_attention_{}_d{}", suffix(q.dtype())?, s.head_dim);
-        let func = crate::module::PAGED.kernel(dev, &name)?;
-        let addresses = addresses(&[q, decode.q_rows, pool, decode.tables, decode.lens, decode.kv_of_q, out])?;
-        let mut b = func.builder();
-        for a in &addresses {
+        let n = decode.q_rows.elem_count();
+        // About 512 CTAs in all, four per SM of an H100/H200: few sequences split their keys
+        // (each into slices of 64 or more, as many as its length fills).
+        let splits = (TARGET_CTAS / (n * s.kv_heads)).clamp(1, MAX_SPLITS);
+        let dtype = suffix(q.dtype())?;
+        let split = crate::module::PAGED.kernel(dev, &format!("paged_split_{dtype}_d{}_g{padded}", s.head_dim))?;
+        // Each split's output rows, then its max and sum; none when every sequence is one slice.
+        let partials = match splits {
+            1 => None,
+            _ => {
+                let heads = n * s.q_heads * splits;
+                Some((
+                    crate::empty(&[heads, s.head_dim], DType::F32, q.device())?,
+                    crate::empty(&[heads, 2], DType::F32, q.device())?,
+                ))
+            }
+        };
+        let (part_o, part_ml) = match &partials {
+            Some((o, ml)) => (device_address(o)?, device_address(ml)?),
+            None => (0, 0),
+        };
+        let tensors = addresses(&[q, decode.q_rows, pool, decode.tables, decode.lens])?;
+        let mut b = split.builder();
+        for a in &tensors {
             b.arg(a);
         }
-        let ints = [s.q_heads, s.kv_heads, max_blocks, decode.block_size].map(|v| v as i32);
+        let out_address = device_address(out)?;
+        b.arg(&part_o).arg(&part_ml).arg(&out_address);
+        let ints = [
+            s.q_heads,
+            s.kv_heads,
+            groups.group,
+            groups.offset,
+            max_blocks,
+            decode.block_size.trailing_zeros() as usize,
+        ]
+        .map(|v| v as i32);
         for v in &ints {
             b.arg(v);
         }
@@ -367,14 +438,36 @@ mod cuda {
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         b.arg(&slots).arg(&scale_log2);
         let cfg = LaunchConfig {
-            grid_dim: (s.q_heads as u32, decode.q_rows.elem_count() as u32, 1),
+            grid_dim: (s.kv_heads as u32, n as u32, splits as u32),
             block_dim: (ATTENTION_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match the kernel's signature; paged_decode_attention checked
         // the shapes, dtypes and contiguity of q, the pool, the index tensors and the output
-        // (n · q_heads · d elements, each written once). The slots the kernel reads are the
-        // sequences' tables' (the scheduler's blocks, inside the pool).
+        // (n · q_heads · d elements, each written once), and that the groups map every query
+        // head onto a KV head. The slots the kernel reads are the sequences' tables' (the
+        // scheduler's blocks, inside the pool); the partials hold n · q_heads · splits rows.
+        unsafe { b.launch(cfg) }.w()?;
+        if partials.is_none() {
+            return Ok(());
+        }
+        let merge = crate::module::PAGED.kernel(dev, &format!("merge_slices_{dtype}_d{}", s.head_dim))?;
+        let lens = device_address(decode.lens)?;
+        let (heads, splits) = (s.q_heads as i32, splits as i32);
+        let mut b = merge.builder();
+        b.arg(&part_o)
+            .arg(&part_ml)
+            .arg(&lens)
+            .arg(&out_address)
+            .arg(&heads)
+            .arg(&splits);
+        let cfg = LaunchConfig {
+            grid_dim: (s.q_heads as u32, n as u32, 1),
+            block_dim: (s.head_dim as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature; the partials were written above
+        // for every sequence with several slices (the same split of the same lengths).
         unsafe { b.launch(cfg) }.w()?;
         Ok(())
     }

@@ -9,7 +9,7 @@ use tpinfer_kernels::{
     add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, gated_residual, gelu_tanh_mul,
     gemv, gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, linear_bias_into, paged_decode_attention,
     residual_sum, rotary_qkv, rotary_qkv_paged, row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias,
-    write_u32s, DecodeRows, DecodeScratch, RowsAt,
+    write_u32s, DecodeRows, DecodeScratch, QueryGroups, RowsAt,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -452,30 +452,47 @@ fn paged_decode_attention_equals_attention_over_each_sequences_gathered_keys() {
     let scale = 1.0 / (d as f64).sqrt();
     let flat: Vec<u32> = tables.iter().flatten().copied().collect();
     let (t, l, r) = (u32s(&flat, &[3, 4]), u32s(&lens, &[3]), u32s(&q_rows, &[3]));
-    // Query heads 0..3 on KV head 0, 3..6 on KV head 1, as h / (q_heads / kv_heads).
-    let kv_of_q = u32s(&[0, 0, 0, 1, 1, 1], &[q_heads]);
-    let decode = DecodeRows {
+    // Query heads 0..3 on KV head 0, 3..6 on KV head 1; then a rank's shard that starts
+    // inside a group of 4 (heads 0, 1 on KV head 0, heads 2..6 on KV head 1).
+    let mut decode = DecodeRows {
         q_rows: &r,
         tables: &t,
         lens: &l,
         block_size,
-        kv_of_q: &kv_of_q,
+        groups: QueryGroups { group: 3, offset: 0 },
     };
-    let got = paged_decode_attention(&q, &pool, decode, scale).expect("paged attention");
-    assert_eq!(got.dims(), [3, q_heads, d]);
-    for i in 0..3 {
-        let keys: Vec<u32> = (0..lens[i] as usize)
-            .map(|p| tables[i][p / block_size] * block_size as u32 + (p % block_size) as u32)
-            .collect();
-        let gather = |part: usize| {
-            pool.get(part)
-                .and_then(|p| p.index_select(&u32s(&keys, &[keys.len()]), 0))
-        };
-        let query = q.narrow(0, q_rows[i] as usize, 1).expect("query");
-        let want = reference(&query, &gather(0).expect("k"), &gather(1).expect("v"), scale, false);
-        let err = rel(&got.narrow(0, i, 1).expect("row"), &want);
-        assert!(err < 1e-5, "sequence {i}: {err:e}");
+    for groups in [QueryGroups { group: 3, offset: 0 }, QueryGroups { group: 4, offset: 2 }] {
+        decode.groups = groups;
+        let got = paged_decode_attention(&q, &pool, decode, scale).expect("paged attention");
+        assert_eq!(got.dims(), [3, q_heads, d]);
+        for i in 0..3 {
+            let keys: Vec<u32> = (0..lens[i] as usize)
+                .map(|p| tables[i][p / block_size] * block_size as u32 + (p % block_size) as u32)
+                .collect();
+            for h in 0..q_heads {
+                let kv = groups.kv_head(h);
+                let gather = |part: usize| {
+                    pool.get(part)
+                        .and_then(|p| p.index_select(&u32s(&keys, &[keys.len()]), 0))
+                        .and_then(|p| p.narrow(1, kv, 1))
+                };
+                let query = q
+                    .narrow(0, q_rows[i] as usize, 1)
+                    .and_then(|x| x.narrow(1, h, 1))
+                    .expect("query");
+                let want = reference(&query, &gather(0).expect("k"), &gather(1).expect("v"), scale, false);
+                let got = got.narrow(0, i, 1).and_then(|x| x.narrow(1, h, 1)).expect("row");
+                let err = rel(&got, &want);
+                assert!(err < 1e-5, "{groups:?} sequence {i} head {h}: {err:e}");
+            }
+        }
     }
+    // Groups that send a query head past the KV heads are refused.
+    let past = DecodeRows {
+        groups: QueryGroups { group: 2, offset: 0 },
+        ..decode
+    };
+    assert!(paged_decode_attention(&q, &pool, past, scale).is_err());
 
     // A table reaching past the pool, or a row past q, is refused.
     let beyond = u32s(&[5, 1, 8, 0, 3, 0, 0, 0, 10, 2, 7, blocks as u32], &[3, 4]);

@@ -1,5 +1,7 @@
 use std::ops::Range;
 
+use tpinfer_kernels::QueryGroups;
+
 use crate::{Error, Result};
 
 /// Splits `0..n` into `parts` contiguous ranges as evenly as possible, the longer ones first:
@@ -42,6 +44,8 @@ pub struct HeadShard {
     pub kv_heads: Range<usize>,
     /// For each local Q head, the index of its KV head among the local KV heads.
     pub kv_of_q: Vec<u32>,
+    /// Q heads per KV head in the whole model.
+    pub group: usize,
 }
 
 impl HeadShard {
@@ -66,7 +70,17 @@ impl HeadShard {
             q_heads,
             kv_heads,
             kv_of_q,
+            group,
         })
+    }
+
+    /// Local Q head `h` reads local KV head `(h + offset) / group`: the offset is where the
+    /// rank's first Q head falls in its group.
+    pub fn query_groups(&self) -> QueryGroups {
+        QueryGroups {
+            group: self.group,
+            offset: self.q_heads.start - self.kv_heads.start * self.group,
+        }
     }
 
     /// Whether local Q head `i` reads local KV head `i / g` for one group size `g`: then the

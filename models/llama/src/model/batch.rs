@@ -195,7 +195,7 @@ impl DecoderLayer {
                 tables: &group.tables,
                 lens: &group.lens,
                 block_size: cache.block_size(),
-                kv_of_q: ctx.kv_index,
+                groups: heads.query_groups(),
             };
             let out = cache.decode_attention(&q, decode, scale)?;
             outs.push(out.reshape((group.rows.dim(0)?, n_q * d))?);
