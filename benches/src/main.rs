@@ -19,6 +19,7 @@ mod encode;
 mod linear;
 mod load;
 mod plots;
+mod sample;
 mod sweep;
 #[cfg(feature = "timeline")]
 mod timeline;
@@ -62,6 +63,9 @@ enum Command {
     /// The Wan VAE decoder at each TP width: seconds per decode, memory against the plan,
     /// and the frames for reference_vae.py to compare.
     Vae(vae::VaeArgs),
+    /// The device sampler against the host's arithmetic on random logits: ms per call and
+    /// tokens equal, per batch of rows and sampling setting.
+    Sample(sample::SampleArgs),
     /// An OpenAI-compatible server (`tpinfer serve`) under concurrent streamed requests:
     /// output tok/s, time to first token and inter-token latency per concurrency.
     Load(load::LoadArgs),
@@ -581,6 +585,7 @@ fn main() -> Result<()> {
         Command::Logits(args) => logits(args),
         Command::Dit(args) => dit(args),
         Command::Attention(args) => attention::run(args),
+        Command::Sample(args) => sample::run(args),
         Command::Linear(args) => linear::run(args),
         Command::Sweep(args) => sweep::run(args),
         Command::DecodeProfile(args) => decode::run(args),

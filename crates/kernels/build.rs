@@ -12,7 +12,7 @@ use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const SOURCES: [&str; 7] = [
+const SOURCES: [&str; 8] = [
     "flash_attention",
     "paged",
     "rowwise",
@@ -20,6 +20,7 @@ const SOURCES: [&str; 7] = [
     "gemv",
     "argmax",
     "peer_all_reduce",
+    "sample",
 ];
 /// The decode attention kernels, one module per GQA group size (DECODE_GROUP in
 /// cuda/decode_attention.cu): a model loads only the one it needs.

@@ -3,7 +3,8 @@
 # numerics at TP 1 and 2, then decode/prefill speed side by side. Needs 2 GPUs (TPS="1" runs
 # TP 1 alone on one), torch + transformers, and the binaries of scripts/build/build-cuda.sh in .dist/.
 # Results go to $OUT.
-# SKIP_NUMERICS=1: speed only; SKIP_SPEED=1: numerics only; SKIP_TORCH=1: no torch speed run;
+# SKIP_NUMERICS=1: speed only; SKIP_SPEED=1: numerics only; SKIP_8B=1: the small f32 model's
+# numerics alone; SKIP_TORCH=1: no torch speed run;
 # SKIP_EAGER=1: no --enforce-eager speed run; MIXING=1: also TP 2 with NCCL_GRAPH_MIXING_SUPPORT=0
 # (safe here: every rank waits for its graph before the step's eager broadcast).
 . "$(dirname "$0")/env.sh"
@@ -33,6 +34,7 @@ for tp in $TPS; do
   [ -f "$W/t1b_tp$tp.st" ] || { log "TP $tp failed on the small model: stopping"; kill $SMI; exit 1; }
 done
 
+[ -n "${SKIP_8B:-}" ] && { kill $SMI; log done; exit 0; }
 [ -d "$W/m8b" ] || run $REF make --shape 8b --dtype bf16 --out "$W/m8b" --tokenizer $TOK || exit 1
 # Decode steps 2.. replay a captured CUDA graph; --enforce-eager runs them kernel by kernel.
 for tp in $TPS; do

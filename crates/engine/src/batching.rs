@@ -11,15 +11,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use candle_transformers::generation::LogitsProcessor;
-use tpinfer_layers::BlockTable;
+use tpinfer_layers::{BlockTable, RowSampling};
 use tpinfer_llama::{LlamaRank, SequenceChunk};
 use tpinfer_runtime::{ModelHandle, RankGroup, RuntimeError};
 
 use crate::rank::{inject, RankJob};
 use crate::status::Status;
 use crate::stream::RankEvent;
-use crate::{EngineError, Fault, GenerationStats, Load, StopReason};
+use crate::{EngineError, Fault, GenerationStats, Load, SamplingParams, StopReason};
 
 /// What one step may hold, and the cache it draws from.
 #[derive(Debug, Clone, Copy)]
@@ -85,7 +84,7 @@ pub(crate) fn serve(
                         tokens: s.context[s.cached..s.cached + len].to_vec(),
                         start: s.cached,
                         table: s.table.clone(),
-                        need: s.need(len),
+                        pick: s.pick(len),
                     }
                 })
                 .collect(),
@@ -115,9 +114,9 @@ pub(crate) fn serve(
             if poisoned {
                 logits = (logits * f64::NAN).map_err(sample_err)?;
             }
-            let needs: Vec<Need> = chunks.iter().map(|c| c.need).collect();
+            let picks: Vec<Option<&Pick>> = chunks.iter().map(|c| c.pick.as_ref()).collect();
             Ok(StepRows {
-                rows: rows_out(&logits, &needs).map_err(sample_err)?,
+                rows: rows_out(&logits, &picks).map_err(sample_err)?,
                 collectives: rank.env.comm.stats().snapshot().since(&before).time,
             })
         });
@@ -148,26 +147,33 @@ struct StepChunk {
     tokens: Vec<u32>,
     start: usize,
     table: BlockTable,
-    need: Need,
+    /// How its next token is chosen, when the chunk reaches the end of its sequence's tokens.
+    pick: Option<Pick>,
 }
 
-/// What a chunk's logits are read for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Need {
-    /// A prompt chunk before the prompt's end: nothing.
-    Nothing,
-    /// A greedy choice: the argmax, taken on the device.
-    Argmax,
-    /// Sampling (or a trace of the logits): the whole row on the host.
-    Row,
+/// How a sequence chooses its next token on the device.
+struct Pick {
+    sampling: SamplingParams,
+    /// Its tokens generated so far.
+    draw: usize,
+    /// The context's last tokens, which the repetition penalty looks at (empty without one).
+    recent: Vec<u32>,
+    /// Whether the logits also come to the host: for log-probabilities, or a trace.
+    row: bool,
+}
+
+impl Pick {
+    fn row_sampling(&self) -> RowSampling<'_> {
+        self.sampling.row(self.draw, &self.recent)
+    }
 }
 
 /// What rank 0 reads of one chunk's logits.
 #[derive(Debug, Clone, PartialEq)]
 enum RowOut {
     Nothing,
-    Token(u32),
-    Logits(Vec<f32>),
+    /// The token chosen, and the logits when they were asked for.
+    Token(u32, Option<Vec<f32>>),
     /// The row holds NaN or infinite values.
     NonFinite,
 }
@@ -180,19 +186,23 @@ struct StepRows {
     collectives: Duration,
 }
 
-/// Reads `logits` `[chunks, vocab]` as `needs` says: the argmax of every row and each row's
-/// sum (a NaN or an infinity makes it not finite) in two small copies, and only the rows that
-/// sample in full.
-fn rows_out(logits: &Tensor, needs: &[Need]) -> candle_core::Result<Vec<RowOut>> {
-    if needs.iter().all(|&n| n == Need::Nothing) {
-        return Ok(vec![RowOut::Nothing; needs.len()]);
+/// Reads `logits` `[chunks, vocab]` as `picks` say: every row's token chosen on the device and
+/// each row's sum (a NaN or an infinity makes it not finite) in two small copies, and only the
+/// rows asked for in full. Rows without a pick take the argmax, and are not read.
+fn rows_out(logits: &Tensor, picks: &[Option<&Pick>]) -> candle_core::Result<Vec<RowOut>> {
+    if picks.iter().all(Option::is_none) {
+        return Ok(vec![RowOut::Nothing; picks.len()]);
     }
-    let ids = tpinfer_layers::argmax(logits)?.flatten_all()?.to_vec1::<u32>()?;
-    let sums = logits.sum_keepdim(1)?.flatten_all()?.to_vec1::<f32>()?;
-    let full: Vec<u32> = (0..needs.len() as u32)
-        .filter(|&i| needs[i as usize] == Need::Row)
+    let rows: Vec<RowSampling> = picks
+        .iter()
+        .map(|p| p.map_or(RowSampling::GREEDY, Pick::row_sampling))
         .collect();
-    let mut rows = match full.is_empty() {
+    let ids = tpinfer_layers::sample_rows(logits, &rows)?.to_vec1::<u32>()?;
+    let sums = logits.sum_keepdim(1)?.flatten_all()?.to_vec1::<f32>()?;
+    let full: Vec<u32> = (0..picks.len() as u32)
+        .filter(|&i| picks[i as usize].is_some_and(|p| p.row))
+        .collect();
+    let mut full_rows = match full.is_empty() {
         true => Vec::new(),
         false => {
             let index = Tensor::new(full.as_slice(), logits.device())?;
@@ -200,14 +210,13 @@ fn rows_out(logits: &Tensor, needs: &[Need]) -> candle_core::Result<Vec<RowOut>>
         }
     }
     .into_iter();
-    Ok(needs
+    Ok(picks
         .iter()
         .zip(ids.into_iter().zip(sums))
-        .map(|(need, (id, sum))| match (need, sum.is_finite()) {
-            (Need::Nothing, _) => RowOut::Nothing,
+        .map(|(pick, (id, sum))| match (pick, sum.is_finite()) {
+            (None, _) => RowOut::Nothing,
             (_, false) => RowOut::NonFinite,
-            (Need::Argmax, true) => RowOut::Token(id),
-            (Need::Row, true) => rows.next().map_or(RowOut::NonFinite, RowOut::Logits),
+            (Some(p), true) => RowOut::Token(id, p.row.then(|| full_rows.next()).flatten()),
         })
         .collect())
 }
@@ -225,7 +234,6 @@ struct Sequence {
     /// Positions in the KV cache: the first `cached` of `context`.
     cached: usize,
     table: BlockTable,
-    sampler: LogitsProcessor,
     submitted: Instant,
     first_token: Option<Duration>,
     /// Rank 0's collective time over the steps it was in.
@@ -235,7 +243,6 @@ struct Sequence {
 impl Sequence {
     fn new(job: Arc<RankJob>) -> Self {
         Self {
-            sampler: LogitsProcessor::from_sampling(job.sampling.seed, job.sampling.sampling()),
             context: job.prompt.clone(),
             job,
             cached: 0,
@@ -255,13 +262,23 @@ impl Sequence {
         self.context.len() - self.job.prompt.len()
     }
 
-    /// How its next chunk of `len` positions reads its logits.
-    fn need(&self, len: usize) -> Need {
-        match self.cached + len < self.context.len() {
-            true => Need::Nothing,
-            false if self.job.greedy_on_device() && self.job.logits.is_none() => Need::Argmax,
-            false => Need::Row,
+    /// How its next chunk of `len` positions chooses a token: not at all before the end of
+    /// its tokens.
+    fn pick(&self, len: usize) -> Option<Pick> {
+        if self.cached + len < self.context.len() {
+            return None;
         }
+        let sampling = &self.job.sampling;
+        let recent = match sampling.repetition_penalty == 1.0 {
+            true => Vec::new(),
+            false => self.context[self.context.len().saturating_sub(sampling.repetition_window)..].to_vec(),
+        };
+        Some(Pick {
+            sampling: sampling.clone(),
+            draw: self.generated(),
+            recent,
+            row: self.job.logprobs.is_some() || self.job.logits.is_some(),
+        })
     }
 
     /// Takes the next token from a step's `row` (chosen on the device, or sampled here from
@@ -269,10 +286,12 @@ impl Sequence {
     /// either way).
     fn take(&mut self, row: RowOut, max_positions: usize) -> Result<Option<StopReason>, EngineError> {
         let (token, logprobs) = match row {
-            RowOut::Token(token) => (token, None),
-            RowOut::Logits(logits) => {
-                let token = self.sample(&logits)?;
-                (token, self.job.token_logprobs(&logits, token))
+            RowOut::Token(token, logits) => {
+                let logprobs = logits.as_deref().and_then(|l| self.job.token_logprobs(l, token));
+                if let (Some(trace), Some(logits)) = (&self.job.logits, logits) {
+                    let _ = trace.send(logits);
+                }
+                (token, logprobs)
             }
             RowOut::Nothing | RowOut::NonFinite => {
                 return Err(EngineError::NonFinite {
@@ -295,14 +314,6 @@ impl Sequence {
         } else {
             None
         })
-    }
-
-    /// Samples from the whole row of `logits`, with the request's own sampler.
-    fn sample(&mut self, logits: &[f32]) -> Result<u32, EngineError> {
-        if let Some(trace) = &self.job.logits {
-            let _ = trace.send(logits.to_vec());
-        }
-        crate::rank::sample_row(&mut self.sampler, &self.job.sampling, &self.context, logits)
     }
 
     fn finish(self, outcome: Result<StopReason, EngineError>) {
@@ -539,7 +550,7 @@ mod tests {
     /// Token 1 for every chunk of `plan`, as greedy rows read on the device give it.
     fn rows(plan: &[(usize, usize)]) -> StepRows {
         StepRows {
-            rows: plan.iter().map(|_| RowOut::Token(1)).collect(),
+            rows: plan.iter().map(|_| RowOut::Token(1, None)).collect(),
             collectives: Duration::ZERO,
         }
     }

@@ -4,8 +4,6 @@ use std::sync::mpsc::Sender;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use candle_transformers::generation::LogitsProcessor;
-use candle_transformers::utils::apply_repeat_penalty;
 use tpinfer_comm::Communicator;
 use tpinfer_llama::LlamaRank;
 use tpinfer_runtime::RuntimeError;
@@ -274,23 +272,9 @@ fn run_greedy(
     }
 }
 
-/// Chooses the next token from one step's `logits` on the host: the repetition penalty over
-/// the last tokens of `context`, then the request's `processor`.
-pub(crate) fn sample_row(
-    processor: &mut LogitsProcessor,
-    sampling: &SamplingParams,
-    context: &[u32],
-    logits: &[f32],
-) -> Result<u32, EngineError> {
-    let mut scores = Tensor::new(logits, &Device::Cpu).map_err(sample_err)?;
-    if sampling.repetition_penalty != 1.0 {
-        let window = &context[context.len().saturating_sub(sampling.repetition_window)..];
-        scores = apply_repeat_penalty(&scores, sampling.repetition_penalty, window).map_err(sample_err)?;
-    }
-    processor.sample(&scores).map_err(sample_err)
-}
-
-/// Sampling on rank 0's host: it broadcasts each token and whether to stop.
+/// Sampling (or a penalty, or log-probabilities) on rank 0: it chooses each token on the
+/// device and broadcasts it with whether to stop. The logits come to the host only for
+/// log-probabilities or a trace.
 fn run_sampled(
     model: &mut LlamaRank,
     comm: &dyn Communicator,
@@ -299,18 +283,22 @@ fn run_sampled(
     mut run: JobRun,
     mut logits: Tensor,
 ) -> Result<usize, EngineError> {
-    let mut processor = LogitsProcessor::from_sampling(job.sampling.seed, job.sampling.sampling());
     loop {
         let mut step = [0u32, 0u32];
         if run.rank == 0 {
-            // One copy of the row to the host, where the batching engine samples too: the
-            // same arithmetic either way, and no kernels over one long row.
-            let row = logits.squeeze(0).and_then(|l| l.to_vec1::<f32>()).map_err(sample_err)?;
-            if let Some(trace) = &job.logits {
-                let _ = trace.send(row.clone());
-            }
-            let token = sample_row(&mut processor, &job.sampling, &run.context, &row)?;
-            let logprobs = job.token_logprobs(&row, token);
+            let draw = run.context.len() - job.prompt.len();
+            let pick = job.sampling.row(draw, &run.context);
+            let token = tpinfer_layers::sample_rows(&logits, &[pick])
+                .and_then(|ids| ids.to_vec1::<u32>())
+                .map_err(sample_err)?[0];
+            run.trace(&logits)?;
+            let logprobs = match job.logprobs {
+                Some(_) => {
+                    let row = logits.squeeze(0).and_then(|l| l.to_vec1::<f32>()).map_err(sample_err)?;
+                    job.token_logprobs(&row, token)
+                }
+                None => None,
+            };
             let reason = run.accept(token, logprobs, model.cached_positions(), model.max_positions());
             step = [token, encode(reason)];
         }

@@ -1,4 +1,4 @@
-use candle_transformers::generation::Sampling;
+use tpinfer_layers::RowSampling;
 use tpinfer_tokenizer::ChatMessage;
 
 use crate::EngineError;
@@ -96,14 +96,17 @@ impl SamplingParams {
         None
     }
 
-    pub(crate) fn sampling(&self) -> Sampling {
-        let temperature = self.temperature;
-        match (temperature > 0.0, self.top_k, self.top_p) {
-            (false, _, _) => Sampling::ArgMax,
-            (true, None, None) => Sampling::All { temperature },
-            (true, Some(k), None) => Sampling::TopK { k, temperature },
-            (true, None, Some(p)) => Sampling::TopP { p, temperature },
-            (true, Some(k), Some(p)) => Sampling::TopKThenTopP { k, p, temperature },
+    /// The kernel's parameters for the request's `draw`-th token after `context` (the
+    /// repetition penalty looks at its last `repetition_window` tokens).
+    pub(crate) fn row<'a>(&self, draw: usize, context: &'a [u32]) -> RowSampling<'a> {
+        RowSampling {
+            temperature: self.temperature as f32,
+            top_k: self.top_k,
+            top_p: self.top_p.map(|p| p as f32),
+            seed: self.seed,
+            draw: draw as u64,
+            repetition_penalty: self.repetition_penalty,
+            penalized: &context[context.len().saturating_sub(self.repetition_window)..],
         }
     }
 }

@@ -44,7 +44,6 @@ __device__ void rotary_qkv_paged(const T* qkv, const T* table, T* out, T* pool, 
 }
 
 constexpr int WARPS = 4;       // warps per CTA of the attention kernel
-constexpr int MIN_SLICE = 64;  // the fewest keys a split takes
 
 // E consecutive elements, loaded in one (or two) 16-byte loads.
 template <typename T, int E>
@@ -55,6 +54,14 @@ struct alignas(16) Pack {
 // How a warp covers keys of D columns: LANES lanes per key, E elements (at least 16 bytes)
 // each, KEYS keys at once; STEPS keys per lane loaded before any is used (one memory latency
 // per pass), fewer for groups of 8, whose queries and outputs take twice the registers.
+// Sequence length `len` in at most `splits` slices of whole passes of 64 keys: the keys per
+// slice, and how many slices hold keys. The grid does not depend on the lengths (a captured
+// step replays at any), and long sequences split as finely as short ones.
+__device__ __forceinline__ int2 slices_of(int len, int splits) {
+    const int chunk = max((len + splits - 1) / splits + 63, 64) / 64 * 64;
+    return make_int2(chunk, (len + chunk - 1) / chunk);
+}
+
 template <typename T, int D, int G>
 struct KeyLayout {
     static constexpr int LANES = D * (int)sizeof(T) / 16 < 32 ? D * (int)sizeof(T) / 16 : 32;
@@ -64,15 +71,9 @@ struct KeyLayout {
     static constexpr int PASS = STEPS * WARPS * KEYS;  // keys per pass of the CTA
 };
 
-// Each sequence's length split into `splits` slices of at least MIN_SLICE keys: the slice
-// size, and how many slices hold keys (0 for an empty sequence).
-__device__ __forceinline__ int2 slices_of(int len, int splits) {
-    const int chunk = max((len + splits - 1) / splits, MIN_SLICE);
-    return make_int2(chunk, (len + chunk - 1) / chunk);
-}
 
-// One decode row per sequence over its cached keys, split along the keys. CTA (k, s, p) takes
-// slice p of sequence s for every query head of KV head k (local query head h reads KV head
+// One decode row per sequence over its cached keys, each split along its keys into at most
+// `splits` slices (slices_of). CTA (k, s, p) takes slice p of sequence s for every query head of KV head k (local query head h reads KV head
 // (h + offset) / group; a rank's first group may be cut), so each K and V row is read once
 // for the group. Sequence s's query is row q_rows[s] of `q` `[rows, q_heads, D]`; its key at
 // position j lies in slot tables[s][j >> block_shift] << block_shift | j % block_size.
@@ -93,9 +94,14 @@ __device__ void paged_split(const T* __restrict__ q, const unsigned* __restrict_
     const int k = blockIdx.x, s = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int len = lens[s];
     const int2 sl = slices_of(len, splits);
-    if (split >= sl.y) return;
-    const int start = split * sl.x, end = min(len, start + sl.x);
+    const int slices = sl.y;
     const int h0 = max(0, k * group - offset), heads = min(q_heads, (k + 1) * group - offset) - h0;
+    if (len == 0 && split == 0) {
+        // No keys (a padding row of a captured step): zeros, as attention over nothing.
+        for (int i = threadIdx.x; i < heads * D; i += blockDim.x) out[((long)s * q_heads + h0) * D + i] = from_f32<T>(0.f);
+    }
+    if (split >= slices) return;
+    const int start = split * sl.x, end = min(len, start + sl.x);
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
     const int piece = lane % LANES, slot = lane / LANES;
     const unsigned* table = tables + (long)s * max_blocks;
@@ -219,24 +225,23 @@ __device__ void paged_split(const T* __restrict__ q, const unsigned* __restrict_
             float acc = 0.f;
 #pragma unroll
             for (int w = 0; w < WARPS; ++w) acc += weight[w] * warp_o[w][g][c];
-            if (sl.y == 1)
+            if (slices == 1)
                 out[head * D + c] = from_f32<T>(sum > 0.f ? acc / sum : 0.f);
             else
                 part_o[(head * splits + split) * D + c] = acc;
         }
-        if (sl.y > 1 && t == 0) part_ml[2 * (head * splits + split)] = mx, part_ml[2 * (head * splits + split) + 1] = sum;
+        if (slices > 1 && t == 0) part_ml[2 * (head * splits + split)] = mx, part_ml[2 * (head * splits + split) + 1] = sum;
     }
 }
 
 // CTA (h, s): query head h of sequence s, when its keys took several slices: their partials
-// weighted by exp2(max - the largest max), summed and divided by the weighted sums. An empty
-// sequence's output is zeros.
+// weighted by exp2(max - the largest max), summed and divided by the weighted sums.
 template <typename T, int D>
 __device__ void merge_slices(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                              const unsigned* __restrict__ lens, T* __restrict__ out, int q_heads, int splits) {
     const int h = blockIdx.x, s = blockIdx.y;
     const int active = slices_of(lens[s], splits).y;
-    if (active == 1) return;
+    if (active <= 1) return;  // written by the slice itself (zeros for no keys)
     const long head = (long)s * q_heads + h;
     const float* ml = part_ml + 2 * head * splits;
     float mx = -INFINITY;

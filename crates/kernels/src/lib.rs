@@ -35,6 +35,7 @@ mod pool;
 mod position;
 mod rotary;
 mod rowwise;
+mod sample;
 
 pub use argmax::argmax;
 pub use chain::chained;
@@ -58,6 +59,7 @@ pub use rowwise::{
     add_rms_norm, add_rms_norm_into, embed_owned_rows, gated_residual, gelu_tanh_mul, layer_norm, residual_sum,
     row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias, sum_in_order,
 };
+pub use sample::{sample_rows, RowSampling};
 
 use candle_core::{DType, Device, Result, Tensor};
 

@@ -39,6 +39,7 @@ pub(crate) const PAGED: Module = fatbin!("paged");
 pub(crate) const PEER_ALL_REDUCE: Module = fatbin!("peer_all_reduce");
 pub(crate) const ROTARY: Module = fatbin!("rotary");
 pub(crate) const ROWWISE: Module = fatbin!("rowwise");
+pub(crate) const SAMPLE: Module = fatbin!("sample");
 /// The decode attention modules by GQA group size (cuda/decode_attention.cu's DECODE_GROUP).
 pub(crate) const DECODE_ATTENTION: [(usize, Module); 4] = [
     (1, fatbin!("decode_attention_g1")),

@@ -316,8 +316,8 @@ mod cuda {
     /// The largest GQA group the attention kernel is instantiated for.
     const MAX_GROUP: usize = 8;
     /// The CTAs the attention aims for, and the most slices a sequence's keys split into.
-    const TARGET_CTAS: usize = 512;
-    const MAX_SPLITS: usize = 32;
+    const TARGET_CTAS: usize = 2048;
+    const MAX_SPLITS: usize = 64;
 
     /// The device addresses of `tensors`, the kernels' pointer arguments in order.
     fn addresses(tensors: &[&Tensor]) -> Result<Vec<u64>> {
@@ -395,9 +395,10 @@ mod cuda {
             candle_core::bail!("{OP}: not a CUDA tensor");
         };
         let n = decode.q_rows.elem_count();
-        // About 512 CTAs in all, four per SM of an H100/H200: few sequences split their keys
-        // (each into slices of 64 or more, as many as its length fills).
-        let splits = (TARGET_CTAS / (n * s.kv_heads)).clamp(1, MAX_SPLITS);
+        // Up to TARGET_CTAS CTAs, some 8 per SM of an H100/H200 (fewer as sequences are too
+        // short to fill their slices): each sequence's keys split into `splits` slices, so that
+        // no CTA waits long on another's share. The grid does not depend on the lengths.
+        let splits = TARGET_CTAS.div_ceil(n * s.kv_heads).clamp(1, MAX_SPLITS);
         let dtype = suffix(q.dtype())?;
         let split = crate::module::PAGED.kernel(dev, &format!("paged_split_{dtype}_d{}_g{padded}", s.head_dim))?;
         // Each split's output rows, then its max and sum; none when every sequence is one slice.

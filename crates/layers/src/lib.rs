@@ -27,7 +27,7 @@ pub use paged_kv::{BlockTable, PagedKvCache};
 pub use partition::{split_aligned, split_evenly, HeadShard};
 pub use position::Position;
 pub use rope::{Rope, RopeScaling};
-pub use tpinfer_kernels::{DecodeRows, QueryGroups, RowsAt};
+pub use tpinfer_kernels::{sample_rows, DecodeRows, QueryGroups, RowSampling, RowsAt};
 
 pub use candle_nn::ops::rms_norm;
 #[cfg(feature = "cuda")]

@@ -226,7 +226,7 @@ impl Family for LlamaModel {
         // Several sequences share a paged cache (`memory::RankMemory::batched`).
         if let Some(blocks) = crate::memory::paged_blocks(placement) {
             let size = crate::memory::KV_BLOCK_SIZE;
-            return LlamaRank::load_paged(
+            let mut rank = LlamaRank::load_paged(
                 &checkpoint,
                 shard,
                 comm,
@@ -235,7 +235,9 @@ impl Family for LlamaModel {
                 max_context,
                 blocks,
                 size,
-            );
+            )?;
+            rank.set_cuda_graphs(ctx.options.cuda_graphs)?;
+            return Ok(rank);
         }
         let mut rank = LlamaRank::load(&checkpoint, shard, comm, ctx.dtype, ctx.device, max_context)?;
         rank.set_cuda_graphs(ctx.options.cuda_graphs)?;

@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use tpinfer_layers::graph::{upload_cache, Graph};
-use tpinfer_layers::Result;
+use tpinfer_layers::{write_u32s, Result};
 
 use crate::LlamaRank;
 
@@ -73,5 +73,137 @@ impl DecodeGraph {
 
     pub(crate) fn replays(&self) -> usize {
         self.replays
+    }
+}
+
+/// The continuous-batching step of decode rows alone as CUDA graphs, one per bucket of
+/// sequence counts (a step of `n` sequences replays the smallest bucket that holds them, its
+/// spare rows idle). The step's inputs live in each bucket's device buffers, rewritten by the
+/// host before every replay; the attention kernel's grid depends on the rows alone, never on
+/// the sequences' lengths, so one capture serves every step of its bucket.
+pub(crate) struct BatchGraphs {
+    buckets: std::collections::BTreeMap<usize, BucketGraph>,
+    device: Device,
+    /// Block-table entries per sequence: enough for the longest context.
+    table_width: usize,
+    block_size: usize,
+    vocab: usize,
+}
+
+/// One bucket's inputs (as [`crate::model::BatchLayout::decodes`] reads them), its logits
+/// buffer, and its capture.
+struct BucketGraph {
+    ids: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+    rows: Tensor,
+    tables: Tensor,
+    lens: Tensor,
+    logits: Tensor,
+    stage: Stage,
+}
+
+/// A spare row's slot: past any pool, so its key and value are never written.
+const NO_SLOT: u32 = u32::MAX;
+
+/// The rows of the bucket that holds `n` sequences: powers of two to 8, then multiples of 16.
+fn bucket(n: usize) -> usize {
+    match n {
+        0..=8 => n.next_power_of_two(),
+        _ => n.next_multiple_of(16),
+    }
+}
+
+impl BatchGraphs {
+    /// `None` on CPU ranks.
+    pub(crate) fn new(device: &Device, max_positions: usize, block_size: usize, vocab: usize) -> Option<Self> {
+        device.is_cuda().then(|| Self {
+            buckets: Default::default(),
+            device: device.clone(),
+            table_width: max_positions.div_ceil(block_size),
+            block_size,
+            vocab,
+        })
+    }
+
+    /// Runs the decode step of `chunks` (one token each) as its bucket's graph: eagerly the
+    /// first time, captured the second, replayed after. Returns its logits, `[chunks, vocab]`,
+    /// a view of the bucket's buffer that the next replay overwrites.
+    pub(crate) fn step(&mut self, model: &LlamaRank, chunks: &[crate::SequenceChunk<'_>]) -> Result<Tensor> {
+        let n = chunks.len();
+        let rows = bucket(n);
+        let device = self.device.clone();
+        let entry = match self.buckets.entry(rows) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => {
+                let u32s = |shape: &[usize]| Tensor::zeros(shape, DType::U32, &device);
+                let order: Vec<u32> = (0..rows as u32).collect();
+                e.insert(BucketGraph {
+                    ids: u32s(&[1, rows])?,
+                    positions: u32s(&[rows])?,
+                    slots: u32s(&[rows])?,
+                    rows: Tensor::new(order.as_slice(), &device)?,
+                    tables: u32s(&[rows, self.table_width])?,
+                    lens: u32s(&[rows])?,
+                    logits: Tensor::zeros((rows, self.vocab), DType::F32, &device)?,
+                    stage: Stage::Cold,
+                })
+            }
+        };
+        entry.write(chunks, self.table_width, self.block_size)?;
+        let layout =
+            crate::model::BatchLayout::decodes(&entry.positions, &entry.slots, &entry.rows, &entry.tables, &entry.lens);
+        let graph = match std::mem::replace(&mut entry.stage, Stage::Cold) {
+            Stage::Cold => {
+                let _uploads = upload_cache(&device)?;
+                let logits = model.forward_layout(&entry.ids, &layout, None)?;
+                entry.stage = Stage::Warm;
+                return Ok(logits.narrow(0, 0, n)?);
+            }
+            Stage::Warm => Graph::capture(&device, || {
+                let logits = model.forward_layout(&entry.ids, &layout, None)?;
+                Ok::<_, tpinfer_layers::Error>(entry.logits.slice_set(&logits, 0, 0)?)
+            })
+            .map_err(|e| {
+                candle_core::Error::Msg(format!(
+                    "capturing the batched decode step of {rows} rows as a CUDA graph failed ({e}); \
+                     --enforce-eager runs without graphs"
+                ))
+            })?,
+            Stage::Captured(graph) => graph,
+        };
+        graph.replay()?;
+        entry.stage = Stage::Captured(graph);
+        Ok(entry.logits.narrow(0, 0, n)?)
+    }
+}
+
+impl BucketGraph {
+    /// The host's part of a step: each sequence's token, position, slot, blocks and length
+    /// into the buffers; spare rows get no slot and no keys.
+    fn write(&self, chunks: &[crate::SequenceChunk<'_>], width: usize, block_size: usize) -> Result<()> {
+        let rows = self.lens.dim(0)?;
+        let (mut ids, mut positions, mut slots) = (vec![0u32; rows], vec![0u32; rows], vec![NO_SLOT; rows]);
+        let (mut tables, mut lens) = (vec![0u32; rows * width], vec![0u32; rows]);
+        for (i, c) in chunks.iter().enumerate() {
+            let blocks = (c.start + 1).div_ceil(block_size);
+            if blocks > width || c.table.blocks.len() < blocks {
+                return Err(tpinfer_layers::Error::CacheFull {
+                    needed: c.start + 1,
+                    capacity: width.min(c.table.blocks.len()) * block_size,
+                });
+            }
+            ids[i] = c.tokens[0];
+            positions[i] = c.start as u32;
+            slots[i] = c.table.slots(c.start..c.start + 1, block_size)?[0];
+            tables[i * width..i * width + blocks].copy_from_slice(&c.table.blocks[..blocks]);
+            lens[i] = c.start as u32 + 1;
+        }
+        write_u32s(&self.ids, &ids)?;
+        write_u32s(&self.positions, &positions)?;
+        write_u32s(&self.slots, &slots)?;
+        write_u32s(&self.tables, &tables)?;
+        write_u32s(&self.lens, &lens)?;
+        Ok(())
     }
 }

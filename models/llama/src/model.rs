@@ -13,6 +13,8 @@ use crate::shard::names;
 
 mod batch;
 use crate::{LlamaCheckpoint, LlamaConfig, LlamaShard};
+#[cfg(feature = "cuda")]
+pub(crate) use batch::BatchLayout;
 pub use batch::SequenceChunk;
 
 /// One rank's part of a Llama model, with its KV cache.
@@ -46,6 +48,9 @@ pub struct LlamaRank {
     /// The captured decode step (CUDA with flash attention), once there is one.
     #[cfg(feature = "cuda")]
     decode: Option<crate::graph::DecodeGraph>,
+    /// A paged rank's captured decode steps, one per bucket of sequence counts (CUDA).
+    #[cfg(feature = "cuda")]
+    batch_graphs: Option<crate::graph::BatchGraphs>,
     comm: Arc<dyn Communicator>,
     dtype: DType,
     bytes_loaded: usize,
@@ -230,12 +235,15 @@ impl LlamaRank {
             position: Position::new(device)?,
             step_io: StepIo::new(device)?,
             step_buffers: std::cell::OnceCell::new(),
-            // A batched rank's forwards are not captured.
+            // A batched rank captures its decode-only steps, not the one-sequence step.
             #[cfg(feature = "cuda")]
             decode: match paged {
                 None => crate::graph::DecodeGraph::new(device, flash, c.vocab_size)?,
                 Some(_) => None,
             },
+            #[cfg(feature = "cuda")]
+            batch_graphs: paged
+                .and_then(|(_, size)| crate::graph::BatchGraphs::new(device, max_positions, size, c.vocab_size)),
             comm,
             dtype,
             shard,
@@ -307,14 +315,28 @@ impl LlamaRank {
 
     /// Runs each decode step as one replay of a CUDA graph (`on`, the default on CUDA with
     /// flash attention) or kernel by kernel. The graph is captured on the second decode step,
-    /// after a first eager one, and kept across requests.
+    /// after a first eager one, and kept across requests. A paged rank captures its batched
+    /// steps of decode rows alone, a graph per bucket of sequence counts, alike.
     /// CPU ranks have no graphs: there it changes nothing.
     pub fn set_cuda_graphs(&mut self, on: bool) -> Result<()> {
         #[cfg(feature = "cuda")]
         {
-            self.decode = match on {
-                true => crate::graph::DecodeGraph::new(self.norm.device(), self.flash, self.config.vocab_size)?,
-                false => None,
+            let device = self.norm.device().clone();
+            let paged = self
+                .layers
+                .first()
+                .and_then(|l| l.paged.as_ref())
+                .map(PagedKvCache::block_size);
+            (self.decode, self.batch_graphs) = match (on, paged) {
+                (false, _) => (None, None),
+                (true, None) => (
+                    crate::graph::DecodeGraph::new(&device, self.flash, self.config.vocab_size)?,
+                    None,
+                ),
+                (true, Some(size)) => (
+                    None,
+                    crate::graph::BatchGraphs::new(&device, self.max_positions(), size, self.config.vocab_size),
+                ),
             };
         }
         #[cfg(not(feature = "cuda"))]

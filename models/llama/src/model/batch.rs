@@ -23,7 +23,7 @@ pub struct SequenceChunk<'a> {
 }
 
 /// Where each sequence's rows and cached positions are, for every layer of one pass.
-struct BatchLayout {
+pub(crate) struct BatchLayout {
     /// Each token's position, `[rows]` u32.
     positions: Tensor,
     /// Each token's KV slot, `[rows]` u32.
@@ -35,6 +35,25 @@ struct BatchLayout {
     /// Where each row's attention output lands among the decode group's rows, then the
     /// prompts' (`None` when that is already the batch's order).
     order: Option<Tensor>,
+}
+
+#[cfg(feature = "cuda")]
+impl BatchLayout {
+    /// A step of decode rows alone, row `i` the sequence `i`: the buffers a captured step
+    /// reads (`tables` `[rows, blocks]`, the rest `[rows]`, u32).
+    pub(crate) fn decodes(positions: &Tensor, slots: &Tensor, rows: &Tensor, tables: &Tensor, lens: &Tensor) -> Self {
+        Self {
+            positions: positions.clone(),
+            slots: slots.clone(),
+            decodes: Some(DecodeGroup {
+                rows: rows.clone(),
+                tables: tables.clone(),
+                lens: lens.clone(),
+            }),
+            prompts: Vec::new(),
+            order: None,
+        }
+    }
 }
 
 /// Decode steps' attention inputs (see [`DecodeRows`]).
@@ -60,27 +79,21 @@ impl LlamaRank {
     /// and returns the f32 logits over the full vocabulary at each chunk's last token, `[chunks,
     /// vocab]`, ready to read on the host; every rank returns the same. Needs a rank loaded
     /// by [`Self::load_paged`].
-    pub fn forward_batch(&self, chunks: &[SequenceChunk<'_>]) -> Result<Tensor> {
+    pub fn forward_batch(&mut self, chunks: &[SequenceChunk<'_>]) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if chunks.iter().all(|c| c.tokens.len() == 1) {
+            if let Some(mut graphs) = self.batch_graphs.take() {
+                let logits = graphs.step(self, chunks);
+                self.batch_graphs = Some(graphs);
+                let logits = logits?;
+                self.comm.wait()?;
+                return Ok(logits);
+            }
+        }
         let layout = self.batch_layout(chunks)?;
         let device = self.norm.device();
         let ids: Vec<u32> = chunks.iter().flat_map(|c| c.tokens.iter().copied()).collect();
         let ids = Tensor::new(ids.as_slice(), device)?.unsqueeze(0)?;
-        let mut x = self.embed.embed(&ids)?;
-        drop(ids);
-        // Prompt chunks attend through the flash kernel where the rank does (causal in the
-        // kernel), else with masks of their own.
-        let ctx = self.layer_context(self.flash, None);
-        let eps = self.config.rms_norm_eps;
-        let mut pending = None;
-        for layer in &self.layers {
-            let (residual, h) = add_norm(x, pending.take(), &layer.input_norm, eps)?;
-            let attn = layer.batch_attention(h, &layout, &ctx)?;
-            let (residual, h) = add_norm(residual, Some(attn), &layer.post_norm, eps)?;
-            let mlp = layer.mlp.forward(&h)?;
-            (x, pending) = (residual, Some(mlp));
-        }
-        let hidden = add_norm(x, pending, &self.norm, eps)?.1.squeeze(0)?;
-
         // Each chunk's last row.
         let last: Vec<u32> = chunks
             .iter()
@@ -89,11 +102,39 @@ impl LlamaRank {
                 Some(*end - 1)
             })
             .collect();
-        let last = hidden.index_select(&Tensor::new(last.as_slice(), device)?, 0)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let logits = head.project(&last)?.to_dtype(DType::F32)?;
+        let last = match last.len() == ids.dim(1)? {
+            true => None,
+            false => Some(Tensor::new(last.as_slice(), device)?),
+        };
+        let logits = self.forward_layout(&ids, &layout, last.as_ref())?;
         self.comm.wait()?;
         Ok(logits)
+    }
+
+    /// The f32 logits at the rows `last` (every row when `None`) of the batch `ids` `[1,
+    /// rows]` laid out as `layout` says, `[rows picked, vocab]`. Queues work without waiting
+    /// on the host: a captured decode step is exactly this call.
+    pub(crate) fn forward_layout(&self, ids: &Tensor, layout: &BatchLayout, last: Option<&Tensor>) -> Result<Tensor> {
+        let mut x = self.embed.embed(ids)?;
+        // Prompt chunks attend through the flash kernel where the rank does (causal in the
+        // kernel), else with masks of their own.
+        let ctx = self.layer_context(self.flash, None);
+        let eps = self.config.rms_norm_eps;
+        let mut pending = None;
+        for layer in &self.layers {
+            let (residual, h) = add_norm(x, pending.take(), &layer.input_norm, eps)?;
+            let attn = layer.batch_attention(h, layout, &ctx)?;
+            let (residual, h) = add_norm(residual, Some(attn), &layer.post_norm, eps)?;
+            let mlp = layer.mlp.forward(&h)?;
+            (x, pending) = (residual, Some(mlp));
+        }
+        let hidden = add_norm(x, pending, &self.norm, eps)?.1.squeeze(0)?;
+        let last = match last {
+            Some(rows) => hidden.index_select(rows, 0)?,
+            None => hidden,
+        };
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        Ok(head.project(&last)?.to_dtype(DType::F32)?)
     }
 
     fn batch_layout(&self, chunks: &[SequenceChunk<'_>]) -> Result<BatchLayout> {

@@ -1,0 +1,211 @@
+// The next token of every row of a step's logits, chosen on the device: greedy rows take the
+// argmax; sampled rows the Gumbel-max draw over the tokens that top-k and top-p keep, which is
+// an exact draw from the softmax of the scaled logits without a normalization or a sort. Each
+// row's uniforms come from Philox4x32-10 keyed by its request's seed at counter (token, draw):
+// a request draws the same numbers alone as in any batch. One CTA per row; the thresholds are
+// radix selects over an order-preserving integer key of the scaled logits, with integer
+// weights (counts, or probabilities in 2^-32 fixed point) so that every sum is exact and the
+// result does not depend on the order the threads add in.
+//
+// params `[rows, 8]` u32: temperature (f32 bits; 0 is greedy), top_k (0: off), top_p (f32
+// bits; 1 or more: off), seed low and high, draw low and high, unused.
+#include <math.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int THREADS = 512;
+constexpr int WARPS = THREADS / 32;
+constexpr unsigned NONE = 0xffffffffu;
+
+// The u32 whose unsigned order is the float order (negatives flipped, positives' sign set).
+__device__ __forceinline__ unsigned order_key(float x) {
+    const unsigned b = __float_as_uint(x);
+    return b & 0x80000000u ? ~b : b | 0x80000000u;
+}
+
+// Philox4x32-10's first output word for counter (c0, c1, c2, 0) and key (k0, k1).
+__device__ __forceinline__ unsigned philox(unsigned c0, unsigned c1, unsigned c2, unsigned k0, unsigned k1) {
+    unsigned c3 = 0;
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        const unsigned lo0 = 0xD2511F53u * c0, hi0 = __umulhi(0xD2511F53u, c0);
+        const unsigned lo1 = 0xCD9E8D57u * c2, hi1 = __umulhi(0xCD9E8D57u, c2);
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return c0;
+}
+
+// A standard Gumbel variate from 23 random bits: u in (0, 1), exact in f32.
+__device__ __forceinline__ float gumbel(unsigned bits) {
+    const float u = ((float)(bits >> 9) + 0.5f) * (1.f / 8388608.f);
+    return -logf(-logf(u));
+}
+
+struct Best {
+    float value;
+    unsigned index;
+};
+
+__device__ __forceinline__ Best better(Best a, Best b) {
+    return (b.value > a.value || (b.value == a.value && b.index < a.index)) ? b : a;
+}
+
+// The block's best, in every thread; ties go to the lowest index.
+__device__ Best block_best(Best b) {
+    __shared__ Best warps[WARPS];
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2)
+        b = better(b, Best{__shfl_xor_sync(0xffffffff, b.value, o), __shfl_xor_sync(0xffffffff, b.index, o)});
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();  // an earlier call's readers are done
+    if (lane == 0) warps[warp] = b;
+    __syncthreads();
+    b = warps[0];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) b = better(b, warps[w]);
+    return b;
+}
+
+// The block's sum, in every thread (exact: integers).
+__device__ unsigned long long block_sum(unsigned long long v) {
+    __shared__ unsigned long long warps[WARPS];
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) warps[warp] = v;
+    __syncthreads();
+    v = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) v += warps[w];
+    return v;
+}
+
+// One row's view: logit i scaled by 1 / temperature, and its key.
+struct Row {
+    const float* x;
+    int n;
+    float inv_temperature;
+    __device__ float z(int i) const { return x[i] * inv_temperature; }
+};
+
+// exp(z - top) in 2^-32 fixed point: the largest token weighs 2^32, the sum of a 128K-token
+// vocabulary stays below 2^49.
+__device__ __forceinline__ unsigned long long fixed_weight(float z, float top) {
+    return (unsigned long long)(exp2f((z - top) * 1.4426950408889634f) * 4294967296.f);
+}
+
+// The largest key t such that the tokens with key ≥ max(t, floor) weigh at least `target`
+// (≥ 1) in all: a radix select, 8 bits a pass from the top, over per-warp histograms in
+// `hist` (shared, one set for both instantiations). MASS: weights are fixed_weight(z, top);
+// else 1 (counts).
+template <bool MASS>
+__device__ unsigned radix_threshold(const Row& row, unsigned floor, float top, unsigned long long target,
+                                    unsigned long long (*hist)[256]) {
+    __shared__ unsigned chosen;
+    __shared__ unsigned long long left;
+    const int warp = threadIdx.x / 32;
+    unsigned prefix = 0;
+    if (threadIdx.x == 0) left = target;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < WARPS * 256; i += THREADS) (&hist[0][0])[i] = 0;
+        __syncthreads();
+        // Tokens whose bits above `shift` equal the prefix found so far.
+        const unsigned high = shift == 24 ? 0u : 0xffffffffu << (shift + 8);
+        for (int i = threadIdx.x; i < row.n; i += THREADS) {
+            const float z = row.z(i);
+            const unsigned key = order_key(z);
+            if (key < floor || (key & high) != prefix) continue;
+            atomicAdd(&hist[warp][(key >> shift) & 255], MASS ? fixed_weight(z, top) : 1ull);
+        }
+        __syncthreads();
+        for (int d = threadIdx.x; d < 256; d += THREADS) {
+            unsigned long long sum = 0;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) sum += hist[w][d];
+            hist[0][d] = sum;
+        }
+        __syncthreads();
+        // From the highest digit down, the first at which the weight reaches what is left.
+        if (threadIdx.x == 0) {
+            unsigned long long above = 0;
+            unsigned d = 0;
+            for (int c = 255; c >= 0; --c) {
+                if (above + hist[0][c] >= left) {
+                    d = c;
+                    break;
+                }
+                above += hist[0][c];
+            }
+            left -= above;
+            chosen = d;
+        }
+        __syncthreads();
+        prefix |= chosen << shift;
+    }
+    return prefix;
+}
+
+__device__ void sample_row(const float* logits, const unsigned* params, unsigned* out, int n) {
+    const int r = blockIdx.x;
+    const unsigned* p = params + 8L * r;
+    const float temperature = __uint_as_float(p[0]);
+    const Row row{logits + (long)r * n, n, temperature > 0.f ? 1.f / temperature : 1.f};
+    if (!(temperature > 0.f)) {
+        Best b{-INFINITY, NONE};
+        for (int i = threadIdx.x; i < n; i += THREADS) b = better(b, Best{row.x[i], (unsigned)i});
+        b = block_best(b);
+        if (threadIdx.x == 0) out[r] = b.index == NONE ? 0 : b.index;
+        return;
+    }
+    const unsigned top_k = p[1];
+    const float top_p = __uint_as_float(p[2]);
+    __shared__ unsigned long long hist[WARPS][256];
+    unsigned floor = 0;
+    if (top_k > 0 && top_k < (unsigned)n) floor = radix_threshold<false>(row, 0, 0.f, top_k, hist);
+    if (top_p < 1.f) {
+        Best b{-INFINITY, NONE};
+        for (int i = threadIdx.x; i < n; i += THREADS) b = better(b, Best{row.z(i), (unsigned)i});
+        const float top = block_best(b).value;
+        unsigned long long kept = 0;
+        for (int i = threadIdx.x; i < n; i += THREADS) {
+            const float z = row.z(i);
+            if (order_key(z) >= floor) kept += fixed_weight(z, top);
+        }
+        kept = block_sum(kept);
+        const unsigned long long target = max(1ull, (unsigned long long)((double)top_p * (double)kept));
+        floor = max(floor, radix_threshold<true>(row, floor, top, target, hist));
+    }
+    Best b{-INFINITY, NONE};
+    for (int i = threadIdx.x; i < n; i += THREADS) {
+        const float z = row.z(i);
+        if (order_key(z) < floor) continue;
+        b = better(b, Best{z + gumbel(philox((unsigned)i, p[5], p[6], p[3], p[4])), (unsigned)i});
+    }
+    b = block_best(b);
+    if (threadIdx.x == 0) out[r] = b.index == NONE ? 0 : b.index;
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    sample_rows(const float* logits, const unsigned* params, unsigned* out, int n) {
+    sample_row(logits, params, out, n);
+}
+
+// Divides the positive logits (multiplies the negative ones) of each listed token by its
+// row's penalty, in place: `tokens` `[count]` (distinct within a row), `rows` their rows.
+extern "C" __global__ void penalize_repeats(float* logits, const unsigned* tokens, const unsigned* rows,
+                                            const float* penalties, int count, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+        float* x = logits + (long)rows[i] * n + tokens[i];
+        const float penalty = penalties[rows[i]];
+        *x = *x > 0.f ? *x / penalty : *x * penalty;
+    }
+}

@@ -1,0 +1,275 @@
+//! The next token of every row of a step's logits, chosen where the logits are
+//! (cuda/sample.cu on CUDA, the same arithmetic here on the host): only the ids leave the
+//! device. Greedy rows take the argmax. Sampled rows scale the logits by 1 / temperature,
+//! keep the tokens that top-k and then top-p keep (every token tied with the last one kept
+//! stays), and take the Gumbel-max draw over them: the argmax of `z + g`, `g` a standard
+//! Gumbel variate per token. That is an exact draw from the softmax of the kept logits, needs
+//! neither a normalization nor a sort, and its uniforms come from Philox4x32-10 keyed by the
+//! request's seed at counter (token, draw): a request draws the same numbers alone as in any
+//! batch, and on any device.
+
+use candle_core::{DType, Result, Tensor};
+
+/// How one row picks its token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowSampling<'a> {
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// Keep the `k` most likely tokens (with their ties); `None` keeps all.
+    pub top_k: Option<usize>,
+    /// Keep the fewest most likely tokens whose probability reaches `p` (with their ties);
+    /// `None` keeps all.
+    pub top_p: Option<f32>,
+    pub seed: u64,
+    /// Which draw of the request this is (its tokens generated so far).
+    pub draw: u64,
+    /// Divides the positive logits (multiplies the negative ones) of `penalized`; 1 leaves
+    /// them.
+    pub repetition_penalty: f32,
+    /// Tokens already seen, repeats allowed.
+    pub penalized: &'a [u32],
+}
+
+impl RowSampling<'_> {
+    /// Greedy, with nothing penalized.
+    pub const GREEDY: RowSampling<'static> = RowSampling {
+        temperature: 0.0,
+        top_k: None,
+        top_p: None,
+        seed: 0,
+        draw: 0,
+        repetition_penalty: 1.0,
+        penalized: &[],
+    };
+
+    /// The distinct tokens the penalty applies to, none when it is 1.
+    fn penalized_set(&self) -> Vec<u32> {
+        if self.repetition_penalty == 1.0 {
+            return Vec::new();
+        }
+        let mut tokens = self.penalized.to_vec();
+        tokens.sort_unstable();
+        tokens.dedup();
+        tokens
+    }
+}
+
+/// The token each row of `logits` `[rows, vocab]` (f32) picks as `rows` say, `[rows]` u32 on
+/// the logits' device. Penalized tokens past the vocabulary are refused.
+pub fn sample_rows(logits: &Tensor, rows: &[RowSampling<'_>]) -> Result<Tensor> {
+    let (n, vocab) = logits.dims2()?;
+    if logits.dtype() != DType::F32 || n != rows.len() || vocab == 0 {
+        candle_core::bail!(
+            "sample_rows: logits {:?} {:?} are not f32 [{} rows, vocab]",
+            logits.dims(),
+            logits.dtype(),
+            rows.len()
+        );
+    }
+    let penalized: Vec<Vec<u32>> = rows.iter().map(RowSampling::penalized_set).collect();
+    if let Some(&token) = penalized.iter().flatten().find(|&&t| t as usize >= vocab) {
+        candle_core::bail!("sample_rows: penalized token {token} lies past the vocabulary of {vocab}");
+    }
+    #[cfg(feature = "cuda")]
+    if logits.device().is_cuda() {
+        return cuda::sample_rows(&logits.contiguous()?, rows, &penalized);
+    }
+    let x = logits.to_vec2::<f32>()?;
+    let ids: Vec<u32> = x
+        .into_iter()
+        .zip(rows)
+        .zip(&penalized)
+        .map(|((mut row, s), set)| {
+            for &t in set {
+                row[t as usize] = penalize(row[t as usize], s.repetition_penalty);
+            }
+            sample_row(&row, s)
+        })
+        .collect();
+    Tensor::from_vec(ids, n, logits.device())
+}
+
+fn penalize(x: f32, penalty: f32) -> f32 {
+    match x > 0.0 {
+        true => x / penalty,
+        false => x * penalty,
+    }
+}
+
+/// The u32 whose unsigned order is the float order.
+fn order_key(x: f32) -> u32 {
+    let b = x.to_bits();
+    match b & 0x8000_0000 {
+        0 => b | 0x8000_0000,
+        _ => !b,
+    }
+}
+
+/// Philox4x32-10's first output word for counter (c0, c1, c2, 0) and key (k0, k1).
+fn philox(mut c: [u32; 4], mut k: [u32; 2]) -> u32 {
+    for _ in 0..10 {
+        let p0 = 0xD251_1F53u64 * c[0] as u64;
+        let p1 = 0xCD9E_8D57u64 * c[2] as u64;
+        c = [
+            (p1 >> 32) as u32 ^ c[1] ^ k[0],
+            p1 as u32,
+            (p0 >> 32) as u32 ^ c[3] ^ k[1],
+            p0 as u32,
+        ];
+        k = [k[0].wrapping_add(0x9E37_79B9), k[1].wrapping_add(0xBB67_AE85)];
+    }
+    c[0]
+}
+
+/// A standard Gumbel variate from 23 random bits: `u` in (0, 1), exact in f32.
+fn gumbel(bits: u32) -> f32 {
+    let u = ((bits >> 9) as f32 + 0.5) * (1.0 / 8_388_608.0);
+    -(-u.ln()).ln()
+}
+
+/// `exp(z - top)` in 2⁻³² fixed point, as the kernel weighs tokens for top-p.
+fn fixed_weight(z: f32, top: f32) -> u64 {
+    (((z - top) * std::f32::consts::LOG2_E).exp2() * 4_294_967_296.0) as u64
+}
+
+/// The lowest index of the largest value; NaN never wins (a row of NaN gives 0).
+fn first_max(values: impl Iterator<Item = (usize, f32)>) -> u32 {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, v) in values {
+        if best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v)).filter(|_| !v.is_nan());
+        }
+    }
+    best.map_or(0, |(i, _)| i as u32)
+}
+
+/// One row on the host, as cuda/sample.cu's sample_row.
+fn sample_row(x: &[f32], s: &RowSampling<'_>) -> u32 {
+    // NaN or not above 0: greedy, as the kernel reads it.
+    if s.temperature.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+        return first_max(x.iter().copied().enumerate());
+    }
+    let inv = 1.0 / s.temperature;
+    let z: Vec<f32> = x.iter().map(|&v| v * inv).collect();
+    let mut keys: Vec<u32> = z.iter().map(|&v| order_key(v)).collect();
+    keys.sort_unstable_by_key(|&k| std::cmp::Reverse(k));
+    let mut floor = match s.top_k {
+        Some(k) if k > 0 && k < x.len() => keys[k - 1],
+        _ => 0,
+    };
+    if let Some(p) = s.top_p.filter(|&p| p < 1.0) {
+        let top = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // The weights in descending key order: the threshold is the key at which they reach
+        // the target.
+        let mut by_key: Vec<(u32, u64)> = z
+            .iter()
+            .map(|&v| (order_key(v), fixed_weight(v, top)))
+            .filter(|&(key, _)| key >= floor)
+            .collect();
+        by_key.sort_unstable_by_key(|&(key, _)| std::cmp::Reverse(key));
+        let kept: u64 = by_key.iter().map(|&(_, w)| w).sum();
+        let target = ((p as f64 * kept as f64) as u64).max(1);
+        let mut sum = 0u64;
+        for &(key, w) in &by_key {
+            sum += w;
+            if sum >= target {
+                floor = floor.max(key);
+                break;
+            }
+        }
+    }
+    let c = [0, s.draw as u32, (s.draw >> 32) as u32, 0];
+    let k = [s.seed as u32, (s.seed >> 32) as u32];
+    first_max(
+        z.iter()
+            .enumerate()
+            .filter(|&(_, &v)| order_key(v) >= floor)
+            .map(|(i, &v)| (i, v + gumbel(philox([i as u32, c[1], c[2], c[3]], k)))),
+    )
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{DType, Result, Tensor};
+
+    use super::RowSampling;
+    use crate::launch::{device_address, elementwise};
+
+    /// Threads per CTA of the sampling kernel (THREADS in cuda/sample.cu).
+    const THREADS: u32 = 512;
+
+    /// A row's parameters as the kernel reads them (cuda/sample.cu).
+    fn params(s: &RowSampling<'_>, vocab: usize) -> [u32; 8] {
+        let k = s.top_k.filter(|&k| k < vocab).unwrap_or(0);
+        [
+            s.temperature.max(0.0).to_bits(),
+            k.min(u32::MAX as usize) as u32,
+            s.top_p.unwrap_or(1.0).to_bits(),
+            s.seed as u32,
+            (s.seed >> 32) as u32,
+            s.draw as u32,
+            (s.draw >> 32) as u32,
+            0,
+        ]
+    }
+
+    pub(super) fn sample_rows(logits: &Tensor, rows: &[RowSampling<'_>], penalized: &[Vec<u32>]) -> Result<Tensor> {
+        let candle_core::Device::Cuda(dev) = logits.device() else {
+            candle_core::bail!("sample_rows: not a CUDA tensor");
+        };
+        let device = logits.device();
+        let (n, vocab) = logits.dims2()?;
+        let count: usize = penalized.iter().map(Vec::len).sum();
+        // Penalties change a copy: the caller's logits stay as the model gave them.
+        let logits = match count {
+            0 => logits.clone(),
+            _ => {
+                let copy = logits.copy()?;
+                let tokens: Vec<u32> = penalized.iter().flatten().copied().collect();
+                let of_row: Vec<u32> = penalized
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(r, set)| std::iter::repeat_n(r as u32, set.len()))
+                    .collect();
+                let penalties: Vec<f32> = rows.iter().map(|s| s.repetition_penalty).collect();
+                let tokens = Tensor::new(tokens.as_slice(), device)?;
+                let of_row = Tensor::new(of_row.as_slice(), device)?;
+                let penalties = Tensor::new(penalties.as_slice(), device)?;
+                let func = crate::module::SAMPLE.kernel(dev, "penalize_repeats")?;
+                let addresses = [&copy, &tokens, &of_row, &penalties].map(device_address);
+                let [a, b, c, d] = addresses;
+                let (a, b, c, d) = (a?, b?, c?, d?);
+                let (count_i, vocab_i) = (count as i32, vocab as i32);
+                let mut launch = func.builder();
+                launch.arg(&a).arg(&b).arg(&c).arg(&d).arg(&count_i).arg(&vocab_i);
+                // SAFETY: the arguments match the kernel's signature; every token lies inside
+                // the vocabulary (checked by sample_rows) and each (row, token) is listed once.
+                unsafe { launch.launch(elementwise(count)) }.w()?;
+                copy
+            }
+        };
+        let params: Vec<u32> = rows.iter().flat_map(|s| params(s, vocab)).collect();
+        let params = Tensor::from_vec(params, (n, 8), device)?;
+        let out = crate::empty(&[n], DType::U32, device)?;
+        let func = crate::module::SAMPLE.kernel(dev, "sample_rows")?;
+        let (x, p, o) = (
+            device_address(&logits)?,
+            device_address(&params)?,
+            device_address(&out)?,
+        );
+        let vocab_i = vocab as i32;
+        let mut launch = func.builder();
+        launch.arg(&x).arg(&p).arg(&o).arg(&vocab_i);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature; the logits are a contiguous f32
+        // [n, vocab], the parameters [n, 8] u32, and the output holds n ids, one per CTA.
+        unsafe { launch.launch(cfg) }.w()?;
+        Ok(out)
+    }
+}
