@@ -26,7 +26,8 @@ pub(crate) struct RankJob {
 }
 
 impl RankJob {
-    /// Whether each token can be chosen on the device: greedy, with no log-probabilities to
+    /// Whether the one-sequence step's own argmax can choose each token, which then never
+    /// leaves the device between steps: greedy without a penalty, and no log-probabilities to
     /// report (a trace of the logits reads them either way).
     pub fn greedy_on_device(&self) -> bool {
         self.sampling.is_greedy() && self.logprobs.is_none()

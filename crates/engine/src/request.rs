@@ -53,7 +53,7 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// Greedy decoding with nothing to apply on the host: the token can stay on the device.
+    /// Greedy decoding with no penalty: the plain argmax of the logits.
     pub(crate) fn is_greedy(&self) -> bool {
         self.temperature <= 0.0 && self.repetition_penalty == 1.0
     }

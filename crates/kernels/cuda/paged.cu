@@ -52,8 +52,9 @@ struct alignas(16) Pack {
 };
 
 // How a warp covers keys of D columns: LANES lanes per key, E elements (at least 16 bytes)
-// each, KEYS keys at once; STEPS keys per lane loaded before any is used (one memory latency
-// per pass), fewer for groups of 8, whose queries and outputs take twice the registers.
+// each, KEYS keys at once; STEPS keys per lane a pass, in two register buffers (the pass
+// computed and the next one loading), fewer for groups of 8, whose queries and outputs take
+// twice the registers.
 // Sequence length `len` in at most `splits` slices of whole passes of 64 keys: the keys per
 // slice, and how many slices hold keys. The grid does not depend on the lengths (a captured
 // step replays at any), and long sequences split as finely as short ones.
@@ -67,21 +68,22 @@ struct KeyLayout {
     static constexpr int LANES = D * (int)sizeof(T) / 16 < 32 ? D * (int)sizeof(T) / 16 : 32;
     static constexpr int E = D / LANES;
     static constexpr int KEYS = 32 / LANES;
-    static constexpr int STEPS = G >= 8 ? 4 : 8;
+    static constexpr int STEPS = G >= 8 ? 2 : 4;
     static constexpr int PASS = STEPS * WARPS * KEYS;  // keys per pass of the CTA
 };
 
 
 // One decode row per sequence over its cached keys, each split along its keys into at most
-// `splits` slices (slices_of). CTA (k, s, p) takes slice p of sequence s for every query head of KV head k (local query head h reads KV head
-// (h + offset) / group; a rank's first group may be cut), so each K and V row is read once
-// for the group. Sequence s's query is row q_rows[s] of `q` `[rows, q_heads, D]`; its key at
-// position j lies in slot tables[s][j >> block_shift] << block_shift | j % block_size.
-// Lane (slot, piece) of a warp scores its key against every head of the group (the pieces'
-// dot products summed across the key's lanes) and adds the key's weighted V piece into its
-// own E output columns; each warp keeps its own online softmax (base 2) and the warps meet in
-// shared memory at the end. A sequence with one slice writes `out` `[n, q_heads, D]` here;
-// with several, each slice writes its partial (o, then max and sum) for merge_slices.
+// `splits` slices (slices_of). CTA (k, s, p) takes slice p of sequence s for every query head
+// of KV head k (local query head h reads KV head (h + offset) / group; a rank's first group
+// may be cut), so each K and V row is read once for the group. Sequence s's query is row
+// q_rows[s] of `q` `[rows, q_heads, D]`; its key at position j lies in slot
+// tables[s][j >> block_shift] << block_shift | j % block_size. Lane (slot, piece) of a warp
+// scores its key against every head of the group (the pieces' dot products summed across the
+// key's lanes) and adds the key's weighted V piece into its own E output columns; each warp
+// keeps its own online softmax (base 2) and the warps meet in shared memory at the end. A
+// sequence with one slice writes `out` `[n, q_heads, D]` here; with several, each slice
+// writes its partial (o, then max and sum) for merge_slices.
 template <typename T, int D, int G>
 __device__ void paged_split(const T* __restrict__ q, const unsigned* __restrict__ q_rows,
                             const T* __restrict__ pool, const unsigned* __restrict__ tables,
@@ -127,21 +129,27 @@ __device__ void paged_split(const T* __restrict__ q, const unsigned* __restrict_
 #pragma unroll
         for (int e = 0; e < E; ++e) o[g][e] = 0.f;
     }
-    for (int pass0 = start; pass0 < end; pass0 += PASS) {
-        // Every step's slot first (their table reads in flight together), then its K and V.
+    // Pass p + 1's keys and values are requested before pass p is computed, so that a warp
+    // waits on memory once, not once a pass. Each step's slot comes first (the table reads
+    // in flight together), then its K and V; steps past the end repeat the last key.
+    const auto load = [&](int pass0, P (&kd)[STEPS], P (&vd)[STEPS]) {
         long at[STEPS];
 #pragma unroll
         for (int i = 0; i < STEPS; ++i) {
             const int j = min(pass0 + (i * WARPS + warp) * KEYS + slot, end - 1);
             at[i] = ((long)table[j >> block_shift] << block_shift | (j & block_mask)) * row;
         }
-        P kr[STEPS], vr[STEPS];
 #pragma unroll
         for (int i = 0; i < STEPS; ++i) {
-            kr[i] = *reinterpret_cast<const P*>(keys + at[i]);
-            vr[i] = *reinterpret_cast<const P*>(values + at[i]);
+            kd[i] = *reinterpret_cast<const P*>(keys + at[i]);
+            vd[i] = *reinterpret_cast<const P*>(values + at[i]);
         }
-        // Scores; keys past the end (their loads repeat the last key) score -inf.
+    };
+    P kr[STEPS], vr[STEPS], kn[STEPS], vn[STEPS];
+    load(start, kr, vr);
+    for (int pass0 = start; pass0 < end; pass0 += PASS) {
+        if (pass0 + PASS < end) load(pass0 + PASS, kn, vn);
+        // Scores; keys past the end score -inf.
         float sc[G][STEPS];
 #pragma unroll
         for (int i = 0; i < STEPS; ++i) {
@@ -182,6 +190,8 @@ __device__ void paged_split(const T* __restrict__ q, const unsigned* __restrict_
             m[g] = mx;
             l[g] = l[g] * alpha + sum;
         }
+#pragma unroll
+        for (int i = 0; i < STEPS; ++i) kr[i] = kn[i], vr[i] = vn[i];
     }
     // The slots of a warp share its max: their sums add, and slot 0's lanes hold the warp's.
 #pragma unroll

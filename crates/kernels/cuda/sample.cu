@@ -2,10 +2,11 @@
 // argmax; sampled rows the Gumbel-max draw over the tokens that top-k and top-p keep, which is
 // an exact draw from the softmax of the scaled logits without a normalization or a sort. Each
 // row's uniforms come from Philox4x32-10 keyed by its request's seed at counter (token, draw):
-// a request draws the same numbers alone as in any batch. One CTA per row; the thresholds are
-// radix selects over an order-preserving integer key of the scaled logits, with integer
-// weights (counts, or probabilities in 2^-32 fixed point) so that every sum is exact and the
-// result does not depend on the order the threads add in.
+// a request draws the same numbers alone as in any batch. The thresholds (one CTA per row,
+// only for rows with top-k or top-p) are radix selects over an order-preserving integer key
+// of the scaled logits, with integer weights (counts, or probabilities in 2^-32 fixed point)
+// so that every sum is exact and the result does not depend on the order the threads add in.
+// The draw itself splits each row over many CTAs, whose winners a second pass joins.
 //
 // params `[rows, 8]` u32: temperature (f32 bits; 0 is greedy), top_k (0: off), top_p (f32
 // bits; 1 or more: off), seed low and high, draw low and high, unused.
@@ -56,7 +57,8 @@ __device__ __forceinline__ Best better(Best a, Best b) {
     return (b.value > a.value || (b.value == a.value && b.index < a.index)) ? b : a;
 }
 
-// The block's best, in every thread; ties go to the lowest index.
+// The block's best, in every thread; ties go to the lowest index. Any block of whole warps,
+// up to THREADS.
 __device__ Best block_best(Best b) {
     __shared__ Best warps[WARPS];
 #pragma unroll
@@ -67,8 +69,7 @@ __device__ Best block_best(Best b) {
     if (lane == 0) warps[warp] = b;
     __syncthreads();
     b = warps[0];
-#pragma unroll
-    for (int w = 1; w < WARPS; ++w) b = better(b, warps[w]);
+    for (int w = 1; w < (int)blockDim.x / 32; ++w) b = better(b, warps[w]);
     return b;
 }
 
@@ -152,22 +153,21 @@ __device__ unsigned radix_threshold(const Row& row, unsigned floor, float top, u
     return prefix;
 }
 
-__device__ void sample_row(const float* logits, const unsigned* params, unsigned* out, int n) {
+// CTA r: the lowest key row r keeps, `floors[r]` (0 keeps every token): the top-k threshold,
+// then the top-p threshold over what it kept. Greedy rows, and rows without either, keep all.
+__device__ void sample_floor(const float* logits, const unsigned* params, unsigned* floors, int n) {
     const int r = blockIdx.x;
     const unsigned* p = params + 8L * r;
     const float temperature = __uint_as_float(p[0]);
     const Row row{logits + (long)r * n, n, temperature > 0.f ? 1.f / temperature : 1.f};
-    if (!(temperature > 0.f)) {
-        Best b{-INFINITY, NONE};
-        for (int i = threadIdx.x; i < n; i += THREADS) b = better(b, Best{row.x[i], (unsigned)i});
-        b = block_best(b);
-        if (threadIdx.x == 0) out[r] = b.index == NONE ? 0 : b.index;
-        return;
-    }
     const unsigned top_k = p[1];
     const float top_p = __uint_as_float(p[2]);
     __shared__ unsigned long long hist[WARPS][256];
     unsigned floor = 0;
+    if (!(temperature > 0.f)) {
+        if (threadIdx.x == 0) floors[r] = 0;
+        return;
+    }
     if (top_k > 0 && top_k < (unsigned)n) floor = radix_threshold<false>(row, 0, 0.f, top_k, hist);
     if (top_p < 1.f) {
         Best b{-INFINITY, NONE};
@@ -182,21 +182,58 @@ __device__ void sample_row(const float* logits, const unsigned* params, unsigned
         const unsigned long long target = max(1ull, (unsigned long long)((double)top_p * (double)kept));
         floor = max(floor, radix_threshold<true>(row, floor, top, target, hist));
     }
+    if (threadIdx.x == 0) floors[r] = floor;
+}
+
+// CTA (part, r) takes `chunk` tokens of row r: a greedy row's largest logit, a sampled row's
+// largest z + Gumbel over the tokens at or above its floor; the part's winner goes to
+// values/indices[r · parts + part].
+__device__ void sample_part(const float* logits, const unsigned* params, const unsigned* floors, int n, int chunk,
+                            float* values, unsigned* indices) {
+    const int r = blockIdx.y, part = blockIdx.x;
+    const unsigned* p = params + 8L * r;
+    const float temperature = __uint_as_float(p[0]);
+    const Row row{logits + (long)r * n, n, temperature > 0.f ? 1.f / temperature : 1.f};
+    const int begin = part * chunk, end = min(n, begin + chunk);
     Best b{-INFINITY, NONE};
-    for (int i = threadIdx.x; i < n; i += THREADS) {
-        const float z = row.z(i);
-        if (order_key(z) < floor) continue;
-        b = better(b, Best{z + gumbel(philox((unsigned)i, p[5], p[6], p[3], p[4])), (unsigned)i});
+    if (!(temperature > 0.f)) {
+        for (int i = begin + threadIdx.x; i < end; i += blockDim.x) b = better(b, Best{row.x[i], (unsigned)i});
+    } else {
+        const unsigned floor = floors[r];
+        for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
+            const float z = row.z(i);
+            if (order_key(z) < floor) continue;
+            b = better(b, Best{z + gumbel(philox((unsigned)i, p[5], p[6], p[3], p[4])), (unsigned)i});
+        }
     }
     b = block_best(b);
-    if (threadIdx.x == 0) out[r] = b.index == NONE ? 0 : b.index;
+    if (threadIdx.x == 0) {
+        values[r * gridDim.x + part] = b.value;
+        indices[r * gridDim.x + part] = b.index;
+    }
 }
 
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-    sample_rows(const float* logits, const unsigned* params, unsigned* out, int n) {
-    sample_row(logits, params, out, n);
+    sample_floors(const float* logits, const unsigned* params, unsigned* floors, int n) {
+    sample_floor(logits, params, floors, n);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    sample_parts(const float* logits, const unsigned* params, const unsigned* floors, int n, int chunk, float* values,
+                 unsigned* indices) {
+    sample_part(logits, params, floors, n, chunk, values, indices);
+}
+
+// CTA r joins row r's `parts` winners into out[r] (0 when no token won: a row of NaN).
+extern "C" __global__ void __launch_bounds__(THREADS)
+    sample_join(const float* values, const unsigned* indices, int parts, unsigned* out) {
+    Best b{-INFINITY, NONE};
+    for (int i = threadIdx.x; i < parts; i += blockDim.x)
+        b = better(b, Best{values[blockIdx.x * parts + i], indices[blockIdx.x * parts + i]});
+    b = block_best(b);
+    if (threadIdx.x == 0) out[blockIdx.x] = b.index == NONE ? 0 : b.index;
 }
 
 // Divides the positive logits (multiplies the negative ones) of each listed token by its

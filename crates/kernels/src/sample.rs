@@ -197,8 +197,11 @@ mod cuda {
     use super::RowSampling;
     use crate::launch::{device_address, elementwise};
 
-    /// Threads per CTA of the sampling kernel (THREADS in cuda/sample.cu).
-    const THREADS: u32 = 512;
+    /// Threads per CTA of the thresholds (THREADS in cuda/sample.cu), and of the draw's parts
+    /// (at most THREADS), each over CHUNK tokens: some 63 CTAs a row for a 128K vocabulary.
+    const FLOOR_THREADS: u32 = 512;
+    const PART_THREADS: u32 = 256;
+    const CHUNK: usize = 8 * PART_THREADS as usize;
 
     /// A row's parameters as the kernel reads them (cuda/sample.cu).
     fn params(s: &RowSampling<'_>, vocab: usize) -> [u32; 8] {
@@ -252,23 +255,61 @@ mod cuda {
         };
         let params: Vec<u32> = rows.iter().flat_map(|s| params(s, vocab)).collect();
         let params = Tensor::from_vec(params, (n, 8), device)?;
-        let out = crate::empty(&[n], DType::U32, device)?;
-        let func = crate::module::SAMPLE.kernel(dev, "sample_rows")?;
-        let (x, p, o) = (
-            device_address(&logits)?,
-            device_address(&params)?,
-            device_address(&out)?,
-        );
+        let (x, p) = (device_address(&logits)?, device_address(&params)?);
         let vocab_i = vocab as i32;
+        // Each row's lowest kept key: 0 (all) unless some row keeps fewer.
+        let floors = Tensor::zeros(n, DType::U32, device)?;
+        let f = device_address(&floors)?;
+        if rows
+            .iter()
+            .any(|s| s.temperature > 0.0 && (s.top_k.is_some_and(|k| k < vocab) || s.top_p.is_some_and(|p| p < 1.0)))
+        {
+            let func = crate::module::SAMPLE.kernel(dev, "sample_floors")?;
+            let mut launch = func.builder();
+            launch.arg(&x).arg(&p).arg(&f).arg(&vocab_i);
+            let cfg = LaunchConfig {
+                grid_dim: (n as u32, 1, 1),
+                block_dim: (FLOOR_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments match the kernel's signature; the logits are a contiguous
+            // f32 [n, vocab], the parameters [n, 8] u32, and the floors hold n, one per CTA.
+            unsafe { launch.launch(cfg) }.w()?;
+        }
+        let parts = vocab.div_ceil(CHUNK);
+        let values = crate::empty(&[n, parts], DType::F32, device)?;
+        let indices = crate::empty(&[n, parts], DType::U32, device)?;
+        let (v, i) = (device_address(&values)?, device_address(&indices)?);
+        let chunk_i = CHUNK as i32;
+        let func = crate::module::SAMPLE.kernel(dev, "sample_parts")?;
         let mut launch = func.builder();
-        launch.arg(&x).arg(&p).arg(&o).arg(&vocab_i);
+        launch
+            .arg(&x)
+            .arg(&p)
+            .arg(&f)
+            .arg(&vocab_i)
+            .arg(&chunk_i)
+            .arg(&v)
+            .arg(&i);
         let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
+            grid_dim: (parts as u32, n as u32, 1),
+            block_dim: (PART_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match the kernel's signature; the logits are a contiguous f32
-        // [n, vocab], the parameters [n, 8] u32, and the output holds n ids, one per CTA.
+        // SAFETY: as above; the winners hold n · parts entries, one per CTA.
+        unsafe { launch.launch(cfg) }.w()?;
+        let out = crate::empty(&[n], DType::U32, device)?;
+        let o = device_address(&out)?;
+        let parts_i = parts as i32;
+        let func = crate::module::SAMPLE.kernel(dev, "sample_join")?;
+        let mut launch = func.builder();
+        launch.arg(&v).arg(&i).arg(&parts_i).arg(&o);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (PART_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the winners were written above for every (row, part); the output holds n.
         unsafe { launch.launch(cfg) }.w()?;
         Ok(out)
     }
