@@ -52,9 +52,8 @@ struct alignas(16) Pack {
 };
 
 // How a warp covers keys of D columns: LANES lanes per key, E elements (at least 16 bytes)
-// each, KEYS keys at once; STEPS keys per lane a pass, in two register buffers (the pass
-// computed and the next one loading), fewer for groups of 8, whose queries and outputs take
-// twice the registers.
+// each, KEYS keys at once; STEPS keys per lane loaded before any is used (one memory latency
+// per pass), fewer for groups of 8, whose queries and outputs take twice the registers.
 // Sequence length `len` in at most `splits` slices of whole passes of 64 keys: the keys per
 // slice, and how many slices hold keys. The grid does not depend on the lengths (a captured
 // step replays at any), and long sequences split as finely as short ones.
@@ -68,10 +67,9 @@ struct KeyLayout {
     static constexpr int LANES = D * (int)sizeof(T) / 16 < 32 ? D * (int)sizeof(T) / 16 : 32;
     static constexpr int E = D / LANES;
     static constexpr int KEYS = 32 / LANES;
-    static constexpr int STEPS = G >= 8 ? 2 : 4;
+    static constexpr int STEPS = G >= 8 ? 4 : 8;
     static constexpr int PASS = STEPS * WARPS * KEYS;  // keys per pass of the CTA
 };
-
 
 // One decode row per sequence over its cached keys, each split along its keys into at most
 // `splits` slices (slices_of). CTA (k, s, p) takes slice p of sequence s for every query head
@@ -129,27 +127,21 @@ __device__ void paged_split(const T* __restrict__ q, const unsigned* __restrict_
 #pragma unroll
         for (int e = 0; e < E; ++e) o[g][e] = 0.f;
     }
-    // Pass p + 1's keys and values are requested before pass p is computed, so that a warp
-    // waits on memory once, not once a pass. Each step's slot comes first (the table reads
-    // in flight together), then its K and V; steps past the end repeat the last key.
-    const auto load = [&](int pass0, P (&kd)[STEPS], P (&vd)[STEPS]) {
+    for (int pass0 = start; pass0 < end; pass0 += PASS) {
+        // Every step's slot first (their table reads in flight together), then its K and V.
         long at[STEPS];
 #pragma unroll
         for (int i = 0; i < STEPS; ++i) {
             const int j = min(pass0 + (i * WARPS + warp) * KEYS + slot, end - 1);
             at[i] = ((long)table[j >> block_shift] << block_shift | (j & block_mask)) * row;
         }
+        P kr[STEPS], vr[STEPS];
 #pragma unroll
         for (int i = 0; i < STEPS; ++i) {
-            kd[i] = *reinterpret_cast<const P*>(keys + at[i]);
-            vd[i] = *reinterpret_cast<const P*>(values + at[i]);
+            kr[i] = *reinterpret_cast<const P*>(keys + at[i]);
+            vr[i] = *reinterpret_cast<const P*>(values + at[i]);
         }
-    };
-    P kr[STEPS], vr[STEPS], kn[STEPS], vn[STEPS];
-    load(start, kr, vr);
-    for (int pass0 = start; pass0 < end; pass0 += PASS) {
-        if (pass0 + PASS < end) load(pass0 + PASS, kn, vn);
-        // Scores; keys past the end score -inf.
+        // Scores; keys past the end (their loads repeat the last key) score -inf.
         float sc[G][STEPS];
 #pragma unroll
         for (int i = 0; i < STEPS; ++i) {
@@ -190,8 +182,6 @@ __device__ void paged_split(const T* __restrict__ q, const unsigned* __restrict_
             m[g] = mx;
             l[g] = l[g] * alpha + sum;
         }
-#pragma unroll
-        for (int i = 0; i < STEPS; ++i) kr[i] = kn[i], vr[i] = vn[i];
     }
     // The slots of a warp share its max: their sums add, and slot 0's lanes hold the warp's.
 #pragma unroll
