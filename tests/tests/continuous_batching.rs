@@ -1,7 +1,7 @@
 //! Continuous batching through the engine: concurrent requests, each with its own sampling
-//! parameters and seed, batched into shared steps over a paged KV cache, give the tokens of
-//! the same request run alone; a dropped stream leaves the others running; a rank failure
-//! ends every request in flight with its cause.
+//! parameters and seed, batched into shared steps over a paged KV cache (shared prompt
+//! prefixes included), give the tokens of the same request run alone; a dropped stream
+//! leaves the others running; a rank failure ends every request in flight with its cause.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -64,6 +64,50 @@ fn concurrent_requests_equal_each_run_alone() {
             let got = h.join().expect("request thread");
             assert_eq!(&got, want, "TP {tp}, step budget {step_tokens}: request {i}");
         }
+    }
+}
+
+/// Requests that begin with the same 40 tokens (a system prompt) share its computed KV blocks
+/// (16 positions each): every later one finds 32 positions cached, and each still gives the
+/// tokens of the same request run alone, sampled or greedy, at TP 1 and 2.
+#[test]
+fn requests_that_share_a_prompt_prefix_share_its_blocks_and_their_tokens_are_unchanged() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    fn ask(i: usize) -> GenerateRequest {
+        let system = (0..40).map(|t| (t * 13 % 250) as u32);
+        let prompt = system.chain([200 + i as u32, 7, 9]).collect();
+        GenerateRequest {
+            prompt: Prompt::Tokens(prompt),
+            ..request(i)
+        }
+    }
+    let alone = Engine::builder(&path).max_context(96).build().expect("engine");
+    let expected: Vec<_> = (0..6).map(|i| tokens(&alone, ask(i))).collect();
+    drop(alone);
+    for tp in [1, 2] {
+        let engine = Engine::builder(&path)
+            .tp(tp)
+            .max_context(96)
+            .max_seqs(4)
+            .build()
+            .expect("batching engine");
+        // The first computes the prefix; then the others, one after another and at once.
+        assert_eq!(tokens(&engine, ask(0)), expected[0], "TP {tp}: the first request");
+        assert_eq!(engine.load().prefix_hit_tokens, 0);
+        assert_eq!(tokens(&engine, ask(1)), expected[1], "TP {tp}: the second request");
+        assert_eq!(engine.load().prefix_hit_tokens, 32);
+        let engine = Arc::new(engine);
+        let handles: Vec<_> = (2..6)
+            .map(|i| {
+                let engine = engine.clone();
+                std::thread::spawn(move || tokens(&engine, ask(i)))
+            })
+            .collect();
+        for (i, h) in (2..6).zip(handles) {
+            assert_eq!(h.join().expect("request thread"), expected[i], "TP {tp}: request {i}");
+        }
+        assert_eq!(engine.load().prefix_hit_tokens, 6 * 32 - 32);
     }
 }
 

@@ -15,6 +15,7 @@ use tpinfer_layers::{BlockTable, RowSampling};
 use tpinfer_llama::{LlamaRank, SequenceChunk};
 use tpinfer_runtime::{ModelHandle, RankGroup, RuntimeError};
 
+use crate::blocks::BlockPool;
 use crate::rank::{inject, RankJob};
 use crate::status::Status;
 use crate::stream::RankEvent;
@@ -336,44 +337,16 @@ impl Sequence {
     }
 }
 
-/// The free blocks of the paged cache, handed to sequences' tables and back.
-struct FreeBlocks {
-    free: Vec<u32>,
-    size: usize,
-}
-
-impl FreeBlocks {
-    fn new(count: usize, size: usize) -> Self {
-        Self {
-            free: (0..count as u32).rev().collect(),
-            size,
-        }
-    }
-
-    /// Grows `table` to cover `positions`; false, and nothing taken, if too few are free.
-    fn cover(&mut self, table: &mut BlockTable, positions: usize) -> bool {
-        let needed = positions.div_ceil(self.size).saturating_sub(table.blocks.len());
-        if needed > self.free.len() {
-            return false;
-        }
-        let at = self.free.len() - needed;
-        table.blocks.extend(self.free.drain(at..));
-        true
-    }
-
-    fn release(&mut self, table: &mut BlockTable) {
-        self.free.append(&mut table.blocks);
-    }
-}
-
 /// The scheduler's state: sequences running (oldest first) and waiting (next first).
 struct Batch {
     running: Vec<Sequence>,
     waiting: VecDeque<Sequence>,
-    blocks: FreeBlocks,
+    blocks: BlockPool,
     limits: BatchLimits,
     /// Sequences preempted so far.
     preemptions: usize,
+    /// Positions that sequences found computed (shared prefixes) instead of computing.
+    prefix_hits: usize,
 }
 
 impl Batch {
@@ -381,9 +354,10 @@ impl Batch {
         Self {
             running: Vec::new(),
             waiting: VecDeque::new(),
-            blocks: FreeBlocks::new(limits.blocks, limits.block_size),
+            blocks: BlockPool::new(limits.blocks, limits.block_size),
             limits,
             preemptions: 0,
+            prefix_hits: 0,
         }
     }
 
@@ -427,10 +401,16 @@ impl Batch {
             let Some(next) = self.waiting.front_mut() else {
                 break;
             };
+            // Its first blocks, where another sequence computed the same tokens.
+            let shared = self.blocks.share_prefix(&mut next.table, &next.context);
+            next.cached = shared;
             let len = next.next_chunk(budget);
-            if !self.blocks.cover(&mut next.table, len) {
+            if !self.blocks.cover(&mut next.table, shared + len) {
+                self.blocks.release(&mut next.table);
+                next.cached = 0;
                 break;
             }
+            self.prefix_hits += shared;
             if let Some(s) = self.waiting.pop_front() {
                 self.running.push(s);
                 plan.push((self.running.len() - 1, len));
@@ -445,9 +425,10 @@ impl Batch {
         status.set(Load {
             running: self.running.len(),
             queued: self.waiting.len(),
-            kv_blocks_used: blocks - self.blocks.free.len(),
+            kv_blocks_used: self.blocks.used(),
             kv_blocks: blocks,
             preemptions: self.preemptions,
+            prefix_hit_tokens: self.prefix_hits,
         });
     }
 
@@ -482,6 +463,7 @@ impl Batch {
         let mut ended = Vec::new();
         for (&(i, len), row) in plan.iter().zip(step.rows) {
             let s = &mut self.running[i];
+            self.blocks.computed(&s.table, &s.context, s.cached, s.cached + len);
             s.cached += len;
             s.collectives += step.collectives;
             if s.cached < s.context.len() {
@@ -523,10 +505,18 @@ mod tests {
     use super::*;
     use crate::SamplingParams;
 
+    /// A sequence of `prompt` tokens that no other test's shares: no prefix is found cached
+    /// unless a test makes one.
     fn sequence(prompt: usize, max_new_tokens: usize) -> (Sequence, mpsc::Receiver<RankEvent>) {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let first = NEXT.fetch_add(prompt as u32, std::sync::atomic::Ordering::Relaxed);
+        sequence_of((first..first + prompt as u32).collect(), max_new_tokens)
+    }
+
+    fn sequence_of(prompt: Vec<u32>, max_new_tokens: usize) -> (Sequence, mpsc::Receiver<RankEvent>) {
         let (events, received) = mpsc::channel();
         let job = Arc::new(RankJob {
-            prompt: (0..prompt as u32).collect(),
+            prompt,
             max_new_tokens,
             sampling: SamplingParams::default(),
             eos: vec![],
@@ -588,7 +578,7 @@ mod tests {
         b.waiting.extend([first, second]);
         let plan = b.plan_step();
         assert_eq!(plan, [(0, 8), (1, 6)]);
-        assert!(b.blocks.free.is_empty());
+        assert_eq!(b.blocks.used(), 4);
         b.advance(&plan, rows(&plan));
         // Position 8 of the first needs a third block: the second is preempted for it.
         let plan = b.plan_step();
@@ -598,21 +588,55 @@ mod tests {
         assert_eq!((preempted.cached, preempted.table.blocks.len()), (0, 0));
         assert_eq!(preempted.context.len(), 7, "its prompt and its sampled token are kept");
         assert_eq!(b.running[0].table.blocks.len(), 3);
-        assert_eq!(b.blocks.free.len(), 1);
+        assert_eq!(b.blocks.used(), 3);
         b.advance(&plan, rows(&plan));
         assert_eq!(r0.try_iter().count(), 2);
         assert_eq!(r1.try_iter().count(), 1);
-        // The first finishes, its blocks come back, and the second resumes from position 0.
+        // The first finishes, its blocks come back, and the second resumes from position 0:
+        // the first's last block was the one that held the second's first positions.
         while b.running.first().is_some_and(|s| s.job.prompt.len() == 8) {
             let plan = b.plan_step();
             b.advance(&plan, rows(&plan));
         }
         let plan = b.plan_step();
         assert_eq!(plan, [(0, 7)], "the whole context, recomputed");
+        assert_eq!(b.prefix_hits, 0);
         assert_eq!(
             r0.try_iter().last().map(|e| matches!(e, RankEvent::Done(_))),
             Some(true)
         );
+    }
+
+    #[test]
+    fn a_prompt_that_begins_as_a_computed_one_shares_its_blocks() {
+        // Blocks of 4. A system prompt of 9 tokens, then two questions.
+        let mut b = batch(4, 64, 16);
+        let system: Vec<u32> = (500..509).collect();
+        let ask = |question: &[u32]| sequence_of([system.as_slice(), question].concat(), 2);
+        let (first, _r0) = ask(&[1, 2, 3]);
+        b.waiting.push_back(first);
+        let plan = b.plan_step();
+        assert_eq!(plan, [(0, 12)]);
+        b.advance(&plan, rows(&plan));
+        // The second shares the first's two whole blocks of system prompt (positions 0..8);
+        // position 8 (the system prompt's last token) sits in a block with the first's own
+        // question, so it is computed again, with the rest.
+        let (second, _r1) = ask(&[7, 7]);
+        b.waiting.push_back(second);
+        let plan = b.plan_step();
+        assert_eq!(plan, [(0, 1), (1, 3)]);
+        assert_eq!(b.running[1].cached, 8);
+        assert_eq!(b.running[1].table.blocks[..2], b.running[0].table.blocks[..2]);
+        assert_eq!(b.prefix_hits, 8);
+        // Shared blocks count once: 3 + 1 of the first's, 1 of the second's own.
+        assert_eq!(b.blocks.used(), 5);
+        // A different system prompt shares nothing.
+        let (third, _r2) = sequence(12, 2);
+        b.waiting.push_back(third);
+        b.advance(&plan, rows(&plan));
+        let plan = b.plan_step();
+        assert_eq!(plan.last().map(|&(_, len)| len), Some(12));
+        assert_eq!(b.prefix_hits, 8);
     }
 
     #[test]
@@ -623,7 +647,7 @@ mod tests {
         let plan = b.plan_step();
         b.advance(&plan, rows(&plan));
         assert!(b.running.is_empty());
-        assert_eq!(b.blocks.free.len(), 8);
+        assert_eq!(b.blocks.used(), 0);
         let events: Vec<_> = r.try_iter().collect();
         assert!(matches!(
             events.as_slice(),

@@ -15,6 +15,7 @@
 //! ```
 
 mod batching;
+mod blocks;
 mod builder;
 mod denoise;
 mod engine;

@@ -25,6 +25,9 @@ pub struct Load {
     pub kv_blocks: usize,
     /// Sequences preempted for KV blocks since the start (each recomputed when it resumes).
     pub preemptions: usize,
+    /// Prompt positions found in the KV cache since the start (a prefix another sequence
+    /// computed), instead of computed again.
+    pub prefix_hit_tokens: usize,
 }
 
 /// Written by the scheduler, read by the engine's handle.
@@ -39,6 +42,7 @@ pub(crate) struct Status {
     kv_blocks_used: AtomicUsize,
     kv_blocks: AtomicUsize,
     preemptions: AtomicUsize,
+    prefix_hit_tokens: AtomicUsize,
     failure: Mutex<Option<String>>,
 }
 
@@ -58,6 +62,7 @@ impl Status {
         self.kv_blocks_used.store(load.kv_blocks_used, Ordering::Relaxed);
         self.kv_blocks.store(load.kv_blocks, Ordering::Relaxed);
         self.preemptions.store(load.preemptions, Ordering::Relaxed);
+        self.prefix_hit_tokens.store(load.prefix_hit_tokens, Ordering::Relaxed);
     }
 
     pub fn failed(&self, cause: &str) {
@@ -83,6 +88,7 @@ impl Status {
             kv_blocks_used: self.kv_blocks_used.load(Ordering::Relaxed),
             kv_blocks: self.kv_blocks.load(Ordering::Relaxed),
             preemptions: self.preemptions.load(Ordering::Relaxed),
+            prefix_hit_tokens: self.prefix_hit_tokens.load(Ordering::Relaxed),
         }
     }
 }

@@ -133,6 +133,12 @@ impl Metrics {
             load.preemptions as f64,
         );
         gauge(
+            "tpinfer_prefix_cache_hit_tokens_total",
+            "Prompt tokens found in the KV cache (a prefix another request computed) instead of computed.",
+            "counter",
+            load.prefix_hit_tokens as f64,
+        );
+        gauge(
             "tpinfer_requests_total",
             "Requests that ended.",
             "counter",
