@@ -53,6 +53,7 @@ fn main() {
         sass.iter().map(|c| format!("sm_{c}")).collect::<Vec<_>>().join(", ")
     );
     let nvcc = nvcc();
+    println!("cargo::rerun-if-changed=cuda/best.cuh");
     println!("cargo::rerun-if-changed=cuda/convert.cuh");
     println!("cargo::rerun-if-changed=cuda/tile.cuh");
     println!("cargo::rerun-if-changed=cuda/chain.cuh");

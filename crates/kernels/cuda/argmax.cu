@@ -2,40 +2,13 @@
 // logits. candle's argmax gives a row to one CTA (≈ 94 µs for Llama 3's vocabulary on an
 // H200, 2% of a decode step); here CTAs split the row and a second pass joins their winners.
 // Ties go to the first index, as on CPU; NaN never wins (a row of NaN gives 0).
-#include <math.h>
+#include "best.cuh"
 #include "convert.cuh"
 
 namespace {
 
 constexpr int THREADS = 256;
 constexpr unsigned NONE = 0xffffffffu;
-
-struct Best {
-    float value;
-    unsigned index;
-};
-
-__device__ __forceinline__ Best better(Best a, Best b) {
-    return (b.value > a.value || (b.value == a.value && b.index < a.index)) ? b : a;
-}
-
-// The block's best, in thread 0.
-__device__ Best block_best(Best b) {
-    __shared__ Best warps[THREADS / 32];
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2)
-        b = better(b, Best{__shfl_xor_sync(0xffffffff, b.value, o), __shfl_xor_sync(0xffffffff, b.index, o)});
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) warps[warp] = b;
-    __syncthreads();
-    if (warp == 0) {
-        b = lane < THREADS / 32 ? warps[lane] : Best{-INFINITY, NONE};
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2)
-            b = better(b, Best{__shfl_xor_sync(0xffffffff, b.value, o), __shfl_xor_sync(0xffffffff, b.index, o)});
-    }
-    return b;
-}
 
 // CTA (part, row) takes `chunk` values of row `row` (of `n`) and writes its winner to
 // values/indices[row * parts + part].
@@ -45,7 +18,7 @@ __device__ void argmax_parts(const T* x, int n, int chunk, float* values, unsign
     const int begin = blockIdx.x * chunk, end = min(n, begin + chunk);
     Best b{-INFINITY, NONE};
     for (int i = begin + threadIdx.x; i < end; i += THREADS) b = better(b, Best{to_f32(row[i]), (unsigned)i});
-    b = block_best(b);
+    b = block_best<THREADS / 32>(b);
     if (threadIdx.x == 0) {
         values[blockIdx.y * gridDim.x + blockIdx.x] = b.value;
         indices[blockIdx.y * gridDim.x + blockIdx.x] = b.index;
@@ -73,6 +46,6 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     Best b{-INFINITY, NONE};
     for (int i = threadIdx.x; i < parts; i += THREADS)
         b = better(b, Best{values[blockIdx.x * parts + i], indices[blockIdx.x * parts + i]});
-    b = block_best(b);
+    b = block_best<THREADS / 32>(b);
     if (threadIdx.x == 0) out[blockIdx.x] = b.index == NONE ? 0 : b.index;
 }

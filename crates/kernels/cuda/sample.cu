@@ -10,8 +10,9 @@
 //
 // params `[rows, 8]` u32: temperature (f32 bits; 0 is greedy), top_k (0: off), top_p (f32
 // bits; 1 or more: off), seed low and high, draw low and high, unused.
-#include <math.h>
 #include <stdint.h>
+
+#include "best.cuh"
 
 namespace {
 
@@ -46,31 +47,6 @@ __device__ __forceinline__ unsigned philox(unsigned c0, unsigned c1, unsigned c2
 __device__ __forceinline__ float gumbel(unsigned bits) {
     const float u = ((float)(bits >> 9) + 0.5f) * (1.f / 8388608.f);
     return -logf(-logf(u));
-}
-
-struct Best {
-    float value;
-    unsigned index;
-};
-
-__device__ __forceinline__ Best better(Best a, Best b) {
-    return (b.value > a.value || (b.value == a.value && b.index < a.index)) ? b : a;
-}
-
-// The block's best, in every thread; ties go to the lowest index. Any block of whole warps,
-// up to THREADS.
-__device__ Best block_best(Best b) {
-    __shared__ Best warps[WARPS];
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2)
-        b = better(b, Best{__shfl_xor_sync(0xffffffff, b.value, o), __shfl_xor_sync(0xffffffff, b.index, o)});
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    __syncthreads();  // an earlier call's readers are done
-    if (lane == 0) warps[warp] = b;
-    __syncthreads();
-    b = warps[0];
-    for (int w = 1; w < (int)blockDim.x / 32; ++w) b = better(b, warps[w]);
-    return b;
 }
 
 // The block's sum, in every thread (exact: integers).
@@ -172,7 +148,7 @@ __device__ void sample_floor(const float* logits, const unsigned* params, unsign
     if (top_p < 1.f) {
         Best b{-INFINITY, NONE};
         for (int i = threadIdx.x; i < n; i += THREADS) b = better(b, Best{row.z(i), (unsigned)i});
-        const float top = block_best(b).value;
+        const float top = block_best<WARPS>(b).value;
         unsigned long long kept = 0;
         for (int i = threadIdx.x; i < n; i += THREADS) {
             const float z = row.z(i);
@@ -206,7 +182,7 @@ __device__ void sample_part(const float* logits, const unsigned* params, const u
             b = better(b, Best{z + gumbel(philox((unsigned)i, p[5], p[6], p[3], p[4])), (unsigned)i});
         }
     }
-    b = block_best(b);
+    b = block_best<WARPS>(b);
     if (threadIdx.x == 0) {
         values[r * gridDim.x + part] = b.value;
         indices[r * gridDim.x + part] = b.index;
@@ -232,7 +208,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     Best b{-INFINITY, NONE};
     for (int i = threadIdx.x; i < parts; i += blockDim.x)
         b = better(b, Best{values[blockIdx.x * parts + i], indices[blockIdx.x * parts + i]});
-    b = block_best(b);
+    b = block_best<WARPS>(b);
     if (threadIdx.x == 0) out[blockIdx.x] = b.index == NONE ? 0 : b.index;
 }
 
