@@ -37,6 +37,10 @@ pub struct LoadArgs {
     /// Prompt token ids are drawn below this (the model's vocabulary or less).
     #[arg(long, default_value_t = 32000)]
     vocab: u32,
+    /// The first this many prompt tokens are the same in every request (a system prompt,
+    /// which the server's prefix cache can share); the rest are each request's own.
+    #[arg(long, default_value_t = 0)]
+    shared_prefix: usize,
 }
 
 /// One request's client-side timings.
@@ -114,6 +118,7 @@ struct BodyArgs {
     output_tokens: usize,
     temperature: f64,
     vocab: u32,
+    shared_prefix: usize,
 }
 
 impl BodyArgs {
@@ -124,15 +129,24 @@ impl BodyArgs {
             output_tokens: args.output_tokens,
             temperature: args.temperature,
             vocab: args.vocab.max(2),
+            shared_prefix: args.shared_prefix,
         }
     }
 
     /// Request `i`: its own prompt of token ids (a hash of its index and position), so that
-    /// no two requests share a prefix.
+    /// no two requests share a prefix past the first `shared_prefix` tokens (alike in all).
     fn json(&self, i: usize) -> Value {
         let prompt: Vec<u32> = (0..self.prompt_tokens)
             .map(|p| {
-                let h = (i as u64 * 1_000_003 + p as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 33;
+                let owner = match p < self.shared_prefix {
+                    true => u64::MAX,
+                    false => i as u64,
+                };
+                let h = owner
+                    .wrapping_mul(1_000_003)
+                    .wrapping_add(p as u64)
+                    .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    >> 33;
                 1 + (h % (self.vocab as u64 - 1)) as u32
             })
             .collect();

@@ -238,6 +238,35 @@ async fn metric(base: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {name} in {text}"))
 }
 
+/// A prompt of token ids that begins as an earlier one's is served from the blocks that one
+/// computed, with the same answer; `/metrics` counts the positions found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_prompt_prefix_is_served_from_the_cache_with_the_same_answer() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prompt = |last: u32| -> Vec<u32> { (0..40).map(|t| t * 7 % 250).chain([last]).collect() };
+    let body = |last: u32| json!({"model": MODEL, "prompt": prompt(last), "max_tokens": 8, "temperature": 0});
+    let text = |answer: String| -> String {
+        let v: Value = serde_json::from_str(&answer).expect("json");
+        v["choices"][0]["text"].as_str().expect("text").to_string()
+    };
+    // Each prompt alone on a server of its own, then both on one.
+    let mut alone = Vec::new();
+    for last in [3, 4] {
+        let base = serve(tiny(&dir).max_seqs(4).build().expect("engine"), 16).await;
+        let (status, answer) = post(&base, "/v1/completions", body(last)).await;
+        assert_eq!(status, 200, "{answer}");
+        alone.push(text(answer));
+    }
+    let base = serve(tiny(&dir).max_seqs(4).build().expect("engine"), 16).await;
+    for (last, want) in [3, 4].into_iter().zip(&alone) {
+        let (status, answer) = post(&base, "/v1/completions", body(last)).await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(&text(answer), want, "prompt ending in {last}");
+    }
+    // The second found the first's two whole blocks of 16 positions.
+    assert_eq!(metric(&base, "tpinfer_prefix_cache_hit_tokens_total").await, 32.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_cancels_its_request_and_frees_its_blocks() {
     use futures_util::StreamExt;
