@@ -552,8 +552,13 @@ fn on_cpu_ranks_paged<T: Send>(
                     let (c, device) = (comm.clone(), &Device::Cpu);
                     let rank = match paged {
                         None => LlamaRank::load(&checkpoint, shard, c, dtype, device, 512),
-                        Some((blocks, size)) => {
-                            LlamaRank::load_paged(&checkpoint, shard, c, dtype, device, 512, blocks, size)
+                        Some((blocks, block_size)) => {
+                            let paged = tpinfer_llama::PagedCache {
+                                blocks,
+                                block_size,
+                                max_seqs: 8,
+                            };
+                            LlamaRank::load_paged(&checkpoint, shard, c, dtype, device, 512, paged)
                         }
                     }
                     .expect("load");

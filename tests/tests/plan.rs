@@ -244,3 +244,33 @@ fn cfg_adds_prompt_states_and_latents_only() {
         assert_eq!(a.cache - b.cache, (512 * 4096 * 4 + 512 * 5120 * 2 + latents) as u64);
     }
 }
+
+/// A batched CUDA rank's captured steps are in its plan: one logits buffer and one step's
+/// temporaries for the largest bucket of rows, which holds `max_seqs` (1, 2, 4, 8, then
+/// multiples of 16).
+#[test]
+fn the_plan_counts_the_batched_steps_graphs_for_the_largest_bucket() {
+    use tpinfer_llama::memory::{step_rows, Batch, RankMemory};
+    let buckets: Vec<usize> = [1, 2, 3, 5, 8, 9, 16, 17, 40, 128].into_iter().map(step_rows).collect();
+    assert_eq!(buckets, [1, 2, 4, 8, 8, 16, 16, 32, 48, 128]);
+    let json = r#"{"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": false}"#;
+    let config = tpinfer_llama::LlamaConfig::from_json(json, "llama-3-8b").expect("config");
+    let shard = LlamaShard::new(&config, 1, 0).expect("shard");
+    let batch = Batch {
+        sequences: 40,
+        kv_sequences: None,
+    };
+    let plan = |flash| RankMemory::batched(&config, &shard, DType::BF16, 1024, 512, batch, flash);
+    let graphs = plan(true).buffers - plan(false).buffers;
+    let logits = 48 * config.vocab_size * 4;
+    assert!(
+        graphs > logits,
+        "{graphs} bytes for 48 rows of {} logits",
+        config.vocab_size
+    );
+    // Besides, the temporaries of one 48-row step (its bf16 logits among them), not one per
+    // bucket.
+    assert!(graphs < 2 * logits, "{graphs}");
+}

@@ -216,7 +216,7 @@ impl Family for LlamaModel {
             .checkpoint
             .as_ref()
             .ok_or_else(|| preset_has_no_weights(&self.name))?;
-        let Placement::Llm { max_context, .. } = placement else {
+        let Placement::Llm { max_context, batch, .. } = placement else {
             return Err(tpinfer_layers::Error::Shard(
                 "a Llama model is placed with a context length".into(),
             ));
@@ -225,17 +225,12 @@ impl Family for LlamaModel {
         let (shard, comm) = (shard.shard.clone(), ctx.comm.clone());
         // Several sequences share a paged cache (`memory::RankMemory::batched`).
         if let Some(blocks) = crate::memory::paged_blocks(placement) {
-            let size = crate::memory::KV_BLOCK_SIZE;
-            let mut rank = LlamaRank::load_paged(
-                &checkpoint,
-                shard,
-                comm,
-                ctx.dtype,
-                ctx.device,
-                max_context,
+            let paged = crate::PagedCache {
                 blocks,
-                size,
-            )?;
+                block_size: crate::memory::KV_BLOCK_SIZE,
+                max_seqs: batch,
+            };
+            let mut rank = LlamaRank::load_paged(&checkpoint, shard, comm, ctx.dtype, ctx.device, max_context, paged)?;
             rank.set_cuda_graphs(ctx.options.cuda_graphs)?;
             return Ok(rank);
         }

@@ -83,15 +83,16 @@ impl DecodeGraph {
 /// the sequences' lengths, so one capture serves every step of its bucket.
 pub(crate) struct BatchGraphs {
     buckets: std::collections::BTreeMap<usize, BucketGraph>,
+    /// Every bucket's logits, `[largest bucket, vocab]` f32: a step's rows come first. One
+    /// buffer for all, as the memory plan counts it (`memory::RankMemory::buffers`).
+    logits: Tensor,
     device: Device,
     /// Block-table entries per sequence: enough for the longest context.
     table_width: usize,
     block_size: usize,
-    vocab: usize,
 }
 
-/// One bucket's inputs (as [`crate::model::BatchLayout::decodes`] reads them), its logits
-/// buffer, and its capture.
+/// One bucket's inputs (as [`crate::model::BatchLayout::decodes`] reads them) and its capture.
 struct BucketGraph {
     ids: Tensor,
     positions: Tensor,
@@ -99,39 +100,43 @@ struct BucketGraph {
     rows: Tensor,
     tables: Tensor,
     lens: Tensor,
-    logits: Tensor,
     stage: Stage,
 }
 
 /// A spare row's slot: past any pool, so its key and value are never written.
 const NO_SLOT: u32 = u32::MAX;
 
-/// The rows of the bucket that holds `n` sequences: powers of two to 8, then multiples of 16.
-fn bucket(n: usize) -> usize {
-    match n {
-        0..=8 => n.next_power_of_two(),
-        _ => n.next_multiple_of(16),
-    }
+/// Where a batched rank captures its steps, and how large they may be.
+pub(crate) struct BatchShape {
+    pub max_seqs: usize,
+    pub max_positions: usize,
+    pub block_size: usize,
+    pub vocab: usize,
 }
 
 impl BatchGraphs {
-    /// `None` on CPU ranks.
-    pub(crate) fn new(device: &Device, max_positions: usize, block_size: usize, vocab: usize) -> Option<Self> {
-        device.is_cuda().then(|| Self {
+    pub(crate) fn new(device: &Device, shape: BatchShape) -> Result<Self> {
+        let rows = crate::memory::step_rows(shape.max_seqs.max(1));
+        Ok(Self {
             buckets: Default::default(),
+            logits: Tensor::zeros((rows, shape.vocab), DType::F32, device)?,
             device: device.clone(),
-            table_width: max_positions.div_ceil(block_size),
-            block_size,
-            vocab,
+            table_width: shape.max_positions.div_ceil(shape.block_size),
+            block_size: shape.block_size,
         })
+    }
+
+    /// Whether a step of `n` decode rows has a bucket (the largest holds `max_seqs`).
+    pub(crate) fn covers(&self, n: usize) -> Result<bool> {
+        Ok(crate::memory::step_rows(n) <= self.logits.dim(0)?)
     }
 
     /// Runs the decode step of `chunks` (one token each) as its bucket's graph: eagerly the
     /// first time, captured the second, replayed after. Returns its logits, `[chunks, vocab]`,
-    /// a view of the bucket's buffer that the next replay overwrites.
+    /// a view of the shared buffer that the next replay overwrites.
     pub(crate) fn step(&mut self, model: &LlamaRank, chunks: &[crate::SequenceChunk<'_>]) -> Result<Tensor> {
         let n = chunks.len();
-        let rows = bucket(n);
+        let rows = crate::memory::step_rows(n);
         let device = self.device.clone();
         let entry = match self.buckets.entry(rows) {
             std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
@@ -145,7 +150,6 @@ impl BatchGraphs {
                     rows: Tensor::new(order.as_slice(), &device)?,
                     tables: u32s(&[rows, self.table_width])?,
                     lens: u32s(&[rows])?,
-                    logits: Tensor::zeros((rows, self.vocab), DType::F32, &device)?,
                     stage: Stage::Cold,
                 })
             }
@@ -162,7 +166,7 @@ impl BatchGraphs {
             }
             Stage::Warm => Graph::capture(&device, || {
                 let logits = model.forward_layout(&entry.ids, &layout, None)?;
-                Ok::<_, tpinfer_layers::Error>(entry.logits.slice_set(&logits, 0, 0)?)
+                Ok::<_, tpinfer_layers::Error>(self.logits.slice_set(&logits, 0, 0)?)
             })
             .map_err(|e| {
                 candle_core::Error::Msg(format!(
@@ -174,7 +178,7 @@ impl BatchGraphs {
         };
         graph.replay()?;
         entry.stage = Stage::Captured(graph);
-        Ok(entry.logits.narrow(0, 0, n)?)
+        Ok(self.logits.narrow(0, 0, n)?)
     }
 }
 

@@ -18,5 +18,5 @@ mod shard;
 pub use checkpoint::{CheckpointError, LlamaCheckpoint, ModelFormat};
 pub use config::{ConfigError, LlamaConfig};
 pub use family::{LlamaModel, LlamaRankShard};
-pub use model::{GreedyStep, LlamaRank, SequenceChunk};
+pub use model::{GreedyStep, LlamaRank, PagedCache, SequenceChunk};
 pub use shard::LlamaShard;

@@ -35,6 +35,15 @@ impl Batch {
     }
 }
 
+/// The rows of the captured batched step that runs `n` decode rows (the smallest bucket that
+/// holds them, its spare rows idle): powers of two to 8, then multiples of 16.
+pub fn step_rows(n: usize) -> usize {
+    match n {
+        0..=8 => n.next_power_of_two(),
+        _ => n.next_multiple_of(16),
+    }
+}
+
 /// The blocks of the paged KV cache a rank loaded for `placement` allocates, and its
 /// scheduler hands out: `None` where there is none (one sequence, with a cache of its own).
 pub fn paged_blocks(placement: Placement) -> Option<usize> {
@@ -77,8 +86,9 @@ pub fn flash_attention(cuda: bool, dtype: DType, head_dim: usize, shard: &LlamaS
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RankMemory {
     /// Rotary tables and the GQA index, allocated at load; with flash attention (CUDA), also
-    /// what the decode step's CUDA graph keeps: its f32 logits output and a memory pool of
-    /// its own for one step's temporaries.
+    /// what the captured decode steps keep: their f32 logits output and a memory pool for
+    /// one step's temporaries (a batched rank's graphs share both, on one stream, sized for
+    /// the largest bucket).
     pub buffers: usize,
     /// Keys and values for every layer, allocated at load for the whole context.
     pub kv_cache: usize,
@@ -132,9 +142,14 @@ impl RankMemory {
             };
         let forward = |positions: usize| forward_memory(config, shard, e, positions, t, flash);
         let worst = forward(chunk.min(t)).max(forward(batch.sequences.max(1)));
-        // The captured step is one sequence's, and only a lone sequence's rank captures it.
-        let graph = match flash && batch.sequences <= 1 {
-            true => config.vocab_size * 4 + forward(1).peak,
+        // A lone sequence's rank captures its one-row step; a batched rank a step per bucket of
+        // rows, up to the largest.
+        let rows = match batch.sequences {
+            0 | 1 => 1,
+            n => step_rows(n),
+        };
+        let graph = match flash {
+            true => rows * config.vocab_size * 4 + forward(rows).peak,
             false => 0,
         };
         // A batched step's prompt chunk attends over keys and values gathered from its

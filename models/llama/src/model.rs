@@ -51,10 +51,21 @@ pub struct LlamaRank {
     /// A paged rank's captured decode steps, one per bucket of sequence counts (CUDA).
     #[cfg(feature = "cuda")]
     batch_graphs: Option<crate::graph::BatchGraphs>,
+    /// A batched rank's paged cache and step size (`None`: one sequence at a time).
+    paged: Option<PagedCache>,
     comm: Arc<dyn Communicator>,
     dtype: DType,
     bytes_loaded: usize,
     bytes_on_device: usize,
+}
+
+/// A batched rank's paged KV cache: `blocks` blocks of `block_size` positions in every layer,
+/// shared by up to `max_seqs` sequences a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagedCache {
+    pub blocks: usize,
+    pub block_size: usize,
+    pub max_seqs: usize,
 }
 
 /// The device buffers a decode step reads and writes, at fixed addresses so that a captured
@@ -156,10 +167,8 @@ impl LlamaRank {
         Self::load_with_cache(checkpoint, shard, comm, dtype, device, max_positions, None)
     }
 
-    /// [`Self::load`] with a paged KV cache of `blocks` blocks of `block_size` positions in
-    /// every layer, for [`Self::forward_batch`], and none for one sequence: a rank serves
-    /// either one sequence at a time or batches.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Self::load`] with a paged KV cache in every layer, for [`Self::forward_batch`], and
+    /// none for one sequence: a rank serves either one sequence at a time or batches.
     pub fn load_paged(
         checkpoint: &LlamaCheckpoint,
         shard: LlamaShard,
@@ -167,11 +176,9 @@ impl LlamaRank {
         dtype: DType,
         device: &Device,
         max_positions: usize,
-        blocks: usize,
-        block_size: usize,
+        paged: PagedCache,
     ) -> Result<Self> {
-        let paged = Some((blocks, block_size));
-        Self::load_with_cache(checkpoint, shard, comm, dtype, device, max_positions, paged)
+        Self::load_with_cache(checkpoint, shard, comm, dtype, device, max_positions, Some(paged))
     }
 
     fn load_with_cache(
@@ -181,7 +188,7 @@ impl LlamaRank {
         dtype: DType,
         device: &Device,
         max_positions: usize,
-        paged: Option<(usize, usize)>,
+        paged: Option<PagedCache>,
     ) -> Result<Self> {
         let c = &checkpoint.config;
         let decls = shard.weight_decls(c);
@@ -211,7 +218,7 @@ impl LlamaRank {
                     mlp: GatedMlp::load(&mut w, &n.mlp(), comm.clone())?,
                     cache: KvCache::new(n_kv, one_sequence, c.head_dim, dtype, device)?,
                     paged: paged
-                        .map(|(blocks, size)| PagedKvCache::new(n_kv, blocks, size, c.head_dim, dtype, device))
+                        .map(|p| PagedKvCache::new(n_kv, p.blocks, p.block_size, c.head_dim, dtype, device))
                         .transpose()?,
                 })
             })
@@ -219,7 +226,8 @@ impl LlamaRank {
         let rope = Rope::new(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device)?;
         let kv_index = Tensor::new(shard.heads.kv_of_q.as_slice(), device)?;
         let norm = w.take(names::NORM)?;
-        Ok(Self {
+        #[allow(unused_mut)] // set on CUDA
+        let mut rank = Self {
             config: c.clone(),
             embed,
             lm_head,
@@ -242,14 +250,38 @@ impl LlamaRank {
                 Some(_) => None,
             },
             #[cfg(feature = "cuda")]
-            batch_graphs: paged
-                .and_then(|(_, size)| crate::graph::BatchGraphs::new(device, max_positions, size, c.vocab_size)),
+            batch_graphs: None,
+            paged,
             comm,
             dtype,
             shard,
             bytes_loaded: w.bytes_read(),
             bytes_on_device: w.bytes_on_device(),
-        })
+        };
+        #[cfg(feature = "cuda")]
+        {
+            rank.batch_graphs = rank.new_batch_graphs()?;
+        }
+        Ok(rank)
+    }
+
+    /// A paged rank's captured batched steps: on CUDA with flash attention, where the memory
+    /// plan counts them (`memory::RankMemory::buffers`).
+    #[cfg(feature = "cuda")]
+    fn new_batch_graphs(&self) -> Result<Option<crate::graph::BatchGraphs>> {
+        let device = self.norm.device();
+        match (self.paged, device.is_cuda() && self.flash) {
+            (Some(p), true) => Ok(Some(crate::graph::BatchGraphs::new(
+                device,
+                crate::graph::BatchShape {
+                    max_seqs: p.max_seqs,
+                    max_positions: self.max_positions(),
+                    block_size: p.block_size,
+                    vocab: self.config.vocab_size,
+                },
+            )?)),
+            _ => Ok(None),
+        }
     }
 
     pub fn config(&self) -> &LlamaConfig {
@@ -322,21 +354,13 @@ impl LlamaRank {
         #[cfg(feature = "cuda")]
         {
             let device = self.norm.device().clone();
-            let paged = self
-                .layers
-                .first()
-                .and_then(|l| l.paged.as_ref())
-                .map(PagedKvCache::block_size);
-            (self.decode, self.batch_graphs) = match (on, paged) {
+            (self.decode, self.batch_graphs) = match (on, self.paged) {
                 (false, _) => (None, None),
                 (true, None) => (
                     crate::graph::DecodeGraph::new(&device, self.flash, self.config.vocab_size)?,
                     None,
                 ),
-                (true, Some(size)) => (
-                    None,
-                    crate::graph::BatchGraphs::new(&device, self.max_positions(), size, self.config.vocab_size),
-                ),
+                (true, Some(_)) => (None, self.new_batch_graphs()?),
             };
         }
         #[cfg(not(feature = "cuda"))]

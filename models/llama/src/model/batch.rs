@@ -6,9 +6,7 @@
 //! decode rows attend in one kernel over their tables, prompt chunks one by one.
 
 use candle_core::{DType, Tensor};
-use tpinfer_layers::{
-    causal_mask, flash_attention, grouped_attention, BlockTable, DecodeRows, PagedKvCache, Result, RowsAt,
-};
+use tpinfer_layers::{causal_mask, flash_attention, grouped_attention, BlockTable, DecodeRows, Result, RowsAt};
 
 use super::{add_norm, DecoderLayer, LayerContext, LlamaRank};
 
@@ -83,11 +81,16 @@ impl LlamaRank {
         #[cfg(feature = "cuda")]
         if chunks.iter().all(|c| c.tokens.len() == 1) {
             if let Some(mut graphs) = self.batch_graphs.take() {
-                let logits = graphs.step(self, chunks);
+                let logits = match graphs.covers(chunks.len())? {
+                    true => Some(graphs.step(self, chunks)),
+                    false => None,
+                };
                 self.batch_graphs = Some(graphs);
-                let logits = logits?;
-                self.comm.wait()?;
-                return Ok(logits);
+                if let Some(logits) = logits {
+                    let logits = logits?;
+                    self.comm.wait()?;
+                    return Ok(logits);
+                }
             }
         }
         let layout = self.batch_layout(chunks)?;
@@ -138,8 +141,7 @@ impl LlamaRank {
     }
 
     fn batch_layout(&self, chunks: &[SequenceChunk<'_>]) -> Result<BatchLayout> {
-        let layers = self.layers.first().and_then(|l| l.paged.as_ref());
-        let Some(block_size) = layers.map(PagedKvCache::block_size) else {
+        let Some(block_size) = self.paged.map(|p| p.block_size) else {
             return Err(tpinfer_layers::Error::Shard(
                 "a batched forward needs a rank loaded with a paged KV cache (load_paged)".into(),
             ));
