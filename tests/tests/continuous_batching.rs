@@ -108,6 +108,8 @@ fn requests_that_share_a_prompt_prefix_share_its_blocks_and_their_tokens_are_unc
             assert_eq!(h.join().expect("request thread"), expected[i], "TP {tp}: request {i}");
         }
         assert_eq!(engine.load().prefix_hit_tokens, 6 * 32 - 32);
+        // A request's end is seen after its blocks are free.
+        assert_eq!(engine.load().kv_blocks_used, 0);
     }
 }
 

@@ -125,7 +125,7 @@ pub(crate) fn serve(
         match outcome {
             Ok(mut ranks) if !ranks.is_empty() => {
                 let tokens: usize = plan.iter().map(|&(_, len)| len).sum();
-                batch.advance(&plan, ranks.swap_remove(0));
+                batch.advance(&plan, ranks.swap_remove(0), Some(status));
                 tracing::debug!(
                     sequences = plan.len(),
                     tokens,
@@ -458,7 +458,9 @@ impl Batch {
 
     /// Takes a step's logits: each chunk that reached the end of its sequence's tokens samples
     /// the next one; sequences that stop leave with their blocks freed.
-    fn advance(&mut self, plan: &[(usize, usize)], step: StepRows) {
+    /// The load goes to `status` before any sequence that ended is told: whoever sees a
+    /// request end sees its blocks free.
+    fn advance(&mut self, plan: &[(usize, usize)], step: StepRows, status: Option<&Status>) {
         let max_positions = self.limits.max_positions;
         let mut ended = Vec::new();
         for (&(i, len), row) in plan.iter().zip(step.rows) {
@@ -477,9 +479,18 @@ impl Batch {
         }
         // From the back, so that the indices still hold.
         ended.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
-        for (i, outcome) in ended {
-            let mut s = self.running.remove(i);
-            self.blocks.release(&mut s.table);
+        let ended: Vec<_> = ended
+            .into_iter()
+            .map(|(i, outcome)| {
+                let mut s = self.running.remove(i);
+                self.blocks.release(&mut s.table);
+                (s, outcome)
+            })
+            .collect();
+        if let Some(status) = status {
+            self.report(status);
+        }
+        for (s, outcome) in ended {
             s.finish(outcome);
         }
     }
@@ -560,7 +571,7 @@ mod tests {
         assert_eq!(plan, [(0, 5), (1, 3)]);
         assert_eq!((b.running.len(), b.waiting.len()), (2, 1));
         assert_eq!(b.running[0].table.blocks.len(), 2);
-        b.advance(&plan, rows(&plan));
+        b.advance(&plan, rows(&plan), None);
         // Sequence 0 sampled its first token; sequence 1 did not (its prompt is not done).
         assert_eq!(receivers[0].try_iter().count(), 1);
         assert_eq!(receivers[1].try_iter().count(), 0);
@@ -579,7 +590,7 @@ mod tests {
         let plan = b.plan_step();
         assert_eq!(plan, [(0, 8), (1, 6)]);
         assert_eq!(b.blocks.used(), 4);
-        b.advance(&plan, rows(&plan));
+        b.advance(&plan, rows(&plan), None);
         // Position 8 of the first needs a third block: the second is preempted for it.
         let plan = b.plan_step();
         assert_eq!(plan, [(0, 1)]);
@@ -589,14 +600,14 @@ mod tests {
         assert_eq!(preempted.context.len(), 7, "its prompt and its sampled token are kept");
         assert_eq!(b.running[0].table.blocks.len(), 3);
         assert_eq!(b.blocks.used(), 3);
-        b.advance(&plan, rows(&plan));
+        b.advance(&plan, rows(&plan), None);
         assert_eq!(r0.try_iter().count(), 2);
         assert_eq!(r1.try_iter().count(), 1);
         // The first finishes, its blocks come back, and the second resumes from position 0:
         // the first's last block was the one that held the second's first positions.
         while b.running.first().is_some_and(|s| s.job.prompt.len() == 8) {
             let plan = b.plan_step();
-            b.advance(&plan, rows(&plan));
+            b.advance(&plan, rows(&plan), None);
         }
         let plan = b.plan_step();
         assert_eq!(plan, [(0, 7)], "the whole context, recomputed");
@@ -617,7 +628,7 @@ mod tests {
         b.waiting.push_back(first);
         let plan = b.plan_step();
         assert_eq!(plan, [(0, 12)]);
-        b.advance(&plan, rows(&plan));
+        b.advance(&plan, rows(&plan), None);
         // The second shares the first's two whole blocks of system prompt (positions 0..8);
         // position 8 (the system prompt's last token) sits in a block with the first's own
         // question, so it is computed again, with the rest.
@@ -633,7 +644,7 @@ mod tests {
         // A different system prompt shares nothing.
         let (third, _r2) = sequence(12, 2);
         b.waiting.push_back(third);
-        b.advance(&plan, rows(&plan));
+        b.advance(&plan, rows(&plan), None);
         let plan = b.plan_step();
         assert_eq!(plan.last().map(|&(_, len)| len), Some(12));
         assert_eq!(b.prefix_hits, 8);
@@ -645,7 +656,7 @@ mod tests {
         let (s, r) = sequence(3, 1);
         b.waiting.push_back(s);
         let plan = b.plan_step();
-        b.advance(&plan, rows(&plan));
+        b.advance(&plan, rows(&plan), None);
         assert!(b.running.is_empty());
         assert_eq!(b.blocks.used(), 0);
         let events: Vec<_> = r.try_iter().collect();
