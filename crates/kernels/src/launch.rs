@@ -45,6 +45,11 @@ pub fn device_address(t: &candle_core::Tensor) -> Result<u64> {
     Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
 }
 
+/// The device addresses of `tensors`, a kernel's pointer arguments in order.
+pub(crate) fn addresses(tensors: &[&candle_core::Tensor]) -> Result<Vec<u64>> {
+    tensors.iter().map(|t| device_address(t)).collect()
+}
+
 /// Checks that `t` is a contiguous `dtype` tensor of `len` elements on CUDA: an output a
 /// chain link writes in place.
 pub(crate) fn check_output(t: &candle_core::Tensor, dtype: DType, len: usize, op: &str) -> Result<()> {

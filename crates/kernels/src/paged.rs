@@ -309,7 +309,7 @@ mod cuda {
     use candle_core::{DType, Result, Tensor};
 
     use super::{DecodeRows, RowsAt, Sizes, PAGED_HEAD_DIMS};
-    use crate::launch::{device_address, elementwise, suffix};
+    use crate::launch::{addresses, device_address, elementwise, suffix};
 
     /// Threads per CTA of the attention kernel (WARPS · 32 in cuda/paged.cu).
     const ATTENTION_THREADS: u32 = 128;
@@ -318,11 +318,6 @@ mod cuda {
     /// The CTAs the attention aims for, and the most slices a sequence's keys split into.
     const TARGET_CTAS: usize = 2048;
     const MAX_SPLITS: usize = 64;
-
-    /// The device addresses of `tensors`, the kernels' pointer arguments in order.
-    fn addresses(tensors: &[&Tensor]) -> Result<Vec<u64>> {
-        tensors.iter().map(|t| device_address(t)).collect()
-    }
 
     pub(super) fn rotary_qkv_paged(
         pool: &Tensor,

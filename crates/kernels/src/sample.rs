@@ -42,6 +42,18 @@ impl RowSampling<'_> {
         penalized: &[],
     };
 
+    /// The top-k and top-p that keep fewer than all of `vocab` tokens (a greedy row keeps no
+    /// set: it takes the argmax).
+    fn narrowing(&self, vocab: usize) -> (Option<usize>, Option<f32>) {
+        if self.temperature.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+            return (None, None);
+        }
+        (
+            self.top_k.filter(|&k| k > 0 && k < vocab),
+            self.top_p.filter(|&p| p < 1.0),
+        )
+    }
+
     /// The distinct tokens the penalty applies to, none when it is 1.
     fn penalized_set(&self) -> Vec<u32> {
         if self.repetition_penalty == 1.0 {
@@ -143,7 +155,7 @@ fn first_max(values: impl Iterator<Item = (usize, f32)>) -> u32 {
     best.map_or(0, |(i, _)| i as u32)
 }
 
-/// One row on the host, as cuda/sample.cu's sample_row.
+/// One row on the host, as cuda/sample.cu's sample_floor, sample_part and sample_join.
 fn sample_row(x: &[f32], s: &RowSampling<'_>) -> u32 {
     // NaN or not above 0: greedy, as the kernel reads it.
     if s.temperature.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
@@ -151,13 +163,15 @@ fn sample_row(x: &[f32], s: &RowSampling<'_>) -> u32 {
     }
     let inv = 1.0 / s.temperature;
     let z: Vec<f32> = x.iter().map(|&v| v * inv).collect();
-    let mut keys: Vec<u32> = z.iter().map(|&v| order_key(v)).collect();
-    keys.sort_unstable_by_key(|&k| std::cmp::Reverse(k));
-    let mut floor = match s.top_k {
-        Some(k) if k > 0 && k < x.len() => keys[k - 1],
-        _ => 0,
+    let (top_k, top_p) = s.narrowing(x.len());
+    let mut floor = match top_k {
+        Some(k) => {
+            let mut keys: Vec<u32> = z.iter().map(|&v| order_key(v)).collect();
+            *keys.select_nth_unstable_by_key(k - 1, |&key| std::cmp::Reverse(key)).1
+        }
+        None => 0,
     };
-    if let Some(p) = s.top_p.filter(|&p| p < 1.0) {
+    if let Some(p) = top_p {
         let top = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         // The weights in descending key order: the threshold is the key at which they reach
         // the target.
@@ -178,13 +192,15 @@ fn sample_row(x: &[f32], s: &RowSampling<'_>) -> u32 {
             }
         }
     }
-    let c = [0, s.draw as u32, (s.draw >> 32) as u32, 0];
-    let k = [s.seed as u32, (s.seed >> 32) as u32];
+    let (draw, key) = (
+        [s.draw as u32, (s.draw >> 32) as u32],
+        [s.seed as u32, (s.seed >> 32) as u32],
+    );
     first_max(
         z.iter()
             .enumerate()
             .filter(|&(_, &v)| order_key(v) >= floor)
-            .map(|(i, &v)| (i, v + gumbel(philox([i as u32, c[1], c[2], c[3]], k)))),
+            .map(|(i, &v)| (i, v + gumbel(philox([i as u32, draw[0], draw[1], 0], key)))),
     )
 }
 
@@ -195,7 +211,7 @@ mod cuda {
     use candle_core::{DType, Result, Tensor};
 
     use super::RowSampling;
-    use crate::launch::{device_address, elementwise};
+    use crate::launch::{addresses, device_address, elementwise};
 
     /// Threads per CTA of the thresholds (THREADS in cuda/sample.cu), and of the draw's parts
     /// (at most THREADS), each over CHUNK tokens: some 63 CTAs a row for a 128K vocabulary.
@@ -205,11 +221,11 @@ mod cuda {
 
     /// A row's parameters as the kernel reads them (cuda/sample.cu).
     fn params(s: &RowSampling<'_>, vocab: usize) -> [u32; 8] {
-        let k = s.top_k.filter(|&k| k < vocab).unwrap_or(0);
+        let (top_k, top_p) = s.narrowing(vocab);
         [
             s.temperature.max(0.0).to_bits(),
-            k.min(u32::MAX as usize) as u32,
-            s.top_p.unwrap_or(1.0).to_bits(),
+            top_k.unwrap_or(0).min(u32::MAX as usize) as u32,
+            top_p.unwrap_or(1.0).to_bits(),
             s.seed as u32,
             (s.seed >> 32) as u32,
             s.draw as u32,
@@ -241,12 +257,13 @@ mod cuda {
                 let of_row = Tensor::new(of_row.as_slice(), device)?;
                 let penalties = Tensor::new(penalties.as_slice(), device)?;
                 let func = crate::module::SAMPLE.kernel(dev, "penalize_repeats")?;
-                let addresses = [&copy, &tokens, &of_row, &penalties].map(device_address);
-                let [a, b, c, d] = addresses;
-                let (a, b, c, d) = (a?, b?, c?, d?);
                 let (count_i, vocab_i) = (count as i32, vocab as i32);
+                let pointers = addresses(&[&copy, &tokens, &of_row, &penalties])?;
                 let mut launch = func.builder();
-                launch.arg(&a).arg(&b).arg(&c).arg(&d).arg(&count_i).arg(&vocab_i);
+                for a in &pointers {
+                    launch.arg(a);
+                }
+                launch.arg(&count_i).arg(&vocab_i);
                 // SAFETY: the arguments match the kernel's signature; every token lies inside
                 // the vocabulary (checked by sample_rows) and each (row, token) is listed once.
                 unsafe { launch.launch(elementwise(count)) }.w()?;
@@ -260,10 +277,7 @@ mod cuda {
         // Each row's lowest kept key: 0 (all) unless some row keeps fewer.
         let floors = Tensor::zeros(n, DType::U32, device)?;
         let f = device_address(&floors)?;
-        if rows
-            .iter()
-            .any(|s| s.temperature > 0.0 && (s.top_k.is_some_and(|k| k < vocab) || s.top_p.is_some_and(|p| p < 1.0)))
-        {
+        if rows.iter().any(|s| s.narrowing(vocab) != (None, None)) {
             let func = crate::module::SAMPLE.kernel(dev, "sample_floors")?;
             let mut launch = func.builder();
             launch.arg(&x).arg(&p).arg(&f).arg(&vocab_i);

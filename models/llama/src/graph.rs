@@ -28,6 +28,41 @@ enum Stage {
     Captured(Graph),
 }
 
+impl Stage {
+    /// Queues a step of `run` (whose logits a replay leaves in `out`'s first rows): eagerly
+    /// the first time, returning its logits; captured and replayed the second, replayed after,
+    /// returning `None` (the logits are in `out`). `what` names the step in a capture's error.
+    fn step(
+        &mut self,
+        device: &Device,
+        out: &Tensor,
+        run: impl Fn() -> Result<Tensor>,
+        what: &str,
+    ) -> Result<Option<Tensor>> {
+        let graph = match std::mem::replace(self, Stage::Cold) {
+            Stage::Cold => {
+                let _uploads = upload_cache(device)?;
+                let logits = run()?;
+                *self = Stage::Warm;
+                return Ok(Some(logits));
+            }
+            Stage::Warm => Graph::capture(device, || {
+                let logits = run()?;
+                Ok::<_, tpinfer_layers::Error>(out.slice_set(&logits, 0, 0)?)
+            })
+            .map_err(|e| {
+                candle_core::Error::Msg(format!(
+                    "capturing {what} as a CUDA graph failed ({e}); --enforce-eager runs without graphs"
+                ))
+            })?,
+            Stage::Captured(graph) => graph,
+        };
+        graph.replay()?;
+        *self = Stage::Captured(graph);
+        Ok(None)
+    }
+}
+
 impl DecodeGraph {
     /// `None` where graphs do not apply: CPU ranks, and unfused attention, whose shapes grow
     /// with the position.
@@ -47,28 +82,14 @@ impl DecodeGraph {
     /// a replay, the graph's output buffer, which the next replay overwrites.
     pub(crate) fn step(&mut self, model: &LlamaRank) -> Result<Tensor> {
         let device = self.logits.device().clone();
-        let graph = match std::mem::replace(&mut self.stage, Stage::Cold) {
-            Stage::Cold => {
-                let _uploads = upload_cache(&device)?;
-                let logits = model.queue_decode_step()?;
-                self.stage = Stage::Warm;
-                return Ok(logits);
+        let run = || model.queue_decode_step();
+        match self.stage.step(&device, &self.logits, run, "the decode step")? {
+            Some(eager) => Ok(eager),
+            None => {
+                self.replays += 1;
+                Ok(self.logits.clone())
             }
-            Stage::Warm => Graph::capture(&device, || {
-                let logits = model.queue_decode_step()?;
-                Ok::<_, tpinfer_layers::Error>(self.logits.slice_set(&logits, 0, 0)?)
-            })
-            .map_err(|e| {
-                candle_core::Error::Msg(format!(
-                    "capturing the decode step as a CUDA graph failed ({e}); --enforce-eager runs without graphs"
-                ))
-            })?,
-            Stage::Captured(graph) => graph,
-        };
-        graph.replay()?;
-        self.replays += 1;
-        self.stage = Stage::Captured(graph);
-        Ok(self.logits.clone())
+        }
     }
 
     pub(crate) fn replays(&self) -> usize {
@@ -157,28 +178,10 @@ impl BatchGraphs {
         entry.write(chunks, self.table_width, self.block_size)?;
         let layout =
             crate::model::BatchLayout::decodes(&entry.positions, &entry.slots, &entry.rows, &entry.tables, &entry.lens);
-        let graph = match std::mem::replace(&mut entry.stage, Stage::Cold) {
-            Stage::Cold => {
-                let _uploads = upload_cache(&device)?;
-                let logits = model.forward_layout(&entry.ids, &layout, None)?;
-                entry.stage = Stage::Warm;
-                return Ok(logits.narrow(0, 0, n)?);
-            }
-            Stage::Warm => Graph::capture(&device, || {
-                let logits = model.forward_layout(&entry.ids, &layout, None)?;
-                Ok::<_, tpinfer_layers::Error>(self.logits.slice_set(&logits, 0, 0)?)
-            })
-            .map_err(|e| {
-                candle_core::Error::Msg(format!(
-                    "capturing the batched decode step of {rows} rows as a CUDA graph failed ({e}); \
-                     --enforce-eager runs without graphs"
-                ))
-            })?,
-            Stage::Captured(graph) => graph,
-        };
-        graph.replay()?;
-        entry.stage = Stage::Captured(graph);
-        Ok(self.logits.narrow(0, 0, n)?)
+        let run = || model.forward_layout(&entry.ids, &layout, None);
+        let what = format!("the batched decode step of {rows} rows");
+        let logits = entry.stage.step(&device, &self.logits, run, &what)?;
+        Ok(logits.unwrap_or_else(|| self.logits.clone()).narrow(0, 0, n)?)
     }
 }
 

@@ -226,7 +226,6 @@ impl LlamaRank {
         let rope = Rope::new(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device)?;
         let kv_index = Tensor::new(shard.heads.kv_of_q.as_slice(), device)?;
         let norm = w.take(names::NORM)?;
-        #[allow(unused_mut)] // set on CUDA
         let mut rank = Self {
             config: c.clone(),
             embed,
@@ -243,12 +242,8 @@ impl LlamaRank {
             position: Position::new(device)?,
             step_io: StepIo::new(device)?,
             step_buffers: std::cell::OnceCell::new(),
-            // A batched rank captures its decode-only steps, not the one-sequence step.
             #[cfg(feature = "cuda")]
-            decode: match paged {
-                None => crate::graph::DecodeGraph::new(device, flash, c.vocab_size)?,
-                Some(_) => None,
-            },
+            decode: None,
             #[cfg(feature = "cuda")]
             batch_graphs: None,
             paged,
@@ -258,10 +253,8 @@ impl LlamaRank {
             bytes_loaded: w.bytes_read(),
             bytes_on_device: w.bytes_on_device(),
         };
-        #[cfg(feature = "cuda")]
-        {
-            rank.batch_graphs = rank.new_batch_graphs()?;
-        }
+        // The captured steps where they apply: the one-sequence step, or a batched rank's.
+        rank.set_cuda_graphs(true)?;
         Ok(rank)
     }
 
