@@ -211,9 +211,9 @@ pub fn paged_decode_attention(q: &Tensor, pool: &Tensor, decode: DecodeRows<'_>,
     let s = Sizes::of_pool(pool, q_heads, q, OP)?;
     let n = decode.q_rows.elem_count();
     let max_blocks = decode.tables.dims().get(1).copied().unwrap_or(0);
-    if n == 0 || d != s.head_dim || !q.is_contiguous() || decode.block_size == 0 {
+    if n == 0 || q_heads == 0 || d != s.head_dim || !q.is_contiguous() || decode.block_size == 0 {
         candle_core::bail!(
-            "{OP}: q {:?} must be contiguous with the pool's head size {}, with a decode row and blocks of a slot or more",
+            "{OP}: q {:?} must be contiguous with a head or more of the pool's size {}, with a decode row and blocks of a slot or more",
             q.dims(),
             s.head_dim
         );

@@ -493,6 +493,9 @@ fn paged_decode_attention_equals_attention_over_each_sequences_gathered_keys() {
         ..decode
     };
     assert!(paged_decode_attention(&q, &pool, past, scale).is_err());
+    // So is a q without heads (no KV head to name).
+    let headless = Tensor::zeros((5, 0, d), DType::F32, &Device::Cpu).expect("q");
+    assert!(paged_decode_attention(&headless, &pool, decode, scale).is_err());
 
     // A table reaching past the pool, or a row past q, is refused.
     let beyond = u32s(&[5, 1, 8, 0, 3, 0, 0, 0, 10, 2, 7, blocks as u32], &[3, 4]);
