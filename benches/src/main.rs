@@ -126,6 +126,9 @@ struct Common {
     /// Decode kernel by kernel instead of replaying a captured CUDA graph.
     #[arg(long)]
     enforce_eager: bool,
+    /// Expand a GGUF file's quantized weights to the compute dtype at load.
+    #[arg(long)]
+    dequantize: bool,
     /// Test switch: inject a fault, KIND:RANK:STEP with KIND one of error, panic, oom, exit, nan.
     #[arg(long, value_parser = parse_fault)]
     fault: Option<Fault>,
@@ -271,6 +274,9 @@ fn engine(common: &Common, tp: usize, max_seqs: usize) -> Result<Engine> {
         .max_seqs(max_seqs)
         .comm_timeout(std::time::Duration::from_secs(common.comm_timeout))
         .enforce_eager(common.enforce_eager);
+    if common.dequantize {
+        builder = builder.weight_format(tpinfer_engine::WeightFormat::Dequantized);
+    }
     if let Some(fault) = common.fault {
         builder = builder.inject_fault(fault);
     }

@@ -15,8 +15,10 @@ use safetensors::Dtype;
 use serde_json::json;
 use tpinfer_comm::{Communicator, ThreadGroup};
 use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
+use tpinfer_weights::WeightFormat;
 
 mod fake_hub;
+mod gguf;
 mod pipeline;
 mod umt5;
 mod vae;
@@ -519,6 +521,21 @@ pub fn run_batched_greedy(
     runs.into_iter().next().expect("rank 0")
 }
 
+/// The logits of `model` at TP `tp` on CPU rank threads, its quantized weights `quantized`,
+/// fed the prompt and then `forced` one token at a time whatever it predicts (teacher
+/// forcing): runs that disagree on a near tie still compare step by step. Prefill first.
+pub fn run_forced(model: &Path, tp: usize, quantized: WeightFormat, prompt: &[u32], forced: &[u32]) -> Vec<Vec<f32>> {
+    let values = |l: Tensor| l.squeeze(0).and_then(|l| l.to_vec1::<f32>()).expect("logits");
+    let runs = on_cpu_ranks_with(model, tp, DType::F32, None, quantized, |mut rank, _| {
+        let mut logits = vec![values(rank.forward(prompt).expect("prefill"))];
+        for &token in forced {
+            logits.push(values(rank.forward(&[token]).expect("decode")));
+        }
+        logits
+    });
+    runs.into_iter().next().expect("rank 0")
+}
+
 /// Loads `model` at TP `tp` on CPU rank threads (a 512-position cache each) and runs `f` on
 /// every rank with its communicator. The ranks' results, in rank order.
 fn on_cpu_ranks<T: Send>(
@@ -530,8 +547,6 @@ fn on_cpu_ranks<T: Send>(
     on_cpu_ranks_paged(model, tp, dtype, None, f)
 }
 
-/// [`on_cpu_ranks`] with the ranks loaded with a paged KV cache of `paged` (blocks, block
-/// size) where it is set.
 fn on_cpu_ranks_paged<T: Send>(
     model: &Path,
     tp: usize,
@@ -539,7 +554,20 @@ fn on_cpu_ranks_paged<T: Send>(
     paged: Option<(usize, usize)>,
     f: impl Fn(LlamaRank, &dyn Communicator) -> T + Sync,
 ) -> Vec<T> {
-    let checkpoint = Arc::new(LlamaCheckpoint::open(model).expect("open checkpoint"));
+    on_cpu_ranks_with(model, tp, dtype, paged, WeightFormat::AsStored, f)
+}
+
+/// [`on_cpu_ranks`] with the ranks loaded with a paged KV cache of `paged` (blocks, block
+/// size) where it is set, and a GGUF file's quantized weights `quantized`.
+fn on_cpu_ranks_with<T: Send>(
+    model: &Path,
+    tp: usize,
+    dtype: DType,
+    paged: Option<(usize, usize)>,
+    quantized: WeightFormat,
+    f: impl Fn(LlamaRank, &dyn Communicator) -> T + Sync,
+) -> Vec<T> {
+    let checkpoint = Arc::new(LlamaCheckpoint::open_with(model, quantized).expect("open checkpoint"));
     let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
     std::thread::scope(|s| {
         let handles: Vec<_> = comms

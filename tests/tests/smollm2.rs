@@ -1,8 +1,8 @@
 //! A real small model, SmolLM2-135M-Instruct (GGUF, Q4_1), at TP 1, 2 and 3.
 
 use candle_core::DType;
-use tpinfer_engine::{Engine, GenerateRequest, Prompt, StopReason};
-use tpinfer_tests::{assets_dir, rel_error, run_greedy};
+use tpinfer_engine::{Engine, GenerateRequest, Prompt, StopReason, WeightFormat};
+use tpinfer_tests::{argmax, assets_dir, rel_error, run_forced, run_greedy};
 use tpinfer_tokenizer::Tokenizer;
 use tpinfer_weights::GgufStore;
 
@@ -10,23 +10,55 @@ fn model() -> std::path::PathBuf {
     assets_dir().join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-#[test]
-fn tp2_and_tp3_give_tp1_greedy_tokens_for_32_steps() {
+fn prompt() -> Vec<u32> {
     let store = GgufStore::open(&model()).expect("open");
     let tokenizer = Tokenizer::from_gguf(store.metadata()).expect("tokenizer");
-    let prompt = tokenizer.encode("The three primary colors are", false).expect("encode");
-    let reference = run_greedy(&model(), 1, DType::F32, &prompt, 31);
-    assert_eq!(reference.tokens.len(), 32);
-    for tp in [2, 3] {
-        let trace = run_greedy(&model(), tp, DType::F32, &prompt, 31);
-        assert_eq!(trace.tokens, reference.tokens, "TP {tp}");
-        let err = rel_error(&trace.logits[31], &reference.logits[31]);
-        assert!(err < 1e-5, "TP {tp}: last-step logits differ by {err:e}");
+    tokenizer.encode("The three primary colors are", false).expect("encode")
+}
+
+/// Kept in its Q4_1 blocks (the default) at TP 1 to 3, the model is its dequantized self at
+/// TP 1 on CPU ranks, which expand the blocks for each product: fed the same 32 tokens (its
+/// own greedy ones), the same logits to f32 rounding.
+#[test]
+fn kept_blocks_at_tp1_to_3_give_the_dequantized_logits_for_32_steps() {
+    let prompt = prompt();
+    let kept = run_greedy(&model(), 1, DType::F32, &prompt, 31);
+    let forced = &kept.tokens[..31];
+    let reference = run_forced(&model(), 1, WeightFormat::Dequantized, &prompt, forced);
+    for tp in [1, 2, 3] {
+        let logits = run_forced(&model(), tp, WeightFormat::AsStored, &prompt, forced);
+        for (step, values) in logits.iter().enumerate() {
+            assert_eq!(argmax(values), kept.tokens[step], "TP {tp} step {step}");
+            let err = rel_error(values, &reference[step]);
+            assert!(err < 1e-5, "TP {tp} step {step}: logits differ by {err:e}");
+        }
     }
-    let text = tokenizer.decode(&reference.tokens).expect("decode");
+    let tokenizer = Tokenizer::from_gguf(GgufStore::open(&model()).expect("open").metadata()).expect("tokenizer");
+    let text = tokenizer.decode(&kept.tokens).expect("decode");
     assert!(
         text.to_lowercase().contains("red"),
         "sensible English expected: {text:?}"
+    );
+}
+
+/// Kept quantized, a rank holds the file's blocks and a dense embedding: a fraction of the
+/// dequantized model.
+#[test]
+fn quantized_weights_hold_a_fraction_of_the_dequantized_bytes() {
+    use tpinfer_llama::{LlamaCheckpoint, LlamaShard};
+    let bytes = |quantized| {
+        let checkpoint = LlamaCheckpoint::open_with(&model(), quantized).expect("open");
+        let shard = LlamaShard::new(&checkpoint.config, 1, 0).expect("shard");
+        tpinfer_weights::ShardLoader::device_bytes(&checkpoint.weight_decls(&shard), DType::F32).expect("bytes")
+    };
+    let (kept, dequantized) = (bytes(WeightFormat::AsStored), bytes(WeightFormat::Dequantized));
+    let file = std::fs::metadata(model()).expect("file").len() as usize;
+    // The f32 embedding (49,152 × 576) is the one dense matrix beside the blocks.
+    let embedding = 49_152 * 576 * 4;
+    assert!(kept < file + embedding, "{kept} bytes kept, file {file}");
+    assert!(
+        dequantized > 4 * kept / 2,
+        "{dequantized} dequantized against {kept} kept"
     );
 }
 

@@ -51,6 +51,8 @@ pub struct PlanArgs {
     /// Print JSON instead of tables.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    weights: crate::ranks::WeightArgs,
 }
 
 pub(crate) fn parse_size(text: &str) -> Result<(usize, usize), String> {
@@ -66,9 +68,12 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
     let dir = std::path::Path::new(&args.model);
     let preset_pipeline = !dir.exists() && args.model.ends_with(crate::plan_pipeline::PIPELINE_SUFFIX);
     if tpinfer_engine::WanPipelineDir::detect(dir) || preset_pipeline {
+        if args.weights.format() != tpinfer_engine::WeightFormat::AsStored {
+            bail!("--quantize and --dequantize apply to Llama models so far; a Wan pipeline's weights load as stored");
+        }
         return pipeline(&args);
     }
-    let (_, model) = tpinfer_engine::registry::open(&args.model)?;
+    let (_, model) = tpinfer_engine::registry::open_as(&args.model, args.weights.format())?;
     let model = &*model;
     // As the engine does: f32 on CPU ranks, the checkpoint's dtype on GPUs.
     let dtype = match (args.dtype, args.cpu) {
@@ -109,6 +114,16 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         (Placement::Llm { .. }, ..) => bail!("--frames and --size are for video DiT models; give an LLM --max-context"),
         (Placement::Dit { .. }, ..) => bail!("--max-context is for LLMs; give a video DiT --frames and --size"),
     };
+    if !args.json {
+        let dtype = format!("{dtype:?}").to_lowercase();
+        match args.weights.format() {
+            tpinfer_engine::WeightFormat::Fp8 => println!(
+                "Linear weights in FP8 E4M3 with a scale per output row; the embedding and LM head in {dtype}.\n"
+            ),
+            tpinfer_engine::WeightFormat::Dequantized => println!("Quantized weights expanded to {dtype} at load.\n"),
+            tpinfer_engine::WeightFormat::AsStored => {}
+        }
+    }
     match args.tp {
         Some(0) => bail!("--tp must be at least 1"),
         Some(tp) => one_width(model, tp, dtype, placement, device, args.gpu_mem, args.json),

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use anyhow::{bail, Result};
 use clap::ValueEnum;
-use tpinfer_engine::{DeviceKind, Engine, EngineBuilder, EngineError, LoadProgress, RuntimeError};
+use tpinfer_engine::{DeviceKind, Engine, EngineBuilder, EngineError, LoadProgress, RuntimeError, WeightFormat};
 
 use crate::progress::LoadBar;
 
@@ -79,6 +79,38 @@ pub struct RankArgs {
     /// flag (default: the free memory less 2%); also at most --gpu-mem where both are given.
     #[arg(long, value_parser = parse_fraction)]
     pub gpu_memory_utilization: Option<f64>,
+    #[command(flatten)]
+    pub weights: WeightArgs,
+}
+
+/// The form the ranks hold the linear weights in.
+#[derive(clap::Args)]
+pub struct WeightArgs {
+    /// Expand quantized weights (GGUF Q4_0 to Q6_K, FP8 checkpoints) to the compute dtype
+    /// at load. By default they stay as stored: device memory follows the file.
+    #[arg(long, conflicts_with = "quantize")]
+    pub dequantize: bool,
+    /// Quantize every linear weight at load, per output row (the embedding and LM head stay
+    /// in the compute dtype). FP8 halves a bf16 model's weights; without FP8 GEMM kernels yet,
+    /// each product expands its weight first: it saves memory, not time.
+    #[arg(long, value_enum)]
+    pub quantize: Option<QuantizeArg>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum QuantizeArg {
+    /// FP8 E4M3 with one scale per output row.
+    Fp8,
+}
+
+impl WeightArgs {
+    pub fn format(&self) -> WeightFormat {
+        match (self.dequantize, self.quantize) {
+            (true, _) => WeightFormat::Dequantized,
+            (false, Some(QuantizeArg::Fp8)) => WeightFormat::Fp8,
+            (false, None) => WeightFormat::AsStored,
+        }
+    }
 }
 
 /// A share of memory: a number above 0 and at most 1.
@@ -133,6 +165,7 @@ impl RankArgs {
         if let Some(bytes) = self.gpu_mem {
             builder = builder.gpu_mem(bytes);
         }
+        builder = builder.weight_format(self.weights.format());
         if let Some(share) = self.gpu_memory_utilization {
             if !gpus {
                 bail!(

@@ -5,6 +5,7 @@ use candle_core::DType;
 use tpinfer_comm::CommOptions;
 use tpinfer_runtime::LoadProgress;
 use tpinfer_runtime::{DeviceKind, GroupOptions};
+use tpinfer_weights::WeightFormat;
 
 use crate::{Engine, EngineError};
 
@@ -55,6 +56,7 @@ pub struct EngineBuilder {
     pub(crate) step_tokens: usize,
     pub(crate) fault: Option<Fault>,
     pub(crate) group: GroupOptions,
+    pub(crate) weight_format: WeightFormat,
 }
 
 /// Context used when none is given, so that a 128k-context model does not reserve rotary
@@ -78,6 +80,7 @@ impl EngineBuilder {
             step_tokens: DEFAULT_STEP_TOKENS,
             fault: None,
             group: GroupOptions::default(),
+            weight_format: WeightFormat::AsStored,
         }
     }
 
@@ -94,6 +97,14 @@ impl EngineBuilder {
 
     pub fn device(mut self, device: DeviceKind) -> Self {
         self.device = device;
+        self
+    }
+
+    /// The form the ranks hold the linear weights in. Default: as stored (GGUF blocks and FP8
+    /// matrices kept); [`WeightFormat::Dequantized`] expands them to the compute dtype,
+    /// [`WeightFormat::Fp8`] quantizes every linear weight at load.
+    pub fn weight_format(mut self, format: WeightFormat) -> Self {
+        self.weight_format = format;
         self
     }
 

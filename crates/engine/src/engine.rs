@@ -39,7 +39,7 @@ impl Engine {
     }
 
     pub(crate) fn start(b: EngineBuilder) -> Result<Self, EngineError> {
-        let model = LlamaModel::open_checkpoint(&b.model)?;
+        let model = LlamaModel::open_checkpoint_with(&b.model, b.weight_format)?;
         let config = model.config().clone();
         // A GGUF file carries its tokenizer in the metadata already read for the config.
         let tokenizer = Arc::new(match model.checkpoint().and_then(|c| c.gguf_metadata()) {

@@ -10,6 +10,7 @@ use tpinfer_plan::{PlanError, ShardedModel};
 use tpinfer_umt5::Umt5Model;
 use tpinfer_wan::WanModel;
 use tpinfer_wan_vae::WanVaeModel;
+use tpinfer_weights::WeightFormat;
 
 /// What a family's models do, which decides the engine that runs them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,9 +32,12 @@ pub struct FamilyEntry {
     pub task: Task,
     pub presets: &'static [&'static str],
     detect: fn(&Path) -> bool,
-    open: fn(&Path) -> Result<Arc<dyn ShardedModel>, PlanError>,
-    preset: fn(&str) -> Option<Arc<dyn ShardedModel>>,
+    open: fn(&Path, WeightFormat) -> Opened,
+    preset: fn(&str, WeightFormat) -> Option<Opened>,
 }
+
+/// A model opened for planning, its weights in the form asked for.
+type Opened = Result<Arc<dyn ShardedModel>, PlanError>;
 
 impl FamilyEntry {
     fn of<F: Family>(task: Task) -> Self {
@@ -42,8 +46,10 @@ impl FamilyEntry {
             task,
             presets: F::PRESETS,
             detect: F::detect,
-            open: |path| Ok(Arc::new(F::open(path)?) as Arc<dyn ShardedModel>),
-            preset: |name| F::preset(name).map(|m| Arc::new(m) as Arc<dyn ShardedModel>),
+            open: |path, format| Ok(Arc::new(F::open(path)?.with_format(format)?) as Arc<dyn ShardedModel>),
+            preset: |name, format| {
+                F::preset(name).map(|m| Ok(Arc::new(m.with_format(format)?) as Arc<dyn ShardedModel>))
+            },
         }
     }
 
@@ -89,9 +95,14 @@ pub fn task_of(path: &Path) -> Task {
 /// A preset by name, or the model at a path, opened for planning (config and headers only),
 /// with the task its family does.
 pub fn open(name_or_path: &str) -> Result<(Task, Arc<dyn ShardedModel>), PlanError> {
+    open_as(name_or_path, WeightFormat::AsStored)
+}
+
+/// [`open`], the model's linear weights planned in `format`.
+pub fn open_as(name_or_path: &str, format: WeightFormat) -> Result<(Task, Arc<dyn ShardedModel>), PlanError> {
     for family in families() {
-        if let Some(model) = (family.preset)(name_or_path) {
-            return Ok((family.task, model));
+        if let Some(model) = (family.preset)(name_or_path, format) {
+            return Ok((family.task, model?));
         }
     }
     let path = Path::new(name_or_path);
@@ -107,5 +118,5 @@ pub fn open(name_or_path: &str) -> Result<(Task, Arc<dyn ShardedModel>), PlanErr
         )));
     }
     let family = family_of(path);
-    Ok((family.task, (family.open)(path)?))
+    Ok((family.task, (family.open)(path, format)?))
 }

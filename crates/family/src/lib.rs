@@ -18,7 +18,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use tpinfer_comm::Communicator;
 use tpinfer_plan::{Placement, PlanError, RankShard, ShardedModel};
-use tpinfer_weights::LoadProgress;
+use tpinfer_weights::{LoadProgress, WeightFormat};
 
 /// A model family: its configs, its split over ranks and its rank model.
 pub trait Family: ShardedModel + Sized + 'static {
@@ -48,6 +48,17 @@ pub trait Family: ShardedModel + Sized + 'static {
         placement: Placement,
         ctx: &LoadContext<'_>,
     ) -> Result<Self::Rank, tpinfer_layers::Error>;
+    /// The same model with its linear weights held in `format`. Families that hold every
+    /// weight in the compute dtype refuse any other form than as stored.
+    fn with_format(self, format: WeightFormat) -> Result<Self, PlanError> {
+        match format {
+            WeightFormat::AsStored => Ok(self),
+            other => Err(PlanError::Model(format!(
+                "{} models hold their weights in the compute dtype; {other:?} weights are for Llama models so far",
+                Self::NAME
+            ))),
+        }
+    }
     /// The weight bytes a loaded rank read from the checkpoint.
     fn bytes_loaded(rank: &Self::Rank) -> usize;
 }

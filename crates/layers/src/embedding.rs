@@ -1,22 +1,30 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use candle_core::quantized::QMatMul;
 use candle_core::Tensor;
 use tpinfer_comm::Communicator;
-use tpinfer_weights::{ShardLoader, ShardSpec, WeightDecl};
+use tpinfer_weights::{ShardLoader, ShardSpec, Weight, WeightDecl};
 
 use crate::Result;
 
 /// A `[vocab, hidden]` matrix split over vocabulary rows. As an embedding, each rank looks up
 /// the ids it owns, writes zeros for the rest, and an all-reduce assembles the rows. As an LM
-/// head, each rank scores its own slice of the vocabulary and an all-gather joins the logits.
+/// head, each rank scores its own slice of the vocabulary and an all-gather joins the logits;
+/// an LM head may stay in its GGML blocks.
 pub struct VocabParallelEmbedding {
-    weight: Tensor,
+    weight: Rows,
     /// This rank's first vocabulary row.
     first: usize,
     /// Every rank's number of rows, in rank order.
     sizes: Vec<usize>,
     comm: Arc<dyn Communicator>,
+}
+
+/// A rank's rows of the matrix: dense, or quantized (an LM head only: lookups read dense rows).
+enum Rows {
+    Dense(Tensor),
+    Quantized(QMatMul),
 }
 
 impl VocabParallelEmbedding {
@@ -37,7 +45,15 @@ impl VocabParallelEmbedding {
                 comm.rank()
             ))
         })?;
-        let weight = weights.take(name)?;
+        let weight = match weights.take_weight(name)? {
+            Weight::Dense(w) => Rows::Dense(w),
+            Weight::Quantized(q) => Rows::Quantized(QMatMul::from_arc(q)?),
+            Weight::Fp8 { .. } => {
+                return Err(crate::Error::Shard(format!(
+                    "{name} is declared FP8; a vocabulary matrix stays in the compute dtype"
+                )))
+            }
+        };
         Ok(Self {
             first: rows.start,
             sizes: parts.iter().map(|p| p.len()).collect(),
@@ -51,16 +67,22 @@ impl VocabParallelEmbedding {
     /// CUDA graph can embed whatever token its input buffer holds.
     pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
         let (batch, seq) = ids.dims2()?;
-        let rows = tpinfer_kernels::embed_owned_rows(ids, &self.weight, self.first)?;
+        let Rows::Dense(weight) = &self.weight else {
+            return Err(crate::Error::Shard(
+                "a quantized matrix serves as an LM head, not as an embedding".into(),
+            ));
+        };
+        let rows = tpinfer_kernels::embed_owned_rows(ids, weight, self.first)?;
         Ok(self.comm.all_reduce_sum(&rows.reshape((batch, seq, ()))?)?)
     }
 
     /// Logits over the full vocabulary for hidden states `x` of shape `[.., hidden]`. No host
     /// wait: read them on the host after [`Communicator::wait`].
     pub fn project(&self, x: &Tensor) -> Result<Tensor> {
-        let local = match tpinfer_kernels::gemv_on_cuda(x, &self.weight) {
-            true => tpinfer_kernels::gemv(x, &self.weight)?,
-            false => x.broadcast_matmul(&self.weight.t()?)?,
+        let local = match &self.weight {
+            Rows::Quantized(q) => crate::linear::quantized_product(q, x)?,
+            Rows::Dense(w) if tpinfer_kernels::gemv_on_cuda(x, w) => tpinfer_kernels::gemv(x, w)?,
+            Rows::Dense(w) => x.broadcast_matmul(&w.t()?)?,
         };
         Ok(self
             .comm

@@ -24,7 +24,7 @@ pub use kv_cache::KvCache;
 pub use linear::{ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear};
 pub use mlp::{GatedMlp, GatedMlpNames};
 pub use paged_kv::{BlockTable, PagedKvCache};
-pub use partition::{split_aligned, split_evenly, HeadShard};
+pub use partition::{split_aligned, split_blocks, split_evenly, HeadShard};
 pub use position::Position;
 pub use rope::{Rope, RopeScaling};
 pub use tpinfer_kernels::{sample_rows, DecodeRows, QueryGroups, RowSampling, RowsAt};

@@ -1,18 +1,78 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use candle_core::quantized::QMatMul;
 use candle_core::{Module, Tensor};
 use candle_nn::Linear;
 use tpinfer_comm::Communicator;
-use tpinfer_weights::{ShardLoader, ShardSpec, WeightDecl};
+use tpinfer_weights::{ShardLoader, ShardSpec, Weight, WeightDecl};
 
 use crate::Result;
 
-/// `x · wᵀ (+ b)` through `linear`: one input row on CUDA in 16 bits (a decode step's
+/// A linear layer's weight and bias as a rank holds them: dense, where the fused kernels of
+/// `tpinfer_kernels` apply; in GGML blocks, multiplied by candle's quantized matmul (MMVQ
+/// for a few rows, MMQ for more on CUDA) with the bias added after; or FP8 E4M3 with row
+/// scales, expanded for each product (no FP8 GEMM yet: it saves memory, not time).
+enum Product {
+    Dense(Linear),
+    Quantized {
+        weight: QMatMul,
+        out_dim: usize,
+        bias: Option<Tensor>,
+    },
+    Fp8 {
+        values: Tensor,
+        scales: Tensor,
+        bias: Option<Tensor>,
+    },
+}
+
+impl Product {
+    fn new(weight: Weight, bias: Option<Tensor>) -> Result<Self> {
+        Ok(match weight {
+            Weight::Dense(w) => Self::Dense(Linear::new(w, bias)),
+            Weight::Quantized(q) => Self::Quantized {
+                out_dim: q.shape().dims2()?.0,
+                weight: QMatMul::from_arc(q)?,
+                bias,
+            },
+            Weight::Fp8 { values, scales } => Self::Fp8 { values, scales, bias },
+        })
+    }
+
+    /// The dense layer, where the fused kernels may apply.
+    fn dense(&self) -> Option<&Linear> {
+        match self {
+            Self::Dense(linear) => Some(linear),
+            Self::Quantized { .. } | Self::Fp8 { .. } => None,
+        }
+    }
+
+    fn out_dim(&self) -> candle_core::Result<usize> {
+        match self {
+            Self::Dense(linear) => linear.weight().dim(0),
+            Self::Quantized { out_dim, .. } => Ok(*out_dim),
+            Self::Fp8 { values, .. } => values.dim(0),
+        }
+    }
+}
+
+/// `x · wᵀ (+ b)` through `product`: dense, one input row on CUDA in 16 bits (a decode step's
 /// products) through the GEMV kernel; more rows with a bias through the fused linear (one
 /// cuBLASLt GEMM with the bias in its epilogue on CUDA); everything else through candle's
-/// matmul.
-fn apply(linear: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
+/// matmul, quantized or not.
+fn apply(product: &Product, x: &Tensor) -> candle_core::Result<Tensor> {
+    let linear = match product {
+        Product::Dense(linear) => linear,
+        Product::Quantized { weight, bias, .. } => return add_bias(quantized_product(weight, x)?, bias.as_ref()),
+        Product::Fp8 { values, scales, bias } => {
+            // In the compute dtype: the transient copy stays at two of its values per weight.
+            let dense = values
+                .to_dtype(x.dtype())?
+                .broadcast_mul(&scales.to_dtype(x.dtype())?.unsqueeze(1)?)?;
+            return add_bias(Linear::new(dense, None).forward(x)?, bias.as_ref());
+        }
+    };
     let w = linear.weight();
     if tpinfer_kernels::gemv_on_cuda(x, w) {
         let y = tpinfer_kernels::gemv(x, w)?;
@@ -27,43 +87,84 @@ fn apply(linear: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// One row's product written into `out`: the GEMV in place where it runs (a kernel chain's
-/// link on CUDA), elsewhere the product copied in.
-fn apply_row_into(linear: &Linear, x: &Tensor, out: &Tensor) -> candle_core::Result<()> {
-    let w = linear.weight();
-    if linear.bias().is_none() && tpinfer_kernels::gemv_on_cuda(x, w) {
-        return tpinfer_kernels::gemv_into(x, w, out);
+fn add_bias(y: Tensor, bias: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    match bias {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
     }
-    out.slice_set(&apply(linear, x)?.reshape(out.shape())?, 0, 0)
 }
 
-/// An uninitialized `[rows, out]` output of `linear` for [`apply_into`], in `x`'s type and
+/// `x · wᵀ` for a weight in GGML blocks. On CUDA: candle's quantized matmul (MMVQ for a few
+/// rows, MMQ for more), which quantizes `x` to Q8 blocks. On the CPU: the blocks expanded to
+/// `x`'s dtype for the one product, so that a row's result depends on nothing but the row.
+/// candle's CPU kernels pick the activations' quantization by shape (Q8_K where its repacked
+/// kernel suits the rows and width, Q8_0 or Q8_1 elsewhere), which would make a sequence's
+/// tokens depend on its batch and TP width; CPU ranks are where TP correctness is checked.
+pub(crate) fn quantized_product(weight: &QMatMul, x: &Tensor) -> candle_core::Result<Tensor> {
+    // The quantized matmul reads its input as one contiguous block.
+    let x = x.contiguous()?;
+    if !x.device().is_cpu() {
+        return weight.forward(&x);
+    }
+    let dense = match weight {
+        QMatMul::QTensor(blocks) => blocks.dequantize(x.device())?,
+        QMatMul::Tensor(w) | QMatMul::TensorF16(w) => w.clone(),
+    };
+    Linear::new(dense.to_dtype(x.dtype())?, None).forward(&x)
+}
+
+/// One row's product written into `out`: the GEMV in place where it runs (a kernel chain's
+/// link on CUDA), elsewhere the product copied in.
+fn apply_row_into(product: &Product, x: &Tensor, out: &Tensor) -> candle_core::Result<()> {
+    if let Some(linear) = product.dense() {
+        let w = linear.weight();
+        if linear.bias().is_none() && tpinfer_kernels::gemv_on_cuda(x, w) {
+            return tpinfer_kernels::gemv_into(x, w, out);
+        }
+    }
+    out.slice_set(&apply(product, x)?.reshape(out.shape())?, 0, 0)
+}
+
+/// An uninitialized `[rows, out]` output of `product` for [`apply_into`], in `x`'s type and
 /// on its device.
-fn empty_output(linear: &Linear, rows: usize, x: &Tensor) -> Result<Tensor> {
+fn empty_output(product: &Product, rows: usize, x: &Tensor) -> Result<Tensor> {
     Ok(tpinfer_kernels::empty(
-        &[rows, linear.weight().dim(0)?],
+        &[rows, product.out_dim()?],
         x.dtype(),
         x.device(),
     )?)
 }
 
 /// [`apply`] (then GELU, tanh approximation, when `gelu`) of rows `x` written into rows
-/// `first_row..` of `out`: a part of a product over gathered rows. With a bias, through the
-/// fused linear, which writes in place on CUDA.
-fn apply_into(linear: &Linear, out: &Tensor, first_row: usize, x: &Tensor, gelu: bool) -> candle_core::Result<()> {
-    match linear.bias() {
-        Some(b) => tpinfer_kernels::linear_bias_into(out, first_row, x, linear.weight(), b, gelu),
-        None => {
-            let y = apply(linear, x)?;
-            out.slice_set(&if gelu { y.gelu()? } else { y }, 0, first_row)
+/// `first_row..` of `out`: a part of a product over gathered rows. Dense with a bias, through
+/// the fused linear, which writes in place on CUDA.
+fn apply_into(product: &Product, out: &Tensor, first_row: usize, x: &Tensor, gelu: bool) -> candle_core::Result<()> {
+    if let Some(linear) = product.dense() {
+        if let Some(b) = linear.bias() {
+            return tpinfer_kernels::linear_bias_into(out, first_row, x, linear.weight(), b, gelu);
         }
     }
+    let y = apply(product, x)?;
+    out.slice_set(&if gelu { y.gelu()? } else { y }, 0, first_row)
+}
+
+/// [`apply`] then GELU (tanh approximation): dense with a bias, inside the fused linear (on
+/// CUDA, the GEMM's epilogue).
+fn apply_gelu(product: &Product, x: &Tensor) -> candle_core::Result<Tensor> {
+    if let Some(linear) = product.dense() {
+        if let Some(b) = linear.bias() {
+            if tpinfer_kernels::fused_linear_covers(x, linear.weight()) {
+                return tpinfer_kernels::linear_bias(x, linear.weight(), b, true);
+            }
+        }
+    }
+    apply(product, x)?.gelu()
 }
 
 /// `y = x Aᵀ + b` with `A` split along its output rows: the rank holds `A[out_range, :]` and
 /// produces its slice of `y`. No communication.
 pub struct ColumnParallelLinear {
-    linear: Linear,
+    product: Product,
 }
 
 impl ColumnParallelLinear {
@@ -78,43 +179,42 @@ impl ColumnParallelLinear {
     }
 
     pub fn load(weights: &mut ShardLoader, prefix: &str, bias: bool) -> Result<Self> {
-        let weight = weights.take(&format!("{prefix}.weight"))?;
+        let weight = weights.take_weight(&format!("{prefix}.weight"))?;
         let bias = bias.then(|| weights.take(&format!("{prefix}.bias"))).transpose()?;
         Ok(Self {
-            linear: Linear::new(weight, bias),
+            product: Product::new(weight, bias)?,
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(apply(&self.linear, x)?)
+        Ok(apply(&self.product, x)?)
     }
 
     /// An output of `rows` rows for [`Self::forward_into`], like `x`.
     pub fn empty_output(&self, rows: usize, x: &Tensor) -> Result<Tensor> {
-        empty_output(&self.linear, rows, x)
+        empty_output(&self.product, rows, x)
     }
 
     /// [`Self::forward`] (or [`Self::forward_gelu`] when `gelu`) of rows `x`, written into rows
     /// `first_row..` of `out`.
     pub fn forward_into(&self, out: &Tensor, first_row: usize, x: &Tensor, gelu: bool) -> candle_core::Result<()> {
-        apply_into(&self.linear, out, first_row, x, gelu)
+        apply_into(&self.product, out, first_row, x, gelu)
     }
 
     /// GELU (tanh approximation) of [`Self::forward`]: with a bias, inside the fused linear
     /// (on CUDA, the GEMM's epilogue).
     pub fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
-        let w = self.linear.weight();
-        match self.linear.bias() {
-            Some(b) if tpinfer_kernels::fused_linear_covers(x, w) => Ok(tpinfer_kernels::linear_bias(x, w, b, true)?),
-            _ => Ok(apply(&self.linear, x)?.gelu()?),
-        }
+        Ok(apply_gelu(&self.product, x)?)
     }
 }
 
 /// Several column-parallel linears on the same input (Q/K/V, or gate/up) fused into one
 /// GEMM: their local slices are concatenated at load time and split after the product.
+/// Quantized slices in different blocks (a Q4_K_M file's Q6_K V beside Q4_K Q and K) cannot
+/// be joined: those run as one product each, written side by side.
 pub struct MergedColumnParallelLinear {
-    linear: Linear,
+    /// One product, or one per linear where their weights could not be joined.
+    parts: Vec<Product>,
     out_sizes: Vec<usize>,
 }
 
@@ -127,18 +227,32 @@ impl MergedColumnParallelLinear {
             .iter()
             .map(|n| weights.local_shape(n).map(|s| s[0]))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let weight = weights.take_concat(&weight_names.iter().map(String::as_str).collect::<Vec<_>>(), 0)?;
-        let bias = match bias {
-            true => {
-                let bias_names = names("bias");
-                Some(weights.take_concat(&bias_names.iter().map(String::as_str).collect::<Vec<_>>(), 0)?)
-            }
-            false => None,
+        let stacked = weights.take_stacked(&weight_names.iter().map(String::as_str).collect::<Vec<_>>())?;
+        let bias_names = names("bias");
+        let mut biases = match (bias, stacked.len()) {
+            (false, n) => vec![None; n],
+            (true, 1) => vec![Some(
+                weights.take_concat(&bias_names.iter().map(String::as_str).collect::<Vec<_>>(), 0)?,
+            )],
+            (true, _) => bias_names
+                .iter()
+                .map(|n| weights.take(n).map(Some))
+                .collect::<std::result::Result<_, _>>()?,
         };
-        Ok(Self {
-            linear: Linear::new(weight, bias),
-            out_sizes,
-        })
+        let parts = stacked
+            .into_iter()
+            .zip(biases.drain(..))
+            .map(|(w, b)| Product::new(w, b))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { parts, out_sizes })
+    }
+
+    /// The single product, when the weights were joined.
+    fn joined(&self) -> Option<&Product> {
+        match &self.parts[..] {
+            [one] => Some(one),
+            _ => None,
+        }
     }
 
     /// The outputs of the merged linears, in the order of their prefixes (views of
@@ -162,37 +276,60 @@ impl MergedColumnParallelLinear {
 
     /// The outputs side by side in the last dim, for fused kernels that split them themselves.
     pub fn forward_merged(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(apply(&self.linear, x)?)
+        match self.joined() {
+            Some(product) => Ok(apply(product, x)?),
+            None => {
+                let outs = self
+                    .parts
+                    .iter()
+                    .map(|p| apply(p, x))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Ok(Tensor::cat(&outs, x.rank() - 1)?)
+            }
+        }
     }
 
     /// [`Self::forward_merged`] of one row `x`, written into `out` (all outputs, contiguous):
     /// a decode step's product into a buffer that outlives the step.
     pub fn forward_row_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
-        Ok(apply_row_into(&self.linear, x, out)?)
+        match self.joined() {
+            Some(product) => Ok(apply_row_into(product, x, out)?),
+            None => Ok(out.slice_set(&self.forward_merged(x)?.reshape(out.shape())?, 0, 0)?),
+        }
     }
 
-    /// The merged weight, where one row `x`'s product runs as the bias-free GEMV kernel on
-    /// CUDA: for kernels that fuse what follows the product into it.
+    /// The merged dense weight, where one row `x`'s product runs as the bias-free GEMV kernel
+    /// on CUDA: for kernels that fuse what follows the product into it.
     pub fn gemv_weight(&self, x: &Tensor) -> Option<&Tensor> {
-        let w = self.linear.weight();
-        (self.linear.bias().is_none() && tpinfer_kernels::gemv_on_cuda(x, w)).then_some(w)
+        let linear = self.joined()?.dense()?;
+        let w = linear.weight();
+        (linear.bias().is_none() && tpinfer_kernels::gemv_on_cuda(x, w)).then_some(w)
     }
 
     /// An output of `rows` rows for [`Self::forward_merged_into`], like `x`.
     pub fn empty_output(&self, rows: usize, x: &Tensor) -> Result<Tensor> {
-        empty_output(&self.linear, rows, x)
+        let cols = self.out_sizes.iter().sum::<usize>();
+        Ok(tpinfer_kernels::empty(&[rows, cols], x.dtype(), x.device())?)
     }
 
     /// [`Self::forward_merged`] of rows `x`, written into rows `first_row..` of `out`.
     pub fn forward_merged_into(&self, out: &Tensor, first_row: usize, x: &Tensor) -> candle_core::Result<()> {
-        apply_into(&self.linear, out, first_row, x, false)
+        match self.joined() {
+            Some(product) => apply_into(product, out, first_row, x, false),
+            None => out.slice_set(
+                &self
+                    .forward_merged(x)
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?,
+                0,
+                first_row,
+            ),
+        }
     }
 
     /// [`Self::forward_silu_product`] of one row `x` written into `out` (`[.., n]`,
     /// contiguous), with the SiLU product computed apart where the fused kernel does not run.
     pub fn forward_silu_product_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
-        let w = self.linear.weight();
-        if self.silu_product_covers(x) {
+        if let Some(w) = self.silu_product_weight(x) {
             return Ok(tpinfer_kernels::gemv_gate_up_silu_into(x, w, out)?);
         }
         let gate_up = self.forward_merged(x)?;
@@ -201,19 +338,22 @@ impl MergedColumnParallelLinear {
         Ok(out.slice_set(&product.reshape(out.shape())?, 0, 0)?)
     }
 
-    fn silu_product_covers(&self, x: &Tensor) -> bool {
-        matches!(self.out_sizes[..], [gate, up] if gate == up)
-            && self.linear.bias().is_none()
-            && tpinfer_kernels::gemv_gate_up_silu_on_cuda(x, self.linear.weight())
+    /// The dense `[gate | up]` weight, where the fused SiLU-product GEMV covers `x`.
+    fn silu_product_weight(&self, x: &Tensor) -> Option<&Tensor> {
+        let linear = self.joined()?.dense()?;
+        let covered = matches!(self.out_sizes[..], [gate, up] if gate == up)
+            && linear.bias().is_none()
+            && tpinfer_kernels::gemv_gate_up_silu_on_cuda(x, linear.weight());
+        covered.then(|| linear.weight())
     }
 
     /// For a gated MLP's `[gate | up]` (two merged linears of one size, no bias) and one
     /// input row on CUDA in 16 bits, a decode step's: `silu(gate) · up` from one kernel, with
     /// the bits of [`Self::forward_merged`] and `silu_mul`. `None` where it does not cover `x`.
     pub fn forward_silu_product(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        Ok(match self.silu_product_covers(x) {
-            true => Some(tpinfer_kernels::gemv_gate_up_silu(x, self.linear.weight())?),
-            false => None,
+        Ok(match self.silu_product_weight(x) {
+            Some(w) => Some(tpinfer_kernels::gemv_gate_up_silu(x, w)?),
+            None => None,
         })
     }
 
@@ -227,7 +367,8 @@ impl MergedColumnParallelLinear {
 /// its slice of `x` from a column-parallel layer before it, and its partial product is summed
 /// over ranks by one all-reduce. The bias is added once, after the reduce.
 pub struct RowParallelLinear {
-    linear: Linear,
+    /// The weight alone: the bias is added once, after the sum.
+    product: Product,
     bias: Option<Tensor>,
     comm: Arc<dyn Communicator>,
 }
@@ -250,10 +391,10 @@ impl RowParallelLinear {
     }
 
     pub fn load(weights: &mut ShardLoader, prefix: &str, bias: bool, comm: Arc<dyn Communicator>) -> Result<Self> {
-        let weight = weights.take(&format!("{prefix}.weight"))?;
+        let weight = weights.take_weight(&format!("{prefix}.weight"))?;
         let bias = bias.then(|| weights.take(&format!("{prefix}.bias"))).transpose()?;
         Ok(Self {
-            linear: Linear::new(weight, None),
+            product: Product::new(weight, None)?,
             bias,
             comm,
         })
@@ -272,7 +413,7 @@ impl RowParallelLinear {
         if self.bias.is_some() {
             return Ok(out.slice_set(&self.forward(x)?.reshape(out.shape())?, 0, 0)?);
         }
-        apply_row_into(&self.linear, x, out)?;
+        apply_row_into(&self.product, x, out)?;
         Ok(self.comm.all_reduce_sum_in_place(out)?)
     }
 
@@ -286,7 +427,7 @@ impl RowParallelLinear {
         let hidden = tpinfer_kernels::silu_mul(&gate_up.reshape((rows, cols))?)?;
         drop(gate_up);
         dims.push(cols / 2);
-        let partial = apply(&self.linear, &hidden.reshape(dims)?)?;
+        let partial = apply(&self.product, &hidden.reshape(dims)?)?;
         drop(hidden);
         self.reduce(partial)
     }
@@ -320,16 +461,15 @@ impl RowParallelLinear {
     /// This rank's partial product of `x`, and whether it carries the bias: where the fused
     /// GEMM covers `x`, rank 0 adds it in the epilogue, before the sum (still once).
     fn partial(&self, x: &Tensor) -> candle_core::Result<(Tensor, bool)> {
-        let w = self.linear.weight();
-        match &self.bias {
-            Some(b) if tpinfer_kernels::fused_linear_covers(x, w) => Ok((
+        match (&self.bias, self.product.dense()) {
+            (Some(b), Some(linear)) if tpinfer_kernels::fused_linear_covers(x, linear.weight()) => Ok((
                 match self.comm.rank() {
-                    0 => tpinfer_kernels::linear_bias(x, w, b, false)?,
-                    _ => apply(&self.linear, x)?,
+                    0 => tpinfer_kernels::linear_bias(x, linear.weight(), b, false)?,
+                    _ => apply(&self.product, x)?,
                 },
                 true,
             )),
-            _ => Ok((apply(&self.linear, x)?, false)),
+            _ => Ok((apply(&self.product, x)?, false)),
         }
     }
 

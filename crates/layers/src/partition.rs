@@ -33,6 +33,27 @@ pub fn split_aligned(n: usize, parts: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
+/// `0..n` split into `parts` for values stored in blocks of `block` along the split (GGML
+/// quant blocks of a row-parallel weight's inner dimension): every boundary falls on a whole
+/// block, the blocks spread as evenly as they go. Blocks of 1 split like [`split_aligned`].
+/// Fails, naming the widths that work, when there are fewer blocks than parts.
+pub fn split_blocks(n: usize, parts: usize, block: usize) -> Result<Vec<Range<usize>>> {
+    if block <= 1 {
+        return Ok(split_aligned(n, parts));
+    }
+    let blocks = n / block;
+    if !n.is_multiple_of(block) || blocks < parts {
+        return Err(Error::Shard(format!(
+            "{n} values stored in quant blocks of {block} make {blocks} whole blocks, which split over at most \
+             {blocks} ranks: use --tp {blocks} or less, or --dequantize"
+        )));
+    }
+    Ok(split_evenly(blocks, parts)
+        .into_iter()
+        .map(|r| r.start * block..r.end * block)
+        .collect())
+}
+
 /// A rank's shard of attention heads.
 ///
 /// Q heads are split evenly. The rank holds exactly the KV heads its Q heads read, so a KV
@@ -52,9 +73,23 @@ impl HeadShard {
     /// The shard of `rank` when `n_heads` Q heads sharing `n_kv_heads` KV heads are spread
     /// over `world` ranks.
     pub fn new(n_heads: usize, n_kv_heads: usize, world: usize, rank: usize) -> Result<Self> {
+        Self::in_units(n_heads, n_kv_heads, world, rank, 1)
+    }
+
+    /// [`Self::new`] with Q heads kept together in runs of `unit` (a power of two): what a
+    /// row-parallel output projection in quant blocks spanning several heads needs, so that
+    /// each rank's input columns are whole blocks.
+    pub fn in_units(n_heads: usize, n_kv_heads: usize, world: usize, rank: usize, unit: usize) -> Result<Self> {
         if world == 0 || world > n_heads {
             return Err(Error::Shard(format!(
                 "TP width {world} must be between 1 and the {n_heads} attention heads: use --tp {n_heads} or less"
+            )));
+        }
+        let units = n_heads / unit.max(1);
+        if unit > 1 && (!n_heads.is_multiple_of(unit) || world > units) {
+            return Err(Error::Shard(format!(
+                "the attention output's quant blocks span {unit} heads, so its {n_heads} heads split over at most \
+                 {units} ranks: use --tp {units} or less, or --dequantize"
             )));
         }
         if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
@@ -63,7 +98,9 @@ impl HeadShard {
             )));
         }
         let group = n_heads / n_kv_heads;
-        let q_heads = split_evenly(n_heads, world)[rank].clone();
+        let unit = unit.max(1);
+        let runs = split_evenly(n_heads / unit, world)[rank].clone();
+        let q_heads = runs.start * unit..runs.end * unit;
         let kv_heads = q_heads.start / group..(q_heads.end - 1) / group + 1;
         let kv_of_q = q_heads.clone().map(|h| (h / group - kv_heads.start) as u32).collect();
         Ok(Self {

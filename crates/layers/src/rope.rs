@@ -3,7 +3,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::Result;
 
 /// How rotary frequencies are rescaled for long context.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     /// Llama 3.1's scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
     /// blend between `low_freq_factor` and `high_freq_factor`.
@@ -13,6 +13,9 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: usize,
     },
+    /// A divisor per frequency, `head_dim / 2` of them: how llama.cpp's GGUF files carry a
+    /// scaling (their `rope_freqs` tensor).
+    Divisors(Vec<f64>),
 }
 
 /// Rotary position embedding over halves of each head (the Hugging Face layout), with cos/sin
@@ -27,15 +30,25 @@ impl Rope {
     pub fn new(
         head_dim: usize,
         theta: f64,
-        scaling: Option<RopeScaling>,
+        scaling: Option<&RopeScaling>,
         max_positions: usize,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        if let Some(RopeScaling::Divisors(divisors)) = scaling {
+            if divisors.len() != head_dim / 2 {
+                return Err(candle_core::Error::Msg(format!(
+                    "{} rotary frequency divisors for a head of {head_dim}, which has {}",
+                    divisors.len(),
+                    head_dim / 2
+                ))
+                .into());
+            }
+        }
         let inv_freq: Vec<f32> = (0..head_dim / 2)
             .map(|i| {
                 let freq = 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64);
-                scale_frequency(freq, scaling) as f32
+                scale_frequency(i, freq, scaling) as f32
             })
             .collect();
         let inv_freq = Tensor::from_vec(inv_freq, (1, head_dim / 2), device)?;
@@ -58,16 +71,19 @@ impl Rope {
     }
 }
 
-fn scale_frequency(freq: f64, scaling: Option<RopeScaling>) -> f64 {
+/// Frequency `i` of a head, `freq`, under `scaling`.
+fn scale_frequency(i: usize, freq: f64, scaling: Option<&RopeScaling>) -> f64 {
     match scaling {
         None => freq,
+        Some(RopeScaling::Divisors(divisors)) => freq / divisors[i],
         Some(RopeScaling::Llama3 {
             factor,
             low_freq_factor,
             high_freq_factor,
             original_max_position_embeddings,
         }) => {
-            let old = original_max_position_embeddings as f64;
+            let (factor, low_freq_factor, high_freq_factor) = (*factor, *low_freq_factor, *high_freq_factor);
+            let old = *original_max_position_embeddings as f64;
             let wavelen = 2.0 * std::f64::consts::PI / freq;
             if wavelen < old / high_freq_factor {
                 freq

@@ -3,17 +3,18 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-use crate::{ShardSpec, TensorInfo, WeightError, WeightStore};
+use crate::{QuantizedSlice, ShardSpec, TensorInfo, WeightError, WeightStore};
 
 /// How a model's tensor names map onto a GGUF file's: checkpoint name → (GGUF name, and the
 /// head count whose rotary row permutation llama.cpp applied, if any).
 pub type GgufTensorMap = HashMap<String, (String, Option<usize>)>;
 
-/// The tensors of a GGUF file, dequantized to f32 on read and presented under the model's own
-/// (Hugging Face) names. Quantized blocks span whole rows, so a rank dequantizes each tensor
-/// it needs in full and keeps its slice; the rest is dropped at once.
+/// The tensors of a GGUF file under the model's own (Hugging Face) names: dequantized to f32
+/// on [`WeightStore::read`], or kept in their blocks on [`WeightStore::read_quantized`]. A
+/// rank reads each tensor it needs in full and keeps its slice; the rest is dropped at once.
 pub struct GgufStore {
     path: PathBuf,
     content: Content,
@@ -48,6 +49,24 @@ impl GgufStore {
         self.content.tensor_infos.contains_key(gguf_name)
     }
 
+    /// The GGML type a tensor of this GGUF name is stored in.
+    pub fn gguf_dtype(&self, gguf_name: &str) -> Option<GgmlDType> {
+        self.content.tensor_infos.get(gguf_name).map(|info| info.ggml_dtype)
+    }
+
+    /// A vector tensor of the file by its GGUF name (a `rope_freqs`, say), as f32 values.
+    pub fn read_vector(&self, gguf_name: &str) -> Result<Vec<f32>, WeightError> {
+        let mut file = File::open(&self.path).map_err(|source| WeightError::Io {
+            path: self.path.clone(),
+            source,
+        })?;
+        self.content
+            .tensor(&mut file, gguf_name, &Device::Cpu)
+            .and_then(|t| t.dequantize(&Device::Cpu))
+            .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+            .map_err(|e| self.gguf_error(format!("tensor `{gguf_name}`: {e}")))
+    }
+
     /// Presents the file's tensors under the names of `map`; tensors not in it are hidden.
     pub fn with_names(mut self, map: GgufTensorMap) -> Self {
         self.names = map;
@@ -69,6 +88,25 @@ impl GgufStore {
         names.first().copied()
     }
 
+    /// Reads the GGUF tensor behind `name` in full, with the head count of its rotary row
+    /// permutation.
+    fn read_full(&self, name: &str) -> Result<(QTensor, Option<usize>), WeightError> {
+        let (gguf_name, rotary_heads) = self.names.get(name).ok_or_else(|| WeightError::Missing {
+            name: name.to_string(),
+            origin: self.origin(),
+            config: self.config_origin(),
+        })?;
+        let mut file = File::open(&self.path).map_err(|source| WeightError::Io {
+            path: self.path.clone(),
+            source,
+        })?;
+        let qtensor = self
+            .content
+            .tensor(&mut file, gguf_name, &Device::Cpu)
+            .map_err(|e| self.gguf_error(format!("tensor `{gguf_name}`: {e}")))?;
+        Ok((qtensor, *rotary_heads))
+    }
+
     fn gguf_error(&self, detail: String) -> WeightError {
         WeightError::Gguf {
             path: self.path.clone(),
@@ -87,14 +125,27 @@ fn unpermute_rotary_rows(w: &Tensor, heads: usize) -> candle_core::Result<Tensor
         .reshape((rows, cols))
 }
 
+/// The stored row that [`unpermute_rotary_rows`] moves to row `row` of `rows`.
+fn rotary_source_row(row: usize, rows: usize, heads: usize) -> usize {
+    let half = rows / heads / 2;
+    let (head, within) = (row / (2 * half), row % (2 * half));
+    head * 2 * half + (within % half) * 2 + within / half
+}
+
+/// Whether tensors of `dtype` are blocks to keep rather than plain floats.
+fn is_quantized(dtype: GgmlDType) -> bool {
+    !matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+}
+
 impl WeightStore for GgufStore {
     fn info(&self, name: &str) -> Option<TensorInfo> {
         let (gguf_name, _) = self.names.get(name)?;
         let info = self.content.tensor_infos.get(gguf_name)?;
         Some(TensorInfo {
             shape: info.shape.dims().to_vec(),
-            // Every GGUF tensor is dequantized to f32 on read.
+            // A dense read dequantizes every GGUF tensor to f32.
             dtype: DType::F32,
+            quant: is_quantized(info.ggml_dtype).then_some(info.ggml_dtype),
         })
     }
 
@@ -107,19 +158,7 @@ impl WeightStore for GgufStore {
     }
 
     fn read(&self, name: &str, spec: &ShardSpec) -> Result<(Tensor, usize), WeightError> {
-        let (gguf_name, rotary_heads) = self.names.get(name).ok_or_else(|| WeightError::Missing {
-            name: name.to_string(),
-            origin: self.origin(),
-            config: self.config_origin(),
-        })?;
-        let mut file = File::open(&self.path).map_err(|source| WeightError::Io {
-            path: self.path.clone(),
-            source,
-        })?;
-        let qtensor = self
-            .content
-            .tensor(&mut file, gguf_name, &Device::Cpu)
-            .map_err(|e| self.gguf_error(format!("tensor `{gguf_name}`: {e}")))?;
+        let (qtensor, rotary_heads) = self.read_full(name)?;
         let read_bytes = qtensor.storage_size_in_bytes();
         let tensor_err = |source| WeightError::Tensor {
             name: name.to_string(),
@@ -127,7 +166,7 @@ impl WeightStore for GgufStore {
         };
         let mut full = qtensor.dequantize(&Device::Cpu).map_err(tensor_err)?;
         if let Some(heads) = rotary_heads {
-            full = unpermute_rotary_rows(&full, *heads).map_err(tensor_err)?;
+            full = unpermute_rotary_rows(&full, heads).map_err(tensor_err)?;
         }
         let local = match *spec {
             ShardSpec::Replicated => full,
@@ -137,6 +176,41 @@ impl WeightStore for GgufStore {
                 .map_err(tensor_err)?,
         };
         Ok((local, read_bytes))
+    }
+
+    fn read_quantized(&self, name: &str, spec: &ShardSpec) -> Result<(QuantizedSlice, usize), WeightError> {
+        let (qtensor, rotary_heads) = self.read_full(name)?;
+        let dtype = qtensor.dtype();
+        let shard_err = |detail: String| WeightError::Shard {
+            name: name.to_string(),
+            detail,
+        };
+        let full = qtensor.shape().dims().to_vec();
+        let [rows, cols] = full[..] else {
+            return Err(shard_err(format!(
+                "a quantized tensor of shape {full:?} is not a matrix"
+            )));
+        };
+        spec.quantized_bytes(&full, dtype).map_err(shard_err)?;
+        let block_bytes = |values: usize| values / dtype.block_size() * dtype.type_size();
+        let row_bytes = block_bytes(cols);
+        let (row_range, col_bytes) = match *spec {
+            ShardSpec::Replicated => (0..rows, 0..row_bytes),
+            ShardSpec::Range { dim: 0, start, len } => (start..start + len, 0..row_bytes),
+            ShardSpec::Range { start, len, .. } => (0..rows, block_bytes(start)..block_bytes(start + len)),
+        };
+        let data = qtensor.data().map_err(|source| WeightError::Tensor {
+            name: name.to_string(),
+            source,
+        })?;
+        let mut bytes = Vec::with_capacity(row_range.len() * col_bytes.len());
+        let mut shape = vec![row_range.len(), cols];
+        for row in row_range {
+            let stored = rotary_heads.map_or(row, |heads| rotary_source_row(row, rows, heads));
+            bytes.extend_from_slice(&data[stored * row_bytes..][col_bytes.clone()]);
+        }
+        shape[1] = col_bytes.len() / dtype.type_size() * dtype.block_size();
+        Ok((QuantizedSlice { dtype, shape, bytes }, qtensor.storage_size_in_bytes()))
     }
 
     fn origin(&self) -> String {

@@ -6,6 +6,7 @@
 //! The same declarations give a rank's weight bytes from the headers alone, for the planner.
 
 mod error;
+mod fp8;
 mod gguf;
 mod loader;
 mod progress;
@@ -14,13 +15,15 @@ mod safetensors_store;
 mod shard;
 
 pub use error::WeightError;
+pub use fp8::quantize_rows;
 pub use gguf::{GgufStore, GgufTensorMap};
-pub use loader::{ShardLoader, WeightDecl};
+pub use loader::{ShardLoader, Weight, WeightDecl};
 pub use progress::{CountingStore, LoadProgress};
 pub use renamed::RenamedStore;
 pub use safetensors_store::SafetensorsStore;
 pub use shard::ShardSpec;
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 
 /// A tensor's header: its full shape and its dtype as stored.
@@ -28,6 +31,41 @@ use candle_core::{DType, Tensor};
 pub struct TensorInfo {
     pub shape: Vec<usize>,
     pub dtype: DType,
+    /// The GGML block type the tensor is stored in, when the store can hand it over as
+    /// stored ([`WeightStore::read_quantized`]); `dtype` is then what a dense read gives.
+    pub quant: Option<GgmlDType>,
+}
+
+/// The form a rank holds a checkpoint's matrices in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightFormat {
+    /// As stored: GGUF blocks and FP8 matrices stay so (device memory follows the file),
+    /// the rest is in the compute dtype.
+    #[default]
+    AsStored,
+    /// Everything in the compute dtype (`--dequantize`).
+    Dequantized,
+    /// Every linear weight of the model in FP8 E4M3 with one scale per output row
+    /// (`--quantize fp8`), quantized at load unless stored so.
+    Fp8,
+}
+
+/// How a matrix is held on its rank when not in the compute dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quant {
+    /// GGML blocks, as a GGUF file stores them.
+    Ggml(GgmlDType),
+    /// FP8 E4M3 values with one f32 scale per output row.
+    Fp8,
+}
+
+/// A rank's slice of a quantized tensor, still in its blocks: whole rows of whole blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuantizedSlice {
+    pub dtype: GgmlDType,
+    /// The slice's shape, `[rows, cols]`.
+    pub shape: Vec<usize>,
+    pub bytes: Vec<u8>,
 }
 
 /// Where a checkpoint's tensors come from.
@@ -38,6 +76,14 @@ pub trait WeightStore: Send + Sync {
     fn names(&self) -> Vec<String>;
     /// The `spec` slice of `name` on the CPU in its stored dtype, and the bytes read for it.
     fn read(&self, name: &str, spec: &ShardSpec) -> Result<(Tensor, usize), WeightError>;
+    /// The `spec` slice of `name` in the blocks it is stored in, and the bytes read for it;
+    /// for stores whose [`TensorInfo::quant`] is set.
+    fn read_quantized(&self, name: &str, _spec: &ShardSpec) -> Result<(QuantizedSlice, usize), WeightError> {
+        Err(WeightError::Shard {
+            name: name.to_string(),
+            detail: format!("{} holds no quantized tensors", self.origin()),
+        })
+    }
     /// Where the checkpoint lives, for messages.
     fn origin(&self) -> String;
     /// What says which tensors the checkpoint should hold, for messages: its `config.json`,

@@ -1,16 +1,20 @@
 use std::collections::HashMap;
+use std::sync::Arc;
 
+use candle_core::quantized::{ggml_file::qtensor_from_ggml, QTensor};
 use candle_core::{CpuStorage, DType, Device, Tensor};
 
-use crate::{ShardSpec, WeightError, WeightStore};
+use crate::{Quant, QuantizedSlice, ShardSpec, WeightError, WeightStore};
 
-/// One tensor a model needs: its checkpoint name, the full shape its config implies, and the
-/// slice this rank holds.
+/// One tensor a model needs: its checkpoint name, the full shape its config implies, the
+/// slice this rank holds, and the quantized form it is held in, if any (else it is held in
+/// the compute dtype).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WeightDecl {
     pub name: String,
     pub shape: Vec<usize>,
     pub spec: ShardSpec,
+    pub quant: Option<Quant>,
 }
 
 impl WeightDecl {
@@ -19,8 +23,34 @@ impl WeightDecl {
             name: name.into(),
             shape: shape.to_vec(),
             spec,
+            quant: None,
         }
     }
+
+    /// The bytes this rank holds of the tensor on its device, in `dtype` unless quantized.
+    pub fn device_bytes(&self, dtype: DType) -> Result<usize, WeightError> {
+        let shard_err = |detail| WeightError::Shard {
+            name: self.name.clone(),
+            detail,
+        };
+        let shape = self.spec.local_shape(&self.shape).map_err(shard_err)?;
+        let elements = shape.iter().product::<usize>();
+        match self.quant {
+            Some(Quant::Ggml(quant)) => self.spec.quantized_bytes(&self.shape, quant).map_err(shard_err),
+            // One byte a value, and an f32 scale for each of the slice's rows.
+            Some(Quant::Fp8) => Ok(elements + shape[0] * 4),
+            None => Ok(elements * dtype.size_in_bytes()),
+        }
+    }
+}
+
+/// A matrix as a rank holds it: dense in the compute dtype, in the GGML blocks it is stored
+/// in, or as FP8 E4M3 `values` (`[rows, cols]`) times f32 `scales` (`[rows]`).
+#[derive(Clone)]
+pub enum Weight {
+    Dense(Tensor),
+    Quantized(Arc<QTensor>),
+    Fp8 { values: Tensor, scales: Tensor },
 }
 
 /// A rank's weights: the declared slices, read from a store one tensor at a time as layers take
@@ -59,12 +89,19 @@ impl<'a> ShardLoader<'a> {
                     expected: decl.shape.as_slice().into(),
                 });
             }
-            decl.spec
-                .local_shape(&decl.shape)
-                .map_err(|detail| WeightError::Shard {
-                    name: decl.name.clone(),
-                    detail,
-                })?;
+            decl.device_bytes(DType::F32)?;
+            if let Some(Quant::Ggml(quant)) = decl.quant {
+                if info.quant != Some(quant) {
+                    return Err(WeightError::Shard {
+                        name: decl.name.clone(),
+                        detail: format!(
+                            "declared as {quant:?} blocks, but {} holds {:?}",
+                            store.origin(),
+                            info.quant
+                        ),
+                    });
+                }
+            }
         }
         let mut names = store.names();
         names.sort();
@@ -114,18 +151,12 @@ impl<'a> ShardLoader<'a> {
         }
     }
 
-    /// The device bytes of `decls` in `dtype`: what taking all of them places on the device.
+    /// The device bytes of `decls` in `dtype` (quantized ones as stored): what taking all of
+    /// them places on the device.
     pub fn device_bytes(decls: &[WeightDecl], dtype: DType) -> Result<usize, WeightError> {
-        decls.iter().try_fold(0, |total, decl| {
-            let shape = decl
-                .spec
-                .local_shape(&decl.shape)
-                .map_err(|detail| WeightError::Shard {
-                    name: decl.name.clone(),
-                    detail,
-                })?;
-            Ok(total + shape.iter().product::<usize>() * dtype.size_in_bytes())
-        })
+        decls
+            .iter()
+            .try_fold(0, |total, decl| Ok(total + decl.device_bytes(dtype)?))
     }
 
     /// The bytes copied out of the checkpoint so far.
@@ -157,6 +188,126 @@ impl<'a> ShardLoader<'a> {
         self.upload(&joined, host)
     }
 
+    /// A declared matrix as its declaration holds it: in its GGML blocks when quantized, else
+    /// dense like [`Self::take`].
+    pub fn take_weight(&mut self, name: &str) -> Result<Weight, WeightError> {
+        match self.quant_of(name)? {
+            Some(Quant::Ggml(_)) => {
+                let slice = self.read_quantized(name)?;
+                Ok(Weight::Quantized(Arc::new(self.upload_quantized(name, slice)?)))
+            }
+            Some(Quant::Fp8) => {
+                let (values, scales) = self.read_fp8(name)?;
+                self.upload_fp8(name, values, scales)
+            }
+            None => Ok(Weight::Dense(self.take(name)?)),
+        }
+    }
+
+    /// Several declared matrices stacked by rows, for fused layers: one weight where they
+    /// can be joined (all dense, all FP8, or all in the same GGML blocks), else one per name.
+    pub fn take_stacked(&mut self, names: &[&str]) -> Result<Vec<Weight>, WeightError> {
+        let quants = names.iter().map(|n| self.quant_of(n)).collect::<Result<Vec<_>, _>>()?;
+        if quants.windows(2).any(|q| q[0] != q[1]) {
+            return names.iter().map(|n| self.take_weight(n)).collect();
+        }
+        let joined = names.join(" + ");
+        match quants.first().copied().flatten() {
+            None => Ok(vec![Weight::Dense(self.take_concat(names, 0)?)]),
+            Some(Quant::Fp8) => {
+                let parts = names.iter().map(|n| self.read_fp8(n)).collect::<Result<Vec<_>, _>>()?;
+                let (values, scales): (Vec<Tensor>, Vec<Tensor>) = parts.into_iter().unzip();
+                let cat = |parts: &[Tensor]| {
+                    Tensor::cat(parts, 0).map_err(|source| WeightError::Tensor {
+                        name: joined.clone(),
+                        source,
+                    })
+                };
+                let (values, scales) = (cat(&values)?, cat(&scales)?);
+                Ok(vec![self.upload_fp8(&joined, values, scales)?])
+            }
+            Some(Quant::Ggml(_)) => {
+                let parts = names
+                    .iter()
+                    .map(|n| self.read_quantized(n))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let mut stacked = parts[0].clone();
+                for part in &parts[1..] {
+                    stacked.shape[0] += part.shape[0];
+                    stacked.bytes.extend_from_slice(&part.bytes);
+                }
+                let qtensor = self.upload_quantized(&joined, stacked)?;
+                Ok(vec![Weight::Quantized(Arc::new(qtensor))])
+            }
+        }
+    }
+
+    fn quant_of(&self, name: &str) -> Result<Option<Quant>, WeightError> {
+        self.decls
+            .get(name)
+            .map(|d| d.quant)
+            .ok_or_else(|| WeightError::Missing {
+                name: name.to_string(),
+                origin: "the tensors declared for this rank (or it was taken twice)".to_string(),
+                config: self.store.config_origin(),
+            })
+    }
+
+    fn take_decl(&mut self, name: &str) -> Result<WeightDecl, WeightError> {
+        self.decls.remove(name).ok_or_else(|| WeightError::Missing {
+            name: name.to_string(),
+            origin: "the tensors declared for this rank (or it was taken twice)".to_string(),
+            config: self.store.config_origin(),
+        })
+    }
+
+    fn read_quantized(&mut self, name: &str) -> Result<QuantizedSlice, WeightError> {
+        let decl = self.take_decl(name)?;
+        let (slice, n) = self.store.read_quantized(&decl.name, &decl.spec)?;
+        self.bytes_read += n;
+        if Some(Quant::Ggml(slice.dtype)) != decl.quant {
+            return Err(WeightError::Shard {
+                name: decl.name,
+                detail: format!(
+                    "declared as {:?}, but the store holds {:?} blocks",
+                    decl.quant, slice.dtype
+                ),
+            });
+        }
+        Ok(slice)
+    }
+
+    /// A declared FP8 matrix's values and row scales, on the host.
+    fn read_fp8(&mut self, name: &str) -> Result<(Tensor, Tensor), WeightError> {
+        let decl = self.take_decl(name)?;
+        let (values, scales, n) = crate::fp8::read_fp8(self.store, &decl.name, &decl.spec)?;
+        self.bytes_read += n;
+        Ok((values, scales))
+    }
+
+    fn upload_fp8(&mut self, name: &str, values: Tensor, scales: Tensor) -> Result<Weight, WeightError> {
+        let upload = |t: Tensor| {
+            t.to_device(&self.device).map_err(|source| WeightError::Tensor {
+                name: name.to_string(),
+                source,
+            })
+        };
+        let (values, scales) = (upload(values)?, upload(scales)?);
+        self.bytes_on_device += values.elem_count() + scales.elem_count() * 4;
+        Ok(Weight::Fp8 { values, scales })
+    }
+
+    fn upload_quantized(&mut self, name: &str, slice: QuantizedSlice) -> Result<QTensor, WeightError> {
+        let qtensor = qtensor_from_ggml(slice.dtype, &slice.bytes, slice.shape, &self.device).map_err(|source| {
+            WeightError::Tensor {
+                name: name.to_string(),
+                source,
+            }
+        })?;
+        self.bytes_on_device += slice.bytes.len();
+        Ok(qtensor)
+    }
+
     /// The shape of a declared, not yet taken tensor's slice.
     pub fn local_shape(&self, name: &str) -> Result<Vec<usize>, WeightError> {
         let decl = self.decls.get(name).ok_or_else(|| WeightError::Missing {
@@ -171,12 +322,23 @@ impl<'a> ShardLoader<'a> {
     }
 
     fn read(&mut self, name: &str) -> Result<Tensor, WeightError> {
-        let decl = self.decls.remove(name).ok_or_else(|| WeightError::Missing {
-            name: name.to_string(),
-            origin: "the tensors declared for this rank (or it was taken twice)".to_string(),
-            config: self.store.config_origin(),
-        })?;
-        let (host, n) = self.store.read(&decl.name, &decl.spec)?;
+        let decl = self.take_decl(name)?;
+        let stored_fp8 = self.store.info(name).is_some_and(|i| i.dtype == DType::F8E4M3);
+        let (host, n) = match stored_fp8 {
+            // E4M3 values mean nothing without their row scales.
+            true => {
+                let (values, scales, n) = crate::fp8::read_fp8(self.store, &decl.name, &decl.spec)?;
+                let dense = values
+                    .to_dtype(DType::F32)
+                    .and_then(|v| v.broadcast_mul(&scales.unsqueeze(1)?))
+                    .map_err(|source| WeightError::Tensor {
+                        name: decl.name.clone(),
+                        source,
+                    })?;
+                (dense, n)
+            }
+            false => self.store.read(&decl.name, &decl.spec)?,
+        };
         self.bytes_read += n;
         // The slice is in host memory now: checked here, a corrupt checkpoint is named at load
         // rather than found as NaN output, and no pass over the file is added.

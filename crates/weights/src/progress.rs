@@ -5,11 +5,12 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use crate::{ShardSpec, TensorInfo, WeightError, WeightStore};
+use crate::{QuantizedSlice, ShardSpec, TensorInfo, WeightError, WeightStore};
 
 /// The weight bytes loaded so far, out of the bytes to load, summed over the ranks that
 /// share it: what a progress bar shows while a large model loads. Clones count into the same
-/// totals. Bytes count in the compute dtype, as a rank's plan counts its weights.
+/// totals. Bytes count as a rank's plan counts its weights: in the compute dtype, or as
+/// stored for tensors kept quantized.
 #[derive(Debug, Clone, Default)]
 pub struct LoadProgress {
     placed: Arc<AtomicU64>,
@@ -69,6 +70,14 @@ impl WeightStore for CountingStore {
         let loaded = tensor.elem_count() * self.dtype.size_in_bytes();
         self.progress.placed.fetch_add(loaded as u64, Ordering::Relaxed);
         Ok((tensor, bytes))
+    }
+
+    fn read_quantized(&self, name: &str, spec: &ShardSpec) -> Result<(QuantizedSlice, usize), WeightError> {
+        let (slice, bytes) = self.inner.read_quantized(name, spec)?;
+        self.progress
+            .placed
+            .fetch_add(slice.bytes.len() as u64, Ordering::Relaxed);
+        Ok((slice, bytes))
     }
 
     fn origin(&self) -> String {

@@ -3,7 +3,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use crate::{ShardSpec, TensorInfo, WeightError, WeightStore};
+use crate::{QuantizedSlice, ShardSpec, TensorInfo, WeightError, WeightStore};
 
 /// A store seen through another naming: a model declares its tensors in one naming
 /// (diffusers', say) and reads a checkpoint saved in another (the original Wan code's).
@@ -44,6 +44,10 @@ impl WeightStore for RenamedStore {
 
     fn read(&self, name: &str, spec: &ShardSpec) -> Result<(Tensor, usize), WeightError> {
         self.inner.read(self.stored_name(name), spec)
+    }
+
+    fn read_quantized(&self, name: &str, spec: &ShardSpec) -> Result<(QuantizedSlice, usize), WeightError> {
+        self.inner.read_quantized(self.stored_name(name), spec)
     }
 
     fn origin(&self) -> String {

@@ -102,6 +102,7 @@ impl SafetensorsStore {
                 info: TensorInfo {
                     shape: info.shape.clone(),
                     dtype,
+                    quant: None,
                 },
                 begin: info.data_offsets.0,
             };
@@ -157,6 +158,7 @@ fn to_candle_dtype(dtype: Dtype) -> Option<DType> {
         Dtype::U8 => DType::U8,
         Dtype::U32 => DType::U32,
         Dtype::I64 => DType::I64,
+        Dtype::F8_E4M3 => DType::F8E4M3,
         _ => return None,
     })
 }

@@ -1,3 +1,4 @@
+use candle_core::quantized::GgmlDType;
 use candle_core::DType;
 
 /// Which part of a tensor one rank holds.
@@ -49,5 +50,27 @@ impl ShardSpec {
     pub fn bytes(&self, full: &[usize], dtype: DType) -> Result<usize, String> {
         let shape = self.local_shape(full)?;
         Ok(shape.iter().product::<usize>() * dtype.size_in_bytes())
+    }
+
+    /// The bytes of the slice of a `[rows, cols]` tensor stored in GGML blocks of `quant`,
+    /// which run along the rows: a column range must fall on whole blocks.
+    pub fn quantized_bytes(&self, full: &[usize], quant: GgmlDType) -> Result<usize, String> {
+        let shape = self.local_shape(full)?;
+        let block = quant.block_size();
+        let [rows, cols] = shape[..] else {
+            return Err(format!("a {quant:?} tensor must have two dims, not {full:?}"));
+        };
+        if let Self::Range { dim: 1, start, len } = *self {
+            if !start.is_multiple_of(block) || !len.is_multiple_of(block) {
+                return Err(format!(
+                    "columns {start}..{} of a {quant:?} tensor do not fall on its blocks of {block}",
+                    start + len
+                ));
+            }
+        }
+        if !cols.is_multiple_of(block) {
+            return Err(format!("{cols} columns are not whole {quant:?} blocks of {block}"));
+        }
+        Ok(rows * cols / block * quant.type_size())
     }
 }

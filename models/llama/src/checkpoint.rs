@@ -3,9 +3,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::quantized::gguf_file::Value;
+use tpinfer_layers::RopeScaling;
 use tpinfer_weights::{
-    CountingStore, GgufStore, GgufTensorMap, LoadProgress, SafetensorsStore, ShardLoader, WeightDecl, WeightError,
-    WeightStore,
+    CountingStore, GgufStore, GgufTensorMap, LoadProgress, Quant, SafetensorsStore, ShardLoader, TensorInfo,
+    WeightDecl, WeightError, WeightFormat, WeightStore,
 };
 
 use crate::shard::names;
@@ -27,6 +28,8 @@ pub struct LlamaCheckpoint {
     pub store: Arc<dyn WeightStore>,
     /// The GGUF file's store when the checkpoint is one, for its tokenizer metadata.
     gguf: Option<Arc<GgufStore>>,
+    /// The form the ranks hold the linear weights in.
+    weight_format: WeightFormat,
 }
 
 /// Why a checkpoint could not be opened.
@@ -48,16 +51,23 @@ impl LlamaCheckpoint {
             format: self.format.clone(),
             store: Arc::new(CountingStore::new(self.store.clone(), progress, dtype)),
             gguf: self.gguf.clone(),
+            weight_format: self.weight_format,
         }
     }
 
-    /// Opens a model directory or GGUF file. Reads config and headers only.
+    /// Opens a model directory or GGUF file, its weights held as stored. Reads config and
+    /// headers only.
     pub fn open(path: &Path) -> Result<Self, CheckpointError> {
+        Self::open_with(path, WeightFormat::AsStored)
+    }
+
+    /// [`Self::open`], the linear weights to be held in `format`.
+    pub fn open_with(path: &Path, format: WeightFormat) -> Result<Self, CheckpointError> {
         if !path.exists() {
             return Err(CheckpointError::NotFound(path.to_path_buf()));
         }
         if path.is_file() {
-            return Self::open_gguf(path);
+            return Self::open_gguf(path, format);
         }
         let config = LlamaConfig::from_dir(path)?;
         let store = SafetensorsStore::open(path)?;
@@ -66,27 +76,32 @@ impl LlamaCheckpoint {
             format: ModelFormat::HfDir(path.to_path_buf()),
             store: Arc::new(store),
             gguf: None,
+            weight_format: format,
         })
     }
 
-    fn open_gguf(path: &Path) -> Result<Self, CheckpointError> {
+    fn open_gguf(path: &Path, format: WeightFormat) -> Result<Self, CheckpointError> {
         let store = GgufStore::open(path)?;
-        if store.has_gguf_tensor("rope_freqs.weight") {
-            // llama.cpp stores Llama 3.1's rope scaling as precomputed factors; ignoring them
-            // would silently change every position's rotation.
-            return Err(ConfigError::Unsupported {
-                origin: path.display().to_string(),
-                detail:
-                    "GGUF rope_freqs (Llama 3.1 rope scaling) is not supported yet; use the Hugging Face checkpoint"
-                        .into(),
-            }
-            .into());
+        let origin = path.display().to_string();
+        let mut config = LlamaConfig::from_gguf(store.metadata(), store.has_gguf_tensor("output.weight"), &origin)?;
+        if store.has_gguf_tensor(ROPE_FREQS) {
+            // llama.cpp stores Llama 3.1's rope scaling as a divisor per frequency.
+            config.rope_scaling = Some(rope_divisors(&store, &config, &origin)?);
         }
-        let config = LlamaConfig::from_gguf(
-            store.metadata(),
-            store.has_gguf_tensor("output.weight"),
-            &path.display().to_string(),
-        )?;
+        if format == WeightFormat::AsStored {
+            config.row_block = (0..config.num_hidden_layers)
+                .flat_map(|i| {
+                    [
+                        format!("blk.{i}.attn_output.weight"),
+                        format!("blk.{i}.ffn_down.weight"),
+                    ]
+                })
+                .filter_map(|name| store.gguf_dtype(&name))
+                .filter(|dtype| dtype.block_size() > 1)
+                .map(|dtype| dtype.block_size())
+                .max()
+                .unwrap_or(1);
+        }
         let store = store.with_names(gguf_names(&config));
         if let Some(name) = store.unmapped_tensor() {
             return Err(WeightError::Unexpected {
@@ -107,7 +122,20 @@ impl LlamaCheckpoint {
             format: ModelFormat::Gguf(path.to_path_buf()),
             store: store.clone(),
             gguf: Some(store),
+            weight_format: format,
         })
+    }
+
+    /// The tensors `shard` reads, each linear weight in the checkpoint's [`WeightFormat`].
+    pub fn weight_decls(&self, shard: &LlamaShard) -> Vec<WeightDecl> {
+        let mut decls = shard.weight_decls(&self.config);
+        hold_linears(&mut decls, self.weight_format, |name| self.store.info(name));
+        decls
+    }
+
+    /// The form the ranks hold the linear weights in.
+    pub fn weight_format(&self) -> WeightFormat {
+        self.weight_format
     }
 
     /// The GGUF key/value metadata (tokenizer, chat template), when the checkpoint is GGUF.
@@ -117,7 +145,7 @@ impl LlamaCheckpoint {
 
     /// Checks the checkpoint against what `shard` reads (names and shapes, from headers).
     pub fn check(&self, shard: &LlamaShard) -> Result<(), WeightError> {
-        self.check_decls(&shard.weight_decls(&self.config))
+        self.check_decls(&self.weight_decls(shard))
     }
 
     /// Checks the checkpoint against the tensors a rank reads (names and shapes, from headers).
@@ -128,8 +156,61 @@ impl LlamaCheckpoint {
 
     /// The bytes of weights `shard` will read, from the headers alone.
     pub fn shard_bytes(&self, shard: &LlamaShard) -> Result<usize, WeightError> {
-        ShardLoader::planned_bytes(&*self.store, &shard.weight_decls(&self.config))
+        ShardLoader::planned_bytes(&*self.store, &self.weight_decls(shard))
     }
+}
+
+/// Sets each linear weight of `decls` to the form `format` holds it in, `stored` giving a
+/// tensor's header (none for a preset). The embedding stays dense, its rows looked up rather
+/// than multiplied; so does the LM head of an FP8 model, as FP8 checkpoints keep it.
+pub(crate) fn hold_linears(
+    decls: &mut [WeightDecl],
+    format: WeightFormat,
+    stored: impl Fn(&str) -> Option<TensorInfo>,
+) {
+    for decl in decls
+        .iter_mut()
+        .filter(|d| d.shape.len() == 2 && d.name != names::EMBED)
+    {
+        let info = stored(&decl.name);
+        decl.quant = match format {
+            WeightFormat::Dequantized => None,
+            WeightFormat::Fp8 => (decl.name != names::LM_HEAD).then_some(Quant::Fp8),
+            WeightFormat::AsStored => match info {
+                Some(TensorInfo {
+                    quant: Some(blocks), ..
+                }) => Some(Quant::Ggml(blocks)),
+                Some(TensorInfo {
+                    dtype: candle_core::DType::F8E4M3,
+                    ..
+                }) if decl.name != names::LM_HEAD => Some(Quant::Fp8),
+                _ => None,
+            },
+        };
+    }
+}
+
+/// llama.cpp's rotary frequency divisors (Llama 3.1 and 3.2 GGUFs).
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
+/// The file's `rope_freqs`, checked: one positive finite divisor per frequency of a head.
+fn rope_divisors(store: &GgufStore, config: &LlamaConfig, origin: &str) -> Result<RopeScaling, CheckpointError> {
+    let divisors = store.read_vector(ROPE_FREQS)?;
+    let expected = config.head_dim / 2;
+    if divisors.len() != expected || !divisors.iter().all(|d| d.is_finite() && *d > 0.0) {
+        return Err(ConfigError::Invalid {
+            origin: origin.to_string(),
+            field: ROPE_FREQS.to_string(),
+            detail: format!(
+                "must hold {expected} positive divisors (one per rotary frequency of a {}-wide head); it holds {} \
+                 values: the file is corrupt, convert it again",
+                config.head_dim,
+                divisors.len()
+            ),
+        }
+        .into());
+    }
+    Ok(RopeScaling::Divisors(divisors.into_iter().map(f64::from).collect()))
 }
 
 /// Hugging Face names → llama.cpp names. Q and K rows were permuted by llama.cpp's converter.
@@ -141,6 +222,7 @@ fn gguf_names(c: &LlamaConfig) -> GgufTensorMap {
     add(names::EMBED.into(), "token_embd.weight".into(), None);
     add(names::NORM.into(), "output_norm.weight".into(), None);
     add(names::LM_HEAD.into(), "output.weight".into(), None);
+    add(names::ROPE_FREQS.into(), ROPE_FREQS.into(), None);
     for i in 0..c.num_hidden_layers {
         let (n, b) = (names::LayerNames::of(i), format!("blk.{i}"));
         let weight = |prefix: &str| format!("{prefix}.weight");

@@ -28,6 +28,10 @@ pub struct LlamaConfig {
     pub dtype: Option<DType>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// The values per quant block along the inner dimension of the row-parallel weights
+    /// (attention output, FFN down) as the ranks hold them: a split falls on its multiples.
+    /// 1 for dense weights; a GGUF file kept quantized sets it.
+    pub row_block: usize,
 }
 
 /// Why a configuration could not be read. The message names the file and field.
@@ -74,6 +78,7 @@ struct RawConfig {
     torch_dtype: Option<String>,
     // transformers 5
     rope_parameters: Option<Json>,
+    quantization_config: Option<Json>,
     dtype: Option<String>,
     bos_token_id: Option<Json>,
     eos_token_id: Option<Json>,
@@ -169,6 +174,18 @@ impl LlamaConfig {
             })?,
             None => raw.rope_theta.unwrap_or(10_000.0),
         };
+        if let Some(method) = raw.quantization_config.as_ref().map(|q| q.get("quant_method")) {
+            let method = method.and_then(Json::as_str).unwrap_or("none given");
+            if method != "compressed-tensors" {
+                return Err(ConfigError::Unsupported {
+                    origin: origin.to_string(),
+                    detail: format!(
+                        "quantization_config.quant_method `{method}` is not supported: tpinfer loads FP8 \
+                         compressed-tensors checkpoints and GGUF files; or give a bf16 checkpoint with --quantize fp8"
+                    ),
+                });
+            }
+        }
         let dtype_name = raw.dtype.as_deref().or(raw.torch_dtype.as_deref());
         let config = Self {
             hidden_size,
@@ -192,6 +209,7 @@ impl LlamaConfig {
                 .first()
                 .copied(),
             eos_token_ids: token_ids(raw.eos_token_id.as_ref(), origin, "eos_token_id")?,
+            row_block: 1,
         };
         config.validate(origin)?;
         Ok(config)
@@ -258,6 +276,7 @@ impl LlamaConfig {
             dtype: None,
             bos_token_id: token("tokenizer.ggml.bos_token_id"),
             eos_token_ids: token("tokenizer.ggml.eos_token_id").into_iter().collect(),
+            row_block: 1,
         };
         config.validate(origin)?;
         Ok(config)

@@ -8,7 +8,7 @@ use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
 use tpinfer_plan::{
     boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
 };
-use tpinfer_weights::WeightDecl;
+use tpinfer_weights::{Quant, WeightDecl, WeightFormat};
 
 use crate::memory::{flash_attention, prefill_chunk, Batch, RankMemory};
 use crate::{CheckpointError, LlamaCheckpoint, LlamaConfig, LlamaRank, LlamaShard};
@@ -23,6 +23,8 @@ pub struct LlamaModel {
     name: String,
     config: Arc<LlamaConfig>,
     checkpoint: Option<Arc<LlamaCheckpoint>>,
+    /// The form a preset's linear weights are planned in (a checkpoint carries its own).
+    format: WeightFormat,
 }
 
 /// One rank's part of a Llama model: its heads, FFN columns and vocabulary rows, with the
@@ -37,9 +39,14 @@ pub struct LlamaRankShard {
 impl LlamaModel {
     /// Opens a Hugging Face directory or a GGUF file (config and headers only).
     pub fn open_checkpoint(path: &Path) -> Result<Self, CheckpointError> {
+        Self::open_checkpoint_with(path, WeightFormat::AsStored)
+    }
+
+    /// [`Self::open_checkpoint`], the linear weights to be held in `format`.
+    pub fn open_checkpoint_with(path: &Path, format: WeightFormat) -> Result<Self, CheckpointError> {
         Ok(Self::from_checkpoint(
             path.display().to_string(),
-            Arc::new(LlamaCheckpoint::open(path)?),
+            Arc::new(LlamaCheckpoint::open_with(path, format)?),
         ))
     }
 
@@ -48,6 +55,7 @@ impl LlamaModel {
         Self {
             name: name.into(),
             config: Arc::new(checkpoint.config.clone()),
+            format: checkpoint.weight_format(),
             checkpoint: Some(checkpoint),
         }
     }
@@ -102,6 +110,34 @@ impl ShardedModel for LlamaModel {
     }
 }
 
+impl LlamaRankShard {
+    /// The bytes a product of a quantized weight expands it into while it runs, for the
+    /// largest (merged) weight: FP8 everywhere (the E4M3 values and the product in the compute
+    /// dtype), GGML blocks on CPU ranks (f32, then the compute dtype). CUDA multiplies GGML
+    /// blocks as they are.
+    fn expanded_weight(&self, dtype: DType, accelerator: Accelerator) -> usize {
+        let gate = format!("{}.weight", crate::shard::names::LayerNames::of(0).gate);
+        let per_value = match self.decls.iter().find(|d| d.name == gate).and_then(|d| d.quant) {
+            Some(Quant::Fp8) => 2 * dtype.size_in_bytes(),
+            Some(Quant::Ggml(_)) if accelerator == Accelerator::Cpu => {
+                4 + if dtype == DType::F32 { 0 } else { dtype.size_in_bytes() }
+            }
+            _ => return 0,
+        };
+        let (h, d) = (self.config.hidden_size, self.config.head_dim);
+        let (q, kv, ffn) = (
+            self.shard.heads.q_heads.len() * d,
+            self.shard.heads.kv_heads.len() * d,
+            self.shard.ffn_cols.len(),
+        );
+        let largest = [(q + 2 * kv) * h, 2 * ffn * h, q * h, ffn * h]
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        largest * per_value
+    }
+}
+
 impl RankShard for LlamaRankShard {
     fn weight_decls(&self) -> &[WeightDecl] {
         &self.decls
@@ -145,7 +181,7 @@ impl RankShard for LlamaRankShard {
         Ok(Footprint {
             buffers: m.buffers as u64,
             cache: m.kv_cache as u64,
-            activations: m.activations as u64,
+            activations: (m.activations + self.expanded_weight(dtype, accelerator)) as u64,
             pool_slack: m.pool_slack as u64,
             // Rotary tables and the KV cache are allocated at load, for the whole context.
             at_load: (m.buffers + m.kv_cache) as u64,
@@ -186,6 +222,7 @@ impl Family for LlamaModel {
             name: name.to_string(),
             config: Arc::new(config),
             checkpoint: None,
+            format: WeightFormat::AsStored,
         })
     }
 
@@ -196,7 +233,15 @@ impl Family for LlamaModel {
                     tp,
                     detail: e.to_string(),
                 })?;
-                let decls = shard.weight_decls(&self.config).into();
+                let decls = match &self.checkpoint {
+                    Some(checkpoint) => checkpoint.weight_decls(&shard),
+                    None => {
+                        let mut decls = shard.weight_decls(&self.config);
+                        crate::checkpoint::hold_linears(&mut decls, self.format, |_| None);
+                        decls
+                    }
+                }
+                .into();
                 Ok(LlamaRankShard {
                     shard,
                     config: self.config.clone(),
@@ -238,6 +283,18 @@ impl Family for LlamaModel {
         rank.set_cuda_graphs(ctx.options.cuda_graphs)?;
         rank.set_kernel_chains(ctx.options.kernel_chains);
         Ok(rank)
+    }
+
+    fn with_format(self, format: WeightFormat) -> Result<Self, PlanError> {
+        match &self.checkpoint {
+            None => Ok(Self { format, ..self }),
+            Some(checkpoint) => {
+                let path = match &checkpoint.format {
+                    crate::ModelFormat::HfDir(path) | crate::ModelFormat::Gguf(path) => path.clone(),
+                };
+                Self::open_checkpoint_with(&path, format).map_err(|e| PlanError::Model(e.to_string()))
+            }
+        }
     }
 
     fn bytes_loaded(rank: &LlamaRank) -> usize {

@@ -57,6 +57,11 @@ pub struct LlamaRank {
     dtype: DType,
     bytes_loaded: usize,
     bytes_on_device: usize,
+    /// Whether some weights are held quantized (GGML blocks, FP8): their products, candle's
+    /// quantized matmuls or an expansion of the weight, are not yet validated under CUDA
+    /// graph capture, so such a rank runs eagerly.
+    #[cfg(feature = "cuda")]
+    quantized: bool,
 }
 
 /// A batched rank's paged KV cache: `blocks` blocks of `block_size` positions in every layer,
@@ -191,7 +196,7 @@ impl LlamaRank {
         paged: Option<PagedCache>,
     ) -> Result<Self> {
         let c = &checkpoint.config;
-        let decls = shard.weight_decls(c);
+        let decls = checkpoint.weight_decls(&shard);
         let mut w = ShardLoader::new(&*checkpoint.store, &decls, dtype, device);
         let n_kv = shard.heads.kv_heads.len();
         let one_sequence = if paged.is_some() { 0 } else { max_positions };
@@ -223,7 +228,14 @@ impl LlamaRank {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let rope = Rope::new(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device)?;
+        let rope = Rope::new(
+            c.head_dim,
+            c.rope_theta,
+            c.rope_scaling.as_ref(),
+            max_positions,
+            dtype,
+            device,
+        )?;
         let kv_index = Tensor::new(shard.heads.kv_of_q.as_slice(), device)?;
         let norm = w.take(names::NORM)?;
         let mut rank = Self {
@@ -252,6 +264,8 @@ impl LlamaRank {
             shard,
             bytes_loaded: w.bytes_read(),
             bytes_on_device: w.bytes_on_device(),
+            #[cfg(feature = "cuda")]
+            quantized: decls.iter().any(|d| d.quant.is_some()),
         };
         // The captured steps where they apply: the one-sequence step, or a batched rank's.
         rank.set_cuda_graphs(true)?;
@@ -347,7 +361,7 @@ impl LlamaRank {
         #[cfg(feature = "cuda")]
         {
             let device = self.norm.device().clone();
-            (self.decode, self.batch_graphs) = match (on, self.paged) {
+            (self.decode, self.batch_graphs) = match (on && !self.quantized, self.paged) {
                 (false, _) => (None, None),
                 (true, None) => (
                     crate::graph::DecodeGraph::new(&device, self.flash, self.config.vocab_size)?,

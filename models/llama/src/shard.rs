@@ -1,7 +1,7 @@
 use std::ops::Range;
 
 use tpinfer_layers::{
-    split_aligned, ColumnParallelLinear, GatedMlp, HeadShard, RowParallelLinear, VocabParallelEmbedding,
+    split_aligned, split_blocks, ColumnParallelLinear, GatedMlp, HeadShard, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::{ShardSpec, WeightDecl};
 
@@ -20,14 +20,23 @@ pub struct LlamaShard {
 }
 
 impl LlamaShard {
-    /// Fails, naming the limit, when the model cannot be split `world` ways.
+    /// Fails, naming the limit, when the model cannot be split `world` ways. The row-parallel
+    /// weights' inner dimensions split on whole quant blocks ([`LlamaConfig::row_block`]).
     pub fn new(config: &LlamaConfig, world: usize, rank: usize) -> tpinfer_layers::Result<Self> {
-        let heads = HeadShard::new(config.num_attention_heads, config.num_key_value_heads, world, rank)?;
+        let block = config.row_block;
+        let heads_per_block = block / gcd(block, config.head_dim);
+        let heads = HeadShard::in_units(
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            world,
+            rank,
+            heads_per_block,
+        )?;
         Ok(Self {
             rank,
             world,
             heads,
-            ffn_cols: split_aligned(config.intermediate_size, world)[rank].clone(),
+            ffn_cols: split_blocks(config.intermediate_size, world, block)?[rank].clone(),
             vocab_rows: Self::vocab_parts(config, world)[rank].clone(),
         })
     }
@@ -69,6 +78,13 @@ impl LlamaShard {
     }
 }
 
+fn gcd(a: usize, b: usize) -> usize {
+    match b {
+        0 => a,
+        _ => gcd(b, a % b),
+    }
+}
+
 /// Checkpoint tensor names (Hugging Face's).
 pub(crate) mod names {
     use tpinfer_layers::GatedMlpNames;
@@ -76,6 +92,8 @@ pub(crate) mod names {
     pub const EMBED: &str = "model.embed_tokens.weight";
     pub const NORM: &str = "model.norm.weight";
     pub const LM_HEAD: &str = "lm_head.weight";
+    /// A GGUF file's rotary frequency divisors, read into the config, not by a layer.
+    pub const ROPE_FREQS: &str = "rope_freqs";
     /// What every decoder layer's names start with, before its index.
     pub const LAYERS: &str = "model.layers.";
 
@@ -120,6 +138,12 @@ pub(crate) mod names {
 
     /// Names that checkpoints carry but no layer reads.
     pub fn ignored(name: &str, tied: bool) -> bool {
-        name.ends_with("rotary_emb.inv_freq") || (tied && name == LM_HEAD)
+        name.ends_with("rotary_emb.inv_freq")
+            || name == ROPE_FREQS
+            || (tied && name == LM_HEAD)
+            // An FP8 checkpoint's scales, read with their weights; activations are scaled per
+            // token as they come, so a static input scale goes unused.
+            || name.ends_with(".weight_scale")
+            || name.ends_with(".input_scale")
     }
 }

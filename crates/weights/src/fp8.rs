@@ -1,0 +1,101 @@
+//! FP8 E4M3 matrices with one f32 scale per output row, as compressed-tensors checkpoints
+//! store them and as `--quantize fp8` makes them.
+
+use candle_core::{DType, Tensor};
+
+use crate::{ShardSpec, WeightError, WeightStore};
+
+/// The largest finite E4M3 magnitude.
+const E4M3_MAX: f64 = 448.0;
+
+/// `w` (`[rows, cols]`) as E4M3 values and one f32 scale per row, `w ≈ values · scale`: each
+/// row scaled so that its largest magnitude is E4M3's largest (an all-zero row by 1).
+pub fn quantize_rows(w: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let w = w.to_dtype(DType::F32)?;
+    let amax = w.abs()?.max_keepdim(1)?;
+    let zero = amax.eq(0f64)?;
+    let scales = zero.where_cond(&amax.ones_like()?, &(amax / E4M3_MAX)?)?;
+    let values = w.broadcast_div(&scales)?.to_dtype(DType::F8E4M3)?;
+    Ok((values, scales.squeeze(1)?))
+}
+
+/// The `spec` slice of the `[rows, cols]` matrix `name` as E4M3 values, with its rows' scales,
+/// on the CPU, and the bytes read. A matrix stored in E4M3 (a compressed-tensors checkpoint)
+/// brings its `{name}_scale`, per row or per tensor; any other is quantized here from its
+/// whole rows, so that the ranks of a row-parallel split share each row's scale.
+pub(crate) fn read_fp8(
+    store: &dyn WeightStore,
+    name: &str,
+    spec: &ShardSpec,
+) -> Result<(Tensor, Tensor, usize), WeightError> {
+    let tensor_err = |name: &str| {
+        let name = name.to_string();
+        move |source| WeightError::Tensor {
+            name: name.clone(),
+            source,
+        }
+    };
+    let info = store.info(name).ok_or_else(|| WeightError::Missing {
+        name: name.to_string(),
+        origin: store.origin(),
+        config: store.config_origin(),
+    })?;
+    let [rows, _] = info.shape[..] else {
+        return Err(WeightError::Shard {
+            name: name.to_string(),
+            detail: format!("an FP8 matrix has two dims, not {:?}", info.shape),
+        });
+    };
+    let (values, scales, read) = match info.dtype {
+        DType::F8E4M3 => {
+            let (values, read) = store.read(name, spec)?;
+            let scale_name = format!("{name}_scale");
+            let (scale, scale_read) = store.read(&scale_name, &ShardSpec::Replicated)?;
+            let scale = scale
+                .to_dtype(DType::F32)
+                .and_then(|s| s.flatten_all())
+                .map_err(tensor_err(&scale_name))?;
+            let scales = match scale.elem_count() {
+                1 => scale.broadcast_as(rows).and_then(|s| s.contiguous()),
+                n if n == rows => Ok(scale),
+                n => {
+                    return Err(WeightError::Shard {
+                        name: scale_name,
+                        detail: format!("{n} scales for {rows} rows: a weight scale is one per row or one in all"),
+                    })
+                }
+            }
+            .map_err(tensor_err(&scale_name))?;
+            (values, scales, read + scale_read)
+        }
+        _ => {
+            let (full, read) = store.read(name, &ShardSpec::Replicated)?;
+            let (values, scales) = quantize_rows(&full).map_err(tensor_err(name))?;
+            let values = match *spec {
+                ShardSpec::Replicated => values,
+                ShardSpec::Range { dim, start, len } => values
+                    .narrow(dim, start, len)
+                    .and_then(|v| v.contiguous())
+                    .map_err(tensor_err(name))?,
+            };
+            (values, scales, read)
+        }
+    };
+    // A non-finite weight makes a non-finite row scale: either way the row is unusable.
+    let usable = scales
+        .to_vec1::<f32>()
+        .map_err(tensor_err(name))?
+        .iter()
+        .all(|s| s.is_finite() && *s > 0.0);
+    if !usable {
+        return Err(WeightError::NonFinite {
+            name: name.to_string(),
+            origin: store.origin(),
+        });
+    }
+    let scales = match *spec {
+        ShardSpec::Range { dim: 0, start, len } => scales.narrow(0, start, len).map_err(tensor_err(name))?,
+        _ => scales,
+    };
+    Ok((values, scales, read))
+}

@@ -1,0 +1,180 @@
+//! FP8 E4M3 weights with a scale per output row: compressed-tensors checkpoints loaded as
+//! stored, `--quantize fp8` at load, and the plan that counts their bytes.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use tpinfer_plan::{DeviceProfile, Placement, Plan};
+use tpinfer_tests::{rel_error, run_forced, run_greedy, TinyLlama};
+use tpinfer_weights::WeightFormat;
+
+/// The tensors a tiny Llama's linear layers (not the embedding nor the LM head) hold.
+fn is_linear(name: &str, shape: &[usize]) -> bool {
+    shape.len() == 2 && name.starts_with("model.layers.")
+}
+
+/// Writes `model` twice: as a compressed-tensors FP8 checkpoint (E4M3 weights, f32
+/// `weight_scale` per row, or per tensor for the MLP where `tensor_scales_in_mlp`, as both
+/// kinds of checkpoint exist), and as the f32 checkpoint of exactly those weights, values
+/// times scales. Returns (FP8 dir, reference dir).
+fn write_fp8_and_reference(model: &TinyLlama, root: &Path, tensor_scales_in_mlp: bool) -> (PathBuf, PathBuf) {
+    let (fp8, reference) = (root.join("fp8"), root.join("reference"));
+    model.write(&fp8);
+    model.write(&reference);
+    let mut stored = HashMap::new();
+    let mut dequantized = HashMap::new();
+    for (name, shape, values) in model.tensors() {
+        let t = Tensor::from_vec(values, shape.as_slice(), &Device::Cpu).expect("tensor");
+        if !is_linear(&name, &shape) {
+            stored.insert(name.clone(), t.clone());
+            dequantized.insert(name, t);
+            continue;
+        }
+        let amax = t.abs().and_then(|a| a.max_keepdim(1)).expect("amax");
+        let scale = match tensor_scales_in_mlp && name.contains(".mlp.") {
+            true => amax.max_keepdim(0).and_then(|m| m.reshape(1)).expect("tensor amax"),
+            false => amax.squeeze(1).expect("row amax"),
+        };
+        let scale = (scale / 448.0).expect("scale");
+        let column = |s: &Tensor| match s.elem_count() {
+            1 => s.reshape((1, 1)),
+            _ => s.unsqueeze(1),
+        };
+        let e4m3 = t
+            .broadcast_div(&column(&scale).expect("column"))
+            .and_then(|q| q.to_dtype(DType::F8E4M3))
+            .expect("e4m3");
+        let back = e4m3
+            .to_dtype(DType::F32)
+            .and_then(|v| v.broadcast_mul(&column(&scale)?))
+            .expect("dequantize");
+        stored.insert(format!("{name}_scale"), scale);
+        stored.insert(name.clone(), e4m3);
+        dequantized.insert(name, back);
+    }
+    candle_core::safetensors::save(&stored, fp8.join("model.safetensors")).expect("save fp8");
+    candle_core::safetensors::save(&dequantized, reference.join("model.safetensors")).expect("save reference");
+    let mut config = model.config_json();
+    config["quantization_config"] = serde_json::json!({
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "ignore": ["lm_head"],
+    });
+    std::fs::write(fp8.join("config.json"), config.to_string()).expect("config");
+    (fp8, reference)
+}
+
+const PROMPT: [u32; 6] = [1, 7, 42, 99, 5, 250];
+
+#[test]
+fn a_compressed_tensors_fp8_checkpoint_at_tp_1_to_5_runs_its_weights() {
+    let model = TinyLlama {
+        heads: 10,
+        kv_heads: 5,
+        intermediate: 100,
+        ..TinyLlama::default()
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (fp8, reference) = write_fp8_and_reference(&model, dir.path(), true);
+    let expected = run_greedy(&reference, 1, DType::F32, &PROMPT, 6);
+    let forced = &expected.tokens[..6];
+    for format in [WeightFormat::AsStored, WeightFormat::Dequantized] {
+        for tp in 1..=5 {
+            let logits = run_forced(&fp8, tp, format, &PROMPT, forced);
+            for (step, values) in logits.iter().enumerate() {
+                let err = rel_error(values, &expected.logits[step]);
+                assert!(err < 1e-5, "{format:?} TP {tp} step {step}: {err:e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn quantize_fp8_at_load_runs_per_row_fp8_weights_at_tp_1_to_5() {
+    let model = TinyLlama {
+        heads: 10,
+        kv_heads: 5,
+        intermediate: 100,
+        ..TinyLlama::default()
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(&dir.path().join("f32"));
+    // The weights an FP8 quantization with one scale per row makes, written out in f32.
+    let (_, reference) = write_fp8_and_reference(&model, dir.path(), false);
+    let expected = run_greedy(&reference, 1, DType::F32, &PROMPT, 6);
+    let forced = &expected.tokens[..6];
+    // Row scales come from whole rows, so every width quantizes every weight alike.
+    for tp in 1..=5 {
+        let logits = run_forced(&path, tp, WeightFormat::Fp8, &PROMPT, forced);
+        for (step, values) in logits.iter().enumerate() {
+            let err = rel_error(values, &expected.logits[step]);
+            assert!(err < 1e-5, "TP {tp} step {step}: {err:e}");
+        }
+    }
+    // E4M3 keeps 3 mantissa bits: this random model's logits move by 1.1e-1.
+    let original = run_forced(&path, 1, WeightFormat::AsStored, &PROMPT, forced);
+    let err = rel_error(&expected.logits[6], &original[6]);
+    assert!(err > 1e-3, "FP8 against f32: {err:e}");
+}
+
+#[test]
+fn fp8_ranks_hold_the_planned_bytes_and_70b_fits_four_24_gib_gpus_only_in_fp8() {
+    use tpinfer_llama::{LlamaCheckpoint, LlamaShard};
+    let model = TinyLlama::default();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(dir.path());
+    let checkpoint = LlamaCheckpoint::open_with(&path, WeightFormat::Fp8).expect("open");
+    for tp in [1, 3] {
+        for rank in 0..tp {
+            let shard = LlamaShard::new(&checkpoint.config, tp, rank).expect("shard");
+            let decls = checkpoint.weight_decls(&shard);
+            let planned = tpinfer_weights::ShardLoader::device_bytes(&decls, DType::BF16).expect("bytes");
+            let mut loader = tpinfer_weights::ShardLoader::new(&*checkpoint.store, &decls, DType::BF16, &Device::Cpu);
+            for decl in &decls {
+                loader.take_weight(&decl.name).expect("take");
+            }
+            assert_eq!(loader.bytes_on_device(), planned, "TP {tp} rank {rank}");
+        }
+    }
+    let plan = |format| {
+        let (_, model) = tpinfer_engine::registry::open_as("llama-3-70b", format).expect("preset");
+        Plan::new(&*model, 4, DType::BF16, Placement::llm(8192, 1), DeviceProfile::cuda()).expect("plan")
+    };
+    let budget = 24u64 << 30;
+    let (fp8, bf16) = (plan(WeightFormat::Fp8), plan(WeightFormat::AsStored));
+    assert!(fp8.fits(budget), "FP8 at TP 4: {:?}", fp8.peak());
+    assert!(!bf16.fits(budget), "bf16 at TP 4: {:?}", bf16.peak());
+    // 70.6 B parameters, 2.1 B of them the embedding and LM head kept in bf16.
+    let weights = fp8.ranks.iter().map(|r| r.weights).sum::<u64>() as f64 / 1e9;
+    assert!(
+        (72.0..73.5).contains(&weights),
+        "{weights:.2} GB of weights over the ranks"
+    );
+}
+
+#[test]
+fn an_fp8_checkpoint_without_a_scale_or_of_another_method_is_refused_by_name() {
+    let model = TinyLlama::default();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (fp8, _) = write_fp8_and_reference(&model, dir.path(), false);
+    let start = |dir: &Path| {
+        tpinfer_engine::Engine::builder(dir)
+            .build()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let mut tensors = candle_core::safetensors::load(fp8.join("model.safetensors"), &Device::Cpu).expect("load");
+    tensors.remove("model.layers.1.mlp.down_proj.weight_scale");
+    candle_core::safetensors::save(&tensors, fp8.join("model.safetensors")).expect("save");
+    let err = start(&fp8);
+    assert!(err.contains("model.layers.1.mlp.down_proj.weight_scale"), "{err}");
+
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fp8.join("config.json")).expect("read")).expect("json");
+    config["quantization_config"]["quant_method"] = serde_json::json!("awq");
+    std::fs::write(fp8.join("config.json"), config.to_string()).expect("write");
+    let err = start(&fp8);
+    assert!(err.contains("quant_method `awq`") && err.contains("--quantize fp8"), "{err}");
+}

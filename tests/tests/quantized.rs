@@ -1,0 +1,243 @@
+//! GGUF weights kept in their quant blocks: each rank's slice of the blocks, the splits that
+//! respect them, and the model they run against its dequantized self and its TP 1 self.
+
+use std::collections::HashMap;
+
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use tpinfer_layers::{split_blocks, split_evenly, HeadShard};
+use tpinfer_tests::{argmax, rel_error, run_forced, run_greedy, TinyLlama};
+use tpinfer_weights::{GgufStore, ShardSpec, WeightFormat, WeightStore};
+
+const TYPES: [GgmlDType; 6] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q8_0,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// A GGUF file of one random `[rows, cols]` matrix `w` in `dtype`, opened as a store that
+/// names it `w`, and `q` for the same matrix with llama.cpp's rotary rows over `heads`.
+fn one_matrix(dir: &tempfile::TempDir, dtype: GgmlDType, rows: usize, cols: usize, heads: usize) -> GgufStore {
+    let t = Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu).expect("randn");
+    let q = QTensor::quantize(&t, dtype).expect("quantize");
+    let path = dir.path().join(format!("{dtype:?}.gguf"));
+    let mut file = std::fs::File::create(&path).expect("create");
+    gguf_file::write(&mut file, &[], &[("w", &q)]).expect("write");
+    let names = HashMap::from([
+        ("w".to_string(), ("w".to_string(), None)),
+        ("q".to_string(), ("w".to_string(), Some(heads))),
+    ]);
+    GgufStore::open(&path).expect("open").with_names(names)
+}
+
+/// A quantized slice, expanded to f32 on the CPU.
+fn dequantized(store: &GgufStore, name: &str, spec: &ShardSpec) -> Tensor {
+    let (slice, _) = store.read_quantized(name, spec).expect("read quantized");
+    candle_core::quantized::ggml_file::qtensor_from_ggml(slice.dtype, &slice.bytes, slice.shape, &Device::Cpu)
+        .and_then(|q| q.dequantize(&Device::Cpu))
+        .expect("dequantize")
+}
+
+#[test]
+fn every_rank_slice_of_the_blocks_is_the_same_slice_of_the_dequantized_matrix() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (rows, cols, heads) = (40, 1280, 4);
+    for dtype in TYPES {
+        let store = one_matrix(&dir, dtype, rows, cols, heads);
+        for tp in 1..=5 {
+            let row_parts = split_evenly(rows, tp);
+            let col_parts = split_blocks(cols, tp, dtype.block_size()).expect("split");
+            for (dim, parts) in [(0, &row_parts), (1, &col_parts)] {
+                for part in parts {
+                    let spec = ShardSpec::range(dim, part.clone());
+                    for name in ["w", "q"] {
+                        let (dense, _) = store.read(name, &spec).expect("read");
+                        let diff = (dequantized(&store, name, &spec) - dense)
+                            .and_then(|d| d.abs()?.flatten_all()?.max(0))
+                            .and_then(|m| m.to_scalar::<f32>())
+                            .expect("diff");
+                        assert_eq!(diff, 0.0, "{dtype:?} {name} TP {tp} {spec:?}");
+                    }
+                }
+            }
+        }
+        let block = dtype.block_size();
+        let err = store
+            .read_quantized("w", &ShardSpec::range(1, block / 2..cols))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("do not fall on its blocks"), "{dtype:?}: {err}");
+    }
+}
+
+#[test]
+fn splits_keep_whole_blocks_and_refuse_with_the_widths_that_work() {
+    // 14,336 FFN columns in blocks of 256 over 5 ranks: 12, 11, 11, 11, 11 blocks.
+    let lens: Vec<usize> = split_blocks(14_336, 5, 256)
+        .expect("split")
+        .iter()
+        .map(|r| r.len())
+        .collect();
+    assert_eq!(lens, vec![3072, 2816, 2816, 2816, 2816]);
+    let err = split_blocks(1536, 7, 256)
+        .expect_err("6 blocks over 7 ranks")
+        .to_string();
+    assert!(err.contains("--tp 6 or less") && err.contains("--dequantize"), "{err}");
+    // Blocks of 256 over heads of 128: heads in pairs, so rank 1 of 5 starts at head 8.
+    let shard = HeadShard::in_units(32, 8, 5, 1, 2).expect("shard");
+    assert_eq!(shard.q_heads, 8..14);
+    let err = HeadShard::in_units(32, 8, 17, 0, 2)
+        .expect_err("16 pairs over 17 ranks")
+        .to_string();
+    assert!(err.contains("--tp 16 or less"), "{err}");
+}
+
+/// A tiny Llama wide enough for K-quant blocks at TP 5: 20 heads of 64 over 4 KV heads (the
+/// attention output's blocks of 256 span 4 heads, five runs of them) and 1,280 FFN columns
+/// (five blocks).
+fn wide_tiny_llama() -> TinyLlama {
+    TinyLlama {
+        hidden: 1280,
+        intermediate: 1280,
+        heads: 20,
+        kv_heads: 4,
+        head_dim: 64,
+        layers: 2,
+        ..TinyLlama::default()
+    }
+}
+
+/// Q4_K_M's mix: Q6_K for V and FFN down, Q4_K for the rest, so Q/K/V cannot be joined.
+fn q4_k_m(name: &str) -> GgmlDType {
+    match name.ends_with("attn_v.weight") || name.ends_with("ffn_down.weight") {
+        true => GgmlDType::Q6K,
+        false => GgmlDType::Q4K,
+    }
+}
+
+/// A quantized file at TP 1 to 5, its blocks kept, fed TP 1's greedy tokens: every width's
+/// logits against the same file dequantized at TP 1. CPU ranks expand the blocks for each
+/// product, so the kept path is the dequantized model, sliced by blocks, to f32 rounding.
+fn kept_against_dequantized(path: &std::path::Path) {
+    let prompt = [1u32, 7, 42, 99, 5, 250];
+    let tp1 = run_greedy(path, 1, DType::F32, &prompt, 8);
+    let forced = &tp1.tokens[..8];
+    let reference = run_forced(path, 1, WeightFormat::Dequantized, &prompt, forced);
+    for tp in 1..=5 {
+        let logits = run_forced(path, tp, WeightFormat::AsStored, &prompt, forced);
+        for (step, values) in logits.iter().enumerate() {
+            let err = rel_error(values, &reference[step]);
+            assert!(err < 1e-5, "TP {tp} step {step}: {err:e}");
+            assert_eq!(argmax(values), tp1.tokens[step], "TP {tp} step {step}");
+        }
+    }
+}
+
+#[test]
+fn a_q4_k_m_tiny_llama_at_tp_1_to_5_is_its_dequantized_self() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("q4_k_m.gguf");
+    wide_tiny_llama().write_gguf(&path, q4_k_m);
+    kept_against_dequantized(&path);
+}
+
+#[test]
+fn a_q8_0_tiny_llama_at_tp_1_to_5_is_its_dequantized_self() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("q8_0.gguf");
+    wide_tiny_llama().write_gguf(&path, |_| GgmlDType::Q8_0);
+    kept_against_dequantized(&path);
+}
+
+#[test]
+fn a_kept_rank_holds_the_planned_blocks() {
+    use tpinfer_llama::{LlamaCheckpoint, LlamaShard};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("q4_k_m.gguf");
+    wide_tiny_llama().write_gguf(&path, q4_k_m);
+    for quantized in [WeightFormat::AsStored, WeightFormat::Dequantized] {
+        let checkpoint = LlamaCheckpoint::open_with(&path, quantized).expect("open");
+        for tp in [1, 3, 5] {
+            for rank in 0..tp {
+                let shard = LlamaShard::new(&checkpoint.config, tp, rank).expect("shard");
+                let decls = checkpoint.weight_decls(&shard);
+                let planned = tpinfer_weights::ShardLoader::device_bytes(&decls, DType::F32).expect("bytes");
+                let mut loader =
+                    tpinfer_weights::ShardLoader::new(&*checkpoint.store, &decls, DType::F32, &Device::Cpu);
+                for decl in &decls {
+                    loader.take_weight(&decl.name).expect("take");
+                }
+                assert_eq!(loader.bytes_on_device(), planned, "{quantized:?} TP {tp} rank {rank}");
+                let kept = decls.iter().filter(|d| d.quant.is_some()).count();
+                // As stored: every linear and the LM head.
+                let expected = if quantized == WeightFormat::AsStored {
+                    2 * 7 + 1
+                } else {
+                    0
+                };
+                assert_eq!(kept, expected, "{quantized:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_gguf_with_rope_freqs_runs_as_its_llama3_scaled_checkpoint() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default();
+    assert!(model.llama3_rope_scaling);
+    let hf = model.write(&dir.path().join("hf"));
+    let gguf = dir.path().join("model.gguf");
+    model.write_gguf(&gguf, |_| GgmlDType::F32);
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 256).collect();
+    for tp in [1, 3] {
+        let reference = run_greedy(&hf, tp, DType::F32, &prompt, 4);
+        let trace = run_greedy(&gguf, tp, DType::F32, &prompt, 4);
+        assert_eq!(trace.tokens, reference.tokens, "TP {tp}");
+        for (step, logits) in trace.logits.iter().enumerate() {
+            let err = rel_error(logits, &reference.logits[step]);
+            assert!(err < 1e-5, "TP {tp} step {step}: {err:e}");
+        }
+    }
+}
+
+#[test]
+fn a_rope_freqs_of_the_wrong_length_is_refused_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("model.gguf");
+    TinyLlama::default().write_gguf(&path, |_| GgmlDType::F32);
+    let mut file = std::fs::File::open(&path).expect("open");
+    let content = gguf_file::Content::read(&mut file).expect("read");
+    let mut tensors: Vec<(String, QTensor)> = content
+        .tensor_infos
+        .keys()
+        .filter(|name| *name != "rope_freqs.weight")
+        .map(|name| {
+            (
+                name.clone(),
+                content.tensor(&mut file, name, &Device::Cpu).expect("tensor"),
+            )
+        })
+        .collect();
+    let short = Tensor::ones(3, DType::F32, &Device::Cpu).expect("ones");
+    tensors.push((
+        "rope_freqs.weight".into(),
+        QTensor::quantize(&short, GgmlDType::F32).expect("q"),
+    ));
+    let meta: Vec<(&str, &gguf_file::Value)> = content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let bad = dir.path().join("short-rope-freqs.gguf");
+    gguf_file::write(&mut std::fs::File::create(&bad).expect("create"), &meta, &refs).expect("write");
+    let err = tpinfer_llama::LlamaCheckpoint::open(&bad)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("rope_freqs.weight") && err.contains("must hold 4 positive divisors"),
+        "{err}"
+    );
+}
