@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::json;
 use tpinfer_comm::{Communicator, ThreadGroup};
 use tpinfer_wan::{original_names, WanConfig, WanRank, WanShard};
-use tpinfer_weights::WeightStore;
+use tpinfer_weights::{WeightFormat, WeightStore};
 
 /// A Wan DiT small enough for CPU tests: odd heads (5) and an FFN (100 columns) that splits
 /// unevenly at most widths.
@@ -125,6 +125,19 @@ pub fn wan_inputs(model: &TinyWan, frames: usize, height: usize, width: usize, s
 /// Rank 0's velocity for `latents` at `timestep`, with the model sharded `tp` ways on CPU
 /// rank threads; also each rank's all-reduce count for the forward.
 pub fn run_wan(dir: &Path, tp: usize, dtype: DType, latents: &Tensor, text: &Tensor, timestep: f64) -> (Vec<f32>, u64) {
+    run_wan_as(dir, tp, dtype, WeightFormat::AsStored, latents, text, timestep)
+}
+
+/// [`run_wan`] with the blocks' linear weights held in `format`.
+pub fn run_wan_as(
+    dir: &Path,
+    tp: usize,
+    dtype: DType,
+    format: WeightFormat,
+    latents: &Tensor,
+    text: &Tensor,
+    timestep: f64,
+) -> (Vec<f32>, u64) {
     let (config, store) = open_wan(dir);
     let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
     let outs: Vec<(Vec<f32>, u64)> = std::thread::scope(|s| {
@@ -135,7 +148,8 @@ pub fn run_wan(dir: &Path, tp: usize, dtype: DType, latents: &Tensor, text: &Ten
                 s.spawn(move || {
                     let comm: Arc<dyn Communicator> = Arc::new(comm);
                     let shard = WanShard::new(&config, tp, comm.rank()).expect("shard");
-                    let rank = WanRank::load(&config, &*store, shard, comm.clone(), dtype, &Device::Cpu).expect("load");
+                    let rank = WanRank::load(&config, &*store, shard, format, comm.clone(), dtype, &Device::Cpu)
+                        .expect("load");
                     let context = rank.embed_text(text).expect("text");
                     let before = comm.stats().snapshot();
                     let v = rank.forward(latents, timestep, &context).expect("forward");

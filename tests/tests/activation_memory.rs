@@ -178,7 +178,16 @@ fn dit_forward_allocates_what_the_memory_model_says() {
     let shard = WanShard::new(&config, 1, 0).expect("shard");
     let measured = single_thread(|| {
         let comm = ThreadGroup::ranks(1, std::time::Duration::from_secs(30)).remove(0);
-        let rank = WanRank::load(&config, &*store, shard.clone(), Arc::new(comm), dtype, &Device::Cpu).expect("load");
+        let rank = WanRank::load(
+            &config,
+            &*store,
+            shard.clone(),
+            tpinfer_weights::WeightFormat::AsStored,
+            Arc::new(comm),
+            dtype,
+            &Device::Cpu,
+        )
+        .expect("load");
         let context = rank.embed_text(&text).expect("text");
         drop(rank.forward(&latents, 700.0, &context).expect("warm-up"));
         let (velocity, measured) = peak_during(|| rank.forward(&latents, 700.0, &context).expect("forward"));
@@ -222,7 +231,16 @@ fn umt5_encode_allocates_what_the_memory_model_says() {
     let dtype = DType::F32;
     let measured = single_thread(|| {
         let comm = ThreadGroup::ranks(1, std::time::Duration::from_secs(30)).remove(0);
-        let rank = Umt5Rank::load(&config, &store, &shard, Arc::new(comm), dtype, &Device::Cpu).expect("load");
+        let rank = Umt5Rank::load(
+            &config,
+            &store,
+            &shard,
+            tpinfer_weights::WeightFormat::AsStored,
+            Arc::new(comm),
+            dtype,
+            &Device::Cpu,
+        )
+        .expect("load");
         drop(rank.encode(&ids).expect("warm-up"));
         let (states, measured) = peak_during(|| rank.encode(&ids).expect("encode"));
         drop(states);

@@ -176,5 +176,27 @@ fn an_fp8_checkpoint_without_a_scale_or_of_another_method_is_refused_by_name() {
     config["quantization_config"]["quant_method"] = serde_json::json!("awq");
     std::fs::write(fp8.join("config.json"), config.to_string()).expect("write");
     let err = start(&fp8);
-    assert!(err.contains("quant_method `awq`") && err.contains("--quantize fp8"), "{err}");
+    assert!(
+        err.contains("quant_method `awq`") && err.contains("--quantize fp8"),
+        "{err}"
+    );
+}
+
+/// The Wan DiT's blocks in FP8: every width gives TP 1's velocity (row scales come from
+/// whole rows), and FP8 really changed the weights.
+#[test]
+fn a_wan_dit_in_fp8_at_tp_2_to_5_gives_tp_1s_velocity() {
+    use tpinfer_tests::{run_wan_as, wan_inputs, TinyWan};
+    let model = TinyWan::default();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(dir.path());
+    let (latents, text) = wan_inputs(&model, 5, 8, 12, 3);
+    let run = |tp, format| run_wan_as(&path, tp, DType::F32, format, &latents, &text, 731.0).0;
+    let reference = run(1, WeightFormat::Fp8);
+    for tp in 2..=5 {
+        let err = rel_error(&run(tp, WeightFormat::Fp8), &reference);
+        assert!(err < 1e-5, "TP {tp}: {err:e}");
+    }
+    let err = rel_error(&reference, &run(1, WeightFormat::AsStored));
+    assert!(err > 1e-4, "FP8 against f32: {err:e}");
 }

@@ -68,9 +68,6 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
     let dir = std::path::Path::new(&args.model);
     let preset_pipeline = !dir.exists() && args.model.ends_with(crate::plan_pipeline::PIPELINE_SUFFIX);
     if tpinfer_engine::WanPipelineDir::detect(dir) || preset_pipeline {
-        if args.weights.format() != tpinfer_engine::WeightFormat::AsStored {
-            bail!("--quantize and --dequantize apply to Llama models so far; a Wan pipeline's weights load as stored");
-        }
         return pipeline(&args);
     }
     let (_, model) = tpinfer_engine::registry::open_as(&args.model, args.weights.format())?;
@@ -152,7 +149,8 @@ fn pipeline(args: &PlanArgs) -> Result<ExitCode> {
         true => DeviceProfile::cpu(),
         false => DeviceProfile::cuda(),
     };
-    crate::plan_pipeline::plan(&args.model, args.tp, dtype, video, device, args.gpu_mem, args.json)
+    let models = crate::plan_pipeline::Models::open(&args.model, args.weights.format())?;
+    crate::plan_pipeline::plan(models, args.tp, dtype, video, device, args.gpu_mem, args.json)
 }
 
 fn one_width(

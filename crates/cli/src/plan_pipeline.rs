@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use tpinfer_engine::DType;
+use tpinfer_engine::{DType, WeightFormat};
 use tpinfer_plan::{mib, DeviceProfile, Placement, Plan, RankPlan, Residency, ShardedModel};
 
 /// Wan's prompts, as the encoder is planned and run.
@@ -31,23 +31,31 @@ struct Planned {
     plan: Plan,
 }
 
-/// A pipeline's models, opened for planning, in the order they run.
-struct Models(Vec<Stage>);
+/// A pipeline's models, opened for planning, in the order they run, and its name.
+pub struct Models(Vec<Stage>, String);
 
 impl Models {
-    fn open(name_or_dir: &str) -> Result<Self> {
-        let open = |name: &str| -> Result<Arc<dyn ShardedModel>> { Ok(tpinfer_engine::registry::open(name)?.1) };
+    /// The stages of `name_or_dir`, the text encoder's and the DiT's linear weights in
+    /// `format` (the VAE's convolutions as stored).
+    pub fn open(name_or_dir: &str, format: WeightFormat) -> Result<Self> {
+        let open_as = |name: &str, format| -> Result<Arc<dyn ShardedModel>> {
+            Ok(tpinfer_engine::registry::open_as(name, format)?.1)
+        };
+        let open = |name: &str| open_as(name, format);
+        let open_vae = |name: &str| open_as(name, WeightFormat::AsStored);
         let path = |p: &Path| -> Result<String> {
             p.to_str()
                 .map(str::to_string)
                 .with_context(|| format!("{} is not UTF-8", p.display()))
         };
         let (encoder, dit, vae) = match name_or_dir.strip_suffix(PIPELINE_SUFFIX) {
-            Some(dit) if !Path::new(name_or_dir).exists() => (open("umt5-xxl")?, open(dit)?, Some(open("wan2.1-vae")?)),
+            Some(dit) if !Path::new(name_or_dir).exists() => {
+                (open("umt5-xxl")?, open(dit)?, Some(open_vae("wan2.1-vae")?))
+            }
             _ => {
                 let pipeline = tpinfer_engine::WanPipelineDir::open(Path::new(name_or_dir))?;
                 let vae = match &pipeline.vae {
-                    Some(dir) => Some(open(&path(dir)?)?),
+                    Some(dir) => Some(open_vae(&path(dir)?)?),
                     None => None,
                 };
                 (
@@ -74,7 +82,7 @@ impl Models {
             key: "vae",
             model,
         }));
-        Ok(Self(stages))
+        Ok(Self(stages, name_or_dir.to_string()))
     }
 
     fn widest(&self) -> usize {
@@ -164,7 +172,7 @@ impl Stages {
 /// Prints the pipeline's plan at `tp` (or the smallest width that fits, without one); exits
 /// 2 when nothing fits.
 pub fn plan(
-    name_or_dir: &str,
+    models: Models,
     tp: Option<usize>,
     dtype: DType,
     video: Placement,
@@ -172,7 +180,6 @@ pub fn plan(
     budget: u64,
     json: bool,
 ) -> Result<ExitCode> {
-    let models = Models::open(name_or_dir)?;
     let widest = models.widest();
     let searched = tp.is_none();
     let tp = match tp {
@@ -197,7 +204,7 @@ pub fn plan(
             .map(|s| Ok((s.key.to_string(), serde_json::to_value(&s.plan)?)))
             .collect::<Result<_>>()?;
         let report = serde_json::json!({
-            "pipeline": name_or_dir,
+            "pipeline": models.1,
             "tp": tp,
             "budget": budget,
             "stages": plans,
@@ -212,7 +219,7 @@ pub fn plan(
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print(&stages, name_or_dir, tp, budget, residency);
+        print(&stages, &models.1, tp, budget, residency);
         if searched && fits {
             println!("\nThe smallest width that fits: --tp {tp}");
         }

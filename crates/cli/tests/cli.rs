@@ -793,6 +793,67 @@ fn a_preset_pipeline_plans_its_three_stages() {
     );
 }
 
+/// `--quantize fp8` plans the linear weights in E4M3 with row scales: Llama-3-70B fits four
+/// 24 GiB cards only so, and the Wan-14B pipeline's DiT and umT5 two of them with room.
+#[test]
+fn fp8_plans_fit_where_bf16_does_not() {
+    let llama = |quantize: &[&str]| {
+        let mut args = vec![
+            "--model",
+            "llama-3-70b",
+            "--tp",
+            "4",
+            "--gpu-mem",
+            "24GiB",
+            "--max-context",
+            "8192",
+        ];
+        args.extend_from_slice(quantize);
+        args.push("--json");
+        json(&plan(&args))
+    };
+    assert_eq!(llama(&["--quantize", "fp8"])["fits"], true);
+    let bf16 = plan(&[
+        "--model",
+        "llama-3-70b",
+        "--tp",
+        "4",
+        "--gpu-mem",
+        "24GiB",
+        "--max-context",
+        "8192",
+    ]);
+    assert_eq!(bf16.status.code(), Some(2), "bf16 70B does not fit four 24 GiB GPUs");
+    let wan = |quantize: &[&str]| {
+        let mut args = vec![
+            "--model",
+            "wan2.1-t2v-14b-pipeline",
+            "--tp",
+            "2",
+            "--gpu-mem",
+            "24GiB",
+            "--frames",
+            "81",
+            "--size",
+            "832x480",
+        ];
+        args.extend_from_slice(quantize);
+        args.push("--json");
+        json(&plan(&args))
+    };
+    let (fp8, bf16) = (wan(&["--quantize", "fp8"]), wan(&[]));
+    assert_eq!(fp8["fits"], true);
+    let dit = |out: &serde_json::Value| {
+        out["stages"]["transformer"]["ranks"][0]["weights"]
+            .as_u64()
+            .expect("bytes")
+    };
+    // The blocks' weights halve; the embedders and output projection stay in bf16.
+    let ratio = dit(&fp8) as f64 / dit(&bf16) as f64;
+    assert!((0.5..0.53).contains(&ratio), "DiT weights FP8 / bf16: {ratio:.3}");
+    assert!(fp8["peak"].as_u64() < bf16["peak"].as_u64());
+}
+
 /// Outputs: a directory (or device) as --out is refused by name before any step; a written
 /// file has the mode a plain create gives; a link is followed, not replaced.
 #[cfg(unix)]

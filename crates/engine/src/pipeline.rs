@@ -11,6 +11,7 @@ use tpinfer_plan::Placement;
 use tpinfer_runtime::{Launch, ModelHandle, RankGroup, RuntimeError};
 use tpinfer_tokenizer::Tokenizer;
 use tpinfer_umt5::{Umt5Model, Umt5Rank, TEXT_TOKENS};
+use tpinfer_weights::WeightFormat;
 
 use crate::EngineError;
 
@@ -72,9 +73,13 @@ impl PromptEncoder {
         pipeline: &WanPipelineDir,
         text_dim: usize,
         dtype: DType,
+        format: WeightFormat,
     ) -> Result<Self, EngineError> {
         let tokenizer = Arc::new(Tokenizer::from_hf_dir(&pipeline.tokenizer)?);
-        let encoder = Umt5Model::open(&pipeline.text_encoder).map_err(|e| RuntimeError::Model(e.to_string()))?;
+        let encoder = Umt5Model::open(&pipeline.text_encoder)
+            .map_err(|e| RuntimeError::Model(e.to_string()))?
+            .with_format(format)
+            .map_err(|e| RuntimeError::Model(e.to_string()))?;
         if encoder.config().d_model != text_dim {
             return Err(EngineError::InvalidRequest(format!(
                 "{}: the text encoder's d_model {} is not the DiT's text_dim {text_dim}",

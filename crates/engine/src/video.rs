@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{DType, Tensor};
+use tpinfer_family::Family;
 use tpinfer_plan::{Placement, Plan};
 use tpinfer_runtime::{check_after_step, Launch, ModelHandle, RankGroup, RuntimeError, Topology};
 use tpinfer_wan::sampler::Solver;
@@ -149,7 +150,10 @@ impl VideoEngine {
             false => None,
         };
         let transformer = pipeline.as_ref().map_or(&b.model, |p| &p.transformer);
-        let model = WanModel::open_checkpoint(transformer).map_err(|e| RuntimeError::Model(e.to_string()))?;
+        let model = WanModel::open_checkpoint(transformer)
+            .map_err(|e| RuntimeError::Model(e.to_string()))?
+            .with_format(b.weight_format)
+            .map_err(|e| RuntimeError::Model(e.to_string()))?;
         let config = model.config().clone();
         let topology = Topology::new(b.tp, &b.device)?;
         let dtype = b.dtype.unwrap_or(match topology.is_cpu() {
@@ -167,7 +171,13 @@ impl VideoEngine {
         // The encoder runs first; where it does not fit beside the DiT and the VAE, it is freed
         // before they load.
         let prompts = match &pipeline {
-            Some(p) => Some(PromptEncoder::add(&mut launch, p, config.text_dim, dtype)?),
+            Some(p) => Some(PromptEncoder::add(
+                &mut launch,
+                p,
+                config.text_dim,
+                dtype,
+                b.weight_format,
+            )?),
             None => None,
         };
         launch.may_free_here();

@@ -17,7 +17,7 @@ mod shard;
 pub use error::WeightError;
 pub use fp8::quantize_rows;
 pub use gguf::{GgufStore, GgufTensorMap};
-pub use loader::{ShardLoader, Weight, WeightDecl};
+pub use loader::{hold_matrices, largest_fp8_matrix, ShardLoader, Weight, WeightDecl};
 pub use progress::{CountingStore, LoadProgress};
 pub use renamed::RenamedStore;
 pub use safetensors_store::SafetensorsStore;

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, QTensor};
 use candle_core::{CpuStorage, DType, Device, Tensor};
 
-use crate::{Quant, QuantizedSlice, ShardSpec, WeightError, WeightStore};
+use crate::{Quant, QuantizedSlice, ShardSpec, TensorInfo, WeightError, WeightFormat, WeightStore};
 
 /// One tensor a model needs: its checkpoint name, the full shape its config implies, the
 /// slice this rank holds, and the quantized form it is held in, if any (else it is held in
@@ -42,6 +42,47 @@ impl WeightDecl {
             None => Ok(elements * dtype.size_in_bytes()),
         }
     }
+}
+
+/// Sets each matrix of `decls` to the form `format` holds it in. `matrix` picks the weights
+/// a product multiplies (not an embedding, whose rows are looked up), `fp8` those of them
+/// `--quantize fp8` quantizes; `stored` gives a tensor's header (none for a preset). As
+/// stored, GGUF blocks and E4M3 matrices (FP8 checkpoints) stay so.
+pub fn hold_matrices(
+    decls: &mut [WeightDecl],
+    format: WeightFormat,
+    matrix: impl Fn(&WeightDecl) -> bool,
+    fp8: impl Fn(&WeightDecl) -> bool,
+    stored: impl Fn(&str) -> Option<TensorInfo>,
+) {
+    for decl in decls.iter_mut().filter(|d| matrix(d)) {
+        decl.quant = match format {
+            WeightFormat::Dequantized => None,
+            WeightFormat::Fp8 => fp8(decl).then_some(Quant::Fp8),
+            WeightFormat::AsStored => match stored(&decl.name) {
+                Some(TensorInfo {
+                    quant: Some(blocks), ..
+                }) => Some(Quant::Ggml(blocks)),
+                Some(TensorInfo {
+                    dtype: DType::F8E4M3, ..
+                }) if fp8(decl) => Some(Quant::Fp8),
+                _ => None,
+            },
+        };
+    }
+}
+
+/// The values of the largest FP8 matrix among `decls` (this rank's slice): a product of an
+/// FP8 weight expands it into the compute dtype while it runs (two copies, the values and the
+/// product), which a family's footprint counts, times how many of them its fused layers join.
+pub fn largest_fp8_matrix(decls: &[WeightDecl]) -> usize {
+    decls
+        .iter()
+        .filter(|d| d.quant == Some(Quant::Fp8))
+        .filter_map(|d| d.spec.local_shape(&d.shape).ok())
+        .map(|shape| shape.iter().product::<usize>())
+        .max()
+        .unwrap_or(0)
 }
 
 /// A matrix as a rank holds it: dense in the compute dtype, in the GGML blocks it is stored

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use candle_core::quantized::gguf_file::Value;
 use tpinfer_layers::RopeScaling;
 use tpinfer_weights::{
-    CountingStore, GgufStore, GgufTensorMap, LoadProgress, Quant, SafetensorsStore, ShardLoader, TensorInfo,
-    WeightDecl, WeightError, WeightFormat, WeightStore,
+    CountingStore, GgufStore, GgufTensorMap, LoadProgress, SafetensorsStore, ShardLoader, TensorInfo, WeightDecl,
+    WeightError, WeightFormat, WeightStore,
 };
 
 use crate::shard::names;
@@ -162,32 +162,14 @@ impl LlamaCheckpoint {
 
 /// Sets each linear weight of `decls` to the form `format` holds it in, `stored` giving a
 /// tensor's header (none for a preset). The embedding stays dense, its rows looked up rather
-/// than multiplied; so does the LM head of an FP8 model, as FP8 checkpoints keep it.
+/// than multiplied; so does the LM head under `--quantize fp8`, as FP8 checkpoints keep it.
 pub(crate) fn hold_linears(
     decls: &mut [WeightDecl],
     format: WeightFormat,
     stored: impl Fn(&str) -> Option<TensorInfo>,
 ) {
-    for decl in decls
-        .iter_mut()
-        .filter(|d| d.shape.len() == 2 && d.name != names::EMBED)
-    {
-        let info = stored(&decl.name);
-        decl.quant = match format {
-            WeightFormat::Dequantized => None,
-            WeightFormat::Fp8 => (decl.name != names::LM_HEAD).then_some(Quant::Fp8),
-            WeightFormat::AsStored => match info {
-                Some(TensorInfo {
-                    quant: Some(blocks), ..
-                }) => Some(Quant::Ggml(blocks)),
-                Some(TensorInfo {
-                    dtype: candle_core::DType::F8E4M3,
-                    ..
-                }) if decl.name != names::LM_HEAD => Some(Quant::Fp8),
-                _ => None,
-            },
-        };
-    }
+    let linear = |d: &WeightDecl| d.shape.len() == 2 && d.name != names::EMBED;
+    tpinfer_weights::hold_matrices(decls, format, linear, |d| linear(d) && d.name != names::LM_HEAD, stored);
 }
 
 /// llama.cpp's rotary frequency divisors (Llama 3.1 and 3.2 GGUFs).

@@ -8,7 +8,7 @@ use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
 use tpinfer_plan::{
     boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
 };
-use tpinfer_weights::{CountingStore, SafetensorsStore, ShardLoader, WeightDecl, WeightStore};
+use tpinfer_weights::{CountingStore, SafetensorsStore, ShardLoader, WeightDecl, WeightFormat, WeightStore};
 
 use crate::memory::EncodeMemory;
 use crate::shard::names;
@@ -24,6 +24,8 @@ pub struct Umt5Model {
     name: String,
     config: Arc<Umt5Config>,
     store: Option<Arc<dyn WeightStore>>,
+    /// The form the blocks' linear weights are held in.
+    format: WeightFormat,
 }
 
 /// One rank's part of a umT5 encoder, with the tensors it reads.
@@ -102,8 +104,10 @@ impl RankShard for Umt5RankShard {
             )));
         }
         let m = EncodeMemory::new(&self.config, &self.shard, dtype, max_context);
+        // FP8 weights expand for their products: the merged gate/up, twice the largest.
+        let expanded = 2 * 2 * dtype.size_in_bytes() * tpinfer_weights::largest_fp8_matrix(&self.decls);
         Ok(Footprint {
-            activations: m.peak as u64,
+            activations: (m.peak + expanded) as u64,
             pool_slack: m.pool_slack as u64,
             tokens_per_forward: max_context,
             ..Footprint::default()
@@ -128,6 +132,7 @@ impl Family for Umt5Model {
             name: path.display().to_string(),
             config: Arc::new(config),
             store: Some(Arc::new(store)),
+            format: WeightFormat::AsStored,
         })
     }
 
@@ -136,6 +141,7 @@ impl Family for Umt5Model {
             name: name.to_string(),
             config: Arc::new(Umt5Config::umt5_xxl()),
             store: None,
+            format: WeightFormat::AsStored,
         })
     }
 
@@ -144,7 +150,10 @@ impl Family for Umt5Model {
             .map(|rank| {
                 let shard =
                     Umt5Shard::new(&self.config, tp, rank).map_err(|detail| PlanError::Sharding { tp, detail })?;
-                let decls = shard.weight_decls(&self.config).into();
+                let store = self.store.clone();
+                let decls =
+                    crate::model::weight_decls(&self.config, &shard, self.format, |name| store.as_ref()?.info(name))
+                        .into();
                 Ok(Umt5RankShard {
                     shard,
                     config: self.config.clone(),
@@ -165,10 +174,17 @@ impl Family for Umt5Model {
             &self.config,
             &CountingStore::new(store.clone(), ctx.progress, ctx.dtype),
             &shard.shard,
+            self.format,
             ctx.comm.clone(),
             ctx.dtype,
             ctx.device,
         )
+    }
+
+    /// FP8 (`--quantize fp8`) holds the blocks' linear weights in E4M3; the embedding and
+    /// the relative position biases, looked up rather than multiplied, stay as they are.
+    fn with_format(self, format: WeightFormat) -> Result<Self, PlanError> {
+        Ok(Self { format, ..self })
     }
 
     fn bytes_loaded(rank: &Umt5Rank) -> usize {

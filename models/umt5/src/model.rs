@@ -3,7 +3,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{rms_norm, MergedColumnParallelLinear, Result, RowParallelLinear, VocabParallelEmbedding};
-use tpinfer_weights::{ShardLoader, WeightStore};
+use tpinfer_weights::{ShardLoader, TensorInfo, WeightDecl, WeightFormat, WeightStore};
 
 use crate::position::distance_buckets;
 use crate::shard::names;
@@ -31,6 +31,22 @@ struct Layer {
     down: RowParallelLinear,
 }
 
+/// The tensors `shard` reads, the blocks' linear weights in `format` (`stored` giving a
+/// tensor's header where there is a checkpoint).
+pub(crate) fn weight_decls(
+    config: &Umt5Config,
+    shard: &Umt5Shard,
+    format: WeightFormat,
+    stored: impl Fn(&str) -> Option<TensorInfo>,
+) -> Vec<WeightDecl> {
+    let mut decls = shard.weight_decls(config);
+    let linear = |d: &WeightDecl| {
+        d.name.starts_with("encoder.block.") && d.shape.len() == 2 && !d.name.contains("relative_attention_bias")
+    };
+    tpinfer_weights::hold_matrices(&mut decls, format, linear, linear, stored);
+    decls
+}
+
 impl Umt5Rank {
     /// Loads this rank's slices from `store` onto `device`, in `dtype`. `shard` must have
     /// been checked against the store's headers (`Umt5Model::check` does): the reads trust
@@ -39,11 +55,12 @@ impl Umt5Rank {
         config: &Umt5Config,
         store: &dyn WeightStore,
         shard: &Umt5Shard,
+        format: WeightFormat,
         comm: Arc<dyn Communicator>,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let decls = shard.weight_decls(config);
+        let decls = weight_decls(config, shard, format, |name| store.info(name));
         let mut w = ShardLoader::new(store, &decls, dtype, device);
         let vocab_parts = Umt5Shard::vocab_parts(config, shard.world);
         let embed = VocabParallelEmbedding::load(&mut w, names::EMBED, &vocab_parts, comm.clone())?;

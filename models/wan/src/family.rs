@@ -9,7 +9,7 @@ use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
 use tpinfer_plan::{
     boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
 };
-use tpinfer_weights::{CountingStore, ShardLoader, WeightDecl};
+use tpinfer_weights::{CountingStore, ShardLoader, WeightDecl, WeightFormat};
 
 use crate::memory::{DitMemory, ForwardPath, Video};
 use crate::{WanCheckpoint, WanCheckpointError, WanConfig, WanRank, WanShard};
@@ -25,6 +25,8 @@ pub struct WanModel {
     name: String,
     config: Arc<WanConfig>,
     checkpoint: Option<Arc<WanCheckpoint>>,
+    /// The form the blocks' linear weights are held in.
+    format: WeightFormat,
 }
 
 /// One rank's part of a Wan DiT: its heads and FFN columns, with the tensors it reads.
@@ -44,6 +46,7 @@ impl WanModel {
             name: dir.display().to_string(),
             config: Arc::new(checkpoint.config.clone()),
             checkpoint: Some(Arc::new(checkpoint)),
+            format: WeightFormat::AsStored,
         })
     }
 
@@ -51,11 +54,18 @@ impl WanModel {
         &self.config
     }
 
+    /// The tensors `shard` reads, in the model's weight format.
+    fn decls(&self, shard: &WanShard) -> Vec<WeightDecl> {
+        let store = self.checkpoint.as_ref().map(|c| c.store.clone());
+        crate::model::weight_decls(&self.config, shard, self.format, |name| store.as_ref()?.info(name))
+    }
+
     fn from_config(name: &str, config: WanConfig) -> Self {
         Self {
             name: name.to_string(),
             config: Arc::new(config),
             checkpoint: None,
+            format: WeightFormat::AsStored,
         }
     }
 }
@@ -143,7 +153,9 @@ impl RankShard for WanRankShard {
         Ok(Footprint {
             buffers: m.buffers as u64,
             cache: m.latents as u64,
-            activations: m.activations as u64,
+            // FP8 weights expand for their products: the FFN's up projection is the largest.
+            activations: (m.activations + 2 * dtype.size_in_bytes() * tpinfer_weights::largest_fp8_matrix(&self.decls))
+                as u64,
             pool_slack: m.pool_slack as u64,
             // Latents and text states are made by a request, not at load.
             at_load: 0,
@@ -181,7 +193,7 @@ impl Family for WanModel {
             .map(|rank| {
                 let shard =
                     WanShard::new(&self.config, tp, rank).map_err(|detail| PlanError::Sharding { tp, detail })?;
-                let decls: Arc<[WeightDecl]> = shard.weight_decls(&self.config).into();
+                let decls: Arc<[WeightDecl]> = self.decls(&shard).into();
                 Ok(WanRankShard {
                     shard,
                     config: self.config.clone(),
@@ -205,10 +217,17 @@ impl Family for WanModel {
             &self.config,
             &CountingStore::new(checkpoint.store.clone(), ctx.progress, ctx.dtype),
             shard.shard.clone(),
+            self.format,
             ctx.comm.clone(),
             ctx.dtype,
             ctx.device,
         )
+    }
+
+    /// FP8 (`--quantize fp8`) holds the blocks' linear weights in E4M3; the embedders and the
+    /// output projection, a sliver of the model, stay in the compute dtype.
+    fn with_format(self, format: WeightFormat) -> Result<Self, PlanError> {
+        Ok(Self { format, ..self })
     }
 
     fn bytes_loaded(rank: &WanRank) -> usize {

@@ -4,7 +4,7 @@ use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_kernels::{layer_norm, residual_sum, row_sum_squares, scale_rows_cols};
 use tpinfer_layers::{full_attention, ColumnParallelLinear, MergedColumnParallelLinear, Result, RowParallelLinear};
-use tpinfer_weights::{ShardLoader, WeightStore};
+use tpinfer_weights::{ShardLoader, TensorInfo, WeightDecl, WeightFormat, WeightStore};
 
 use crate::memory::SCORE_BUFFER_BYTES;
 use crate::profile::StageTimes;
@@ -169,6 +169,20 @@ impl Step<'_> {
     }
 }
 
+/// The tensors `shard` reads, the blocks' linear weights in `format` (`stored` giving a
+/// tensor's header where there is a checkpoint).
+pub(crate) fn weight_decls(
+    config: &WanConfig,
+    shard: &WanShard,
+    format: WeightFormat,
+    stored: impl Fn(&str) -> Option<TensorInfo>,
+) -> Vec<WeightDecl> {
+    let mut decls = shard.weight_decls(config);
+    let linear = |d: &WeightDecl| d.name.starts_with("blocks.") && d.shape.len() == 2;
+    tpinfer_weights::hold_matrices(&mut decls, format, linear, linear, stored);
+    decls
+}
+
 impl WanRank {
     /// Loads this rank's slices from `store` (diffusers' names; wrap original checkpoints in a
     /// [`tpinfer_weights::RenamedStore`] with [`crate::original_names`]).
@@ -176,11 +190,12 @@ impl WanRank {
         config: &WanConfig,
         store: &dyn WeightStore,
         shard: WanShard,
+        format: WeightFormat,
         comm: Arc<dyn Communicator>,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let decls = shard.weight_decls(config);
+        let decls = weight_decls(config, &shard, format, |name| store.info(name));
         let mut w = ShardLoader::new(store, &decls, dtype, device);
         let d = config.hidden_size();
         let f32 = |t: Tensor| t.to_dtype(DType::F32);
