@@ -102,6 +102,13 @@ struct DitArgs {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
+enum WeightsArg {
+    AsStored,
+    Dequantized,
+    Fp8,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 enum DtypeArg {
     F32,
     F16,
@@ -126,9 +133,10 @@ struct Common {
     /// Decode kernel by kernel instead of replaying a captured CUDA graph.
     #[arg(long)]
     enforce_eager: bool,
-    /// Expand a GGUF file's quantized weights to the compute dtype at load.
-    #[arg(long)]
-    dequantize: bool,
+    /// The form the linear weights are held in: as stored (GGUF blocks, FP8 checkpoints),
+    /// dequantized, or quantized to FP8 at load.
+    #[arg(long, value_enum, default_value_t = WeightsArg::AsStored)]
+    weights: WeightsArg,
     /// Test switch: inject a fault, KIND:RANK:STEP with KIND one of error, panic, oom, exit, nan.
     #[arg(long, value_parser = parse_fault)]
     fault: Option<Fault>,
@@ -274,9 +282,11 @@ fn engine(common: &Common, tp: usize, max_seqs: usize) -> Result<Engine> {
         .max_seqs(max_seqs)
         .comm_timeout(std::time::Duration::from_secs(common.comm_timeout))
         .enforce_eager(common.enforce_eager);
-    if common.dequantize {
-        builder = builder.weight_format(tpinfer_engine::WeightFormat::Dequantized);
-    }
+    builder = builder.weight_format(match common.weights {
+        WeightsArg::AsStored => tpinfer_engine::WeightFormat::AsStored,
+        WeightsArg::Dequantized => tpinfer_engine::WeightFormat::Dequantized,
+        WeightsArg::Fp8 => tpinfer_engine::WeightFormat::Fp8,
+    });
     if let Some(fault) = common.fault {
         builder = builder.inject_fault(fault);
     }
