@@ -67,14 +67,19 @@ fn write_fp8_and_reference(model: &TinyLlama, root: &Path, tensor_scales_in_mlp:
 
 const PROMPT: [u32; 6] = [1, 7, 42, 99, 5, 250];
 
-#[test]
-fn a_compressed_tensors_fp8_checkpoint_at_tp_1_to_5_runs_its_weights() {
-    let model = TinyLlama {
+/// 10 heads over 5 KV heads and 100 FFN columns: uneven splits at TP 3 and 4.
+fn uneven_tiny_llama() -> TinyLlama {
+    TinyLlama {
         heads: 10,
         kv_heads: 5,
         intermediate: 100,
         ..TinyLlama::default()
-    };
+    }
+}
+
+#[test]
+fn a_compressed_tensors_fp8_checkpoint_at_tp_1_to_5_runs_its_weights() {
+    let model = uneven_tiny_llama();
     let dir = tempfile::tempdir().expect("tempdir");
     let (fp8, reference) = write_fp8_and_reference(&model, dir.path(), true);
     let expected = run_greedy(&reference, 1, DType::F32, &PROMPT, 6);
@@ -92,12 +97,7 @@ fn a_compressed_tensors_fp8_checkpoint_at_tp_1_to_5_runs_its_weights() {
 
 #[test]
 fn quantize_fp8_at_load_runs_per_row_fp8_weights_at_tp_1_to_5() {
-    let model = TinyLlama {
-        heads: 10,
-        kv_heads: 5,
-        intermediate: 100,
-        ..TinyLlama::default()
-    };
+    let model = uneven_tiny_llama();
     let dir = tempfile::tempdir().expect("tempdir");
     let path = model.write(&dir.path().join("f32"));
     // The weights an FP8 quantization with one scale per row makes, written out in f32.

@@ -797,23 +797,11 @@ fn a_preset_pipeline_plans_its_three_stages() {
 /// 24 GiB cards only so, and the Wan-14B pipeline's DiT and umT5 two of them with room.
 #[test]
 fn fp8_plans_fit_where_bf16_does_not() {
-    let llama = |quantize: &[&str]| {
-        let mut args = vec![
-            "--model",
-            "llama-3-70b",
-            "--tp",
-            "4",
-            "--gpu-mem",
-            "24GiB",
-            "--max-context",
-            "8192",
-        ];
-        args.extend_from_slice(quantize);
-        args.push("--json");
-        json(&plan(&args))
+    let planned = |args: &[&str], quantize: &[&str]| {
+        let all: Vec<&str> = args.iter().chain(quantize).chain(&["--json"]).copied().collect();
+        plan(&all)
     };
-    assert_eq!(llama(&["--quantize", "fp8"])["fits"], true);
-    let bf16 = plan(&[
+    let llama = [
         "--model",
         "llama-3-70b",
         "--tp",
@@ -822,26 +810,23 @@ fn fp8_plans_fit_where_bf16_does_not() {
         "24GiB",
         "--max-context",
         "8192",
-    ]);
+    ];
+    assert_eq!(json(&planned(&llama, &["--quantize", "fp8"]))["fits"], true);
+    let bf16 = planned(&llama, &[]);
     assert_eq!(bf16.status.code(), Some(2), "bf16 70B does not fit four 24 GiB GPUs");
-    let wan = |quantize: &[&str]| {
-        let mut args = vec![
-            "--model",
-            "wan2.1-t2v-14b-pipeline",
-            "--tp",
-            "2",
-            "--gpu-mem",
-            "24GiB",
-            "--frames",
-            "81",
-            "--size",
-            "832x480",
-        ];
-        args.extend_from_slice(quantize);
-        args.push("--json");
-        json(&plan(&args))
-    };
-    let (fp8, bf16) = (wan(&["--quantize", "fp8"]), wan(&[]));
+    let wan = [
+        "--model",
+        "wan2.1-t2v-14b-pipeline",
+        "--tp",
+        "2",
+        "--gpu-mem",
+        "24GiB",
+        "--frames",
+        "81",
+        "--size",
+        "832x480",
+    ];
+    let (fp8, bf16) = (json(&planned(&wan, &["--quantize", "fp8"])), json(&planned(&wan, &[])));
     assert_eq!(fp8["fits"], true);
     let dit = |out: &serde_json::Value| {
         out["stages"]["transformer"]["ranks"][0]["weights"]
