@@ -16,6 +16,7 @@ mod attention;
 mod collectives;
 mod decode;
 mod encode;
+mod gguf;
 mod linear;
 mod load;
 mod plots;
@@ -69,6 +70,8 @@ enum Command {
     /// An OpenAI-compatible server (`tpinfer serve`) under concurrent streamed requests:
     /// output tok/s, time to first token and inter-token latency per concurrency.
     Load(load::LoadArgs),
+    /// A Llama checkpoint written as a GGUF file in a llama.cpp quantization mix.
+    Gguf(gguf::GgufArgs),
     /// One rank's decode step as its chain kernels' CTAs saw it (a `timeline` build).
     #[cfg(feature = "timeline")]
     Timeline(timeline::TimelineArgs),
@@ -609,6 +612,7 @@ fn main() -> Result<()> {
         Command::Encode(args) => encode::encode(args),
         Command::Vae(args) => vae::vae(args),
         Command::Load(args) => load::run(args),
+        Command::Gguf(args) => gguf::run(args),
         #[cfg(feature = "timeline")]
         Command::Timeline(args) => timeline::run(args),
     }

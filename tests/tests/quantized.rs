@@ -241,3 +241,33 @@ fn a_rope_freqs_of_the_wrong_length_is_refused_by_name() {
         "{err}"
     );
 }
+
+/// A checkpoint written as a GGUF file by tpinfer (llama.cpp's names, Q/K row order, metadata
+/// and Llama 3.1 scaling as rope_freqs) runs as the checkpoint itself, and the engine reads
+/// the tokenizer.json beside a GGUF file that carries none.
+#[test]
+fn a_checkpoint_written_as_gguf_runs_as_itself() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default();
+    let hf = model.write(&dir.path().join("hf"));
+    let gguf = hf.join("model.gguf");
+    let checkpoint = tpinfer_llama::LlamaCheckpoint::open(&hf).expect("open");
+    checkpoint.write_gguf(&gguf, &|_| GgmlDType::F32).expect("write gguf");
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 256).collect();
+    for tp in [1, 3] {
+        let reference = run_greedy(&hf, tp, DType::F32, &prompt, 4);
+        let trace = run_greedy(&gguf, tp, DType::F32, &prompt, 4);
+        for (step, logits) in trace.logits.iter().enumerate() {
+            let err = rel_error(logits, &reference.logits[step]);
+            assert!(err < 1e-5, "TP {tp} step {step}: {err:e}");
+        }
+    }
+    let engine = tpinfer_engine::Engine::builder(&gguf).build().expect("engine");
+    let request = tpinfer_engine::GenerateRequest::new(tpinfer_engine::Prompt::text("abc"), 3);
+    let (_, ids, _) = engine
+        .generate(request)
+        .expect("generate")
+        .collect_text()
+        .expect("stream");
+    assert!(!ids.is_empty());
+}

@@ -41,12 +41,17 @@ impl Engine {
     pub(crate) fn start(b: EngineBuilder) -> Result<Self, EngineError> {
         let model = LlamaModel::open_checkpoint_with(&b.model, b.weight_format)?;
         let config = model.config().clone();
-        // A GGUF file carries its tokenizer in the metadata already read for the config.
+        // A GGUF file without a tokenizer (one tpinfer wrote, say) takes the tokenizer.json
+        // beside it.
         let tokenizer = Arc::new(match model.checkpoint().and_then(|c| c.gguf_metadata()) {
-            Some(metadata) => Tokenizer::from_gguf(metadata)?,
+            Some(metadata) if metadata.contains_key("tokenizer.ggml.tokens") => Tokenizer::from_gguf(metadata)?,
+            Some(_) => Tokenizer::from_hf_dir(b.model.parent().unwrap_or(std::path::Path::new(".")))?,
             None => Tokenizer::from_hf_dir(&b.model)?,
         });
         let topology = Topology::new(b.tp, &b.device)?;
+        if !topology.is_cpu() && model.holds_fp8() {
+            return Err(EngineError::Fp8OnGpu);
+        }
         // A fault that can never strike would let a failure test pass without a failure.
         if let Some((rank, _)) = b.fault.map(|f| f.place()).filter(|&(rank, _)| rank >= b.tp) {
             return Err(EngineError::InvalidRequest(format!(

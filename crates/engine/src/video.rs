@@ -156,6 +156,9 @@ impl VideoEngine {
             .map_err(|e| RuntimeError::Model(e.to_string()))?;
         let config = model.config().clone();
         let topology = Topology::new(b.tp, &b.device)?;
+        if !topology.is_cpu() && b.weight_format == tpinfer_weights::WeightFormat::Fp8 {
+            return Err(EngineError::Fp8OnGpu);
+        }
         let dtype = b.dtype.unwrap_or(match topology.is_cpu() {
             true => DType::F32,
             false => DType::BF16,

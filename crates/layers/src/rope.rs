@@ -18,6 +18,19 @@ pub enum RopeScaling {
     Divisors(Vec<f64>),
 }
 
+impl RopeScaling {
+    /// The divisor of each of a head's `head_dim / 2` frequencies (base `theta`): this
+    /// scaling in the form llama.cpp's GGUF files carry (`rope_freqs`).
+    pub fn divisors(&self, head_dim: usize, theta: f64) -> Vec<f64> {
+        (0..head_dim / 2)
+            .map(|i| {
+                let freq = 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64);
+                freq / scale_frequency(i, freq, Some(self))
+            })
+            .collect()
+    }
+}
+
 /// Rotary position embedding over halves of each head (the Hugging Face layout), with cos/sin
 /// tables computed once for every position up to `max_positions`. Applied by the fused QKV
 /// kernel of `tpinfer_kernels` through [`crate::KvCache::append_rotated`].

@@ -2,11 +2,12 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
 use tpinfer_layers::RopeScaling;
 use tpinfer_weights::{
-    CountingStore, GgufStore, GgufTensorMap, LoadProgress, SafetensorsStore, ShardLoader, TensorInfo, WeightDecl,
-    WeightError, WeightFormat, WeightStore,
+    CountingStore, GgufStore, GgufTensorMap, LoadProgress, SafetensorsStore, ShardLoader, ShardSpec, TensorInfo,
+    WeightDecl, WeightError, WeightFormat, WeightStore,
 };
 
 use crate::shard::names;
@@ -193,6 +194,100 @@ fn rope_divisors(store: &GgufStore, config: &LlamaConfig, origin: &str) -> Resul
         .into());
     }
     Ok(RopeScaling::Divisors(divisors.into_iter().map(f64::from).collect()))
+}
+
+impl LlamaCheckpoint {
+    /// Writes the checkpoint as a llama.cpp GGUF file at `path`: its metadata, Q/K rows in
+    /// llama.cpp's order, a Llama 3.1 scaling as `rope_freqs`, and each matrix in the GGML type
+    /// `quant` gives for its GGUF name (norms in f32). Matrices are read and quantized in
+    /// parallel, one at a time each; no tokenizer goes in (the engine then reads the
+    /// `tokenizer.json` beside the file).
+    pub fn write_gguf(&self, path: &Path, quant: &(dyn Fn(&str) -> GgmlDType + Sync)) -> Result<(), CheckpointError> {
+        use rayon::prelude::*;
+        let c = &self.config;
+        let names = gguf_names(c);
+        let mut hf: Vec<(&String, &(String, Option<usize>))> = names
+            .iter()
+            .filter(|(name, _)| self.store.info(name).is_some())
+            .collect();
+        hf.sort_by(|a, b| a.1 .0.cmp(&b.1 .0));
+        let tensor_err = |name: &str| {
+            let name = name.to_string();
+            move |source| WeightError::Tensor {
+                name: name.clone(),
+                source,
+            }
+        };
+        let mut tensors = hf
+            .par_iter()
+            .map(|(name, (gguf, heads))| {
+                let (t, _) = self.store.read(name, &ShardSpec::Replicated)?;
+                let mut t = t.to_dtype(candle_core::DType::F32).map_err(tensor_err(name))?;
+                if let Some(heads) = heads {
+                    t = permute_rotary_rows(&t, *heads).map_err(tensor_err(name))?;
+                }
+                let dtype = if t.rank() == 2 { quant(gguf) } else { GgmlDType::F32 };
+                let q = QTensor::quantize(&t, dtype).map_err(tensor_err(name))?;
+                Ok((gguf.clone(), q))
+            })
+            .collect::<Result<Vec<_>, WeightError>>()?;
+        if let Some(scaling) = &c.rope_scaling {
+            let divisors: Vec<f32> = scaling
+                .divisors(c.head_dim, c.rope_theta)
+                .into_iter()
+                .map(|d| d as f32)
+                .collect();
+            let t = candle_core::Tensor::new(divisors, &candle_core::Device::Cpu)
+                .and_then(|t| QTensor::quantize(&t, GgmlDType::F32))
+                .map_err(tensor_err(ROPE_FREQS))?;
+            tensors.push((ROPE_FREQS.to_string(), t));
+        }
+        let u = |v: usize| Value::U32(v as u32);
+        let mut metadata = vec![
+            ("general.architecture", Value::String("llama".into())),
+            ("llama.block_count", u(c.num_hidden_layers)),
+            ("llama.embedding_length", u(c.hidden_size)),
+            ("llama.feed_forward_length", u(c.intermediate_size)),
+            ("llama.attention.head_count", u(c.num_attention_heads)),
+            ("llama.attention.head_count_kv", u(c.num_key_value_heads)),
+            ("llama.rope.dimension_count", u(c.head_dim)),
+            ("llama.context_length", u(c.max_position_embeddings)),
+            ("llama.rope.freq_base", Value::F32(c.rope_theta as f32)),
+            (
+                "llama.attention.layer_norm_rms_epsilon",
+                Value::F32(c.rms_norm_eps as f32),
+            ),
+            ("llama.vocab_size", u(c.vocab_size)),
+        ];
+        metadata.extend(c.bos_token_id.map(|id| ("tokenizer.ggml.bos_token_id", Value::U32(id))));
+        metadata.extend(
+            c.eos_token_ids
+                .first()
+                .map(|&id| ("tokenizer.ggml.eos_token_id", Value::U32(id))),
+        );
+        let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+        let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let io = |source| WeightError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut file = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+        gguf_file::write(&mut file, &meta, &refs).map_err(|e| WeightError::Gguf {
+            path: path.to_path_buf(),
+            detail: e.to_string(),
+        })?;
+        std::io::Write::flush(&mut file).map_err(io)?;
+        Ok(())
+    }
+}
+
+/// llama.cpp's converter's order of Q/K rows (`reshape(h, 2, d/2, in).swapaxes(1, 2)`), the
+/// inverse of the store's unpermuting.
+fn permute_rotary_rows(w: &candle_core::Tensor, heads: usize) -> candle_core::Result<candle_core::Tensor> {
+    let (rows, cols) = w.dims2()?;
+    w.reshape((heads, 2, rows / heads / 2, cols))?
+        .transpose(1, 2)?
+        .reshape((rows, cols))
 }
 
 /// Hugging Face names → llama.cpp names. Q and K rows were permuted by llama.cpp's converter.

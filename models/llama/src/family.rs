@@ -64,6 +64,15 @@ impl LlamaModel {
         &self.config
     }
 
+    /// Whether any linear weight is held in FP8 (an FP8 checkpoint's, or `--quantize fp8`).
+    pub fn holds_fp8(&self) -> bool {
+        self.shards(1).is_ok_and(|shards| {
+            shards
+                .iter()
+                .any(|s| s.decls.iter().any(|d| d.quant == Some(Quant::Fp8)))
+        })
+    }
+
     /// The opened checkpoint; `None` for a preset.
     pub fn checkpoint(&self) -> Option<&Arc<LlamaCheckpoint>> {
         self.checkpoint.as_ref()
