@@ -91,8 +91,8 @@ pub struct WeightArgs {
     #[arg(long, conflicts_with = "quantize")]
     pub dequantize: bool,
     /// Quantize every linear weight at load, per output row (the embedding and LM head stay
-    /// in the compute dtype). FP8 halves a bf16 model's weights; without FP8 GEMM kernels yet,
-    /// each product expands its weight first: it saves memory, not time.
+    /// in the compute dtype). FP8 halves a bf16 model's weights; it runs on CPU ranks only so
+    /// far (each product expands its weight: memory saved, not time).
     #[arg(long, value_enum)]
     pub quantize: Option<QuantizeArg>,
 }
