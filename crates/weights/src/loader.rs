@@ -38,7 +38,7 @@ impl WeightDecl {
         match self.quant {
             Some(Quant::Ggml(quant)) => self.spec.quantized_bytes(&self.shape, quant).map_err(shard_err),
             // One byte a value, and an f32 scale for each of the slice's rows.
-            Some(Quant::Fp8) => Ok(elements + shape[0] * 4),
+            Some(Quant::Fp8) => Ok(elements + shape.first().copied().unwrap_or(0) * 4),
             None => Ok(elements * dtype.size_in_bytes()),
         }
     }
@@ -272,8 +272,11 @@ impl<'a> ShardLoader<'a> {
                     .iter()
                     .map(|n| self.read_quantized(n))
                     .collect::<Result<Vec<_>, _>>()?;
-                let mut stacked = parts[0].clone();
-                for part in &parts[1..] {
+                let mut parts = parts.into_iter();
+                let Some(mut stacked) = parts.next() else {
+                    return Ok(Vec::new());
+                };
+                for part in parts {
                     stacked.shape[0] += part.shape[0];
                     stacked.bytes.extend_from_slice(&part.bytes);
                 }
