@@ -130,6 +130,7 @@ impl<'a> ShardLoader<'a> {
                     expected: decl.shape.as_slice().into(),
                 });
             }
+            // The slice must exist, and a quantized one fall on whole blocks.
             decl.device_bytes(DType::F32)?;
             if let Some(Quant::Ggml(quant)) = decl.quant {
                 if info.quant != Some(quant) {

@@ -139,10 +139,18 @@ impl LlamaRankShard {
             self.shard.heads.kv_heads.len() * d,
             self.shard.ffn_cols.len(),
         );
-        let largest = [(q + 2 * kv) * h, 2 * ffn * h, q * h, ffn * h]
-            .into_iter()
-            .max()
-            .unwrap_or(0);
+        // The merged Q/K/V and gate/up hold the others' rows; a quantized LM head (GGUF's
+        // own output matrix) may be larger still.
+        let head_quantized = self
+            .decls
+            .iter()
+            .any(|d| d.name == crate::shard::names::LM_HEAD && d.quant.is_some());
+        let head = if head_quantized {
+            self.shard.vocab_rows.len() * h
+        } else {
+            0
+        };
+        let largest = ((q + 2 * kv) * h).max(2 * ffn * h).max(head);
         largest * per_value
     }
 }
@@ -294,8 +302,11 @@ impl Family for LlamaModel {
         Ok(rank)
     }
 
+    /// A checkpoint opened for another format is opened again: the row-parallel block size
+    /// of its config depends on whether its GGUF blocks are kept.
     fn with_format(self, format: WeightFormat) -> Result<Self, PlanError> {
         match &self.checkpoint {
+            _ if format == self.format => Ok(self),
             None => Ok(Self { format, ..self }),
             Some(checkpoint) => {
                 let path = match &checkpoint.format {
