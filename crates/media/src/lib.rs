@@ -1,5 +1,6 @@
-//! Video frames to files, in-process: H.264 (OpenH264, built from source) in an MP4 container,
-//! and 8-bit PNG. Frames are packed RGB, 8 bits a channel, row by row.
+//! Media files, in-process (no ffmpeg). Out: video frames as H.264 (OpenH264, built from
+//! source) in an MP4 container, and 8-bit PNG; frames are packed RGB, 8 bits a channel, row by
+//! row. In: speech from WAV, FLAC or MP3 at the rate a speech encoder takes ([`read_speech`]).
 //!
 //! ```no_run
 //! # fn frames() -> Vec<Vec<u8>> { Vec::new() }
@@ -13,11 +14,15 @@
 //! # Ok::<(), tpinfer_media::MediaError>(())
 //! ```
 
+mod audio;
+
 use std::io::{Seek, Write};
 
 use openh264::encoder::{Encoder, EncoderConfig, FrameRate, FrameType, RateControlMode};
 use openh264::formats::{RgbSliceU8, YUVBuffer};
 use openh264::OpenH264API;
+
+pub use audio::{decode_mono, read_speech, resample, AudioError, Speech, MAX_AUDIO_SECONDS};
 
 /// Why a video or image could not be written.
 #[derive(Debug, thiserror::Error)]
