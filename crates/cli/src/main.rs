@@ -317,6 +317,11 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
             args.model.display(),
             args.model.display()
         ),
+        Task::SpeechEncoder => bail!(
+            "{} is a wav2vec2 speech encoder, the audio stage of speech-to-video: `tpinfer plan --model` plans \
+             it; tpinfer does not generate speech-to-video yet",
+            args.model.display()
+        ),
         Task::Text => {}
     }
     let Some(prompt) = args.prompt else {

@@ -460,6 +460,40 @@ fn a_text_encoder_plans_and_is_not_run_alone() {
     assert_fails_with(&generate(dir.path(), &[]), &["umT5 text encoder", "--text-embeds"]);
 }
 
+/// The wav2vec2 speech encoder S2V ships plans by preset and by directory (a minute of
+/// speech unless --max-context gives its encoder frames) and is not run alone.
+#[test]
+fn a_speech_encoder_plans_and_is_not_run_alone() {
+    let out = json(&plan(&[
+        "--model",
+        "wav2vec2-large-xlsr-53",
+        "--tp",
+        "4",
+        "--gpu-mem",
+        "24GiB",
+        "--json",
+    ]));
+    assert_eq!(out["fits"], true);
+    assert_eq!(out["plan"]["tokens_per_forward"], 3000);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/wav2vec2-tiny");
+    let path = dir.to_str().expect("utf8");
+    let planned = json(&plan(&[
+        "--model",
+        path,
+        "--tp",
+        "3",
+        "--max-context",
+        "500",
+        "--gpu-mem",
+        "1GiB",
+        "--cpu",
+        "--json",
+    ]));
+    assert_eq!(planned["rank_totals"].as_array().map(Vec::len), Some(3));
+    assert_eq!(planned["plan"]["tokens_per_forward"], 500);
+    assert_fails_with(&generate(&dir, &[]), &["wav2vec2 speech encoder", "tpinfer plan"]);
+}
+
 /// A pipeline directory takes a prompt to a video: an MP4 and PNG frames, with the latents
 /// and the prompt's states saved beside them. The states, given to the transformer directory
 /// alone (--text-embeds), give the same latents; `tpinfer decode` of the latents gives the same

@@ -10,6 +10,7 @@ use tpinfer_plan::{PlanError, ShardedModel};
 use tpinfer_umt5::Umt5Model;
 use tpinfer_wan::WanModel;
 use tpinfer_wan_vae::WanVaeModel;
+use tpinfer_wav2vec2::Wav2Vec2Model;
 use tpinfer_weights::WeightFormat;
 
 /// What a family's models do, which decides the engine that runs them.
@@ -24,6 +25,9 @@ pub enum Task {
     TextEncoder,
     /// A video VAE: the decode stage of a video pipeline (`tpinfer decode` runs it alone).
     VideoDecoder,
+    /// A speech encoder: the audio stage of a speech-to-video pipeline, planned and loaded
+    /// on its ranks, not run alone.
+    SpeechEncoder,
 }
 
 /// One family as the registry lists it.
@@ -66,6 +70,7 @@ pub fn families() -> Vec<FamilyEntry> {
         FamilyEntry::of::<WanModel>(Task::Video),
         FamilyEntry::of::<Umt5Model>(Task::TextEncoder),
         FamilyEntry::of::<WanVaeModel>(Task::VideoDecoder),
+        FamilyEntry::of::<Wav2Vec2Model>(Task::SpeechEncoder),
         FamilyEntry::of::<LlamaModel>(Task::Text),
     ]
 }
