@@ -21,6 +21,7 @@ mod linear;
 mod load;
 mod plots;
 mod sample;
+mod speech;
 mod sweep;
 #[cfg(feature = "timeline")]
 mod timeline;
@@ -61,6 +62,9 @@ enum Command {
     /// The umT5 text encoder at each TP width: ms per prompt, memory against the plan, and the
     /// states as safetensors for a reference to compare.
     Encode(encode::EncodeArgs),
+    /// The wav2vec2 speech encoder at each TP width: ms per audio, memory against the plan,
+    /// and the hidden states as safetensors for a reference to compare.
+    Speech(speech::SpeechArgs),
     /// The Wan VAE decoder at each TP width: seconds per decode, memory against the plan,
     /// and the frames for reference_vae.py to compare.
     Vae(vae::VaeArgs),
@@ -610,6 +614,7 @@ fn main() -> Result<()> {
         Command::DecodeProfile(args) => decode::run(args),
         Command::Collectives(args) => collectives::run(args),
         Command::Encode(args) => encode::encode(args),
+        Command::Speech(args) => speech::speech(args),
         Command::Vae(args) => vae::vae(args),
         Command::Load(args) => load::run(args),
         Command::Gguf(args) => gguf::run(args),

@@ -6,10 +6,12 @@ needs the wan22 wheel's `wan/modules/s2v/audio_encoder.py` (`--wan22 FILE`).
 
   make  --shape tiny|xlsr-53 [--seed S] --out DIR   random weights saved as transformers saves
                                                     them (config.json, model.safetensors)
-  run   --model DIR --seconds T [--seed S] --wan22 FILE --out FILE [--dtype f32|bf16]
+  run   --model DIR --seconds T [--seed S] [--wan22 FILE] --out FILE [--dtype f32|bf16]
         the raw audio (`audio`, 16 kHz), every hidden state (`hidden_states` [layers + 1,
-        frames, width]), and S2V's per-video-frame features at 16 fps for clips of 80 and of
-        16 frames (`bucket_80`, `bucket_16`: [frames, layers + 1, width])
+        frames, width]), and with --wan22 S2V's per-video-frame features at 16 fps for clips
+        of 80 and of 16 frames (`bucket_80`, `bucket_16`: [frames, layers + 1, width])
+  compare --ref FILE name=FILE ...   ‖x − ref‖ / ‖ref‖ of each run's `hidden_states`, over all
+                                     states and per state
 
 tests/fixtures/wav2vec2-tiny was written by
   make --shape tiny --seed 3 --out tests/fixtures/wav2vec2-tiny
@@ -90,15 +92,28 @@ def run(args):
     with torch.no_grad():
         out = model(values.to(dtype), output_hidden_states=True)
     states = torch.cat(out.hidden_states).float()  # [layers + 1, frames, width]
-    m = bucket_functions(args.wan22)
-    feat = m.linear_interpolation(states, input_fps=50, output_fps=30)
-    encoder = types.SimpleNamespace(video_rate=30)
     tensors = {"audio": audio.contiguous(), "hidden_states": states.contiguous()}
-    for frames in (80, 16):
-        bucket, _ = m.AudioEncoder.get_audio_embed_bucket_fps(encoder, feat, fps=16, batch_frames=frames, m=0)
-        tensors[f"bucket_{frames}"] = bucket.float().contiguous()
+    if args.wan22:
+        m = bucket_functions(args.wan22)
+        feat = m.linear_interpolation(states, input_fps=50, output_fps=30)
+        encoder = types.SimpleNamespace(video_rate=30)
+        for frames in (80, 16):
+            bucket, _ = m.AudioEncoder.get_audio_embed_bucket_fps(encoder, feat, fps=16, batch_frames=frames, m=0)
+            tensors[f"bucket_{frames}"] = bucket.float().contiguous()
     save_file(tensors, args.out)
     print({k: list(v.shape) for k, v in tensors.items()})
+
+
+def compare(args):
+    from safetensors.torch import load_file
+
+    ref = load_file(args.ref)["hidden_states"].double()
+    for item in args.runs:
+        name, path = item.split("=", 1)
+        x = load_file(path)["hidden_states"].double()
+        rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+        worst = max(rel(x[i], ref[i]) for i in range(ref.shape[0]))
+        print(f"{name}: rel {rel(x, ref):.3e} over all states, worst state {worst:.3e}")
 
 
 def main():
@@ -112,11 +127,14 @@ def main():
     rn.add_argument("--model", required=True)
     rn.add_argument("--seconds", type=float, required=True)
     rn.add_argument("--seed", type=int, default=0)
-    rn.add_argument("--wan22", required=True)
+    rn.add_argument("--wan22")
     rn.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     rn.add_argument("--out", required=True)
+    cp = sub.add_parser("compare")
+    cp.add_argument("--ref", required=True)
+    cp.add_argument("runs", nargs="+")
     args = p.parse_args()
-    {"make": make, "run": run}[args.cmd](args)
+    {"make": make, "run": run, "compare": compare}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+//! `tpinfer-bench speech`: the wav2vec2 speech encoder on the rank group at each TP width:
+//! time per audio, device memory against the plan, and the hidden states as safetensors for
+//! the reference (`scripts/reference/reference_wav2vec2.py compare`) to judge.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::Args;
+use tpinfer_family::Family;
+use tpinfer_plan::Placement;
+use tpinfer_runtime::{GroupOptions, Launch, RuntimeError, Topology};
+use tpinfer_wav2vec2::{Wav2Vec2Model, STATES_PER_SECOND};
+
+#[derive(Args)]
+pub struct SpeechArgs {
+    /// A wav2vec2 directory (transformers' `Wav2Vec2ForCTC` or `Wav2Vec2Model`).
+    #[arg(long)]
+    model: PathBuf,
+    /// A WAV, FLAC or MP3 file, or safetensors with `audio` [samples] at 16 kHz, as
+    /// `reference_wav2vec2.py run` writes.
+    #[arg(long)]
+    audio: PathBuf,
+    #[arg(long)]
+    cuda: bool,
+    /// The compute dtype; S2V runs its speech encoder in f32.
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: crate::DtypeArg,
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    tp: Vec<usize>,
+    /// Timed encodes per width, after one warm-up.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Writes `{out}_tp{N}.safetensors` (tensor `hidden_states`, f32) for each width.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+pub fn speech(args: SpeechArgs) -> Result<()> {
+    let samples = read_audio(&args.audio)?;
+    let dtype = crate::dtype_of(args.dtype);
+    println!(
+        "| TP | audio, s | dtype | first encode, ms | ms per audio (median of {}) | peak MiB measured / planned, fullest rank |",
+        args.repeats
+    );
+    println!("|---:|---:|---|---:|---:|---|");
+    for &tp in &args.tp {
+        let model = Wav2Vec2Model::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
+        let frames = model.config().frames(samples.len());
+        let options = GroupOptions {
+            comm: crate::comm_options(),
+            ..GroupOptions::default()
+        };
+        let mut launch = Launch::new(Topology::new(tp, &crate::device_kind(args.cuda))?, options);
+        let handle = launch.add(Arc::new(model), dtype, Placement::llm(frames.max(1), 1))?;
+        let group = launch.start()?;
+        let (audio, repeats) = (samples.clone(), args.repeats);
+        let mut ranks = group.run(move |rank| -> Result<(Tensor, Vec<f64>), RuntimeError> {
+            let r = rank.env.rank;
+            let err = |e: candle_core::Error| RuntimeError::of_rank(r, e.into());
+            let encoder = rank.models.get_mut(&handle)?;
+            let mut times = Vec::with_capacity(repeats + 1);
+            let mut states = None;
+            for _ in 0..=repeats {
+                rank.env.device.synchronize().map_err(err)?;
+                let start = Instant::now();
+                let s = encoder.hidden_states(&audio).map_err(|e| RuntimeError::of_rank(r, e))?;
+                rank.env.device.synchronize().map_err(err)?;
+                times.push(start.elapsed().as_secs_f64() * 1e3);
+                states = Some(s);
+            }
+            let states = states.ok_or_else(|| RuntimeError::Stopped("no encode ran".into()))?;
+            let states = states
+                .to_dtype(DType::F32)
+                .and_then(|s| s.to_device(&Device::Cpu))
+                .map_err(err)?;
+            Ok((states, times))
+        })?;
+        let (states, mut times) = ranks.swap_remove(0);
+        // The first encode also loads the kernels and makes cuBLAS's handles: shown apart.
+        let first = times.remove(0);
+        times.sort_by(f64::total_cmp);
+        let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+        let plan = &group.plans()[handle.index()];
+        let memory = crate::memory_cell(&group.device_memory(), plan);
+        println!(
+            "| {tp} | {:.2} | {dtype:?} | {first:.1} | {median:.1} | {memory} |",
+            frames as f64 / STATES_PER_SECOND as f64
+        );
+        if let Some(out) = &args.out {
+            let path = PathBuf::from(format!("{}_tp{tp}.safetensors", out.display()));
+            states
+                .save_safetensors("hidden_states", &path)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// 16 kHz mono samples: a safetensors file's `audio`, or an audio file decoded and resampled.
+fn read_audio(path: &Path) -> Result<Vec<f32>> {
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        let tensors = candle_core::safetensors::load(path, &Device::Cpu)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let audio = tensors
+            .get("audio")
+            .with_context(|| format!("{} has no tensor `audio`", path.display()))?;
+        return Ok(audio.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?);
+    }
+    Ok(tpinfer_media::read_speech(path, 16_000)?.samples)
+}
