@@ -8,6 +8,7 @@ mod family;
 pub mod memory;
 mod model;
 mod profile;
+mod s2v_audio;
 pub mod sampler;
 mod shard;
 
@@ -16,4 +17,5 @@ pub use config::{S2vModules, WanConfig, WanConfigError};
 pub use family::{WanModel, WanRankShard};
 pub use model::WanRank;
 pub use profile::StageTimes;
+pub use s2v_audio::{AudioEmbedding, S2vAudio, AUDIO_LAYERS};
 pub use shard::{original_names, WanShard};

@@ -505,7 +505,7 @@ impl Attention {
 /// heads' channels: the per-token sums of squares of both go through one all-reduce. With a
 /// RoPE table, both are rotated in the same pass. Takes `q` by value to free it once
 /// normalized; `k` is a view into the merged K/V output, read in place.
-fn full_width_rms_norm(
+pub(crate) fn full_width_rms_norm(
     q: Tensor,
     k: &Tensor,
     wq: &Tensor,

@@ -123,9 +123,31 @@ impl WanShard {
         decls
     }
 
-    /// Wan2.2-S2V's modules, in the original checkpoint's names: the audio cross-attentions
-    /// are sharded by heads like the DiT's; the encoders and AdaIN projections are replicated.
+    /// Wan2.2-S2V's modules, in the original checkpoint's names: the audio modules
+    /// ([`Self::s2v_audio_decls`]), the frame packer, the condition encoder and mask.
     fn s2v_decls(&self, c: &WanConfig, s2v: &crate::S2vModules) -> Vec<WeightDecl> {
+        let d = c.hidden_size();
+        let full = |name: String, shape: &[usize]| WeightDecl::new(name, shape, ShardSpec::Replicated);
+        let mut decls = self.s2v_audio_decls(c, s2v);
+        // Frame pack: motion latents patched at three temporal/spatial scales.
+        for (name, kernel) in [("proj", [1, 2, 2]), ("proj_2x", [2, 4, 4]), ("proj_4x", [4, 8, 8])] {
+            decls.push(full(
+                format!("frame_packer.{name}.weight"),
+                &[d, c.in_channels, kernel[0], kernel[1], kernel[2]],
+            ));
+            decls.push(full(format!("frame_packer.{name}.bias"), &[d]));
+        }
+        let [pt, ph, pw] = c.patch_size;
+        decls.push(full("cond_encoder.weight".into(), &[d, s2v.cond_dim, pt, ph, pw]));
+        decls.push(full("cond_encoder.bias".into(), &[d]));
+        decls.push(full("trainable_cond_mask.weight".into(), &[3, d]));
+        decls
+    }
+
+    /// S2V's audio modules ([`crate::S2vAudio`]), in the original checkpoint's names: the
+    /// audio cross-attentions are sharded by heads like the DiT's; the causal audio encoder
+    /// and the AdaIN projections are replicated.
+    pub fn s2v_audio_decls(&self, c: &WanConfig, s2v: &crate::S2vModules) -> Vec<WeightDecl> {
         let d = c.hidden_size();
         let full = |name: String, shape: &[usize]| WeightDecl::new(name, shape, ShardSpec::Replicated);
         let mut decls = Vec::new();
@@ -152,19 +174,10 @@ impl WanShard {
         decls.push(full(format!("{enc}.final_linear.weight"), &[d, d]));
         decls.push(full(format!("{enc}.final_linear.bias"), &[d]));
         decls.push(full(format!("{enc}.padding_tokens"), &[1, 1, 1, d]));
-        decls.push(full("casual_audio_encoder.weights".into(), &[1, 25, 1, 1]));
-        // Frame pack: motion latents patched at three temporal/spatial scales.
-        for (name, kernel) in [("proj", [1, 2, 2]), ("proj_2x", [2, 4, 4]), ("proj_4x", [4, 8, 8])] {
-            decls.push(full(
-                format!("frame_packer.{name}.weight"),
-                &[d, c.in_channels, kernel[0], kernel[1], kernel[2]],
-            ));
-            decls.push(full(format!("frame_packer.{name}.bias"), &[d]));
-        }
-        let [pt, ph, pw] = c.patch_size;
-        decls.push(full("cond_encoder.weight".into(), &[d, s2v.cond_dim, pt, ph, pw]));
-        decls.push(full("cond_encoder.bias".into(), &[d]));
-        decls.push(full("trainable_cond_mask.weight".into(), &[3, d]));
+        decls.push(full(
+            "casual_audio_encoder.weights".into(),
+            &[1, crate::s2v_audio::AUDIO_LAYERS, 1, 1],
+        ));
         decls
     }
 }
