@@ -97,18 +97,23 @@ fn wan_shards_sum_to_the_model() {
 
 /// The Live Avatar case: Wan2.2-S2V-14B on five 24 GiB GPUs. Under FSDP every GPU gathers the
 /// root module (everything outside the 40 blocks: the S2V audio modules, embeddings, head):
-/// the 4.17 GiB unshard buffer reported for it. Under TP no rank gathers anything.
+/// the 4.17 GiB unshard buffer reported for it. Under TP no rank gathers anything. An
+/// 80-frame clip's sequence is its 31,200 video tokens, the reference frame's 1,560 and the
+/// packed motion frames' 2,314; S2V's clips are 4k frames, not T2V's 4k + 1.
 #[test]
 fn s2v_on_five_24_gib_gpus() {
     let model = open("wan2.2-s2v-14b").expect("preset");
-    let placement = Placement::Dit {
-        frames: 81,
+    let placement = |frames| Placement::Dit {
+        frames,
         width: 832,
         height: 480,
         cfg: true,
     };
-    let plan = Plan::new(&*model, 5, DType::BF16, placement, DeviceProfile::cuda()).expect("plan");
-    assert_eq!(plan.tokens_per_forward, 32_760);
+    assert_eq!(model.default_placement(), placement(80));
+    let plan = Plan::new(&*model, 5, DType::BF16, placement(80), DeviceProfile::cuda()).expect("plan");
+    assert_eq!(plan.tokens_per_forward, 31_200 + 1_560 + 2_314);
+    let err = Plan::new(&*model, 5, DType::BF16, placement(81), DeviceProfile::cuda()).expect_err("81 frames");
+    assert!(err.to_string().contains("4k (e.g. 48, 80)"), "{err}");
     let unshard_gib = plan.fsdp.unshard_buffer as f64 / (1u64 << 30) as f64;
     assert!(
         (unshard_gib - 4.17).abs() < 0.005,

@@ -1,7 +1,8 @@
-//! `tpinfer plan` of a Wan pipeline: its stages (the umT5 text encoder, the DiT, the VAE) held
-//! on the same ranks, each rank's bytes per stage and together, against the same pipeline
-//! under FSDP. A pipeline directory, or a preset `<DiT preset>-pipeline` (umT5-XXL, that DiT
-//! and Wan2.1's VAE).
+//! `tpinfer plan` of a Wan pipeline: its stages (the umT5 text encoder, S2V's wav2vec2 speech
+//! encoder, the DiT, the VAE) held on the same ranks, each rank's bytes per stage and
+//! together, against the same pipeline under FSDP. A pipeline directory, or a preset
+//! `<DiT preset>-pipeline` (umT5-XXL, for S2V wav2vec2-large-xlsr-53, that DiT and Wan2.1's
+//! VAE).
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -48,10 +49,13 @@ impl Models {
                 .map(str::to_string)
                 .with_context(|| format!("{} is not UTF-8", p.display()))
         };
-        let (encoder, dit, vae) = match name_or_dir.strip_suffix(PIPELINE_SUFFIX) {
-            Some(dit) if !Path::new(name_or_dir).exists() => {
-                (open("umt5-xxl")?, open(dit)?, Some(open_vae("wan2.1-vae")?))
-            }
+        let (encoder, speech, dit, vae) = match name_or_dir.strip_suffix(PIPELINE_SUFFIX) {
+            Some(dit) if !Path::new(name_or_dir).exists() => (
+                open("umt5-xxl")?,
+                speech_encoder_of(dit).map(open_vae).transpose()?,
+                open(dit)?,
+                Some(open_vae("wan2.1-vae")?),
+            ),
             _ => {
                 let pipeline = tpinfer_engine::WanPipelineDir::open(Path::new(name_or_dir))?;
                 let vae = match &pipeline.vae {
@@ -60,29 +64,38 @@ impl Models {
                 };
                 (
                     open(&path(&pipeline.text_encoder)?)?,
+                    None,
                     open(&path(&pipeline.transformer)?)?,
                     vae,
                 )
             }
         };
-        let mut stages = vec![
-            Stage {
-                label: "umT5",
-                key: "text_encoder",
-                model: encoder,
-            },
-            Stage {
-                label: "DiT",
-                key: "transformer",
-                model: dit,
-            },
-        ];
+        let mut stages = vec![Stage {
+            label: "umT5",
+            key: "text_encoder",
+            model: encoder,
+        }];
+        stages.extend(speech.map(|model| Stage {
+            label: "wav2vec2",
+            key: "speech_encoder",
+            model,
+        }));
+        stages.push(Stage {
+            label: "DiT",
+            key: "transformer",
+            model: dit,
+        });
         stages.extend(vae.map(|model| Stage {
             label: "VAE",
             key: "vae",
             model,
         }));
         Ok(Self(stages, name_or_dir.to_string()))
+    }
+
+    /// The stages that run before the DiT, once a run: the encoders.
+    fn encoders(&self) -> usize {
+        self.0.iter().filter(|s| s.key.ends_with("_encoder")).count()
     }
 
     fn widest(&self) -> usize {
@@ -95,8 +108,25 @@ impl Models {
             .0
             .iter()
             .map(|s| {
-                let placement = match s.key {
-                    "text_encoder" => text,
+                let placement = match (s.key, video) {
+                    ("text_encoder", _) => text,
+                    // A minute of speech, as the encoder plans by itself.
+                    ("speech_encoder", _) => s.model.default_placement(),
+                    // S2V decodes each clip after its motion frames' latents.
+                    (
+                        "vae",
+                        Placement::Dit {
+                            frames,
+                            width,
+                            height,
+                            cfg,
+                        },
+                    ) if self.encoders() > 1 => Placement::Dit {
+                        frames: frames + tpinfer_engine::S2V_MOTION_FRAMES,
+                        width,
+                        height,
+                        cfg,
+                    },
                     _ => video,
                 };
                 Ok(Planned {
@@ -106,12 +136,19 @@ impl Models {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Stages(planned))
+        Ok(Stages(planned, self.encoders()))
     }
 }
 
-/// Every stage's plan at one width.
-struct Stages(Vec<Planned>);
+/// The speech encoder of a DiT preset's pipeline: S2V's wav2vec2.
+fn speech_encoder_of(dit: &str) -> Option<&'static str> {
+    dit.to_ascii_lowercase()
+        .starts_with("wan2.2-s2v")
+        .then_some("wav2vec2-large-xlsr-53")
+}
+
+/// Every stage's plan at one width, and how many of them are encoders that run first.
+struct Stages(Vec<Planned>, usize);
 
 fn resident(r: &RankPlan) -> u64 {
     r.weights + r.buffers + r.cache
@@ -145,12 +182,12 @@ impl Stages {
     }
 
     /// How the engine holds the stages within `budget`, as `Launch` decides it: every stage
-    /// resident where that fits, else the text encoder freed after encoding, before the
-    /// DiT and the VAE load.
+    /// resident where that fits, else the encoders freed after encoding, before the DiT and
+    /// the VAE load.
     fn residency(&self, budget: u64) -> Residency {
         match self.peak(Residency::Together).1 <= budget {
             true => Residency::Together,
-            false => Residency::InTurns { first: 1 },
+            false => Residency::InTurns { first: self.1 },
         }
     }
 
@@ -228,7 +265,7 @@ pub fn plan(
         true => ExitCode::SUCCESS,
         false => {
             eprintln!(
-                "does not fit: rank {peak_rank} needs {:.1} MiB of the {:.1} MiB budget even with the text encoder \
+                "does not fit: rank {peak_rank} needs {:.1} MiB of the {:.1} MiB budget even with the encoders \
                  freed after encoding; try a wider --tp, fewer --frames or a smaller --size",
                 mib(peak),
                 mib(budget)
@@ -291,7 +328,7 @@ fn print(stages: &Stages, name: &str, tp: usize, budget: u64, residency: Residen
         Residency::InTurns { .. } => {
             let (rank, together) = stages.peak(Residency::Together);
             println!(
-                "The text encoder's shard is freed after encoding, before the DiT and the VAE load: with every stage \
+                "The encoders' shards are freed after encoding, before the DiT and the VAE load: with every stage \
                  held together rank {rank} would need {:.1} MiB. A run encodes its prompts first; an engine that \
                  serves several runs takes text states for the later ones.\n",
                 mib(together)

@@ -220,19 +220,65 @@ impl WanConfig {
         self.num_attention_heads * self.attention_head_dim
     }
 
-    /// The number of video tokens for `frames` frames (4k + 1) of `width` × `height` pixels:
-    /// the VAE compresses time 4× and space 8×, then patches are 1 × 2 × 2 latents.
+    /// The latent frames the DiT denoises for a clip of `frames` frames: 4k + 1 frames make
+    /// k + 1 (the VAE compresses time 4×, the first frame alone). S2V's clips (4k frames)
+    /// follow its motion frames: `(frames + 3 + 73) / 4` latent frames less the 19 of the
+    /// motion frames (`speech2video.py`'s `lat_target_frames`).
+    pub fn latent_frames(&self, frames: usize) -> usize {
+        match self.s2v {
+            Some(_) => (frames + 3 + S2V_MOTION_FRAMES) / 4 - S2V_MOTION_FRAMES.div_ceil(4),
+            None => frames.saturating_sub(1) / 4 + 1,
+        }
+    }
+
+    /// The number of video tokens for `frames` frames of `width` × `height` pixels: the
+    /// [`Self::latent_frames`], 8× smaller in space, in patches of 1 × 2 × 2 latents.
     pub fn video_tokens(&self, frames: usize, width: usize, height: usize) -> usize {
-        let latent_frames = (frames.saturating_sub(1)) / 4 + 1;
         let [pt, ph, pw] = self.patch_size;
-        latent_frames.div_ceil(pt) * (height / 8).div_ceil(ph) * (width / 8).div_ceil(pw)
+        self.latent_frames(frames).div_ceil(pt) * (height / 8).div_ceil(ph) * (width / 8).div_ceil(pw)
+    }
+
+    /// The tokens of one forward's sequence: the video's, and S2V's after them: one frame of
+    /// the reference image, and the motion frames packed at three scales (the last latent
+    /// frame in 1 × 2 × 2 patches, the 2 before it in 2 × 4 × 4, the 16 before those in
+    /// 4 × 8 × 8: `FramePackMotioner`).
+    pub fn sequence_tokens(&self, frames: usize, width: usize, height: usize) -> usize {
+        let video = self.video_tokens(frames, width, height);
+        let (h, w) = (height / 8, width / 8);
+        match self.s2v {
+            Some(_) => {
+                let [_, ph, pw] = self.patch_size;
+                let reference = h.div_ceil(ph) * w.div_ceil(pw);
+                let [near, middle, far] = S2V_FRAME_PACK;
+                let motion = near * (h / 2) * (w / 2) + middle / 2 * (h / 4) * (w / 4) + far / 4 * (h / 8) * (w / 8);
+                video + reference + motion
+            }
+            None => video,
+        }
     }
 
     /// The number of latent values of one video: channels × latent frames × latent pixels.
     pub fn latent_elements(&self, frames: usize, width: usize, height: usize) -> usize {
-        self.in_channels * ((frames.saturating_sub(1)) / 4 + 1) * (height / 8) * (width / 8)
+        self.in_channels * self.latent_frames(frames) * (height / 8) * (width / 8)
+    }
+
+    /// The latent values S2V conditions each clip on: the reference image's one latent frame
+    /// and the motion frames' 19; none without S2V.
+    pub fn condition_latent_elements(&self, width: usize, height: usize) -> usize {
+        match self.s2v {
+            Some(_) => self.in_channels * (1 + S2V_MOTION_FRAMES.div_ceil(4)) * (height / 8) * (width / 8),
+            None => 0,
+        }
     }
 }
+
+/// The video frames before each S2V clip that condition it (`motion_frames` of
+/// `wan_s2v_14B.py`): the last ones of the clip before, or zeros before the first.
+pub const S2V_MOTION_FRAMES: usize = 73;
+
+/// The latent motion frames S2V's frame packer reads at each scale, nearest first
+/// (`zip_frame_buckets`).
+const S2V_FRAME_PACK: [usize; 3] = [1, 2, 16];
 
 #[cfg(test)]
 mod tests {
@@ -271,5 +317,20 @@ mod tests {
             let err = config(extra).expect_err(extra).to_string();
             assert!(err.contains(named) && err.contains("config.json"), "{extra}: {err}");
         }
+    }
+
+    /// S2V-14B at 832 × 480, an 80-frame clip: 20 latent frames of 30 × 52 patches; the
+    /// reference, one more such frame; the motion frames packed into 30 × 52 + 15 × 26 +
+    /// 4 × 7 × 13 tokens (the wheel's Conv3d strides floor 60 / 8 and 104 / 8).
+    #[test]
+    fn an_s2v_clip_is_its_video_the_reference_and_the_packed_motion() {
+        let s2v = WanConfig::wan22_s2v_14b();
+        assert_eq!(s2v.latent_frames(80), 20);
+        assert_eq!(s2v.video_tokens(80, 832, 480), 20 * 1560);
+        assert_eq!(s2v.sequence_tokens(80, 832, 480), 20 * 1560 + 1560 + 1560 + 390 + 364);
+        assert_eq!(s2v.condition_latent_elements(832, 480), 16 * 20 * 60 * 104);
+        let t2v = WanConfig::wan21_t2v_14b();
+        assert_eq!(t2v.sequence_tokens(81, 832, 480), 21 * 1560);
+        assert_eq!(t2v.condition_latent_elements(832, 480), 0);
     }
 }

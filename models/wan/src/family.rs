@@ -83,10 +83,13 @@ impl ShardedModel for WanModel {
         DType::BF16
     }
 
-    /// 81 frames at 832 × 480, with guidance.
+    /// 81 frames at 832 × 480 (S2V: a clip of 80), with guidance.
     fn default_placement(&self) -> Placement {
         Placement::Dit {
-            frames: 81,
+            frames: match self.config.s2v {
+                Some(_) => 80,
+                None => 81,
+            },
             width: 832,
             height: 480,
             cfg: true,
@@ -135,13 +138,18 @@ impl RankShard for WanRankShard {
                 "--frames {frames} --size {width}x{height}: at most {MAX_FRAMES} frames of {MAX_SIDE} pixels a side"
             )));
         }
-        if frames % 4 != 1 || width % 16 != 0 || height % 16 != 0 || width == 0 || height == 0 {
+        let c = &self.config;
+        // S2V's clips follow its motion frames: 4k frames (80 by default), not 4k + 1.
+        let (whole, form) = match c.s2v {
+            Some(_) => (frames % 4 == 0 && frames > 0, "4k (e.g. 48, 80)"),
+            None => (frames % 4 == 1, "4k + 1 (e.g. 21, 41, 81)"),
+        };
+        if !whole || width % 16 != 0 || height % 16 != 0 || width == 0 || height == 0 {
             return Err(PlanError::Placement(format!(
-                "--frames {frames} --size {width}x{height}: frames must be 4k + 1 (e.g. 21, 41, 81) and the size \
+                "--frames {frames} --size {width}x{height}: frames must be {form} and the size \
                  multiples of 16 (e.g. 832x480, 1280x720)"
             )));
         }
-        let c = &self.config;
         let video = Video {
             frames,
             width,
@@ -159,7 +167,7 @@ impl RankShard for WanRankShard {
             pool_slack: m.pool_slack as u64,
             // Latents and text states are made by a request, not at load.
             at_load: 0,
-            tokens_per_forward: c.video_tokens(frames, width, height),
+            tokens_per_forward: c.sequence_tokens(frames, width, height),
         })
     }
 }

@@ -115,7 +115,7 @@ impl DitMemory {
         text: usize,
         path: ForwardPath,
     ) -> Self {
-        let s = c.video_tokens(video.frames, video.width, video.height);
+        let s = c.sequence_tokens(video.frames, video.width, video.height);
         let (d, hd, e) = (c.hidden_size(), c.attention_head_dim, dtype.size_in_bytes());
         let heads = shard.heads.len();
         // Per-token sizes: a full-width activation X, this rank's attention width L, FFN width
@@ -186,6 +186,7 @@ impl DitMemory {
         Self {
             buffers: 2 * s * (hd / 2) * 4 + path.linear_workspace,
             latents: buffers * c.latent_elements(video.frames, video.width, video.height) * 4
+                + c.condition_latent_elements(video.width, video.height) * e
                 + prompts * (text * c.text_dim * 4 + context),
             activations: block,
             pool_slack: sizes[sizes.len() - 1],
