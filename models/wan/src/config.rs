@@ -27,8 +27,9 @@ pub struct WanConfig {
 /// encoder; a pose/condition encoder.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct S2vModules {
-    /// Blocks followed by an audio cross-attention.
-    pub audio_inject_layers: usize,
+    /// The blocks followed by an audio cross-attention, ascending: injection `i` follows
+    /// block `audio_inject_layers[i]`.
+    pub audio_inject_layers: Vec<usize>,
     /// Width of the wav2vec features the audio encoder reads.
     pub audio_dim: usize,
     /// Audio tokens per latent frame.
@@ -96,11 +97,15 @@ impl WanConfig {
                 )));
             }
         }
-        if let Some(kind) = v.get("model_type").and_then(Value::as_str).filter(|k| *k != "t2v") {
-            return Err(field(format!(
-                "model_type `{kind}`: only text-to-video (t2v) Wan models are supported"
-            )));
-        }
+        let speech = match v.get("model_type").and_then(Value::as_str) {
+            None | Some("t2v") => false,
+            Some("s2v") => true,
+            Some(kind) => {
+                return Err(field(format!(
+                    "model_type `{kind}`: tpinfer runs text-to-video (t2v) and speech-to-video (s2v) Wan models"
+                )))
+            }
+        };
         let patch_size = match v.get("patch_size") {
             None => [1, 2, 2],
             Some(p) => {
@@ -153,6 +158,13 @@ impl WanConfig {
             },
             s2v: None,
         };
+        let config = match speech {
+            true => Self {
+                s2v: Some(s2v_modules(&v, config.num_layers, &field, &int)?),
+                ..config
+            },
+            false => config,
+        };
         // Bounds no published model comes near, so that no loop runs a billion blocks and no
         // product the plan takes wraps.
         let [pt, ph, pw] = config.patch_size;
@@ -189,7 +201,7 @@ impl WanConfig {
     pub fn wan22_s2v_14b() -> Self {
         Self {
             s2v: Some(S2vModules {
-                audio_inject_layers: 12,
+                audio_inject_layers: vec![0, 4, 8, 12, 16, 20, 24, 27, 30, 33, 36, 39],
                 audio_dim: 1024,
                 num_audio_token: 4,
                 cond_dim: 16,
@@ -270,6 +282,83 @@ impl WanConfig {
             None => 0,
         }
     }
+}
+
+/// A config field read as a positive integer: the first of its names present, else the
+/// default, else an error naming it.
+type PositiveField<'a> = dyn Fn(&[&str], Option<usize>) -> Result<usize, WanConfigError> + 'a;
+
+/// S2V's modules from the original config of `WanModel_S2V` (`wan_s2v_14B.py`): the forms of
+/// them the published model uses, the others refused by name.
+fn s2v_modules(
+    v: &Value,
+    layers: usize,
+    field: &dyn Fn(String) -> WanConfigError,
+    int: &PositiveField,
+) -> Result<S2vModules, WanConfigError> {
+    for (key, wanted, what) in [
+        ("enable_adain", true, "AdaIN of the audio injections"),
+        ("enable_framepack", true, "the frame-pack motion encoder"),
+        (
+            "enable_motioner",
+            false,
+            "the frame-pack motion encoder, not the transformer motioner",
+        ),
+        ("zero_timestep", true, "timestep 0 for the reference and motion tokens"),
+    ] {
+        match v.get(key).and_then(Value::as_bool) {
+            Some(b) if b == wanted => {}
+            found => {
+                return Err(field(format!(
+                    "`{key}` is {}: tpinfer runs S2V with {what} (`{key}`: {wanted}), as Wan2.2-S2V-14B has it",
+                    found.map_or("missing".to_string(), |b| b.to_string())
+                )))
+            }
+        }
+    }
+    let mode = v.get("adain_mode").and_then(Value::as_str).unwrap_or("attn_norm");
+    if mode != "attn_norm" {
+        return Err(field(format!(
+            "`adain_mode` is `{mode}`: tpinfer runs S2V's `attn_norm` AdaIN"
+        )));
+    }
+    let motion = int(&["motion_frames"], Some(S2V_MOTION_FRAMES))?;
+    if motion != S2V_MOTION_FRAMES {
+        return Err(field(format!(
+            "`motion_frames` is {motion}: tpinfer runs S2V with its {S2V_MOTION_FRAMES} motion frames"
+        )));
+    }
+    let list = v
+        .get("audio_inject_layers")
+        .and_then(Value::as_array)
+        .ok_or_else(|| field("missing `audio_inject_layers` (the blocks an audio cross-attention follows)".into()))?;
+    let inject: Vec<usize> = list
+        .iter()
+        .map(|n| n.as_u64().map(|n| n as usize).filter(|&n| n < layers))
+        .collect::<Option<_>>()
+        .filter(|l: &Vec<usize>| !l.is_empty() && l.windows(2).all(|w| w[0] < w[1]))
+        .ok_or_else(|| {
+            field(format!(
+                "`audio_inject_layers` is {}; it must list block indices below `num_layers` {layers}, ascending",
+                Value::Array(list.clone())
+            ))
+        })?;
+    let modules = S2vModules {
+        audio_inject_layers: inject,
+        audio_dim: int(&["audio_dim"], None)?,
+        num_audio_token: int(&["num_audio_token"], Some(4))?,
+        cond_dim: int(&["cond_dim"], None)?,
+    };
+    for (key, value, limit) in [
+        ("audio_dim", modules.audio_dim, 1 << 16),
+        ("num_audio_token", modules.num_audio_token, 64),
+        ("cond_dim", modules.cond_dim, 1024),
+    ] {
+        if value > limit {
+            return Err(field(format!("`{key}` is {value}, above the {limit} tpinfer takes")));
+        }
+    }
+    Ok(modules)
 }
 
 /// The video frames before each S2V clip that condition it (`motion_frames` of

@@ -261,7 +261,7 @@ impl S2vAudio {
     pub fn load(w: &mut ShardLoader, s2v: &S2vModules, comm: &Arc<dyn Communicator>) -> Result<Self> {
         Ok(Self {
             encoder: CausalAudioEncoder::load(w, s2v)?,
-            injectors: (0..s2v.audio_inject_layers)
+            injectors: (0..s2v.audio_inject_layers.len())
                 .map(|i| AudioInjector::load(w, i, comm))
                 .collect::<Result<Vec<_>>>()?,
         })

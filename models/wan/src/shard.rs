@@ -151,7 +151,7 @@ impl WanShard {
         let d = c.hidden_size();
         let full = |name: String, shape: &[usize]| WeightDecl::new(name, shape, ShardSpec::Replicated);
         let mut decls = Vec::new();
-        for i in 0..s2v.audio_inject_layers {
+        for i in 0..s2v.audio_inject_layers.len() {
             decls.extend(self.attention_decls(&format!("audio_injector.injector.{i}"), c, ["q", "k", "v", "o"]));
             let adain = format!("audio_injector.injector_adain_layers.{i}.linear");
             decls.push(full(format!("{adain}.weight"), &[2 * d, d]));

@@ -1,8 +1,9 @@
-//! S2V's audio modules against the wan22 wheel's own classes run on the same random weights
-//! (`tests/fixtures/s2v-audio`, written by `scripts/reference/reference_s2v_audio.py`): the
-//! causal audio encoder of one clip's wav2vec2 features, and two audio injections after a
+//! Wan2.2-S2V. Its audio modules against the wan22 wheel's own classes run on the same random
+//! weights (`tests/fixtures/s2v-audio`, written by `scripts/reference/reference_s2v_audio.py`):
+//! the causal audio encoder of one clip's wav2vec2 features, and two audio injections after a
 //! block, at TP 1 against the reference and at every width to 4 (3 splits the heads
-//! unevenly) against TP 1.
+//! unevenly) against TP 1. A checkpoint in the official layout (the original config of
+//! `WanModel_S2V`, original tensor names): its plan, its refusals.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -31,7 +32,7 @@ fn reference() -> HashMap<String, Tensor> {
 /// injections.
 fn config() -> (WanConfig, S2vModules) {
     let s2v = S2vModules {
-        audio_inject_layers: 2,
+        audio_inject_layers: vec![0, 1],
         audio_dim: 32,
         num_audio_token: 4,
         cond_dim: 16,
@@ -152,4 +153,111 @@ fn bad_inputs_are_refused_by_name() {
         .inject(2, &r["hidden"], VIDEO_TOKENS, &emb, &c, comm.as_ref())
         .expect_err("no third injection");
     assert!(err.to_string().contains("injection 2 of 2"), "{err}");
+}
+
+/// A tiny S2V checkpoint as the official one is laid out: `config.json` in the original
+/// form of `WanModel_S2V` and every tensor the plan declares, in the original names, random.
+fn write_s2v_checkpoint(dir: &Path, config: &serde_json::Value) {
+    std::fs::write(dir.join("config.json"), config.to_string()).expect("config");
+    let wan = WanConfig::from_dir(dir).expect("parse");
+    let renames: HashMap<String, String> = tpinfer_wan::original_names(&wan).into_iter().collect();
+    let tensors: HashMap<String, Tensor> = WanShard::new(&wan, 1, 0)
+        .expect("shard")
+        .weight_decls(&wan)
+        .iter()
+        .map(|d| {
+            let name = renames.get(&d.name).cloned().unwrap_or_else(|| d.name.clone());
+            let t = Tensor::randn(0f32, 0.02, d.shape.as_slice(), &Device::Cpu).expect("randn");
+            (name, t)
+        })
+        .collect();
+    candle_core::safetensors::save(&tensors, dir.join("diffusion_pytorch_model.safetensors")).expect("save");
+}
+
+fn official_config() -> serde_json::Value {
+    serde_json::json!({
+        "_class_name": "WanModel_S2V",
+        "model_type": "s2v",
+        "dim": 64, "ffn_dim": 96, "freq_dim": 32, "num_heads": 4, "num_layers": 3,
+        "in_dim": 16, "out_dim": 16, "text_dim": 32, "patch_size": [1, 2, 2],
+        "audio_dim": 32, "num_audio_token": 4, "cond_dim": 16,
+        "audio_inject_layers": [0, 2],
+        "enable_adain": true, "adain_mode": "attn_norm", "enable_framepack": true,
+        "framepack_drop_mode": "padd", "enable_motioner": false, "zero_timestep": true,
+        "zero_init": true, "add_last_motion": true, "trainable_token": false,
+        "enable_tsm": false, "motion_frames": 73, "window_size": [-1, -1],
+        "qk_norm": true, "cross_attn_norm": true, "eps": 1e-6
+    })
+}
+
+/// The official layout plans at every width (its tensors checked against the declarations,
+/// the S2V modules' among them); loading it to generate is refused by name, not run as
+/// text-to-video.
+#[test]
+fn an_s2v_checkpoint_plans_and_is_not_run_as_text_to_video() {
+    use tpinfer_family::Family;
+    use tpinfer_plan::{DeviceProfile, Placement, Plan, ShardedModel};
+    use tpinfer_runtime::{DeviceKind, GroupOptions, Launch, Topology};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_s2v_checkpoint(dir.path(), &official_config());
+    let model = tpinfer_wan::WanModel::open(dir.path()).expect("open");
+    let s2v = model.config().s2v.clone().expect("S2V modules");
+    assert_eq!(s2v.audio_inject_layers, [0, 2]);
+    let placement = Placement::Dit {
+        frames: 80,
+        width: 64,
+        height: 32,
+        cfg: true,
+    };
+    for tp in 1..=4 {
+        let plan = Plan::new(&model, tp, DType::F32, placement, DeviceProfile::cpu()).expect("plan");
+        // 20 latent frames of 2 x 4 patches, the reference's 8, the motion frames' 8 + 2 + 0.
+        assert_eq!(plan.tokens_per_forward, 20 * 8 + 8 + 8 + 2);
+        for shard in model.rank_shards(tp).expect("shards") {
+            model
+                .check(shard.weight_decls())
+                .expect("the checkpoint holds every declared slice");
+        }
+    }
+    let mut launch = Launch::new(
+        Topology::new(2, &DeviceKind::Cpu).expect("topology"),
+        GroupOptions::default(),
+    );
+    launch
+        .add(std::sync::Arc::new(model), DType::F32, placement)
+        .expect("add");
+    let err = launch.start().err().expect("no S2V forward yet");
+    assert!(err.to_string().contains("speech-to-video"), "{err}");
+}
+
+#[test]
+fn s2v_configs_tpinfer_does_not_run_are_refused_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (key, value, named) in [
+        (
+            "audio_inject_layers",
+            serde_json::json!([2, 0]),
+            "`audio_inject_layers`",
+        ),
+        ("audio_inject_layers", serde_json::json!([0, 3]), "below `num_layers` 3"),
+        (
+            "adain_mode",
+            serde_json::json!("attn_out"),
+            "`adain_mode` is `attn_out`",
+        ),
+        (
+            "enable_framepack",
+            serde_json::json!(false),
+            "`enable_framepack` is false",
+        ),
+        ("motion_frames", serde_json::json!(72), "`motion_frames` is 72"),
+        ("model_type", serde_json::json!("i2v"), "model_type `i2v`"),
+    ] {
+        let mut config = official_config();
+        config[key] = value;
+        std::fs::write(dir.path().join("config.json"), config.to_string()).expect("write");
+        let err = WanConfig::from_dir(dir.path()).expect_err(key).to_string();
+        assert!(err.contains(named) && err.contains("config.json"), "{key}: {err}");
+    }
 }
