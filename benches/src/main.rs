@@ -310,6 +310,39 @@ fn prompt(engine: &Engine, tokens: usize) -> Vec<u32> {
     (0..tokens as u32).map(|i| (i * 7919 + 13) % modulus).collect()
 }
 
+/// `run` once to warm up and `repeats` times more on a rank, each timed in ms between syncs of
+/// `device`: its last result, the first time (which also loads kernels and makes cuBLAS's
+/// handles) and the median of the others.
+fn timed_runs<T>(
+    device: &candle_core::Device,
+    rank: usize,
+    repeats: usize,
+    mut run: impl FnMut() -> Result<T, tpinfer_runtime::RuntimeError>,
+) -> Result<(T, f64, f64), tpinfer_runtime::RuntimeError> {
+    let sync = || {
+        device
+            .synchronize()
+            .map_err(|e| tpinfer_runtime::RuntimeError::of_rank(rank, e.into()))
+    };
+    let mut times = Vec::with_capacity(repeats + 1);
+    let mut last = None;
+    for _ in 0..=repeats {
+        sync()?;
+        let start = std::time::Instant::now();
+        let out = run()?;
+        sync()?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+        last = Some(out);
+    }
+    let last = last.ok_or_else(|| tpinfer_runtime::RuntimeError::Stopped("no run".into()))?;
+    let first = times.remove(0);
+    let median = match times.is_empty() {
+        true => f64::NAN,
+        false => median(times),
+    };
+    Ok((last, first, median))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]

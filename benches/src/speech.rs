@@ -4,7 +4,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -57,32 +56,19 @@ pub fn speech(args: SpeechArgs) -> Result<()> {
         let handle = launch.add(Arc::new(model), dtype, Placement::llm(frames.max(1), 1))?;
         let group = launch.start()?;
         let (audio, repeats) = (samples.clone(), args.repeats);
-        let mut ranks = group.run(move |rank| -> Result<(Tensor, Vec<f64>), RuntimeError> {
+        let mut ranks = group.run(move |rank| -> Result<(Tensor, f64, f64), RuntimeError> {
             let r = rank.env.rank;
-            let err = |e: candle_core::Error| RuntimeError::of_rank(r, e.into());
             let encoder = rank.models.get_mut(&handle)?;
-            let mut times = Vec::with_capacity(repeats + 1);
-            let mut states = None;
-            for _ in 0..=repeats {
-                rank.env.device.synchronize().map_err(err)?;
-                let start = Instant::now();
-                let s = encoder.hidden_states(&audio).map_err(|e| RuntimeError::of_rank(r, e))?;
-                rank.env.device.synchronize().map_err(err)?;
-                times.push(start.elapsed().as_secs_f64() * 1e3);
-                states = Some(s);
-            }
-            let states = states.ok_or_else(|| RuntimeError::Stopped("no encode ran".into()))?;
+            let (states, first, median) = crate::timed_runs(&rank.env.device, r, repeats, || {
+                encoder.hidden_states(&audio).map_err(|e| RuntimeError::of_rank(r, e))
+            })?;
             let states = states
                 .to_dtype(DType::F32)
                 .and_then(|s| s.to_device(&Device::Cpu))
-                .map_err(err)?;
-            Ok((states, times))
+                .map_err(|e| RuntimeError::of_rank(r, e.into()))?;
+            Ok((states, first, median))
         })?;
-        let (states, mut times) = ranks.swap_remove(0);
-        // The first encode also loads the kernels and makes cuBLAS's handles: shown apart.
-        let first = times.remove(0);
-        times.sort_by(f64::total_cmp);
-        let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+        let (states, first, median) = ranks.swap_remove(0);
         let plan = &group.plans()[handle.index()];
         let memory = crate::memory_cell(&group.device_memory(), plan);
         println!(
