@@ -27,7 +27,7 @@ pub use fake_hub::FakeHub;
 pub use pipeline::{TinyWanPipeline, END_OF_TEXT};
 pub use umt5::TinyUmt5;
 pub use vae::{reference_vae_decode, vae_latents, TinyWanVae};
-pub use wan::{open_wan, run_wan, run_wan_as, wan_inputs, TinyWan};
+pub use wan::{open_wan, run_wan, run_wan_as, run_wan_from, wan_inputs, TinyWan};
 
 /// The shape of a tiny Llama.
 #[derive(Debug, Clone)]

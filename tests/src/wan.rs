@@ -138,7 +138,21 @@ pub fn run_wan_as(
     text: &Tensor,
     timestep: f64,
 ) -> (Vec<f32>, u64) {
-    let (config, store) = open_wan(dir);
+    let checkpoint = tpinfer_wan::WanCheckpoint::open(dir).expect("open Wan checkpoint");
+    run_wan_from(&checkpoint, tp, dtype, format, latents, text, timestep)
+}
+
+/// [`run_wan_as`] of an opened checkpoint (with an adapter merged in, say).
+pub fn run_wan_from(
+    checkpoint: &tpinfer_wan::WanCheckpoint,
+    tp: usize,
+    dtype: DType,
+    format: WeightFormat,
+    latents: &Tensor,
+    text: &Tensor,
+    timestep: f64,
+) -> (Vec<f32>, u64) {
+    let (config, store) = (&checkpoint.config, &checkpoint.store);
     let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
     let outs: Vec<(Vec<f32>, u64)> = std::thread::scope(|s| {
         let handles: Vec<_> = comms

@@ -141,6 +141,14 @@ struct GenerateArgs {
     /// statistics) instead of streaming the text.
     #[arg(long, help_heading = "Language models")]
     json: bool,
+    /// A LoRA adapter (safetensors: PEFT's names, as Live Avatar ships its adapter, or
+    /// kohya's) merged into a Wan DiT's weights at load; each rank merges only its slices.
+    #[arg(long)]
+    lora: Option<PathBuf>,
+    /// The adapter's scale, alpha / rank (default: from the file's alphas or the
+    /// adapter_config.json beside it).
+    #[arg(long, requires = "lora")]
+    lora_scale: Option<f64>,
     #[command(flatten)]
     video: video::VideoArgs,
 }
@@ -213,6 +221,8 @@ const TEXT_ONLY: &[&str] = &[
     "repetition_penalty",
 ];
 const VIDEO_ONLY: &[&str] = &[
+    "lora",
+    "lora_scale",
     "frames",
     "size",
     "steps",
@@ -300,6 +310,10 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
     ranks.builder = ranks.builder.enforce_eager(args.enforce_eager);
     if let Some(tokens) = args.max_context {
         ranks.builder = ranks.builder.max_context(tokens);
+    }
+    if let Some(path) = &args.lora {
+        let adapter = tpinfer_engine::LoraAdapter::open(path, args.lora_scale)?;
+        ranks.builder = ranks.builder.lora(Arc::new(adapter));
     }
     match tpinfer_engine::registry::task_of(&args.model) {
         Task::Video => {

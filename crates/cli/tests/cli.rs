@@ -125,6 +125,10 @@ fn bad_inputs_exit_non_zero_with_the_cause() {
         &["top_k must be at least 1"],
     );
     assert_fails_with(&generate(&model, &["--device", "cuda"]), &["--features cuda,nccl"]);
+    assert_fails_with(
+        &generate(&model, &["--lora", "adapter.safetensors"]),
+        &["--lora does not apply", "language model"],
+    );
 
     let weights = model.join("model.safetensors");
     let bytes = std::fs::read(&weights).expect("read");
@@ -421,6 +425,40 @@ fn bad_video_inputs_exit_non_zero_with_the_cause() {
     assert_fails_with(
         &run(&["--text-embeds", &good, "--frames", "4"]),
         &["--frames 4", "4k + 1"],
+    );
+    // A LoRA adapter: one that fits runs; one for another model, or none there, is refused.
+    let adapter = |name: &str, module: &str| {
+        let file = dir.path().join(name);
+        let half = |shape: (usize, usize)| Tensor::randn(0f32, 0.1, shape, &Device::Cpu).expect("half");
+        let tensors = std::collections::HashMap::from([
+            (format!("{module}.lora_A.weight"), half((2, 60))),
+            (format!("{module}.lora_B.weight"), half((60, 2))),
+        ]);
+        candle_core::safetensors::save(&tensors, &file).expect("write adapter");
+        file.to_str().expect("utf8").to_string()
+    };
+    let fits = adapter("fits.safetensors", "blocks.0.attn1.to_q");
+    let latents = dir.path().join("latents.safetensors");
+    let output = run(&[
+        "--text-embeds",
+        &good,
+        "--lora",
+        &fits,
+        "--lora-scale",
+        "0.5",
+        "--out",
+        latents.to_str().expect("utf8"),
+    ]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(latents.exists());
+    let other = adapter("other.safetensors", "blocks.9.attn1.to_q");
+    assert_fails_with(
+        &run(&["--text-embeds", &good, "--lora", &other, "--lora-scale", "1"]),
+        &["other.safetensors", "blocks.9.attn1.to_q.weight", "does not hold"],
+    );
+    assert_fails_with(
+        &run(&["--text-embeds", &good, "--lora", &fits]),
+        &["fits.safetensors", "--lora-scale"],
     );
     let out = dir.path().join("missing/latents.safetensors");
     let output = run(&["--text-embeds", &good, "--out", out.to_str().expect("utf8")]);

@@ -1,11 +1,12 @@
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::DType;
 use tpinfer_comm::CommOptions;
 use tpinfer_runtime::LoadProgress;
 use tpinfer_runtime::{DeviceKind, GroupOptions};
-use tpinfer_weights::WeightFormat;
+use tpinfer_weights::{LoraAdapter, WeightFormat};
 
 use crate::{Engine, EngineError};
 
@@ -57,6 +58,7 @@ pub struct EngineBuilder {
     pub(crate) fault: Option<Fault>,
     pub(crate) group: GroupOptions,
     pub(crate) weight_format: WeightFormat,
+    pub(crate) lora: Option<Arc<LoraAdapter>>,
 }
 
 /// Context used when none is given, so that a 128k-context model does not reserve rotary
@@ -81,6 +83,7 @@ impl EngineBuilder {
             fault: None,
             group: GroupOptions::default(),
             weight_format: WeightFormat::AsStored,
+            lora: None,
         }
     }
 
@@ -105,6 +108,13 @@ impl EngineBuilder {
     /// [`WeightFormat::Fp8`] quantizes every linear weight at load.
     pub fn weight_format(mut self, format: WeightFormat) -> Self {
         self.weight_format = format;
+        self
+    }
+
+    /// A LoRA adapter merged into a Wan DiT's weights at load, each rank merging only its
+    /// own slices; a language model refuses one.
+    pub fn lora(mut self, adapter: Arc<LoraAdapter>) -> Self {
+        self.lora = Some(adapter);
         self
     }
 

@@ -39,6 +39,12 @@ impl Engine {
     }
 
     pub(crate) fn start(b: EngineBuilder) -> Result<Self, EngineError> {
+        if b.lora.is_some() {
+            return Err(EngineError::InvalidRequest(format!(
+                "{}: LoRA adapters are merged into Wan video models so far, not language models",
+                b.model.display()
+            )));
+        }
         let model = LlamaModel::open_checkpoint_with(&b.model, b.weight_format)?;
         let config = model.config().clone();
         // A GGUF file without a tokenizer (one tpinfer wrote, say) takes the tokenizer.json

@@ -47,5 +47,5 @@ pub use tpinfer_runtime::{DeviceKind, DeviceMemory, LoadProgress, RuntimeError, 
 pub use tpinfer_tokenizer::{ChatMessage, Tokenizer};
 pub use tpinfer_wan::sampler::Solver;
 pub use tpinfer_wan::S2V_MOTION_FRAMES;
-pub use tpinfer_weights::WeightFormat;
+pub use tpinfer_weights::{LoraAdapter, WeightFormat};
 pub use video::{StageProfile, StepReport, VideoEngine, VideoRequest, VideoShape};

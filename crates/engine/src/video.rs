@@ -154,6 +154,12 @@ impl VideoEngine {
             .map_err(|e| RuntimeError::Model(e.to_string()))?
             .with_format(b.weight_format)
             .map_err(|e| RuntimeError::Model(e.to_string()))?;
+        let model = match &b.lora {
+            Some(adapter) => model
+                .with_lora(adapter.clone())
+                .map_err(|e| RuntimeError::Model(e.to_string()))?,
+            None => model,
+        };
         let config = model.config().clone();
         let topology = Topology::new(b.tp, &b.device)?;
         if !topology.is_cpu() && b.weight_format == tpinfer_weights::WeightFormat::Fp8 {

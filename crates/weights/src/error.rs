@@ -43,4 +43,6 @@ pub enum WeightError {
     Tensor { name: String, source: candle_core::Error },
     #[error("tensor `{name}` in {origin} holds NaN or infinite values; the checkpoint is corrupt: download or convert it again")]
     NonFinite { name: String, origin: String },
+    #[error("LoRA adapter {path}: {detail}")]
+    Lora { path: PathBuf, detail: String },
 }

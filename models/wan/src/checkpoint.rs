@@ -1,7 +1,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use tpinfer_weights::{RenamedStore, SafetensorsStore, WeightError, WeightStore};
+use tpinfer_weights::{LoraAdapter, LoraStore, RenamedStore, SafetensorsStore, WeightError, WeightStore};
 
 use crate::{original_names, WanConfig, WanConfigError};
 
@@ -10,6 +10,8 @@ use crate::{original_names, WanConfig, WanConfigError};
 pub struct WanCheckpoint {
     pub config: WanConfig,
     pub store: Arc<dyn WeightStore>,
+    /// The checkpoint in its own names, under the renaming.
+    stored: Arc<dyn WeightStore>,
 }
 
 /// Why a Wan checkpoint could not be opened.
@@ -24,13 +26,24 @@ pub enum WanCheckpointError {
 impl WanCheckpoint {
     pub fn open(dir: &Path) -> Result<Self, WanCheckpointError> {
         let config = WanConfig::from_dir(dir)?;
-        let store: Arc<dyn WeightStore> = Arc::new(SafetensorsStore::open(dir)?);
-        // The original Wan code names the first block's query `self_attn.q`.
-        let store: Arc<dyn WeightStore> = match store.info("blocks.0.self_attn.q.weight") {
-            Some(_) => Arc::new(RenamedStore::new(store, original_names(&config))),
-            None => store,
-        };
-        Ok(Self { config, store })
+        let stored: Arc<dyn WeightStore> = Arc::new(SafetensorsStore::open(dir)?);
+        Ok(Self {
+            store: diffusers_view(stored.clone(), &config),
+            config,
+            stored,
+        })
+    }
+
+    /// The same checkpoint with `adapter` merged into each rank's slices as they are read.
+    /// The adapter names the weights as the checkpoint does (Live Avatar's, the original
+    /// Wan code's names, for the original Wan2.2-S2V checkpoint).
+    pub fn with_lora(&self, adapter: Arc<LoraAdapter>) -> Result<Self, WeightError> {
+        let merged: Arc<dyn WeightStore> = Arc::new(LoraStore::new(self.stored.clone(), adapter)?);
+        Ok(Self {
+            config: self.config.clone(),
+            store: diffusers_view(merged, &self.config),
+            stored: self.stored.clone(),
+        })
     }
 
     /// Whether `dir` holds a Wan DiT (rather than an LLM).
@@ -38,5 +51,14 @@ impl WanCheckpoint {
         std::fs::read_to_string(dir.join("config.json"))
             .map(|t| t.contains("WanTransformer3DModel") || t.contains("\"ffn_dim\""))
             .unwrap_or(false)
+    }
+}
+
+/// `stored` seen through diffusers' names: renamed when it is an original Wan checkpoint,
+/// whose first block's query is `self_attn.q`.
+fn diffusers_view(stored: Arc<dyn WeightStore>, config: &WanConfig) -> Arc<dyn WeightStore> {
+    match stored.info("blocks.0.self_attn.q.weight") {
+        Some(_) => Arc::new(RenamedStore::new(stored, original_names(config))),
+        None => stored,
     }
 }

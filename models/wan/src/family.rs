@@ -54,6 +54,24 @@ impl WanModel {
         &self.config
     }
 
+    /// The same model with a LoRA adapter merged into every rank's slices at load (each rank
+    /// merges only its own). A preset has no weights to merge into.
+    pub fn with_lora(self, adapter: Arc<tpinfer_weights::LoraAdapter>) -> Result<Self, WanCheckpointError> {
+        let checkpoint = match &self.checkpoint {
+            Some(c) => Arc::new(c.with_lora(adapter)?),
+            None => {
+                return Err(WanCheckpointError::Weights(tpinfer_weights::WeightError::Shard {
+                    name: self.name.clone(),
+                    detail: "a preset has no weights to merge a LoRA adapter into; give a model directory".into(),
+                }))
+            }
+        };
+        Ok(Self {
+            checkpoint: Some(checkpoint),
+            ..self
+        })
+    }
+
     /// The tensors `shard` reads, in the model's weight format.
     fn decls(&self, shard: &WanShard) -> Vec<WeightDecl> {
         let store = self.checkpoint.as_ref().map(|c| c.store.clone());
