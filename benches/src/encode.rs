@@ -58,14 +58,9 @@ pub fn encode(args: EncodeArgs) -> Result<()> {
         let mut ranks = group.run(move |rank| -> Result<(Tensor, f64, f64), RuntimeError> {
             let r = rank.env.rank;
             let encoder = rank.models.get_mut(&handle)?;
-            let (states, first, median) = crate::timed_runs(&rank.env.device, r, repeats, || {
+            crate::timed_runs(&rank.env.device, r, repeats, || {
                 encoder.encode(&prompt).map_err(|e| RuntimeError::of_rank(r, e))
-            })?;
-            let states = states
-                .to_dtype(DType::F32)
-                .and_then(|s| s.to_device(&Device::Cpu))
-                .map_err(|e| RuntimeError::of_rank(r, e.into()))?;
-            Ok((states, first, median))
+            })
         })?;
         let (states, first, median) = ranks.swap_remove(0);
         let plan = &group.plans()[handle.index()];

@@ -311,36 +311,36 @@ fn prompt(engine: &Engine, tokens: usize) -> Vec<u32> {
 }
 
 /// `run` once to warm up and `repeats` times more on a rank, each timed in ms between syncs of
-/// `device`: its last result, the first time (which also loads kernels and makes cuBLAS's
-/// handles) and the median of the others.
-fn timed_runs<T>(
+/// `device`: its last output as f32 on the host, the first time (which also loads kernels and
+/// makes cuBLAS's handles) and the median of the others.
+fn timed_runs(
     device: &candle_core::Device,
     rank: usize,
     repeats: usize,
-    mut run: impl FnMut() -> Result<T, tpinfer_runtime::RuntimeError>,
-) -> Result<(T, f64, f64), tpinfer_runtime::RuntimeError> {
-    let sync = || {
-        device
-            .synchronize()
-            .map_err(|e| tpinfer_runtime::RuntimeError::of_rank(rank, e.into()))
-    };
+    mut run: impl FnMut() -> Result<candle_core::Tensor, tpinfer_runtime::RuntimeError>,
+) -> Result<(candle_core::Tensor, f64, f64), tpinfer_runtime::RuntimeError> {
+    let of_rank = |e: candle_core::Error| tpinfer_runtime::RuntimeError::of_rank(rank, e.into());
     let mut times = Vec::with_capacity(repeats + 1);
     let mut last = None;
     for _ in 0..=repeats {
-        sync()?;
+        device.synchronize().map_err(of_rank)?;
         let start = std::time::Instant::now();
         let out = run()?;
-        sync()?;
+        device.synchronize().map_err(of_rank)?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
         last = Some(out);
     }
     let last = last.ok_or_else(|| tpinfer_runtime::RuntimeError::Stopped("no run".into()))?;
+    let host = last
+        .to_dtype(DType::F32)
+        .and_then(|t| t.to_device(&candle_core::Device::Cpu))
+        .map_err(of_rank)?;
     let first = times.remove(0);
     let median = match times.is_empty() {
         true => f64::NAN,
         false => median(times),
     };
-    Ok((last, first, median))
+    Ok((host, first, median))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
