@@ -129,10 +129,15 @@ impl Models {
                     },
                     _ => video,
                 };
+                // S2V runs its speech encoder in f32 whatever the DiT's dtype.
+                let stage_dtype = match s.key {
+                    "speech_encoder" => s.model.default_dtype(),
+                    _ => dtype,
+                };
                 Ok(Planned {
                     label: s.label,
                     key: s.key,
-                    plan: Plan::new(&*s.model, tp, dtype, placement, device)?,
+                    plan: Plan::new(&*s.model, tp, stage_dtype, placement, device)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

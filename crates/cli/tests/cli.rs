@@ -557,6 +557,9 @@ fn the_s2v_pipeline_plans_every_stage() {
         assert!(keys.contains(&key), "{key} in {keys:?}");
     }
     assert_eq!(stages["speech_encoder"]["tokens_per_forward"], 3000);
+    // S2V runs wav2vec2 in f32 beside the bf16 DiT.
+    assert_eq!(stages["speech_encoder"]["dtype"], "f32");
+    assert_eq!(stages["transformer"]["dtype"], "bf16");
     assert_eq!(stages["transformer"]["tokens_per_forward"], 35_074);
     // 153 frames: 39 latent frames of 60 x 104 latents.
     assert_eq!(stages["vae"]["tokens_per_forward"], 39 * 60 * 104);
