@@ -195,6 +195,40 @@ fn vae_config() -> serde_json::Value {
     })
 }
 
+fn wav2vec2_config() -> serde_json::Value {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/wav2vec2-tiny/config.json");
+    serde_json::from_str(&std::fs::read_to_string(path).expect("fixture config")).expect("json")
+}
+
+fn s2v_config() -> serde_json::Value {
+    serde_json::json!({
+        "_class_name": "WanModel_S2V", "model_type": "s2v", "dim": 64, "ffn_dim": 96, "num_heads": 4,
+        "num_layers": 3, "in_dim": 16, "out_dim": 16, "text_dim": 32, "audio_dim": 32,
+        "num_audio_token": 4, "cond_dim": 16, "audio_inject_layers": [0, 2], "enable_adain": true,
+        "adain_mode": "attn_norm", "enable_framepack": true, "enable_motioner": false,
+        "zero_timestep": true, "motion_frames": 73
+    })
+}
+
+/// A small LoRA adapter file in PEFT's names, and its header's length.
+fn lora_bytes() -> (Vec<u8>, usize) {
+    use safetensors::tensor::TensorView;
+    let (a, b) = ([1u8; 2 * 3 * 4], [2u8; 4 * 2 * 4]);
+    let views = [
+        (
+            "base_model.model.blocks.0.attn.q.lora_A.default.weight",
+            TensorView::new(safetensors::Dtype::F32, vec![2, 3], &a).expect("A"),
+        ),
+        (
+            "base_model.model.blocks.0.attn.q.lora_B.default.weight",
+            TensorView::new(safetensors::Dtype::F32, vec![4, 2], &b).expect("B"),
+        ),
+    ];
+    let bytes = safetensors::serialize(views, None).expect("serialize");
+    let head = 8 + u64::from_le_bytes(bytes[..8].try_into().expect("length")) as usize;
+    (bytes, head)
+}
+
 proptest! {
     /// Every tensor of a mutated safetensors file opens and reads to a value or an error.
     #[test]
@@ -241,6 +275,31 @@ proptest! {
     #[test]
     fn vae_configs(text in config(vae_config())) {
         let _ = tpinfer_wan_vae::WanVaeConfig::from_json(&text, "config.json");
+    }
+
+    /// A config that parses also sizes its frames without a wrapped product.
+    #[test]
+    fn wav2vec2_configs(text in config(wav2vec2_config())) {
+        if let Ok(c) = tpinfer_wav2vec2::Wav2Vec2Config::from_json(&text, "config.json") {
+            let _ = (c.receptive_field(), c.frames(16_000 * 60), c.head_dim());
+        }
+    }
+
+    #[test]
+    fn s2v_configs(text in config(s2v_config())) {
+        if let Ok(c) = tpinfer_wan::WanConfig::from_json(&text, "config.json") {
+            let _ = c.sequence_tokens(80, 832, 480);
+        }
+    }
+
+    /// A mutated adapter file opens to an adapter or an error.
+    #[test]
+    fn lora_files(mutations in mutations()) {
+        let (clean, head) = lora_bytes();
+        let bytes = mutate(clean, head, &mutations);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = write_temp(&dir, "adapter.safetensors", &bytes);
+        let _ = tpinfer_weights::LoraAdapter::open(&path, Some(1.0));
     }
 
     /// Any width, batch, context, frames and size on any preset plans, or is refused; a plan

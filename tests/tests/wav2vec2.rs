@@ -183,6 +183,12 @@ fn bad_input_is_refused_by_name() {
     let mut c = config.clone();
     c["num_attention_heads"] = 5.into();
     assert!(open_err(&c).contains("not a multiple of `num_attention_heads`"));
+    // Strides whose product wraps a usize (it panicked in the frame count before it was
+    // bounded), and kernels small beside them: frames far apart that each span little.
+    let mut c = config.clone();
+    c["conv_stride"] = serde_json::json!([16_000, 16_000, 16_000, 16_000]);
+    c["conv_kernel"] = serde_json::json!([1, 1, 1, 1]);
+    assert!(open_err(&c).contains("lie apart by more than"));
 
     // A config that disagrees with the checkpoint: the tensor is named.
     let mut c = config.clone();

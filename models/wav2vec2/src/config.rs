@@ -2,6 +2,9 @@ use std::path::Path;
 
 use serde_json::Value;
 
+/// The most samples one encoder frame may span (17 minutes at 16 kHz).
+const MAX_RECEPTIVE_FIELD: usize = 1 << 24;
+
 /// One layer of the convolutional feature encoder: `dim` output channels, a `kernel`-wide
 /// window moved `stride` samples (or frames) at a time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,6 +165,20 @@ impl Wav2Vec2Config {
             if value > limit {
                 return Err(field(format!("`{key}` is {value}, above the {limit} tpinfer takes")));
             }
+        }
+        // A frame's span of samples, and the hop between frames, grow with every layer's
+        // stride: bounded, so that no product of strides wraps.
+        let span = config
+            .conv
+            .iter()
+            .rev()
+            .try_fold(1usize, |n, c| (n - 1).checked_mul(c.stride)?.checked_add(c.kernel));
+        let hop = config.conv.iter().try_fold(1usize, |n, c| n.checked_mul(c.stride));
+        if span.max(hop).is_none_or(|n| n > MAX_RECEPTIVE_FIELD) || span.is_none() || hop.is_none() {
+            return Err(field(format!(
+                "`conv_kernel` and `conv_stride` make frames span or lie apart by more than {MAX_RECEPTIVE_FIELD} \
+                 samples; wav2vec2's span 400 and lie 320 apart"
+            )));
         }
         for (key, divisor) in [
             ("num_attention_heads", config.num_attention_heads),
