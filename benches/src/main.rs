@@ -3,6 +3,7 @@
 //!
 //! - `speed`: prefill ms and decode tok/s per TP width, as a Markdown table for RESULTS.md.
 //! - `attention`: the fused flash-attention kernel's error and speed.
+//! - `fp8`: a product with FP8 weights against the dequantized weight's, error and speed.
 //! - `sweep`: a grid over TP width and prompt lengths or frame counts, as JSON, CSV and plots.
 //! - `logits`: the prefill logits and greedy tokens of one run, as safetensors, for comparison
 //!   with a reference implementation (`scripts/reference/reference_llama.py`).
@@ -16,6 +17,7 @@ mod attention;
 mod collectives;
 mod decode;
 mod encode;
+mod fp8;
 mod gguf;
 mod linear;
 mod load;
@@ -53,6 +55,9 @@ enum Command {
     Attention(attention::AttentionArgs),
     /// A biased linear (and GELU) as one cuBLASLt GEMM against candle's matmul and add.
     Linear(linear::LinearArgs),
+    /// A linear with FP8 weights (W8A8 GEMM, or the FP8 GEMV for one row) against the
+    /// dequantized weight's product: ms per call and each one's error.
+    Fp8(fp8::Fp8Args),
     /// A grid of Llama and DiT runs from a TOML file: JSON, CSV and plots (SVG, PNG).
     Sweep(sweep::SweepArgs),
     /// Where one rank's decode step goes: the step (graph and eager), sampling, the GEMVs.
@@ -116,7 +121,7 @@ enum WeightsArg {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
-enum DtypeArg {
+pub(crate) enum DtypeArg {
     F32,
     F16,
     Bf16,
@@ -254,7 +259,7 @@ fn memory_cell(memory: &[Option<tpinfer_runtime::DeviceMemory>], plan: &tpinfer_
     }
 }
 
-fn dtype_of(dtype: DtypeArg) -> DType {
+pub(crate) fn dtype_of(dtype: DtypeArg) -> DType {
     match dtype {
         DtypeArg::F32 => DType::F32,
         DtypeArg::F16 => DType::F16,
@@ -643,6 +648,7 @@ fn main() -> Result<()> {
         Command::Attention(args) => attention::run(args),
         Command::Sample(args) => sample::run(args),
         Command::Linear(args) => linear::run(args),
+        Command::Fp8(args) => fp8::run(args),
         Command::Sweep(args) => sweep::run(args),
         Command::DecodeProfile(args) => decode::run(args),
         Command::Collectives(args) => collectives::run(args),

@@ -12,8 +12,9 @@ use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const SOURCES: [&str; 8] = [
+const SOURCES: [&str; 9] = [
     "flash_attention",
+    "fp8",
     "paged",
     "rowwise",
     "rotary",

@@ -3,6 +3,7 @@
 
   make    --shape 70b|8b|8b-half|1b --out DIR [--dtype bf16|f32]   random-weight Llama checkpoint (HF format)
   logits  --model DIR --dtype f32|bf16 --out FILE      transformers' prefill logits + greedy tokens
+          [--fp8]                                      with tpinfer's FP8 quantization of the layers' linears
   compare --ref FILE --out-json FILE NAME=FILE ...     relative errors of tpinfer runs vs a reference
   speed   --model DIR                                  transformers decode tok/s and 2048-token prefill ms
 
@@ -122,11 +123,65 @@ def load(model_dir, dtype):
     return LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="cuda").eval()
 
 
+E4M3_MAX = 448.0
+
+
+def fp8_rows(t, reciprocal):
+    """t [rows, k] f32 quantized per row to E4M3 and back: scale = amax / 448 (an all-zero row
+    1), q = t / scale rounded to E4M3, returned as q · scale. tpinfer scales its weights by
+    amax · f32(1/448) (candle divides by a scalar so) and its activations by amax / 448."""
+    amax = t.abs().amax(dim=-1, keepdim=True)
+    scale = amax * torch.tensor(1 / E4M3_MAX, dtype=torch.float32) if reciprocal else amax / E4M3_MAX
+    scale = torch.where(amax > 0, scale, torch.ones_like(scale))
+    return (t / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+class Fp8Linear(torch.nn.Module):
+    """tpinfer's FP8 product on the same weights: the weight quantized per output row and, for
+    more than one row, the activations per token (W8A8), dequantized to f32 and multiplied in
+    f32."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.weight = torch.nn.Parameter(fp8_rows(linear.weight.data.float(), reciprocal=True), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x):
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        # One row (a decode step's) runs W8A16 in tpinfer: its activations stay as they are.
+        x2 = fp8_rows(x2, reciprocal=False) if x2.shape[0] > 1 else x2
+        y = x2 @ self.weight.T
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def to_fp8(model):
+    """Every linear of the decoder layers as tpinfer's --quantize fp8 holds it (not the
+    embedding or the LM head)."""
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, Fp8Linear(child))
+    return model
+
+
 @torch.no_grad()
 def logits(args):
     model = load(args.model, args.dtype)
+    if args.fp8:
+        model = to_fp8(model)
     ids = torch.tensor([prompt_ids(model.config.vocab_size, args.prompt_tokens)], device="cuda")
-    out = model(ids, use_cache=True)
+    if args.perturb:
+        # The prompt's embeddings scaled by 1 + ε·N(0, 1): how far the logits move for a
+        # perturbation far below any rounding error, i.e. how continuous the model is.
+        emb = model.model.embed_tokens(ids)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        emb = emb * (1 + args.perturb * torch.randn(emb.shape, generator=g, device="cuda", dtype=emb.dtype))
+        out = model(inputs_embeds=emb, use_cache=True)
+    else:
+        out = model(ids, use_cache=True)
     prefill = out.logits[0, -1].float()
     past, tokens, nxt, steps = out.past_key_values, [], prefill.argmax().view(1, 1), []
     for _ in range(args.steps):
@@ -198,6 +253,8 @@ def main():
     l = sub.add_parser("logits"); l.add_argument("--model", required=True); l.add_argument("--dtype", required=True)
     l.add_argument("--prompt-tokens", type=int, default=128); l.add_argument("--steps", type=int, default=32)
     l.add_argument("--out", required=True)
+    l.add_argument("--fp8", action="store_true", help="tpinfer's W8A8 FP8 products (--weights fp8), in --dtype")
+    l.add_argument("--perturb", type=float, default=0.0, help="scale the prompt's embeddings by 1 + ε·N(0, 1)")
     c = sub.add_parser("compare"); c.add_argument("--ref", required=True); c.add_argument("--out-json", required=True)
     c.add_argument("runs", nargs="+")
     s = sub.add_parser("speed"); s.add_argument("--model", required=True); s.add_argument("--new-tokens", type=int, default=256)

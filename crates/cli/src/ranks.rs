@@ -91,8 +91,9 @@ pub struct WeightArgs {
     #[arg(long, conflicts_with = "quantize")]
     pub dequantize: bool,
     /// Quantize every linear weight at load, per output row (the embedding and LM head stay
-    /// in the compute dtype). FP8 halves a bf16 model's weights; it runs on CPU ranks only so
-    /// far (each product expands its weight: memory saved, not time).
+    /// in the compute dtype). FP8 halves a bf16 model's weights and runs as FP8 on GPUs of
+    /// compute capability 8.9 or later; CPU ranks and older GPUs expand each product's weight
+    /// (memory saved, not time).
     #[arg(long, value_enum)]
     pub quantize: Option<QuantizeArg>,
 }

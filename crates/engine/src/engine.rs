@@ -55,8 +55,8 @@ impl Engine {
             None => Tokenizer::from_hf_dir(&b.model)?,
         });
         let topology = Topology::new(b.tp, &b.device)?;
-        if !topology.is_cpu() && model.holds_fp8() {
-            return Err(EngineError::Fp8OnGpu);
+        if topology.is_cpu() && model.holds_fp8() {
+            tracing::warn!("{}", crate::FP8_ON_CPU);
         }
         // A fault that can never strike would let a failure test pass without a failure.
         if let Some((rank, _)) = b.fault.map(|f| f.place()).filter(|&(rank, _)| rank >= b.tp) {

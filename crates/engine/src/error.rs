@@ -19,8 +19,6 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("invalid request: {0}")]
     InvalidRequest(String),
-    #[error("FP8 weights run on CPU ranks only so far: GPU ranks have no FP8 kernels yet (an H200 run failed in candle's FP8 casts); on GPUs give the bf16 checkpoint, a GGUF file, or --dequantize")]
-    Fp8OnGpu,
     #[error("rank {rank}: injected fault: {fault}")]
     Injected { rank: usize, fault: String },
     #[error("sampling: {0}")]

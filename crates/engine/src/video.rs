@@ -162,8 +162,8 @@ impl VideoEngine {
         };
         let config = model.config().clone();
         let topology = Topology::new(b.tp, &b.device)?;
-        if !topology.is_cpu() && b.weight_format == tpinfer_weights::WeightFormat::Fp8 {
-            return Err(EngineError::Fp8OnGpu);
+        if topology.is_cpu() && b.weight_format == tpinfer_weights::WeightFormat::Fp8 {
+            tracing::warn!("{}", crate::FP8_ON_CPU);
         }
         let dtype = b.dtype.unwrap_or(match topology.is_cpu() {
             true => DType::F32,

@@ -34,13 +34,16 @@ pub fn device_address(t: &candle_core::Tensor) -> Result<u64> {
     let candle_core::Storage::Cuda(s) = &*storage else {
         candle_core::bail!("a device address of a {:?} tensor", t.device().location());
     };
+    use candle_core::cuda_backend::CudaStorageSlice as Slice;
     let stream = s.device.cuda_stream();
-    let base = match t.dtype() {
-        DType::BF16 => s.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
-        DType::F16 => s.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
-        DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
-        DType::U32 => s.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
-        other => candle_core::bail!("a device address of a {other:?} tensor"),
+    let base = match &s.slice {
+        Slice::BF16(slice) => slice.device_ptr(&stream).0,
+        Slice::F16(slice) => slice.device_ptr(&stream).0,
+        Slice::F32(slice) => slice.device_ptr(&stream).0,
+        Slice::U32(slice) => slice.device_ptr(&stream).0,
+        Slice::U8(slice) => slice.device_ptr(&stream).0,
+        Slice::F8E4M3(slice) => slice.device_ptr(&stream).0,
+        _ => candle_core::bail!("a device address of a {:?} tensor", t.dtype()),
     };
     Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
 }

@@ -206,6 +206,9 @@ impl candle_core::InplaceOp3 for FusedLinearInto {
 }
 
 #[cfg(feature = "cuda")]
+pub(crate) use cuda::handle as cublaslt_handle;
+
+#[cfg(feature = "cuda")]
 mod cuda {
     use std::cell::RefCell;
     use std::sync::Arc;
@@ -232,7 +235,8 @@ mod cuda {
         candle_core::Error::Msg(format!("cuBLASLt: {e:?}"))
     }
 
-    fn handle(stream: &Arc<CudaStream>) -> Result<Arc<CudaBlasLT>> {
+    /// This thread's cuBLASLt handle for `stream`, made at first use.
+    pub(crate) fn handle(stream: &Arc<CudaStream>) -> Result<Arc<CudaBlasLT>> {
         HANDLES.with(|handles| {
             let mut handles = handles.borrow_mut();
             if let Some((_, lt)) = handles.iter().find(|(s, _)| Arc::ptr_eq(s, stream)) {
@@ -283,6 +287,7 @@ mod cuda {
             DType::BF16 => CudaStorage::wrap_cuda_slice(unsafe_alloc::<bf16>(dev, n)?, dev.clone()),
             DType::F16 => CudaStorage::wrap_cuda_slice(unsafe_alloc::<f16>(dev, n)?, dev.clone()),
             DType::F32 => CudaStorage::wrap_cuda_slice(unsafe_alloc::<f32>(dev, n)?, dev.clone()),
+            DType::U8 => CudaStorage::wrap_cuda_slice(unsafe_alloc::<u8>(dev, n)?, dev.clone()),
             other => return Tensor::zeros(shape, other, &candle_core::Device::Cuda(dev.clone())),
         };
         Ok(Tensor::from_storage(

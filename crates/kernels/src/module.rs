@@ -34,6 +34,7 @@ pub(crate) const ARGMAX: Module = fatbin!("argmax");
 pub(crate) const FLASH_ATTENTION: Module = fatbin!("flash_attention");
 #[cfg(tpinfer_sm90)]
 pub(crate) const FLASH_ATTENTION_SM90: Module = fatbin!("flash_attention_sm90");
+pub(crate) const FP8: Module = fatbin!("fp8");
 pub(crate) const GEMV: Module = fatbin!("gemv");
 pub(crate) const PAGED: Module = fatbin!("paged");
 pub(crate) const PEER_ALL_REDUCE: Module = fatbin!("peer_all_reduce");

@@ -12,7 +12,8 @@ use crate::Result;
 /// A linear layer's weight and bias as a rank holds them: dense, where the fused kernels of
 /// `tpinfer_kernels` apply; in GGML blocks, multiplied by candle's quantized matmul (MMVQ
 /// for a few rows, MMQ for more on CUDA) with the bias added after; or FP8 E4M3 with row
-/// scales, expanded for each product (no FP8 GEMM yet: it saves memory, not time).
+/// scales, through `tpinfer_kernels::fp8_linear` (W8A8 on FP8 tensor cores, expanded for each
+/// product elsewhere).
 enum Product {
     Dense(Linear),
     Quantized {
@@ -66,11 +67,7 @@ fn apply(product: &Product, x: &Tensor) -> candle_core::Result<Tensor> {
         Product::Dense(linear) => linear,
         Product::Quantized { weight, bias, .. } => return add_bias(quantized_product(weight, x)?, bias.as_ref()),
         Product::Fp8 { values, scales, bias } => {
-            // In the compute dtype: the transient copy stays at two of its values per weight.
-            let dense = values
-                .to_dtype(x.dtype())?
-                .broadcast_mul(&scales.to_dtype(x.dtype())?.unsqueeze(1)?)?;
-            return add_bias(Linear::new(dense, None).forward(x)?, bias.as_ref());
+            return tpinfer_kernels::fp8_linear(x, values, scales, bias.as_ref(), false);
         }
     };
     let w = linear.weight();
@@ -144,13 +141,20 @@ fn apply_into(product: &Product, out: &Tensor, first_row: usize, x: &Tensor, gel
             return tpinfer_kernels::linear_bias_into(out, first_row, x, linear.weight(), b, gelu);
         }
     }
-    let y = apply(product, x)?;
-    out.slice_set(&if gelu { y.gelu()? } else { y }, 0, first_row)
+    let y = match product {
+        Product::Fp8 { values, scales, bias } => tpinfer_kernels::fp8_linear(x, values, scales, bias.as_ref(), gelu)?,
+        _ if gelu => apply(product, x)?.gelu()?,
+        _ => apply(product, x)?,
+    };
+    out.slice_set(&y, 0, first_row)
 }
 
 /// [`apply`] then GELU (tanh approximation): dense with a bias, inside the fused linear (on
 /// CUDA, the GEMM's epilogue).
 fn apply_gelu(product: &Product, x: &Tensor) -> candle_core::Result<Tensor> {
+    if let Product::Fp8 { values, scales, bias } = product {
+        return tpinfer_kernels::fp8_linear(x, values, scales, bias.as_ref(), true);
+    }
     if let Some(linear) = product.dense() {
         if let Some(b) = linear.bias() {
             if tpinfer_kernels::fused_linear_covers(x, linear.weight()) {

@@ -120,13 +120,20 @@ impl ShardedModel for LlamaModel {
 }
 
 impl LlamaRankShard {
-    /// The bytes a product of a quantized weight expands it into while it runs, for the
-    /// largest (merged) weight: FP8 everywhere (the E4M3 values and the product in the compute
-    /// dtype), GGML blocks on CPU ranks (f32, then the compute dtype). CUDA multiplies GGML
-    /// blocks as they are.
-    fn expanded_weight(&self, dtype: DType, accelerator: Accelerator) -> usize {
+    /// The bytes a product of a quantized weight takes beyond a dense one's while it runs,
+    /// for the largest (merged) weight of `rows` input rows. On CUDA, FP8 products quantize
+    /// their input (a byte a value and a scale a row; the plan's GPU has FP8 tensor cores,
+    /// compute capability 8.9 or later) and GGML blocks are multiplied as they are. On CPU
+    /// ranks the weight is expanded: FP8 to E4M3 values and the product in the compute dtype,
+    /// GGML blocks to f32, then the compute dtype.
+    fn quantized_product_bytes(&self, dtype: DType, accelerator: Accelerator, rows: usize) -> usize {
         let gate = format!("{}.weight", crate::shard::names::LayerNames::of(0).gate);
-        let per_value = match self.decls.iter().find(|d| d.name == gate).and_then(|d| d.quant) {
+        let quant = self.decls.iter().find(|d| d.name == gate).and_then(|d| d.quant);
+        if quant == Some(Quant::Fp8) && accelerator == Accelerator::Cuda {
+            let widest_input = self.config.hidden_size.max(self.shard.ffn_cols.len());
+            return rows * (widest_input + 4);
+        }
+        let per_value = match quant {
             Some(Quant::Fp8) => 2 * dtype.size_in_bytes(),
             Some(Quant::Ggml(_)) if accelerator == Accelerator::Cpu => {
                 4 + if dtype == DType::F32 { 0 } else { dtype.size_in_bytes() }
@@ -198,7 +205,8 @@ impl RankShard for LlamaRankShard {
         Ok(Footprint {
             buffers: m.buffers as u64,
             cache: m.kv_cache as u64,
-            activations: (m.activations + self.expanded_weight(dtype, accelerator)) as u64,
+            activations: (m.activations + self.quantized_product_bytes(dtype, accelerator, chunk.max(batch.sequences)))
+                as u64,
             pool_slack: m.pool_slack as u64,
             // Rotary tables and the KV cache are allocated at load, for the whole context.
             at_load: (m.buffers + m.kv_cache) as u64,

@@ -57,11 +57,11 @@ pub struct LlamaRank {
     dtype: DType,
     bytes_loaded: usize,
     bytes_on_device: usize,
-    /// Whether some weights are held quantized (GGML blocks, FP8): their products, candle's
-    /// quantized matmuls or an expansion of the weight, are not yet validated under CUDA
-    /// graph capture, so such a rank runs eagerly.
+    /// Whether some weights are held in GGML blocks: candle's quantized matmuls are not yet
+    /// validated under CUDA graph capture, so such a rank runs eagerly. (FP8 products are
+    /// tpinfer's kernels and cuBLASLt, which capture.)
     #[cfg(feature = "cuda")]
-    quantized: bool,
+    ggml_blocks: bool,
 }
 
 /// A batched rank's paged KV cache: `blocks` blocks of `block_size` positions in every layer,
@@ -265,7 +265,9 @@ impl LlamaRank {
             bytes_loaded: w.bytes_read(),
             bytes_on_device: w.bytes_on_device(),
             #[cfg(feature = "cuda")]
-            quantized: decls.iter().any(|d| d.quant.is_some()),
+            ggml_blocks: decls
+                .iter()
+                .any(|d| matches!(d.quant, Some(tpinfer_weights::Quant::Ggml(_)))),
         };
         // The captured steps where they apply: the one-sequence step, or a batched rank's.
         rank.set_cuda_graphs(true)?;
@@ -361,7 +363,7 @@ impl LlamaRank {
         #[cfg(feature = "cuda")]
         {
             let device = self.norm.device().clone();
-            (self.decode, self.batch_graphs) = match (on && !self.quantized, self.paged) {
+            (self.decode, self.batch_graphs) = match (on && !self.ggml_blocks, self.paged) {
                 (false, _) => (None, None),
                 (true, None) => (
                     crate::graph::DecodeGraph::new(&device, self.flash, self.config.vocab_size)?,

@@ -1,0 +1,158 @@
+//! `tpinfer-bench fp8`: a linear product with FP8 weights (`tpinfer_kernels::fp8_linear`:
+//! W8A8 through cuBLASLt's FP8 GEMM, or the W8A16 GEMV for one row) against the same product
+//! with the dequantized weight in the compute dtype (the fused bf16 linear, or the bf16 GEMV
+//! for one row), in the same call: time per call, and each one's error against the same
+//! quantization computed on the host in f32, several rows' activations quantized per token as
+//! the kernel does (amax / 448, rounded to E4M3).
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::Args;
+
+#[derive(Args)]
+pub struct Fp8Args {
+    /// Cases `ROWS:IN:OUT[:bias][:gelu]`.
+    #[arg(long, value_delimiter = ',', required = true)]
+    cases: Vec<String>,
+    #[arg(long, value_enum, default_value = "bf16")]
+    dtype: crate::DtypeArg,
+    /// Timed calls per case, after one warm-up.
+    #[arg(long, default_value_t = 20)]
+    repeats: usize,
+    /// The rows of each output checked against the host's reference (the first ones).
+    #[arg(long, default_value_t = 32)]
+    check_rows: usize,
+}
+
+pub fn run(args: Fp8Args) -> Result<()> {
+    let device = crate::gpu().context("the FP8 benchmark needs a CUDA build and a GPU")?;
+    let dtype = crate::dtype_of(args.dtype);
+    println!(
+        "| rows × in → out | bias, GELU | path | FP8: ms | TFLOP/s or GB/s | {dtype:?}, dequantized: ms | speedup | FP8 error | {dtype:?} error |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for text in &args.cases {
+        let parts: Vec<&str> = text.split(':').collect();
+        let n = |i: usize| -> Result<usize> {
+            parts
+                .get(i)
+                .context("too few fields")?
+                .parse()
+                .with_context(|| format!("case {text}"))
+        };
+        let (rows, k, out) = (n(0)?, n(1)?, n(2)?);
+        let (mut bias, mut gelu) = (false, false);
+        for flag in parts.iter().skip(3) {
+            match *flag {
+                "bias" => bias = true,
+                "gelu" => gelu = true,
+                other => bail!("unknown flag {other} in {text}"),
+            }
+        }
+        let host = Device::Cpu;
+        // Rows of magnitudes 2⁻⁴ to 2⁴ (tokens) and 2⁻² to 2² (weights), so that a scale
+        // applied to the wrong row or column shows.
+        let magnitudes = |n: usize, period: usize| -> Result<Tensor> {
+            let m: Vec<f32> = (0..n)
+                .map(|i| 2f32.powi((i % period) as i32 - (period / 2) as i32))
+                .collect();
+            Ok(Tensor::from_vec(m, (n, 1), &host)?)
+        };
+        let w = Tensor::randn(0f32, 1.0 / (k as f32).sqrt(), (out, k), &host)?
+            .broadcast_mul(&magnitudes(out, 5)?)?
+            .to_dtype(DType::BF16)?;
+        let (values, scales) = tpinfer_weights::quantize_rows(&w)?;
+        let x_host = Tensor::randn(0f32, 1.0, (rows, k), &host)?
+            .broadcast_mul(&magnitudes(rows, 9)?)?
+            .to_dtype(dtype)?;
+        let b_host = Tensor::randn(0f32, 1.0, out, &host)?.to_dtype(dtype)?;
+        let (x, values_dev, scales_dev) = (
+            x_host.to_device(&device)?,
+            values.to_device(&device)?,
+            scales.to_device(&device)?,
+        );
+        let b = bias.then(|| b_host.to_device(&device)).transpose()?;
+        let dense = tpinfer_kernels::expand_fp8(&values_dev, &scales_dev, dtype)?;
+        let fp8 = || -> Result<Tensor> {
+            Ok(tpinfer_kernels::fp8_linear(
+                &x,
+                &values_dev,
+                &scales_dev,
+                b.as_ref(),
+                gelu,
+            )?)
+        };
+        let baseline = || -> Result<Tensor> {
+            let y = match (&b, rows) {
+                (Some(b), _) if tpinfer_kernels::fused_linear_covers(&x, &dense) => {
+                    return Ok(tpinfer_kernels::linear_bias(&x, &dense, b, gelu)?)
+                }
+                (_, 1) if tpinfer_kernels::gemv_on_cuda(&x, &dense) => tpinfer_kernels::gemv(&x, &dense)?,
+                _ => x.matmul(&dense.t()?)?,
+            };
+            let y = match &b {
+                Some(b) => y.broadcast_add(b)?,
+                None => y,
+            };
+            Ok(if gelu { y.gelu()? } else { y })
+        };
+        let time = |f: &dyn Fn() -> Result<Tensor>| -> Result<(Tensor, f64)> {
+            let y = f()?;
+            device.synchronize()?;
+            let start = std::time::Instant::now();
+            for _ in 0..args.repeats {
+                f()?;
+            }
+            device.synchronize()?;
+            Ok((y, start.elapsed().as_secs_f64() * 1e3 / args.repeats as f64))
+        };
+        let (y_fp8, ms_fp8) = time(&fp8)?;
+        let (y_base, ms_base) = time(&baseline)?;
+
+        let checked = rows.min(args.check_rows.max(1));
+        let x32 = x_host.narrow(0, 0, checked)?.to_dtype(DType::F32)?;
+        let w32 = values.to_dtype(DType::F32)?.broadcast_mul(&scales.unsqueeze(1)?)?;
+        let epilogue = |y: Tensor| -> Result<Tensor> {
+            let y = match bias {
+                true => y.broadcast_add(&b_host.to_dtype(DType::F32)?)?,
+                false => y,
+            };
+            Ok(if gelu { y.gelu()? } else { y })
+        };
+        // One row runs W8A16: its activations are not quantized.
+        let x_ref = match rows {
+            1 => x32.clone(),
+            _ => quantize_tokens(&x32)?,
+        };
+        let quantized_ref = epilogue(x_ref.matmul(&w32.t()?)?)?;
+        let dequantized_ref = epilogue(x32.matmul(&w32.t()?)?)?;
+        let head = |y: &Tensor| -> Result<Tensor> { Ok(y.narrow(0, 0, checked)?.to_device(&host)?) };
+        let err_fp8 = crate::relative_error(&head(&y_fp8)?, &quantized_ref)?;
+        let err_base = crate::relative_error(&head(&y_base)?, &dequantized_ref)?;
+        let path = match tpinfer_kernels::fp8_path(&device, dtype, out, k) {
+            tpinfer_kernels::Fp8Path::Fp8Kernels if rows == 1 => "W8A16 GEMV",
+            tpinfer_kernels::Fp8Path::Fp8Kernels => "W8A8 GEMM",
+            tpinfer_kernels::Fp8Path::Expanded => "expanded",
+        };
+        // One row reads the weight once: its rate is bytes; more rows are counted in FLOPs.
+        let rate = match rows {
+            1 => format!("{:.0} GB/s", (out * k) as f64 / ms_fp8 / 1e6),
+            _ => format!("{:.0} TFLOP/s", 2.0 * (rows * k * out) as f64 / ms_fp8 / 1e9),
+        };
+        println!(
+            "| {rows} × {k} → {out} | {bias}, {gelu} | {path} | {ms_fp8:.4} | {rate} | {ms_base:.4} | {:.2}× | {err_fp8:.2e} | {err_base:.2e} |",
+            ms_base / ms_fp8
+        );
+    }
+    Ok(())
+}
+
+/// Each row of `x` (f32, host) quantized to E4M3 and back as the kernel does: scale = amax /
+/// 448 (1 for an all-zero row), x / scale rounded to E4M3, times the scale.
+fn quantize_tokens(x: &Tensor) -> Result<Tensor> {
+    let amax = x.abs()?.max_keepdim(1)?;
+    let scale = amax.broadcast_div(&Tensor::new(448f32, x.device())?)?;
+    let scale = amax.eq(0f64)?.where_cond(&amax.ones_like()?, &scale)?;
+    let q = x.broadcast_div(&scale)?.to_dtype(DType::F8E4M3)?.to_dtype(DType::F32)?;
+    Ok(q.broadcast_mul(&scale)?)
+}

@@ -1,0 +1,456 @@
+//! Linear products with FP8 E4M3 weights `[n, k]` and one f32 scale per output row
+//! (cuda/fp8.cu). On GPUs with FP8 tensor cores (compute capability 8.9 and later: the RTX
+//! 4090, the H100/H200) several rows run W8A8: the activations quantized per token as the
+//! weights are per row, through cuBLASLt's FP8 GEMM with both scale vectors applied in it.
+//! One row (a decode step's product) runs W8A16, through a GEMV that reads the FP8 weight and
+//! dequantizes it in registers. Elsewhere the weight is expanded to the compute dtype for
+//! each product: that saves memory, not time, and leaves the activations as they are, so a CPU
+//! rank at any TP width gives the dequantized model's output.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+/// How a product with FP8 weights runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8Path {
+    /// FP8 kernels: the W8A8 GEMM for several rows, the W8A16 GEMV for one.
+    Fp8Kernels,
+    /// The weight expanded to the compute dtype for the product; the activations unquantized.
+    Expanded,
+}
+
+/// The path of `x · wᵀ` for a weight of `k` columns and `n` rows on `device` in `dtype`:
+/// FP8 kernels on CUDA from compute capability 8.9, in f32, bf16 or f16, with `k` and `n` multiples
+/// of 16 (cuBLASLt's FP8 GEMM needs 16-byte aligned rows of every operand).
+pub fn fp8_path(device: &Device, dtype: DType, n: usize, k: usize) -> Fp8Path {
+    let shapes = matches!(dtype, DType::F32 | DType::BF16 | DType::F16) && k.is_multiple_of(16) && n.is_multiple_of(16);
+    let tensor_cores = match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => cuda::has_fp8_tensor_cores(dev),
+        _ => false,
+    };
+    match shapes && tensor_cores {
+        true => Fp8Path::Fp8Kernels,
+        false => Fp8Path::Expanded,
+    }
+}
+
+/// `x · (values · scales)ᵀ (+ bias)`, then GELU (tanh approximation) when `gelu`, for `x`
+/// `[.., k]`, E4M3 `values` `[n, k]`, f32 `scales` `[n]` and a `bias` `[n]` in `x`'s dtype:
+/// `[.., n]` in `x`'s dtype, by [`fp8_path`].
+pub fn fp8_linear(x: &Tensor, values: &Tensor, scales: &Tensor, bias: Option<&Tensor>, gelu: bool) -> Result<Tensor> {
+    let (n, k) = values.dims2()?;
+    if values.dtype() != DType::F8E4M3
+        || scales.dims() != [n]
+        || scales.dtype() != DType::F32
+        || x.dims().last() != Some(&k)
+        || bias.is_some_and(|b| b.dims() != [n] || b.dtype() != x.dtype())
+    {
+        candle_core::bail!(
+            "fp8 linear: x {:?} {:?}, values {:?} {:?}, scales {:?} {:?} and bias {:?} do not fit",
+            x.dims(),
+            x.dtype(),
+            values.dims(),
+            values.dtype(),
+            scales.dims(),
+            scales.dtype(),
+            bias.map(|b| (b.dims().to_vec(), b.dtype()))
+        );
+    }
+    let mut shape = x.dims().to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = n;
+    }
+    let x2 = x.reshape((x.elem_count() / k, k))?.contiguous()?;
+    let y = match fp8_path(x.device(), x.dtype(), n, k) {
+        #[cfg(feature = "cuda")]
+        Fp8Path::Fp8Kernels => cuda::product(&x2, values, scales, bias, gelu)?,
+        _ => {
+            let dense = expand(values, scales, x.dtype())?;
+            let y = x2.matmul(&dense.t()?)?;
+            let y = match bias {
+                Some(b) => y.broadcast_add(b)?,
+                None => y,
+            };
+            match gelu {
+                true => y.gelu()?,
+                false => y,
+            }
+        }
+    };
+    y.reshape(shape)
+}
+
+/// `values · scales` (each row by its scale) in `dtype`: the weight a product expands.
+pub fn expand(values: &Tensor, scales: &Tensor, dtype: DType) -> Result<Tensor> {
+    match values.device() {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::dequantize_rows(values, scales, dtype),
+        // In the compute dtype: the transient copy stays at two of its values per weight.
+        _ => values
+            .to_dtype(dtype)?
+            .broadcast_mul(&scales.to_dtype(dtype)?.unsqueeze(1)?),
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::cell::RefCell;
+    use std::ffi::c_void;
+    use std::sync::Arc;
+
+    use candle_core::cuda_backend::cudarc::cublaslt::{result, sys, MatmulShared};
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{CudaDevice, DType, Device, Result, Tensor};
+
+    use crate::launch::{addresses, elementwise, suffix, THREADS};
+
+    /// Weight rows per CTA of the FP8 GEMV (GEMV_ROWS in cuda/fp8.cu).
+    const GEMV_ROWS: usize = 4;
+    /// cuBLASLt's workspace for the FP8 GEMMs, per stream: the split-K kernels it allows are
+    /// enough for these shapes, and the plan counts it with cuBLAS's.
+    const WORKSPACE_BYTES: usize = 4 << 20;
+    /// E4M3 in cuBLASLt's enum (cudaDataType CUDA_R_8F_E4M3).
+    const E4M3: sys::cudaDataType = sys::cudaDataType::CUDA_R_8F_E4M3;
+
+    thread_local! {
+        /// The FP8 GEMMs' workspace for each stream this thread launches on.
+        static WORKSPACES: RefCell<Vec<(Arc<CudaStream>, Arc<CudaSlice<u8>>)>> = const { RefCell::new(Vec::new()) };
+    }
+
+    pub(super) fn has_fp8_tensor_cores(dev: &CudaDevice) -> bool {
+        dev.cuda_stream()
+            .context()
+            .compute_capability()
+            .is_ok_and(|cap| cap >= (8, 9))
+    }
+
+    fn cublas_error(what: &str) -> impl Fn(result::CublasError) -> candle_core::Error + '_ {
+        move |e| candle_core::Error::Msg(format!("cuBLASLt FP8 GEMM, {what}: {e:?}"))
+    }
+
+    fn workspace(stream: &Arc<CudaStream>) -> Result<Arc<CudaSlice<u8>>> {
+        WORKSPACES.with_borrow_mut(|spaces| {
+            if let Some((_, w)) = spaces.iter().find(|(s, _)| Arc::ptr_eq(s, stream)) {
+                return Ok(w.clone());
+            }
+            // SAFETY: cuBLASLt writes its workspace before it reads it.
+            let w = Arc::new(unsafe { stream.alloc::<u8>(WORKSPACE_BYTES) }.w()?);
+            spaces.push((stream.clone(), w.clone()));
+            Ok(w)
+        })
+    }
+
+    fn cuda_device(t: &Tensor) -> Result<&CudaDevice> {
+        match t.device() {
+            Device::Cuda(dev) => Ok(dev),
+            other => candle_core::bail!("fp8: a tensor on {:?}, not CUDA", other.location()),
+        }
+    }
+
+    /// `x` `[rows, k]` (contiguous) as E4M3 bytes `[rows, k]` and f32 scales `[rows]`.
+    fn quantize_rows(x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let dev = cuda_device(x)?;
+        let (rows, k) = x.dims2()?;
+        let q = crate::linear::empty(&[rows, k], DType::U8, x.device())?;
+        let s = crate::linear::empty(&[rows], DType::F32, x.device())?;
+        let func = crate::module::FP8.kernel(dev, &format!("fp8_quantize_rows_{}", suffix(x.dtype())?))?;
+        let a = addresses(&[x, &q, &s])?;
+        let k = k as i32;
+        let mut b = func.builder();
+        b.arg(&a[0]).arg(&a[1]).arg(&a[2]).arg(&k);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x holds rows · k contiguous elements of its dtype; q rows · k bytes and s rows
+        // floats, fresh; one CTA a row.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((q, s))
+    }
+
+    pub(super) fn dequantize_rows(values: &Tensor, scales: &Tensor, dtype: DType) -> Result<Tensor> {
+        let dev = cuda_device(values)?;
+        let (n, k) = values.dims2()?;
+        let (values, scales) = (values.contiguous()?, scales.contiguous()?);
+        let out = crate::linear::empty(&[n, k], dtype, values.device())?;
+        let func = crate::module::FP8.kernel(dev, &format!("fp8_dequantize_rows_{}", suffix(dtype)?))?;
+        let a = addresses(&[&values, &scales, &out])?;
+        let (elements, k32) = ((n * k) as i64, k as i32);
+        let mut b = func.builder();
+        b.arg(&a[0]).arg(&a[1]).arg(&a[2]).arg(&elements).arg(&k32);
+        // SAFETY: values holds n · k bytes and scales n floats, contiguous; out is fresh, n · k
+        // elements of `dtype`.
+        unsafe { b.launch(elementwise(n * k)) }.w()?;
+        Ok(out)
+    }
+
+    /// The product of `x` `[rows, k]` (contiguous) with `values` `[n, k]`: W8A16 for one row,
+    /// W8A8 for more.
+    pub(super) fn product(
+        x: &Tensor,
+        values: &Tensor,
+        scales: &Tensor,
+        bias: Option<&Tensor>,
+        gelu: bool,
+    ) -> Result<Tensor> {
+        let (rows, k) = x.dims2()?;
+        let n = values.dim(0)?;
+        let (values, scales) = (values.contiguous()?, scales.contiguous()?);
+        // cuBLASLt has no FP8 epilogue with an f32 output: there the bias and GELU follow.
+        let epilogue_in_gemm = rows > 1 && x.dtype() != DType::F32;
+        let y = match rows {
+            1 => gemv(x, &values, &scales)?,
+            _ => {
+                let (qx, sx) = quantize_rows(x)?;
+                let bias = bias.filter(|_| epilogue_in_gemm).map(|b| b.contiguous()).transpose()?;
+                let gelu = gelu && epilogue_in_gemm;
+                gemm(&qx, &sx, &values, &scales, bias.as_ref(), gelu, x.dtype(), (rows, n, k))?
+            }
+        };
+        if epilogue_in_gemm {
+            return Ok(y);
+        }
+        let y = match bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        match gelu {
+            true => y.gelu(),
+            false => Ok(y),
+        }
+    }
+
+    /// One row `x` `[1, k]` through the FP8 weight, dequantized in registers.
+    fn gemv(x: &Tensor, values: &Tensor, scales: &Tensor) -> Result<Tensor> {
+        let dev = cuda_device(x)?;
+        let (n, k) = values.dims2()?;
+        let y = crate::linear::empty(&[1, n], x.dtype(), x.device())?;
+        let func = crate::module::FP8.kernel(dev, &format!("fp8_gemv_weights_{}", suffix(x.dtype())?))?;
+        let a = addresses(&[x, values, scales, &y])?;
+        let (n32, k32) = (n as i32, k as i32);
+        let mut b = func.builder();
+        for address in &a {
+            b.arg(address);
+        }
+        b.arg(&n32).arg(&k32);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(GEMV_ROWS) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x holds k contiguous elements of its dtype (k % 16 == 0: 16-byte loads of a
+        // fresh or contiguous buffer); values n rows of k bytes and scales n floats,
+        // contiguous; y is fresh, n elements.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(y)
+    }
+
+    fn out_type(dtype: DType) -> Result<sys::cudaDataType> {
+        Ok(match dtype {
+            DType::F32 => sys::cudaDataType::CUDA_R_32F,
+            DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+            DType::F16 => sys::cudaDataType::CUDA_R_16F,
+            other => candle_core::bail!("fp8 GEMM: no output in {other:?}"),
+        })
+    }
+
+    /// A cuBLASLt object destroyed when dropped, whatever happens between.
+    struct Owned<T: Copy> {
+        handle: T,
+        destroy: unsafe fn(T) -> std::result::Result<(), result::CublasError>,
+    }
+
+    impl<T: Copy> Drop for Owned<T> {
+        fn drop(&mut self) {
+            // SAFETY: created by cuBLASLt and destroyed once, here.
+            let _ = unsafe { (self.destroy)(self.handle) };
+        }
+    }
+
+    fn layout(dtype: sys::cudaDataType, rows: usize, cols: usize) -> Result<Owned<sys::cublasLtMatrixLayout_t>> {
+        let handle = result::create_matrix_layout(dtype, rows as u64, cols as u64, rows as i64)
+            .map_err(cublas_error("layout"))?;
+        Ok(Owned {
+            handle,
+            destroy: result::destroy_matrix_layout,
+        })
+    }
+
+    fn set<V>(desc: sys::cublasLtMatmulDesc_t, attr: sys::cublasLtMatmulDescAttributes_t, value: &V) -> Result<()> {
+        // SAFETY: `value` is the attribute's type, read for its size.
+        unsafe {
+            result::set_matmul_desc_attribute(desc, attr, value as *const V as *const c_void, std::mem::size_of::<V>())
+        }
+        .map_err(cublas_error("descriptor"))
+    }
+
+    /// yᵀ `[n, rows]` = (s_w ⊙ q_w) `[k, n]`ᵀ · (s_x ⊙ q_x)ᵀ `[k, rows]` in cuBLASLt's
+    /// column-major terms: the weight is A (transposed), the activations B, and their scale
+    /// vectors are A's (one per output feature) and B's (one per token), applied inside the
+    /// GEMM; the bias (and GELU) in its epilogue.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        qx: &Tensor,
+        sx: &Tensor,
+        values: &Tensor,
+        scales: &Tensor,
+        bias: Option<&Tensor>,
+        gelu: bool,
+        dtype: DType,
+        (rows, n, k): (usize, usize, usize),
+    ) -> Result<Tensor> {
+        use sys::cublasLtMatmulDescAttributes_t as Attr;
+        let dev = cuda_device(qx)?;
+        let stream = dev.cuda_stream();
+        let lt = crate::linear::cublaslt_handle(&stream)?;
+        let space = workspace(&stream)?;
+        let y = crate::linear::empty(&[rows, n], dtype, qx.device())?;
+        let out = out_type(dtype)?;
+
+        let desc = result::create_matmul_desc(
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType::CUDA_R_32F,
+        )
+        .map_err(cublas_error("descriptor"))?;
+        let desc = Owned {
+            handle: desc,
+            destroy: result::destroy_matmul_desc,
+        };
+        let d = desc.handle;
+        // cublasOperation_t: 1 transposes, 0 does not.
+        set(d, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
+        set(d, Attr::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?;
+        let outer = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as i32;
+        set(d, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
+        set(d, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
+        let [x_address, sx_address, w_address, sw_address, y_address] = addresses(&[qx, sx, values, scales, &y])?[..]
+        else {
+            candle_core::bail!("fp8 GEMM: operand addresses");
+        };
+        set(d, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sw_address)?;
+        set(d, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx_address)?;
+        let epilogue = match (bias.is_some(), gelu) {
+            (false, false) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
+            (true, false) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+            (false, true) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU,
+            (true, true) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
+        };
+        set(d, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+        if let Some(b) = bias {
+            let b_address = crate::launch::device_address(b)?;
+            set(d, Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b_address)?;
+            set(d, Attr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &out)?;
+        }
+
+        let (a, b, c) = (layout(E4M3, k, n)?, layout(E4M3, k, rows)?, layout(out, n, rows)?);
+        let pref = result::create_matmul_pref().map_err(cublas_error("preference"))?;
+        let pref = Owned {
+            handle: pref,
+            destroy: result::destroy_matmul_pref,
+        };
+        let bytes = WORKSPACE_BYTES as u64;
+        // SAFETY: the attribute is a u64 read for its size.
+        unsafe {
+            result::set_matmul_pref_attribute(
+                pref.handle,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &bytes as *const u64 as *const c_void,
+                std::mem::size_of::<u64>(),
+            )
+        }
+        .map_err(cublas_error("preference"))?;
+        let handle = *lt.handle();
+        // SAFETY: the descriptors are live; cuBLASLt reads them only.
+        let heuristic = unsafe {
+            result::get_matmul_algo_heuristic(handle, d, a.handle, b.handle, c.handle, c.handle, pref.handle)
+        }
+        .map_err(cublas_error("no algorithm for these shapes"))?;
+        let (alpha, beta) = (1f32, 0f32);
+        let (space_address, _guard) = space.device_ptr(&stream);
+        // SAFETY: the weight holds n rows of k E4M3 bytes, the activations rows rows of k, the
+        // scales n and rows floats, the bias n elements of `dtype`, all contiguous from their
+        // addresses (16-byte aligned: k and n are multiples of 16 and the buffers fresh or
+        // whole); y is fresh, rows · n of `dtype`; the workspace is this stream's own.
+        unsafe {
+            result::matmul(
+                handle,
+                d,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                w_address as *const c_void,
+                a.handle,
+                x_address as *const c_void,
+                b.handle,
+                y_address as *const c_void,
+                c.handle,
+                y_address as *mut c_void,
+                c.handle,
+                &heuristic.algo,
+                space_address as *mut c_void,
+                WORKSPACE_BYTES,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(cublas_error("matmul"))?;
+        Ok(y)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPU path is the weight expanded row by row: checked against the product written
+    /// out element by element, with the bias and GELU after it.
+    #[test]
+    fn expanded_product_is_the_dequantized_weights_product() -> Result<()> {
+        let dev = Device::Cpu;
+        let (rows, k, n) = (3, 32, 16);
+        let values = (Tensor::randn(0f32, 100.0, (n, k), &dev)?).to_dtype(DType::F8E4M3)?;
+        let scales = Tensor::rand(0.001f32, 0.01, n, &dev)?;
+        let x = Tensor::randn(0f32, 1.0, (1, rows, k), &dev)?;
+        let bias = Tensor::randn(0f32, 1.0, n, &dev)?;
+        let y = fp8_linear(&x, &values, &scales, Some(&bias), true)?;
+        assert_eq!(y.dims(), [1, rows, n]);
+        let (w, s) = (values.to_dtype(DType::F32)?.to_vec2::<f32>()?, scales.to_vec1::<f32>()?);
+        let (xs, b, y) = (
+            x.squeeze(0)?.to_vec2::<f32>()?,
+            bias.to_vec1::<f32>()?,
+            y.squeeze(0)?.to_vec2::<f32>()?,
+        );
+        for r in 0..rows {
+            for j in 0..n {
+                let dot: f64 = (0..k)
+                    .map(|i| xs[r][i] as f64 * w[j][i] as f64 * s[j] as f64)
+                    .sum::<f64>()
+                    + b[j] as f64;
+                let gelu =
+                    0.5 * dot * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (dot + 0.044715 * dot.powi(3))).tanh());
+                assert!(
+                    (y[r][j] as f64 - gelu).abs() < 1e-4 * (1.0 + gelu.abs()),
+                    "{r},{j}: {} vs {gelu}",
+                    y[r][j]
+                );
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn mismatched_operands_are_refused() -> Result<()> {
+        let dev = Device::Cpu;
+        let values = Tensor::zeros((16, 32), DType::F8E4M3, &dev)?;
+        let x = Tensor::zeros((2, 32), DType::F32, &dev)?;
+        let short_scales = Tensor::ones(8, DType::F32, &dev)?;
+        assert!(fp8_linear(&x, &values, &short_scales, None, false).is_err());
+        let scales = Tensor::ones(16, DType::F32, &dev)?;
+        let wide_x = Tensor::zeros((2, 48), DType::F32, &dev)?;
+        assert!(fp8_linear(&wide_x, &values, &scales, None, false).is_err());
+        let dense = Tensor::zeros((16, 32), DType::F32, &dev)?;
+        assert!(fp8_linear(&x, &dense, &scales, None, false).is_err());
+        assert_eq!(fp8_path(&dev, DType::BF16, 16, 32), Fp8Path::Expanded);
+        Ok(())
+    }
+}
