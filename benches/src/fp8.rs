@@ -32,18 +32,10 @@ pub fn run(args: Fp8Args) -> Result<()> {
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for text in &args.cases {
-        let parts: Vec<&str> = text.split(':').collect();
-        let n = |i: usize| -> Result<usize> {
-            parts
-                .get(i)
-                .context("too few fields")?
-                .parse()
-                .with_context(|| format!("case {text}"))
-        };
-        let (rows, k, out) = (n(0)?, n(1)?, n(2)?);
+        let ((rows, k, out), flags) = crate::linear::product_case(text)?;
         let (mut bias, mut gelu) = (false, false);
-        for flag in parts.iter().skip(3) {
-            match *flag {
+        for flag in flags {
+            match flag {
                 "bias" => bias = true,
                 "gelu" => gelu = true,
                 other => bail!("unknown flag {other} in {text}"),

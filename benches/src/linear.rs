@@ -22,19 +22,11 @@ pub fn run(args: LinearArgs) -> Result<()> {
     println!("| rows × in → out | GELU | candle: ms | TFLOP/s | fused: ms | TFLOP/s | candle error | fused error |");
     println!("|---|---|---|---|---|---|---|---|");
     for text in &args.cases {
-        let parts: Vec<&str> = text.split(':').collect();
-        let n = |i: usize| -> Result<usize> {
-            parts
-                .get(i)
-                .context("too few fields")?
-                .parse()
-                .with_context(|| format!("case {text}"))
-        };
-        let (rows, k, out) = (n(0)?, n(1)?, n(2)?);
-        let gelu = match parts.get(3) {
-            None => false,
-            Some(&"gelu") => true,
-            Some(other) => bail!("unknown flag {other} in {text}"),
+        let ((rows, k, out), flags) = product_case(text)?;
+        let gelu = match flags[..] {
+            [] => false,
+            ["gelu"] => true,
+            _ => bail!("unknown flags {flags:?} in {text}"),
         };
         let randn = |shape: &[usize], std: f32| -> Result<Tensor> {
             Ok(Tensor::randn(0f32, std, shape, &device)?.to_dtype(DType::BF16)?)
@@ -80,4 +72,20 @@ pub fn run(args: LinearArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A product's rows, input width and output width.
+pub(crate) type ProductSizes = (usize, usize, usize);
+
+/// A case `ROWS:IN:OUT[:FLAG...]` of a product: its sizes and its flags.
+pub(crate) fn product_case(text: &str) -> Result<(ProductSizes, Vec<&str>)> {
+    let parts: Vec<&str> = text.split(':').collect();
+    let n = |i: usize| -> Result<usize> {
+        parts
+            .get(i)
+            .context("too few fields")?
+            .parse()
+            .with_context(|| format!("case {text}"))
+    };
+    Ok(((n(0)?, n(1)?, n(2)?), parts.iter().skip(3).copied().collect()))
 }

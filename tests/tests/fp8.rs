@@ -200,3 +200,33 @@ fn a_wan_dit_in_fp8_at_tp_2_to_5_gives_tp_1s_velocity() {
     let err = rel_error(&reference, &run(1, WeightFormat::AsStored));
     assert!(err > 1e-4, "FP8 against f32: {err:e}");
 }
+
+/// A CUDA rank's FP8 product quantizes its input (a byte a value and an f32 scale a row) and
+/// multiplies on FP8 tensor cores; a CPU rank expands the weight to the compute dtype. The
+/// plan counts each beside the bf16 model's activations: Llama-3-8B at TP 1, a 2,048-token
+/// chunk, the widest input the FFN's 14,336; the largest weight the merged gate/up.
+#[test]
+fn fp8_products_plan_a_quantized_input_on_cuda_and_an_expanded_weight_on_cpu() {
+    let plan = |format, device| {
+        let (_, model) = tpinfer_engine::registry::open_as("llama-3-8b", format).expect("preset");
+        Plan::new(&*model, 1, DType::BF16, Placement::llm(2048, 1), device).expect("plan")
+    };
+    let extra = |device: fn() -> DeviceProfile| {
+        let (fp8, bf16) = (
+            plan(WeightFormat::Fp8, device()),
+            plan(WeightFormat::AsStored, device()),
+        );
+        (
+            fp8.tokens_per_forward,
+            fp8.ranks[0].activations - bf16.ranks[0].activations,
+        )
+    };
+    let (chunk, cuda) = extra(DeviceProfile::cuda);
+    assert_eq!(cuda, chunk as u64 * (14_336 + 4), "CUDA: {chunk} rows");
+    let (_, cpu) = extra(DeviceProfile::cpu);
+    assert_eq!(
+        cpu,
+        (2 * 14_336 * 4096 * 2 * 2) as u64,
+        "CPU: the gate/up expanded, E4M3 to bf16 and the product"
+    );
+}

@@ -18,9 +18,9 @@ pub enum Fp8Path {
     Expanded,
 }
 
-/// The path of `x · wᵀ` for a weight of `k` columns and `n` rows on `device` in `dtype`:
-/// FP8 kernels on CUDA from compute capability 8.9, in f32, bf16 or f16, with `k` and `n` multiples
-/// of 16 (cuBLASLt's FP8 GEMM needs 16-byte aligned rows of every operand).
+/// The path of `x · wᵀ` for a weight of `k` columns and `n` rows on `device` in `dtype`: FP8
+/// kernels on CUDA from compute capability 8.9, in f32, bf16 or f16, with `k` and `n`
+/// multiples of 16 (cuBLASLt's FP8 GEMM needs 16-byte aligned rows of every operand).
 pub fn fp8_path(device: &Device, dtype: DType, n: usize, k: usize) -> Fp8Path {
     let shapes = matches!(dtype, DType::F32 | DType::BF16 | DType::F16) && k.is_multiple_of(16) && n.is_multiple_of(16);
     let tensor_cores = match device {
@@ -107,15 +107,18 @@ mod cuda {
 
     /// Weight rows per CTA of the FP8 GEMV (GEMV_ROWS in cuda/fp8.cu).
     const GEMV_ROWS: usize = 4;
-    /// cuBLASLt's workspace for the FP8 GEMMs, per stream: the split-K kernels it allows are
-    /// enough for these shapes, and the plan counts it with cuBLAS's.
+    /// cuBLASLt's workspace for the FP8 GEMMs, per stream, from the pool: 4 MiB of the 32 a
+    /// Hopper handle keeps for bf16 GEMMs (the 8B plan held within 1% with it).
     const WORKSPACE_BYTES: usize = 4 << 20;
     /// E4M3 in cuBLASLt's enum (cudaDataType CUDA_R_8F_E4M3).
     const E4M3: sys::cudaDataType = sys::cudaDataType::CUDA_R_8F_E4M3;
 
+    /// A stream and the FP8 GEMMs' workspace on it.
+    type Workspace = (Arc<CudaStream>, Arc<CudaSlice<u8>>);
+
     thread_local! {
         /// The FP8 GEMMs' workspace for each stream this thread launches on.
-        static WORKSPACES: RefCell<Vec<(Arc<CudaStream>, Arc<CudaSlice<u8>>)>> = const { RefCell::new(Vec::new()) };
+        static WORKSPACES: RefCell<Vec<Workspace>> = const { RefCell::new(Vec::new()) };
     }
 
     pub(super) fn has_fp8_tensor_cores(dev: &CudaDevice) -> bool {
@@ -158,7 +161,10 @@ mod cuda {
         let a = addresses(&[x, &q, &s])?;
         let k = k as i32;
         let mut b = func.builder();
-        b.arg(&a[0]).arg(&a[1]).arg(&a[2]).arg(&k);
+        for address in &a {
+            b.arg(address);
+        }
+        b.arg(&k);
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
@@ -179,7 +185,10 @@ mod cuda {
         let a = addresses(&[&values, &scales, &out])?;
         let (elements, k32) = ((n * k) as i64, k as i32);
         let mut b = func.builder();
-        b.arg(&a[0]).arg(&a[1]).arg(&a[2]).arg(&elements).arg(&k32);
+        for address in &a {
+            b.arg(address);
+        }
+        b.arg(&elements).arg(&k32);
         // SAFETY: values holds n · k bytes and scales n floats, contiguous; out is fresh, n · k
         // elements of `dtype`.
         unsafe { b.launch(elementwise(n * k)) }.w()?;
