@@ -12,8 +12,8 @@ use crate::Result;
 /// A linear layer's weight and bias as a rank holds them: dense, where the fused kernels of
 /// `tpinfer_kernels` apply; in GGML blocks, multiplied by candle's quantized matmul (MMVQ
 /// for a few rows, MMQ for more on CUDA) with the bias added after; or FP8 E4M3 with row
-/// scales, through `tpinfer_kernels::fp8_linear` (W8A8 on FP8 tensor cores, expanded for each
-/// product elsewhere).
+/// scales, through `tpinfer_kernels::fp8_linear` (FP8 kernels on GPUs with FP8 tensor cores,
+/// the weight expanded for each product elsewhere).
 enum Product {
     Dense(Linear),
     Quantized {
