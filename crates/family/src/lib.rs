@@ -12,6 +12,8 @@
 //!
 //! Families know nothing of engines: the engines call the loaded ranks' forwards.
 
+mod config;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -19,6 +21,8 @@ use candle_core::{DType, Device};
 use tpinfer_comm::Communicator;
 use tpinfer_plan::{Placement, PlanError, RankShard, ShardedModel};
 use tpinfer_weights::{LoadProgress, WeightFormat};
+
+pub use config::{parse_config, read_config, ConfigError};
 
 /// A model family: its configs, its split over ranks and its rank model.
 pub trait Family: ShardedModel + Sized + 'static {

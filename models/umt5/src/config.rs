@@ -1,6 +1,7 @@
 use std::path::Path;
 
 use serde_json::Value;
+use tpinfer_family::ConfigError;
 
 /// The shape of a umT5 encoder, in the terms of transformers' `UMT5Config`.
 #[derive(Debug, Clone, PartialEq)]
@@ -17,47 +18,21 @@ pub struct Umt5Config {
     pub layer_norm_epsilon: f64,
 }
 
-/// Why a umT5 config could not be read. The message names the file and field.
-#[derive(Debug, thiserror::Error)]
-pub enum Umt5ConfigError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path} is not a UMT5 config: {source}")]
-    Parse {
-        path: String,
-        #[source]
-        source: serde_json::Error,
-    },
-    #[error("{path}: {detail}")]
-    Field { path: String, detail: String },
-}
-
 impl Umt5Config {
     /// Reads a text encoder directory's `config.json`.
-    pub fn from_dir(dir: &Path) -> Result<Self, Umt5ConfigError> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| Umt5ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        Self::from_json(&text, &path.display().to_string())
+    pub fn from_dir(dir: &Path) -> Result<Self, ConfigError> {
+        let (text, origin) = tpinfer_family::read_config(dir)?;
+        Self::from_json(&text, &origin)
     }
 
     /// Parses a `UMT5Config`; `origin` names it in errors.
-    pub fn from_json(text: &str, origin: &str) -> Result<Self, Umt5ConfigError> {
-        let v: Value = serde_json::from_str(text).map_err(|source| Umt5ConfigError::Parse {
-            path: origin.to_string(),
-            source,
-        })?;
-        let field = |detail: String| Umt5ConfigError::Field {
+    pub fn from_json(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let v: Value = tpinfer_family::parse_config(text, origin, "a UMT5 config")?;
+        let field = |detail: String| ConfigError::Field {
             path: origin.to_string(),
             detail,
         };
-        let int = |key: &str, default: Option<usize>| -> Result<usize, Umt5ConfigError> {
+        let int = |key: &str, default: Option<usize>| -> Result<usize, ConfigError> {
             match (v.get(key).and_then(Value::as_u64), default) {
                 (Some(n), _) if n > 0 => Ok(n as usize),
                 (Some(n), _) => Err(field(format!("`{key}` is {n}; it must be at least 1"))),

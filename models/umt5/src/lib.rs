@@ -13,7 +13,7 @@ mod model;
 mod position;
 mod shard;
 
-pub use config::{Umt5Config, Umt5ConfigError};
+pub use config::Umt5Config;
 pub use family::{Umt5Model, Umt5RankShard, TEXT_TOKENS};
 pub use model::Umt5Rank;
 pub use shard::Umt5Shard;

@@ -1,6 +1,7 @@
 use std::path::Path;
 
 use serde_json::Value;
+use tpinfer_family::ConfigError;
 
 /// The shape of a Wan video VAE, in the terms of diffusers' `AutoencoderKLWan` config.
 #[derive(Debug, Clone, PartialEq)]
@@ -20,25 +21,6 @@ pub struct WanVaeConfig {
     pub out_channels: usize,
 }
 
-/// Why a VAE config could not be read. The message names the file and field.
-#[derive(Debug, thiserror::Error)]
-pub enum WanVaeConfigError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path} is not an AutoencoderKLWan config: {source}")]
-    Parse {
-        path: String,
-        #[source]
-        source: serde_json::Error,
-    },
-    #[error("{path}: {detail}")]
-    Field { path: String, detail: String },
-}
-
 /// Bounds no published VAE comes near, so that no loop runs away and no product wraps.
 const MAX_WIDTH: usize = 1 << 14;
 const MAX_LEVELS: usize = 8;
@@ -46,28 +28,21 @@ const MAX_RES_BLOCKS: usize = 64;
 
 impl WanVaeConfig {
     /// Reads a VAE directory's `config.json`.
-    pub fn from_dir(dir: &Path) -> Result<Self, WanVaeConfigError> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| WanVaeConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        Self::from_json(&text, &path.display().to_string())
+    pub fn from_dir(dir: &Path) -> Result<Self, ConfigError> {
+        let (text, origin) = tpinfer_family::read_config(dir)?;
+        Self::from_json(&text, &origin)
     }
 
     /// Parses an `AutoencoderKLWan` config; `origin` names it in errors. Absent fields take
     /// diffusers' defaults, which are Wan2.1's VAE; a field of the wrong type is an error.
-    pub fn from_json(text: &str, origin: &str) -> Result<Self, WanVaeConfigError> {
-        let v: Value = serde_json::from_str(text).map_err(|source| WanVaeConfigError::Parse {
-            path: origin.to_string(),
-            source,
-        })?;
-        let field = |detail: String| WanVaeConfigError::Field {
+    pub fn from_json(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let v: Value = tpinfer_family::parse_config(text, origin, "an AutoencoderKLWan config")?;
+        let field = |detail: String| ConfigError::Field {
             path: origin.to_string(),
             detail,
         };
         let present = |key: &str| v.get(key).filter(|x| !x.is_null());
-        let int = |key: &str, default: usize, limit: usize| -> Result<usize, WanVaeConfigError> {
+        let int = |key: &str, default: usize, limit: usize| -> Result<usize, ConfigError> {
             match present(key) {
                 None => Ok(default),
                 Some(x) => match x.as_u64() {
@@ -78,7 +53,7 @@ impl WanVaeConfig {
                 },
             }
         };
-        let list = |key: &str| -> Result<Option<&Vec<Value>>, WanVaeConfigError> {
+        let list = |key: &str| -> Result<Option<&Vec<Value>>, ConfigError> {
             match present(key) {
                 None => Ok(None),
                 Some(Value::Array(items)) => Ok(Some(items)),
@@ -134,7 +109,7 @@ impl WanVaeConfig {
                 dim_mult.len() - 1
             )));
         }
-        let per_channel = |key: &str, default: &[f32], positive: bool| -> Result<Vec<f32>, WanVaeConfigError> {
+        let per_channel = |key: &str, default: &[f32], positive: bool| -> Result<Vec<f32>, ConfigError> {
             let values = match list(key)? {
                 None if z_dim == 16 => return Ok(default.to_vec()),
                 None => {

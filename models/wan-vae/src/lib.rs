@@ -22,7 +22,7 @@ mod rank;
 pub mod rows;
 mod shard;
 
-pub use config::{WanVaeConfig, WanVaeConfigError};
+pub use config::WanVaeConfig;
 pub use decoder::is_encoder_tensor;
 pub use family::WanVaeModel;
 pub use rank::WanVaeRank;

@@ -3,7 +3,8 @@ use std::sync::Arc;
 
 use tpinfer_weights::{LoraAdapter, LoraStore, RenamedStore, SafetensorsStore, WeightError, WeightStore};
 
-use crate::{original_names, WanConfig, WanConfigError};
+use crate::{original_names, WanConfig};
+use tpinfer_family::ConfigError;
 
 /// A Wan DiT directory opened for sharded loading: its config and tensor headers, seen
 /// through diffusers' names whichever naming it was saved in.
@@ -18,7 +19,7 @@ pub struct WanCheckpoint {
 #[derive(Debug, thiserror::Error)]
 pub enum WanCheckpointError {
     #[error(transparent)]
-    Config(#[from] WanConfigError),
+    Config(#[from] ConfigError),
     #[error(transparent)]
     Weights(#[from] WeightError),
 }

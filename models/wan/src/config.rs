@@ -1,6 +1,7 @@
 use std::path::Path;
 
 use serde_json::Value;
+use tpinfer_family::ConfigError;
 
 /// The shape of a Wan DiT, in the terms of diffusers' `WanTransformer3DModel` config.
 #[derive(Debug, Clone, PartialEq)]
@@ -38,50 +39,24 @@ pub struct S2vModules {
     pub cond_dim: usize,
 }
 
-/// Why a Wan config could not be read.
-#[derive(Debug, thiserror::Error)]
-pub enum WanConfigError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path} is not a WanTransformer3DModel config: {source}")]
-    Parse {
-        path: String,
-        #[source]
-        source: serde_json::Error,
-    },
-    #[error("{path}: {detail}")]
-    Field { path: String, detail: String },
-}
-
 impl WanConfig {
     /// Reads a model directory's `config.json`: diffusers' `WanTransformer3DModel` form, or the
     /// original Wan code's (`dim`, `num_heads`, `in_dim`, …). Text-to-video only.
-    pub fn from_dir(dir: &Path) -> Result<Self, WanConfigError> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| WanConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        Self::from_json(&text, &path.display().to_string())
+    pub fn from_dir(dir: &Path) -> Result<Self, ConfigError> {
+        let (text, origin) = tpinfer_family::read_config(dir)?;
+        Self::from_json(&text, &origin)
     }
 
     /// Parses either config form; `origin` names it in errors.
-    pub fn from_json(text: &str, origin: &str) -> Result<Self, WanConfigError> {
-        let v: Value = serde_json::from_str(text).map_err(|source| WanConfigError::Parse {
-            path: origin.to_string(),
-            source,
-        })?;
-        let field = |detail: String| WanConfigError::Field {
+    pub fn from_json(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let v: Value = tpinfer_family::parse_config(text, origin, "a WanTransformer3DModel config")?;
+        let field = |detail: String| ConfigError::Field {
             path: origin.to_string(),
             detail,
         };
         // A field that is there must be a positive integer: a wrong type never falls back to
         // the default.
-        let int = |keys: &[&str], default: Option<usize>| -> Result<usize, WanConfigError> {
+        let int = |keys: &[&str], default: Option<usize>| -> Result<usize, ConfigError> {
             match keys.iter().find_map(|k| v.get(*k).map(|value| (*k, value))) {
                 Some((key, value)) => match value.as_u64() {
                     Some(n) if n > 0 => Ok(n as usize),
@@ -286,16 +261,16 @@ impl WanConfig {
 
 /// A config field read as a positive integer: the first of its names present, else the
 /// default, else an error naming it.
-type PositiveField<'a> = dyn Fn(&[&str], Option<usize>) -> Result<usize, WanConfigError> + 'a;
+type PositiveField<'a> = dyn Fn(&[&str], Option<usize>) -> Result<usize, ConfigError> + 'a;
 
 /// S2V's modules from the original config of `WanModel_S2V` (`wan_s2v_14B.py`): the forms of
 /// them the published model uses, the others refused by name.
 fn s2v_modules(
     v: &Value,
     layers: usize,
-    field: &dyn Fn(String) -> WanConfigError,
+    field: &dyn Fn(String) -> ConfigError,
     int: &PositiveField,
-) -> Result<S2vModules, WanConfigError> {
+) -> Result<S2vModules, ConfigError> {
     for (key, wanted, what) in [
         ("enable_adain", true, "AdaIN of the audio injections"),
         ("enable_framepack", true, "the frame-pack motion encoder"),
@@ -373,7 +348,7 @@ const S2V_FRAME_PACK: [usize; 3] = [1, 2, 16];
 mod tests {
     use super::*;
 
-    fn config(extra: &str) -> Result<WanConfig, WanConfigError> {
+    fn config(extra: &str) -> Result<WanConfig, ConfigError> {
         let text = format!(
             r#"{{"num_attention_heads": 12, "attention_head_dim": 128, "ffn_dim": 8960, "num_layers": 30{extra}}}"#
         );

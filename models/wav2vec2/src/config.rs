@@ -1,6 +1,7 @@
 use std::path::Path;
 
 use serde_json::Value;
+use tpinfer_family::ConfigError;
 
 /// The most samples one encoder frame may span (17 minutes at 16 kHz).
 const MAX_RECEPTIVE_FIELD: usize = 1 << 24;
@@ -31,43 +32,17 @@ pub struct Wav2Vec2Config {
     pub layer_norm_eps: f64,
 }
 
-/// Why a wav2vec2 config could not be read. The message names the file and field.
-#[derive(Debug, thiserror::Error)]
-pub enum Wav2Vec2ConfigError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path} is not a wav2vec2 config: {source}")]
-    Parse {
-        path: String,
-        #[source]
-        source: serde_json::Error,
-    },
-    #[error("{path}: {detail}")]
-    Field { path: String, detail: String },
-}
-
 impl Wav2Vec2Config {
     /// Reads a speech encoder directory's `config.json`.
-    pub fn from_dir(dir: &Path) -> Result<Self, Wav2Vec2ConfigError> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| Wav2Vec2ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        Self::from_json(&text, &path.display().to_string())
+    pub fn from_dir(dir: &Path) -> Result<Self, ConfigError> {
+        let (text, origin) = tpinfer_family::read_config(dir)?;
+        Self::from_json(&text, &origin)
     }
 
     /// Parses a `Wav2Vec2Config`; `origin` names it in errors.
-    pub fn from_json(text: &str, origin: &str) -> Result<Self, Wav2Vec2ConfigError> {
-        let v: Value = serde_json::from_str(text).map_err(|source| Wav2Vec2ConfigError::Parse {
-            path: origin.to_string(),
-            source,
-        })?;
-        let field = |detail: String| Wav2Vec2ConfigError::Field {
+    pub fn from_json(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let v: Value = tpinfer_family::parse_config(text, origin, "a wav2vec2 config")?;
+        let field = |detail: String| ConfigError::Field {
             path: origin.to_string(),
             detail,
         };
@@ -75,7 +50,7 @@ impl Wav2Vec2Config {
             0 => Err(field(format!("`{key}` holds 0; it must be at least 1"))),
             n => Ok(n as usize),
         };
-        let int = |key: &str, default: Option<usize>| -> Result<usize, Wav2Vec2ConfigError> {
+        let int = |key: &str, default: Option<usize>| -> Result<usize, ConfigError> {
             match (v.get(key).map(Value::as_u64), default) {
                 (Some(Some(n)), _) => positive(key, n),
                 (Some(None), _) => Err(field(format!("`{key}` is not a whole number"))),
@@ -83,7 +58,7 @@ impl Wav2Vec2Config {
                 (None, None) => Err(field(format!("missing `{key}`"))),
             }
         };
-        let list = |key: &str| -> Result<Vec<usize>, Wav2Vec2ConfigError> {
+        let list = |key: &str| -> Result<Vec<usize>, ConfigError> {
             let items = v
                 .get(key)
                 .and_then(Value::as_array)

@@ -15,7 +15,7 @@ pub mod memory;
 mod model;
 mod shard;
 
-pub use config::{ConvLayer, Wav2Vec2Config, Wav2Vec2ConfigError};
+pub use config::{ConvLayer, Wav2Vec2Config};
 pub use family::{Wav2Vec2Model, Wav2Vec2RankShard, PLANNED_SECONDS};
 pub use frames::{per_video_frame, VideoFrameFeatures, STATES_PER_SECOND};
 pub use model::{Wav2Vec2Rank, FEATURE_CHUNK_FRAMES};
