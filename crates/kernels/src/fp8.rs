@@ -95,6 +95,7 @@ pub fn expand(values: &Tensor, scales: &Tensor, dtype: DType) -> Result<Tensor> 
 #[cfg(feature = "cuda")]
 mod cuda {
     use std::cell::RefCell;
+    use std::collections::HashMap;
     use std::ffi::c_void;
     use std::sync::Arc;
 
@@ -116,9 +117,17 @@ mod cuda {
     /// A stream and the FP8 GEMMs' workspace on it.
     type Workspace = (Arc<CudaStream>, Arc<CudaSlice<u8>>);
 
+    /// An FP8 GEMM's rows, output and input widths, output dtype and epilogue.
+    type GemmShape = (usize, usize, usize, DType, u32);
+
     thread_local! {
         /// The FP8 GEMMs' workspace for each stream this thread launches on.
         static WORKSPACES: RefCell<Vec<Workspace>> = const { RefCell::new(Vec::new()) };
+        /// cuBLASLt's algorithm for each FP8 GEMM shape this rank's thread has run: the
+        /// heuristic query is host work that every prefill product and batched step would
+        /// otherwise repeat (a rank's thread drives one device).
+        static ALGOS: RefCell<HashMap<GemmShape, sys::cublasLtMatmulHeuristicResult_t>> =
+            RefCell::new(HashMap::new());
     }
 
     pub(super) fn has_fp8_tensor_cores(dev: &CudaDevice) -> bool {
@@ -295,6 +304,34 @@ mod cuda {
         .map_err(cublas_error("descriptor"))
     }
 
+    /// cuBLASLt's algorithm for descriptor `d` on layouts A, B and C (= D), within the
+    /// workspace.
+    fn choose_algorithm(
+        handle: sys::cublasLtHandle_t,
+        d: sys::cublasLtMatmulDesc_t,
+        [a, b, c]: [sys::cublasLtMatrixLayout_t; 3],
+    ) -> Result<sys::cublasLtMatmulHeuristicResult_t> {
+        let pref = result::create_matmul_pref().map_err(cublas_error("preference"))?;
+        let pref = Owned {
+            handle: pref,
+            destroy: result::destroy_matmul_pref,
+        };
+        let bytes = WORKSPACE_BYTES as u64;
+        // SAFETY: the attribute is a u64 read for its size.
+        unsafe {
+            result::set_matmul_pref_attribute(
+                pref.handle,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &bytes as *const u64 as *const c_void,
+                std::mem::size_of::<u64>(),
+            )
+        }
+        .map_err(cublas_error("preference"))?;
+        // SAFETY: the descriptors are live; cuBLASLt reads them only.
+        unsafe { result::get_matmul_algo_heuristic(handle, d, a, b, c, c, pref.handle) }
+            .map_err(cublas_error("no algorithm for these shapes"))
+    }
+
     /// yᵀ `[n, rows]` = (s_w ⊙ q_w) `[k, n]`ᵀ · (s_x ⊙ q_x)ᵀ `[k, rows]` in cuBLASLt's
     /// column-major terms: the weight is A (transposed), the activations B, and their scale
     /// vectors are A's (one per output feature) and B's (one per token), applied inside the
@@ -354,28 +391,16 @@ mod cuda {
         }
 
         let (a, b, c) = (layout(E4M3, k, n)?, layout(E4M3, k, rows)?, layout(out, n, rows)?);
-        let pref = result::create_matmul_pref().map_err(cublas_error("preference"))?;
-        let pref = Owned {
-            handle: pref,
-            destroy: result::destroy_matmul_pref,
-        };
-        let bytes = WORKSPACE_BYTES as u64;
-        // SAFETY: the attribute is a u64 read for its size.
-        unsafe {
-            result::set_matmul_pref_attribute(
-                pref.handle,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &bytes as *const u64 as *const c_void,
-                std::mem::size_of::<u64>(),
-            )
-        }
-        .map_err(cublas_error("preference"))?;
         let handle = *lt.handle();
-        // SAFETY: the descriptors are live; cuBLASLt reads them only.
-        let heuristic = unsafe {
-            result::get_matmul_algo_heuristic(handle, d, a.handle, b.handle, c.handle, c.handle, pref.handle)
-        }
-        .map_err(cublas_error("no algorithm for these shapes"))?;
+        let shape = (rows, n, k, dtype, epilogue as u32);
+        let heuristic = match ALGOS.with_borrow(|algos| algos.get(&shape).copied()) {
+            Some(chosen) => chosen,
+            None => {
+                let chosen = choose_algorithm(handle, d, [a.handle, b.handle, c.handle])?;
+                ALGOS.with_borrow_mut(|algos| algos.insert(shape, chosen));
+                chosen
+            }
+        };
         let (alpha, beta) = (1f32, 0f32);
         let (space_address, _guard) = space.device_ptr(&stream);
         // SAFETY: the weight holds n rows of k E4M3 bytes, the activations rows rows of k, the
