@@ -3,7 +3,9 @@
 //! the causal audio encoder of one clip's wav2vec2 features, and two audio injections after a
 //! block, at TP 1 against the reference and at every width to 4 (3 splits the heads
 //! unevenly) against TP 1. A checkpoint in the official layout (the original config of
-//! `WanModel_S2V`, original tensor names): its plan, its refusals.
+//! `WanModel_S2V`, original tensor names): its plan, its refusals. One whole S2V DiT forward
+//! against the wheel's `WanModel_S2V` (`tests/fixtures/s2v-dit`, written by
+//! `scripts/reference/reference_s2v_dit.py`), with the motion frames and without, at TP 1–4.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -13,8 +15,8 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::{Communicator, ThreadGroup};
 use tpinfer_tests::tensor_rel_error;
-use tpinfer_wan::{AudioEmbedding, S2vAudio, S2vModules, WanConfig, WanShard};
-use tpinfer_weights::{SafetensorsStore, ShardLoader};
+use tpinfer_wan::{AudioEmbedding, S2vAudio, S2vCondition, S2vModules, WanCheckpoint, WanConfig, WanRank, WanShard};
+use tpinfer_weights::{SafetensorsStore, ShardLoader, WeightFormat};
 
 const MOTION_FRAMES: usize = 73;
 const LATENT_MOTION_FRAMES: usize = 19;
@@ -67,11 +69,12 @@ fn run(tp: usize) -> Vec<(AudioEmbedding, Vec<Tensor>)> {
                 let emb = audio
                     .encode(&features, MOTION_FRAMES, LATENT_MOTION_FRAMES, &Device::Cpu)
                     .expect("encode");
+                let video = hidden.narrow(0, 0, VIDEO_TOKENS).expect("video");
                 let injected = (0..2)
                     .map(|i| {
-                        audio
-                            .inject(i, &hidden, VIDEO_TOKENS, &emb, &c, comm.as_ref())
-                            .expect("inject")
+                        let residual = audio.injection(i, &video, &emb, &c, comm.as_ref()).expect("inject");
+                        let rest = hidden.narrow(0, VIDEO_TOKENS, hidden.dim(0).expect("rows") - VIDEO_TOKENS);
+                        Tensor::cat(&[(&video + residual).expect("add"), rest.expect("rest")], 0).expect("cat")
                     })
                     .collect();
                 (emb, injected)
@@ -95,12 +98,6 @@ fn tp_1_matches_the_wan22_modules_and_every_width_matches_tp_1() {
         let expected = &r[&format!("injected_{i}")];
         let rel = tensor_rel_error(got, expected);
         assert!(rel < 1e-5, "injection {i} against wan22: {rel:e}");
-        // The reference and motion tokens after the clip's are left alone.
-        let rest = got.narrow(0, VIDEO_TOKENS, 10).expect("rest");
-        assert_eq!(
-            tensor_rel_error(&rest, &r["hidden"].narrow(0, VIDEO_TOKENS, 10).expect("rest")),
-            0.0
-        );
         // The injection changes the video tokens: the test above compares something.
         let video = |t: &Tensor| t.narrow(0, 0, VIDEO_TOKENS).expect("video");
         assert!(tensor_rel_error(&video(got), &video(&r["hidden"])) > 1e-2);
@@ -145,14 +142,95 @@ fn bad_inputs_are_refused_by_name() {
     let emb = audio
         .encode(features, MOTION_FRAMES, LATENT_MOTION_FRAMES, &Device::Cpu)
         .expect("encode");
+    let video = r["hidden"].narrow(0, 0, VIDEO_TOKENS).expect("video");
     let err = audio
-        .inject(0, &r["hidden"], 121, &emb, &c, comm.as_ref())
+        .injection(0, &r["hidden"].narrow(0, 0, 121).expect("121"), &emb, &c, comm.as_ref())
         .expect_err("121 tokens over 20 frames");
     assert!(err.to_string().contains("20 latent frames"), "{err}");
     let err = audio
-        .inject(2, &r["hidden"], VIDEO_TOKENS, &emb, &c, comm.as_ref())
+        .injection(2, &video, &emb, &c, comm.as_ref())
         .expect_err("no third injection");
     assert!(err.to_string().contains("injection 2 of 2"), "{err}");
+}
+
+fn dit_fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/s2v-dit")
+}
+
+fn dit_tensors(file: &str) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(dit_fixture().join(file), &Device::Cpu).expect(file)
+}
+
+/// Every rank's S2V velocity for the fixture's clip with its motion frames and without them
+/// (the first clip), on `tp` CPU ranks.
+fn run_dit(tp: usize) -> Vec<[Tensor; 2]> {
+    let checkpoint = WanCheckpoint::open(&dit_fixture().join("model")).expect("open");
+    let inputs = dit_tensors("inputs.safetensors");
+    let timestep = inputs["timestep"].to_vec1::<f32>().expect("timestep")[0] as f64;
+    let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (checkpoint, inputs) = (&checkpoint, &inputs);
+                s.spawn(move || {
+                    let comm: Arc<dyn Communicator> = Arc::new(comm);
+                    let config = &checkpoint.config;
+                    let shard = WanShard::new(config, tp, comm.rank()).expect("shard");
+                    let store = &*checkpoint.store;
+                    let rank = WanRank::load(
+                        config,
+                        store,
+                        shard,
+                        WeightFormat::AsStored,
+                        comm,
+                        DType::F32,
+                        &Device::Cpu,
+                    )
+                    .expect("load");
+                    let context = rank.embed_text(&inputs["text"]).expect("text");
+                    let audio = rank.encode_s2v_audio(&inputs["audio"]).expect("audio");
+                    let noisy = &inputs["noisy"];
+                    [Some(inputs["motion"].clone()), None].map(|motion| {
+                        let condition = S2vCondition {
+                            reference: inputs["reference"].clone(),
+                            motion,
+                            pose: inputs["pose"].clone(),
+                            audio: audio.clone(),
+                        };
+                        let clip = rank.prepare_s2v(noisy.dims(), &condition).expect("prepare");
+                        rank.forward_s2v(noisy, timestep, &context, &clip).expect("forward")
+                    })
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank")).collect()
+    })
+}
+
+/// The whole S2V forward (pose, reference and frame-packed motion tokens at timestep 0, their
+/// RoPE positions, the audio injections) against the wan22 wheel's model in f32; then every
+/// width, with sequence parallelism splitting the video and the condition tokens across
+/// ranks, against TP 1.
+#[test]
+fn an_s2v_dit_forward_matches_the_wan22_model_at_every_width() {
+    let reference = dit_tensors("reference.safetensors");
+    let one = run_dit(1).remove(0);
+    for (got, case) in one.iter().zip(["with_motion", "first_clip"]) {
+        assert_eq!(got.dims(), reference[case].dims(), "{case}");
+        let rel = tensor_rel_error(got, &reference[case]);
+        assert!(rel < 1e-5, "{case} against wan22: {rel:e}");
+    }
+    // The motion frames move the velocity: the comparison above reaches the frame packer.
+    assert!(tensor_rel_error(&reference["with_motion"], &reference["first_clip"]) > 1e-2);
+    for tp in 2..=4 {
+        for (rank, outs) in run_dit(tp).iter().enumerate() {
+            for (case, (got, want)) in ["with_motion", "first_clip"].iter().zip(outs.iter().zip(&one)) {
+                let rel = tensor_rel_error(got, want);
+                assert!(rel < 1e-5, "TP {tp} rank {rank} {case} against TP 1: {rel:e}");
+            }
+        }
+    }
 }
 
 /// A tiny S2V checkpoint as the official one is laid out: `config.json` in the original

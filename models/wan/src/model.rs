@@ -3,12 +3,16 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_kernels::{layer_norm, residual_sum, row_sum_squares, scale_rows_cols};
-use tpinfer_layers::{full_attention, ColumnParallelLinear, MergedColumnParallelLinear, Result, RowParallelLinear};
+use tpinfer_layers::{
+    full_attention, ColumnParallelLinear, Error, MergedColumnParallelLinear, Result, RowParallelLinear,
+};
 use tpinfer_weights::{ShardLoader, TensorInfo, WeightDecl, WeightFormat, WeightStore};
 
 use crate::memory::SCORE_BUFFER_BYTES;
 use crate::profile::StageTimes;
-use crate::{WanConfig, WanShard};
+use crate::s2v::{S2vClip, S2vCondition, S2vEmbedders};
+use crate::s2v_audio::AudioEmbedding;
+use crate::{WanConfig, WanShard, S2V_MOTION_FRAMES};
 
 /// One rank's part of a Wan DiT: its heads of every attention and its FFN columns; the
 /// embeddings, modulation tables and head replicated.
@@ -16,8 +20,7 @@ pub struct WanRank {
     config: WanConfig,
     shard: WanShard,
     dtype: DType,
-    patch: Tensor,
-    patch_bias: Tensor,
+    patch: PatchLinear,
     time_1: Linear,
     time_2: Linear,
     time_proj: Linear,
@@ -27,6 +30,8 @@ pub struct WanRank {
     /// The head's `[2, dim]` shift/scale table, f32.
     head_table: Tensor,
     proj_out: Linear,
+    /// S2V's audio modules, frame packer, condition encoder and token marks.
+    s2v: Option<S2vEmbedders>,
     comm: Arc<dyn Communicator>,
     bytes_loaded: usize,
 }
@@ -44,6 +49,60 @@ impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(candle_core::Module::forward(&self.0, x)?)
     }
+}
+
+/// A 3-D convolution whose stride is its kernel: a linear map of patches.
+pub(crate) struct PatchLinear {
+    /// `[dim, channels · kt · kh · kw]`.
+    weight: Tensor,
+    bias: Tensor,
+    kernel: [usize; 3],
+}
+
+impl PatchLinear {
+    pub(crate) fn load(w: &mut ShardLoader, prefix: &str, kernel: [usize; 3]) -> Result<Self> {
+        let weight = w.take(&format!("{prefix}.weight"))?;
+        let dim = weight.dim(0)?;
+        Ok(Self {
+            weight: weight.reshape((dim, ()))?,
+            bias: w.take(&format!("{prefix}.bias"))?,
+            kernel,
+        })
+    }
+
+    /// Patches from [`patches`] to `[patches, dim]`.
+    fn project(&self, patches: &Tensor) -> Result<Tensor> {
+        Ok(match tpinfer_kernels::fused_linear_covers(patches, &self.weight) {
+            true => tpinfer_kernels::linear_bias(patches, &self.weight, &self.bias, false)?,
+            false => patches.matmul(&self.weight.t()?)?.broadcast_add(&self.bias)?,
+        })
+    }
+
+    /// `latents` `[channels, frames, height, width]` to `[patches, dim]`, with the grid of
+    /// patches.
+    pub(crate) fn forward(&self, latents: &Tensor, dtype: DType) -> Result<(Tensor, (usize, usize, usize))> {
+        let (grid, patches) = patches(latents, self.kernel, dtype)?;
+        Ok((self.project(&patches)?, grid))
+    }
+}
+
+/// `latents` `[channels, frames, height, width]` cut into `kernel`-sized patches, each
+/// flattened as (channel, t, y, x) like a convolution's weight: `[patches, channels · kt ·
+/// kh · kw]` in (frame, row, column) order, with the grid of patches. A remainder short of a
+/// kernel is dropped, as the convolution drops it.
+fn patches(latents: &Tensor, [kt, kh, kw]: [usize; 3], dtype: DType) -> Result<((usize, usize, usize), Tensor)> {
+    let (c, frames, height, width) = latents.dims4()?;
+    let (f, h, w) = (frames / kt, height / kh, width / kw);
+    let cropped = latents
+        .narrow(1, 0, f * kt)?
+        .narrow(2, 0, h * kh)?
+        .narrow(3, 0, w * kw)?;
+    let patches = cropped
+        .to_dtype(dtype)?
+        .reshape(vec![c, f, kt, h, kh, w, kw])?
+        .permute(vec![1, 3, 5, 0, 2, 4, 6])?
+        .reshape((f * h * w, c * kt * kh * kw))?;
+    Ok(((f, h, w), patches))
 }
 
 /// An attention sharded by heads: Q (and K/V, from the same input or the text) column-parallel,
@@ -77,6 +136,9 @@ struct Step<'a> {
     context: &'a Tensor,
     /// The time projection, `[6, dim]` f32.
     time: &'a Tensor,
+    /// S2V: timestep 0's projection, and how many of this rank's rows (the video's, which
+    /// come first) take `time` instead.
+    zero_time: Option<(&'a Tensor, usize)>,
     /// This rank's rows of the residual stream at TP > 1 (sequence parallelism).
     rows: Option<&'a Rows>,
     times: Option<&'a StageTimes>,
@@ -199,9 +261,7 @@ impl WanRank {
         let mut w = ShardLoader::new(store, &decls, dtype, device);
         let d = config.hidden_size();
         let f32 = |t: Tensor| t.to_dtype(DType::F32);
-        let patch = w.take("patch_embedding.weight")?;
-        let patch = patch.reshape((d, patch.elem_count() / d))?;
-        let patch_bias = w.take("patch_embedding.bias")?;
+        let patch = PatchLinear::load(&mut w, "patch_embedding", config.patch_size)?;
         let ce = "condition_embedder";
         let time_1 = Linear::load(&mut w, &format!("{ce}.time_embedder.linear_1"))?;
         let time_2 = Linear::load(&mut w, &format!("{ce}.time_embedder.linear_2"))?;
@@ -238,13 +298,16 @@ impl WanRank {
             .collect::<Result<Vec<_>>>()?;
         let head_table = f32(w.take("scale_shift_table")?)?.reshape((2, d))?;
         let proj_out = Linear::load(&mut w, "proj_out")?;
+        let s2v = match &config.s2v {
+            Some(modules) => Some(S2vEmbedders::load(&mut w, config, modules, &comm)?),
+            None => None,
+        };
         let bytes_loaded = w.bytes_read();
         Ok(Self {
             config: config.clone(),
             shard,
             dtype,
             patch,
-            patch_bias,
             time_1,
             time_2,
             time_proj,
@@ -253,6 +316,7 @@ impl WanRank {
             blocks,
             head_table,
             proj_out,
+            s2v,
             comm,
             bytes_loaded,
         })
@@ -276,7 +340,7 @@ impl WanRank {
     /// with an all-gather each under sequence parallelism) and two all-reduces of per-token
     /// norms.
     pub fn forward(&self, latents: &Tensor, timestep: f64, context: &Tensor) -> Result<Tensor> {
-        self.forward_with(latents, timestep, context, None)
+        self.forward_with(latents, timestep, context, None, None)
     }
 
     /// [`Self::forward`] with the time of each stage recorded in `times` (CUDA events on a GPU):
@@ -288,7 +352,40 @@ impl WanRank {
         context: &Tensor,
         times: &StageTimes,
     ) -> Result<Tensor> {
-        self.forward_with(latents, timestep, context, Some(times))
+        self.forward_with(latents, timestep, context, None, Some(times))
+    }
+
+    /// S2V: one clip's audio embedding from its wav2vec2 features `[frames, states, audio
+    /// dim]` (`tpinfer_wav2vec2::per_video_frame`'s rows of the clip), behind the 73 motion
+    /// frames as S2V runs it. Run once per clip (and once more with zero features for the
+    /// unconditional pass).
+    pub fn encode_s2v_audio(&self, features: &Tensor) -> Result<AudioEmbedding> {
+        self.s2v_embedders()?.audio.encode(
+            features,
+            S2V_MOTION_FRAMES,
+            S2V_MOTION_FRAMES.div_ceil(4),
+            features.device(),
+        )
+    }
+
+    /// S2V: embeds a clip's conditioning for latents of `latent_shape` `[channels, frames,
+    /// height, width]`: once per clip, for all its steps.
+    pub fn prepare_s2v(&self, latent_shape: &[usize], condition: &S2vCondition) -> Result<S2vClip> {
+        self.s2v_embedders()?
+            .prepare(&self.config, &self.patch, latent_shape, condition, self.dtype)
+    }
+
+    /// S2V's velocity for the clip's `latents`: [`Self::forward`]'s, with the clip's pose
+    /// added to the video tokens, its reference and motion tokens after them at timestep 0,
+    /// and its audio injected after the configured blocks.
+    pub fn forward_s2v(&self, latents: &Tensor, timestep: f64, context: &Tensor, clip: &S2vClip) -> Result<Tensor> {
+        self.forward_with(latents, timestep, context, Some(clip), None)
+    }
+
+    fn s2v_embedders(&self) -> Result<&S2vEmbedders> {
+        self.s2v
+            .as_ref()
+            .ok_or_else(|| Error::Shard("this Wan DiT has no speech-to-video modules".into()))
     }
 
     fn forward_with(
@@ -296,6 +393,7 @@ impl WanRank {
         latents: &Tensor,
         timestep: f64,
         context: &Tensor,
+        clip: Option<&S2vClip>,
         times: Option<&StageTimes>,
     ) -> Result<Tensor> {
         let c = &self.config;
@@ -310,47 +408,92 @@ impl WanRank {
             .into());
         }
         let (f, h, w) = (frames / pt, height / ph, width / pw);
+        if let Some(clip) = clip.filter(|clip| clip.grid != (f, h, w)) {
+            return Err(Error::Shard(format!(
+                "S2V: the clip was prepared for {:?} patches; these latents make {:?}",
+                clip.grid,
+                (f, h, w)
+            )));
+        }
         let device = latents.device();
-        let d = c.hidden_size();
+        let video = f * h * w;
+        let tokens = video
+            + match clip {
+                Some(clip) => clip.condition.dim(0)?,
+                None => 0,
+            };
 
-        // Patch embedding: the 3-D convolution with stride = kernel is a linear map of patches.
-        let patches = latents
-            .to_dtype(self.dtype)?
-            .reshape(vec![channels, f, pt, h, ph, w, pw])?
-            .permute(vec![1, 3, 5, 0, 2, 4, 6])?
-            .reshape((f * h * w, channels * pt * ph * pw))?;
+        // This rank's rows of the sequence: the video's patches (the patch embedding, a 3-D
+        // convolution with stride = kernel, is a linear map of them), then S2V's reference
+        // and motion tokens.
         let (world, rank) = (self.comm.world_size(), self.comm.rank());
-        let rows = (world > 1 && f * h * w >= world).then(|| Rows::new(f * h * w, world, rank));
-        let patches = match &rows {
-            Some(r) => patches.narrow(0, r.start, r.len(rank))?.contiguous()?,
-            None => patches,
+        let rows = (world > 1 && tokens >= world).then(|| Rows::new(tokens, world, rank));
+        let (start, len) = rows.as_ref().map_or((0, tokens), |r| (r.start, r.len(rank)));
+        let video_rows = video.min(start + len).saturating_sub(start);
+        let mut parts = Vec::with_capacity(2);
+        if video_rows > 0 {
+            let (_, patches) = patches(latents, c.patch_size, self.dtype)?;
+            let patches = patches.narrow(0, start, video_rows)?.contiguous()?;
+            let x = self.patch.project(&patches)?;
+            parts.push(match clip {
+                Some(clip) => (x + clip.pose.narrow(0, start, video_rows)?)?,
+                None => x,
+            });
+        }
+        if let Some(clip) = clip.filter(|_| len > video_rows) {
+            let first = start.max(video) - video;
+            parts.push(clip.condition.narrow(0, first, len - video_rows)?);
+        }
+        let mut x = match parts.len() {
+            1 => parts.swap_remove(0),
+            _ => Tensor::cat(&parts, 0)?,
         };
-        let mut x = match tpinfer_kernels::fused_linear_covers(&patches, &self.patch) {
-            true => tpinfer_kernels::linear_bias(&patches, &self.patch, &self.patch_bias, false)?,
-            false => patches.matmul(&self.patch.t()?)?.broadcast_add(&self.patch_bias)?,
-        };
-        drop(patches);
+        drop(parts);
 
         let temb = self.time_embedding(timestep, device)?;
-        let time = self
-            .time_proj
-            .forward(&candle_nn::ops::silu(&temb)?)?
-            .to_dtype(DType::F32)?
-            .reshape((6, d))?;
-        let rope = rope_table(c.attention_head_dim, (f, h, w), device)?;
+        let time = self.time_projection(&temb)?;
+        let zero_time = match clip {
+            Some(_) => Some(self.time_projection(&self.time_embedding(0.0, device)?)?),
+            None => None,
+        };
+        let rope = match clip {
+            Some(clip) => clip.rope.clone(),
+            None => rope_grid(c.attention_head_dim, &PositionGrid::counting((f, h, w)), device)?,
+        };
         let step = Step {
             rope: &rope,
             context,
             time: &time,
+            zero_time: zero_time.as_ref().map(|t| (t, video_rows)),
             rows: rows.as_ref(),
             times,
         };
         step.mark("embeddings")?;
-        for block in &self.blocks {
+        for (i, block) in self.blocks.iter().enumerate() {
             x = block.forward(x, &step, c, &*self.comm)?;
+            if let (Some(clip), Some(s2v)) = (clip, &self.s2v) {
+                if let Some(&Some(injection)) = s2v.inject_after.get(i) {
+                    // The injection reads every video token (its queries are sharded by
+                    // heads) and adds to this rank's video rows.
+                    let all = step.gather(x.clone(), &*self.comm)?;
+                    let residual =
+                        s2v.audio
+                            .injection(injection, &all.narrow(0, 0, video)?, &clip.audio, c, &*self.comm)?;
+                    drop(all);
+                    if video_rows > 0 {
+                        let updated = (x.narrow(0, 0, video_rows)? + residual.narrow(0, start, video_rows)?)?;
+                        x = match len > video_rows {
+                            true => Tensor::cat(&[&updated, &x.narrow(0, video_rows, len - video_rows)?], 0)?,
+                            false => updated,
+                        };
+                    }
+                    step.mark("audio injection")?;
+                }
+            }
         }
 
-        // Head: LayerNorm modulated by its own table and the time embedding, then unpatchify.
+        // Head: LayerNorm modulated by its own table and the time embedding, then unpatchify
+        // the video's tokens.
         let temb = temb.to_dtype(DType::F32)?.squeeze(0)?;
         let shift = self.head_table.get(0)?.broadcast_add(&temb)?;
         let scale = self.head_table.get(1)?.broadcast_add(&temb)?;
@@ -359,10 +502,20 @@ impl WanRank {
         step.mark("head")?;
         let out = step.gather(out, &*self.comm)?;
         Ok(out
+            .narrow(0, 0, video)?
             .reshape(vec![f, h, w, pt, ph, pw, c.out_channels])?
             .permute(vec![6, 0, 3, 1, 4, 2, 5])?
             .reshape((c.out_channels, frames, height, width))?
             .to_dtype(DType::F32)?)
+    }
+
+    /// The six modulation rows of a time embedding, `[6, dim]` f32.
+    fn time_projection(&self, temb: &Tensor) -> Result<Tensor> {
+        Ok(self
+            .time_proj
+            .forward(&candle_nn::ops::silu(temb)?)?
+            .to_dtype(DType::F32)?
+            .reshape((6, self.config.hidden_size()))?)
     }
 
     /// The sinusoidal embedding of the timestep (cos then sin halves) through the time MLP:
@@ -394,16 +547,14 @@ impl Block {
     /// so that each version is freed as soon as the next exists (the memory model in
     /// `memory.rs` counts on it).
     fn forward(&self, mut x: Tensor, step: &Step, c: &WanConfig, comm: &dyn Communicator) -> Result<Tensor> {
-        let e = self.table.broadcast_add(step.time)?;
-        let row = |i: usize| e.get(i);
+        let e = Modulation::new(&self.table, step)?;
 
         // Self-attention, gated.
-        let n = modulated_norm(&x, &row(0)?, &row(1)?, c.eps)?;
+        let n = e.norm(&x, 0, 1, c.eps)?;
         step.mark("norms and residuals")?;
-        let gate = row(2)?;
-        x = self.self_attn.forward(n, None, c, comm, step, &mut |parts| {
-            residual_sum(&x, parts, Some(&gate))
-        })?;
+        x = self
+            .self_attn
+            .forward(n, None, c, comm, step, &mut |parts| e.gated_sum(&x, parts, 2))?;
 
         // Cross-attention to the text, plain residual.
         let n = match &self.norm2 {
@@ -418,7 +569,7 @@ impl Block {
             })?;
 
         // FFN (GELU, tanh approximation), gated.
-        let n = modulated_norm(&x, &row(3)?, &row(4)?, c.eps)?;
+        let n = e.norm(&x, 3, 4, c.eps)?;
         step.mark("norms and residuals")?;
         let hidden = self.ffn_up.empty_output(step.tokens(&n)?, &n)?;
         step.gather_each(&n, comm, |part, first| {
@@ -426,13 +577,65 @@ impl Block {
         })?;
         drop(n);
         step.mark("ffn up + gelu")?;
-        let gate = row(5)?;
-        let updated = step.sum(&self.ffn_down, &hidden, &mut |parts| {
-            residual_sum(&x, parts, Some(&gate))
-        })?;
+        let updated = step.sum(&self.ffn_down, &hidden, &mut |parts| e.gated_sum(&x, parts, 5))?;
         drop(hidden);
         step.mark("ffn down + sum")?;
         Ok(updated)
+    }
+}
+
+/// A block's modulation rows (shift, scale, gate; twice) for this rank's rows of the stream:
+/// the timestep's for every row, or under S2V the timestep's for the video's rows, which
+/// come first, and timestep 0's for the reference and motion rows after them.
+struct Modulation {
+    e: Tensor,
+    /// Timestep 0's rows, and the number of rows before them.
+    rest: Option<(Tensor, usize)>,
+}
+
+impl Modulation {
+    fn new(table: &Tensor, step: &Step) -> Result<Self> {
+        Ok(Self {
+            e: table.broadcast_add(step.time)?,
+            rest: match step.zero_time {
+                Some((zero, video)) => Some((table.broadcast_add(zero)?, video)),
+                None => None,
+            },
+        })
+    }
+
+    /// `each` of the runs of `rows` rows that share a table (the table, first row, count),
+    /// joined in order.
+    fn per_run(
+        &self,
+        rows: usize,
+        mut each: impl FnMut(&Tensor, usize, usize) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        match &self.rest {
+            Some((rest, video)) if *video < rows => match *video {
+                0 => each(rest, 0, rows),
+                v => Tensor::cat(&[each(&self.e, 0, v)?, each(rest, v, rows - v)?], 0),
+            },
+            _ => each(&self.e, 0, rows),
+        }
+    }
+
+    /// `norm(x) · (1 + scale) + shift`, with rows `shift` and `scale` of the tables.
+    fn norm(&self, x: &Tensor, shift: usize, scale: usize, eps: f64) -> candle_core::Result<Tensor> {
+        self.per_run(x.dim(0)?, |e, first, n| {
+            modulated_norm(&x.narrow(0, first, n)?, &e.get(shift)?, &e.get(scale)?, eps)
+        })
+    }
+
+    /// `x + gate · Σ parts`, with row `gate` of the tables.
+    fn gated_sum(&self, x: &Tensor, parts: &[Tensor], gate: usize) -> candle_core::Result<Tensor> {
+        self.per_run(x.dim(0)?, |e, first, n| {
+            let parts = parts
+                .iter()
+                .map(|p| p.narrow(0, first, n))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            residual_sum(&x.narrow(0, first, n)?, &parts, Some(&e.get(gate)?))
+        })
     }
 }
 
@@ -523,29 +726,49 @@ pub(crate) fn full_width_rms_norm(
     Ok((q_normed, k))
 }
 
-/// 3-D RoPE for an `f × h × w` grid of patches and heads of `hd` channels: each head's pairs
-/// split into time, height and width parts (`hd − 4⌊hd/6⌋`, `2⌊hd/6⌋`, `2⌊hd/6⌋` channels),
-/// each rotated by its coordinate. `[s, 2, hd/2]` f32, cos then sin per token. The angles'
-/// cos and sin are computed per axis in f64 on the host (as diffusers does) and laid out
-/// over the grid on the device.
-fn rope_table(hd: usize, (f, h, w): (usize, usize, usize), device: &Device) -> Result<Tensor> {
+/// The RoPE positions of a grid of tokens, one list per axis; the tokens run time-major.
+pub(crate) struct PositionGrid {
+    pub(crate) times: Vec<i64>,
+    pub(crate) rows: Vec<i64>,
+    pub(crate) cols: Vec<i64>,
+}
+
+impl PositionGrid {
+    /// Positions `0..f`, `0..h`, `0..w`: a video's grid of patches.
+    pub(crate) fn counting((f, h, w): (usize, usize, usize)) -> Self {
+        let count = |n: usize| (0..n as i64).collect();
+        Self {
+            times: count(f),
+            rows: count(h),
+            cols: count(w),
+        }
+    }
+}
+
+/// 3-D RoPE for a grid of tokens and heads of `hd` channels: each head's pairs split into
+/// time, height and width parts (`hd − 4⌊hd/6⌋`, `2⌊hd/6⌋`, `2⌊hd/6⌋` channels), each rotated
+/// by its coordinate (negative ones backwards). `[tokens, 2, hd/2]` f32, cos then sin per
+/// token. The angles' cos and sin are computed per axis in f64 on the host (as diffusers
+/// and Wan do) and laid out over the grid on the device.
+pub(crate) fn rope_grid(hd: usize, grid: &PositionGrid, device: &Device) -> Result<Tensor> {
     let hw_dim = 2 * (hd / 6);
     let t_dim = hd - 2 * hw_dim;
+    let (f, h, w) = (grid.times.len(), grid.rows.len(), grid.cols.len());
     // `[positions, 2, dim / 2]`: cos and sin of position · 10000^(−2j / dim).
-    let axis = |positions: usize, dim: usize| -> Result<Tensor> {
-        let mut values = Vec::with_capacity(positions * dim);
-        for p in 0..positions {
+    let axis = |positions: &[i64], dim: usize| -> Result<Tensor> {
+        let mut values = Vec::with_capacity(positions.len() * dim);
+        for &p in positions {
             let angles: Vec<f64> = (0..dim / 2)
                 .map(|j| p as f64 / 10_000f64.powf(2.0 * j as f64 / dim as f64))
                 .collect();
             values.extend(angles.iter().map(|a| a.cos() as f32));
             values.extend(angles.iter().map(|a| a.sin() as f32));
         }
-        Ok(Tensor::from_vec(values, (positions, 2, dim / 2), device)?)
+        Ok(Tensor::from_vec(values, (positions.len(), 2, dim / 2), device)?)
     };
-    let time = axis(f, t_dim)?.reshape((f, 1, 1, 2, t_dim / 2))?;
-    let height = axis(h, hw_dim)?.reshape((1, h, 1, 2, hw_dim / 2))?;
-    let width = axis(w, hw_dim)?.reshape((1, 1, w, 2, hw_dim / 2))?;
+    let time = axis(&grid.times, t_dim)?.reshape((f, 1, 1, 2, t_dim / 2))?;
+    let height = axis(&grid.rows, hw_dim)?.reshape((1, h, 1, 2, hw_dim / 2))?;
+    let width = axis(&grid.cols, hw_dim)?.reshape((1, 1, w, 2, hw_dim / 2))?;
     let table = Tensor::cat(
         &[
             time.broadcast_as((f, h, w, 2, t_dim / 2))?,
@@ -559,8 +782,8 @@ fn rope_table(hd: usize, (f, h, w): (usize, usize, usize), device: &Device) -> R
 
 /// LayerNorm modulated per channel, `norm(x) · (1 + scale) + shift`, in f32 as diffusers'
 /// FP32LayerNorm: one fused LayerNorm with weight `1 + scale` and bias `shift`.
-fn modulated_norm(x: &Tensor, shift: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
-    Ok(layer_norm(x, &(scale + 1.0)?, shift, eps)?)
+fn modulated_norm(x: &Tensor, shift: &Tensor, scale: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    layer_norm(x, &(scale + 1.0)?, shift, eps)
 }
 
 #[cfg(test)]
@@ -571,7 +794,7 @@ mod tests {
     #[test]
     fn rope_table_rotates_each_axis_by_its_coordinate() -> Result<()> {
         let (hd, f, h, w) = (12, 3, 4, 5);
-        let table = rope_table(hd, (f, h, w), &Device::Cpu)?;
+        let table = rope_grid(hd, &PositionGrid::counting((f, h, w)), &Device::Cpu)?;
         assert_eq!(table.dims(), [f * h * w, 2, hd / 2]);
         let table = table.flatten_all()?.to_vec1::<f32>()?;
         let (hw_dim, t_dim) = (2 * (hd / 6), hd - 4 * (hd / 6));

@@ -195,36 +195,37 @@ impl AudioInjector {
         })
     }
 
-    /// `hidden` `[tokens, dim]` with the clip's video tokens (frame by frame) first: those
-    /// get the injection added, the rest (reference and motion tokens) are kept as they are.
-    fn forward(
+    /// The injection's residual for the clip's video tokens `video` `[video tokens, dim]`
+    /// (frame by frame): AdaIN of each frame's tokens by its global audio embedding, then
+    /// their cross-attention to its audio tokens.
+    fn residual(
         &self,
-        hidden: &Tensor,
-        video_tokens: usize,
+        video: &Tensor,
         audio: &AudioEmbedding,
         c: &WanConfig,
         comm: &dyn Communicator,
     ) -> Result<Tensor> {
         let (frames, per_frame, dim) = audio.local.dims3()?;
-        if video_tokens == 0 || !video_tokens.is_multiple_of(frames) || video_tokens > hidden.dim(0)? {
+        let video_tokens = video.dim(0)?;
+        if video_tokens == 0 || !video_tokens.is_multiple_of(frames) {
             return Err(Error::Shard(format!(
-                "S2V audio: {video_tokens} video tokens of {} do not split into {frames} latent frames",
-                hidden.dim(0)?
+                "S2V audio: {video_tokens} video tokens do not split into {frames} latent frames"
             )));
         }
         let hw = video_tokens / frames;
-        let video = hidden.narrow(0, 0, video_tokens)?;
-        // AdaIN (`AdaLayerNorm`, chunk_dim 1): shift, then scale, from silu(global).
-        let emb = tpinfer_kernels::linear_bias(&audio.global.silu()?, &self.adain.0, &self.adain.1, false)?;
-        let (shift, scale) = (emb.narrow(1, 0, dim)?, emb.narrow(1, dim, dim)?);
-        let normed = plain_layer_norm(&video, ADAIN_NORM_EPS)?.reshape((frames, hw, dim))?;
-        let modulated = normed
-            .broadcast_mul(&(scale + 1.0)?.unsqueeze(1)?)?
-            .broadcast_add(&shift.unsqueeze(1)?)?
-            .reshape((video_tokens, dim))?;
-        drop(normed);
-        let q = self.q.forward(&modulated)?;
-        drop(modulated);
+        // AdaIN (`AdaLayerNorm`, chunk_dim 1): shift, then scale, from silu(global); one fused
+        // LayerNorm per frame straight into its queries, so that no stream-sized temporary
+        // is made besides them.
+        let emb = tpinfer_kernels::linear_bias(&audio.global.silu()?, &self.adain.0, &self.adain.1, false)?
+            .to_dtype(DType::F32)?;
+        let q = (0..frames)
+            .map(|f| {
+                let (shift, scale) = (emb.get(f)?.narrow(0, 0, dim)?, emb.get(f)?.narrow(0, dim, dim)?);
+                let modulated = layer_norm(&video.narrow(0, f * hw, hw)?, &(scale + 1.0)?, &shift, ADAIN_NORM_EPS)?;
+                self.q.forward(&modulated)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let q = Tensor::cat(&q, 0)?;
         let merged = self
             .kv
             .forward_merged(&audio.local.reshape((frames * per_frame, dim))?)?;
@@ -247,12 +248,8 @@ impl AudioInjector {
             })
             .collect::<Result<Vec<_>>>()?;
         drop((q, k, kv, merged));
-        let residual = self.o.forward(&Tensor::cat(&out, 0)?)?;
-        let injected = (video + residual)?;
-        match hidden.dim(0)? - video_tokens {
-            0 => Ok(injected),
-            rest => Ok(Tensor::cat(&[&injected, &hidden.narrow(0, video_tokens, rest)?], 0)?),
-        }
+        let out = Tensor::cat(&out, 0)?;
+        self.o.forward(&out)
     }
 }
 
@@ -289,13 +286,12 @@ impl S2vAudio {
             .forward(&features.to_device(device)?, motion_frames, latent_motion_frames)
     }
 
-    /// The residual stream `hidden` `[tokens, dim]` after the `injector`-th audio injection
-    /// (`after_transformer_block`), its first `video_tokens` rows the clip's video tokens.
-    pub fn inject(
+    /// What the `injector`-th audio injection (`after_transformer_block`) adds to the clip's
+    /// video tokens `video` `[video tokens, dim]`: every rank's rows of them, in order.
+    pub fn injection(
         &self,
         injector: usize,
-        hidden: &Tensor,
-        video_tokens: usize,
+        video: &Tensor,
         audio: &AudioEmbedding,
         c: &WanConfig,
         comm: &dyn Communicator,
@@ -304,6 +300,6 @@ impl S2vAudio {
             .injectors
             .get(injector)
             .ok_or_else(|| Error::Shard(format!("S2V audio: injection {injector} of {}", self.injectors.len())))?;
-        injection.forward(hidden, video_tokens, audio, c, comm)
+        injection.residual(video, audio, c, comm)
     }
 }
