@@ -205,6 +205,66 @@ fn dit_forward_allocates_what_the_memory_model_says() {
     assert_close(measured, m.buffers + m.activations, &format!("DiT {dtype:?}"));
 }
 
+/// Wan2.2-S2V's forward (the tiny checkpoint of `tests/fixtures/s2v-dit`, its clip with the
+/// motion frames prepared beforehand, as the pipeline holds it for all the clip's steps)
+/// against `tpinfer_wan::memory` at TP 1 in f32: the measured peak is the modelled
+/// activations within 3%; the RoPE table and the clip's tokens are the clip's, outside it.
+#[test]
+fn s2v_forward_allocates_what_the_memory_model_says() {
+    let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    use tpinfer_wan::memory::{DitMemory, ForwardPath, Video};
+    use tpinfer_wan::{S2vCondition, WanCheckpoint, WanRank, WanShard};
+
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/s2v-dit");
+    let checkpoint = WanCheckpoint::open(&fixture.join("model")).expect("open");
+    let inputs = candle_core::safetensors::load(fixture.join("inputs.safetensors"), &Device::Cpu).expect("inputs");
+    let config = &checkpoint.config;
+    let dtype = DType::F32;
+    let shard = WanShard::new(config, 1, 0).expect("shard");
+    let (measured, video) = single_thread(|| {
+        let comm = ThreadGroup::ranks(1, std::time::Duration::from_secs(30)).remove(0);
+        let rank = WanRank::load(
+            config,
+            &*checkpoint.store,
+            shard.clone(),
+            tpinfer_weights::WeightFormat::AsStored,
+            Arc::new(comm),
+            dtype,
+            &Device::Cpu,
+        )
+        .expect("load");
+        let context = rank.embed_text(&inputs["text"]).expect("text");
+        let noisy = &inputs["noisy"];
+        let condition = S2vCondition {
+            reference: inputs["reference"].clone(),
+            motion: Some(inputs["motion"].clone()),
+            pose: inputs["pose"].clone(),
+            audio: rank.encode_s2v_audio(&inputs["audio"]).expect("audio"),
+        };
+        let clip = rank.prepare_s2v(noisy.dims(), &condition).expect("prepare");
+        drop(rank.forward_s2v(noisy, 700.0, &context, &clip).expect("warm-up"));
+        let (velocity, measured) = peak_during(|| rank.forward_s2v(noisy, 700.0, &context, &clip).expect("forward"));
+        drop(velocity);
+        let (_, frames, height, width) = noisy.dims4().expect("latents");
+        let video = Video {
+            frames: frames * 4,
+            width: width * 8,
+            height: height * 8,
+            cfg: true,
+        };
+        (measured, video)
+    });
+    let m = DitMemory::with_text(
+        config,
+        &shard,
+        dtype,
+        video,
+        inputs["text"].dim(0).expect("tokens"),
+        ForwardPath::for_device(false, dtype, config.attention_head_dim),
+    );
+    assert_close(measured, m.activations, "S2V f32");
+}
+
 /// The umT5 encoder's `encode` against `tpinfer_umt5::memory` at TP 1 in f32: the measured
 /// peak is the modelled one within 3%. A layer that kept a second set of f32 score buffers
 /// alive, or a bias gathered per query, would miss by more.

@@ -72,7 +72,9 @@ fn run(tp: usize) -> Vec<(AudioEmbedding, Vec<Tensor>)> {
                 let video = hidden.narrow(0, 0, VIDEO_TOKENS).expect("video");
                 let injected = (0..2)
                     .map(|i| {
-                        let residual = audio.injection(i, &video, &emb, &c, comm.as_ref()).expect("inject");
+                        let residual = audio
+                            .injection(i, video.clone(), &emb, &c, comm.as_ref())
+                            .expect("inject");
                         let rest = hidden.narrow(0, VIDEO_TOKENS, hidden.dim(0).expect("rows") - VIDEO_TOKENS);
                         Tensor::cat(&[(&video + residual).expect("add"), rest.expect("rest")], 0).expect("cat")
                     })
@@ -144,11 +146,11 @@ fn bad_inputs_are_refused_by_name() {
         .expect("encode");
     let video = r["hidden"].narrow(0, 0, VIDEO_TOKENS).expect("video");
     let err = audio
-        .injection(0, &r["hidden"].narrow(0, 0, 121).expect("121"), &emb, &c, comm.as_ref())
+        .injection(0, r["hidden"].narrow(0, 0, 121).expect("121"), &emb, &c, comm.as_ref())
         .expect_err("121 tokens over 20 frames");
     assert!(err.to_string().contains("20 latent frames"), "{err}");
     let err = audio
-        .injection(2, &video, &emb, &c, comm.as_ref())
+        .injection(2, video, &emb, &c, comm.as_ref())
         .expect_err("no third injection");
     assert!(err.to_string().contains("injection 2 of 2"), "{err}");
 }

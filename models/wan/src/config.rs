@@ -280,6 +280,11 @@ fn s2v_modules(
             "the frame-pack motion encoder, not the transformer motioner",
         ),
         ("zero_timestep", true, "timestep 0 for the reference and motion tokens"),
+        (
+            "add_last_motion",
+            true,
+            "the nearest motion frames packed at full and half resolution",
+        ),
     ] {
         match v.get(key).and_then(Value::as_bool) {
             Some(b) if b == wanted => {}
@@ -318,6 +323,20 @@ fn s2v_modules(
                 Value::Array(list.clone())
             ))
         })?;
+    // `AudioInjector_WAN` finds its blocks by name, and block b answers to index a wherever
+    // b's digits start with a's (`transformer_blocks.1` is in `transformer_blocks.12`): such a
+    // list makes injectors it does not name.
+    let ambiguous = inject.iter().find_map(|&a| {
+        (0..layers)
+            .find(|&b| b != a && b.to_string().starts_with(&a.to_string()))
+            .map(|b| (a, b))
+    });
+    if let Some((a, b)) = ambiguous {
+        return Err(field(format!(
+            "`audio_inject_layers` lists block {a}, which the wan22 code also finds in block {b} by name: \
+             tpinfer runs lists whose blocks it finds once each, as Wan2.2-S2V-14B's"
+        )));
+    }
     let modules = S2vModules {
         audio_inject_layers: inject,
         audio_dim: int(&["audio_dim"], None)?,
@@ -380,6 +399,50 @@ mod tests {
         ] {
             let err = config(extra).expect_err(extra).to_string();
             assert!(err.contains(named) && err.contains("config.json"), "{extra}: {err}");
+        }
+    }
+
+    /// The published S2V-14B list passes; one whose index is a prefix of another block's
+    /// number is refused by name, as are a transformer motioner and a dropped last motion.
+    #[test]
+    fn s2v_lists_the_wan22_code_reads_otherwise_are_refused() {
+        let s2v = |layers: usize, inject: &str, extra: &str| {
+            WanConfig::from_json(
+                &format!(
+                    r#"{{"model_type": "s2v", "dim": 64, "ffn_dim": 96, "num_heads": 4, "num_layers": {layers},
+                    "audio_dim": 32, "cond_dim": 16, "audio_inject_layers": {inject}, "enable_adain": true,
+                    "enable_framepack": true, "enable_motioner": false, "zero_timestep": true,
+                    "add_last_motion": true{extra}}}"#
+                ),
+                "config.json",
+            )
+        };
+        let official = "[0, 4, 8, 12, 16, 20, 24, 27, 30, 33, 36, 39]";
+        assert!(s2v(40, official, "").is_ok());
+        assert!(s2v(11, "[0, 2]", "").is_ok());
+        for (layers, inject, extra, named) in [
+            (
+                11,
+                "[1, 4]",
+                "",
+                "lists block 1, which the wan22 code also finds in block 10",
+            ),
+            (40, "[2, 3]", "", "block 2, which the wan22 code also finds in block 20"),
+            (
+                40,
+                official,
+                r#", "add_last_motion": false"#,
+                "`add_last_motion` is false",
+            ),
+            (
+                40,
+                official,
+                r#", "enable_motioner": true"#,
+                "`enable_motioner` is true",
+            ),
+        ] {
+            let err = s2v(layers, inject, extra).expect_err(inject).to_string();
+            assert!(err.contains(named), "{inject} {extra}: {err}");
         }
     }
 

@@ -86,7 +86,7 @@ pub const FUSED_LINEAR_WORKSPACE: usize = 32 << 20;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DitMemory {
     /// The 3-D RoPE table (cos and sin per token, f32), built at the start of each forward
-    /// and alive through it, and the fused linears' workspace.
+    /// (S2V: each clip) and alive through it, the fused linears' workspace, and S2V's clip.
     pub buffers: usize,
     /// The sampler's latents, the text states (conditional and negative, f32) and their
     /// embeddings.
@@ -176,6 +176,22 @@ impl DitMemory {
         let residual = 3 * r;
         // Beside the residual stream (R) the block's peak; a norm's gather (R + X) is below.
         let block = (r + self_attn.max(cross).max(ffn)).max(residual);
+        // S2V's audio injection after some blocks (`forward_with`, `S2vAudio::injection`), over
+        // the video's tokens (V full width, Lv this rank's heads): beside the stream, every
+        // token gathered (X; at TP 1 the stream itself) while each frame's AdaIN feeds its
+        // queries (their parts, then the joined queries: 2Lv); then, the gathered tokens let
+        // go, the attention's output and the output projection's partial and sum (Lv + 2V);
+        // then the residual beside the updated rows and their join (2R + V).
+        let video_tokens = c.video_tokens(video.frames, video.width, video.height);
+        let injection = match &c.s2v {
+            None => 0,
+            Some(_) => {
+                let (v, lv) = (video_tokens * d * e, video_tokens * heads * hd * e);
+                let gathered = if shard.world > 1 { x } else { 0 };
+                (r + gathered + 2 * lv).max(r + lv + 2 * v).max(3 * r + v)
+            }
+        };
+        let block = block.max(injection);
 
         let mut sizes = [x, l, 2 * l, f];
         sizes.sort_unstable();
@@ -183,8 +199,16 @@ impl DitMemory {
             true => (SAMPLER_BUFFERS, 2),
             false => (SAMPLER_BUFFERS_WITHOUT_CFG, 1),
         };
+        // S2V's clip (`S2vClip`), held for all its steps: the reference and motion tokens and
+        // the pose latents' patches.
+        let clip = match &c.s2v {
+            Some(s2v) => {
+                (s - video_tokens) * d * e + video_tokens * s2v.cond_dim * c.patch_size.iter().product::<usize>() * e
+            }
+            None => 0,
+        };
         Self {
-            buffers: 2 * s * (hd / 2) * 4 + path.linear_workspace,
+            buffers: 2 * s * (hd / 2) * 4 + path.linear_workspace + clip,
             latents: buffers * c.latent_elements(video.frames, video.width, video.height) * 4
                 + c.condition_latent_elements(video.width, video.height) * e
                 + prompts * (text * c.text_dim * 4 + context),

@@ -70,8 +70,16 @@ impl PatchLinear {
         })
     }
 
+    /// The same map with `extra` added to its bias.
+    pub(crate) fn with_bias_plus(self, extra: &Tensor) -> Result<Self> {
+        Ok(Self {
+            bias: (&self.bias + extra)?,
+            ..self
+        })
+    }
+
     /// Patches from [`patches`] to `[patches, dim]`.
-    fn project(&self, patches: &Tensor) -> Result<Tensor> {
+    pub(crate) fn project(&self, patches: &Tensor) -> Result<Tensor> {
         Ok(match tpinfer_kernels::fused_linear_covers(patches, &self.weight) {
             true => tpinfer_kernels::linear_bias(patches, &self.weight, &self.bias, false)?,
             false => patches.matmul(&self.weight.t()?)?.broadcast_add(&self.bias)?,
@@ -90,7 +98,11 @@ impl PatchLinear {
 /// flattened as (channel, t, y, x) like a convolution's weight: `[patches, channels · kt ·
 /// kh · kw]` in (frame, row, column) order, with the grid of patches. A remainder short of a
 /// kernel is dropped, as the convolution drops it.
-fn patches(latents: &Tensor, [kt, kh, kw]: [usize; 3], dtype: DType) -> Result<((usize, usize, usize), Tensor)> {
+pub(crate) fn patches(
+    latents: &Tensor,
+    [kt, kh, kw]: [usize; 3],
+    dtype: DType,
+) -> Result<((usize, usize, usize), Tensor)> {
     let (c, frames, height, width) = latents.dims4()?;
     let (f, h, w) = (frames / kt, height / kh, width / kw);
     let cropped = latents
@@ -435,9 +447,12 @@ impl WanRank {
             let (_, patches) = patches(latents, c.patch_size, self.dtype)?;
             let patches = patches.narrow(0, start, video_rows)?.contiguous()?;
             let x = self.patch.project(&patches)?;
-            parts.push(match clip {
-                Some(clip) => (x + clip.pose.narrow(0, start, video_rows)?)?,
-                None => x,
+            parts.push(match (clip, &self.s2v) {
+                (Some(clip), Some(s2v)) => {
+                    let pose = clip.pose.narrow(0, start, video_rows)?.contiguous()?;
+                    (x + s2v.cond_encoder.project(&pose)?)?
+                }
+                _ => x,
             });
         }
         if let Some(clip) = clip.filter(|_| len > video_rows) {
@@ -475,11 +490,8 @@ impl WanRank {
                 if let Some(&Some(injection)) = s2v.inject_after.get(i) {
                     // The injection reads every video token (its queries are sharded by
                     // heads) and adds to this rank's video rows.
-                    let all = step.gather(x.clone(), &*self.comm)?;
-                    let residual =
-                        s2v.audio
-                            .injection(injection, &all.narrow(0, 0, video)?, &clip.audio, c, &*self.comm)?;
-                    drop(all);
+                    let every = step.gather(x.clone(), &*self.comm)?.narrow(0, 0, video)?;
+                    let residual = s2v.audio.injection(injection, every, &clip.audio, c, &*self.comm)?;
                     if video_rows > 0 {
                         let updated = (x.narrow(0, 0, video_rows)? + residual.narrow(0, start, video_rows)?)?;
                         x = match len > video_rows {

@@ -10,7 +10,7 @@ use candle_core::{DType, Tensor};
 use tpinfer_layers::{Error, Result};
 use tpinfer_weights::ShardLoader;
 
-use crate::model::{rope_grid, PatchLinear, PositionGrid};
+use crate::model::{patches, rope_grid, PatchLinear, PositionGrid};
 use crate::s2v_audio::{AudioEmbedding, S2vAudio};
 use crate::{S2vModules, WanConfig, S2V_MOTION_FRAMES};
 
@@ -41,7 +41,8 @@ pub struct S2vCondition {
 pub struct S2vClip {
     /// The video's grid of patches `(frames, height, width)`.
     pub(crate) grid: (usize, usize, usize),
-    /// The pose embedding plus the video mark, `[video tokens, dim]`, added to the patches.
+    /// The pose latents' patches, `[video tokens, cond channels · 4]`: small, and embedded
+    /// by each step for its rows only, so that no stream-sized tensor outlives a step.
     pub(crate) pose: Tensor,
     /// The reference and motion tokens, marked, `[condition tokens, dim]`.
     pub(crate) condition: Tensor,
@@ -70,7 +71,8 @@ fn linspace_trunc(start: i64, stop: i64, n: usize) -> Vec<i64> {
 /// injections' heads.
 pub(crate) struct S2vEmbedders {
     pub(crate) audio: S2vAudio,
-    cond_encoder: PatchLinear,
+    /// The condition encoder, its bias holding the video tokens' mark too.
+    pub(crate) cond_encoder: PatchLinear,
     /// The frame packer's three scales, nearest first.
     packers: Vec<PatchLinear>,
     /// `[3, dim]`: the marks of video, reference and motion tokens.
@@ -93,15 +95,16 @@ impl S2vEmbedders {
             }
         }
         let names = ["proj", "proj_2x", "proj_4x"];
+        let marks = w.take("trainable_cond_mask.weight")?;
         Ok(Self {
             audio: S2vAudio::load(w, s2v, comm)?,
-            cond_encoder: PatchLinear::load(w, "cond_encoder", c.patch_size)?,
+            cond_encoder: PatchLinear::load(w, "cond_encoder", c.patch_size)?.with_bias_plus(&marks.get(0)?)?,
             packers: FRAME_PACK
                 .iter()
                 .zip(names)
                 .map(|(&(_, kernel), name)| PatchLinear::load(w, &format!("frame_packer.{name}"), kernel))
                 .collect::<Result<_>>()?,
-            marks: w.take("trainable_cond_mask.weight")?,
+            marks,
             inject_after,
         })
     }
@@ -144,8 +147,7 @@ impl S2vEmbedders {
         }
         let marks = self.marks.to_dtype(dtype)?;
         let mark = |t: Tensor, i: usize| -> Result<Tensor> { Ok(t.broadcast_add(&marks.get(i)?)?) };
-        let (pose, grid) = self.cond_encoder.forward(&condition.pose, dtype)?;
-        let pose = mark(pose, 0)?;
+        let (grid, pose) = patches(&condition.pose, c.patch_size, dtype)?;
         let (reference, ref_grid) = patch.forward(&condition.reference, dtype)?;
         let mut condition_tokens = vec![mark(reference, 1)?];
         let mut positions = vec![

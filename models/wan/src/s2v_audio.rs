@@ -197,10 +197,11 @@ impl AudioInjector {
 
     /// The injection's residual for the clip's video tokens `video` `[video tokens, dim]`
     /// (frame by frame): AdaIN of each frame's tokens by its global audio embedding, then
-    /// their cross-attention to its audio tokens.
+    /// their cross-attention to its audio tokens. Takes `video` by value to let it go once
+    /// the queries exist (the memory model in `memory.rs` counts on it).
     fn residual(
         &self,
-        video: &Tensor,
+        video: Tensor,
         audio: &AudioEmbedding,
         c: &WanConfig,
         comm: &dyn Communicator,
@@ -218,14 +219,17 @@ impl AudioInjector {
         // is made besides them.
         let emb = tpinfer_kernels::linear_bias(&audio.global.silu()?, &self.adain.0, &self.adain.1, false)?
             .to_dtype(DType::F32)?;
-        let q = (0..frames)
-            .map(|f| {
-                let (shift, scale) = (emb.get(f)?.narrow(0, 0, dim)?, emb.get(f)?.narrow(0, dim, dim)?);
-                let modulated = layer_norm(&video.narrow(0, f * hw, hw)?, &(scale + 1.0)?, &shift, ADAIN_NORM_EPS)?;
-                self.q.forward(&modulated)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let q = Tensor::cat(&q, 0)?;
+        let q = {
+            let parts = (0..frames)
+                .map(|f| {
+                    let (shift, scale) = (emb.get(f)?.narrow(0, 0, dim)?, emb.get(f)?.narrow(0, dim, dim)?);
+                    let modulated = layer_norm(&video.narrow(0, f * hw, hw)?, &(scale + 1.0)?, &shift, ADAIN_NORM_EPS)?;
+                    self.q.forward(&modulated)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&parts, 0)?
+        };
+        drop(video);
         let merged = self
             .kv
             .forward_merged(&audio.local.reshape((frames * per_frame, dim))?)?;
@@ -234,7 +238,7 @@ impl AudioInjector {
         let hd = c.attention_head_dim;
         let heads = q.dim(1)? / hd;
         // Each latent frame's tokens attend that frame's audio tokens only.
-        let out = (0..frames)
+        let parts = (0..frames)
             .map(|f| {
                 let q = q.narrow(0, f * hw, hw)?.reshape((hw, heads, hd))?;
                 let k = k.narrow(0, f * per_frame, per_frame)?.reshape((per_frame, heads, hd))?;
@@ -248,7 +252,8 @@ impl AudioInjector {
             })
             .collect::<Result<Vec<_>>>()?;
         drop((q, k, kv, merged));
-        let out = Tensor::cat(&out, 0)?;
+        let out = Tensor::cat(&parts, 0)?;
+        drop(parts);
         self.o.forward(&out)
     }
 }
@@ -291,7 +296,7 @@ impl S2vAudio {
     pub fn injection(
         &self,
         injector: usize,
-        video: &Tensor,
+        video: Tensor,
         audio: &AudioEmbedding,
         c: &WanConfig,
         comm: &dyn Communicator,
