@@ -39,6 +39,7 @@ impl TinyWanVae {
         let mut rng = StdRng::seed_from_u64(self.seed ^ 0x5eed);
         WanVaeConfig {
             base_dim: self.base_dim,
+            encoder_base_dim: self.base_dim,
             z_dim: self.z_dim,
             dim_mult: vec![1, 2, 4, 4],
             num_res_blocks: self.num_res_blocks,

@@ -1,5 +1,7 @@
 //! The Wan VAE decoder against an unsplit whole-video reference, and split by rows over
-//! ranks and tiles against itself unsplit; its config and checkpoint refused by name.
+//! ranks and tiles against itself unsplit; its config and checkpoint refused by name. The
+//! encoder against diffusers' `AutoencoderKLWan.encode` (`tests/fixtures/vae-encoder`,
+//! written by `scripts/reference/reference_vae_encoder.py`).
 
 use std::sync::Arc;
 
@@ -8,7 +10,7 @@ use tpinfer_family::Family;
 use tpinfer_plan::{Accelerator, Placement, ShardedModel};
 use tpinfer_tests::{reference_vae_decode, tensor_rel_error, vae_latents, TinyWanVae};
 use tpinfer_wan_vae::memory::Tiling;
-use tpinfer_wan_vae::{WanVaeConfig, WanVaeModel, WanVaeRank, WanVaeShard};
+use tpinfer_wan_vae::{WanVaeConfig, WanVaeEncoder, WanVaeModel, WanVaeRank, WanVaeShard};
 use tpinfer_weights::SafetensorsStore;
 
 /// Latents of 3 frames (9 decoded) of 6 × 5 (48 × 40 pixels).
@@ -232,4 +234,33 @@ fn frames_that_are_not_finite_stop_the_decode() {
             .contains("frames hold NaN or infinite values after the VAE's decode"),
         "{err}"
     );
+}
+
+/// The encoder on the same tiny random VAE as diffusers' `AutoencoderKLWan.encode`, the
+/// posterior's mode normalised as S2V hands it to the DiT: a 9-frame video (the first frame
+/// alone, then two chunks of four through the causal caches and both time halvings) and a
+/// single image (S2V's reference), in f32. Inputs it cannot encode are refused by name.
+#[test]
+fn the_encoder_matches_diffusers() {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/vae-encoder");
+    let config = WanVaeConfig::from_dir(&fixture.join("model")).expect("config");
+    let store = SafetensorsStore::open(&fixture.join("model")).expect("store");
+    let encoder = WanVaeEncoder::load(&config, &store, DType::F32, &Device::Cpu).expect("load");
+    let cases = candle_core::safetensors::load(fixture.join("cases.safetensors"), &Device::Cpu).expect("cases");
+    for name in ["video", "image"] {
+        let got = encoder.encode(&cases[&format!("{name}_pixels")]).expect("encode");
+        let want = &cases[&format!("{name}_latents")];
+        assert_eq!(got.dims(), want.dims(), "{name}");
+        let rel = tensor_rel_error(&got, want);
+        assert!(rel < 1e-5, "{name} against diffusers: {rel:e}");
+    }
+    let video = &cases["video_pixels"];
+    for (pixels, named) in [
+        (video.narrow(1, 0, 8).expect("8 frames"), "1 + 4k frames"),
+        (video.narrow(2, 0, 20).expect("20 rows"), "multiples of 8"),
+        (video.narrow(0, 0, 2).expect("2 channels"), "[3, 1 + 4k frames"),
+    ] {
+        let err = encoder.encode(&pixels).expect_err(named).to_string();
+        assert!(err.contains(named), "{:?}: {err}", pixels.dims());
+    }
 }

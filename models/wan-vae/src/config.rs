@@ -8,6 +8,8 @@ use tpinfer_family::ConfigError;
 pub struct WanVaeConfig {
     /// The decoder's base width (`decoder_base_dim`, else `base_dim`).
     pub base_dim: usize,
+    /// The encoder's base width (`base_dim`).
+    pub encoder_base_dim: usize,
     /// Latent channels.
     pub z_dim: usize,
     /// Width multipliers of the encoder's levels; the decoder runs them in reverse.
@@ -138,6 +140,7 @@ impl WanVaeConfig {
         };
         let config = Self {
             base_dim,
+            encoder_base_dim: base,
             z_dim,
             latents_mean: per_channel("latents_mean", &WAN21_LATENTS_MEAN, false)?,
             latents_std: per_channel("latents_std", &WAN21_LATENTS_STD, true)?,
@@ -162,6 +165,7 @@ impl WanVaeConfig {
     pub fn wan21() -> Self {
         Self {
             base_dim: 96,
+            encoder_base_dim: 96,
             z_dim: 16,
             dim_mult: vec![1, 2, 4, 4],
             num_res_blocks: 2,

@@ -55,7 +55,7 @@ impl Band {
 pub(crate) struct Slots(usize);
 
 impl Slots {
-    fn next(&mut self) -> usize {
+    pub fn next(&mut self) -> usize {
         self.0 += 1;
         self.0 - 1
     }

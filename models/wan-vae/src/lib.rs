@@ -1,5 +1,5 @@
-//! The Wan2.1 video VAE's decoder (diffusers' `AutoencoderKLWan`), its frames split by rows
-//! over tensor-parallel ranks.
+//! The Wan2.1 video VAE (diffusers' `AutoencoderKLWan`): its decoder, the frames split by rows
+//! over tensor-parallel ranks, and its encoder ([`WanVaeEncoder`]), whole on each rank.
 //!
 //! Every rank holds the whole decoder (127 M parameters, 0.25 GB in bf16) and decodes a band
 //! of every frame's rows with the halo its convolutions read ([`rows`]), one tile at a time,
@@ -15,6 +15,7 @@ mod blocks;
 mod config;
 mod conv;
 mod decoder;
+mod encoder;
 mod family;
 mod layout;
 pub mod memory;
@@ -24,6 +25,7 @@ mod shard;
 
 pub use config::WanVaeConfig;
 pub use decoder::is_encoder_tensor;
+pub use encoder::{encoder_weight_decls, WanVaeEncoder};
 pub use family::WanVaeModel;
 pub use rank::WanVaeRank;
 pub use shard::WanVaeShard;
