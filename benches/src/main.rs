@@ -91,7 +91,8 @@ struct DitArgs {
     /// A Wan DiT directory (diffusers or original names).
     #[arg(long)]
     model: PathBuf,
-    /// safetensors with `latents` [C, F, H, W], `text` [tokens, text_dim] and `timestep` [1];
+    /// safetensors with `latents` [C, F, H, W], `text` [tokens, text_dim] and `timestep` [1]
+    /// (for an S2V model also `reference`, `pose`, `audio` and, after a first clip, `motion`);
     /// several (comma-separated) run on one loaded engine per width.
     #[arg(long, value_delimiter = ',', required = true)]
     inputs: Vec<PathBuf>,
@@ -505,7 +506,23 @@ struct DitInputs {
     latents: candle_core::Tensor,
     text: candle_core::Tensor,
     timestep: f64,
+    /// An S2V model's clip conditioning.
+    s2v: Option<tpinfer_engine::S2vInputs>,
     shape: tpinfer_engine::VideoShape,
+}
+
+impl DitInputs {
+    fn velocity(
+        &self,
+        engine: &tpinfer_engine::VideoEngine,
+        profile: bool,
+    ) -> Result<(candle_core::Tensor, tpinfer_engine::StageProfile)> {
+        Ok(match (&self.s2v, profile) {
+            (Some(clip), _) => engine.s2v_velocity(&self.latents, self.timestep, &self.text, clip, profile)?,
+            (None, true) => engine.velocity_profiled(&self.latents, self.timestep, &self.text)?,
+            (None, false) => (engine.velocity(&self.latents, self.timestep, &self.text)?, Vec::new()),
+        })
+    }
 }
 
 fn dit_inputs(path: &std::path::Path) -> Result<DitInputs> {
@@ -519,9 +536,23 @@ fn dit_inputs(path: &std::path::Path) -> Result<DitInputs> {
     };
     let (latents, text) = (get("latents")?, get("text")?);
     let timestep = get("timestep")?.flatten_all()?.to_vec1::<f32>()?[0] as f64;
+    // S2V inputs (`reference`, `pose`, `audio`, and `motion` after the first clip) make an
+    // S2V velocity of a clip of 4k frames.
+    let s2v = match inputs.contains_key("reference") {
+        true => Some(tpinfer_engine::S2vInputs {
+            reference: get("reference")?,
+            motion: inputs.get("motion").cloned(),
+            pose: get("pose")?,
+            audio: get("audio")?,
+        }),
+        false => None,
+    };
     let (_, f, h, w) = latents.dims4()?;
     let shape = tpinfer_engine::VideoShape {
-        frames: (f - 1) * 4 + 1,
+        frames: match s2v {
+            Some(_) => f * 4,
+            None => (f - 1) * 4 + 1,
+        },
         width: w * 8,
         height: h * 8,
     };
@@ -529,6 +560,7 @@ fn dit_inputs(path: &std::path::Path) -> Result<DitInputs> {
         latents,
         text,
         timestep,
+        s2v,
         shape,
     })
 }
@@ -550,7 +582,7 @@ fn dit(args: DitArgs) -> Result<()> {
         let builder = builder(&args.model, tp, args.cuda, args.dtype);
         let engine = VideoEngine::start(builder, largest).with_context(|| format!("loading at TP {tp}"))?;
         for (index, input) in inputs.iter().enumerate() {
-            let run = || engine.velocity(&input.latents, input.timestep, &input.text);
+            let run = || -> Result<candle_core::Tensor> { Ok(input.velocity(&engine, false)?.0) };
             let mut velocity = run()?;
             let mut times = Vec::new();
             for _ in 0..args.repeats {
@@ -607,7 +639,7 @@ fn dit(args: DitArgs) -> Result<()> {
 /// after that input's timed runs).
 fn dit_profile(engine: &tpinfer_engine::VideoEngine, tp: usize, input: &DitInputs) -> Result<()> {
     let start = std::time::Instant::now();
-    let (_, stages) = engine.velocity_profiled(&input.latents, input.timestep, &input.text)?;
+    let (_, stages) = input.velocity(engine, true)?;
     let total = start.elapsed().as_secs_f64() * 1e3;
     println!("\n| stage (TP {tp}, rank 0, device time) | ms | share |\n|---|---|---|");
     for (stage, spent) in stages {

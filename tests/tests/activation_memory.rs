@@ -242,8 +242,9 @@ fn s2v_forward_allocates_what_the_memory_model_says() {
             audio: rank.encode_s2v_audio(&inputs["audio"]).expect("audio"),
         };
         let clip = rank.prepare_s2v(noisy.dims(), &condition).expect("prepare");
-        drop(rank.forward_s2v(noisy, 700.0, &context, &clip).expect("warm-up"));
-        let (velocity, measured) = peak_during(|| rank.forward_s2v(noisy, 700.0, &context, &clip).expect("forward"));
+        drop(rank.forward_s2v(noisy, 700.0, &context, &clip, None).expect("warm-up"));
+        let (velocity, measured) =
+            peak_during(|| rank.forward_s2v(noisy, 700.0, &context, &clip, None).expect("forward"));
         drop(velocity);
         let (_, frames, height, width) = noisy.dims4().expect("latents");
         let video = Video {

@@ -201,7 +201,8 @@ fn run_dit(tp: usize) -> Vec<[Tensor; 2]> {
                             audio: audio.clone(),
                         };
                         let clip = rank.prepare_s2v(noisy.dims(), &condition).expect("prepare");
-                        rank.forward_s2v(noisy, timestep, &context, &clip).expect("forward")
+                        rank.forward_s2v(noisy, timestep, &context, &clip, None)
+                            .expect("forward")
                     })
                 })
             })
@@ -271,13 +272,11 @@ fn official_config() -> serde_json::Value {
 }
 
 /// The official layout plans at every width (its tensors checked against the declarations,
-/// the S2V modules' among them); loading it to generate is refused by name, not run as
-/// text-to-video.
+/// the S2V modules' among them).
 #[test]
-fn an_s2v_checkpoint_plans_and_is_not_run_as_text_to_video() {
+fn an_s2v_checkpoint_plans_at_every_width() {
     use tpinfer_family::Family;
     use tpinfer_plan::{DeviceProfile, Placement, Plan, ShardedModel};
-    use tpinfer_runtime::{DeviceKind, GroupOptions, Launch, Topology};
 
     let dir = tempfile::tempdir().expect("tempdir");
     write_s2v_checkpoint(dir.path(), &official_config());
@@ -300,15 +299,55 @@ fn an_s2v_checkpoint_plans_and_is_not_run_as_text_to_video() {
                 .expect("the checkpoint holds every declared slice");
         }
     }
-    let mut launch = Launch::new(
-        Topology::new(2, &DeviceKind::Cpu).expect("topology"),
-        GroupOptions::default(),
-    );
-    launch
-        .add(std::sync::Arc::new(model), DType::F32, placement)
-        .expect("add");
-    let err = launch.start().err().expect("no S2V forward yet");
-    assert!(err.to_string().contains("speech-to-video"), "{err}");
+}
+
+/// Through the engine at TP 2: an S2V velocity (the clip's audio encoded and its reference,
+/// motion and pose embedded on every rank) is the wan22 model's; a forward without the clip,
+/// and `generate`, which does not run S2V's clips yet, are refused by name.
+#[test]
+fn the_engine_runs_an_s2v_velocity_and_refuses_what_it_cannot_run() {
+    use tpinfer_engine::{Engine, S2vInputs, VideoEngine, VideoRequest, VideoShape};
+
+    let inputs = dit_tensors("inputs.safetensors");
+    let (_, frames, h, w) = inputs["noisy"].dims4().expect("latents");
+    let shape = VideoShape {
+        frames: frames * 4,
+        width: w * 8,
+        height: h * 8,
+    };
+    let engine = VideoEngine::start(Engine::builder(dit_fixture().join("model")).tp(2), shape).expect("engine");
+    let timestep = inputs["timestep"].to_vec1::<f32>().expect("timestep")[0] as f64;
+    let clip = S2vInputs {
+        reference: inputs["reference"].clone(),
+        motion: Some(inputs["motion"].clone()),
+        pose: inputs["pose"].clone(),
+        audio: inputs["audio"].clone(),
+    };
+    let (v, _) = engine
+        .s2v_velocity(&inputs["noisy"], timestep, &inputs["text"], &clip, false)
+        .expect("velocity");
+    let rel = tensor_rel_error(&v, &dit_tensors("reference.safetensors")["with_motion"]);
+    assert!(rel < 1e-5, "engine TP 2 against wan22: {rel:e}");
+    let err = engine
+        .velocity(&inputs["noisy"], timestep, &inputs["text"])
+        .expect_err("no clip")
+        .to_string();
+    assert!(err.contains("needs a clip"), "{err}");
+    let request = VideoRequest {
+        text: inputs["text"].clone(),
+        negative: None,
+        steps: 2,
+        shift: 3.0,
+        guide_scale: 1.0,
+        solver: tpinfer_wan::sampler::Solver::Euler,
+        seed: 7,
+        init_latents: None,
+    };
+    let err = engine
+        .generate(request, |_| {})
+        .expect_err("no S2V generate")
+        .to_string();
+    assert!(err.contains("speech-to-video") && err.contains("clip by clip"), "{err}");
 }
 
 #[test]

@@ -3,11 +3,11 @@
 
 use std::time::Instant;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_runtime::RuntimeError;
 use tpinfer_wan::sampler::{guide, seeded_noise, Sampler, Schedule};
-use tpinfer_wan::{StageTimes, WanRank};
+use tpinfer_wan::{S2vCondition, StageTimes, WanRank};
 
 use crate::error::finite;
 use crate::video::{JobResult, StepReport, VideoJob, Work};
@@ -29,22 +29,40 @@ pub(crate) fn denoise(
             latents,
             timestep,
             text,
+            s2v,
             profile,
         } => {
-            let context = model
-                .embed_text(&text.to_device(device).map_err(tensor_err)?)
-                .map_err(err)?;
-            let latents = latents.to_device(device).map_err(tensor_err)?;
-            // Only rank 0's stages are returned; the others run their forward unmarked.
-            let (v, stages) = match *profile && rank == 0 {
-                true => {
-                    let times = StageTimes::new(device).map_err(err)?;
-                    let v = model
-                        .forward_profiled(&latents, *timestep, &context, &times)
-                        .map_err(err)?;
-                    (v, times.stages().map_err(err)?)
+            let on_device = |t: &Tensor| t.to_device(device).map_err(tensor_err);
+            let context = model.embed_text(&on_device(text)?).map_err(err)?;
+            let latents = on_device(latents)?;
+            let clip = match s2v {
+                Some(inputs) => {
+                    let condition = S2vCondition {
+                        reference: on_device(&inputs.reference)?,
+                        motion: inputs.motion.as_ref().map(on_device).transpose()?,
+                        pose: on_device(&inputs.pose)?,
+                        audio: model.encode_s2v_audio(&on_device(&inputs.audio)?).map_err(err)?,
+                    };
+                    Some(model.prepare_s2v(latents.dims(), &condition).map_err(err)?)
                 }
-                false => (model.forward(&latents, *timestep, &context).map_err(err)?, Vec::new()),
+                None => None,
+            };
+            // Only rank 0's stages are returned; the others run their forward unmarked.
+            let times = match *profile && rank == 0 {
+                true => Some(StageTimes::new(device).map_err(err)?),
+                false => None,
+            };
+            let v = match &clip {
+                Some(clip) => model.forward_s2v(&latents, *timestep, &context, clip, times.as_ref()),
+                None => match &times {
+                    Some(times) => model.forward_profiled(&latents, *timestep, &context, times),
+                    None => model.forward(&latents, *timestep, &context),
+                },
+            }
+            .map_err(err)?;
+            let stages = match times {
+                Some(times) => times.stages().map_err(err)?,
+                None => Vec::new(),
             };
             return match rank {
                 0 => Ok(Some((v.to_device(&Device::Cpu).map_err(tensor_err)?, stages))),

@@ -48,7 +48,7 @@ pub use tpinfer_tokenizer::{ChatMessage, Tokenizer};
 pub use tpinfer_wan::sampler::Solver;
 pub use tpinfer_wan::S2V_MOTION_FRAMES;
 pub use tpinfer_weights::{LoraAdapter, WeightFormat};
-pub use video::{StageProfile, StepReport, VideoEngine, VideoRequest, VideoShape};
+pub use video::{S2vInputs, StageProfile, StepReport, VideoEngine, VideoRequest, VideoShape};
 
 /// What a run with FP8 weights on CPU ranks is told: the weights are expanded to the compute
 /// dtype for each product (as on GPUs before compute capability 8.9), which saves memory, not

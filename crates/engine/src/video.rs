@@ -109,8 +109,25 @@ pub(crate) enum Work {
         latents: Tensor,
         timestep: f64,
         text: Tensor,
+        /// An S2V model's clip conditioning.
+        s2v: Option<S2vInputs>,
         profile: bool,
     },
+}
+
+/// One speech-to-video clip's conditioning as the host holds it (f32): what
+/// [`VideoEngine::s2v_velocity`] hands every rank.
+#[derive(Debug, Clone)]
+pub struct S2vInputs {
+    /// The reference image's latent, `[channels, 1, h, w]`.
+    pub reference: Tensor,
+    /// The motion frames' latents `[channels, 19, h, w]` (the clip before's last 73
+    /// frames); `None` for the first clip, which S2V runs without them.
+    pub motion: Option<Tensor>,
+    /// The pose latents `[cond channels, latent frames, h, w]`; zeros without a pose video.
+    pub pose: Tensor,
+    /// The clip's wav2vec2 features per video frame, `[frames, 25, audio dim]`.
+    pub audio: Tensor,
 }
 
 /// Time per named stage of one rank's forward, in first-seen order.
@@ -132,6 +149,8 @@ pub struct VideoEngine {
     latent_shape: [usize; 4],
     /// The width of the text states the model takes (umT5's 4096 for Wan).
     text_dim: usize,
+    /// Whether the model is Wan2.2-S2V's, whose forwards need a clip's conditioning.
+    s2v: bool,
     /// Whether a run at the planned size has yet to be held to the plan.
     unchecked: AtomicBool,
     /// The prompt stage, when the engine was started on a pipeline directory.
@@ -198,7 +217,7 @@ impl VideoEngine {
         let group = launch.start()?;
         let latent_shape = [
             config.in_channels,
-            (shape.frames - 1) / 4 + 1,
+            config.latent_frames(shape.frames),
             shape.height / 8,
             shape.width / 8,
         ];
@@ -208,6 +227,7 @@ impl VideoEngine {
             shape,
             latent_shape,
             text_dim: config.text_dim,
+            s2v: config.s2v.is_some(),
             unchecked: AtomicBool::new(true),
             prompts,
             frames,
@@ -279,6 +299,14 @@ impl VideoEngine {
     /// Denoises from seeded noise; `on_step` hears rank 0 after every step. Returns the
     /// latents `[channels, latent frames, height / 8, width / 8]`, f32 on the CPU.
     pub fn generate(&self, request: VideoRequest, mut on_step: impl FnMut(StepReport)) -> Result<Tensor, EngineError> {
+        if self.s2v {
+            return Err(EngineError::InvalidRequest(
+                "this is a speech-to-video (Wan2.2-S2V) model: it denoises clip by clip from audio and a \
+                 reference image, which `generate` does not run yet (its single forwards run: \
+                 `tpinfer-bench dit` with S2V inputs)"
+                    .into(),
+            ));
+        }
         request.check()?;
         self.check_text("the text states", &request.text)?;
         if let Some(negative) = &request.negative {
@@ -307,7 +335,21 @@ impl VideoEngine {
     /// The model's velocity for `latents` `[channels, latent frames, h, w]` at `timestep`
     /// given text states `[tokens, text_dim]`: one forward on every rank, f32 on the CPU.
     pub fn velocity(&self, latents: &Tensor, timestep: f64, text: &Tensor) -> Result<Tensor, EngineError> {
-        Ok(self.velocity_with(latents, timestep, text, false)?.0)
+        Ok(self.velocity_with(latents, timestep, text, None, false)?.0)
+    }
+
+    /// An S2V model's velocity for one clip's `latents` given its conditioning: the
+    /// audio encoded and the reference, motion and pose embedded on every rank, then one
+    /// forward, f32 on the CPU. With `profile`, rank 0's stages as [`Self::velocity_profiled`].
+    pub fn s2v_velocity(
+        &self,
+        latents: &Tensor,
+        timestep: f64,
+        text: &Tensor,
+        inputs: &S2vInputs,
+        profile: bool,
+    ) -> Result<(Tensor, StageProfile), EngineError> {
+        self.velocity_with(latents, timestep, text, Some(inputs.clone()), profile)
     }
 
     /// [`Self::velocity`] with the time of each stage of rank 0's forward (CUDA events on a
@@ -319,7 +361,7 @@ impl VideoEngine {
         timestep: f64,
         text: &Tensor,
     ) -> Result<(Tensor, StageProfile), EngineError> {
-        self.velocity_with(latents, timestep, text, true)
+        self.velocity_with(latents, timestep, text, None, true)
     }
 
     fn velocity_with(
@@ -327,9 +369,19 @@ impl VideoEngine {
         latents: &Tensor,
         timestep: f64,
         text: &Tensor,
+        s2v: Option<S2vInputs>,
         profile: bool,
     ) -> Result<(Tensor, StageProfile), EngineError> {
         self.check_text("the text states", text)?;
+        if self.s2v != s2v.is_some() {
+            return Err(EngineError::InvalidRequest(
+                match self.s2v {
+                    true => "a speech-to-video model's forward needs a clip's reference, pose and audio",
+                    false => "this model is not a speech-to-video one: it takes no clip conditioning",
+                }
+                .into(),
+            ));
+        }
         if latents.dims() != self.latent_shape {
             return Err(EngineError::InvalidRequest(format!(
                 "latents {:?} are not the {:?} this engine was planned for",
@@ -341,6 +393,7 @@ impl VideoEngine {
             latents: latents.clone(),
             timestep,
             text: text.clone(),
+            s2v,
             profile,
         };
         self.run(work, &mut |_| {})

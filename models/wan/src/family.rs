@@ -239,13 +239,6 @@ impl Family for WanModel {
             .checkpoint
             .as_ref()
             .ok_or_else(|| preset_has_no_weights(&self.name))?;
-        if self.config.s2v.is_some() {
-            return Err(tpinfer_layers::Error::Shard(format!(
-                "{} is a speech-to-video (Wan2.2-S2V) model: `tpinfer plan` plans it, but tpinfer does not \
-                 generate speech-to-video yet",
-                self.name
-            )));
-        }
         WanRank::load(
             &self.config,
             &CountingStore::new(checkpoint.store.clone(), ctx.progress, ctx.dtype),

@@ -390,8 +390,16 @@ impl WanRank {
     /// S2V's velocity for the clip's `latents`: [`Self::forward`]'s, with the clip's pose
     /// added to the video tokens, its reference and motion tokens after them at timestep 0,
     /// and its audio injected after the configured blocks.
-    pub fn forward_s2v(&self, latents: &Tensor, timestep: f64, context: &Tensor, clip: &S2vClip) -> Result<Tensor> {
-        self.forward_with(latents, timestep, context, Some(clip), None)
+    /// With `times`, the time of each stage as [`Self::forward_profiled`].
+    pub fn forward_s2v(
+        &self,
+        latents: &Tensor,
+        timestep: f64,
+        context: &Tensor,
+        clip: &S2vClip,
+        times: Option<&StageTimes>,
+    ) -> Result<Tensor> {
+        self.forward_with(latents, timestep, context, Some(clip), times)
     }
 
     fn s2v_embedders(&self) -> Result<&S2vEmbedders> {
@@ -420,6 +428,11 @@ impl WanRank {
             .into());
         }
         let (f, h, w) = (frames / pt, height / ph, width / pw);
+        if clip.is_none() && self.s2v.is_some() {
+            return Err(Error::Shard(
+                "a speech-to-video (S2V) DiT's forward needs its clip: reference, motion, pose and audio".into(),
+            ));
+        }
         if let Some(clip) = clip.filter(|clip| clip.grid != (f, h, w)) {
             return Err(Error::Shard(format!(
                 "S2V: the clip was prepared for {:?} patches; these latents make {:?}",
