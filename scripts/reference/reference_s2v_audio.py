@@ -11,13 +11,11 @@ flash attention is replaced by PyTorch's SDPA, which computes the same softmax a
 """
 import argparse
 import os
-import sys
-import types
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from safetensors.torch import save_file
+from wan22_modules import import_wan22
 
 # Tiny: 64 wide, 4 heads of 16; wav2vec2's 25 states of 32; 4 audio tokens a frame; S2V's
 # 73 motion frames (19 latent) before an 80-frame clip (20 latent); 2 x 3 patches a frame.
@@ -26,33 +24,13 @@ MOTION, LAT_MOTION, CLIP, HW = 73, 19, 80, 6
 INJECTORS = 2
 
 
-def load_wan(root):
-    # The package's __init__ imports the whole pipeline; only the modules are needed.
-    for name in ["wan", "wan.modules", "wan.modules.s2v"]:
-        module = types.ModuleType(name)
-        module.__path__ = [os.path.join(root, *name.split("."))]
-        sys.modules[name] = module
-    import wan.modules.attention as attention
-    import wan.modules.model as model
-
-    def sdpa(q, k, v, q_lens=None, k_lens=None, **_):
-        # [B, L, N, D] in and out; every key is valid here (no lengths shorter than L).
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return out.transpose(1, 2).contiguous()
-
-    attention.flash_attention = sdpa
-    model.flash_attention = sdpa
-    import wan.modules.s2v.audio_utils as audio_utils
-    return audio_utils
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--wan22", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=7)
     args = p.parse_args()
-    audio_utils = load_wan(args.wan22)
+    audio_utils = import_wan22(args.wan22, "modules.s2v.audio_utils")
     from diffusers.models.attention import AdaLayerNorm
 
     torch.manual_seed(args.seed)

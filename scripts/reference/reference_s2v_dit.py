@@ -15,12 +15,10 @@ wheel's CUDA flash attention is replaced by PyTorch's SDPA, the same softmax att
 import argparse
 import json
 import os
-import sys
-import types
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
+from wan22_modules import import_wan22
 
 # Tiny: 64 wide in 4 heads of 16, 3 blocks with audio after blocks 0 and 2; wav2vec2's 25
 # states of 32; a 16-frame clip (4 latent frames) of 8 x 16 latents (4 x 8 patches); 12
@@ -41,36 +39,13 @@ MOTION, LAT_MOTION, STATES, TEXT = 73, 19, 25, 12
 TIMESTEP = 742.5
 
 
-def load_wan(root):
-    # The package's __init__ imports the whole pipeline; only the modules are needed.
-    for name in ["wan", "wan.modules", "wan.modules.s2v", "wan.distributed"]:
-        module = types.ModuleType(name)
-        module.__path__ = [os.path.join(root, *name.split("."))]
-        sys.modules[name] = module
-    import wan.modules.attention as attention
-    import wan.modules.model as model
-
-    def sdpa(q, k, v, q_lens=None, k_lens=None, **_):
-        # [B, L, N, D] in and out; every key is valid here (no lengths shorter than L).
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return out.transpose(1, 2).contiguous()
-
-    attention.flash_attention = sdpa
-    model.flash_attention = sdpa
-    import wan.modules.s2v.model_s2v as model_s2v
-    model_s2v.flash_attention = sdpa
-    import wan.modules.s2v.audio_utils as audio_utils
-    audio_utils.flash_attention = sdpa
-    return model_s2v
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--wan22", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=11)
     args = p.parse_args()
-    model_s2v = load_wan(args.wan22)
+    model_s2v = import_wan22(args.wan22, "modules.s2v.model_s2v")
     torch.manual_seed(args.seed)
     kwargs = {k: v for k, v in CONFIG.items() if k not in ("_class_name", "trainable_token", "motion_frames")}
     kwargs["window_size"] = tuple(kwargs["window_size"])
