@@ -145,6 +145,25 @@ fn assert_close(measured: usize, expected: usize, case: &str) {
     );
 }
 
+/// A Wan DiT's only rank on the CPU, in f32, its weights as stored.
+fn wan_rank_f32(
+    config: &tpinfer_wan::WanConfig,
+    store: &dyn tpinfer_weights::WeightStore,
+    shard: &tpinfer_wan::WanShard,
+) -> tpinfer_wan::WanRank {
+    let comm = ThreadGroup::ranks(1, std::time::Duration::from_secs(30)).remove(0);
+    tpinfer_wan::WanRank::load(
+        config,
+        store,
+        shard.clone(),
+        tpinfer_weights::WeightFormat::AsStored,
+        Arc::new(comm),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .expect("load")
+}
+
 /// The Wan DiT's forward against `tpinfer_wan::memory` at TP 1 in f32: the measured peak is
 /// the modelled RoPE tables plus activations within 3%. A block that kept its Q projection
 /// or K/V output alive a stage longer, or a norm that left an f32 copy, would miss by more.
@@ -155,7 +174,7 @@ fn dit_forward_allocates_what_the_memory_model_says() {
     let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     use tpinfer_tests::{open_wan, wan_inputs, TinyWan};
     use tpinfer_wan::memory::{DitMemory, ForwardPath, Video};
-    use tpinfer_wan::{WanRank, WanShard};
+    use tpinfer_wan::WanShard;
 
     let model = TinyWan {
         heads: 4,
@@ -177,17 +196,7 @@ fn dit_forward_allocates_what_the_memory_model_says() {
     let dtype = DType::F32;
     let shard = WanShard::new(&config, 1, 0).expect("shard");
     let measured = single_thread(|| {
-        let comm = ThreadGroup::ranks(1, std::time::Duration::from_secs(30)).remove(0);
-        let rank = WanRank::load(
-            &config,
-            &*store,
-            shard.clone(),
-            tpinfer_weights::WeightFormat::AsStored,
-            Arc::new(comm),
-            dtype,
-            &Device::Cpu,
-        )
-        .expect("load");
+        let rank = wan_rank_f32(&config, &*store, &shard);
         let context = rank.embed_text(&text).expect("text");
         drop(rank.forward(&latents, 700.0, &context).expect("warm-up"));
         let (velocity, measured) = peak_during(|| rank.forward(&latents, 700.0, &context).expect("forward"));
@@ -213,7 +222,7 @@ fn dit_forward_allocates_what_the_memory_model_says() {
 fn s2v_forward_allocates_what_the_memory_model_says() {
     let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     use tpinfer_wan::memory::{DitMemory, ForwardPath, Video};
-    use tpinfer_wan::{S2vCondition, WanCheckpoint, WanRank, WanShard};
+    use tpinfer_wan::{S2vCondition, WanCheckpoint, WanShard};
 
     let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/s2v-dit");
     let checkpoint = WanCheckpoint::open(&fixture.join("model")).expect("open");
@@ -222,17 +231,7 @@ fn s2v_forward_allocates_what_the_memory_model_says() {
     let dtype = DType::F32;
     let shard = WanShard::new(config, 1, 0).expect("shard");
     let (measured, video) = single_thread(|| {
-        let comm = ThreadGroup::ranks(1, std::time::Duration::from_secs(30)).remove(0);
-        let rank = WanRank::load(
-            config,
-            &*checkpoint.store,
-            shard.clone(),
-            tpinfer_weights::WeightFormat::AsStored,
-            Arc::new(comm),
-            dtype,
-            &Device::Cpu,
-        )
-        .expect("load");
+        let rank = wan_rank_f32(config, &*checkpoint.store, &shard);
         let context = rank.embed_text(&inputs["text"]).expect("text");
         let noisy = &inputs["noisy"];
         let condition = S2vCondition {
