@@ -236,6 +236,82 @@ fn an_s2v_dit_forward_matches_the_wan22_model_at_every_width() {
     }
 }
 
+/// Conditioning that does not fit the clip is refused by name, before any forward: a
+/// reference of two frames, motion latents of 18 frames, pose latents of another size,
+/// latents too small for the frame packer, and latents of another size than the clip's.
+#[test]
+fn s2v_clips_that_do_not_fit_are_refused_by_name() {
+    let checkpoint = WanCheckpoint::open(&dit_fixture().join("model")).expect("open");
+    let inputs = dit_tensors("inputs.safetensors");
+    let comm: Arc<dyn Communicator> = Arc::new(ThreadGroup::ranks(1, Duration::from_secs(30)).remove(0));
+    let config = &checkpoint.config;
+    let shard = WanShard::new(config, 1, 0).expect("shard");
+    let rank = WanRank::load(
+        config,
+        &*checkpoint.store,
+        shard,
+        WeightFormat::AsStored,
+        comm,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .expect("load");
+    let noisy = &inputs["noisy"];
+    let good = S2vCondition {
+        reference: inputs["reference"].clone(),
+        motion: Some(inputs["motion"].clone()),
+        pose: inputs["pose"].clone(),
+        audio: rank.encode_s2v_audio(&inputs["audio"]).expect("audio"),
+    };
+    let frames = |t: &Tensor, n: usize| Tensor::cat(&[t, t], 1).expect("cat").narrow(1, 0, n).expect("narrow");
+    for (condition, named) in [
+        (
+            S2vCondition {
+                reference: frames(&good.reference, 2),
+                ..good.clone()
+            },
+            "the reference latent are [16, 2, 8, 16]",
+        ),
+        (
+            S2vCondition {
+                motion: Some(frames(&inputs["motion"], 18)),
+                ..good.clone()
+            },
+            "the motion latents are [16, 18, 8, 16]",
+        ),
+        (
+            S2vCondition {
+                pose: frames(&good.pose, 3),
+                ..good.clone()
+            },
+            "the pose latents are [16, 3, 8, 16]",
+        ),
+    ] {
+        let err = rank
+            .prepare_s2v(noisy.dims(), &condition)
+            .err()
+            .expect(named)
+            .to_string();
+        assert!(err.contains(named), "{err}");
+    }
+    let err = rank
+        .prepare_s2v(&[16, 4, 6, 16], &good)
+        .err()
+        .expect("6 latent rows")
+        .to_string();
+    assert!(err.contains("at least 8 × 8 latents"), "{err}");
+    let clip = rank.prepare_s2v(noisy.dims(), &good).expect("prepare");
+    let context = rank.embed_text(&inputs["text"]).expect("text");
+    let wider = Tensor::cat(&[noisy, noisy], 3).expect("wider");
+    let err = rank
+        .forward_s2v(&wider, 500.0, &context, &clip, None)
+        .expect_err("wider")
+        .to_string();
+    assert!(err.contains("prepared for (4, 4, 8) patches"), "{err}");
+    let err = rank.forward(noisy, 500.0, &context).expect_err("no clip").to_string();
+    assert!(err.contains("needs its clip"), "{err}");
+}
+
 /// A tiny S2V checkpoint as the official one is laid out: `config.json` in the original
 /// form of `WanModel_S2V` and every tensor the plan declares, in the original names, random.
 fn write_s2v_checkpoint(dir: &Path, config: &serde_json::Value) {

@@ -127,7 +127,7 @@ impl S2vEmbedders {
                 "[channels, frames, height, width]",
             ));
         };
-        let expect = |name: &str, t: &Tensor, channels: usize, wanted_frames: usize| -> Result<()> {
+        let check_shape = |name: &str, t: &Tensor, channels: usize, wanted_frames: usize| -> Result<()> {
             let ok = t.dims() == [channels, wanted_frames, *height, *width];
             match ok {
                 true => Ok(()),
@@ -139,11 +139,20 @@ impl S2vEmbedders {
             }
         };
         let s2v = c.s2v.as_ref().ok_or_else(|| Error::Shard("not an S2V model".into()))?;
-        expect("the reference latent", &condition.reference, c.in_channels, 1)?;
-        expect("the pose latents", &condition.pose, s2v.cond_dim, *frames)?;
+        // The frame packer's coarsest scale patches 8 × 8 latents.
+        let [_, coarsest_h, coarsest_w] = FRAME_PACK[FRAME_PACK.len() - 1].1;
+        if *height < coarsest_h || *width < coarsest_w {
+            return Err(shape_error(
+                "latents",
+                latent_shape,
+                &format!("at least {coarsest_h} × {coarsest_w} latents (S2V's frame packer)"),
+            ));
+        }
+        check_shape("the reference latent", &condition.reference, c.in_channels, 1)?;
+        check_shape("the pose latents", &condition.pose, s2v.cond_dim, *frames)?;
         let latent_motion = S2V_MOTION_FRAMES.div_ceil(4);
         if let Some(motion) = &condition.motion {
-            expect("the motion latents", motion, c.in_channels, latent_motion)?;
+            check_shape("the motion latents", motion, c.in_channels, latent_motion)?;
         }
         let marks = self.marks.to_dtype(dtype)?;
         let mark = |t: Tensor, i: usize| -> Result<Tensor> { Ok(t.broadcast_add(&marks.get(i)?)?) };
