@@ -28,6 +28,7 @@ mod sweep;
 #[cfg(feature = "timeline")]
 mod timeline;
 mod vae;
+mod vae_encode;
 
 use std::path::PathBuf;
 
@@ -73,6 +74,9 @@ enum Command {
     /// The Wan VAE decoder at each TP width: seconds per decode, memory against the plan,
     /// and the frames for reference_vae.py to compare.
     Vae(vae::VaeArgs),
+    /// The Wan VAE encoder on one device: ms per encode, and the latents for
+    /// reference_vae_encoder.py's to compare.
+    VaeEncode(vae_encode::VaeEncodeArgs),
     /// The device sampler against the host's arithmetic on random logits: ms per call and
     /// tokens equal, per batch of rows and sampling setting.
     Sample(sample::SampleArgs),
@@ -687,6 +691,7 @@ fn main() -> Result<()> {
         Command::Encode(args) => encode::encode(args),
         Command::Speech(args) => speech::speech(args),
         Command::Vae(args) => vae::vae(args),
+        Command::VaeEncode(args) => vae_encode::vae_encode(args),
         Command::Load(args) => load::run(args),
         Command::Gguf(args) => gguf::run(args),
         #[cfg(feature = "timeline")]
