@@ -184,3 +184,28 @@ fn descriptor(bytes: &[u8], p: &mut usize, tag: u8) -> Result<usize, MediaError>
     }
     Ok(len)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Files that are not what the writer made are refused, naming what is missing, and
+    /// left as they were.
+    #[test]
+    fn a_file_without_the_descriptor_is_refused_untouched() {
+        let free = |size: u32| [&size.to_be_bytes()[..], b"free", &vec![0u8; size as usize - 8]].concat();
+        for (bytes, named) in [
+            (free(16), "no `moov` box"),
+            (
+                [&free(16)[..], &40u32.to_be_bytes(), b"moov"].concat(),
+                "runs past the end",
+            ),
+            ([&16u32.to_be_bytes()[..], b"moov", &[0u8; 8]].concat(), "no `esds` box"),
+        ] {
+            let mut file = std::io::Cursor::new(bytes.clone());
+            let err = mark_sl_config_mp4(&mut file).expect_err(named).to_string();
+            assert!(err.contains(named), "{err}");
+            assert_eq!(file.into_inner(), bytes);
+        }
+    }
+}
