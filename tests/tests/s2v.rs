@@ -163,6 +163,22 @@ fn dit_tensors(file: &str) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(dit_fixture().join(file), &Device::Cpu).expect(file)
 }
 
+/// The fixture DiT's rank of `comm` at TP `tp`, f32 on the CPU.
+fn dit_rank(checkpoint: &WanCheckpoint, tp: usize, comm: Arc<dyn Communicator>) -> WanRank {
+    let config = &checkpoint.config;
+    let shard = WanShard::new(config, tp, comm.rank()).expect("shard");
+    WanRank::load(
+        config,
+        &*checkpoint.store,
+        shard,
+        WeightFormat::AsStored,
+        comm,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .expect("load")
+}
+
 /// Every rank's S2V velocity for the fixture's clip with its motion frames and without them
 /// (the first clip), on `tp` CPU ranks.
 fn run_dit(tp: usize) -> Vec<[Tensor; 2]> {
@@ -177,19 +193,7 @@ fn run_dit(tp: usize) -> Vec<[Tensor; 2]> {
                 let (checkpoint, inputs) = (&checkpoint, &inputs);
                 s.spawn(move || {
                     let comm: Arc<dyn Communicator> = Arc::new(comm);
-                    let config = &checkpoint.config;
-                    let shard = WanShard::new(config, tp, comm.rank()).expect("shard");
-                    let store = &*checkpoint.store;
-                    let rank = WanRank::load(
-                        config,
-                        store,
-                        shard,
-                        WeightFormat::AsStored,
-                        comm,
-                        DType::F32,
-                        &Device::Cpu,
-                    )
-                    .expect("load");
+                    let rank = dit_rank(checkpoint, tp, comm);
                     let context = rank.embed_text(&inputs["text"]).expect("text");
                     let audio = rank.encode_s2v_audio(&inputs["audio"]).expect("audio");
                     let noisy = &inputs["noisy"];
@@ -244,18 +248,7 @@ fn s2v_clips_that_do_not_fit_are_refused_by_name() {
     let checkpoint = WanCheckpoint::open(&dit_fixture().join("model")).expect("open");
     let inputs = dit_tensors("inputs.safetensors");
     let comm: Arc<dyn Communicator> = Arc::new(ThreadGroup::ranks(1, Duration::from_secs(30)).remove(0));
-    let config = &checkpoint.config;
-    let shard = WanShard::new(config, 1, 0).expect("shard");
-    let rank = WanRank::load(
-        config,
-        &*checkpoint.store,
-        shard,
-        WeightFormat::AsStored,
-        comm,
-        DType::F32,
-        &Device::Cpu,
-    )
-    .expect("load");
+    let rank = dit_rank(&checkpoint, 1, comm);
     let noisy = &inputs["noisy"];
     let good = S2vCondition {
         reference: inputs["reference"].clone(),
