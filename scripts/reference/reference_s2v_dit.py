@@ -3,7 +3,9 @@
 (issue #35): the noisy latents of a 16-frame clip with the pose latents added, the reference
 image's latent, the frame-packed motion latents, the audio through the causal encoder and the
 injections, the reference and motion tokens at timestep 0. Twice: with the motion frames,
-and with them dropped, as the first clip runs. Written as tests/fixtures/s2v-dit/: the
+and with them dropped, as the first clip runs. Then the clip denoised as the wheel's
+`generate` does it, from the same latents: three UniPC steps (shift 3), guided (4.5) by an
+unconditional pass with a negative prompt and silent audio. Written as tests/fixtures/s2v-dit/: the
 checkpoint in the official layout under model/ (config.json in the original form,
 diffusion_pytorch_model.safetensors in the original names), inputs.safetensors and
 reference.safetensors beside it. Runs on the CPU in f32: the
@@ -37,6 +39,7 @@ CONFIG = {
 FRAMES, LATENT_FRAMES, LAT_H, LAT_W = 16, 4, 8, 16
 MOTION, LAT_MOTION, STATES, TEXT = 73, 19, 25, 12
 TIMESTEP = 742.5
+DENOISE_STEPS, GUIDE_SCALE = 3, 4.5
 
 
 def main():
@@ -79,10 +82,28 @@ def main():
                 ref_latents=[reference], motion_latents=[motion], cond_states=[pose],
                 audio_input=audio, motion_frames=[MOTION, LAT_MOTION], drop_motion_frames=drop)
             outputs[case] = out[0].contiguous()
+        # One clip denoised as the wheel's `generate` does it: UniPC (shift 3), each step's
+        # unconditional pass with the negative prompt and silent audio, guided.
+        negative = torch.cat([torch.randn(TEXT - 4, CONFIG["text_dim"]),
+                              torch.zeros(CONFIG["text_len"] - TEXT + 4, CONFIG["text_dim"])])
+        solvers = import_wan22(args.wan22, "utils.fm_solvers_unipc")
+        scheduler = solvers.FlowUniPCMultistepScheduler(num_train_timesteps=1000, shift=1, use_dynamic_shifting=False)
+        scheduler.set_timesteps(DENOISE_STEPS, device="cpu", shift=3.0)
+        latents = noisy.clone()
+        for t in scheduler.timesteps:
+            def velocity(context, audio_input):
+                return model([latents], t=torch.stack([t]), context=[context], seq_len=None,
+                             ref_latents=[reference], motion_latents=[motion], cond_states=[pose],
+                             audio_input=audio_input, motion_frames=[MOTION, LAT_MOTION],
+                             drop_motion_frames=False)[0]
+            cond, uncond = velocity(text, audio), velocity(negative, 0.0 * audio)
+            guided = uncond + GUIDE_SCALE * (cond - uncond)
+            latents = scheduler.step(guided.unsqueeze(0), t, latents.unsqueeze(0), return_dict=False)[0].squeeze(0)
+        outputs["denoised"] = latents.contiguous()
     inputs = {
         "noisy": noisy, "reference": reference, "motion": motion, "pose": pose, "text": text,
         "audio": audio[0].permute(2, 0, 1).contiguous(),  # [frames, states, audio dim]
-        "timestep": torch.tensor([TIMESTEP]),
+        "timestep": torch.tensor([TIMESTEP]), "negative": negative,
     }
     model_dir = os.path.join(args.out, "model")
     os.makedirs(model_dir, exist_ok=True)

@@ -18,7 +18,7 @@ def sdpa(q, k, v, q_lens=None, k_lens=None, **_):
 
 def import_wan22(root, name):
     """`wan.<name>` from the unpacked wheel at `root`, its attention SDPA."""
-    for package in ["wan", "wan.modules", "wan.modules.s2v", "wan.distributed"]:
+    for package in ["wan", "wan.modules", "wan.modules.s2v", "wan.distributed", "wan.utils"]:
         module = types.ModuleType(package)
         module.__path__ = [os.path.join(root, *package.split("."))]
         sys.modules[package] = module

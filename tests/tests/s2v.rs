@@ -371,8 +371,10 @@ fn an_s2v_checkpoint_plans_at_every_width() {
 }
 
 /// Through the engine at TP 2: an S2V velocity (the clip's audio encoded and its reference,
-/// motion and pose embedded on every rank) is the wan22 model's; a forward without the clip,
-/// and `generate`, which does not run S2V's clips yet, are refused by name.
+/// motion and pose embedded on every rank) is the wan22 model's, and a clip denoised with
+/// guidance (three UniPC steps, the unconditional pass with the negative prompt and silent
+/// audio) is the wheel's `generate` loop's; a forward without the clip, and `generate`, which
+/// runs text-to-video, are refused by name.
 #[test]
 fn the_engine_runs_an_s2v_velocity_and_refuses_what_it_cannot_run() {
     use tpinfer_engine::{Engine, S2vInputs, VideoEngine, VideoRequest, VideoShape};
@@ -402,16 +404,24 @@ fn the_engine_runs_an_s2v_velocity_and_refuses_what_it_cannot_run() {
         .expect_err("no clip")
         .to_string();
     assert!(err.contains("needs a clip"), "{err}");
+    // The clip denoised as the wheel's `generate` denoises it, from the same latents.
     let request = VideoRequest {
         text: inputs["text"].clone(),
-        negative: None,
-        steps: 2,
+        negative: Some(inputs["negative"].clone()),
+        steps: 3,
         shift: 3.0,
-        guide_scale: 1.0,
-        solver: tpinfer_wan::sampler::Solver::Euler,
+        guide_scale: 4.5,
+        solver: tpinfer_wan::sampler::Solver::UniPc(2),
         seed: 7,
-        init_latents: None,
+        init_latents: Some(inputs["noisy"].clone()),
     };
+    let mut steps = Vec::new();
+    let denoised = engine
+        .generate_s2v_clip(request.clone(), clip, |s| steps.push(s.index))
+        .expect("denoise");
+    assert_eq!(steps, [0, 1, 2]);
+    let rel = tensor_rel_error(&denoised, &dit_tensors("reference.safetensors")["denoised"]);
+    assert!(rel < 1e-5, "a clip denoised at TP 2 against the wheel's loop: {rel:e}");
     let err = engine
         .generate(request, |_| {})
         .expect_err("no S2V generate")

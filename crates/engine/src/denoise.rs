@@ -7,10 +7,10 @@ use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_runtime::RuntimeError;
 use tpinfer_wan::sampler::{guide, seeded_noise, Sampler, Schedule};
-use tpinfer_wan::{S2vCondition, StageTimes, WanRank};
+use tpinfer_wan::{S2vClip, S2vCondition, StageTimes, WanRank};
 
 use crate::error::finite;
-use crate::video::{JobResult, StepReport, VideoJob, Work};
+use crate::video::{JobResult, S2vInputs, StepReport, VideoJob, Work};
 use crate::EngineError;
 
 pub(crate) fn denoise(
@@ -23,8 +23,9 @@ pub(crate) fn denoise(
     let rank = comm.rank();
     let err = |source: tpinfer_layers::Error| EngineError::from(RuntimeError::of_rank(rank, source));
     let tensor_err = |e: candle_core::Error| err(e.into());
-    let r = match &job.work {
-        Work::Denoise(r) => r,
+    let (r, s2v) = match &job.work {
+        Work::Denoise(r) => (r, None),
+        Work::DenoiseS2v(r, inputs) => (r, Some(inputs)),
         Work::Velocity {
             latents,
             timestep,
@@ -36,15 +37,7 @@ pub(crate) fn denoise(
             let context = model.embed_text(&on_device(text)?).map_err(err)?;
             let latents = on_device(latents)?;
             let clip = match s2v {
-                Some(inputs) => {
-                    let condition = S2vCondition {
-                        reference: on_device(&inputs.reference)?,
-                        motion: inputs.motion.as_ref().map(on_device).transpose()?,
-                        pose: on_device(&inputs.pose)?,
-                        audio: model.encode_s2v_audio(&on_device(&inputs.audio)?).map_err(err)?,
-                    };
-                    Some(model.prepare_s2v(latents.dims(), &condition).map_err(err)?)
-                }
+                Some(inputs) => Some(prepare_clip(model, inputs, &inputs.audio, latents.dims(), device).map_err(err)?),
                 None => None,
             };
             // Only rank 0's stages are returned; the others run their forward unmarked.
@@ -86,15 +79,41 @@ pub(crate) fn denoise(
         None => seeded_noise(&latent_shape, r.seed).and_then(|n| n.to_device(device)),
     }
     .map_err(tensor_err)?;
+    // S2V: the clip's conditioning, and for the unconditional pass the same with silent audio.
+    let clips = match s2v {
+        Some(inputs) => {
+            let cond = prepare_clip(model, inputs, &inputs.audio, &latent_shape, device).map_err(err)?;
+            let silent = match &negative {
+                Some(_) => Some(
+                    prepare_clip(
+                        model,
+                        inputs,
+                        &inputs.audio.zeros_like().map_err(tensor_err)?,
+                        &latent_shape,
+                        device,
+                    )
+                    .map_err(err)?,
+                ),
+                None => None,
+            };
+            Some((cond, silent))
+        }
+        None => None,
+    };
+    let forward = |x: &Tensor, timestep: f64, context: &Tensor, clip: Option<&S2vClip>| match clip {
+        Some(clip) => model.forward_s2v(x, timestep, context, clip, None),
+        None => model.forward(x, timestep, context),
+    };
     let mut sampler = Sampler::new(Schedule::new(r.steps, r.shift), r.solver);
     for index in 0..r.steps {
         let start = Instant::now();
         let before = comm.stats().snapshot();
         let timestep = sampler.schedule().timestep(index);
-        let cond = model.forward(&x, timestep, &context).map_err(err)?;
+        let cond = forward(&x, timestep, &context, clips.as_ref().map(|c| &c.0)).map_err(err)?;
         let v = match &negative {
             Some(n) => {
-                let uncond = model.forward(&x, timestep, n).map_err(err)?;
+                let silent = clips.as_ref().and_then(|c| c.1.as_ref());
+                let uncond = forward(&x, timestep, n, silent).map_err(err)?;
                 guide(&cond, &uncond, r.guide_scale).map_err(tensor_err)?
             }
             None => cond,
@@ -125,4 +144,22 @@ pub(crate) fn denoise(
         0 => Ok(Some((x.to_device(&Device::Cpu).map_err(tensor_err)?, Vec::new()))),
         _ => Ok(None),
     }
+}
+
+/// An S2V clip's conditioning on this rank, its audio from `audio` (the clip's features, or
+/// silence for the unconditional pass).
+fn prepare_clip(
+    model: &WanRank,
+    inputs: &S2vInputs,
+    audio: &Tensor,
+    latent_shape: &[usize],
+    device: &Device,
+) -> tpinfer_layers::Result<S2vClip> {
+    let condition = S2vCondition {
+        reference: inputs.reference.to_device(device)?,
+        motion: inputs.motion.as_ref().map(|m| m.to_device(device)).transpose()?,
+        pose: inputs.pose.to_device(device)?,
+        audio: model.encode_s2v_audio(&audio.to_device(device)?)?,
+    };
+    model.prepare_s2v(latent_shape, &condition)
 }

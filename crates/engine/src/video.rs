@@ -103,6 +103,8 @@ pub struct StepReport {
 /// What the ranks run.
 pub(crate) enum Work {
     Denoise(VideoRequest),
+    /// One S2V clip, conditioned on its inputs.
+    DenoiseS2v(VideoRequest, S2vInputs),
     /// One velocity evaluation (no sampler, no guidance): for numerics and step timing;
     /// with `profile`, rank 0 times the stages of its forward.
     Velocity {
@@ -298,15 +300,42 @@ impl VideoEngine {
 
     /// Denoises from seeded noise; `on_step` hears rank 0 after every step. Returns the
     /// latents `[channels, latent frames, height / 8, width / 8]`, f32 on the CPU.
-    pub fn generate(&self, request: VideoRequest, mut on_step: impl FnMut(StepReport)) -> Result<Tensor, EngineError> {
+    pub fn generate(&self, request: VideoRequest, on_step: impl FnMut(StepReport)) -> Result<Tensor, EngineError> {
         if self.s2v {
             return Err(EngineError::InvalidRequest(
                 "this is a speech-to-video (Wan2.2-S2V) model: it denoises clip by clip from audio and a \
-                 reference image, which `generate` does not run yet (its single forwards run: \
-                 `tpinfer-bench dit` with S2V inputs)"
+                 reference image (`generate_s2v_clip`), which `generate` does not run"
                     .into(),
             ));
         }
+        self.denoise(Work::Denoise(request), on_step)
+    }
+
+    /// An S2V model's clip, denoised from seeded noise as Wan2.2-S2V's `generate` denoises
+    /// each clip: every step's conditional pass with the clip's conditioning, and with
+    /// guidance an unconditional pass with the negative prompt and silent audio (the same
+    /// reference, motion and pose). Returns the clip's latents, f32 on the CPU.
+    pub fn generate_s2v_clip(
+        &self,
+        request: VideoRequest,
+        inputs: S2vInputs,
+        on_step: impl FnMut(StepReport),
+    ) -> Result<Tensor, EngineError> {
+        if !self.s2v {
+            return Err(EngineError::InvalidRequest(
+                "this model is not a speech-to-video one: `generate` denoises its videos".into(),
+            ));
+        }
+        self.denoise(Work::DenoiseS2v(request, inputs), on_step)
+    }
+
+    fn denoise(&self, work: Work, mut on_step: impl FnMut(StepReport)) -> Result<Tensor, EngineError> {
+        let request = match &work {
+            Work::Denoise(r) | Work::DenoiseS2v(r, _) => r,
+            Work::Velocity { .. } => {
+                return Err(EngineError::InvalidRequest("a velocity is not a denoising run".into()))
+            }
+        };
         request.check()?;
         self.check_text("the text states", &request.text)?;
         if let Some(negative) = &request.negative {
@@ -329,7 +358,7 @@ impl VideoEngine {
                 )));
             }
         }
-        Ok(self.run(Work::Denoise(request), &mut on_step)?.0)
+        Ok(self.run(work, &mut on_step)?.0)
     }
 
     /// The model's velocity for `latents` `[channels, latent frames, h, w]` at `timestep`
@@ -425,7 +454,7 @@ impl VideoEngine {
     fn run(&self, work: Work, on_step: &mut dyn FnMut(StepReport)) -> Result<(Tensor, StageProfile), EngineError> {
         // The plan is for the engine's video size; a velocity of other latents is not its case.
         let planned_size = match &work {
-            Work::Denoise(_) => true,
+            Work::Denoise(_) | Work::DenoiseS2v(..) => true,
             Work::Velocity { latents, .. } => latents.dims() == self.latent_shape,
         };
         // The DiT runs in the pipeline's second turn when its text encoder must make room.
