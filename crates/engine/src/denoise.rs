@@ -1,5 +1,7 @@
 //! One job of a video engine on one rank: the denoising loop (seeded or given noise, guided
-//! steps, a check for non-finite latents after each) or a single velocity.
+//! steps, a check for non-finite latents after each) of a video or of one S2V clip (its
+//! conditioning prepared once, and once more with silent audio for the unconditional
+//! passes), or a single velocity.
 
 use std::time::Instant;
 
