@@ -39,7 +39,7 @@ pub(crate) fn denoise(
             let context = model.embed_text(&on_device(text)?).map_err(err)?;
             let latents = on_device(latents)?;
             let clip = match s2v {
-                Some(inputs) => Some(prepare_clip(model, inputs, &inputs.audio, latents.dims(), device).map_err(err)?),
+                Some(inputs) => Some(prepare_clip(model, inputs, latents.dims(), device).map_err(err)?),
                 None => None,
             };
             // Only rank 0's stages are returned; the others run their forward unmarked.
@@ -84,18 +84,13 @@ pub(crate) fn denoise(
     // S2V: the clip's conditioning, and for the unconditional pass the same with silent audio.
     let clips = match s2v {
         Some(inputs) => {
-            let cond = prepare_clip(model, inputs, &inputs.audio, &latent_shape, device).map_err(err)?;
+            let cond = prepare_clip(model, inputs, &latent_shape, device).map_err(err)?;
             let silent = match &negative {
-                Some(_) => Some(
-                    prepare_clip(
-                        model,
-                        inputs,
-                        &inputs.audio.zeros_like().map_err(tensor_err)?,
-                        &latent_shape,
-                        device,
-                    )
-                    .map_err(err)?,
-                ),
+                Some(_) => {
+                    let zeros = inputs.audio.zeros_like().and_then(|z| z.to_device(device));
+                    let audio = model.encode_s2v_audio(&zeros.map_err(tensor_err)?).map_err(err)?;
+                    Some(cond.with_audio(audio))
+                }
                 None => None,
             };
             Some((cond, silent))
@@ -148,12 +143,10 @@ pub(crate) fn denoise(
     }
 }
 
-/// An S2V clip's conditioning on this rank, its audio from `audio` (the clip's features, or
-/// silence for the unconditional pass).
+/// An S2V clip's conditioning on this rank.
 fn prepare_clip(
     model: &WanRank,
     inputs: &S2vInputs,
-    audio: &Tensor,
     latent_shape: &[usize],
     device: &Device,
 ) -> tpinfer_layers::Result<S2vClip> {
@@ -161,7 +154,7 @@ fn prepare_clip(
         reference: inputs.reference.to_device(device)?,
         motion: inputs.motion.as_ref().map(|m| m.to_device(device)).transpose()?,
         pose: inputs.pose.to_device(device)?,
-        audio: model.encode_s2v_audio(&audio.to_device(device)?)?,
+        audio: model.encode_s2v_audio(&inputs.audio.to_device(device)?)?,
     };
     model.prepare_s2v(latent_shape, &condition)
 }

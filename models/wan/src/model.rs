@@ -383,8 +383,17 @@ impl WanRank {
     /// S2V: embeds a clip's conditioning for latents of `latent_shape` `[channels, frames,
     /// height, width]`: once per clip, for all its steps.
     pub fn prepare_s2v(&self, latent_shape: &[usize], condition: &S2vCondition) -> Result<S2vClip> {
-        self.s2v_embedders()?
-            .prepare(&self.config, &self.patch, latent_shape, condition, self.dtype)
+        let embedders = self.s2v_embedders()?;
+        let device = condition.reference.device();
+        let zero_time = self.time_projection(&self.time_embedding(0.0, device)?)?;
+        embedders.prepare(
+            &self.config,
+            &self.patch,
+            latent_shape,
+            condition,
+            zero_time,
+            self.dtype,
+        )
     }
 
     /// S2V's velocity for the clip's `latents`: [`Self::forward`]'s, with the clip's pose
@@ -480,10 +489,6 @@ impl WanRank {
 
         let temb = self.time_embedding(timestep, device)?;
         let time = self.time_projection(&temb)?;
-        let zero_time = match clip {
-            Some(_) => Some(self.time_projection(&self.time_embedding(0.0, device)?)?),
-            None => None,
-        };
         let rope = match clip {
             Some(clip) => clip.rope.clone(),
             None => rope_grid(c.attention_head_dim, &PositionGrid::counting((f, h, w)), device)?,
@@ -492,7 +497,7 @@ impl WanRank {
             rope: &rope,
             context,
             time: &time,
-            zero_time: zero_time.as_ref().map(|t| (t, video_rows)),
+            zero_time: clip.map(|clip| (&clip.zero_time, video_rows)),
             rows: rows.as_ref(),
             times,
         };
@@ -807,7 +812,7 @@ pub(crate) fn rope_grid(hd: usize, grid: &PositionGrid, device: &Device) -> Resu
 
 /// LayerNorm modulated per channel, `norm(x) · (1 + scale) + shift`, in f32 as diffusers'
 /// FP32LayerNorm: one fused LayerNorm with weight `1 + scale` and bias `shift`.
-fn modulated_norm(x: &Tensor, shift: &Tensor, scale: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+pub(crate) fn modulated_norm(x: &Tensor, shift: &Tensor, scale: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
     layer_norm(x, &(scale + 1.0)?, shift, eps)
 }
 

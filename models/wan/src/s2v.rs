@@ -38,6 +38,7 @@ pub struct S2vCondition {
 }
 
 /// A clip's conditioning embedded for the DiT: what every step of the clip reuses.
+#[derive(Clone)]
 pub struct S2vClip {
     /// The video's grid of patches `(frames, height, width)`.
     pub(crate) grid: (usize, usize, usize),
@@ -48,7 +49,17 @@ pub struct S2vClip {
     pub(crate) condition: Tensor,
     /// RoPE for the whole sequence, `[tokens, 2, head_dim / 2]` f32.
     pub(crate) rope: Tensor,
+    /// Timestep 0's modulation rows, `[6, dim]` f32: the reference and motion tokens'.
+    pub(crate) zero_time: Tensor,
     pub(crate) audio: AudioEmbedding,
+}
+
+impl S2vClip {
+    /// The same clip with other audio (silence, for the unconditional pass): its tokens and
+    /// tables shared, not copied.
+    pub fn with_audio(&self, audio: AudioEmbedding) -> Self {
+        Self { audio, ..self.clone() }
+    }
 }
 
 /// numpy's `linspace(start, stop, n).astype(int)`, as S2V's `rope_precompute` samples the
@@ -117,6 +128,7 @@ impl S2vEmbedders {
         patch: &PatchLinear,
         latent_shape: &[usize],
         condition: &S2vCondition,
+        zero_time: Tensor,
         dtype: DType,
     ) -> Result<S2vClip> {
         let device = condition.reference.device().clone();
@@ -201,6 +213,7 @@ impl S2vEmbedders {
             pose,
             condition: condition_tokens,
             rope,
+            zero_time,
             audio: condition.audio.clone(),
         })
     }

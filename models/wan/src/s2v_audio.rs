@@ -16,7 +16,7 @@ use tpinfer_layers::{
 use tpinfer_weights::ShardLoader;
 
 use crate::memory::SCORE_BUFFER_BYTES;
-use crate::model::full_width_rms_norm;
+use crate::model::{full_width_rms_norm, modulated_norm};
 use crate::{S2vModules, WanConfig};
 
 /// The wav2vec2 hidden states S2V weighs together: a large encoder's input to each of its 24
@@ -223,7 +223,7 @@ impl AudioInjector {
             let parts = (0..frames)
                 .map(|f| {
                     let (shift, scale) = (emb.get(f)?.narrow(0, 0, dim)?, emb.get(f)?.narrow(0, dim, dim)?);
-                    let modulated = layer_norm(&video.narrow(0, f * hw, hw)?, &(scale + 1.0)?, &shift, ADAIN_NORM_EPS)?;
+                    let modulated = modulated_norm(&video.narrow(0, f * hw, hw)?, &shift, &scale, ADAIN_NORM_EPS)?;
                     self.q.forward(&modulated)
                 })
                 .collect::<Result<Vec<_>>>()?;
