@@ -308,7 +308,7 @@ impl VideoEngine {
                     .into(),
             ));
         }
-        self.denoise(Work::Denoise(request), on_step)
+        self.denoise(request, None, on_step)
     }
 
     /// An S2V model's clip, denoised from seeded noise as Wan2.2-S2V's `generate` denoises
@@ -326,16 +326,15 @@ impl VideoEngine {
                 "this model is not a speech-to-video one: `generate` denoises its videos".into(),
             ));
         }
-        self.denoise(Work::DenoiseS2v(request, inputs), on_step)
+        self.denoise(request, Some(inputs), on_step)
     }
 
-    fn denoise(&self, work: Work, mut on_step: impl FnMut(StepReport)) -> Result<Tensor, EngineError> {
-        let request = match &work {
-            Work::Denoise(r) | Work::DenoiseS2v(r, _) => r,
-            Work::Velocity { .. } => {
-                return Err(EngineError::InvalidRequest("a velocity is not a denoising run".into()))
-            }
-        };
+    fn denoise(
+        &self,
+        request: VideoRequest,
+        s2v: Option<S2vInputs>,
+        mut on_step: impl FnMut(StepReport),
+    ) -> Result<Tensor, EngineError> {
         request.check()?;
         self.check_text("the text states", &request.text)?;
         if let Some(negative) = &request.negative {
@@ -358,6 +357,10 @@ impl VideoEngine {
                 )));
             }
         }
+        let work = match s2v {
+            Some(inputs) => Work::DenoiseS2v(request, inputs),
+            None => Work::Denoise(request),
+        };
         Ok(self.run(work, &mut on_step)?.0)
     }
 
