@@ -116,6 +116,12 @@ struct DitArgs {
     /// on a GPU, read after the forward).
     #[arg(long)]
     profile: bool,
+    /// Also denoise from the last inputs' latents for this many guided steps (UniPC, the
+    /// inputs' `negative` states or else their `text` as the negative prompt; an S2V model's
+    /// clip with silent audio for the unconditional pass) and report each step's time: a
+    /// guided step as `generate` runs it, the conditioning prepared once.
+    #[arg(long, default_value_t = 0)]
+    guided_steps: usize,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -509,6 +515,8 @@ fn logits(args: LogitsArgs) -> Result<()> {
 struct DitInputs {
     latents: candle_core::Tensor,
     text: candle_core::Tensor,
+    /// The negative prompt's states, for guided steps.
+    negative: Option<candle_core::Tensor>,
     timestep: f64,
     /// An S2V model's clip conditioning.
     s2v: Option<tpinfer_engine::S2vInputs>,
@@ -563,6 +571,7 @@ fn dit_inputs(path: &std::path::Path) -> Result<DitInputs> {
     Ok(DitInputs {
         latents,
         text,
+        negative: inputs.get("negative").cloned(),
         timestep,
         s2v,
         shape,
@@ -635,7 +644,39 @@ fn dit(args: DitArgs) -> Result<()> {
         if args.profile {
             dit_profile(&engine, tp, inputs.last().context("no inputs")?)?;
         }
+        if args.guided_steps > 0 {
+            dit_guided_steps(&engine, tp, inputs.last().context("no inputs")?, args.guided_steps)?;
+        }
     }
+    Ok(())
+}
+
+/// Each guided step's time of a short denoising run from the input's latents.
+fn dit_guided_steps(engine: &tpinfer_engine::VideoEngine, tp: usize, input: &DitInputs, steps: usize) -> Result<()> {
+    let request = tpinfer_engine::VideoRequest {
+        text: input.text.clone(),
+        negative: Some(input.negative.clone().unwrap_or_else(|| input.text.clone())),
+        steps,
+        shift: 3.0,
+        guide_scale: 4.5,
+        solver: tpinfer_engine::Solver::UniPc(2),
+        seed: 0,
+        init_latents: Some(input.latents.clone()),
+    };
+    let mut times = Vec::new();
+    let on_step = |r: tpinfer_engine::StepReport| times.push(r.elapsed.as_secs_f64() * 1e3);
+    let start = std::time::Instant::now();
+    match &input.s2v {
+        Some(clip) => engine.generate_s2v_clip(request, clip.clone(), on_step)?,
+        None => engine.generate(request, on_step)?,
+    };
+    let wall = start.elapsed().as_secs_f64() * 1e3;
+    let first = times.first().copied().unwrap_or(0.0);
+    println!(
+        "\n| TP | guided steps | ms per step (median) | first step ms | run wall ms |\n|---|---|---|---|---|\n\
+         | {tp} | {steps} | {:.1} | {first:.1} | {wall:.1} |",
+        median(times)
+    );
     Ok(())
 }
 
