@@ -6,9 +6,10 @@ REF="$PY $SCRIPTS/reference/reference_wan.py"
 mkdir -p "$W"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/$LOG"; }
 run() { log "$*"; timeout "${LIMIT:-200}" "$@" 2>&1 | tee -a "$OUT/$LOG"; return "${PIPESTATUS[0]}"; }
-# Each carried wheel (diffusers; ftfy and wcwidth, which WanPipeline's prompt cleaning needs)
+# Each carried wheel (diffusers; ftfy and wcwidth, which WanPipeline's prompt cleaning needs; einops,
+# which the wan22 wheel's S2V model needs)
 # whose module the host lacks.
-for pkg in diffusers ftfy wcwidth; do
+for pkg in diffusers ftfy wcwidth einops; do
   if ! $PY -c "import $pkg" 2>/dev/null && ls .carry/$pkg-*.whl >/dev/null 2>&1; then
     $PY -m zipfile -e .carry/$pkg-*.whl "$W/pydeps" && export PYTHONPATH="$W/pydeps${PYTHONPATH:+:$PYTHONPATH}"
   fi
