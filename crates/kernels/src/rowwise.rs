@@ -22,9 +22,17 @@ pub fn gated_residual(x: &Tensor, y: &Tensor, gate: &Tensor) -> Result<Tensor> {
 /// `x + Σ parts · gate` with `gate` `[cols]` f32, or `x + Σ parts` without: a residual update
 /// from the ranks' rows of a row-parallel output under sequence parallelism, summed in part
 /// order and rounded as separate adds would be. Two parts on CUDA (TP 2) take one kernel that
-/// reads them where they lie; otherwise the parts are added first.
+/// reads them where they lie; otherwise the parts are added first. Parts of another dtype than
+/// a wider stream's `x` are widened to it first.
 pub fn residual_sum(x: &Tensor, parts: &[Tensor], gate: Option<&Tensor>) -> Result<Tensor> {
     check(x, "residual_sum")?;
+    if parts.iter().any(|p| p.dtype() != x.dtype()) {
+        let widened = parts
+            .iter()
+            .map(|p| p.to_dtype(x.dtype()))
+            .collect::<Result<Vec<_>>>()?;
+        return residual_sum(x, &widened, gate);
+    }
     if let Some(p) = parts.iter().find(|p| p.dims() != x.dims()) {
         candle_core::bail!("residual_sum: a part {:?} does not match x {:?}", p.dims(), x.dims());
     }

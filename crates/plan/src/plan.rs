@@ -232,7 +232,13 @@ fn fsdp_units(
     let mut units: BTreeMap<String, u64> = BTreeMap::new();
     let mut total = 0;
     for decl in decls {
-        let bytes = weight_bytes(std::slice::from_ref(decl), dtype)?;
+        // The FSDP stack holds every parameter in the model's dtype (the layers its autocast
+        // runs in f32 widen at run time), where tpinfer holds some small ones `wide`.
+        let held = WeightDecl {
+            wide: false,
+            ..decl.clone()
+        };
+        let bytes = weight_bytes(std::slice::from_ref(&held), dtype)?;
         total += bytes;
         let unit = unit_of(&decl.name).unwrap_or_else(|| "root module (all but the blocks)".to_string());
         *units.entry(unit).or_default() += bytes;

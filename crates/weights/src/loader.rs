@@ -8,13 +8,15 @@ use crate::{Quant, QuantizedSlice, ShardSpec, TensorInfo, WeightError, WeightFor
 
 /// One tensor a model needs: its checkpoint name, the full shape its config implies, the
 /// slice this rank holds, and the quantized form it is held in, if any (else it is held in
-/// the compute dtype).
+/// the compute dtype, or in f32 where `wide`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WeightDecl {
     pub name: String,
     pub shape: Vec<usize>,
     pub spec: ShardSpec,
     pub quant: Option<Quant>,
+    /// Held in f32 whatever the compute dtype: a small layer its reference runs in f32.
+    pub wide: bool,
 }
 
 impl WeightDecl {
@@ -24,7 +26,13 @@ impl WeightDecl {
             shape: shape.to_vec(),
             spec,
             quant: None,
+            wide: false,
         }
+    }
+
+    /// This declaration held in f32 whatever the compute dtype.
+    pub fn wide(self) -> Self {
+        Self { wide: true, ..self }
     }
 
     /// The bytes this rank holds of the tensor on its device, in `dtype` unless quantized.
@@ -39,6 +47,7 @@ impl WeightDecl {
             Some(Quant::Ggml(quant)) => self.spec.quantized_bytes(&self.shape, quant).map_err(shard_err),
             // One byte a value, and an f32 scale for each of the slice's rows.
             Some(Quant::Fp8) => Ok(elements + shape.first().copied().unwrap_or(0) * 4),
+            None if self.wide => Ok(elements * DType::F32.size_in_bytes()),
             None => Ok(elements * dtype.size_in_bytes()),
         }
     }
@@ -199,6 +208,11 @@ impl<'a> ShardLoader<'a> {
         decls
             .iter()
             .try_fold(0, |total, decl| Ok(total + decl.device_bytes(dtype)?))
+    }
+
+    /// The compute dtype the tensors are placed in (f32 for those declared `wide`).
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// The bytes copied out of the checkpoint so far.
@@ -397,7 +411,11 @@ impl<'a> ShardLoader<'a> {
             });
         }
         // Converting on the host keeps the checkpoint-dtype copy off the device.
-        host.to_dtype(self.dtype).map_err(|source| WeightError::Tensor {
+        let dtype = match decl.wide {
+            true => DType::F32,
+            false => self.dtype,
+        };
+        host.to_dtype(dtype).map_err(|source| WeightError::Tensor {
             name: decl.name.clone(),
             source,
         })

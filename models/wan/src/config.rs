@@ -1,5 +1,6 @@
 use std::path::Path;
 
+use candle_core::DType;
 use serde_json::Value;
 use tpinfer_family::ConfigError;
 
@@ -199,6 +200,17 @@ impl WanConfig {
             cross_attn_norm: true,
             eps: 1e-6,
             s2v: None,
+        }
+    }
+
+    /// The residual stream's dtype when the products run in `compute`: f32 for S2V, whose
+    /// reference (the wan22 wheel, under autocast) adds its gated residuals as f32 products, so
+    /// its stream is f32 from the first block on; `compute` otherwise, as diffusers' Wan keeps
+    /// it. The norms read the stream and write `compute` for the products.
+    pub fn stream_dtype(&self, compute: DType) -> DType {
+        match self.s2v {
+            Some(_) => DType::F32,
+            None => compute,
         }
     }
 

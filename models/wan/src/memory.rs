@@ -117,18 +117,22 @@ impl DitMemory {
     ) -> Self {
         let s = c.sequence_tokens(video.frames, video.width, video.height);
         let (d, hd, e) = (c.hidden_size(), c.attention_head_dim, dtype.size_in_bytes());
+        // The residual stream's bytes per element (f32 for S2V: `WanConfig::stream_dtype`).
+        let es = c.stream_dtype(dtype).size_in_bytes();
         let heads = shard.heads.len();
         // Per-token sizes: a full-width activation X, this rank's attention width L, FFN width
         // F. At TP > 1 the residual stream is this rank's rows of it, R (sequence
         // parallelism, `Rows` in `model.rs`): the norms run on R and are all-gathered to X.
         // Between GPUs with peer access the gathered X is a norm's R plus the peers' rows in
         // this rank's receive slots, kept between forwards (`tpinfer_comm`'s row exchanges):
-        // the same bytes, counted as X.
+        // the same bytes, counted as X. R is in the stream's dtype; Rc is the same rows in
+        // the compute dtype (a norm's output, a scattered sum).
         let (x, l, f) = (s * d * e, s * heads * hd * e, s * shard.ffn_cols.len() * e);
-        let r = match shard.world {
-            1 => x,
-            world => s.div_ceil(world) * d * e,
+        let rows = match shard.world {
+            1 => s,
+            world => s.div_ceil(world),
         };
+        let (r, rc) = (rows * d * es, rows * d * e);
         let (text_l, context) = (text * heads * hd * e, text * d * e);
 
         // `Attention::forward` on the modulated norm `n` (X, all rows), self-attention:
@@ -158,9 +162,9 @@ impl DitMemory {
         // TP 1 the sum is the partial itself.
         let reduced = match (path.fused_linear, shard.world) {
             (true, 1) => x,
-            (true, _) => x + r,
+            (true, _) => x + rc,
             (false, 1) => 2 * x,
-            (false, _) => x + 2 * r,
+            (false, _) => x + 2 * rc,
         };
         let output = x + l + reduced;
         let self_attn = projections.max(attention).max(output);
@@ -172,10 +176,14 @@ impl DitMemory {
             true => (x + f).max(f + reduced),
             false => (x + 2 * f).max(2 * f).max(f + reduced),
         };
-        // A residual update: old and new stream and the attention or FFN output (3R).
-        let residual = 3 * r;
+        // A residual update: old and new stream and the attention or FFN output (2R + Rc),
+        // and a wider stream's copy of that output (R).
+        let widened = if es == e { 0 } else { r };
+        let residual = 2 * r + rc + widened;
+        // A wider stream's norm: its output in the stream's dtype, then cast (R + Rc) beside it.
+        let norm = r + widened + rc;
         // Beside the residual stream (R) the block's peak; a norm's gather (R + X) is below.
-        let block = (r + self_attn.max(cross).max(ffn)).max(residual);
+        let block = (r + self_attn.max(cross).max(ffn)).max(residual).max(norm);
         // S2V's audio injection after some blocks (`forward_with`, `S2vAudio::injection`), over
         // the video's tokens (V full width, Lv this rank's heads): beside the stream, every
         // token gathered (X; at TP 1 the stream itself) while each frame's AdaIN feeds its
@@ -187,7 +195,7 @@ impl DitMemory {
             None => 0,
             Some(_) => {
                 let (v, lv) = (video_tokens * d * e, video_tokens * heads * hd * e);
-                let gathered = if shard.world > 1 { x } else { 0 };
+                let gathered = if shard.world > 1 { s * d * es } else { 0 };
                 (r + gathered + 2 * lv).max(r + lv + 2 * v).max(3 * r + v)
             }
         };

@@ -20,6 +20,8 @@ pub struct WanRank {
     config: WanConfig,
     shard: WanShard,
     dtype: DType,
+    /// The residual stream's dtype ([`WanConfig::stream_dtype`]).
+    stream: DType,
     patch: PatchLinear,
     time_1: Linear,
     time_2: Linear,
@@ -48,6 +50,16 @@ impl Linear {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(candle_core::Module::forward(&self.0, x)?)
+    }
+
+    /// The product in `dtype`: the weights widened to it for the call where they are
+    /// narrower (a temporary, made where a forward's activations are few).
+    fn forward_in(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        let wide = candle_nn::Linear::new(
+            self.0.weight().to_dtype(dtype)?,
+            self.0.bias().map(|b| b.to_dtype(dtype)).transpose()?,
+        );
+        Ok(candle_core::Module::forward(&wide, &x.to_dtype(dtype)?)?)
     }
 }
 
@@ -151,6 +163,8 @@ struct Step<'a> {
     /// S2V: timestep 0's projection, and how many of this rank's rows (the video's, which
     /// come first) take `time` instead.
     zero_time: Option<(&'a Tensor, usize)>,
+    /// The products' dtype, which the norms write (the stream may be wider).
+    compute: DType,
     /// This rank's rows of the residual stream at TP > 1 (sequence parallelism).
     rows: Option<&'a Rows>,
     times: Option<&'a StageTimes>,
@@ -319,6 +333,7 @@ impl WanRank {
             config: config.clone(),
             shard,
             dtype,
+            stream: config.stream_dtype(dtype),
             patch,
             time_1,
             time_2,
@@ -484,7 +499,8 @@ impl WanRank {
         let mut x = match parts.len() {
             1 => parts.swap_remove(0),
             _ => Tensor::cat(&parts, 0)?,
-        };
+        }
+        .to_dtype(self.stream)?;
         drop(parts);
 
         let temb = self.time_embedding(timestep, device)?;
@@ -498,6 +514,7 @@ impl WanRank {
             context,
             time: &time,
             zero_time: clip.map(|clip| (&clip.zero_time, video_rows)),
+            compute: self.dtype,
             rows: rows.as_ref(),
             times,
         };
@@ -511,7 +528,8 @@ impl WanRank {
                     let every = step.gather(x.clone(), &*self.comm)?.narrow(0, 0, video)?;
                     let residual = s2v.audio.injection(injection, every, &clip.audio, c, &*self.comm)?;
                     if video_rows > 0 {
-                        let updated = (x.narrow(0, 0, video_rows)? + residual.narrow(0, start, video_rows)?)?;
+                        let residual = residual.narrow(0, start, video_rows)?.to_dtype(self.stream)?;
+                        let updated = (x.narrow(0, 0, video_rows)? + residual)?;
                         x = match len > video_rows {
                             true => Tensor::cat(&[&updated, &x.narrow(0, video_rows, len - video_rows)?], 0)?,
                             false => updated,
@@ -528,7 +546,7 @@ impl WanRank {
         let shift = self.head_table.get(0)?.broadcast_add(&temb)?;
         let scale = self.head_table.get(1)?.broadcast_add(&temb)?;
         let x = modulated_norm(&x, &shift, &scale, c.eps)?;
-        let out = self.proj_out.forward(&x)?;
+        let out = self.proj_out.forward_in(&x, self.stream)?;
         step.mark("head")?;
         let out = step.gather(out, &*self.comm)?;
         Ok(out
@@ -543,7 +561,7 @@ impl WanRank {
     fn time_projection(&self, temb: &Tensor) -> Result<Tensor> {
         Ok(self
             .time_proj
-            .forward(&candle_nn::ops::silu(temb)?)?
+            .forward_in(&candle_nn::ops::silu(temb)?, self.stream)?
             .to_dtype(DType::F32)?
             .reshape((6, self.config.hidden_size()))?)
     }
@@ -556,9 +574,9 @@ impl WanRank {
             .map(|i| (timestep * 10_000f64.powf(-(i as f64) / half as f64)).cos() as f32)
             .collect();
         sinusoid.extend((0..half).map(|i| (timestep * 10_000f64.powf(-(i as f64) / half as f64)).sin() as f32));
-        let sinusoid = Tensor::from_vec(sinusoid, (1, 2 * half), device)?.to_dtype(self.dtype)?;
-        let h = candle_nn::ops::silu(&self.time_1.forward(&sinusoid)?)?;
-        self.time_2.forward(&h)
+        let sinusoid = Tensor::from_vec(sinusoid, (1, 2 * half), device)?;
+        let h = candle_nn::ops::silu(&self.time_1.forward_in(&sinusoid, self.stream)?)?;
+        self.time_2.forward_in(&h, self.stream)
     }
 
     /// The weight bytes this rank copied out of the checkpoint.
@@ -580,7 +598,7 @@ impl Block {
         let e = Modulation::new(&self.table, step)?;
 
         // Self-attention, gated.
-        let n = e.norm(&x, 0, 1, c.eps)?;
+        let n = e.norm(&x, 0, 1, c.eps)?.to_dtype(step.compute)?;
         step.mark("norms and residuals")?;
         x = self
             .self_attn
@@ -590,7 +608,8 @@ impl Block {
         let n = match &self.norm2 {
             Some((w, b)) => layer_norm(&x, w, b, c.eps)?,
             None => x.clone(),
-        };
+        }
+        .to_dtype(step.compute)?;
         step.mark("norms and residuals")?;
         x = self
             .cross_attn
@@ -599,7 +618,7 @@ impl Block {
             })?;
 
         // FFN (GELU, tanh approximation), gated.
-        let n = e.norm(&x, 3, 4, c.eps)?;
+        let n = e.norm(&x, 3, 4, c.eps)?.to_dtype(step.compute)?;
         step.mark("norms and residuals")?;
         let hidden = self.ffn_up.empty_output(step.tokens(&n)?, &n)?;
         step.gather_each(&n, comm, |part, first| {

@@ -32,7 +32,7 @@ const ADAIN_NORM_EPS: f64 = 1e-5;
 /// A clip's audio as the DiT's injections take it.
 #[derive(Debug, Clone)]
 pub struct AudioEmbedding {
-    /// `[latent frames, dim]`: the global embedding each frame's AdaIN reads.
+    /// `[latent frames, dim]` f32: the global embedding each frame's AdaIN reads.
     pub global: Tensor,
     /// `[latent frames, audio tokens + 1, dim]`: each frame's audio tokens and the learned
     /// padding token its cross-attention also sees.
@@ -54,7 +54,11 @@ struct CausalConv {
     stride: usize,
 }
 
+/// Held and run in f32 whatever the compute dtype (its declarations are `wide`), as S2V's
+/// reference runs it under autocast to f32; its weights are a few tens of MB.
 struct CausalAudioEncoder {
+    /// The dtype of the local tokens it hands the injections' products.
+    compute: DType,
     /// `silu(w) / Σ silu(w)` over the wav2vec2 states, `[1, states, 1]`.
     layer_weights: Tensor,
     conv1_local: CausalConv,
@@ -119,10 +123,12 @@ fn plain_layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
 impl CausalAudioEncoder {
     fn load(w: &mut ShardLoader, s2v: &S2vModules) -> Result<Self> {
         let enc = "casual_audio_encoder.encoder";
-        let raw = w.take("casual_audio_encoder.weights")?.to_dtype(DType::F32)?;
+        let compute = w.dtype();
+        let raw = w.take("casual_audio_encoder.weights")?;
         let silu = raw.flatten_all()?.silu()?;
         let layer_weights = silu.broadcast_div(&silu.sum_keepdim(0)?)?.reshape((1, (), 1))?;
         Ok(Self {
+            compute,
             layer_weights,
             conv1_local: CausalConv::load(w, &format!("{enc}.conv1_local"), 1)?,
             conv1_global: CausalConv::load(w, &format!("{enc}.conv1_global"), 1)?,
@@ -141,12 +147,10 @@ impl CausalAudioEncoder {
     /// `motion_frames` copies of its first frame, through the encoder; the first
     /// `latent_motion_frames` latent frames (the motion frames') dropped.
     fn forward(&self, features: &Tensor, motion_frames: usize, latent_motion_frames: usize) -> Result<AudioEmbedding> {
-        let dtype = self.padding.dtype();
         let weighted = features
             .to_dtype(DType::F32)?
             .broadcast_mul(&self.layer_weights)?
-            .sum(1)?
-            .to_dtype(dtype)?;
+            .sum(1)?;
         let width = weighted.dim(1)?;
         let first = weighted.narrow(0, 0, 1)?.broadcast_as((motion_frames, width))?;
         // `[1, audio dim, frames]`, the motion frames first.
@@ -172,7 +176,7 @@ impl CausalAudioEncoder {
         let local = local.narrow(1, latent_motion_frames, kept)?.transpose(0, 1)?;
         let dim = local.dim(2)?;
         let padding = self.padding.broadcast_as((kept, 1, dim))?;
-        let local = Tensor::cat(&[&local, &padding], 1)?;
+        let local = Tensor::cat(&[&local, &padding], 1)?.to_dtype(self.compute)?;
         // Global: one stream, through the final projection.
         let global = down(&self.conv1_global.forward(&x)?)?.squeeze(0)?;
         let global = global.narrow(0, latent_motion_frames, kept)?;
@@ -217,13 +221,14 @@ impl AudioInjector {
         // AdaIN (`AdaLayerNorm`, chunk_dim 1): shift, then scale, from silu(global); one fused
         // LayerNorm per frame straight into its queries, so that no stream-sized temporary
         // is made besides them.
-        let emb = tpinfer_kernels::linear_bias(&audio.global.silu()?, &self.adain.0, &self.adain.1, false)?
-            .to_dtype(DType::F32)?;
+        let global = audio.global.silu()?.to_dtype(audio.local.dtype())?;
+        let emb = tpinfer_kernels::linear_bias(&global, &self.adain.0, &self.adain.1, false)?.to_dtype(DType::F32)?;
         let q = {
             let parts = (0..frames)
                 .map(|f| {
                     let (shift, scale) = (emb.get(f)?.narrow(0, 0, dim)?, emb.get(f)?.narrow(0, dim, dim)?);
-                    let modulated = modulated_norm(&video.narrow(0, f * hw, hw)?, &shift, &scale, ADAIN_NORM_EPS)?;
+                    let modulated = modulated_norm(&video.narrow(0, f * hw, hw)?, &shift, &scale, ADAIN_NORM_EPS)?
+                        .to_dtype(audio.local.dtype())?;
                     self.q.forward(&modulated)
                 })
                 .collect::<Result<Vec<_>>>()?;

@@ -158,7 +158,9 @@ impl WanShard {
             decls.push(full(format!("{adain}.bias"), &[2 * d]));
         }
         // The causal audio encoder: causal 1-D convolutions (kernel 3) from the audio width
-        // to the model width, local per audio token and global.
+        // to the model width, local per audio token and global; held and run in f32, as S2V's
+        // reference runs it.
+        let wide = |name: String, shape: &[usize]| full(name, shape).wide();
         let enc = "casual_audio_encoder.encoder";
         let a = s2v.audio_dim;
         let tokens = s2v.num_audio_token;
@@ -168,13 +170,13 @@ impl WanShard {
             ("conv2", d / 2, d / 4),
             ("conv3", d, d / 2),
         ] {
-            decls.push(full(format!("{enc}.{name}.conv.weight"), &[out_ch, in_ch, 3]));
-            decls.push(full(format!("{enc}.{name}.conv.bias"), &[out_ch]));
+            decls.push(wide(format!("{enc}.{name}.conv.weight"), &[out_ch, in_ch, 3]));
+            decls.push(wide(format!("{enc}.{name}.conv.bias"), &[out_ch]));
         }
-        decls.push(full(format!("{enc}.final_linear.weight"), &[d, d]));
-        decls.push(full(format!("{enc}.final_linear.bias"), &[d]));
-        decls.push(full(format!("{enc}.padding_tokens"), &[1, 1, 1, d]));
-        decls.push(full(
+        decls.push(wide(format!("{enc}.final_linear.weight"), &[d, d]));
+        decls.push(wide(format!("{enc}.final_linear.bias"), &[d]));
+        decls.push(wide(format!("{enc}.padding_tokens"), &[1, 1, 1, d]));
+        decls.push(wide(
             "casual_audio_encoder.weights".into(),
             &[1, crate::s2v_audio::AUDIO_LAYERS, 1, 1],
         ));
