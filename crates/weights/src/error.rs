@@ -9,6 +9,8 @@ pub enum WeightError {
     NoWeights { dir: PathBuf },
     #[error("{path} is not a valid safetensors file ({detail}); the file is truncated or corrupt: download or convert it again")]
     Corrupt { path: PathBuf, detail: String },
+    #[error("{path} is not a PyTorch checkpoint tpinfer can read: {detail}")]
+    Pth { path: PathBuf, detail: String },
     #[error("{path}: {detail}; the index does not match the files beside it: download the model again")]
     BadIndex { path: PathBuf, detail: String },
     #[error("tensor `{name}` is missing from {origin}; the checkpoint does not match {config}")]

@@ -1,4 +1,5 @@
-//! Weight stores that hand each tensor-parallel rank exactly its own slice of every tensor.
+//! Weight stores that hand each tensor-parallel rank exactly its own slice of every tensor:
+//! safetensors (sharded too), GGUF, and PyTorch `.pth` state dicts (read without unpickling code).
 //!
 //! A model declares, per tensor, its full shape and its [`ShardSpec`] for a rank. The
 //! [`ShardLoader`] checks each declaration against the checkpoint's header and copies only the
@@ -11,6 +12,7 @@ mod gguf;
 mod loader;
 mod lora;
 mod progress;
+mod pth_store;
 mod renamed;
 mod safetensors_store;
 mod shard;
@@ -21,6 +23,7 @@ pub use gguf::{GgufStore, GgufTensorMap};
 pub use loader::{hold_matrices, largest_fp8_matrix, ShardLoader, Weight, WeightDecl};
 pub use lora::{LoraAdapter, LoraStore};
 pub use progress::{CountingStore, LoadProgress};
+pub use pth_store::PthStore;
 pub use renamed::RenamedStore;
 pub use safetensors_store::SafetensorsStore;
 pub use shard::ShardSpec;

@@ -179,36 +179,7 @@ impl WeightStore for SafetensorsStore {
             config: self.config_origin(),
         })?;
         let file = &self.files[*file_index];
-        let full = &entry.info.shape;
-        let local = spec.local_shape(full).map_err(|detail| WeightError::Shard {
-            name: name.to_string(),
-            detail,
-        })?;
-        let elem = entry.info.dtype.size_in_bytes();
-        let data = &file.mmap[file.data_start + entry.begin..];
-        let bytes: Vec<u8> = match *spec {
-            ShardSpec::Replicated => data[..full.iter().product::<usize>() * elem].to_vec(),
-            ShardSpec::Range { dim, start, len } => {
-                // Row-major: `outer` runs of `len` rows of `inner` bytes, one per index of the
-                // dims before `dim`; only those runs are copied.
-                let outer: usize = full[..dim].iter().product();
-                let inner: usize = full[dim + 1..].iter().product::<usize>() * elem;
-                let mut out = Vec::with_capacity(outer * len * inner);
-                for o in 0..outer {
-                    let begin = (o * full[dim] + start) * inner;
-                    out.extend_from_slice(&data[begin..begin + len * inner]);
-                }
-                out
-            }
-        };
-        let n = bytes.len();
-        let tensor = Tensor::from_raw_buffer(&bytes, entry.info.dtype, &local, &Device::Cpu).map_err(|source| {
-            WeightError::Tensor {
-                name: name.to_string(),
-                source,
-            }
-        })?;
-        Ok((tensor, n))
+        read_slice(name, &file.mmap[file.data_start + entry.begin..], &entry.info, spec)
     }
 
     fn origin(&self) -> String {
@@ -217,4 +188,43 @@ impl WeightStore for SafetensorsStore {
             _ => format!("the safetensors files in {}", self.dir.display()),
         }
     }
+}
+
+/// The `spec` slice of the row-major tensor `info` whose bytes start `data`, copied to the
+/// CPU in its stored dtype, and the bytes copied.
+pub(crate) fn read_slice(
+    name: &str,
+    data: &[u8],
+    info: &TensorInfo,
+    spec: &ShardSpec,
+) -> Result<(Tensor, usize), WeightError> {
+    let full = &info.shape;
+    let local = spec.local_shape(full).map_err(|detail| WeightError::Shard {
+        name: name.to_string(),
+        detail,
+    })?;
+    let elem = info.dtype.size_in_bytes();
+    let bytes: Vec<u8> = match *spec {
+        ShardSpec::Replicated => data[..full.iter().product::<usize>() * elem].to_vec(),
+        ShardSpec::Range { dim, start, len } => {
+            // Row-major: `outer` runs of `len` rows of `inner` bytes, one per index of the
+            // dims before `dim`; only those runs are copied.
+            let outer: usize = full[..dim].iter().product();
+            let inner: usize = full[dim + 1..].iter().product::<usize>() * elem;
+            let mut out = Vec::with_capacity(outer * len * inner);
+            for o in 0..outer {
+                let begin = (o * full[dim] + start) * inner;
+                out.extend_from_slice(&data[begin..begin + len * inner]);
+            }
+            out
+        }
+    };
+    let n = bytes.len();
+    let tensor = Tensor::from_raw_buffer(&bytes, info.dtype, &local, &Device::Cpu).map_err(|source| {
+        WeightError::Tensor {
+            name: name.to_string(),
+            source,
+        }
+    })?;
+    Ok((tensor, n))
 }

@@ -64,6 +64,16 @@ impl Umt5Config {
             relative_attention_max_distance: int("relative_attention_max_distance", Some(128))?,
             layer_norm_epsilon: v.get("layer_norm_epsilon").and_then(Value::as_f64).unwrap_or(1e-6),
         };
+        config.validated(origin)
+    }
+
+    /// This config, if tpinfer runs it; `origin` names where it came from in errors.
+    pub fn validated(self, origin: &str) -> Result<Self, ConfigError> {
+        let config = self;
+        let field = |detail: String| ConfigError::Field {
+            path: origin.to_string(),
+            detail,
+        };
         // Bounds no published model comes near, so that no loop runs a billion layers and no
         // product the plan takes wraps.
         for (key, value, limit) in [

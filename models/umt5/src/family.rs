@@ -8,10 +8,12 @@ use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
 use tpinfer_plan::{
     boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
 };
-use tpinfer_weights::{CountingStore, SafetensorsStore, ShardLoader, WeightDecl, WeightFormat, WeightStore};
+use tpinfer_weights::{
+    CountingStore, PthStore, RenamedStore, SafetensorsStore, ShardLoader, WeightDecl, WeightFormat, WeightStore,
+};
 
 use crate::memory::EncodeMemory;
-use crate::shard::names;
+use crate::shard::{names, original};
 use crate::{Umt5Config, Umt5Rank, Umt5Shard};
 
 /// The prompt length Wan's pipelines encode to (`max_sequence_length`).
@@ -39,6 +41,25 @@ pub struct Umt5RankShard {
 impl Umt5Model {
     pub fn config(&self) -> &Umt5Config {
         &self.config
+    }
+
+    /// Wan's own umT5 checkpoint, as the official Wan layouts ship it
+    /// (`models_t5_umt5-xxl-enc-bf16.pth`): a `.pth` state dict in Wan's tensor names, with no
+    /// config beside it; its config follows from its tensors' shapes.
+    pub fn open_original(pth: &Path) -> Result<Self, PlanError> {
+        let origin = pth.display().to_string();
+        let store = PthStore::open(pth).map_err(|e| PlanError::Model(e.to_string()))?;
+        let config = original::config(&store, &origin)
+            .map_err(PlanError::Model)?
+            .validated(&origin)
+            .map_err(|e| PlanError::Model(e.to_string()))?;
+        let store = RenamedStore::new(Arc::new(store), original::names(config.num_layers));
+        Ok(Self {
+            name: origin,
+            config: Arc::new(config),
+            store: Some(Arc::new(store)),
+            format: WeightFormat::AsStored,
+        })
     }
 }
 

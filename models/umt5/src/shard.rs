@@ -134,3 +134,91 @@ pub(crate) mod names {
         name == "encoder.embed_tokens.weight"
     }
 }
+
+/// The official Wan checkpoints' umT5 encoder (`models_t5_umt5-xxl-enc-bf16.pth`, Wan's own
+/// `T5Encoder` of `wan/modules/t5.py`): its tensor names, and the config its shapes imply.
+pub mod original {
+    use tpinfer_weights::WeightStore;
+
+    use super::names::{LayerNames, EMBED, FINAL_NORM};
+    use crate::Umt5Config;
+
+    /// Wan's T5 has no config file; these are fixed in its code (`T5RelativeEmbedding`'s
+    /// `max_dist`, `T5LayerNorm`'s eps).
+    const MAX_DISTANCE: usize = 128;
+    const EPS: f64 = 1e-6;
+
+    /// Pairs of (transformers' name, Wan's name) for every tensor of a `layers`-layer encoder,
+    /// for a [`tpinfer_weights::RenamedStore`].
+    pub fn names(layers: usize) -> Vec<(String, String)> {
+        let mut pairs = vec![
+            (EMBED.to_string(), "token_embedding.weight".to_string()),
+            (FINAL_NORM.to_string(), "norm.weight".to_string()),
+        ];
+        for i in 0..layers {
+            let ours = LayerNames::of(i);
+            let b = format!("blocks.{i}");
+            for (ours, theirs) in [
+                (ours.attention_norm, format!("{b}.norm1.weight")),
+                (format!("{}.weight", ours.q), format!("{b}.attn.q.weight")),
+                (format!("{}.weight", ours.k), format!("{b}.attn.k.weight")),
+                (format!("{}.weight", ours.v), format!("{b}.attn.v.weight")),
+                (format!("{}.weight", ours.o), format!("{b}.attn.o.weight")),
+                (ours.position_bias, format!("{b}.pos_embedding.embedding.weight")),
+                (ours.ffn_norm, format!("{b}.norm2.weight")),
+                (format!("{}.weight", ours.gate), format!("{b}.ffn.gate.0.weight")),
+                (format!("{}.weight", ours.up), format!("{b}.ffn.fc1.weight")),
+                (format!("{}.weight", ours.down), format!("{b}.ffn.fc2.weight")),
+            ] {
+                pairs.push((ours, theirs));
+            }
+        }
+        pairs
+    }
+
+    /// The config of the encoder `store` holds in Wan's names, from its tensors' shapes;
+    /// `origin` names the file in errors.
+    pub fn config(store: &dyn WeightStore, origin: &str) -> Result<Umt5Config, String> {
+        let shape = |name: &str| -> Result<Vec<usize>, String> {
+            store
+                .info(name)
+                .map(|i| i.shape)
+                .ok_or_else(|| format!("{origin} has no `{name}`: it is not Wan's umT5 encoder (T5Encoder)"))
+        };
+        let dims2 = |name: &str| -> Result<(usize, usize), String> {
+            match shape(name)?.as_slice() {
+                &[a, b] if a > 0 && b > 0 => Ok((a, b)),
+                other => Err(format!("{origin}: `{name}` has shape {other:?}, not a matrix")),
+            }
+        };
+        let layers = store
+            .names()
+            .iter()
+            .filter_map(|n| n.strip_prefix("blocks.")?.split('.').next()?.parse::<usize>().ok())
+            .max()
+            .map_or(0, |last| last + 1);
+        if layers == 0 {
+            return Err(format!("{origin} holds no `blocks.N` layers: it is not Wan's umT5 encoder"));
+        }
+        let (vocab_size, d_model) = dims2("token_embedding.weight")?;
+        let (buckets, num_heads) = dims2("blocks.0.pos_embedding.embedding.weight")?;
+        let (inner, _) = dims2("blocks.0.attn.q.weight")?;
+        let (d_ff, _) = dims2("blocks.0.ffn.fc1.weight")?;
+        if !inner.is_multiple_of(num_heads) {
+            return Err(format!(
+                "{origin}: the queries' {inner} columns do not split into the position table's {num_heads} heads"
+            ));
+        }
+        Ok(Umt5Config {
+            vocab_size,
+            d_model,
+            d_kv: inner / num_heads,
+            d_ff,
+            num_layers: layers,
+            num_heads,
+            relative_attention_num_buckets: buckets,
+            relative_attention_max_distance: MAX_DISTANCE,
+            layer_norm_epsilon: EPS,
+        })
+    }
+}

@@ -8,7 +8,7 @@ use candle_core::DType;
 use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
 use tpinfer_kernels::ConvPath;
 use tpinfer_plan::{boxed_shards, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel};
-use tpinfer_weights::{CountingStore, SafetensorsStore, ShardLoader, WeightDecl, WeightStore};
+use tpinfer_weights::{CountingStore, PthStore, RenamedStore, SafetensorsStore, ShardLoader, WeightDecl, WeightStore};
 
 use crate::memory::{DecodeDevice, DecodeMemory, DecodeShape};
 use crate::{is_encoder_tensor, WanVaeConfig, WanVaeRank, WanVaeShard};
@@ -37,6 +37,25 @@ pub struct WanVaeRankShard {
 }
 
 impl WanVaeModel {
+    /// Wan's own VAE checkpoint, as the official Wan layouts ship it (`Wan2.1_VAE.pth`): a
+    /// `.pth` state dict in Wan's tensor names, with no config beside it.
+    pub fn open_original(pth: &Path) -> Result<Self, PlanError> {
+        let origin = pth.display().to_string();
+        let store = PthStore::open(pth).map_err(|e| PlanError::Model(e.to_string()))?;
+        let config = crate::original::config(&store, &origin).map_err(PlanError::Model)?;
+        let names = crate::original::names(&config).map_err(PlanError::Model)?;
+        Ok(Self {
+            name: origin,
+            config: Arc::new(config),
+            store: Some(Arc::new(RenamedStore::new(Arc::new(store), names))),
+        })
+    }
+
+    /// The checkpoint's tensors, in diffusers' names (`None` for a preset).
+    pub fn store(&self) -> Option<&Arc<dyn WeightStore>> {
+        self.store.as_ref()
+    }
+
     pub fn config(&self) -> &WanVaeConfig {
         &self.config
     }

@@ -19,6 +19,7 @@ mod encoder;
 mod family;
 mod layout;
 pub mod memory;
+pub mod original;
 mod rank;
 pub mod rows;
 mod shard;
