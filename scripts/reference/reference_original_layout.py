@@ -7,6 +7,8 @@ wan22 wheel's own modules, with their outputs, for tests/tests/original_layout.r
   t5.pth         T5Encoder(vocab 256, dim 32, 4 heads, FFN 48, 2 layers, 8 buckets), f32
   vae.pth        WanVAE_ in Wan2.1's structure at base width 8 (z 16), f32
   t5_bf16.pth    the same T5 in bf16, as the official file is
+  wav2vec2/      tests/fixtures/wav2vec2-tiny as a transformers directory that ships only
+                 pytorch_model.bin (a torch.save'd state dict) beside its config.json
   reference.safetensors:
     ids, states        a prompt's ids and the encoder's states
     latents, frames    normalised latents (3 latent frames of 4 x 6) and Wan2_1_VAE's decode
@@ -20,9 +22,10 @@ CPU, f32.
 """
 import argparse
 import os
+import shutil
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from wan22_modules import import_wan22
 
 
@@ -77,6 +80,11 @@ def main():
         out["pixels"] = pixels[0].contiguous()
         out["encoded"] = model.encode(pixels, scale)[0].contiguous()
     save_file(out, os.path.join(args.out, "reference.safetensors"))
+    tiny = os.path.join(os.path.dirname(os.path.abspath(args.out)), "wav2vec2-tiny")
+    w2v = os.path.join(args.out, "wav2vec2")
+    os.makedirs(w2v, exist_ok=True)
+    shutil.copy(os.path.join(tiny, "config.json"), w2v)
+    torch.save(load_file(os.path.join(tiny, "model.safetensors")), os.path.join(w2v, "pytorch_model.bin"))
     print({k: list(v.shape) for k, v in out.items()})
 
 

@@ -3,7 +3,7 @@
 //! `scripts/reference/reference_original_layout.py` with the wan22 wheel's own `T5Encoder` and
 //! `WanVAE_`): read without unpickling code, renamed, and run against the wheel's outputs on
 //! the same weights, on CPU ranks at TP 1 to 3. Files that are not such checkpoints are refused
-//! by name.
+//! by name. (Its `wav2vec2/`, a directory with only `pytorch_model.bin`, is `wav2vec2.rs`'s.)
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,7 +17,9 @@ use tpinfer_wan_vae::{WanVaeEncoder, WanVaeModel, WanVaeRank, WanVaeShard};
 use tpinfer_weights::{PthStore, WeightStore};
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/original-layout").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/original-layout")
+        .join(name)
 }
 
 fn reference() -> std::collections::HashMap<String, Tensor> {
@@ -52,9 +54,18 @@ fn wans_own_text_encoder_matches_the_wheel() {
         .into_iter()
         .map(|i| i as u32)
         .collect();
-    let config = Umt5Model::open_original(&fixture("t5.pth")).expect("open").config().clone();
+    let config = Umt5Model::open_original(&fixture("t5.pth"))
+        .expect("open")
+        .config()
+        .clone();
     assert_eq!(
-        (config.vocab_size, config.d_model, config.num_heads, config.d_kv, config.d_ff),
+        (
+            config.vocab_size,
+            config.d_model,
+            config.num_heads,
+            config.d_kv,
+            config.d_ff
+        ),
         (256, 32, 4, 8, 48)
     );
     assert_eq!((config.num_layers, config.relative_attention_num_buckets), (2, 8));
@@ -89,12 +100,7 @@ fn wans_own_vae_matches_the_wheel() {
 }
 
 /// Every rank's band of the decode at TP `tp`, joined: `[3, frames, height, width]`.
-fn decode(
-    config: &tpinfer_wan_vae::WanVaeConfig,
-    store: &dyn WeightStore,
-    latents: &Tensor,
-    tp: usize,
-) -> Tensor {
+fn decode(config: &tpinfer_wan_vae::WanVaeConfig, store: &dyn WeightStore, latents: &Tensor, tp: usize) -> Tensor {
     let bands: Vec<Tensor> = (0..tp)
         .map(|rank| {
             let shard = WanVaeShard::new(tp, rank).expect("shard");
@@ -115,7 +121,10 @@ fn files_that_are_not_such_checkpoints_are_refused_by_name() {
     let text = dir.path().join("notes.pth");
     std::fs::write(&text, "not a checkpoint").expect("write");
     let err = PthStore::open(&text).err().expect("text").to_string();
-    assert!(err.contains("notes.pth") && err.contains("not a PyTorch checkpoint"), "{err}");
+    assert!(
+        err.contains("notes.pth") && err.contains("not a PyTorch checkpoint"),
+        "{err}"
+    );
     // Cut short: the archive's directory, at its end, is gone.
     let cut = dir.path().join("cut.pth");
     let bytes = std::fs::read(fixture("t5.pth")).expect("read");
@@ -123,11 +132,23 @@ fn files_that_are_not_such_checkpoints_are_refused_by_name() {
     let err = PthStore::open(&cut).err().expect("truncated").to_string();
     assert!(err.contains("cut.pth"), "{err}");
     // Missing.
-    let err = PthStore::open(&dir.path().join("absent.pth")).err().expect("missing").to_string();
+    let err = PthStore::open(&dir.path().join("absent.pth"))
+        .err()
+        .expect("missing")
+        .to_string();
     assert!(err.contains("absent.pth"), "{err}");
     // One model's file given as the other's.
-    let err = Umt5Model::open_original(&fixture("vae.pth")).err().expect("a VAE as T5").to_string();
+    let err = Umt5Model::open_original(&fixture("vae.pth"))
+        .err()
+        .expect("a VAE as T5")
+        .to_string();
     assert!(err.contains("vae.pth") && err.contains("not Wan's umT5"), "{err}");
-    let err = WanVaeModel::open_original(&fixture("t5.pth")).err().expect("T5 as a VAE").to_string();
-    assert!(err.contains("encoder.conv1.weight") && err.contains("not Wan2.1's VAE"), "{err}");
+    let err = WanVaeModel::open_original(&fixture("t5.pth"))
+        .err()
+        .expect("T5 as a VAE")
+        .to_string();
+    assert!(
+        err.contains("encoder.conv1.weight") && err.contains("not Wan2.1's VAE"),
+        "{err}"
+    );
 }

@@ -71,6 +71,17 @@ fn tp_1_matches_transformers_and_every_width_matches_tp_1() {
     }
 }
 
+/// A transformers directory that ships only `pytorch_model.bin` (a `torch.save`d state dict,
+/// read without unpickling code) gives the states its safetensors give.
+#[test]
+fn a_pytorch_model_bin_gives_the_safetensors_states() {
+    let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/original-layout/wav2vec2");
+    assert!(bin.join("pytorch_model.bin").is_file() && !bin.join("model.safetensors").exists());
+    let from_bin = encode(&bin, 2, &audio(), 10_000).expect("from pytorch_model.bin");
+    let from_safetensors = encode(&fixture(), 2, &audio(), 10_000).expect("from model.safetensors");
+    assert_eq!(tensor_rel_error(&from_bin, &from_safetensors), 0.0);
+}
+
 /// The feature convolutions run on overlapping windows of the audio: 7 frames at a time
 /// (the audio's 64 frames in 10 windows, the last short) give the frames of one pass.
 #[test]

@@ -28,8 +28,23 @@ pub use renamed::RenamedStore;
 pub use safetensors_store::SafetensorsStore;
 pub use shard::ShardSpec;
 
+use std::path::Path;
+
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
+
+/// A model directory's tensors: its safetensors (see [`SafetensorsStore::open`]), or where it
+/// has none, its `pytorch_model.bin` (a `torch.save`d state dict, [`PthStore`]), as some
+/// transformers checkpoints ship only that.
+pub fn open_model_dir(dir: &Path) -> Result<Box<dyn WeightStore>, WeightError> {
+    match SafetensorsStore::open(dir) {
+        Ok(store) => Ok(Box::new(store)),
+        Err(WeightError::NoWeights { .. }) if dir.join("pytorch_model.bin").is_file() => {
+            Ok(Box::new(PthStore::open(&dir.join("pytorch_model.bin"))?))
+        }
+        Err(e) => Err(e),
+    }
+}
 
 /// A tensor's header: its full shape and its dtype as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -220,11 +220,10 @@ pub(crate) fn read_slice(
         }
     };
     let n = bytes.len();
-    let tensor = Tensor::from_raw_buffer(&bytes, info.dtype, &local, &Device::Cpu).map_err(|source| {
-        WeightError::Tensor {
+    let tensor =
+        Tensor::from_raw_buffer(&bytes, info.dtype, &local, &Device::Cpu).map_err(|source| WeightError::Tensor {
             name: name.to_string(),
             source,
-        }
-    })?;
+        })?;
     Ok((tensor, n))
 }

@@ -198,7 +198,9 @@ pub mod original {
             .max()
             .map_or(0, |last| last + 1);
         if layers == 0 {
-            return Err(format!("{origin} holds no `blocks.N` layers: it is not Wan's umT5 encoder"));
+            return Err(format!(
+                "{origin} holds no `blocks.N` layers: it is not Wan's umT5 encoder"
+            ));
         }
         let (vocab_size, d_model) = dims2("token_embedding.weight")?;
         let (buckets, num_heads) = dims2("blocks.0.pos_embedding.embedding.weight")?;

@@ -117,19 +117,49 @@ mod tests {
     fn names_follow_the_two_layouts() {
         for (ours, theirs) in [
             ("encoder.conv_in.weight", "encoder.conv1.weight"),
-            ("encoder.down_blocks.0.norm1.gamma", "encoder.downsamples.0.residual.0.gamma"),
-            ("encoder.down_blocks.3.conv_shortcut.bias", "encoder.downsamples.3.shortcut.bias"),
-            ("encoder.down_blocks.5.time_conv.weight", "encoder.downsamples.5.time_conv.weight"),
-            ("encoder.mid_block.attentions.0.to_qkv.weight", "encoder.middle.1.to_qkv.weight"),
-            ("encoder.mid_block.resnets.1.conv2.bias", "encoder.middle.2.residual.6.bias"),
+            (
+                "encoder.down_blocks.0.norm1.gamma",
+                "encoder.downsamples.0.residual.0.gamma",
+            ),
+            (
+                "encoder.down_blocks.3.conv_shortcut.bias",
+                "encoder.downsamples.3.shortcut.bias",
+            ),
+            (
+                "encoder.down_blocks.5.time_conv.weight",
+                "encoder.downsamples.5.time_conv.weight",
+            ),
+            (
+                "encoder.mid_block.attentions.0.to_qkv.weight",
+                "encoder.middle.1.to_qkv.weight",
+            ),
+            (
+                "encoder.mid_block.resnets.1.conv2.bias",
+                "encoder.middle.2.residual.6.bias",
+            ),
             ("encoder.norm_out.gamma", "encoder.head.0.gamma"),
             ("quant_conv.weight", "conv1.weight"),
             ("post_quant_conv.bias", "conv2.bias"),
-            ("decoder.up_blocks.0.resnets.2.norm2.gamma", "decoder.upsamples.2.residual.3.gamma"),
-            ("decoder.up_blocks.0.upsamplers.0.time_conv.bias", "decoder.upsamples.3.time_conv.bias"),
-            ("decoder.up_blocks.1.resnets.0.conv_shortcut.weight", "decoder.upsamples.4.shortcut.weight"),
-            ("decoder.up_blocks.2.upsamplers.0.resample.1.weight", "decoder.upsamples.11.resample.1.weight"),
-            ("decoder.up_blocks.3.resnets.2.conv1.weight", "decoder.upsamples.14.residual.2.weight"),
+            (
+                "decoder.up_blocks.0.resnets.2.norm2.gamma",
+                "decoder.upsamples.2.residual.3.gamma",
+            ),
+            (
+                "decoder.up_blocks.0.upsamplers.0.time_conv.bias",
+                "decoder.upsamples.3.time_conv.bias",
+            ),
+            (
+                "decoder.up_blocks.1.resnets.0.conv_shortcut.weight",
+                "decoder.upsamples.4.shortcut.weight",
+            ),
+            (
+                "decoder.up_blocks.2.upsamplers.0.resample.1.weight",
+                "decoder.upsamples.11.resample.1.weight",
+            ),
+            (
+                "decoder.up_blocks.3.resnets.2.conv1.weight",
+                "decoder.upsamples.14.residual.2.weight",
+            ),
             ("decoder.conv_out.bias", "decoder.head.2.bias"),
         ] {
             assert_eq!(original_name(ours, 2), theirs, "{ours}");

@@ -9,7 +9,7 @@ use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
 use tpinfer_plan::{
     boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
 };
-use tpinfer_weights::{CountingStore, SafetensorsStore, ShardLoader, WeightDecl, WeightStore};
+use tpinfer_weights::{open_model_dir, CountingStore, ShardLoader, WeightDecl, WeightStore};
 
 use crate::memory::EncodeMemory;
 use crate::shard::Names;
@@ -125,13 +125,15 @@ impl Family for Wav2Vec2Model {
 
     fn open(path: &Path) -> Result<Self, PlanError> {
         let config = Wav2Vec2Config::from_dir(path).map_err(|e| PlanError::Model(e.to_string()))?;
-        let store = SafetensorsStore::open(path).map_err(|e| PlanError::Model(e.to_string()))?;
+        let store: Arc<dyn WeightStore> = open_model_dir(path)
+            .map_err(|e| PlanError::Model(e.to_string()))?
+            .into();
         let names = Names::detect(|name| store.info(name).is_some());
         Ok(Self {
             name: path.display().to_string(),
             config: Arc::new(config),
             names,
-            store: Some(Arc::new(store)),
+            store: Some(store),
         })
     }
 
