@@ -418,3 +418,38 @@ fn wav2vec2_encode_allocates_what_the_memory_model_says() {
         );
     }
 }
+
+/// The VAE encoder against `tpinfer_wan_vae::memory::EncodeMemory` in f32 on a CPU rank: a
+/// video (the peak in a chunk of four frames with two of history a convolution) and an
+/// image, at two base widths. The measured peak is the modelled one within 3%.
+#[test]
+fn vae_encode_allocates_what_the_memory_model_says() {
+    let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    use tpinfer_wan_vae::memory::{ConvPath, DecodeDevice, EncodeMemory};
+    use tpinfer_wan_vae::{WanVaeConfig, WanVaeEncoder};
+
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/vae-encoder/model");
+    let config = WanVaeConfig::from_dir(&fixture).expect("config");
+    let store = tpinfer_weights::SafetensorsStore::open(&fixture).expect("store");
+    let device = DecodeDevice {
+        dtype: DType::F32,
+        cuda: false,
+        conv: ConvPath::Taps,
+    };
+    for (frames, height, width) in [(9, 32, 48), (1, 64, 48), (13, 48, 64)] {
+        let pixels = candle_core::Tensor::rand(-1f32, 1f32, (3, frames, height, width), &Device::Cpu).expect("pixels");
+        let measured = single_thread(|| {
+            let encoder = WanVaeEncoder::load(&config, &store, DType::F32, &Device::Cpu).expect("load");
+            drop(encoder.encode(&pixels).expect("warm-up"));
+            let (latents, measured) = peak_during(|| encoder.encode(&pixels).expect("encode"));
+            drop(latents);
+            measured
+        });
+        let expected = EncodeMemory::new(&config, device, frames, height, width).peak;
+        assert_close(
+            measured,
+            expected,
+            &format!("VAE encoder, {frames} frames of {width}x{height}"),
+        );
+    }
+}

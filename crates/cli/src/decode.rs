@@ -36,6 +36,7 @@ pub fn decode(args: DecodeArgs) -> Result<std::process::ExitCode> {
         video: args.out.clone(),
         frames: args.save_frames.clone(),
         fps: args.fps,
+        audio: None,
     };
     if files.is_empty() {
         bail!("nothing to write: give --out VIDEO.mp4, --save-frames DIR, or both");

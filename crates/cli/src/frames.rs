@@ -15,6 +15,8 @@ pub struct FrameFiles {
     /// A folder of PNG frames `00000.png`, … (`--save-frames`).
     pub frames: Option<PathBuf>,
     pub fps: u32,
+    /// Audio for the video's sound track (`--audio`), from its first frame to its last.
+    pub audio: Option<PathBuf>,
 }
 
 impl FrameFiles {
@@ -51,7 +53,9 @@ impl FrameFiles {
             "frames",
         );
         if let Some(path) = &self.video {
-            crate::output::write("--out", path, |temp| write_mp4(temp, size, self.fps, &rgb, &bar))?;
+            crate::output::write("--out", path, |temp| {
+                write_mp4(temp, size, self.fps, &rgb, self.audio.as_deref(), &bar)
+            })?;
         }
         if let Some(dir) = &self.frames {
             crate::output::write_dir("--save-frames", dir, |temp| write_pngs(temp, size, &rgb, &bar))?;
@@ -84,9 +88,32 @@ pub fn rgb_frames(frames: &Tensor) -> Result<(FrameSize, Vec<Vec<u8>>)> {
     Ok((size, rgb))
 }
 
-fn write_mp4(path: &Path, size: FrameSize, fps: u32, rgb: &[Vec<u8>], bar: &ProgressBar) -> Result<()> {
-    let file = std::io::BufWriter::new(std::fs::File::create(path)?);
+fn write_mp4(
+    path: &Path,
+    size: FrameSize,
+    fps: u32,
+    rgb: &[Vec<u8>],
+    audio: Option<&Path>,
+    bar: &ProgressBar,
+) -> Result<()> {
+    // The sound track's muxing reads back one field of the finished file: a plain file,
+    // which reads as well as writes.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)?;
     let mut video = Mp4Writer::new(file, size, fps)?;
+    if let Some(audio) = audio {
+        let sound = tpinfer_media::decode_mono(audio)?;
+        // At its own rate where AAC has it (every common one), else at 48 kHz.
+        if video.set_audio(sound.samples.clone(), sound.sample_rate).is_err() {
+            let samples = tpinfer_media::resample(&sound.samples, sound.sample_rate, 48_000)
+                .map_err(|e| anyhow::anyhow!("resampling {} to 48 kHz for AAC: {e}", audio.display()))?;
+            video.set_audio(samples, 48_000)?;
+        }
+    }
     for frame in rgb {
         video.push(frame)?;
         bar.inc(1);

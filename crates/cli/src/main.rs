@@ -21,6 +21,7 @@ mod plan_pipeline;
 mod progress;
 mod ranks;
 mod serve;
+mod speech_video;
 mod video;
 
 #[derive(Parser)]
@@ -333,7 +334,7 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
         ),
         Task::SpeechEncoder => bail!(
             "{} is a wav2vec2 speech encoder, the audio stage of speech-to-video: `tpinfer plan --model` plans \
-             it; tpinfer does not generate speech-to-video yet",
+             it; to generate, give the Wan2.2-S2V checkpoint directory that holds it, with --audio and --image",
             args.model.display()
         ),
         Task::Text => {}

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use tpinfer_engine::{Solver, VideoEngine, VideoRequest, VideoShape, WanPipelineDir};
+use tpinfer_engine::{S2vPipelineDir, Solver, VideoEngine, VideoRequest, VideoShape, WanPipelineDir};
 
 use crate::frames::FrameFiles;
 use crate::progress::{self, Stages};
@@ -16,60 +16,81 @@ use crate::ranks::Ranks;
 #[derive(clap::Args)]
 #[command(next_help_heading = "Video (a Wan pipeline or DiT)")]
 pub struct VideoArgs {
-    /// Frames, 4k + 1.
-    #[arg(long, default_value_t = 81)]
-    frames: usize,
-    /// WIDTHxHEIGHT in pixels, multiples of 16.
+    /// Frames, 4k + 1 (default 81); for speech-to-video, each clip's, 4k (default 80).
+    #[arg(long)]
+    pub(crate) frames: Option<usize>,
+    /// WIDTHxHEIGHT in pixels, multiples of 16; for speech-to-video the largest area, the
+    /// frame taking the reference image's shape within it.
     #[arg(long, default_value = "832x480", value_parser = crate::plan::parse_size)]
-    size: (usize, usize),
-    /// Denoising steps.
-    #[arg(long, default_value_t = 50)]
-    steps: usize,
+    pub(crate) size: (usize, usize),
+    /// Denoising steps (default 50; speech-to-video 40).
+    #[arg(long)]
+    pub(crate) steps: Option<usize>,
     /// A safetensors file with the umT5 text states, `[tokens, 4096]` (tensor `text`, or its only tensor).
     #[arg(long)]
-    text_embeds: Option<PathBuf>,
+    pub(crate) text_embeds: Option<PathBuf>,
     /// The negative prompt's states (tensor `negative` of --text-embeds, or this file).
     #[arg(long)]
-    negative_embeds: Option<PathBuf>,
-    /// With a pipeline directory: what guidance steers away from (diffusers' default: empty).
-    #[arg(long, default_value = "")]
-    negative_prompt: String,
+    pub(crate) negative_embeds: Option<PathBuf>,
+    /// With a pipeline directory: what guidance steers away from (default: diffusers' empty
+    /// prompt; for speech-to-video, its config's negative prompt).
+    #[arg(long)]
+    pub(crate) negative_prompt: Option<String>,
     /// With a pipeline directory: also write the prompt's and the negative prompt's umT5
     /// states (`text`, `negative`, [512, dim]) here, in the form --text-embeds reads.
     #[arg(long)]
-    save_text_embeds: Option<PathBuf>,
+    pub(crate) save_text_embeds: Option<PathBuf>,
     /// Classifier-free guidance scale: above 1, each step also runs the negative prompt; 1
-    /// turns guidance off.
-    #[arg(long, default_value_t = 5.0)]
-    guide_scale: f64,
-    /// The flow schedule's shift.
-    #[arg(long, default_value_t = 5.0)]
-    shift: f64,
-    #[arg(long, value_enum, default_value_t = SolverArg::Unipc)]
-    solver: SolverArg,
-    /// Start from these latents (tensor `latents` [C, F', H', W'], f32) instead of --seed's noise.
+    /// turns guidance off (default 5; speech-to-video 4.5).
     #[arg(long)]
-    init_latents: Option<PathBuf>,
+    pub(crate) guide_scale: Option<f64>,
+    /// The flow schedule's shift (default 5; speech-to-video 3).
+    #[arg(long)]
+    pub(crate) shift: Option<f64>,
+    #[arg(long, value_enum, default_value_t = SolverArg::Unipc)]
+    pub(crate) solver: SolverArg,
+    /// Start from these latents (tensor `latents` [C, F', H', W'], f32) instead of --seed's
+    /// noise; for speech-to-video, each clip from one row of [clips, C, F', H', W'].
+    #[arg(long)]
+    pub(crate) init_latents: Option<PathBuf>,
     /// With a pipeline that has vae/: the video, H.264 in MP4 (default video.mp4). Without a
     /// VAE: the latents, safetensors (default latents.safetensors), with previews beside it.
     #[arg(long)]
-    out: Option<PathBuf>,
+    pub(crate) out: Option<PathBuf>,
     /// With a pipeline that has vae/: also write every frame as an 8-bit PNG (00000.png, …)
     /// into this new or empty directory.
     #[arg(long)]
-    save_frames: Option<PathBuf>,
+    pub(crate) save_frames: Option<PathBuf>,
     /// Also write the final latents (tensor `latents`, f32), as `tpinfer decode` reads them.
     #[arg(long)]
-    save_latents: Option<PathBuf>,
+    pub(crate) save_latents: Option<PathBuf>,
     /// The video's frame rate (Wan2.1: 16).
     #[arg(long, default_value_t = 16)]
-    fps: u32,
+    pub(crate) fps: u32,
+    /// Speech-to-video: the speech (WAV, FLAC or MP3) that drives the video and plays in it.
+    #[arg(long)]
+    pub(crate) audio: Option<PathBuf>,
+    /// Speech-to-video: the reference image (PNG or JPEG) of who speaks.
+    #[arg(long)]
+    pub(crate) image: Option<PathBuf>,
+    /// Speech-to-video: at most this many clips (the speech's length decides otherwise).
+    #[arg(long)]
+    pub(crate) max_clips: Option<usize>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
-enum SolverArg {
+pub(crate) enum SolverArg {
     Unipc,
     Euler,
+}
+
+impl SolverArg {
+    pub(crate) fn solver(self) -> Solver {
+        match self {
+            Self::Unipc => Solver::UniPc(2),
+            Self::Euler => Solver::Euler,
+        }
+    }
 }
 
 /// Reads `name` from a safetensors file, or its only tensor, as f32 on the CPU.
@@ -99,6 +120,25 @@ fn read_embeds(text_path: &Path, negative_path: Option<&Path>) -> Result<(Tensor
 }
 
 pub fn generate_video(ranks: Ranks, model: &Path, prompt: Option<&str>, args: &VideoArgs, seed: u64) -> Result<()> {
+    if S2vPipelineDir::detect(model) {
+        return crate::speech_video::generate(ranks, model, prompt, args, seed);
+    }
+    for (flag, given) in [
+        ("--audio", args.audio.is_some()),
+        ("--image", args.image.is_some()),
+        ("--max-clips", args.max_clips.is_some()),
+    ] {
+        if given {
+            bail!(
+                "{flag} is for speech-to-video: {} is not a Wan2.2-S2V checkpoint directory (its config.json beside \
+                 Wan2.1_VAE.pth)",
+                model.display()
+            );
+        }
+    }
+    let (frames, steps) = (args.frames.unwrap_or(81), args.steps.unwrap_or(50));
+    let (guide_scale, shift) = (args.guide_scale.unwrap_or(5.0), args.shift.unwrap_or(5.0));
+    let negative_prompt = args.negative_prompt.clone().unwrap_or_default();
     let embeds = match (&args.text_embeds, prompt) {
         (Some(_), Some(_)) => bail!("--prompt and --text-embeds both give the text: give one, not both"),
         (Some(path), None) => Some(read_embeds(path, args.negative_embeds.as_deref())?),
@@ -120,21 +160,14 @@ pub fn generate_video(ranks: Ranks, model: &Path, prompt: Option<&str>, args: &V
         None => None,
     };
     let (width, height) = args.size;
-    let shape = VideoShape {
-        frames: args.frames,
-        width,
-        height,
-    };
+    let shape = VideoShape { frames, width, height };
     let request = |text: Tensor, negative: Option<Tensor>| VideoRequest {
         text,
         negative,
-        steps: args.steps,
-        shift: args.shift,
-        guide_scale: args.guide_scale,
-        solver: match args.solver {
-            SolverArg::Unipc => Solver::UniPc(2),
-            SolverArg::Euler => Solver::Euler,
-        },
+        steps,
+        shift,
+        guide_scale,
+        solver: args.solver.solver(),
         seed,
         init_latents: init_latents.clone(),
     };
@@ -154,8 +187,7 @@ pub fn generate_video(ranks: Ranks, model: &Path, prompt: Option<&str>, args: &V
     let engine = stages.time("load", || ranks.start(|b| VideoEngine::start(b, shape)))?;
     let [c, f, h, w] = engine.latent_shape();
     eprintln!(
-        "{} frames at {width}x{height}: latents {c}×{f}×{h}×{w}, {} video tokens per forward; peak plan per rank {:.0} MiB",
-        args.frames,
+        "{frames} frames at {width}x{height}: latents {c}×{f}×{h}×{w}, {} video tokens per forward; peak plan per rank {:.0} MiB",
         engine.plan().tokens_per_forward,
         tpinfer_plan::mib(engine.planned_peak())
     );
@@ -166,14 +198,22 @@ pub fn generate_video(ranks: Ranks, model: &Path, prompt: Option<&str>, args: &V
     }
     let (text, negative) = match (embeds, prompt) {
         (Some(embeds), _) => embeds,
-        (None, Some(prompt)) => stages.time("encode", || encode(&engine, prompt, args))?,
+        (None, Some(prompt)) => stages.time("encode", || {
+            encode(
+                &engine,
+                prompt,
+                &negative_prompt,
+                guide_scale,
+                args.save_text_embeds.as_deref(),
+            )
+        })?,
         (None, None) => bail!("nothing to encode"),
     };
     if engine.frees_encoder() {
         stages.time("load DiT + VAE", || engine.end_encoding())?;
     }
     let request = request(text, negative);
-    let latents = stages.time("denoise", || denoise(&engine, request, args.steps))?;
+    let latents = stages.time("denoise", || denoise(&engine, request, steps))?;
     for path in &outputs.latents {
         crate::output::write(path.0, &path.1, |temp| Ok(latents.save_safetensors("latents", temp)?))?;
         eprintln!("wrote {}", path.1.display());
@@ -216,6 +256,7 @@ impl Outputs {
                 video: Some(args.out.clone().unwrap_or_else(|| PathBuf::from("video.mp4"))),
                 frames: args.save_frames.clone(),
                 fps: args.fps,
+                audio: None,
             },
             false => {
                 if args.save_frames.is_some() {
@@ -239,6 +280,7 @@ impl Outputs {
                     video: None,
                     frames: None,
                     fps: args.fps,
+                    audio: None,
                 }
             }
         };
@@ -304,17 +346,23 @@ fn write_previews(latents: &Tensor, out: &Path) -> Result<()> {
 
 /// The prompt's states, and the negative prompt's where guidance or --save-text-embeds needs
 /// them, encoded on the engine's ranks; written to --save-text-embeds if asked.
-fn encode(engine: &VideoEngine, prompt: &str, args: &VideoArgs) -> Result<(Tensor, Option<Tensor>)> {
-    let needs_negative = args.guide_scale > 1.0 || args.save_text_embeds.is_some();
+pub(crate) fn encode(
+    engine: &VideoEngine,
+    prompt: &str,
+    negative_prompt: &str,
+    guide_scale: f64,
+    save_text_embeds: Option<&Path>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let needs_negative = guide_scale > 1.0 || save_text_embeds.is_some();
     let bar = progress::bar("encode", 1 + u64::from(needs_negative), "prompts");
     let text = engine.encode_prompt(prompt)?;
     bar.inc(1);
     let negative = match needs_negative {
-        true => Some(engine.encode_prompt(&args.negative_prompt)?),
+        true => Some(engine.encode_prompt(negative_prompt)?),
         false => None,
     };
     bar.finish_and_clear();
-    if let (Some(path), Some(negative)) = (&args.save_text_embeds, &negative) {
+    if let (Some(path), Some(negative)) = (save_text_embeds, &negative) {
         let tensors = std::collections::HashMap::from([
             ("text".to_string(), text.clone()),
             ("negative".to_string(), negative.clone()),
@@ -324,7 +372,7 @@ fn encode(engine: &VideoEngine, prompt: &str, args: &VideoArgs) -> Result<(Tenso
         })?;
         eprintln!("wrote {}", path.display());
     }
-    let negative = negative.filter(|_| args.guide_scale > 1.0);
+    let negative = negative.filter(|_| guide_scale > 1.0);
     Ok((text, negative))
 }
 

@@ -1253,3 +1253,87 @@ fn json_output_and_log_levels() {
         .lines()
         .all(|l| !l.contains("WARN") && !l.contains("INFO")));
 }
+
+/// Speech-to-video from the official layout: an MP4 whose video and AAC audio both last the
+/// speech's 1.5 s (24 frames at 16 fps, two clips made and cut at the speech's end), and the
+/// frames as PNGs; flags that do not apply refused by name.
+#[test]
+fn speech_to_video_writes_a_talking_video() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/s2v-pipeline");
+    let (model, inputs) = (fixture.join("model"), fixture.join("inputs"));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (video, frames) = (dir.path().join("talk.mp4"), dir.path().join("frames"));
+    let path = |p: &Path| p.to_str().expect("utf8").to_string();
+    let (audio, image) = (path(&inputs.join("speech.wav")), path(&inputs.join("face.png")));
+    let common = [
+        "--audio", &audio, "--image", &image, "--size", "64x64", "--frames", "16", "--steps", "1", "--tp", "2",
+    ];
+    let mut args = common.to_vec();
+    let (out, saved) = (path(&video), path(&frames));
+    args.extend(["--out", &out, "--save-frames", &saved]);
+    let output = tpinfer(
+        &[&["generate", "--model", &path(&model)][..], &args].concat(),
+        Duration::from_secs(120),
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("2 clips, 24 frames"), "{stderr}");
+    assert_eq!(std::fs::read_dir(&frames).expect("frames").count(), 24);
+    let file = std::fs::File::open(&video).expect("mp4");
+    let size = file.metadata().expect("size").len();
+    let mp4 = mp4::Mp4Reader::read_header(std::io::BufReader::new(file), size).expect("an MP4");
+    let kinds: Vec<String> = mp4
+        .tracks()
+        .values()
+        .map(|t| format!("{:?}", t.track_type().expect("type")))
+        .collect();
+    assert_eq!(kinds.len(), 2, "{kinds:?}");
+    assert!(
+        kinds.iter().any(|k| k == "Video") && kinds.iter().any(|k| k == "Audio"),
+        "{kinds:?}"
+    );
+    for track in mp4.tracks().values() {
+        let seconds = track.duration().as_secs_f64();
+        assert!((seconds - 1.5).abs() < 0.05, "a track lasts {seconds} s");
+    }
+    // Refused by name, before anything loads.
+    let model = path(&model);
+    let without_image = ["generate", "--model", &model, "--audio", &audio];
+    assert_fails_with(&tpinfer(&without_image, Duration::from_secs(30)), &["--image"]);
+    let mut at_24 = common.to_vec();
+    at_24.extend(["--fps", "24"]);
+    assert_fails_with(
+        &tpinfer(
+            &[&["generate", "--model", &model][..], &at_24].concat(),
+            Duration::from_secs(30),
+        ),
+        &["--fps 24", "16 frames a second"],
+    );
+    let embeds = [
+        "generate",
+        "--model",
+        &model,
+        "--audio",
+        &audio,
+        "--image",
+        &image,
+        "--text-embeds",
+        "x.st",
+    ];
+    assert_fails_with(
+        &tpinfer(&embeds, Duration::from_secs(30)),
+        &["--text-embeds", "speech-to-video"],
+    );
+    let bad_frames = [&["generate", "--model", &model][..], &common[..6], &["--frames", "18"]].concat();
+    assert_fails_with(
+        &tpinfer(&bad_frames, Duration::from_secs(30)),
+        &["--frames 18", "4k frames"],
+    );
+    let t2v = tpinfer_tests::TinyWanPipeline::default();
+    let t2v_dir = tempfile::tempdir().expect("tempdir");
+    let pipeline = t2v.write(t2v_dir.path());
+    assert_fails_with(
+        &generate(&pipeline, &["--audio", &audio]),
+        &["--audio", "not a Wan2.2-S2V checkpoint"],
+    );
+}

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use tpinfer_family::Family;
-use tpinfer_plan::{Placement, Plan};
+use tpinfer_plan::{Placement, Plan, ShardedModel};
 use tpinfer_runtime::{Launch, ModelHandle, RankGroup, RuntimeError, Topology};
 use tpinfer_wan_vae::{WanVaeModel, WanVaeRank};
 
@@ -27,21 +27,20 @@ pub(crate) struct FrameDecoder {
 pub type Frames = Tensor;
 
 impl FrameDecoder {
-    /// Adds the VAE at `dir` to the ranks `launch` starts, planned to decode `shape`, for
-    /// latents of `z` channels (the DiT's).
+    /// Adds `vae` to the ranks `launch` starts, planned to decode `shape` (and any video of
+    /// fewer frames), for latents of `z` channels (the DiT's).
     pub fn add(
         launch: &mut Launch,
-        dir: &Path,
+        vae: WanVaeModel,
         shape: VideoShape,
         z: usize,
         dtype: DType,
     ) -> Result<Self, EngineError> {
-        let vae = WanVaeModel::open(dir).map_err(|e| RuntimeError::Model(e.to_string()))?;
         let c = vae.config();
         if c.z_dim != z {
             return Err(EngineError::InvalidRequest(format!(
                 "{}: the VAE's z_dim {} is not the DiT's {z} latent channels",
-                dir.display(),
+                vae.name(),
                 c.z_dim
             )));
         }
@@ -73,15 +72,15 @@ impl FrameDecoder {
         latents: &Tensor,
         on_progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Frames, EngineError> {
-        if latents.dims() != self.latent_shape {
-            return Err(EngineError::InvalidRequest(format!(
-                "latents {:?} are not the {:?} that {} frames at {}x{} take",
-                latents.dims(),
-                self.latent_shape,
-                self.shape.frames,
-                self.shape.width,
-                self.shape.height
-            )));
+        let [z, most, h, w] = self.latent_shape;
+        match latents.dims() {
+            &[c, f, lh, lw] if c == z && (1..=most).contains(&f) && lh == h && lw == w => {}
+            dims => {
+                return Err(EngineError::InvalidRequest(format!(
+                    "latents {dims:?} are not the [{z}, 1 to {most}, {h}, {w}] that up to {} frames at {}x{} take",
+                    self.shape.frames, self.shape.width, self.shape.height
+                )))
+            }
         }
         match finite(latents) {
             Ok(true) => {}
@@ -173,7 +172,8 @@ impl VaeEngine {
             false => DType::BF16,
         });
         let mut launch = Launch::new(topology, b.group.clone());
-        let decoder = FrameDecoder::add(&mut launch, &dir, shape, z, dtype)?;
+        let vae = WanVaeModel::open(&dir).map_err(|e| RuntimeError::Model(e.to_string()))?;
+        let decoder = FrameDecoder::add(&mut launch, vae, shape, z, dtype)?;
         Ok(Self {
             group: launch.start()?,
             decoder,

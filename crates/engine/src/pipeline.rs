@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use tpinfer_family::Family;
-use tpinfer_plan::Placement;
+use tpinfer_plan::{Placement, ShardedModel};
 use tpinfer_runtime::{Launch, ModelHandle, RankGroup, RuntimeError};
 use tpinfer_tokenizer::Tokenizer;
 use tpinfer_umt5::{Umt5Model, Umt5Rank, TEXT_TOKENS};
@@ -66,24 +66,25 @@ pub(crate) struct PromptEncoder {
 }
 
 impl PromptEncoder {
-    /// Adds the pipeline's umT5 encoder to the ranks `launch` starts, beside a DiT whose text
-    /// states are `text_dim` wide, for prompts of up to Wan's 512 tokens.
+    /// Adds `encoder` (umT5, its tokenizer in `tokenizer`) to the ranks `launch` starts,
+    /// beside a DiT whose text states are `text_dim` wide, for prompts of up to Wan's 512
+    /// tokens.
     pub fn add(
         launch: &mut Launch,
-        pipeline: &WanPipelineDir,
+        tokenizer: &Path,
+        encoder: Umt5Model,
         text_dim: usize,
         dtype: DType,
         format: WeightFormat,
     ) -> Result<Self, EngineError> {
-        let tokenizer = Arc::new(Tokenizer::from_hf_dir(&pipeline.tokenizer)?);
-        let encoder = Umt5Model::open(&pipeline.text_encoder)
-            .map_err(|e| RuntimeError::Model(e.to_string()))?
+        let tokenizer = Arc::new(Tokenizer::from_hf_dir(tokenizer)?);
+        let encoder = encoder
             .with_format(format)
             .map_err(|e| RuntimeError::Model(e.to_string()))?;
         if encoder.config().d_model != text_dim {
             return Err(EngineError::InvalidRequest(format!(
                 "{}: the text encoder's d_model {} is not the DiT's text_dim {text_dim}",
-                pipeline.text_encoder.display(),
+                encoder.name(),
                 encoder.config().d_model
             )));
         }

@@ -11,13 +11,16 @@ use candle_core::{DType, Tensor};
 use tpinfer_family::Family;
 use tpinfer_plan::{Placement, Plan};
 use tpinfer_runtime::{check_after_step, Launch, ModelHandle, RankGroup, RuntimeError, Topology};
+use tpinfer_umt5::Umt5Model;
 use tpinfer_wan::sampler::Solver;
 use tpinfer_wan::{WanModel, WanRank};
+use tpinfer_wan_vae::WanVaeModel;
 
 use crate::denoise::denoise;
 use crate::error::finite;
 use crate::frames::{FrameDecoder, Frames};
 use crate::pipeline::{PromptEncoder, WanPipelineDir};
+use crate::s2v::{s2v_decode_shape, S2vPipelineDir, S2vStages};
 use crate::{EngineBuilder, EngineError};
 
 /// The video a [`VideoEngine`] denoises: `frames` (4k + 1) of `width` × `height` pixels.
@@ -145,43 +148,89 @@ pub(crate) type JobResult = Result<Option<(Tensor, StageProfile)>, EngineError>;
 
 /// A Wan DiT loaded on its ranks.
 pub struct VideoEngine {
-    group: RankGroup,
+    pub(crate) group: RankGroup,
     dit: ModelHandle<WanRank>,
     shape: VideoShape,
     latent_shape: [usize; 4],
     /// The width of the text states the model takes (umT5's 4096 for Wan).
     text_dim: usize,
-    /// Whether the model is Wan2.2-S2V's, whose forwards need a clip's conditioning.
-    s2v: bool,
+    /// Wan2.2-S2V's modules, whose forwards need a clip's conditioning.
+    s2v: Option<tpinfer_wan::S2vModules>,
     /// Whether a run at the planned size has yet to be held to the plan.
     unchecked: AtomicBool,
     /// The prompt stage, when the engine was started on a pipeline directory.
     prompts: Option<PromptEncoder>,
     /// The decode stage, when the engine was started on a pipeline directory with a VAE.
     frames: Option<FrameDecoder>,
+    /// S2V's speech encoder and VAE encoder, when started on an S2V checkpoint directory.
+    pub(crate) s2v_stages: Option<S2vStages>,
+}
+
+/// Where a video engine's models come from.
+enum Source {
+    /// A Wan transformer directory alone.
+    Dit,
+    /// A diffusers Wan pipeline directory.
+    Diffusers(WanPipelineDir),
+    /// The official Wan2.2-S2V checkpoint directory.
+    S2v(S2vPipelineDir),
+}
+
+impl Source {
+    fn of(model: &std::path::Path) -> Result<Self, EngineError> {
+        Ok(match (WanPipelineDir::detect(model), S2vPipelineDir::detect(model)) {
+            (true, _) => Self::Diffusers(WanPipelineDir::open(model)?),
+            (false, true) => Self::S2v(S2vPipelineDir::open(model)?),
+            (false, false) => Self::Dit,
+        })
+    }
 }
 
 impl VideoEngine {
-    /// Opens the model of `b` (a Wan transformer directory, or a diffusers Wan pipeline
-    /// directory, whose text encoder then runs on the same ranks), plans every rank for
-    /// `shape` (refusing over budget), and loads the ranks.
+    /// Opens the model of `b` (a Wan transformer directory, a diffusers Wan pipeline
+    /// directory, whose text encoder and VAE then run on the same ranks, or a Wan2.2-S2V
+    /// checkpoint directory, whose speech encoder is then planned for a minute of speech),
+    /// plans every rank for `shape` (refusing over budget), and loads the ranks.
     pub fn start(b: EngineBuilder, shape: VideoShape) -> Result<Self, EngineError> {
-        let pipeline = match WanPipelineDir::detect(&b.model) {
-            true => Some(WanPipelineDir::open(&b.model)?),
-            false => None,
+        Self::launch(b, shape, None)
+    }
+
+    /// [`Self::start`] on a Wan2.2-S2V checkpoint directory, its speech encoder planned for
+    /// `speech_samples` of 16 kHz speech; `shape` is a clip's (4k frames).
+    pub fn start_s2v(b: EngineBuilder, shape: VideoShape, speech_samples: usize) -> Result<Self, EngineError> {
+        if !S2vPipelineDir::detect(&b.model) {
+            return Err(EngineError::InvalidRequest(format!(
+                "{} is not a Wan2.2-S2V checkpoint directory (its config.json beside Wan2.1_VAE.pth)",
+                b.model.display()
+            )));
+        }
+        Self::launch(b, shape, Some(speech_samples))
+    }
+
+    fn launch(b: EngineBuilder, shape: VideoShape, speech_samples: Option<usize>) -> Result<Self, EngineError> {
+        let model_err = |e: tpinfer_plan::PlanError| EngineError::from(RuntimeError::Model(e.to_string()));
+        let source = Source::of(&b.model)?;
+        let transformer = match &source {
+            Source::Dit => &b.model,
+            Source::Diffusers(p) => &p.transformer,
+            Source::S2v(p) => &p.dit,
         };
-        let transformer = pipeline.as_ref().map_or(&b.model, |p| &p.transformer);
+        let wan_err = |e: &dyn std::fmt::Display| EngineError::from(RuntimeError::Model(e.to_string()));
         let model = WanModel::open_checkpoint(transformer)
-            .map_err(|e| RuntimeError::Model(e.to_string()))?
+            .map_err(|e| wan_err(&e))?
             .with_format(b.weight_format)
-            .map_err(|e| RuntimeError::Model(e.to_string()))?;
+            .map_err(|e| wan_err(&e))?;
         let model = match &b.lora {
-            Some(adapter) => model
-                .with_lora(adapter.clone())
-                .map_err(|e| RuntimeError::Model(e.to_string()))?,
+            Some(adapter) => model.with_lora(adapter.clone()).map_err(|e| wan_err(&e))?,
             None => model,
         };
         let config = model.config().clone();
+        if matches!(source, Source::S2v(_)) && config.s2v.is_none() {
+            return Err(EngineError::InvalidRequest(format!(
+                "{}: its config.json is not a speech-to-video DiT's (model_type s2v)",
+                b.model.display()
+            )));
+        }
         let topology = Topology::new(b.tp, &b.device)?;
         if topology.is_cpu() && b.weight_format == tpinfer_weights::WeightFormat::Fp8 {
             tracing::warn!("{}", crate::FP8_ON_CPU);
@@ -198,41 +247,78 @@ impl VideoEngine {
             cfg: true,
         };
         let mut launch = Launch::new(topology, b.group.clone());
-        // The encoder runs first; where it does not fit beside the DiT and the VAE, it is freed
-        // before they load.
-        let prompts = match &pipeline {
-            Some(p) => Some(PromptEncoder::add(
-                &mut launch,
-                p,
-                config.text_dim,
-                dtype,
-                b.weight_format,
-            )?),
-            None => None,
+        // The encoders run first; where they do not fit beside the DiT and the VAE, they are
+        // freed before those load.
+        let (text_dim, format) = (config.text_dim, b.weight_format);
+        let prompts = match &source {
+            Source::Dit => None,
+            Source::Diffusers(p) => {
+                let encoder = Umt5Model::open(&p.text_encoder).map_err(model_err)?;
+                Some(PromptEncoder::add(
+                    &mut launch,
+                    &p.tokenizer,
+                    encoder,
+                    text_dim,
+                    dtype,
+                    format,
+                )?)
+            }
+            Source::S2v(p) => {
+                let encoder = Umt5Model::open_original(&p.text_encoder).map_err(model_err)?;
+                Some(PromptEncoder::add(
+                    &mut launch,
+                    &p.tokenizer,
+                    encoder,
+                    text_dim,
+                    dtype,
+                    format,
+                )?)
+            }
+        };
+        let speech = match &source {
+            Source::S2v(p) => Some(S2vStages::add_speech(&mut launch, p, speech_samples)?),
+            _ => None,
         };
         launch.may_free_here();
         let dit = launch.add(Arc::new(model), dtype, placement)?;
-        let frames = match pipeline.as_ref().and_then(|p| p.vae.as_ref()) {
-            Some(vae) => Some(FrameDecoder::add(&mut launch, vae, shape, config.out_channels, dtype)?),
-            None => None,
-        };
-        let group = launch.start()?;
         let latent_shape = [
             config.in_channels,
             config.latent_frames(shape.frames),
             shape.height / 8,
             shape.width / 8,
         ];
+        let (frames, s2v_stages) = match (&source, speech) {
+            (Source::Diffusers(p), _) => match &p.vae {
+                Some(vae) => {
+                    let vae = WanVaeModel::open(vae).map_err(model_err)?;
+                    (
+                        Some(FrameDecoder::add(&mut launch, vae, shape, config.out_channels, dtype)?),
+                        None,
+                    )
+                }
+                None => (None, None),
+            },
+            (Source::S2v(p), Some(speech)) => {
+                let vae = WanVaeModel::open_original(&p.vae).map_err(model_err)?;
+                let decode = s2v_decode_shape(shape, latent_shape[1]);
+                let frames = FrameDecoder::add(&mut launch, vae.clone(), decode, config.out_channels, dtype)?;
+                let stages = S2vStages::new(&mut launch, speech, &vae, shape, dtype)?;
+                (Some(frames), Some(stages))
+            }
+            _ => (None, None),
+        };
+        let group = launch.start()?;
         Ok(Self {
             group,
             dit,
             shape,
             latent_shape,
             text_dim: config.text_dim,
-            s2v: config.s2v.is_some(),
+            s2v: config.s2v.clone(),
             unchecked: AtomicBool::new(true),
             prompts,
             frames,
+            s2v_stages,
         })
     }
 
@@ -301,7 +387,7 @@ impl VideoEngine {
     /// Denoises from seeded noise; `on_step` hears rank 0 after every step. Returns the
     /// latents `[channels, latent frames, height / 8, width / 8]`, f32 on the CPU.
     pub fn generate(&self, request: VideoRequest, on_step: impl FnMut(StepReport)) -> Result<Tensor, EngineError> {
-        if self.s2v {
+        if self.s2v.is_some() {
             return Err(EngineError::InvalidRequest(
                 "this is a speech-to-video (Wan2.2-S2V) model: it denoises clip by clip from audio and a \
                  reference image (`generate_s2v_clip`), which `generate` does not run"
@@ -321,7 +407,7 @@ impl VideoEngine {
         inputs: S2vInputs,
         on_step: impl FnMut(StepReport),
     ) -> Result<Tensor, EngineError> {
-        if !self.s2v {
+        if self.s2v.is_none() {
             return Err(EngineError::InvalidRequest(
                 "this model is not a speech-to-video one: `generate` denoises its videos".into(),
             ));
@@ -405,9 +491,9 @@ impl VideoEngine {
         profile: bool,
     ) -> Result<(Tensor, StageProfile), EngineError> {
         self.check_text("the text states", text)?;
-        if self.s2v != s2v.is_some() {
+        if self.s2v.is_some() != s2v.is_some() {
             return Err(EngineError::InvalidRequest(
-                match self.s2v {
+                match self.s2v.is_some() {
                     true => "a speech-to-video model's forward needs a clip's reference, pose and audio",
                     false => "this model is not a speech-to-video one: it takes no clip conditioning",
                 }
@@ -494,6 +580,20 @@ impl VideoEngine {
 
     pub fn shape(&self) -> VideoShape {
         self.shape
+    }
+
+    /// S2V: the pose latents' channels; `None` for other models.
+    pub(crate) fn s2v_cond_dim(&self) -> Option<usize> {
+        self.s2v.as_ref().map(|s| s.cond_dim)
+    }
+
+    /// The negative prompt a run guides away from when none is given: diffusers' empty
+    /// prompt for text-to-video; for S2V, the one its config gives (`sample_neg_prompt`).
+    pub fn default_negative_prompt(&self) -> &'static str {
+        match self.s2v {
+            Some(_) => tpinfer_wan::S2V_NEGATIVE_PROMPT,
+            None => "",
+        }
     }
 
     /// `[channels, latent frames, latent height, latent width]`.

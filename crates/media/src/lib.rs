@@ -25,7 +25,7 @@ use openh264::formats::{RgbSliceU8, YUVBuffer};
 use openh264::OpenH264API;
 
 pub use audio::{decode_mono, read_speech, resample, AudioError, Speech, MAX_AUDIO_SECONDS};
-pub use picture::{read_reference_image, s2v_frame_size, ImageError};
+pub use picture::{image_size, read_reference_image, s2v_frame_size, ImageError};
 
 /// Why a video or image could not be written.
 #[derive(Debug, thiserror::Error)]

@@ -56,6 +56,20 @@ pub fn s2v_frame_size(height: usize, width: usize, max_area: usize) -> (usize, u
     }
 }
 
+/// The `(height, width)` of the image at `path`, from its header.
+pub fn image_size(path: &Path) -> Result<(usize, usize), ImageError> {
+    let read = |source| ImageError::Read {
+        path: path.to_path_buf(),
+        source,
+    };
+    let (w, h) = image::ImageReader::open(path)
+        .and_then(|r| r.with_guessed_format())
+        .map_err(|e| read(image::ImageError::IoError(e)))?
+        .into_dimensions()
+        .map_err(read)?;
+    Ok((h as usize, w as usize))
+}
+
 /// The image at `path` fitted to a `height × width` frame: its shorter side resized to the
 /// frame's shorter side (the other in proportion, truncated), then the frame's centre cut
 /// out, black where the image does not reach. RGB planes `[3, height, width]` in [−1, 1].

@@ -37,12 +37,15 @@ enum StepShape {
     Down { c: usize, temporal: bool },
 }
 
-/// Halves height and width (and, `time`, the frames after the first).
+/// Halves height and width (and, `time`, the frames after the first): diffusers' 3×3
+/// convolution of stride 2 after one zero row below and one column right, computed as the
+/// same convolution at stride 1 with a zero border all round (the decoder's convolution, on
+/// cuDNN where it runs), of which the outputs at odd rows and columns are the strided ones:
+/// output (i, j) of stride 2 reads rows 2i..2i+2 and columns 2j..2j+2, as output (2i+1, 2j+1)
+/// of stride 1 does. The three downsamplers do a few per cent of the encoder's work, so the
+/// outputs computed and dropped cost little, and memory is that of a modelled convolution.
 struct Downsample {
-    /// `[c, c, 3, 3]`, channels first, as candle's 2-D convolution reads it.
-    weight: Tensor,
-    /// `[1, c, 1, 1]`.
-    bias: Tensor,
+    conv: Conv,
     time: Option<TimeDown>,
 }
 
@@ -162,23 +165,26 @@ impl Downsample {
             false => None,
         };
         Ok(Self {
-            weight: w.take(&format!("{prefix}.resample.1.weight"))?,
-            bias: w.take(&format!("{prefix}.resample.1.bias"))?.reshape((1, c, 1, 1))?,
+            conv: Conv::load(w, &format!("{prefix}.resample.1"), ConvShape::flat(c, c, 3), slots)?,
             time,
         })
     }
 
     fn forward(&self, x: &Band, cache: &mut FrameCache) -> Result<Band> {
-        // Channels first for candle's convolution, one zero row below and column right.
-        let first = x.x.permute((0, 3, 1, 2))?.contiguous()?;
-        let padded = first.pad_with_zeros(2, 0, 1)?.pad_with_zeros(3, 0, 1)?;
-        drop(first);
-        let y = padded
-            .conv2d(&self.weight, 0, 2, 1, 1)?
-            .broadcast_add(&self.bias)?
-            .permute((0, 2, 3, 1))?
+        let (frames, height, width, c) = x.x.dims4()?;
+        if !height.is_multiple_of(2) || !width.is_multiple_of(2) {
+            return Err(Error::Shard(format!(
+                "VAE encoder: a downsampler halves {height} × {width}; both must be even"
+            )));
+        }
+        let full = self.conv.forward(x, x.rows, cache, None)?.x;
+        let y = full
+            .reshape((frames, height / 2, 2, width / 2, 2, c))?
+            .narrow(2, 1, 1)?
+            .narrow(4, 1, 1)?
+            .reshape((frames, height / 2, width / 2, c))?
             .contiguous()?;
-        drop(padded);
+        drop(full);
         let rows = Rows::all(y.dim(1)?);
         let y = match &self.time {
             Some(time) => time.forward(y, cache)?,

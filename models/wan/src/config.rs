@@ -371,6 +371,13 @@ fn s2v_modules(
 /// `wan_s2v_14B.py`): the last ones of the clip before, or zeros before the first.
 pub const S2V_MOTION_FRAMES: usize = 73;
 
+/// The negative prompt Wan2.2-S2V guides away from when none is given (its config's
+/// `sample_neg_prompt`, `wan/configs/wan_s2v_14B.py`): blurred, worst quality, blurry
+/// details, violent emotion, fast shaking hands, subtitles, ugly, mutilated, extra fingers,
+/// badly drawn hands or face, deformed, disfigured, malformed or fused limbs, a still picture,
+/// a cluttered background, three legs, crowds behind, walking backwards.
+pub const S2V_NEGATIVE_PROMPT: &str = "画面模糊，最差质量，画面模糊，细节模糊不清，情绪激动剧烈，手快速抖动，字幕，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走";
+
 /// The latent motion frames S2V's frame packer reads at each scale, nearest first
 /// (`zip_frame_buckets`).
 const S2V_FRAME_PACK: [usize; 3] = [1, 2, 16];

@@ -14,7 +14,7 @@ pub mod sampler;
 mod shard;
 
 pub use checkpoint::{WanCheckpoint, WanCheckpointError};
-pub use config::{S2vModules, WanConfig, S2V_MOTION_FRAMES};
+pub use config::{S2vModules, WanConfig, S2V_MOTION_FRAMES, S2V_NEGATIVE_PROMPT};
 pub use family::{WanModel, WanRankShard};
 pub use model::WanRank;
 pub use profile::StageTimes;

@@ -6,7 +6,10 @@
 use candle_core::DType;
 pub use tpinfer_kernels::ConvPath;
 
+mod encode;
 mod steps;
+
+pub use encode::EncodeMemory;
 
 use crate::layout::{Layout, PathStep};
 use crate::rows::{tiles, Rows};
@@ -242,16 +245,29 @@ impl Model {
 
     /// `Decoder::middle` on one whole latent frame, with its five frame caches.
     fn middle(&self, h: usize, w: usize) -> Bytes {
-        let (z, c, e) = (self.layout.z, self.layout.middle, self.e);
+        let (z, c) = (self.layout.z, self.layout.middle);
         let history = self.history();
         let caches = self.cached() * self.held_frame(z + 4 * c, Rows::all(h), 1, w);
         let all = Rows::all(h);
         let conv_in = self.conv(ConvCall::new(1, z, c, 3, 3, history), all, w);
         let res = self.res(1, c, c, all, all, w, history);
-        // `FrameAttention::forward` beside its input: the norm and q/k/v from the 1×1
-        // convolution; their contiguous copies beside it; one query block's scores (scaled,
-        // in f32, softmaxed, cast back) beside q, k, v and the blocks' outputs; the joined
-        // output beside them; the projection adding the input.
+        let input = c * h * w * self.e;
+        let attention = self.attention(c, h, w).on(input);
+        // Each block beside its input: conv_in's output onward.
+        let steps = conv_in.max(res.on(input)).max(attention);
+        Bytes {
+            peak: caches + steps.peak,
+            largest: steps.largest,
+        }
+    }
+
+    /// `FrameAttention::forward` on one frame of `h × w` at width `c`, not counting its input:
+    /// the norm and q/k/v from the 1×1 convolution; their contiguous copies beside it; one
+    /// query block's scores (scaled, in f32, softmaxed, cast back) beside q, k, v and the
+    /// blocks' outputs; the joined output beside them; the projection adding the input.
+    fn attention(&self, c: usize, h: usize, w: usize) -> Bytes {
+        let e = self.e;
+        let all = Rows::all(h);
         let pixels = h * w;
         let block = pixels.min(QUERY_BLOCK);
         let input = c * pixels * e;
@@ -260,7 +276,7 @@ impl Model {
         let projection = self.conv(ConvCall::new(1, c, 3 * c, 1, 1, 0), all, w);
         let scores = block * pixels * (2 * e + 2 * 4);
         let proj = self.conv(ConvCall::new(1, c, c, 1, 1, 0).residual(true), all, w);
-        let attention = projection
+        projection
             .on(norm)
             .max(Bytes {
                 peak: qkv + 3 * input,
@@ -275,13 +291,6 @@ impl Model {
                 largest: input,
             })
             .max(proj.on(input))
-            .on(input);
-        // Each block beside its input: conv_in's output onward.
-        let steps = conv_in.max(res.on(input)).max(attention);
-        Bytes {
-            peak: caches + steps.peak,
-            largest: steps.largest,
-        }
     }
 
     /// The bytes of one frame of `channels` that a convolution of reach `reach` writing `rows`

@@ -1,0 +1,307 @@
+#!/usr/bin/env python3
+"""Speech-to-video end to end (issue #35): a tiny random Wan2.2-S2V checkpoint in the official
+layout, and the wan22 wheel's `WanS2V.generate` loop run on it with the wheel's own modules,
+the reference for `tpinfer generate --model S2V_DIR --audio --image`.
+
+  make:   the checkpoint: config.json and diffusion_pytorch_model.safetensors (the S2V DiT,
+          original names), models_t5_umt5-xxl-enc-bf16.pth (Wan's T5Encoder, bf16 as shipped),
+          google/umt5-xxl/tokenizer.json (a Unigram tokenizer appending </s>), Wan2.1_VAE.pth
+          (Wan's WanVAE_ at base width 4), wav2vec2-large-xlsr-53-english/ (a 24-layer
+          Wav2Vec2ForCTC, so 25 states as S2V reads them); and the inputs: speech.wav (1.5 s of
+          a voiced stand-in at 16 kHz: two clips of 16 frames), face.png, and init.safetensors
+          (`latents`, each clip's starting noise [clips, 16, 4, 8, 8]).
+  run:    WanS2V.generate's loop as the wheel writes it (wan/speech2video.py), on the CPU in f32:
+          the prompt and S2V's default negative prompt through the T5, the speech through
+          wav2vec2 and the wheel's own resampling to frames, the reference image resized and
+          cropped by torchvision and encoded, each clip denoised by UniPC with guidance (the
+          negative prompt, silent audio), decoded after the reference (first clip, cut by
+          three frames) or motion latents, the last 73 frames re-encoded as the next clip's
+          motion. Writes the frames [frames, 3, H, W] in 8 bits.
+  compare: tpinfer's --save-frames PNGs against the reference's frames, in 8-bit.
+
+  python reference_s2v_pipeline.py make --wan22 DIR --out PIPE --inputs IN
+  python reference_s2v_pipeline.py run --wan22 DIR --model PIPE --inputs IN --steps 2 --out ref.st
+(tests/fixtures/s2v-pipeline holds PIPE as model/, IN as inputs/ and ref.st as reference.safetensors.)
+  tpinfer generate --model PIPE --audio IN/speech.wav --image IN/face.png --prompt "a person talks" \
+      --size 64x64 --frames 16 --steps 2 --init-latents IN/init.safetensors --save-frames frames --out v.mp4
+  python reference_s2v_pipeline.py compare --ref ref.st --frames frames
+"""
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import types
+import wave
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from wan22_modules import import_wan22
+
+PROMPT = "a person talks"
+FRAMES, SIZE, SECONDS, STEPS, GUIDE, SHIFT = 16, 64, 1.5, 2, 4.5, 3.0
+MOTION, LAT_MOTION = 73, 19
+T5 = dict(vocab=0, dim=32, dim_attn=32, dim_ffn=48, num_heads=4, num_layers=2, num_buckets=8)
+DIT = {
+    "_class_name": "WanModel_S2V", "model_type": "s2v",
+    "dim": 64, "ffn_dim": 128, "freq_dim": 32, "num_heads": 4, "num_layers": 3,
+    "in_dim": 16, "out_dim": 16, "text_dim": 32, "text_len": 512, "patch_size": [1, 2, 2],
+    "audio_dim": 32, "num_audio_token": 4, "cond_dim": 16, "audio_inject_layers": [0, 2],
+    "enable_adain": True, "adain_mode": "attn_norm", "enable_framepack": True,
+    "framepack_drop_mode": "padd", "enable_motioner": False, "zero_timestep": True,
+    "zero_init": False, "add_last_motion": True, "trainable_token": False,
+    "enable_tsm": False, "motion_frames": 73, "window_size": [-1, -1],
+    "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6,
+}
+WAV2VEC2 = dict(hidden_size=32, num_hidden_layers=24, num_attention_heads=2, intermediate_size=48,
+                conv_dim=[16] * 7, conv_kernel=[10, 3, 3, 3, 3, 2, 2], conv_stride=[5, 2, 2, 2, 2, 2, 2],
+                num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, vocab_size=12)
+# Wan2_1_VAE's normalisation (wan/modules/vae2_1.py).
+MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+        0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
+STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+       3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]
+# S2V's default negative prompt (wan/configs/wan_s2v_14B.py, sample_neg_prompt).
+NEGATIVE = ("画面模糊，最差质量，画面模糊，细节模糊不清，情绪激动剧烈，手快速抖动，字幕，丑陋的，残缺的，多余的手指，"
+            "画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，三条腿，"
+            "背景人很多，倒着走")
+
+
+def wheel(root, name):
+    # t5.py takes `device=torch.cuda.current_device()` as a default argument, at import.
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"
+    return import_wan22(root, name)
+
+
+def tokenizer_json():
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    pieces = [["<pad>", 0.0], ["</s>", 0.0], ["<unk>", 0.0], ["\u2581", -2.0]]
+    pieces += [[c, -3.0] for c in letters] + [["\u2581" + c, -2.5] for c in letters]
+    return {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for i, t in enumerate(["<pad>", "</s>", "<unk>"])],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True},
+        "post_processor": {"type": "TemplateProcessing",
+                           "single": [{"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "</s>", "type_id": 0}}],
+                           "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 0}},
+                                    {"SpecialToken": {"id": "</s>", "type_id": 0}}],
+                           "special_tokens": {"</s>": {"id": "</s>", "ids": [1], "tokens": ["</s>"]}}},
+        "decoder": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True},
+        "model": {"type": "Unigram", "unk_id": 2, "vocab": pieces, "byte_fallback": False},
+    }
+
+
+def randomize(module):
+    """Every weight away from its init (S2V's zero inits, identity norms), so that each shows."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if ("norm" in name and p.dim() == 1) or "original0" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.dim() == 1 or name.endswith(".weights") or "padding_tokens" in name or "modulation" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p[0].numel() ** 0.5)
+
+
+def make(args):
+    torch.manual_seed(args.seed)
+    out = args.out
+    os.makedirs(os.path.join(out, "google", "umt5-xxl"), exist_ok=True)
+    tok = tokenizer_json()
+    with open(os.path.join(out, "google", "umt5-xxl", "tokenizer.json"), "w") as f:
+        json.dump(tok, f, ensure_ascii=False)
+    # The DiT.
+    model_s2v = wheel(args.wan22, "modules.s2v.model_s2v")
+    kwargs = {k: v for k, v in DIT.items() if k not in ("_class_name", "trainable_token", "motion_frames")}
+    kwargs["window_size"], kwargs["patch_size"] = tuple(kwargs["window_size"]), tuple(kwargs["patch_size"])
+    dit = model_s2v.WanModel_S2V(**kwargs).eval()
+    randomize(dit)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(DIT, f, indent=1)
+    save_file({k: v.contiguous() for k, v in dit.state_dict().items()},
+              os.path.join(out, "diffusion_pytorch_model.safetensors"))
+    # Wan's T5, in bf16 as the official file is.
+    t5 = wheel(args.wan22, "modules.t5")
+    encoder = t5.T5Encoder(**{**T5, "vocab": len(tok["model"]["vocab"])}, shared_pos=False, dropout=0.0).eval()
+    randomize(encoder)
+    torch.save({k: v.to(torch.bfloat16) for k, v in encoder.state_dict().items()},
+               os.path.join(out, "models_t5_umt5-xxl-enc-bf16.pth"))
+    # Wan's VAE.
+    vae = wheel(args.wan22, "modules.vae2_1")
+    model = vae.WanVAE_(dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                        temperal_downsample=[False, True, True], dropout=0.0).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gamma"):
+                p.copy_(0.5 + torch.rand_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * (2 * torch.rand_like(p) - 1))
+    torch.save(model.state_dict(), os.path.join(out, "Wan2.1_VAE.pth"))
+    # wav2vec2.
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+    config = Wav2Vec2Config(**WAV2VEC2, feat_extract_norm="layer", do_stable_layer_norm=True, conv_bias=True,
+                            hidden_act="gelu", feat_extract_activation="gelu", layer_norm_eps=1e-5)
+    w2v = Wav2Vec2ForCTC(config)
+    randomize(w2v)
+    w2v.save_pretrained(os.path.join(out, "wav2vec2-large-xlsr-53-english"), safe_serialization=True)
+    # The inputs.
+    os.makedirs(args.inputs, exist_ok=True)
+    n = int(SECONDS * 16000)
+    t = torch.arange(n, dtype=torch.float64) / 16000
+    pitch = 140 + 30 * torch.sin(2 * torch.pi * 1.3 * t)
+    phase = 2 * torch.pi * torch.cumsum(pitch, 0) / 16000
+    audio = sum(0.3 / k * torch.sin(k * phase) for k in range(1, 6)) + 0.02 * torch.randn(n, dtype=torch.float64)
+    pcm = (audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy()
+    with wave.open(os.path.join(args.inputs, "speech.wav"), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000), w.writeframes(pcm.tobytes())
+    from PIL import Image
+    # At the frame's size: the resize is checked apart (crates/media/tests/picture.rs), and a
+    # random VAE turns the resize's 1/255 steps into larger ones.
+    yy, xx = np.mgrid[0:SIZE, 0:SIZE]
+    face = np.stack([(xx * 3) % 256, (yy * 2) % 256, ((xx + yy) * 5) % 256], -1).astype(np.uint8)
+    Image.fromarray(face).save(os.path.join(args.inputs, "face.png"))
+    lat = (FRAMES + 3 + MOTION) // 4 - LAT_MOTION
+    save_file({"latents": torch.randn(2, 16, lat, SIZE // 8, SIZE // 8)}, os.path.join(args.inputs, "init.safetensors"))
+
+
+def bucket_module(root):
+    # audio_encoder.py imports librosa for its file reading, which is not used here.
+    sys.modules.setdefault("librosa", types.ModuleType("librosa"))
+    spec = importlib.util.spec_from_file_location("s2v_audio_encoder", os.path.join(root, "wan/modules/s2v/audio_encoder.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(args):
+    from PIL import Image
+    from tokenizers import Tokenizer
+    from torchvision import transforms
+    from transformers import Wav2Vec2FeatureExtractor, Wav2Vec2ForCTC
+
+    pipe, inputs = args.model, args.inputs
+    H = W = SIZE
+    with torch.no_grad():
+        # Text.
+        t5 = wheel(args.wan22, "modules.t5")
+        tok = Tokenizer.from_file(os.path.join(pipe, "google", "umt5-xxl", "tokenizer.json"))
+        state = {k: v.float() for k, v in torch.load(os.path.join(pipe, "models_t5_umt5-xxl-enc-bf16.pth")).items()}
+        encoder = t5.T5Encoder(**{**T5, "vocab": state["token_embedding.weight"].shape[0]}, shared_pos=False,
+                               dropout=0.0).eval()
+        encoder.load_state_dict(state)
+
+        def encode_text(text):
+            ids = torch.tensor([tok.encode(" ".join(text.split())).ids])
+            return encoder(ids, torch.ones_like(ids))[0]
+
+        context, context_null = encode_text(PROMPT), encode_text(NEGATIVE)
+        # Speech, as extract_audio_feat and get_audio_embed_bucket_fps make it.
+        with wave.open(os.path.join(inputs, "speech.wav")) as w:
+            pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
+        audio = pcm.astype(np.float32) / 32768.0
+        w2v = Wav2Vec2ForCTC.from_pretrained(os.path.join(pipe, "wav2vec2-large-xlsr-53-english")).eval()
+        extractor = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0,
+                                             do_normalize=True, return_attention_mask=True)
+        values = extractor(audio, sampling_rate=16000, return_tensors="pt").input_values
+        states = torch.cat(w2v(values, output_hidden_states=True).hidden_states)
+        m = bucket_module(args.wan22)
+        feat = m.linear_interpolation(states, input_fps=50, output_fps=30)
+        bucket, clips = m.AudioEncoder.get_audio_embed_bucket_fps(types.SimpleNamespace(video_rate=30), feat, fps=16,
+                                                                  batch_frames=FRAMES, m=0)
+        audio_emb = bucket.unsqueeze(0).permute(0, 2, 3, 1)  # [1, layers, dim, frames]
+        # The reference image.
+        image = np.array(Image.open(os.path.join(inputs, "face.png")).convert("RGB"))
+        pic = transforms.CenterCrop((H, W))(transforms.Resize(min(H, W))(Image.fromarray(image)))
+        ref_pixels = transforms.ToTensor()(pic).unsqueeze(1).unsqueeze(0) * 2 - 1.0
+        vae_module = wheel(args.wan22, "modules.vae2_1")
+        vae = vae_module.WanVAE_(dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                                 temperal_downsample=[False, True, True], dropout=0.0).eval()
+        vae.load_state_dict(torch.load(os.path.join(pipe, "Wan2.1_VAE.pth")))
+        scale = [torch.tensor(MEAN), 1.0 / torch.tensor(STD)]
+        ref_latents = vae.encode(ref_pixels, scale)
+        # The DiT and the sampler.
+        model_s2v = wheel(args.wan22, "modules.s2v.model_s2v")
+        config = json.load(open(os.path.join(pipe, "config.json")))
+        kwargs = {k: v for k, v in config.items() if k not in ("_class_name", "trainable_token", "motion_frames")}
+        kwargs["window_size"], kwargs["patch_size"] = tuple(kwargs["window_size"]), tuple(kwargs["patch_size"])
+        dit = model_s2v.WanModel_S2V(**kwargs).eval()
+        dit.load_state_dict(load_file(os.path.join(pipe, "diffusion_pytorch_model.safetensors")))
+        solvers = wheel(args.wan22, "utils.fm_solvers_unipc")
+        noise = load_file(os.path.join(inputs, "init.safetensors"))["latents"]
+        clips = min(clips, noise.shape[0])
+        videos_last_frames = torch.zeros(1, 3, MOTION, H, W)
+        motion_latents = None
+        pose = torch.zeros(16, noise.shape[2], H // 8, W // 8)
+        out = []
+        for r in range(clips):
+            scheduler = solvers.FlowUniPCMultistepScheduler(num_train_timesteps=1000, shift=1,
+                                                            use_dynamic_shifting=False)
+            scheduler.set_timesteps(args.steps, device="cpu", shift=SHIFT)
+            latents = noise[r].clone()
+            audio_input = audio_emb[..., r * FRAMES:(r + 1) * FRAMES]
+            motion = motion_latents if motion_latents is not None else torch.zeros(1, 16, LAT_MOTION, H // 8, W // 8)
+            for t in scheduler.timesteps:
+                def velocity(ctx, audio_in):
+                    return dit([latents], t=torch.stack([t]), context=[ctx], seq_len=None, cond_states=[pose],
+                               motion_latents=[motion[0]], ref_latents=[ref_latents[0]], audio_input=audio_in,
+                               motion_frames=[MOTION, LAT_MOTION], drop_motion_frames=r == 0)[0]
+                cond, uncond = velocity(context, audio_input), velocity(context_null, 0.0 * audio_input)
+                guided = uncond + GUIDE * (cond - uncond)
+                latents = scheduler.step(guided.unsqueeze(0), t, latents.unsqueeze(0), return_dict=False)[0].squeeze(0)
+            before = ref_latents if r == 0 else motion_latents
+            image = vae.decode(torch.cat([before, latents.unsqueeze(0)], dim=2), scale).clamp(-1, 1)
+            image = image[:, :, -FRAMES:]
+            if r == 0:
+                image = image[:, :, 3:]
+            overlap = min(MOTION, image.shape[2])
+            videos_last_frames = torch.cat([videos_last_frames[:, :, overlap:], image[:, :, -overlap:]], dim=2)
+            motion_latents = vae.encode(videos_last_frames, scale)
+            out.append(image)
+        frames = torch.cat(out, dim=2)[0].permute(1, 0, 2, 3).contiguous()
+    # In 8 bits, rounded as diffusers' video processor rounds.
+    frames = ((frames / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+    save_file({"frames": frames}, args.out)
+    print(f"{clips} clips, frames {list(frames.shape)}")
+
+
+def compare(args):
+    from PIL import Image
+
+    ref8 = load_file(args.ref)["frames"].float()
+    names = sorted(n for n in os.listdir(args.frames) if n.endswith(".png"))
+    worst, total, count = 0, 0.0, 0
+    for i, name in enumerate(names):
+        got = torch.from_numpy(np.array(Image.open(os.path.join(args.frames, name)).convert("RGB"))).permute(2, 0, 1).float()
+        diff = (got - ref8[i]).abs()
+        worst, total, count = max(worst, int(diff.max())), total + float(diff.sum()), count + diff.numel()
+    print(f"{len(names)} frames against the reference's {ref8.shape[0]}: largest difference {worst}/255, "
+          f"mean {total / count:.4f}/255")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("--wan22", required=True)
+    m.add_argument("--out", required=True)
+    m.add_argument("--inputs", required=True)
+    m.add_argument("--seed", type=int, default=21)
+    r = sub.add_parser("run")
+    r.add_argument("--wan22", required=True)
+    r.add_argument("--model", required=True)
+    r.add_argument("--inputs", required=True)
+    r.add_argument("--steps", type=int, default=STEPS)
+    r.add_argument("--out", required=True)
+    c = sub.add_parser("compare")
+    c.add_argument("--ref", required=True)
+    c.add_argument("--frames", required=True)
+    args = p.parse_args()
+    {"make": make, "run": run, "compare": compare}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+//! Speech-to-video end to end on a tiny random Wan2.2-S2V checkpoint in the official layout
+//! (`tests/fixtures/s2v-pipeline`, written by `scripts/reference/reference_s2v_pipeline.py`):
+//! the engine's clip-by-clip run against the wan22 wheel's `WanS2V.generate` loop on the same
+//! weights, speech, reference image and per-clip noise (two clips of 16 frames: the second
+//! conditioned on the first's last frames), at TP 1 and 2; and what it refuses.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use tpinfer_engine::{DeviceKind, Engine, S2vRequest, Solver, VideoEngine, VideoRequest, VideoShape};
+use tpinfer_tests::tensor_rel_error;
+
+const CLIP_FRAMES: usize = 16;
+const SIZE: usize = 64;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/s2v-pipeline")
+}
+
+fn engine(tp: usize) -> VideoEngine {
+    let speech = speech();
+    let shape = VideoShape {
+        frames: CLIP_FRAMES,
+        width: SIZE,
+        height: SIZE,
+    };
+    let builder = Engine::builder(fixture().join("model")).tp(tp).device(DeviceKind::Cpu);
+    VideoEngine::start_s2v(builder, shape, speech.len()).expect("start")
+}
+
+fn speech() -> Vec<f32> {
+    tpinfer_media::read_speech(&fixture().join("inputs/speech.wav"), 16_000)
+        .expect("speech")
+        .samples
+}
+
+/// The run's frames `[frames, 3, 64, 64]` in [−1, 1] at TP `tp`, as the CLI makes them.
+fn run(tp: usize) -> Tensor {
+    let engine = engine(tp);
+    let text = engine.encode_prompt("a person talks").expect("prompt");
+    let negative = engine
+        .encode_prompt(engine.default_negative_prompt())
+        .expect("negative prompt");
+    let features = engine.encode_speech(&speech()).expect("speech");
+    assert_eq!(features.clips, 2, "1.5 s of speech fills two clips of a second");
+    let pixels = tpinfer_media::read_reference_image(&fixture().join("inputs/face.png"), SIZE, SIZE).expect("image");
+    let init = candle_core::safetensors::load(fixture().join("inputs/init.safetensors"), &Device::Cpu).expect("init");
+    let request = S2vRequest {
+        denoise: VideoRequest {
+            text,
+            negative: Some(negative),
+            steps: 2,
+            shift: 3.0,
+            guide_scale: 4.5,
+            solver: Solver::UniPc(2),
+            seed: 0,
+            init_latents: Some(init["latents"].clone()),
+        },
+        speech: features,
+        reference: Tensor::from_vec(pixels, (3, 1, SIZE, SIZE), &Device::Cpu).expect("reference"),
+        max_clips: None,
+    };
+    let mut clips = Vec::new();
+    let video = engine
+        .generate_s2v(request, |event| {
+            if let tpinfer_engine::S2vProgress::Clip { index, clips: n } = event {
+                clips.push((index, n));
+            }
+        })
+        .expect("generate");
+    assert_eq!(clips, [(0, 2), (1, 2)]);
+    assert_eq!(video.clips, 2);
+    video.frames
+}
+
+/// `frames` in 8 bits, rounded as the video writer rounds.
+fn eight_bit(frames: &Tensor) -> Vec<u8> {
+    ((frames / 2.0).expect("half") + 0.5)
+        .and_then(|f| f.clamp(0f32, 1f32))
+        .and_then(|f| f.affine(255.0, 0.0))
+        .and_then(|f| f.round())
+        .and_then(|f| f.to_dtype(DType::U8))
+        .and_then(|f| f.flatten_all())
+        .and_then(|f| f.to_vec1::<u8>())
+        .expect("8-bit frames")
+}
+
+/// The first clip's 13 frames (16 less the three S2V cuts) and the second's 16, within 2/255
+/// of the wheel's in f32, at TP 1 and 2, and the widths equal.
+#[test]
+fn a_two_clip_video_matches_the_wan22_loop() {
+    let reference = candle_core::safetensors::load(fixture().join("reference.safetensors"), &Device::Cpu)
+        .expect("reference")["frames"]
+        .flatten_all()
+        .and_then(|f| f.to_vec1::<u8>())
+        .expect("reference frames");
+    let one = run(1);
+    assert_eq!(one.dims(), [13 + 16, 3, SIZE, SIZE]);
+    let ours = eight_bit(&one);
+    let worst = ours
+        .iter()
+        .zip(&reference)
+        .map(|(a, b)| a.abs_diff(*b))
+        .max()
+        .expect("pixels");
+    assert!(worst <= 2, "largest difference from the wheel's frames: {worst}/255");
+    let two = run(2);
+    let rel = tensor_rel_error(&two, &one);
+    assert!(rel < 1e-5, "TP 2 against TP 1: {rel:e}");
+}
+
+/// What a speech-to-video engine refuses by name, before any clip runs.
+#[test]
+fn speech_to_video_refuses_what_it_cannot_run() {
+    let engine = engine(1);
+    let text = engine.encode_prompt("a person talks").expect("prompt");
+    let features = engine.encode_speech(&speech()).expect("speech");
+    let request = |reference: Tensor, init: Option<Tensor>| S2vRequest {
+        denoise: VideoRequest {
+            text: text.clone(),
+            negative: None,
+            steps: 1,
+            shift: 3.0,
+            guide_scale: 1.0,
+            solver: Solver::UniPc(2),
+            seed: 0,
+            init_latents: init,
+        },
+        speech: features.clone(),
+        reference,
+        max_clips: None,
+    };
+    let wrong_size = Tensor::zeros((3, 1, 32, 64), DType::F32, &Device::Cpu).expect("zeros");
+    let err = engine
+        .generate_s2v(request(wrong_size, None), |_| {})
+        .expect_err("a reference of another size")
+        .to_string();
+    assert!(
+        err.contains("reference image") && err.contains("[3, 1, 64, 64]"),
+        "{err}"
+    );
+    let right = Tensor::zeros((3, 1, SIZE, SIZE), DType::F32, &Device::Cpu).expect("zeros");
+    let bad_init = Tensor::zeros((2, 16, 3, 8, 8), DType::F32, &Device::Cpu).expect("zeros");
+    let err = engine
+        .generate_s2v(request(right, Some(bad_init)), |_| {})
+        .expect_err("noise of another clip length")
+        .to_string();
+    assert!(
+        err.contains("--init-latents") && err.contains("[clips, 16, 4, 8, 8]"),
+        "{err}"
+    );
+    // A text-to-video DiT's engine has no speech stages.
+    let t2v = tpinfer_tests::TinyWan::default();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dit = t2v.write(dir.path());
+    let shape = VideoShape {
+        frames: 5,
+        width: 32,
+        height: 32,
+    };
+    let err = VideoEngine::start_s2v(Engine::builder(&dit), shape, 16_000)
+        .err()
+        .expect("a T2V DiT")
+        .to_string();
+    assert!(err.contains("not a Wan2.2-S2V checkpoint"), "{err}");
+}
