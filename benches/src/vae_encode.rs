@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use clap::Args;
+use tpinfer_wan_vae::memory::{ConvPath, DecodeDevice, EncodeMemory};
 use tpinfer_wan_vae::{WanVaeConfig, WanVaeEncoder};
 use tpinfer_weights::SafetensorsStore;
 
@@ -48,16 +49,23 @@ pub fn vae_encode(args: VaeEncodeArgs) -> Result<()> {
     names.sort();
     anyhow::ensure!(!names.is_empty(), "{} has no `*_pixels` tensor", args.pixels.display());
     println!(
-        "| video | pixels | dtype | ms per encode (median of {}) |",
+        "| video | pixels | dtype | ms per encode (median of {}) | tensors beside the weights, MiB: measured / planned (Δ) |",
         args.repeats
     );
-    println!("|---|---|---|---:|");
+    println!("|---|---|---|---:|---|");
     let mut latents: HashMap<String, Tensor> = HashMap::new();
     for name in names {
         let pixels = &inputs[name];
         let mut times = Vec::with_capacity(args.repeats);
+        // The pool's live tensors at the encode's peak, beside the weights (GPUs only).
+        tpinfer_runtime::reset_peak(&device);
+        let before = tpinfer_runtime::measure(&device).map(|m| m.pool_used);
         let mut encoded = encoder.encode(pixels)?;
         device.synchronize()?;
+        let measured = match (before, tpinfer_runtime::measure(&device)) {
+            (Some(before), Some(after)) => Some(after.pool_used_peak.saturating_sub(before)),
+            _ => None,
+        };
         for _ in 0..args.repeats {
             let start = Instant::now();
             encoded = encoder.encode(pixels)?;
@@ -68,7 +76,18 @@ pub fn vae_encode(args: VaeEncodeArgs) -> Result<()> {
             true => f64::NAN,
             false => crate::median(times),
         };
-        println!("| {name} | {:?} | {dtype:?} | {ms:.1} |", pixels.dims());
+        let (_, frames, height, width) = pixels.dims4()?;
+        let planned = EncodeMemory::new(&config, memory_device(dtype, args.cuda), frames, height, width).peak as u64;
+        let memory = match measured {
+            Some(m) => format!(
+                "{:.1} / {:.1} ({:+.1}%)",
+                tpinfer_plan::mib(m),
+                tpinfer_plan::mib(planned),
+                100.0 * (m as f64 / planned as f64 - 1.0)
+            ),
+            None => format!("– / {:.1}", tpinfer_plan::mib(planned)),
+        };
+        println!("| {name} | {:?} | {dtype:?} | {ms:.1} | {memory} |", pixels.dims());
         let stem = name.trim_end_matches("_pixels");
         latents.insert(format!("{stem}_latents"), encoded.to_device(&Device::Cpu)?);
     }
@@ -76,4 +95,16 @@ pub fn vae_encode(args: VaeEncodeArgs) -> Result<()> {
         candle_core::safetensors::save(&latents, out).with_context(|| format!("writing {}", out.display()))?;
     }
     Ok(())
+}
+
+/// The device the memory model plans for: cuDNN's convolutions on a GPU, as `doctor` checks.
+fn memory_device(dtype: candle_core::DType, cuda: bool) -> DecodeDevice {
+    DecodeDevice {
+        dtype,
+        cuda,
+        conv: match cuda {
+            true => ConvPath::Cudnn,
+            false => ConvPath::Taps,
+        },
+    }
 }
