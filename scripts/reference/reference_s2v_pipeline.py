@@ -18,6 +18,10 @@ the reference for `tpinfer generate --model S2V_DIR --audio --image`.
           three frames) or motion latents, the last 73 frames re-encoded as the next clip's
           motion. Writes the frames [frames, 3, H, W] in 8 bits.
   compare: tpinfer's --save-frames PNGs against the reference's frames, in 8-bit.
+  full:   the rest of the official layout at the published sizes, beside a DiT that
+          reference_s2v_speed.py made: Wan's umT5-XXL T5Encoder (bf16 .pth), Wan2.1's VAE
+          (.pth), wav2vec2-large-xlsr-53's shape, this script's tokenizer; random weights made
+          on the GPU. And inputs: SECONDS of speech and a reference image of WIDTHxHEIGHT.
 
   python reference_s2v_pipeline.py make --wan22 DIR --out PIPE --inputs IN
   python reference_s2v_pipeline.py run --wan22 DIR --model PIPE --inputs IN --steps 2 --out ref.st
@@ -168,6 +172,44 @@ def make(args):
     save_file({"latents": torch.randn(2, 16, lat, SIZE // 8, SIZE // 8)}, os.path.join(args.inputs, "init.safetensors"))
 
 
+def full(args):
+    torch.manual_seed(args.seed)
+    out, device = args.out, args.device
+    os.makedirs(os.path.join(out, "google", "umt5-xxl"), exist_ok=True)
+    with open(os.path.join(out, "google", "umt5-xxl", "tokenizer.json"), "w") as f:
+        json.dump(tokenizer_json(), f, ensure_ascii=False)
+    t5 = wheel(args.wan22, "modules.t5")
+    with torch.device(device):
+        encoder = t5.T5Encoder(vocab=256384, dim=4096, dim_attn=4096, dim_ffn=10240, num_heads=64, num_layers=24,
+                               num_buckets=32, shared_pos=False, dropout=0.0).to(torch.bfloat16)
+    torch.save({k: v.contiguous() for k, v in encoder.state_dict().items()},
+               os.path.join(out, "models_t5_umt5-xxl-enc-bf16.pth"))
+    del encoder
+    vae = wheel(args.wan22, "modules.vae2_1")
+    model = vae.WanVAE_(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                        temperal_downsample=[False, True, True], dropout=0.0)
+    torch.save(model.state_dict(), os.path.join(out, "Wan2.1_VAE.pth"))
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+    config = Wav2Vec2Config(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                            conv_dim=[512] * 7, conv_kernel=[10, 3, 3, 3, 3, 2, 2], conv_stride=[5, 2, 2, 2, 2, 2, 2],
+                            num_conv_pos_embeddings=128, num_conv_pos_embedding_groups=16, vocab_size=33,
+                            feat_extract_norm="layer", do_stable_layer_norm=True, conv_bias=True)
+    Wav2Vec2ForCTC(config).save_pretrained(os.path.join(out, "wav2vec2-large-xlsr-53-english"), safe_serialization=True)
+    os.makedirs(args.inputs, exist_ok=True)
+    n = int(args.seconds * 16000)
+    t = torch.arange(n, dtype=torch.float64) / 16000
+    phase = 2 * torch.pi * torch.cumsum(140 + 30 * torch.sin(2 * torch.pi * 1.3 * t), 0) / 16000
+    audio = sum(0.3 / k * torch.sin(k * phase) for k in range(1, 6))
+    pcm = (audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy()
+    with wave.open(os.path.join(args.inputs, "speech.wav"), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000), w.writeframes(pcm.tobytes())
+    from PIL import Image
+    width, height = map(int, args.image.split("x"))
+    yy, xx = np.mgrid[0:height, 0:width]
+    face = np.stack([(xx // 3) % 256, (yy // 2) % 256, ((xx + yy) // 4) % 256], -1).astype(np.uint8)
+    Image.fromarray(face).save(os.path.join(args.inputs, "face.png"))
+
+
 def bucket_module(root):
     # audio_encoder.py imports librosa for its file reading, which is not used here.
     sys.modules.setdefault("librosa", types.ModuleType("librosa"))
@@ -296,11 +338,19 @@ def main():
     r.add_argument("--inputs", required=True)
     r.add_argument("--steps", type=int, default=STEPS)
     r.add_argument("--out", required=True)
+    f = sub.add_parser("full")
+    f.add_argument("--wan22", required=True)
+    f.add_argument("--out", required=True)
+    f.add_argument("--inputs", required=True)
+    f.add_argument("--seconds", type=float, default=6.0)
+    f.add_argument("--image", default="832x480")
+    f.add_argument("--device", default="cuda")
+    f.add_argument("--seed", type=int, default=22)
     c = sub.add_parser("compare")
     c.add_argument("--ref", required=True)
     c.add_argument("--frames", required=True)
     args = p.parse_args()
-    {"make": make, "run": run, "compare": compare}[args.cmd](args)
+    {"make": make, "run": run, "compare": compare, "full": full}[args.cmd](args)
 
 
 if __name__ == "__main__":
