@@ -67,7 +67,7 @@ pub(crate) fn parse_size(text: &str) -> Result<(usize, usize), String> {
 pub fn plan(args: PlanArgs) -> Result<ExitCode> {
     let dir = std::path::Path::new(&args.model);
     let preset_pipeline = !dir.exists() && args.model.ends_with(crate::plan_pipeline::PIPELINE_SUFFIX);
-    if tpinfer_engine::WanPipelineDir::detect(dir) || preset_pipeline {
+    if tpinfer_engine::WanPipelineDir::detect(dir) || tpinfer_engine::S2vPipelineDir::detect(dir) || preset_pipeline {
         return pipeline(&args);
     }
     let (_, model) = tpinfer_engine::registry::open_as(&args.model, args.weights.format())?;
@@ -133,9 +133,11 @@ fn pipeline(args: &PlanArgs) -> Result<ExitCode> {
     if args.max_context.is_some() || args.batch.is_some() {
         bail!("--max-context and --batch are for LLMs; a pipeline is placed with --frames and --size");
     }
+    let models = crate::plan_pipeline::Models::open(&args.model, args.weights.format())?;
     let (width, height) = args.size.unwrap_or((832, 480));
+    // Text-to-video's 81 frames; speech-to-video's clips of 80.
     let video = Placement::Dit {
-        frames: args.frames.unwrap_or(81),
+        frames: args.frames.unwrap_or(if models.is_s2v() { 80 } else { 81 }),
         width,
         height,
         cfg: !args.no_cfg,
@@ -149,7 +151,6 @@ fn pipeline(args: &PlanArgs) -> Result<ExitCode> {
         true => DeviceProfile::cpu(),
         false => DeviceProfile::cuda(),
     };
-    let models = crate::plan_pipeline::Models::open(&args.model, args.weights.format())?;
     crate::plan_pipeline::plan(models, args.tp, dtype, video, device, args.gpu_mem, args.json)
 }
 

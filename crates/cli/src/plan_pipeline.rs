@@ -1,6 +1,7 @@
 //! `tpinfer plan` of a Wan pipeline: its stages (the umT5 text encoder, S2V's wav2vec2 speech
-//! encoder, the DiT, the VAE) held on the same ranks, each rank's bytes per stage and
-//! together, against the same pipeline under FSDP. A pipeline directory, or a preset
+//! encoder, the DiT, the VAE, and for S2V the VAE's encoder) held on the same ranks, each
+//! rank's bytes per stage and together, against the same pipeline under FSDP. A diffusers
+//! pipeline directory, the official Wan2.2-S2V checkpoint directory, or a preset
 //! `<DiT preset>-pipeline` (umT5-XXL, for S2V wav2vec2-large-xlsr-53, that DiT and Wan2.1's
 //! VAE).
 
@@ -49,15 +50,35 @@ impl Models {
                 .map(str::to_string)
                 .with_context(|| format!("{} is not UTF-8", p.display()))
         };
-        let (encoder, speech, dit, vae) = match name_or_dir.strip_suffix(PIPELINE_SUFFIX) {
-            Some(dit) if !Path::new(name_or_dir).exists() => (
-                open("umt5-xxl")?,
-                speech_encoder_of(dit).map(open_vae).transpose()?,
-                open(dit)?,
-                Some(open_vae("wan2.1-vae")?),
-            ),
+        let dir = Path::new(name_or_dir);
+        let (encoder, speech, dit, vae, vae_encode) = match name_or_dir.strip_suffix(PIPELINE_SUFFIX) {
+            Some(dit) if !dir.exists() => {
+                let speech = speech_encoder_of(dit).map(open_vae).transpose()?;
+                // S2V encodes its reference image and motion frames with the VAE's encoder.
+                let vae_encode = match speech.is_some() {
+                    true => Some(tpinfer_engine::wan21_vae_encoder().context("the wan2.1-vae preset")?),
+                    false => None,
+                };
+                (
+                    open("umt5-xxl")?,
+                    speech,
+                    open(dit)?,
+                    Some(open_vae("wan2.1-vae")?),
+                    vae_encode,
+                )
+            }
+            _ if tpinfer_engine::S2vPipelineDir::detect(dir) => {
+                let s2v = tpinfer_engine::S2vPipelineDir::open(dir)?.stage_models(format)?;
+                (
+                    s2v.text_encoder,
+                    Some(s2v.speech_encoder),
+                    s2v.dit,
+                    Some(s2v.vae),
+                    Some(s2v.vae_encoder),
+                )
+            }
             _ => {
-                let pipeline = tpinfer_engine::WanPipelineDir::open(Path::new(name_or_dir))?;
+                let pipeline = tpinfer_engine::WanPipelineDir::open(dir)?;
                 let vae = match &pipeline.vae {
                     Some(dir) => Some(open_vae(&path(dir)?)?),
                     None => None,
@@ -67,6 +88,7 @@ impl Models {
                     None,
                     open(&path(&pipeline.transformer)?)?,
                     vae,
+                    None,
                 )
             }
         };
@@ -90,7 +112,18 @@ impl Models {
             key: "vae",
             model,
         }));
+        stages.extend(vae_encode.map(|model| Stage {
+            label: "VAE encode",
+            key: "vae_encode",
+            model,
+        }));
         Ok(Self(stages, name_or_dir.to_string()))
+    }
+
+    /// Whether the pipeline is speech-to-video's (it has a speech encoder), whose clips are 4k
+    /// frames.
+    pub fn is_s2v(&self) -> bool {
+        self.0.iter().any(|s| s.key == "speech_encoder")
     }
 
     /// The stages that run before the DiT, once a run: the encoders.
@@ -126,6 +159,13 @@ impl Models {
                         width,
                         height,
                         cfg,
+                    },
+                    // The encode of a clip's motion frames, the most it encodes at once.
+                    ("vae_encode", Placement::Dit { width, height, .. }) => Placement::Dit {
+                        frames: tpinfer_engine::S2V_MOTION_FRAMES,
+                        width,
+                        height,
+                        cfg: false,
                     },
                     _ => video,
                 };

@@ -10,11 +10,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use tpinfer_plan::Placement;
+use tpinfer_family::Family;
+use tpinfer_plan::{Placement, ShardedModel};
 use tpinfer_runtime::{Launch, ModelHandle, RankGroup, RuntimeError};
-use tpinfer_wan::S2V_MOTION_FRAMES;
+use tpinfer_umt5::Umt5Model;
+use tpinfer_wan::{WanModel, S2V_MOTION_FRAMES};
 use tpinfer_wan_vae::{WanVaeEncoder, WanVaeEncoderModel, WanVaeModel};
 use tpinfer_wav2vec2::{per_video_frame, VideoFrameFeatures, Wav2Vec2Model, Wav2Vec2Rank};
+use tpinfer_weights::WeightFormat;
 
 use crate::error::finite;
 use crate::video::{S2vInputs, StepReport, VideoRequest, VideoShape};
@@ -79,6 +82,47 @@ impl S2vPipelineDir {
     }
 }
 
+/// An S2V pipeline's stages opened for planning (configs and headers only), in the order they
+/// run: umT5, wav2vec2, the DiT, the VAE's decoder, and its encoder.
+pub struct S2vStageModels {
+    pub text_encoder: Arc<dyn ShardedModel>,
+    pub speech_encoder: Arc<dyn ShardedModel>,
+    pub dit: Arc<dyn ShardedModel>,
+    pub vae: Arc<dyn ShardedModel>,
+    pub vae_encoder: Arc<dyn ShardedModel>,
+}
+
+impl S2vPipelineDir {
+    /// Its stages for the planner, the text encoder's and the DiT's linear weights in
+    /// `format`.
+    pub fn stage_models(&self, format: WeightFormat) -> Result<S2vStageModels, EngineError> {
+        let err = |e: tpinfer_plan::PlanError| EngineError::from(RuntimeError::Model(e.to_string()));
+        let vae = WanVaeModel::open_original(&self.vae).map_err(err)?;
+        Ok(S2vStageModels {
+            text_encoder: Arc::new(
+                Umt5Model::open_original(&self.text_encoder)
+                    .map_err(err)?
+                    .with_format(format)
+                    .map_err(err)?,
+            ),
+            speech_encoder: Arc::new(Wav2Vec2Model::open(&self.wav2vec2).map_err(err)?),
+            dit: Arc::new(
+                WanModel::open_checkpoint(&self.dit)
+                    .map_err(|e| EngineError::from(RuntimeError::Model(e.to_string())))?
+                    .with_format(format)
+                    .map_err(err)?,
+            ),
+            vae_encoder: Arc::new(WanVaeEncoderModel::of(&vae)),
+            vae: Arc::new(vae),
+        })
+    }
+}
+
+/// The encoder of Wan2.1's VAE preset, for planning S2V's preset pipeline.
+pub fn wan21_vae_encoder() -> Option<Arc<dyn ShardedModel>> {
+    WanVaeModel::preset("wan2.1-vae").map(|vae| Arc::new(WanVaeEncoderModel::of(&vae)) as Arc<dyn ShardedModel>)
+}
+
 /// The VAE decode that S2V's clips need at most: a later clip's motion latents and its own.
 pub(crate) fn s2v_decode_shape(clip: VideoShape, clip_latents: usize) -> VideoShape {
     VideoShape {
@@ -101,8 +145,6 @@ impl S2vStages {
         dir: &S2vPipelineDir,
         samples: Option<usize>,
     ) -> Result<ModelHandle<Wav2Vec2Rank>, EngineError> {
-        use tpinfer_family::Family;
-        use tpinfer_plan::ShardedModel;
         let speech = Wav2Vec2Model::open(&dir.wav2vec2).map_err(|e| RuntimeError::Model(e.to_string()))?;
         let placement = match samples {
             Some(n) => Placement::llm(speech.config().frames(n).max(1), 1),
