@@ -563,9 +563,36 @@ fn the_s2v_pipeline_plans_every_stage() {
     assert_eq!(stages["transformer"]["tokens_per_forward"], 35_074);
     // 153 frames: 39 latent frames of 60 x 104 latents.
     assert_eq!(stages["vae"]["tokens_per_forward"], 39 * 60 * 104);
+    // The VAE's encoder: a clip's 73 motion frames at 60 x 104 latents.
+    assert_eq!(stages["vae_encode"]["tokens_per_forward"], 73 * 60 * 104);
     assert_eq!(out["fits"], true);
     assert_eq!(out["rank_totals"].as_array().map(Vec::len), Some(5));
     assert!(out["fsdp_total"].as_u64() > out["peak"].as_u64());
+    // The official directory's layout: the same stages, from its files.
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/s2v-pipeline/model");
+    let out = json(&plan(&[
+        "--model",
+        dir.to_str().expect("utf8"),
+        "--tp",
+        "2",
+        "--size",
+        "64x64",
+        "--frames",
+        "16",
+        "--gpu-mem",
+        "1GiB",
+        "--cpu",
+        "--json",
+    ]));
+    let stages = out["stages"].as_object().expect("stages");
+    let keys: Vec<&str> = stages.keys().map(String::as_str).collect();
+    for key in ["text_encoder", "speech_encoder", "transformer", "vae", "vae_encode"] {
+        assert!(keys.contains(&key), "{key} in {keys:?}");
+    }
+    // A clip of 16 frames: 4 latent frames of 8 x 8, in patches of 2 x 2, with the reference
+    // frame and the packed motion frames.
+    assert_eq!(stages["vae"]["tokens_per_forward"], 23 * 8 * 8);
+    assert_eq!(out["fits"], true);
 }
 
 /// A pipeline directory takes a prompt to a video: an MP4 and PNG frames, with the latents
