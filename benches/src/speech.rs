@@ -18,8 +18,8 @@ pub struct SpeechArgs {
     /// A wav2vec2 directory (transformers' `Wav2Vec2ForCTC` or `Wav2Vec2Model`).
     #[arg(long)]
     model: PathBuf,
-    /// A WAV, FLAC or MP3 file, or safetensors with `audio` [samples] at 16 kHz, as
-    /// `reference_wav2vec2.py run` writes.
+    /// A WAV, FLAC or MP3 file, or safetensors (`.safetensors`, `.st`) with `audio` [samples]
+    /// at 16 kHz, as `reference_wav2vec2.py run` writes.
     #[arg(long)]
     audio: PathBuf,
     #[arg(long)]
@@ -82,7 +82,7 @@ pub fn speech(args: SpeechArgs) -> Result<()> {
 
 /// 16 kHz mono samples: a safetensors file's `audio`, or an audio file decoded and resampled.
 fn read_audio(path: &Path) -> Result<Vec<f32>> {
-    if path.extension().is_some_and(|e| e == "safetensors") {
+    if path.extension().is_some_and(|e| e == "safetensors" || e == "st") {
         let tensors = candle_core::safetensors::load(path, &Device::Cpu)
             .with_context(|| format!("reading {}", path.display()))?;
         let audio = tensors
