@@ -2,7 +2,8 @@
 //! (`tests/fixtures/s2v-pipeline`, written by `scripts/reference/reference_s2v_pipeline.py`):
 //! the engine's clip-by-clip run against the wan22 wheel's `WanS2V.generate` loop on the same
 //! weights, speech, reference image and per-clip noise (two clips of 16 frames: the second
-//! conditioned on the first's last frames), at TP 1 and 2; and what it refuses.
+//! conditioned on the first's last frames), at TP 1 and 2; a pose video guiding the clips; and
+//! what it refuses.
 
 use std::path::{Path, PathBuf};
 
@@ -17,7 +18,7 @@ fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/s2v-pipeline")
 }
 
-fn engine(tp: usize) -> VideoEngine {
+fn engine(tp: usize, pose: bool) -> VideoEngine {
     let speech = speech();
     let shape = VideoShape {
         frames: CLIP_FRAMES,
@@ -25,7 +26,7 @@ fn engine(tp: usize) -> VideoEngine {
         height: SIZE,
     };
     let builder = Engine::builder(fixture().join("model")).tp(tp).device(DeviceKind::Cpu);
-    VideoEngine::start_s2v(builder, shape, speech.len()).expect("start")
+    VideoEngine::start_s2v(builder, shape, speech.len(), pose).expect("start")
 }
 
 fn speech() -> Vec<f32> {
@@ -34,9 +35,10 @@ fn speech() -> Vec<f32> {
         .samples
 }
 
-/// The run's frames `[frames, 3, 64, 64]` in [−1, 1] at TP `tp`, as the CLI makes them.
-fn run(tp: usize) -> Tensor {
-    let engine = engine(tp);
+/// The run's frames `[frames, 3, 64, 64]` in [−1, 1] at TP `tp`, as the CLI makes them, with
+/// `pose`'s frames if given.
+fn run(tp: usize, pose: Option<Tensor>) -> Tensor {
+    let engine = engine(tp, pose.is_some());
     let text = engine.encode_prompt("a person talks").expect("prompt");
     let negative = engine
         .encode_prompt(engine.default_negative_prompt())
@@ -59,6 +61,7 @@ fn run(tp: usize) -> Tensor {
         speech: features,
         reference: Tensor::from_vec(pixels, (3, 1, SIZE, SIZE), &Device::Cpu).expect("reference"),
         max_clips: None,
+        pose,
     };
     let mut clips = Vec::new();
     let video = engine
@@ -94,7 +97,7 @@ fn a_two_clip_video_matches_the_wan22_loop() {
         .flatten_all()
         .and_then(|f| f.to_vec1::<u8>())
         .expect("reference frames");
-    let one = run(1);
+    let one = run(1, None);
     assert_eq!(one.dims(), [13 + 16, 3, SIZE, SIZE]);
     let ours = eight_bit(&one);
     let worst = ours
@@ -104,15 +107,50 @@ fn a_two_clip_video_matches_the_wan22_loop() {
         .max()
         .expect("pixels");
     assert!(worst <= 2, "largest difference from the wheel's frames: {worst}/255");
-    let two = run(2);
+    let two = run(2, None);
     let rel = tensor_rel_error(&two, &one);
     assert!(rel < 1e-5, "TP 2 against TP 1: {rel:e}");
+}
+
+/// A pose video (H.264 in MP4, written here, read back at 16 frames a second) guides the clips:
+/// the frames move, and TP 2 equals TP 1.
+#[test]
+fn a_pose_video_guides_the_clips() {
+    use tpinfer_media::{FrameSize, Mp4Writer};
+    let size = FrameSize {
+        width: SIZE,
+        height: SIZE,
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("pose.mp4");
+    let mut video = Mp4Writer::new(std::fs::File::create(&path).expect("create"), size, 16).expect("writer");
+    // 20 frames (the rest of the two clips' 32 is padding): a bright bar sweeping across.
+    for t in 0..20 {
+        let rgb: Vec<u8> = (0..SIZE * SIZE)
+            .flat_map(|p| match (p % SIZE) / 4 == t % 16 {
+                true => [250, 250, 250],
+                false => [10, 10, 10],
+            })
+            .collect();
+        video.push(&rgb).expect("frame");
+    }
+    video.finish().expect("finish");
+    let frames = tpinfer_media::read_video_frames(&path, 16, 32).expect("read");
+    assert_eq!(frames.frames.len(), 20);
+    let pixels = tpinfer_media::pose_pixels(&frames, SIZE, SIZE, 32);
+    let pose = Tensor::from_vec(pixels, (3, 32, SIZE, SIZE), &Device::Cpu).expect("pose");
+    let one = run(1, Some(pose.clone()));
+    let without = run(1, None);
+    assert!(tensor_rel_error(&one, &without) > 1e-3, "the pose moves the frames");
+    let two = run(2, Some(pose));
+    let rel = tensor_rel_error(&two, &one);
+    assert!(rel < 1e-5, "TP 2 against TP 1 with a pose: {rel:e}");
 }
 
 /// What a speech-to-video engine refuses by name, before any clip runs.
 #[test]
 fn speech_to_video_refuses_what_it_cannot_run() {
-    let engine = engine(1);
+    let engine = engine(1, false);
     let text = engine.encode_prompt("a person talks").expect("prompt");
     let features = engine.encode_speech(&speech()).expect("speech");
     let request = |reference: Tensor, init: Option<Tensor>| S2vRequest {
@@ -129,6 +167,7 @@ fn speech_to_video_refuses_what_it_cannot_run() {
         speech: features.clone(),
         reference,
         max_clips: None,
+        pose: None,
     };
     let wrong_size = Tensor::zeros((3, 1, 32, 64), DType::F32, &Device::Cpu).expect("zeros");
     let err = engine
@@ -158,7 +197,7 @@ fn speech_to_video_refuses_what_it_cannot_run() {
         width: 32,
         height: 32,
     };
-    let err = VideoEngine::start_s2v(Engine::builder(&dit), shape, 16_000)
+    let err = VideoEngine::start_s2v(Engine::builder(&dit), shape, 16_000, false)
         .err()
         .expect("a T2V DiT")
         .to_string();

@@ -110,8 +110,27 @@ pub fn generate(ranks: Ranks, model: &Path, prompt: Option<&str>, args: &VideoAr
         width,
         height,
     };
+    // The pose video's frames for every clip the speech fills (at most --max-clips).
+    let pose = match &args.pose_video {
+        Some(path) => {
+            let spoken = (speech.seconds() * S2V_FPS as f64).ceil() as usize;
+            // The engine cuts the speech into clips from its encoder's states; one clip more
+            // than the speech's frames fill covers any rounding (the rest is padding).
+            let clips = spoken / clip_frames + 2;
+            let clips = args.max_clips.map_or(clips, |n| n.min(clips));
+            let total = clips * clip_frames;
+            let video = tpinfer_media::read_video_frames(path, S2V_FPS, total)
+                .with_context(|| format!("--pose-video {}", path.display()))?;
+            let pixels = tpinfer_media::pose_pixels(&video, height, width, total);
+            Some(Tensor::from_vec(pixels, (3, total, height, width), &Device::Cpu)?)
+        }
+        None => None,
+    };
     let samples = speech.samples.len();
-    let engine = stages.time("load", || ranks.start(|b| VideoEngine::start_s2v(b, shape, samples)))?;
+    let with_pose = pose.is_some();
+    let engine = stages.time("load", || {
+        ranks.start(|b| VideoEngine::start_s2v(b, shape, samples, with_pose))
+    })?;
     eprintln!(
         "{:.1} s of speech, clips of {clip_frames} frames at {width}x{height} (the reference image's {image_width}x\
          {image_height} within {area_width}x{area_height}); peak plan per rank {:.0} MiB",
@@ -145,6 +164,7 @@ pub fn generate(ranks: Ranks, model: &Path, prompt: Option<&str>, args: &VideoAr
         speech: features,
         reference,
         max_clips: args.max_clips,
+        pose,
     };
     let video = stages.time("clips", || run_clips(&engine, request, steps))?;
     // Cut at the speech's end, as the reference's muxing (`-shortest`) does.

@@ -76,6 +76,10 @@ pub struct VideoArgs {
     /// Speech-to-video: at most this many clips (the speech's length decides otherwise).
     #[arg(long)]
     pub(crate) max_clips: Option<usize>,
+    /// Speech-to-video: a pose video (H.264 in MP4) whose frames, from its first at 16 a
+    /// second, guide each clip's poses.
+    #[arg(long)]
+    pub(crate) pose_video: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -127,6 +131,7 @@ pub fn generate_video(ranks: Ranks, model: &Path, prompt: Option<&str>, args: &V
         ("--audio", args.audio.is_some()),
         ("--image", args.image.is_some()),
         ("--max-clips", args.max_clips.is_some()),
+        ("--pose-video", args.pose_video.is_some()),
     ] {
         if given {
             bail!(

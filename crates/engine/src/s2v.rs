@@ -123,6 +123,15 @@ pub fn wan21_vae_encoder() -> Option<Arc<dyn ShardedModel>> {
     WanVaeModel::preset("wan2.1-vae").map(|vae| Arc::new(WanVaeEncoderModel::of(&vae)) as Arc<dyn ShardedModel>)
 }
 
+/// The most frames S2V encodes at once: the motion frames, or with a pose video a clip's pose
+/// frames after a copy of their first.
+fn encoded_frames(clip: VideoShape, pose: bool) -> usize {
+    match pose {
+        true => S2V_MOTION_FRAMES.max(clip.frames + 1),
+        false => S2V_MOTION_FRAMES,
+    }
+}
+
 /// The VAE decode that S2V's clips need at most: a later clip's motion latents and its own.
 pub(crate) fn s2v_decode_shape(clip: VideoShape, clip_latents: usize) -> VideoShape {
     VideoShape {
@@ -135,6 +144,8 @@ pub(crate) fn s2v_decode_shape(clip: VideoShape, clip_latents: usize) -> VideoSh
 pub(crate) struct S2vStages {
     speech: ModelHandle<Wav2Vec2Rank>,
     encoder: ModelHandle<WanVaeEncoder>,
+    /// Whether the encoder was planned for a clip's pose frames.
+    pose: bool,
 }
 
 impl S2vStages {
@@ -154,22 +165,23 @@ impl S2vStages {
     }
 
     /// The VAE's encoder beside its decoder, for the reference image and a clip's motion
-    /// frames at `clip`'s size.
+    /// frames at `clip`'s size, and with `pose`, a clip's pose frames after their first.
     pub fn new(
         launch: &mut Launch,
         speech: ModelHandle<Wav2Vec2Rank>,
         vae: &WanVaeModel,
         clip: VideoShape,
+        pose: bool,
         dtype: DType,
     ) -> Result<Self, EngineError> {
         let placement = Placement::Dit {
-            frames: S2V_MOTION_FRAMES,
+            frames: encoded_frames(clip, pose),
             width: clip.width,
             height: clip.height,
             cfg: false,
         };
         let encoder = launch.add(Arc::new(WanVaeEncoderModel::of(vae)), dtype, placement)?;
-        Ok(Self { speech, encoder })
+        Ok(Self { speech, encoder, pose })
     }
 
     /// The speech's wav2vec2 states `[layers + 1, frames, width]` on every rank, rank 0's on
@@ -243,6 +255,10 @@ pub struct S2vRequest {
     pub reference: Tensor,
     /// At most this many clips; the speech's length decides otherwise.
     pub max_clips: Option<usize>,
+    /// The pose video's frames for every clip, `[3, clips · clip frames, height, width]` in
+    /// [−1, 1] (`tpinfer_media::pose_pixels`); without one, the pose latents are zeros, as
+    /// S2V's are. Needs an engine started with a pose.
+    pub pose: Option<Tensor>,
 }
 
 /// What a speech-to-video run reports as it goes, from rank 0.
@@ -344,8 +360,27 @@ impl VideoEngine {
         }
         // The prompt and speech encoders are done: the DiT's turn.
         self.group.next_turn()?;
+        if let Some(pose) = &request.pose {
+            if !stages.pose {
+                return Err(EngineError::InvalidRequest(
+                    "a pose video needs an engine started with one (its encode of a clip's frames is planned then)"
+                        .into(),
+                ));
+            }
+            match pose.dims() {
+                &[3, frames, ph, pw] if frames >= clips * shape.frames && ph == shape.height && pw == shape.width => {}
+                dims => {
+                    return Err(EngineError::InvalidRequest(format!(
+                        "the pose frames are {dims:?}; {clips} clips take [3, at least {}, {}, {}]",
+                        clips * shape.frames,
+                        shape.height,
+                        shape.width
+                    )))
+                }
+            }
+        }
         let reference = stages.encode_pixels(&self.group, &request.reference)?;
-        let pose = self.s2v_pose()?;
+        let no_pose = self.s2v_pose()?;
         let mut motion: Option<Tensor> = None;
         // The last frames made, as the motion frames' pixels: zeros before the first clip.
         let mut last = Tensor::zeros(
@@ -361,10 +396,21 @@ impl VideoEngine {
                 .features
                 .narrow(0, index * shape.frames, shape.frames)
                 .map_err(tensor_err)?;
+            // The clip's pose frames after a copy of their first, encoded, less that latent.
+            let pose = match &request.pose {
+                Some(pose) => {
+                    let frames = pose.narrow(1, index * shape.frames, shape.frames).map_err(tensor_err)?;
+                    let first = frames.narrow(1, 0, 1).map_err(tensor_err)?;
+                    let pixels = Tensor::cat(&[&first, &frames], 1).map_err(tensor_err)?;
+                    let latents = stages.encode_pixels(&self.group, &pixels)?;
+                    latents.narrow(1, 1, clip_latents).map_err(tensor_err)?
+                }
+                None => no_pose.clone(),
+            };
             let inputs = S2vInputs {
                 reference: reference.clone(),
                 motion: motion.clone(),
-                pose: pose.clone(),
+                pose,
                 audio,
             };
             let denoise = VideoRequest {

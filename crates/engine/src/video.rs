@@ -192,22 +192,33 @@ impl VideoEngine {
     /// checkpoint directory, whose speech encoder is then planned for a minute of speech),
     /// plans every rank for `shape` (refusing over budget), and loads the ranks.
     pub fn start(b: EngineBuilder, shape: VideoShape) -> Result<Self, EngineError> {
-        Self::launch(b, shape, None)
+        Self::launch(b, shape, None, false)
     }
 
     /// [`Self::start`] on a Wan2.2-S2V checkpoint directory, its speech encoder planned for
-    /// `speech_samples` of 16 kHz speech; `shape` is a clip's (4k frames).
-    pub fn start_s2v(b: EngineBuilder, shape: VideoShape, speech_samples: usize) -> Result<Self, EngineError> {
+    /// `speech_samples` of 16 kHz speech, and with `pose` its VAE encoder for a clip's pose
+    /// frames; `shape` is a clip's (4k frames).
+    pub fn start_s2v(
+        b: EngineBuilder,
+        shape: VideoShape,
+        speech_samples: usize,
+        pose: bool,
+    ) -> Result<Self, EngineError> {
         if !S2vPipelineDir::detect(&b.model) {
             return Err(EngineError::InvalidRequest(format!(
                 "{} is not a Wan2.2-S2V checkpoint directory (its config.json beside Wan2.1_VAE.pth)",
                 b.model.display()
             )));
         }
-        Self::launch(b, shape, Some(speech_samples))
+        Self::launch(b, shape, Some(speech_samples), pose)
     }
 
-    fn launch(b: EngineBuilder, shape: VideoShape, speech_samples: Option<usize>) -> Result<Self, EngineError> {
+    fn launch(
+        b: EngineBuilder,
+        shape: VideoShape,
+        speech_samples: Option<usize>,
+        pose: bool,
+    ) -> Result<Self, EngineError> {
         let model_err = |e: tpinfer_plan::PlanError| EngineError::from(RuntimeError::Model(e.to_string()));
         let source = Source::of(&b.model)?;
         let transformer = match &source {
@@ -302,7 +313,7 @@ impl VideoEngine {
                 let vae = WanVaeModel::open_original(&p.vae).map_err(model_err)?;
                 let decode = s2v_decode_shape(shape, latent_shape[1]);
                 let frames = FrameDecoder::add(&mut launch, vae.clone(), decode, config.out_channels, dtype)?;
-                let stages = S2vStages::new(&mut launch, speech, &vae, shape, dtype)?;
+                let stages = S2vStages::new(&mut launch, speech, &vae, shape, pose, dtype)?;
                 (Some(frames), Some(stages))
             }
             _ => (None, None),

@@ -1,6 +1,7 @@
 //! Media files, in-process (no ffmpeg). Out: video frames as H.264 (OpenH264, built from
 //! source) in an MP4 container, and 8-bit PNG; frames are packed RGB, 8 bits a channel, row by
-//! row. In: speech from WAV, FLAC or MP3 at the rate a speech encoder takes ([`read_speech`]).
+//! row. In: speech from WAV, FLAC or MP3 at the rate a speech encoder takes ([`read_speech`]),
+//! reference images, and H.264 videos in MP4 ([`read_video_frames`]).
 //!
 //! ```no_run
 //! # fn frames() -> Vec<Vec<u8>> { Vec::new() }
@@ -17,6 +18,7 @@
 mod aac;
 mod audio;
 mod picture;
+mod video_in;
 
 use std::io::{Read, Seek, Write};
 
@@ -25,7 +27,8 @@ use openh264::formats::{RgbSliceU8, YUVBuffer};
 use openh264::OpenH264API;
 
 pub use audio::{decode_mono, read_speech, resample, AudioError, Speech, MAX_AUDIO_SECONDS};
-pub use picture::{image_size, read_reference_image, s2v_frame_size, ImageError};
+pub use picture::{image_size, pose_pixels, read_reference_image, s2v_frame_size, ImageError};
+pub use video_in::{read_video_frames, VideoFrames, VideoReadError};
 
 /// Why a video or image could not be written.
 #[derive(Debug, thiserror::Error)]

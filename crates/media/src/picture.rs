@@ -90,6 +90,35 @@ pub fn read_reference_image(path: &Path, height: usize, width: usize) -> Result<
     limits.max_image_height = Some(MAX_SIDE);
     reader.limits(limits);
     let rgb = reader.decode().map_err(read)?.to_rgb8();
+    let mut planes = vec![-1.0f32; 3 * height * width];
+    fit_frame(&rgb, height, width, &mut planes, 0, 1);
+    Ok(planes)
+}
+
+/// The pose video's first `total` frames (`clips` of a clip's frames) fitted to `height ×
+/// width` as S2V fits them (`load_pose_cond`): resized and centre-cut as the reference image
+/// is, in [−1, 1], the frames past the video's end −1. `[3, total, height, width]`.
+pub fn pose_pixels(video: &crate::VideoFrames, height: usize, width: usize, total: usize) -> Vec<f32> {
+    let mut planes = vec![-1.0f32; 3 * total * height * width];
+    for (t, frame) in video.frames.iter().take(total).enumerate() {
+        let size = (video.size.width as u32, video.size.height as u32);
+        if let Some(rgb) = image::RgbImage::from_raw(size.0, size.1, frame.clone()) {
+            // S2V crops a tensor in [−1, 1]: where the image does not reach, 0.
+            let (first, pixels) = (t * height * width, height * width);
+            for c in 0..3 {
+                let at = c * total * pixels + first;
+                planes[at..at + pixels].fill(0.0);
+            }
+            fit_frame(&rgb, height, width, &mut planes, first, total);
+        }
+    }
+    planes
+}
+
+/// `rgb` resized (its shorter side to the frame's) and centre-cut into frame `first /
+/// (height · width)` of `planes` (`[3, frames, height, width]`, `frames` of them), in [−1, 1];
+/// pixels the image does not reach keep their value.
+fn fit_frame(rgb: &image::RgbImage, height: usize, width: usize, planes: &mut [f32], first: usize, frames: usize) {
     let (w0, h0) = rgb.dimensions();
     // torchvision's Resize(size): the shorter side to `size`, the longer in proportion.
     let short = height.min(width) as u64;
@@ -100,7 +129,7 @@ pub fn read_reference_image(path: &Path, height: usize, width: usize) -> Result<
         true => (short, scaled(h0, w0)),
         false => (scaled(w0, h0), short),
     };
-    let resized = image::imageops::resize(&rgb, rw as u32, rh as u32, FilterType::Triangle);
+    let resized = image::imageops::resize(rgb, rw as u32, rh as u32, FilterType::Triangle);
     // torchvision's CenterCrop: zero padding split with the extra pixel after, then the
     // crop's offset rounded half to even.
     let offset = |image: u64, frame: usize| -> i64 {
@@ -111,7 +140,7 @@ pub fn read_reference_image(path: &Path, height: usize, width: usize) -> Result<
         }
     };
     let (top, left) = (offset(rh, height), offset(rw, width));
-    let mut planes = vec![-1.0f32; 3 * height * width];
+    let plane = frames * height * width;
     for y in 0..height {
         let sy = y as i64 + top;
         if sy < 0 || sy >= rh as i64 {
@@ -124,9 +153,8 @@ pub fn read_reference_image(path: &Path, height: usize, width: usize) -> Result<
             }
             let pixel = resized.get_pixel(sx as u32, sy as u32);
             for (c, &value) in pixel.0.iter().enumerate() {
-                planes[(c * height + y) * width + x] = value as f32 / 255.0 * 2.0 - 1.0;
+                planes[c * plane + first + y * width + x] = value as f32 / 255.0 * 2.0 - 1.0;
             }
         }
     }
-    Ok(planes)
 }
