@@ -112,8 +112,18 @@ def compare(args):
         name, path = item.split("=", 1)
         x = load_file(path)["hidden_states"].double()
         rel = lambda a, b: ((a - b).norm() / b.norm()).item()
-        worst = max(rel(x[i], ref[i]) for i in range(ref.shape[0]))
-        print(f"{name}: rel {rel(x, ref):.3e} over all states, worst state {worst:.3e}")
+        if x.shape != ref.shape:
+            print(f"{name}: shape {list(x.shape)}, the reference's {list(ref.shape)}")
+            continue
+        per_state = [rel(x[i], ref[i]) for i in range(ref.shape[0])]
+        print(f"{name}: rel {rel(x, ref):.3e} over all states, worst state {max(per_state):.3e}")
+        # Where an error enters: each state's, and the first and last frames' of the first bad one.
+        print("  per state: " + " ".join(f"{e:.1e}" for e in per_state))
+        bad = next((i for i, e in enumerate(per_state) if e > 1e-3), None)
+        if bad is not None:
+            frames = [rel(x[bad, t], ref[bad, t]) for t in range(ref.shape[1])]
+            off = [t for t, e in enumerate(frames) if e > 1e-3]
+            print(f"  state {bad}: {len(off)} of {len(frames)} frames off, first {off[:5]}, last {off[-5:]}")
 
 
 def main():
