@@ -18,6 +18,21 @@ pub fn bar(stage: &str, len: u64, unit: &str) -> ProgressBar {
     bar
 }
 
+/// One denoising step's line, above `bar` on a terminal and a plain line in a log; the bar
+/// moves on.
+pub fn report_step(bar: &ProgressBar, step: &tpinfer_engine::StepReport) {
+    bar.suspend(|| {
+        eprintln!(
+            "step {:>3}/{}: t = {:>4}, {:.3} s",
+            step.index + 1,
+            step.steps,
+            step.timestep,
+            step.elapsed.as_secs_f64()
+        )
+    });
+    bar.inc(1);
+}
+
 /// A bar of the weight bytes loaded over all ranks, drawn from `progress` until dropped.
 pub struct LoadBar {
     done: Arc<AtomicBool>,

@@ -193,16 +193,7 @@ fn run_clips(engine: &VideoEngine, request: S2vRequest, steps: usize) -> Result<
         }
         S2vProgress::Step(step) => {
             if let Some(bar) = &bar {
-                bar.suspend(|| {
-                    eprintln!(
-                        "step {:>3}/{}: t = {:>4}, {:.3} s",
-                        step.index + 1,
-                        step.steps,
-                        step.timestep,
-                        step.elapsed.as_secs_f64()
-                    )
-                });
-                bar.inc(1);
+                progress::report_step(bar, &step);
             }
         }
         S2vProgress::Decode { done, total } => {

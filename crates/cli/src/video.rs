@@ -301,19 +301,7 @@ impl Outputs {
 fn denoise(engine: &VideoEngine, request: VideoRequest, steps: usize) -> Result<Tensor> {
     let bar = progress::bar("denoise", steps as u64, "steps");
     let start = std::time::Instant::now();
-    let latents = engine.generate(request, |step| {
-        // Above the bar on a terminal, and plain lines in a log.
-        bar.suspend(|| {
-            eprintln!(
-                "step {:>3}/{}: t = {:>4}, {:.3} s",
-                step.index + 1,
-                step.steps,
-                step.timestep,
-                step.elapsed.as_secs_f64()
-            )
-        });
-        bar.inc(1);
-    })?;
+    let latents = engine.generate(request, |step| progress::report_step(&bar, &step))?;
     bar.finish_and_clear();
     let seconds = start.elapsed().as_secs_f64();
     eprintln!(

@@ -22,6 +22,7 @@ mod engine;
 mod error;
 mod frames;
 mod logprobs;
+mod on_ranks;
 mod pipeline;
 mod rank;
 pub mod registry;

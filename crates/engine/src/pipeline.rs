@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use tpinfer_family::Family;
 use tpinfer_plan::{Placement, ShardedModel};
 use tpinfer_runtime::{Launch, ModelHandle, RankGroup, RuntimeError};
@@ -102,27 +102,14 @@ impl PromptEncoder {
         let ids = self.ids(prompt, TEXT_TOKENS)?;
         let tokens = ids.len();
         let encoder = self.encoder;
-        let states = group.run(move |rank| -> Result<Option<Tensor>, EngineError> {
+        let states = crate::on_ranks::rank0_on_host(group, "states", move |rank| {
             let r = rank.env.rank;
-            let states = rank
+            Ok(rank
                 .models
                 .get_mut(&encoder)?
                 .encode(&ids)
-                .map_err(|e| RuntimeError::of_rank(r, e))?;
-            match r {
-                0 => Ok(Some(
-                    states
-                        .to_device(&Device::Cpu)
-                        .map_err(|e| RuntimeError::of_rank(r, e.into()))?,
-                )),
-                _ => Ok(None),
-            }
+                .map_err(|e| RuntimeError::of_rank(r, e))?)
         })?;
-        let states = states
-            .into_iter()
-            .flatten()
-            .next()
-            .ok_or_else(|| RuntimeError::Stopped("rank 0 returned no states".into()))?;
         tracing::debug!(tokens, seconds = start.elapsed().as_secs_f64(), "encoded a prompt");
         // NaN states would denoise into NaN, found only after the whole run.
         match crate::error::finite(&states) {

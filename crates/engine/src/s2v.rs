@@ -188,47 +188,28 @@ impl S2vStages {
     /// the CPU.
     fn speech_states(&self, group: &RankGroup, samples: &[f32]) -> Result<Tensor, EngineError> {
         let (speech, samples) = (self.speech, samples.to_vec());
-        let states = group.run(move |rank| -> Result<Option<Tensor>, EngineError> {
+        crate::on_ranks::rank0_on_host(group, "speech states", move |rank| {
             let r = rank.env.rank;
-            let states = rank
+            Ok(rank
                 .models
                 .get_mut(&speech)?
                 .hidden_states(&samples)
-                .map_err(|e| RuntimeError::of_rank(r, e))?;
-            match r {
-                0 => Ok(Some(
-                    states
-                        .to_device(&Device::Cpu)
-                        .map_err(|e| RuntimeError::of_rank(r, e.into()))?,
-                )),
-                _ => Ok(None),
-            }
-        })?;
-        states
-            .into_iter()
-            .flatten()
-            .next()
-            .ok_or_else(|| RuntimeError::Stopped("rank 0 returned no speech states".into()).into())
+                .map_err(|e| RuntimeError::of_rank(r, e))?)
+        })
     }
 
     /// `pixels` `[3, 1 + 4k, height, width]` in [−1, 1] encoded to normalised latents on
     /// every rank (each encodes whole frames), rank 0's as f32 on the CPU.
     fn encode_pixels(&self, group: &RankGroup, pixels: &Tensor) -> Result<Tensor, EngineError> {
         let (encoder, pixels) = (self.encoder, pixels.clone());
-        let latents = group.run(move |rank| -> Result<Option<Tensor>, EngineError> {
+        let latents = crate::on_ranks::rank0_on_host(group, "latents", move |rank| {
             let r = rank.env.rank;
-            let err = |e: tpinfer_layers::Error| EngineError::from(RuntimeError::of_rank(r, e));
-            let latents = rank.models.get_mut(&encoder)?.encode(&pixels).map_err(err)?;
-            match r {
-                0 => Ok(Some(latents.to_device(&Device::Cpu).map_err(|e| err(e.into()))?)),
-                _ => Ok(None),
-            }
+            Ok(rank
+                .models
+                .get_mut(&encoder)?
+                .encode(&pixels)
+                .map_err(|e| RuntimeError::of_rank(r, e))?)
         })?;
-        let latents = latents
-            .into_iter()
-            .flatten()
-            .next()
-            .ok_or_else(|| RuntimeError::Stopped("rank 0 returned no latents".into()))?;
         match finite(&latents) {
             Ok(true) => Ok(latents),
             Ok(false) => Err(EngineError::NonFinite {

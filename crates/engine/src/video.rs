@@ -263,29 +263,14 @@ impl VideoEngine {
         let (text_dim, format) = (config.text_dim, b.weight_format);
         let prompts = match &source {
             Source::Dit => None,
-            Source::Diffusers(p) => {
-                let encoder = Umt5Model::open(&p.text_encoder).map_err(model_err)?;
-                Some(PromptEncoder::add(
-                    &mut launch,
-                    &p.tokenizer,
-                    encoder,
-                    text_dim,
-                    dtype,
-                    format,
-                )?)
-            }
-            Source::S2v(p) => {
-                let encoder = Umt5Model::open_original(&p.text_encoder).map_err(model_err)?;
-                Some(PromptEncoder::add(
-                    &mut launch,
-                    &p.tokenizer,
-                    encoder,
-                    text_dim,
-                    dtype,
-                    format,
-                )?)
-            }
-        };
+            Source::Diffusers(p) => Some((&p.tokenizer, Umt5Model::open(&p.text_encoder).map_err(model_err)?)),
+            Source::S2v(p) => Some((
+                &p.tokenizer,
+                Umt5Model::open_original(&p.text_encoder).map_err(model_err)?,
+            )),
+        }
+        .map(|(tokenizer, encoder)| PromptEncoder::add(&mut launch, tokenizer, encoder, text_dim, dtype, format))
+        .transpose()?;
         let speech = match &source {
             Source::S2v(p) => Some(S2vStages::add_speech(&mut launch, p, speech_samples)?),
             _ => None,
