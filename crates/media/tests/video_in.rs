@@ -1,6 +1,7 @@
 //! H.264 video in MP4 read back to frames, as S2V reads its pose video: written here by the
 //! crate's own writer at 32 frames a second, read at 16 (every other frame), then fitted to
 //! the DiT's frames.
+#![allow(clippy::expect_used)] // test helpers: a failed expectation is a failed test
 
 use tpinfer_media::{pose_pixels, read_video_frames, FrameSize, Mp4Writer, VideoReadError};
 
