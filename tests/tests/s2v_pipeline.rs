@@ -181,13 +181,24 @@ fn speech_to_video_refuses_what_it_cannot_run() {
     let right = Tensor::zeros((3, 1, SIZE, SIZE), DType::F32, &Device::Cpu).expect("zeros");
     let bad_init = Tensor::zeros((2, 16, 3, 8, 8), DType::F32, &Device::Cpu).expect("zeros");
     let err = engine
-        .generate_s2v(request(right, Some(bad_init)), |_| {})
+        .generate_s2v(request(right.clone(), Some(bad_init)), |_| {})
         .expect_err("noise of another clip length")
         .to_string();
     assert!(
         err.contains("--init-latents") && err.contains("[clips, 16, 4, 8, 8]"),
         "{err}"
     );
+    let mut none = request(right.clone(), None);
+    none.max_clips = Some(0);
+    let err = engine.generate_s2v(none, |_| {}).expect_err("no clip").to_string();
+    assert!(err.contains("no clip"), "{err}");
+    let mut unplanned_pose = request(right, None);
+    unplanned_pose.pose = Some(Tensor::zeros((3, 32, SIZE, SIZE), DType::F32, &Device::Cpu).expect("zeros"));
+    let err = engine
+        .generate_s2v(unplanned_pose, |_| {})
+        .expect_err("a pose the engine was not planned for")
+        .to_string();
+    assert!(err.contains("pose video needs an engine started with one"), "{err}");
     // A text-to-video DiT's engine has no speech stages.
     let t2v = tpinfer_tests::TinyWan::default();
     let dir = tempfile::tempdir().expect("tempdir");

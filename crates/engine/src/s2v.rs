@@ -339,8 +339,11 @@ impl VideoEngine {
         if let Some(init) = &init {
             clips = clips.min(init.dim(0).map_err(tensor_err)?);
         }
-        // The prompt and speech encoders are done: the DiT's turn.
-        self.group.next_turn()?;
+        if clips == 0 {
+            return Err(EngineError::InvalidRequest(
+                "no clip to make: --max-clips 0 or --init-latents of no rows".into(),
+            ));
+        }
         if let Some(pose) = &request.pose {
             if !stages.pose {
                 return Err(EngineError::InvalidRequest(
@@ -360,6 +363,8 @@ impl VideoEngine {
                 }
             }
         }
+        // Every input checked; the prompt and speech encoders are done: the DiT's turn.
+        self.group.next_turn()?;
         let reference = stages.encode_pixels(&self.group, &request.reference)?;
         let no_pose = self.s2v_pose()?;
         let mut motion: Option<Tensor> = None;
