@@ -183,6 +183,11 @@ fn dit_rank(checkpoint: &WanCheckpoint, tp: usize, comm: Arc<dyn Communicator>, 
 /// (the first clip), on `tp` CPU ranks computing in `dtype`.
 fn run_dit(tp: usize, dtype: DType) -> Vec<[Tensor; 2]> {
     let checkpoint = WanCheckpoint::open(&dit_fixture().join("model")).expect("open");
+    run_checkpoint(&checkpoint, tp, dtype)
+}
+
+/// [`run_dit`] of `checkpoint`.
+fn run_checkpoint(checkpoint: &WanCheckpoint, tp: usize, dtype: DType) -> Vec<[Tensor; 2]> {
     let inputs = dit_tensors("inputs.safetensors");
     let timestep = inputs["timestep"].to_vec1::<f32>().expect("timestep")[0] as f64;
     let comms = ThreadGroup::ranks(tp, Duration::from_secs(60));
@@ -190,7 +195,7 @@ fn run_dit(tp: usize, dtype: DType) -> Vec<[Tensor; 2]> {
         let handles: Vec<_> = comms
             .into_iter()
             .map(|comm| {
-                let (checkpoint, inputs) = (&checkpoint, &inputs);
+                let (checkpoint, inputs) = (checkpoint, &inputs);
                 s.spawn(move || {
                     let comm: Arc<dyn Communicator> = Arc::new(comm);
                     let rank = dit_rank(checkpoint, tp, comm, dtype);
@@ -255,6 +260,77 @@ fn a_bf16_s2v_forward_errs_like_the_wheels_own_bf16() {
                 assert!(
                     rel <= 1.25 * WHEEL_BF16,
                     "TP {tp} rank {rank} {case} in bf16 against wan22 f32: {rel:e}"
+                );
+            }
+        }
+    }
+}
+
+/// A LoRA adapter in PEFT's form (Live Avatar's) on an S2V checkpoint in the original names,
+/// merged into each rank's slices at load, against the same adapter merged offline: a block's
+/// query (split by rows over ranks), an audio injection's output (by columns) and the causal
+/// audio encoder's projection (whole on each rank, held in f32).
+#[test]
+fn a_lora_adapter_merges_into_an_s2v_checkpoint() {
+    const RANK: usize = 2;
+    let targets = [
+        ("blocks.1.self_attn.q", [64, 64]),
+        ("audio_injector.injector.0.o", [64, 64]),
+        ("casual_audio_encoder.encoder.final_linear", [64, 64]),
+    ];
+    let pairs: Vec<(&str, Tensor, Tensor)> = targets
+        .iter()
+        .enumerate()
+        .map(|(i, &(module, [out, inp]))| {
+            let seeded = |n: usize, salt: usize| -> Vec<f32> {
+                (0..n)
+                    .map(|j| (((j * 7919 + i * 104_729 + salt) % 1000) as f32 / 1000.0 - 0.5) * 0.6)
+                    .collect()
+            };
+            let a = Tensor::from_vec(seeded(RANK * inp, 1), (RANK, inp), &Device::Cpu).expect("A");
+            let b = Tensor::from_vec(seeded(out * RANK, 2), (out, RANK), &Device::Cpu).expect("B");
+            (module, a, b)
+        })
+        .collect();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut adapter = HashMap::new();
+    for (module, a, b) in &pairs {
+        adapter.insert(format!("base_model.model.{module}.lora_A.weight"), a.clone());
+        adapter.insert(format!("base_model.model.{module}.lora_B.weight"), b.clone());
+    }
+    let adapter_path = dir.path().join("adapter.safetensors");
+    candle_core::safetensors::save(&adapter, &adapter_path).expect("save adapter");
+    let merged_dir = dir.path().join("merged");
+    std::fs::create_dir_all(&merged_dir).expect("merged dir");
+    let model = dit_fixture().join("model");
+    std::fs::copy(model.join("config.json"), merged_dir.join("config.json")).expect("config");
+    let weights = "diffusion_pytorch_model.safetensors";
+    let mut tensors = candle_core::safetensors::load(model.join(weights), &Device::Cpu).expect("checkpoint");
+    for (module, a, b) in &pairs {
+        let name = format!("{module}.weight");
+        let merged = (&tensors[&name] + b.matmul(a).expect("B·A")).expect("merged");
+        tensors.insert(name, merged);
+    }
+    candle_core::safetensors::save(&tensors, merged_dir.join(weights)).expect("save merged");
+    let lora = Arc::new(tpinfer_weights::LoraAdapter::open(&adapter_path, Some(1.0)).expect("adapter"));
+    let with_adapter = WanCheckpoint::open(&model)
+        .expect("open")
+        .with_lora(lora)
+        .expect("merge");
+    let merged = WanCheckpoint::open(&merged_dir).expect("open merged");
+    let plain = run_dit(1, DType::F32).remove(0);
+    let offline = run_checkpoint(&merged, 1, DType::F32).remove(0);
+    assert!(
+        tensor_rel_error(&offline[0], &plain[0]) > 1e-3,
+        "the adapter moves the velocity"
+    );
+    for tp in [1, 2] {
+        for (rank, outs) in run_checkpoint(&with_adapter, tp, DType::F32).iter().enumerate() {
+            for (got, want) in outs.iter().zip(&offline) {
+                let rel = tensor_rel_error(got, want);
+                assert!(
+                    rel < 1e-5,
+                    "TP {tp} rank {rank}: merged at load against offline: {rel:e}"
                 );
             }
         }
