@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use clap::Args;
-use tpinfer_wan_vae::memory::{ConvPath, DecodeDevice, EncodeMemory};
+use tpinfer_wan_vae::memory::{DecodeDevice, EncodeMemory};
 use tpinfer_wan_vae::{WanVaeConfig, WanVaeEncoder};
 use tpinfer_weights::SafetensorsStore;
 
@@ -77,7 +77,8 @@ pub fn vae_encode(args: VaeEncodeArgs) -> Result<()> {
             false => crate::median(times),
         };
         let (_, frames, height, width) = pixels.dims4()?;
-        let planned = EncodeMemory::new(&config, memory_device(dtype, args.cuda), frames, height, width).peak as u64;
+        let planned =
+            EncodeMemory::new(&config, DecodeDevice::new(dtype, args.cuda), frames, height, width).peak as u64;
         let memory = match measured {
             Some(m) => format!(
                 "{:.1} / {:.1} ({:+.1}%)",
@@ -95,16 +96,4 @@ pub fn vae_encode(args: VaeEncodeArgs) -> Result<()> {
         candle_core::safetensors::save(&latents, out).with_context(|| format!("writing {}", out.display()))?;
     }
     Ok(())
-}
-
-/// The device the memory model plans for: cuDNN's convolutions on a GPU, as `doctor` checks.
-fn memory_device(dtype: candle_core::DType, cuda: bool) -> DecodeDevice {
-    DecodeDevice {
-        dtype,
-        cuda,
-        conv: match cuda {
-            true => ConvPath::Cudnn,
-            false => ConvPath::Taps,
-        },
-    }
 }

@@ -8,7 +8,6 @@ use std::sync::Arc;
 
 use candle_core::DType;
 use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
-use tpinfer_kernels::ConvPath;
 use tpinfer_plan::{boxed_shards, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel};
 use tpinfer_weights::{CountingStore, ShardLoader, WeightDecl, WeightStore};
 
@@ -102,27 +101,20 @@ impl RankShard for WanVaeEncoderShard {
                 "a video VAE encodes frames of --size, not an LLM's --max-context".into(),
             ));
         };
-        let space = self.config.spatial_factor();
+        let (time, space) = (self.config.temporal_factor(), self.config.spatial_factor());
         if frames == 0 || frames > MAX_FRAMES || width > MAX_SIDE || height > MAX_SIDE {
             return Err(PlanError::Placement(format!(
                 "an encode of {frames} frames of {width}x{height}: 1 to {MAX_FRAMES} frames of at most {MAX_SIDE} \
                  pixels a side"
             )));
         }
-        if (frames - 1) % 4 != 0 || width % space != 0 || height % space != 0 || width == 0 || height == 0 {
+        if (frames - 1) % time != 0 || width % space != 0 || height % space != 0 || width == 0 || height == 0 {
             return Err(PlanError::Placement(format!(
-                "an encode of {frames} frames of {width}x{height}: the VAE encodes 4k + 1 frames of sides that are \
-                 multiples of {space}"
+                "an encode of {frames} frames of {width}x{height}: the VAE encodes {time}k + 1 frames of sides that \
+                 are multiples of {space}"
             )));
         }
-        let device = DecodeDevice {
-            dtype,
-            cuda: accelerator == Accelerator::Cuda,
-            conv: match accelerator {
-                Accelerator::Cuda => ConvPath::Cudnn,
-                _ => ConvPath::Taps,
-            },
-        };
+        let device = DecodeDevice::new(dtype, accelerator == Accelerator::Cuda);
         let m = EncodeMemory::new(&self.config, device, frames, height, width);
         Ok(Footprint {
             activations: m.peak as u64,

@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use candle_core::DType;
 use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
-use tpinfer_kernels::ConvPath;
 use tpinfer_plan::{boxed_shards, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel};
 use tpinfer_weights::{CountingStore, PthStore, RenamedStore, SafetensorsStore, ShardLoader, WeightDecl, WeightStore};
 
@@ -143,15 +142,7 @@ impl RankShard for WanVaeRankShard {
             height,
             width,
         };
-        let device = DecodeDevice {
-            dtype,
-            cuda: accelerator == Accelerator::Cuda,
-            // A CUDA install with cuDNN, as `doctor` checks for.
-            conv: match accelerator {
-                Accelerator::Cuda => ConvPath::Cudnn,
-                _ => ConvPath::Taps,
-            },
-        };
+        let device = DecodeDevice::new(dtype, accelerator == Accelerator::Cuda);
         let m = DecodeMemory::new(c, device, video, band);
         Ok(Footprint {
             activations: m.peak as u64,

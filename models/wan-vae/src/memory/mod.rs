@@ -68,6 +68,20 @@ pub struct DecodeDevice {
     pub conv: ConvPath,
 }
 
+impl DecodeDevice {
+    /// A GPU (`cuda`) with cuDNN, as `doctor` checks for, or a CPU rank.
+    pub fn new(dtype: DType, cuda: bool) -> Self {
+        Self {
+            dtype,
+            cuda,
+            conv: match cuda {
+                true => ConvPath::Cudnn,
+                false => ConvPath::Taps,
+            },
+        }
+    }
+}
+
 impl DecodeMemory {
     /// The decode of `band` (rows of the output frame) in the fewest tiles, each of whole
     /// latent rows, and then the most frames at once, that keep its peak under
