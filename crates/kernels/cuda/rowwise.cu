@@ -52,35 +52,46 @@ __device__ __forceinline__ void store_pack(T* p, const float (&f)[N]) {
 
 // The row-wise kernels below run one block of THREADS per row, each thread N values at a time.
 
-// out = T(x + y · gate[col]): a gated residual.
-template <typename T, int N>
-__device__ void gated_residual(const T* x, const T* y, const float* gate, T* out, int cols) {
+// A per-column f32 table's row for this block's row: `[2, cols]` tables serve the rows before
+// `split` from their first row and the rest from their second (S2V's video rows, then its
+// reference and motion rows at timestep 0); a `[cols]` table comes with `split` = rows.
+__device__ __forceinline__ const float* table_row(const float* table, int split, int cols) {
+    return (int)blockIdx.x < split ? table : table + cols;
+}
+
+// out = T(x + y · gate[col]), or without `gate` T(x + y): a residual update. `y` may be
+// narrower than the stream `x` (bf16 products added to an f32 stream), widened exactly.
+template <typename T, typename P, int N>
+__device__ void gated_residual(const T* x, const P* y, const float* gate, int split, T* out, int cols) {
     const long at = (long)blockIdx.x * cols;
+    const float* g = gate ? table_row(gate, split, cols) : nullptr;
     for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
         float a[N], b[N];
         load_pack<T, N>(x + at + j, a);
-        load_pack<T, N>(y + at + j, b);
+        load_pack<P, N>(y + at + j, b);
 #pragma unroll
-        for (int i = 0; i < N; ++i) a[i] += b[i] * gate[j + i];
+        for (int i = 0; i < N; ++i) a[i] += g ? b[i] * g[j + i] : b[i];
         store_pack<T, N>(out + at + j, a);
     }
 }
 
 // out = T(x + T(y0 + y1) · gate[col]), or without `gate` T(x + T(y0 + y1)): a residual update
-// with a two-rank sum of row-parallel outputs fused in, rounded as the sum and the update
-// apart would be.
-template <typename T, int N>
-__device__ void residual_pair(const T* x, const T* y0, const T* y1, const float* gate, T* out, int cols) {
+// with a two-rank sum of row-parallel outputs fused in, rounded as the parts widened to the
+// stream's type, summed, and the update apart would be.
+template <typename T, typename P, int N>
+__device__ void residual_pair(const T* x, const P* y0, const P* y1, const float* gate, int split, T* out,
+                              int cols) {
     const long at = (long)blockIdx.x * cols;
+    const float* g = gate ? table_row(gate, split, cols) : nullptr;
     for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
         float a[N], b[N], c[N];
         load_pack<T, N>(x + at + j, a);
-        load_pack<T, N>(y0 + at + j, b);
-        load_pack<T, N>(y1 + at + j, c);
+        load_pack<P, N>(y0 + at + j, b);
+        load_pack<P, N>(y1 + at + j, c);
 #pragma unroll
         for (int i = 0; i < N; ++i) {
             const float sum = to_f32(from_f32<T>(b[i] + c[i]));
-            a[i] += gate ? sum * gate[j + i] : sum;
+            a[i] += g ? sum * g[j + i] : sum;
         }
         store_pack<T, N>(out + at + j, a);
     }
@@ -132,11 +143,14 @@ __device__ void scale_rows_cols(const T* x, long row_stride, const float* row_sc
 }
 
 // LayerNorm over each row in f32 (two passes: mean, then variance about it), then
-// `· weight + bias`.
-template <typename T, int N>
-__device__ void layer_norm(const T* x, const float* weight, const float* bias, T* out, int cols, float eps) {
+// `· weight + bias` (tables as `table_row`'s), written as O: a norm of an f32 stream goes
+// straight into the products' dtype, rounded once.
+template <typename T, typename O, int N>
+__device__ void layer_norm(const T* x, const float* weight, const float* bias, int split, O* out, int cols,
+                           float eps) {
     const T* r = x + (long)blockIdx.x * cols;
-    T* o = out + (long)blockIdx.x * cols;
+    O* o = out + (long)blockIdx.x * cols;
+    const float *w = table_row(weight, split, cols), *b = table_row(bias, split, cols);
     float s = 0.f;
     for (int j = threadIdx.x * N; j < cols; j += THREADS * N) {
         float v[N];
@@ -157,8 +171,8 @@ __device__ void layer_norm(const T* x, const float* weight, const float* bias, T
         float v[N];
         load_pack<T, N>(r + j, v);
 #pragma unroll
-        for (int i = 0; i < N; ++i) v[i] = (v[i] - mean) * rstd * weight[j + i] + bias[j + i];
-        store_pack<T, N>(o + j, v);
+        for (int i = 0; i < N; ++i) v[i] = (v[i] - mean) * rstd * w[j + i] + b[j + i];
+        store_pack<O, N>(o + j, v);
     }
 }
 
@@ -370,17 +384,26 @@ __device__ void upsample_nearest2x(const U* x, U* out, long image_rows, int widt
 
 }  // namespace
 
-// Each row-wise kernel as `NAME_SUFFIX` (one value at a time; scale_rows_cols two) and
-// `NAME_SUFFIX_packed` (16 bytes at a time).
+// The kernels that read or write a second type P beside the stream's T (P = T, or an f32
+// stream's bf16 or f16 products), as `NAME_SUFFIX` (one value at a time) and
+// `NAME_SUFFIX_packed` (16 bytes of T at a time).
+#define MIXED_KERNELS(SUFFIX, T, P, N)                                                                     \
+    extern "C" __global__ void gated_residual_##SUFFIX(const T* x, const P* y, const float* gate, int split, \
+                                                        T* out, int cols) {                                \
+        gated_residual<T, P, N>(x, y, gate, split, out, cols);                                             \
+    }                                                                                                      \
+    extern "C" __global__ void residual_pair_##SUFFIX(const T* x, const P* y0, const P* y1,               \
+                                                       const float* gate, int split, T* out, int cols) {  \
+        residual_pair<T, P, N>(x, y0, y1, gate, split, out, cols);                                         \
+    }                                                                                                      \
+    extern "C" __global__ void layer_norm_##SUFFIX(const T* x, const float* w, const float* b, int split,  \
+                                                    P* out, int cols, float eps) {                        \
+        layer_norm<T, P, N>(x, w, b, split, out, cols, eps);                                               \
+    }
+
+// The other row-wise kernels, likewise.
 #define ROW_KERNELS(SUFFIX, T, N)                                                                          \
-    extern "C" __global__ void gated_residual_##SUFFIX(const T* x, const T* y, const float* gate, T* out,  \
-                                                        int cols) {                                       \
-        gated_residual<T, N>(x, y, gate, out, cols);                                                       \
-    }                                                                                                      \
-    extern "C" __global__ void residual_pair_##SUFFIX(const T* x, const T* y0, const T* y1,               \
-                                                       const float* gate, T* out, int cols) {             \
-        residual_pair<T, N>(x, y0, y1, gate, out, cols);                                                   \
-    }                                                                                                      \
+    MIXED_KERNELS(SUFFIX, T, T, N)                                                                         \
     extern "C" __global__ void row_sum_squares_##SUFFIX(const T* x, long row_stride, float* out, int cols) { \
         row_sum_squares<T, N>(x, row_stride, out, cols);                                                   \
     }                                                                                                      \
@@ -388,10 +411,6 @@ __device__ void upsample_nearest2x(const U* x, U* out, long image_rows, int widt
                                                          const float* c, const float* rope, int pairs,    \
                                                          T* out, int cols) {                              \
         scale_rows_cols<T, (N < 2 ? 2 : N)>(x, row_stride, r, c, rope, pairs, out, cols);                  \
-    }                                                                                                      \
-    extern "C" __global__ void layer_norm_##SUFFIX(const T* x, const float* w, const float* b, T* out,     \
-                                                    int cols, float eps) {                                \
-        layer_norm<T, N>(x, w, b, out, cols, eps);                                                         \
     }
 
 ROW_KERNELS(f32, float, 1)
@@ -400,6 +419,10 @@ ROW_KERNELS(f16, __half, 1)
 ROW_KERNELS(f32_packed, float, 4)
 ROW_KERNELS(bf16_packed, __nv_bfloat16, 8)
 ROW_KERNELS(f16_packed, __half, 8)
+MIXED_KERNELS(f32_bf16, float, __nv_bfloat16, 1)
+MIXED_KERNELS(f32_f16, float, __half, 1)
+MIXED_KERNELS(f32_bf16_packed, float, __nv_bfloat16, 4)
+MIXED_KERNELS(f32_f16_packed, float, __half, 4)
 
 #define ROWWISE(SUFFIX, T)                                                                                      \
     extern "C" __global__ void gate_mul_##SUFFIX(const T* x, T* out, long n, int half, int gelu) {             \

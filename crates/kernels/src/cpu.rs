@@ -2,7 +2,7 @@
 //! kernels: the DiT's memory model then holds on every device. f32 arithmetic throughout.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, Layout, Result, WithDType};
+use candle_core::{CpuStorage, DType, Layout, Result, WithDType};
 use rayon::prelude::*;
 
 /// The contiguous elements of a layout.
@@ -33,6 +33,27 @@ fn for_each_chunk<T: Send>(out: &mut [T], size: usize, work: usize, f: impl Fn(u
     }
 }
 
+/// Runs `$body` with `$t` bound to the element type of `dtype` (f32, bf16 or f16).
+macro_rules! of_dtype {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            other => candle_core::bail!("fused CPU ops: unsupported dtype {other:?}"),
+        }
+    };
+}
+
 /// Runs `$body` with `$t` bound to the element type of `$storage` (f32, bf16 or f16).
 macro_rules! typed {
     ($storage:expr, $t:ident => $body:expr) => {
@@ -54,24 +75,45 @@ macro_rules! typed {
     };
 }
 
+/// `x + y · gate`, or `x + y` without a gate, in `x`'s type (`y` may be narrower): the gate
+/// `[k, cols]` with the rows its first row serves (see [`crate::ColumnTable`]).
 pub(crate) fn gated_residual(
     x: (&CpuStorage, &Layout),
     y: (&CpuStorage, &Layout),
-    gate: (&CpuStorage, &Layout),
+    gate: Option<(&CpuStorage, &Layout, usize)>,
 ) -> Result<CpuStorage> {
-    let g = contiguous::<f32>(gate.0, gate.1)?;
-    typed!(x.0, T => {
-        let (xs, ys) = (contiguous::<T>(x.0, x.1)?, contiguous::<T>(y.0, y.1)?);
-        let cols = g.len();
+    let (_, cols) = x.1.shape().dims2()?;
+    let gate = gate
+        .map(|(s, l, split)| Ok::<_, candle_core::Error>((contiguous::<f32>(s, l)?, split)))
+        .transpose()?;
+    typed!(x.0, T => typed!(y.0, P => {
+        let (xs, ys) = (contiguous::<T>(x.0, x.1)?, contiguous::<P>(y.0, y.1)?);
         let mut out = vec![T::from_f64(0.0); xs.len()];
         for_each_chunk(&mut out, cols, xs.len(), |r, o| {
             let (a, b) = (&xs[r * cols..][..cols], &ys[r * cols..][..cols]);
-            for j in 0..cols {
-                o[j] = T::from_f64((f(a[j]) + f(b[j]) * g[j]) as f64);
+            match &gate {
+                Some((g, split)) => {
+                    let g = table_row(g, r, *split, cols);
+                    for j in 0..cols {
+                        o[j] = T::from_f64((f(a[j]) + f(b[j]) * g[j]) as f64);
+                    }
+                }
+                None => {
+                    for j in 0..cols {
+                        o[j] = T::from_f64((f(a[j]) + f(b[j])) as f64);
+                    }
+                }
             }
         });
         Ok(T::to_cpu_storage_owned(out))
-    })
+    }))
+}
+
+/// Row `r`'s values of a per-column table `[k, cols]` whose first row serves the rows before
+/// `split`.
+fn table_row(table: &[f32], r: usize, split: usize, cols: usize) -> &[f32] {
+    let at = if r < split { 0 } else { cols };
+    &table[at..][..cols]
 }
 
 /// Row `i` of a `[rows, cols]` layout with contiguous columns, rows any distance apart.
@@ -132,31 +174,35 @@ pub(crate) fn scale_rows_cols(
     })
 }
 
+/// See [`crate::layer_norm`]: written as `out`'s type.
 pub(crate) fn layer_norm(
     x: (&CpuStorage, &Layout),
     weight: (&CpuStorage, &Layout),
     bias: (&CpuStorage, &Layout),
+    split: usize,
     eps: f32,
+    out: DType,
 ) -> Result<CpuStorage> {
+    let (_, cols) = x.1.shape().dims2()?;
     let (w, b) = (
         contiguous::<f32>(weight.0, weight.1)?,
         contiguous::<f32>(bias.0, bias.1)?,
     );
-    typed!(x.0, T => {
+    typed!(x.0, T => of_dtype!(out, O => {
         let xs = contiguous::<T>(x.0, x.1)?;
-        let cols = w.len();
-        let mut out = vec![T::from_f64(0.0); xs.len()];
-        for_each_chunk(&mut out, cols, xs.len(), |r, o| {
+        let mut normed = vec![O::from_f64(0.0); xs.len()];
+        for_each_chunk(&mut normed, cols, xs.len(), |r, o| {
             let row = &xs[r * cols..][..cols];
+            let (w, b) = (table_row(w, r, split, cols), table_row(b, r, split, cols));
             let mean = row.iter().map(|&v| f(v)).sum::<f32>() / cols as f32;
             let var = row.iter().map(|&v| (f(v) - mean) * (f(v) - mean)).sum::<f32>() / cols as f32;
             let rstd = 1.0 / (var + eps).sqrt();
             for j in 0..cols {
-                o[j] = T::from_f64(((f(row[j]) - mean) * rstd * w[j] + b[j]) as f64);
+                o[j] = O::from_f64(((f(row[j]) - mean) * rstd * w[j] + b[j]) as f64);
             }
         });
-        Ok(T::to_cpu_storage_owned(out))
-    })
+        Ok(O::to_cpu_storage_owned(normed))
+    }))
 }
 
 /// Attention with an online softmax, one query row of every head per task: no score buffer,

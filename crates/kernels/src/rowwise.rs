@@ -4,58 +4,98 @@
 
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 
-/// `x + y · gate` with `gate` `[cols]` f32: a gated residual.
-pub fn gated_residual(x: &Tensor, y: &Tensor, gate: &Tensor) -> Result<Tensor> {
-    check(x, "gated_residual")?;
-    if y.dims() != x.dims() || gate.dims() != [x.dim(1)?] {
-        candle_core::bail!(
-            "gated_residual: y {:?} and gate {:?} do not match x {:?}",
-            y.dims(),
-            gate.dims(),
-            x.dims()
-        );
-    }
-    x.contiguous()?
-        .apply_op3_no_bwd(&y.contiguous()?, &gate.contiguous()?, &Rowwise::GatedResidual)
+/// Per-column f32 values (a gate, a norm's weight or bias) for the rows of a `[rows, cols]`
+/// activation: `[cols]` for every row, or `[2, cols]` whose first row serves the rows before
+/// `split` and whose second the rest (S2V's video rows, then its reference and motion rows at
+/// timestep 0): one pass over the activation either way.
+#[derive(Clone, Copy)]
+pub struct ColumnTable<'a> {
+    values: &'a Tensor,
+    /// The rows the first of two rows serves; `None` for one row.
+    split: Option<usize>,
 }
 
-/// `x + Σ parts · gate` with `gate` `[cols]` f32, or `x + Σ parts` without: a residual update
-/// from the ranks' rows of a row-parallel output under sequence parallelism, summed in part
-/// order and rounded as separate adds would be. Two parts on CUDA (TP 2) take one kernel that
-/// reads them where they lie; otherwise the parts are added first. Parts of another dtype than
-/// a wider stream's `x` are widened to it first.
-pub fn residual_sum(x: &Tensor, parts: &[Tensor], gate: Option<&Tensor>) -> Result<Tensor> {
-    check(x, "residual_sum")?;
-    if parts.iter().any(|p| p.dtype() != x.dtype()) {
-        let widened = parts
-            .iter()
-            .map(|p| p.to_dtype(x.dtype()))
-            .collect::<Result<Vec<_>>>()?;
-        return residual_sum(x, &widened, gate);
+impl<'a> ColumnTable<'a> {
+    /// `values` `[cols]` for every row.
+    pub fn every_row(values: &'a Tensor) -> Self {
+        Self { values, split: None }
     }
+
+    /// `values` `[2, cols]`: the first row for rows before `split`, the second for the rest.
+    pub fn split_at(values: &'a Tensor, split: usize) -> Self {
+        Self {
+            values,
+            split: Some(split),
+        }
+    }
+
+    /// The table as a contiguous f32 `[k, cols]` and the rows its first row serves, for `x`
+    /// `[rows, cols]`.
+    fn prepared(&self, rows: usize, cols: usize, op: &str) -> Result<(Tensor, usize)> {
+        let fits = match (self.values.dims(), self.split) {
+            (&[c], None) | (&[2, c], Some(_)) => c == cols,
+            _ => false,
+        };
+        if !fits {
+            candle_core::bail!(
+                "{op}: a table {:?} (split at {:?}) does not serve an activation [{rows}, {cols}]",
+                self.values.dims(),
+                self.split
+            );
+        }
+        let values = self.values.to_dtype(DType::F32)?.contiguous()?;
+        Ok((values.reshape(((), cols))?, self.split.unwrap_or(rows).min(rows)))
+    }
+}
+
+/// Whether the kernels read or write `other` beside `x`'s dtype: the same dtype, or an f32
+/// stream's bf16 or f16 products (one pass, where widening them first took two more).
+fn pairs_with(x: &Tensor, other: DType) -> bool {
+    other == x.dtype() || (x.dtype() == DType::F32 && matches!(other, DType::BF16 | DType::F16))
+}
+
+/// `x + y · gate`: a gated residual, in `x`'s dtype (`y` may be narrower).
+pub fn gated_residual(x: &Tensor, y: &Tensor, gate: ColumnTable) -> Result<Tensor> {
+    residual_sum(x, std::slice::from_ref(y), Some(gate))
+}
+
+/// `x + Σ parts · gate`, or `x + Σ parts` without: a residual update from the ranks' rows of a
+/// row-parallel output under sequence parallelism, summed in part order and rounded as
+/// separate adds would be, in `x`'s dtype. Parts narrower than a wider stream's `x` are
+/// widened to it as they are read. One kernel for one part, or two on CUDA; more are widened
+/// and added first.
+pub fn residual_sum(x: &Tensor, parts: &[Tensor], gate: Option<ColumnTable>) -> Result<Tensor> {
+    check(x, "residual_sum")?;
     if let Some(p) = parts.iter().find(|p| p.dims() != x.dims()) {
         candle_core::bail!("residual_sum: a part {:?} does not match x {:?}", p.dims(), x.dims());
     }
-    #[cfg(feature = "cuda")]
-    if let ([y0, y1], true) = (parts, x.device().is_cuda()) {
-        let gate = gate
-            .map(|g| g.to_dtype(candle_core::DType::F32)?.contiguous())
-            .transpose()?;
-        if gate.as_ref().is_some_and(|g| g.dims() != [x.dims()[1]]) {
-            candle_core::bail!(
-                "residual_sum: gate {:?} does not match x {:?}",
-                gate.map(|g| g.dims().to_vec()),
-                x.dims()
-            );
+    let (rows, cols) = x.dims2()?;
+    let gate = gate.map(|g| g.prepared(rows, cols, "residual_sum")).transpose()?;
+    let one_kernel = match parts.len() {
+        1 => true,
+        2 => x.device().is_cuda(),
+        _ => false,
+    };
+    let as_read = one_kernel
+        && parts
+            .iter()
+            .all(|p| pairs_with(x, p.dtype()) && p.dtype() == parts[0].dtype());
+    let parts = match as_read {
+        true => parts.to_vec(),
+        false => parts
+            .iter()
+            .map(|p| p.to_dtype(x.dtype()))
+            .collect::<Result<Vec<_>>>()?,
+    };
+    let x = x.contiguous()?;
+    match parts.as_slice() {
+        [] => candle_core::bail!("residual_sum of no parts"),
+        [y] => x.apply_op2_no_bwd(&y.contiguous()?, &Residual { gate }),
+        #[cfg(feature = "cuda")]
+        [y0, y1] if x.device().is_cuda() => {
+            x.apply_op3_no_bwd(&y0.contiguous()?, &y1.contiguous()?, &ResidualPair { gate })
         }
-        return x
-            .contiguous()?
-            .apply_op3_no_bwd(&y0.contiguous()?, &y1.contiguous()?, &ResidualPair { gate });
-    }
-    let sum = sum_in_order(parts)?;
-    match gate {
-        Some(gate) => gated_residual(x, &sum, gate),
-        None => x + sum,
+        _ => x.apply_op2_no_bwd(&sum_in_order(&parts)?, &Residual { gate }),
     }
 }
 
@@ -67,10 +107,46 @@ pub fn sum_in_order(parts: &[Tensor]) -> Result<Tensor> {
     rest.iter().try_fold(first.clone(), |sum, part| sum + part)
 }
 
+/// [`residual_sum`]'s op for one part: the gate table `[k, cols]` and the rows its first row
+/// serves.
+struct Residual {
+    gate: Option<(Tensor, usize)>,
+}
+
+impl candle_core::CustomOp2 for Residual {
+    fn name(&self) -> &'static str {
+        "gated_residual"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout, y: &CpuStorage, yl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let gate = self.gate.as_ref().map(|(t, split)| (t.storage_and_layout(), *split));
+        let gate = match &gate {
+            Some(((storage, layout), split)) => match &**storage {
+                candle_core::Storage::Cpu(s) => Some((s, *layout, *split)),
+                _ => candle_core::bail!("gated_residual: the gate is not on the CPU"),
+            },
+            None => None,
+        };
+        Ok((crate::cpu::gated_residual((x, xl), (y, yl), gate)?, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        y: &candle_core::CudaStorage,
+        yl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let gate = self.gate.as_ref().map(|(t, split)| (t.storage_and_layout(), *split));
+        cuda::residual((x, xl), &[(y, yl)], cuda::gate_input(&gate)?)
+    }
+}
+
 /// [`residual_sum`]'s kernel for two parts, the gate held by the op.
 #[cfg(feature = "cuda")]
 struct ResidualPair {
-    gate: Option<Tensor>,
+    gate: Option<(Tensor, usize)>,
 }
 
 #[cfg(feature = "cuda")]
@@ -100,15 +176,8 @@ impl candle_core::CustomOp3 for ResidualPair {
         y1: &candle_core::CudaStorage,
         y1l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let gate = self.gate.as_ref().map(|g| g.storage_and_layout());
-        let gate = match &gate {
-            Some((storage, layout)) => match &**storage {
-                candle_core::Storage::Cuda(s) => Some((s, *layout)),
-                _ => candle_core::bail!("residual_pair: the gate is not on the GPU"),
-            },
-            None => None,
-        };
-        cuda::residual_pair((x, xl), (y0, y0l), (y1, y1l), gate)
+        let gate = self.gate.as_ref().map(|(t, split)| (t.storage_and_layout(), *split));
+        cuda::residual((x, xl), &[(y0, y0l), (y1, y1l)], cuda::gate_input(&gate)?)
     }
 }
 
@@ -174,22 +243,27 @@ pub(crate) fn row_stride(layout: &Layout) -> Option<usize> {
     }
 }
 
-/// LayerNorm over each row in f32, then `· weight + bias` (`[cols]` f32 each); with
-/// `weight = 1 + scale`, `bias = shift` this is the DiT's modulated norm in one pass.
-pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+/// LayerNorm over each row in f32, then `· weight + bias` (f32 tables), written as `out`
+/// (`x`'s dtype, or the products' narrower one for an f32 stream: rounded once, in the same
+/// pass). With `weight = 1 + scale`, `bias = shift` this is the DiT's modulated norm.
+pub fn layer_norm(x: &Tensor, weight: ColumnTable, bias: ColumnTable, eps: f64, out: DType) -> Result<Tensor> {
     check(x, "layer_norm")?;
-    let c = x.dim(1)?;
-    if weight.dims() != [c] || bias.dims() != [c] {
-        candle_core::bail!(
-            "layer_norm: weight {:?}, bias {:?} do not match x {:?}",
-            weight.dims(),
-            bias.dims(),
-            x.dims()
-        );
+    let (rows, cols) = x.dims2()?;
+    let (weight, split) = weight.prepared(rows, cols, "layer_norm weight")?;
+    let (bias, bias_split) = bias.prepared(rows, cols, "layer_norm bias")?;
+    if bias_split != split {
+        candle_core::bail!("layer_norm: the weight's table splits at row {split}, the bias's at {bias_split}");
     }
-    let op = Rowwise::LayerNorm { eps: eps as f32 };
-    x.contiguous()?
-        .apply_op3_no_bwd(&weight.contiguous()?, &bias.contiguous()?, &op)
+    let written = match pairs_with(x, out) {
+        true => out,
+        false => x.dtype(),
+    };
+    let op = Rowwise::LayerNorm {
+        eps: eps as f32,
+        split,
+        out: written,
+    };
+    x.contiguous()?.apply_op3_no_bwd(&weight, &bias, &op)?.to_dtype(out)
 }
 
 /// The residual stream's next value `x + y` and its RMSNorm times `weight` (`[cols]`, `x`'s
@@ -343,14 +417,10 @@ fn check(x: &Tensor, op: &str) -> Result<()> {
 }
 
 enum Rowwise {
-    GatedResidual,
     /// With a RoPE table `[rows, 2, pairs]` f32, contiguous.
-    ScaleRowsCols {
-        rope: Option<Tensor>,
-    },
-    LayerNorm {
-        eps: f32,
-    },
+    ScaleRowsCols { rope: Option<Tensor> },
+    /// The tables' first rows serve the rows before `split`; written as `out`.
+    LayerNorm { eps: f32, split: usize, out: DType },
 }
 
 struct RowSumSquares;
@@ -382,7 +452,6 @@ struct EmbedOwnedRows {
 impl candle_core::CustomOp3 for Rowwise {
     fn name(&self) -> &'static str {
         match self {
-            Self::GatedResidual => "gated_residual",
             Self::ScaleRowsCols { .. } => "scale_rows_cols",
             Self::LayerNorm { .. } => "layer_norm",
         }
@@ -398,7 +467,6 @@ impl candle_core::CustomOp3 for Rowwise {
         bl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let out = match self {
-            Self::GatedResidual => crate::cpu::gated_residual((x, xl), (a, al), (b, bl))?,
             Self::ScaleRowsCols { rope } => {
                 let table = rope.as_ref().map(|t| t.storage_and_layout());
                 let table = match &table {
@@ -410,7 +478,9 @@ impl candle_core::CustomOp3 for Rowwise {
                 };
                 crate::cpu::scale_rows_cols((x, xl), (a, al), (b, bl), table)?
             }
-            Self::LayerNorm { eps } => crate::cpu::layer_norm((x, xl), (a, al), (b, bl), *eps)?,
+            Self::LayerNorm { eps, split, out } => {
+                crate::cpu::layer_norm((x, xl), (a, al), (b, bl), *split, *eps, *out)?
+            }
         };
         Ok((out, xl.shape().clone()))
     }
@@ -577,7 +647,9 @@ impl candle_core::CustomOp2 for EmbedOwnedRows {
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
     use half::{bf16, f16};
@@ -587,6 +659,21 @@ mod cuda {
     use crate::launch::{elementwise, suffix, THREADS};
 
     type Input<'a> = (&'a CudaStorage, &'a Layout);
+
+    /// Runs `f::<T, P>` for the stream's dtype T and another P: the same, or an f32 stream's
+    /// bf16 or f16 (the pairs cuda/rowwise.cu's mixed kernels take).
+    macro_rules! with_pair {
+        ($stream:expr, $other:expr, $f:ident($($arg:expr),*)) => {
+            match ($stream, $other) {
+                (DType::F32, DType::F32) => $f::<f32, f32>($($arg),*),
+                (DType::BF16, DType::BF16) => $f::<bf16, bf16>($($arg),*),
+                (DType::F16, DType::F16) => $f::<f16, f16>($($arg),*),
+                (DType::F32, DType::BF16) => $f::<f32, bf16>($($arg),*),
+                (DType::F32, DType::F16) => $f::<f32, f16>($($arg),*),
+                (stream, other) => candle_core::bail!("row-wise kernels: no kernel for {stream:?} with {other:?}"),
+            }
+        };
+    }
 
     fn view<'a, T: CudaDType>((s, l): Input<'a>) -> Result<CudaView<'a, T>> {
         match l.contiguous_offsets() {
@@ -607,11 +694,14 @@ mod cuda {
     const NORM_THREADS: u32 = 1024;
 
     pub(super) fn rowwise(op: &Rowwise, x: Input, a: Input, b: Input) -> Result<(CudaStorage, Shape)> {
-        match x.0.dtype() {
-            DType::F32 => rowwise_typed::<f32>(op, x, a, b),
-            DType::BF16 => rowwise_typed::<bf16>(op, x, a, b),
-            DType::F16 => rowwise_typed::<f16>(op, x, a, b),
-            other => candle_core::bail!("row-wise kernels: unsupported dtype {other:?}"),
+        match (op, x.0.dtype()) {
+            (&Rowwise::LayerNorm { eps, split, out }, dtype) => {
+                with_pair!(dtype, out, layer_norm_typed(x, a, b, split, eps, out))
+            }
+            (Rowwise::ScaleRowsCols { .. }, DType::F32) => rowwise_typed::<f32>(op, x, a, b),
+            (Rowwise::ScaleRowsCols { .. }, DType::BF16) => rowwise_typed::<bf16>(op, x, a, b),
+            (Rowwise::ScaleRowsCols { .. }, DType::F16) => rowwise_typed::<f16>(op, x, a, b),
+            (_, other) => candle_core::bail!("row-wise kernels: unsupported dtype {other:?}"),
         }
     }
 
@@ -642,11 +732,64 @@ mod cuda {
     /// The name of kernel `name` for `dtype`: its 16-byte-pack version when every row of every
     /// T input starts on a pack (`starts`: their element offsets and row strides).
     fn row_kernel<T>(name: &str, dtype: DType, cols: usize, starts: &[usize]) -> Result<String> {
+        pair_kernel::<T>(name, (dtype, dtype), cols, starts)
+    }
+
+    /// [`row_kernel`]'s name for a kernel of two types, the stream's T and another: the
+    /// stream's suffix alone when they agree, as in `layer_norm_bf16`, else both, as in
+    /// `layer_norm_f32_bf16`. A pack holds 16 bytes of T.
+    fn pair_kernel<T>(name: &str, (stream, other): (DType, DType), cols: usize, starts: &[usize]) -> Result<String> {
         let packed = cols.is_multiple_of(pack::<T>()) && starts.iter().all(|s| s.is_multiple_of(pack::<T>()));
-        Ok(format!(
-            "{name}_{}{}",
-            suffix(dtype)?,
-            if packed { "_packed" } else { "" }
+        let types = match stream == other {
+            true => suffix(stream)?.to_string(),
+            false => format!("{}_{}", suffix(stream)?, suffix(other)?),
+        };
+        Ok(format!("{name}_{types}{}", if packed { "_packed" } else { "" }))
+    }
+
+    /// Values a table of `cols` columns must hold when its first row serves the rows before
+    /// `split` of `rows`.
+    fn table_len(rows: usize, cols: usize, split: usize) -> usize {
+        match split < rows {
+            true => 2 * cols,
+            false => cols,
+        }
+    }
+
+    fn layer_norm_typed<T: CudaDType + DeviceRepr, O: CudaDType + DeviceRepr>(
+        x: Input,
+        weight: Input,
+        bias: Input,
+        split: usize,
+        eps: f32,
+        out_dtype: DType,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (rows, cols) = x.1.shape().dims2()?;
+        let dev: &CudaDevice = x.0.device();
+        let (xs, w, b) = (view::<T>(x)?, view::<f32>(weight)?, view::<f32>(bias)?);
+        let needed = table_len(rows, cols, split);
+        if w.len() < needed || b.len() < needed {
+            candle_core::bail!("layer_norm: weight or bias do not serve x [{rows}, {cols}]");
+        }
+        let name = pair_kernel::<T>("layer_norm", (x.0.dtype(), out_dtype), cols, &[x.1.start_offset()])?;
+        let func = crate::module::ROWWISE.kernel(dev, &name)?;
+        // SAFETY: every element is written by the kernel.
+        let out: CudaSlice<O> = unsafe { dev.alloc::<O>(rows * cols)? };
+        let (split_i, cols_i) = (split as i32, cols as i32);
+        let mut builder = func.builder();
+        builder
+            .arg(&xs)
+            .arg(&w)
+            .arg(&b)
+            .arg(&split_i)
+            .arg(&out)
+            .arg(&cols_i)
+            .arg(&eps);
+        // SAFETY: the arguments match the kernel's signature and sizes were checked.
+        unsafe { builder.launch(per_row(rows)) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((rows, cols)),
         ))
     }
 
@@ -665,18 +808,6 @@ mod cuda {
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
         let cols_i = cols as i32;
         match op {
-            Rowwise::GatedResidual => {
-                let (xs, y, gate) = (view::<T>(x)?, view::<T>(a)?, view::<f32>(b)?);
-                if y.len() != n || gate.len() != cols {
-                    candle_core::bail!("gated_residual: y or gate do not match x [{rows}, {cols}]");
-                }
-                let starts = [x.1.start_offset(), a.1.start_offset()];
-                let func = crate::module::ROWWISE.kernel(dev, &row_kernel::<T>(name, dtype, cols, &starts)?)?;
-                let mut builder = func.builder();
-                builder.arg(&xs).arg(&y).arg(&gate).arg(&out).arg(&cols_i);
-                // SAFETY: the arguments match the kernel's signature and sizes were checked.
-                unsafe { builder.launch(per_row(rows)) }.w()?;
-            }
             Rowwise::ScaleRowsCols { rope } => {
                 let ((xs, stride), r, c) = (rows_view::<T>(x)?, view::<f32>(a)?, view::<f32>(b)?);
                 if r.len() != rows || c.len() != cols {
@@ -713,18 +844,7 @@ mod cuda {
                 // SAFETY: as above; the table (checked by the caller) holds `2 · pairs` values a row.
                 unsafe { builder.launch(per_row(rows)) }.w()?;
             }
-            Rowwise::LayerNorm { eps } => {
-                let (xs, w, bias) = (view::<T>(x)?, view::<f32>(a)?, view::<f32>(b)?);
-                if w.len() != cols || bias.len() != cols {
-                    candle_core::bail!("layer_norm: weight or bias do not match x [{rows}, {cols}]");
-                }
-                let func =
-                    crate::module::ROWWISE.kernel(dev, &row_kernel::<T>(name, dtype, cols, &[x.1.start_offset()])?)?;
-                let mut builder = func.builder();
-                builder.arg(&xs).arg(&w).arg(&bias).arg(&out).arg(&cols_i).arg(eps);
-                // SAFETY: as above.
-                unsafe { builder.launch(per_row(rows)) }.w()?;
-            }
+            Rowwise::LayerNorm { .. } => candle_core::bail!("layer_norm has a kernel of two types"),
         }
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
@@ -732,42 +852,73 @@ mod cuda {
         ))
     }
 
-    pub(super) fn residual_pair(x: Input, y0: Input, y1: Input, gate: Option<Input>) -> Result<(CudaStorage, Shape)> {
-        match x.0.dtype() {
-            DType::F32 => residual_pair_typed::<f32>(x, y0, y1, gate),
-            DType::BF16 => residual_pair_typed::<bf16>(x, y0, y1, gate),
-            DType::F16 => residual_pair_typed::<f16>(x, y0, y1, gate),
-            other => candle_core::bail!("residual_pair: unsupported dtype {other:?}"),
+    /// A gate table an op holds, as the kernels read it: storage, layout and the rows its
+    /// first row serves.
+    pub(super) type Gate<'a> = Option<(&'a CudaStorage, &'a Layout, usize)>;
+
+    /// The GPU storage of a gate table an op holds.
+    pub(super) fn gate_input<'a, S: std::ops::Deref<Target = candle_core::Storage>>(
+        gate: &'a Option<((S, &'a Layout), usize)>,
+    ) -> Result<Gate<'a>> {
+        match gate {
+            None => Ok(None),
+            Some(((storage, layout), split)) => match &**storage {
+                candle_core::Storage::Cuda(s) => Ok(Some((s, *layout, *split))),
+                _ => candle_core::bail!("residual_sum: the gate is not on the GPU"),
+            },
         }
     }
 
-    fn residual_pair_typed<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+    /// `x` plus one part (`gated_residual_*`) or the sum of two (`residual_pair_*`), gated
+    /// where a gate is given.
+    pub(super) fn residual(x: Input, parts: &[Input], gate: Gate) -> Result<(CudaStorage, Shape)> {
+        let Some(first) = parts.first() else {
+            candle_core::bail!("residual_sum of no parts");
+        };
+        with_pair!(x.0.dtype(), first.0.dtype(), residual_typed(x, parts, gate))
+    }
+
+    fn residual_typed<T: CudaDType + DeviceRepr, P: CudaDType + DeviceRepr>(
         x: Input,
-        y0: Input,
-        y1: Input,
-        gate: Option<Input>,
+        parts: &[Input],
+        gate: Gate,
     ) -> Result<(CudaStorage, Shape)> {
         let (rows, cols) = x.1.shape().dims2()?;
         let n = rows * cols;
         let dev: &CudaDevice = x.0.device();
-        let (xs, a, b) = (view::<T>(x)?, view::<T>(y0)?, view::<T>(y1)?);
-        let gate = gate.map(view::<f32>).transpose()?;
-        if a.len() != n || b.len() != n || gate.as_ref().is_some_and(|g| g.len() != cols) {
-            candle_core::bail!("residual_pair: parts or gate do not match x [{rows}, {cols}]");
+        let xs = view::<T>(x)?;
+        let ys = parts.iter().map(|&p| view::<P>(p)).collect::<Result<Vec<_>>>()?;
+        let (gate, split) = match gate {
+            Some((storage, layout, split)) => (Some(view::<f32>((storage, layout))?), split.min(rows)),
+            None => (None, rows),
+        };
+        let name = match parts.len() {
+            1 => "gated_residual",
+            2 => "residual_pair",
+            more => candle_core::bail!("residual_sum: no kernel adds {more} parts"),
+        };
+        if ys.iter().any(|y| y.len() != n) || gate.as_ref().is_some_and(|g| g.len() < table_len(rows, cols, split)) {
+            candle_core::bail!("{name}: parts or gate do not match x [{rows}, {cols}]");
         }
-        let starts = [x.1.start_offset(), y0.1.start_offset(), y1.1.start_offset()];
-        let func =
-            crate::module::ROWWISE.kernel(dev, &row_kernel::<T>("residual_pair", x.0.dtype(), cols, &starts)?)?;
+        let starts: Vec<usize> = std::iter::once(x)
+            .chain(parts.iter().copied())
+            .map(|i| i.1.start_offset())
+            .collect();
+        let dtypes = (x.0.dtype(), parts[0].0.dtype());
+        let func = crate::module::ROWWISE.kernel(dev, &pair_kernel::<T>(name, dtypes, cols, &starts)?)?;
         // SAFETY: every element is written by the kernel.
         let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
-        let (cols_i, null) = (cols as i32, 0u64);
+        let (split_i, cols_i, null) = (split as i32, cols as i32, 0u64);
         let mut builder = func.builder();
-        builder.arg(&xs).arg(&a).arg(&b);
+        builder.arg(&xs);
+        for y in &ys {
+            builder.arg(y);
+        }
         match &gate {
             Some(g) => builder.arg(g),
             None => builder.arg(&null),
         };
-        builder.arg(&out).arg(&cols_i);
+        builder.arg(&split_i).arg(&out).arg(&cols_i);
         // SAFETY: the arguments match the kernel's signature and sizes were checked.
         unsafe { builder.launch(per_row(rows)) }.w()?;
         Ok((

@@ -9,7 +9,7 @@ use tpinfer_kernels::{
     add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, gated_residual, gelu_tanh_mul,
     gemv, gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, linear_bias_into, paged_decode_attention,
     residual_sum, rotary_qkv, rotary_qkv_paged, row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias,
-    write_u32s, DecodeRows, DecodeScratch, QueryGroups, RowsAt,
+    write_u32s, ColumnTable, DecodeRows, DecodeScratch, QueryGroups, RowsAt,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -56,7 +56,12 @@ fn row_wise_ops_match_candle_at(rows: usize, cols: usize) {
     let r = (randn(&[rows, 1], 6).abs().expect("abs") + 0.5).expect("rows");
 
     let want = (&x + y.broadcast_mul(&g).expect("mul")).expect("add");
-    assert!(rel(&gated_residual(&x, &y, &g).expect("gated"), &want) < 1e-6);
+    assert!(
+        rel(
+            &gated_residual(&x, &y, ColumnTable::every_row(&g)).expect("gated"),
+            &want
+        ) < 1e-6
+    );
 
     let want = x.sqr().and_then(|s| s.sum_keepdim(1)).expect("sum");
     assert!(rel(&row_sum_squares(&x).expect("sums"), &want) < 1e-6);
@@ -95,7 +100,8 @@ fn row_wise_ops_match_candle_at(rows: usize, cols: usize) {
         .broadcast_mul(&w)
         .and_then(|t| t.broadcast_add(&b))
         .expect("affine");
-    assert!(rel(&layer_norm(&x, &w, &b, 1e-6).expect("norm"), &want) < 1e-5);
+    let (wt, bt) = (ColumnTable::every_row(&w), ColumnTable::every_row(&b));
+    assert!(rel(&layer_norm(&x, wt, bt, 1e-6, DType::F32).expect("norm"), &want) < 1e-5);
 
     // 16-bit storage, f32 arithmetic: the result is the f32 result rounded once.
     let xb = x.to_dtype(DType::BF16).expect("bf16");
@@ -103,14 +109,91 @@ fn row_wise_ops_match_candle_at(rows: usize, cols: usize) {
     let exact = (xb.to_dtype(DType::F32).expect("f32")
         + yb.to_dtype(DType::F32).expect("f32").broadcast_mul(&g).expect("mul"))
     .expect("add");
-    let got = gated_residual(&xb, &yb, &g)
+    let got = gated_residual(&xb, &yb, ColumnTable::every_row(&g))
         .expect("gated")
         .to_dtype(DType::F32)
         .expect("f32");
     assert!(rel(&got, &exact) < 4e-3);
 
-    assert!(gated_residual(&x, &y.narrow(1, 0, cols - 1).expect("narrow"), &g).is_err());
-    assert!(layer_norm(&x.flatten_all().expect("flat"), &w, &b, 1e-6).is_err());
+    let narrow = y.narrow(1, 0, cols - 1).expect("narrow");
+    assert!(gated_residual(&x, &narrow, ColumnTable::every_row(&g)).is_err());
+    assert!(layer_norm(&x.flatten_all().expect("flat"), wt, bt, 1e-6, DType::F32).is_err());
+}
+
+/// Tables of two rows serve the rows before the split and the rest (S2V's video rows and its
+/// timestep-0 rows), as the op on each part joined would; an f32 stream takes bf16 parts and
+/// writes a bf16 norm, rounded once.
+#[test]
+fn split_tables_and_a_wider_stream_equal_the_parts_apart() {
+    let (rows, cols, split) = (37, 96, 29);
+    let (x, y) = (randn(&[rows, cols], 11), randn(&[rows, cols], 12));
+    let (gates, weights, biases) = (randn(&[2, cols], 13), randn(&[2, cols], 14), randn(&[2, cols], 15));
+    let row = |t: &Tensor, i: usize| t.get(i).expect("row");
+    let apart = |f: &dyn Fn(&Tensor, Option<&Tensor>, usize) -> Tensor| {
+        let first = f(
+            &x.narrow(0, 0, split).expect("first"),
+            Some(&y.narrow(0, 0, split).expect("y")),
+            0,
+        );
+        let rest = f(
+            &x.narrow(0, split, rows - split).expect("rest"),
+            Some(&y.narrow(0, split, rows - split).expect("y")),
+            1,
+        );
+        Tensor::cat(&[first, rest], 0).expect("cat")
+    };
+
+    let want = apart(&|x, y, i| {
+        let y = y.expect("y");
+        gated_residual(x, y, ColumnTable::every_row(&row(&gates, i))).expect("gated")
+    });
+    let got = residual_sum(&x, std::slice::from_ref(&y), Some(ColumnTable::split_at(&gates, split))).expect("split");
+    assert_eq!(rel(&got, &want), 0.0);
+
+    // Parts that bf16 holds but whose sum in bf16 would round (y + 1 + 2⁻⁹).
+    let parts = [
+        y.clone(),
+        (y.ones_like().expect("ones") * (1.0 + 1.0 / 512.0)).expect("ones"),
+    ];
+    let narrow = parts.map(|p| p.to_dtype(DType::BF16).expect("bf16"));
+    let widened = narrow.clone().map(|p| p.to_dtype(DType::F32).expect("f32"));
+    let want = residual_sum(&x, &widened, None).expect("widened");
+    let got = residual_sum(&x, &narrow, None).expect("bf16 parts");
+    assert_eq!(got.dtype(), DType::F32);
+    assert_eq!(rel(&got, &want), 0.0);
+
+    let want = apart(&|x, _, i| {
+        let (w, b) = (row(&weights, i), row(&biases, i));
+        layer_norm(
+            x,
+            ColumnTable::every_row(&w),
+            ColumnTable::every_row(&b),
+            1e-6,
+            DType::F32,
+        )
+        .and_then(|t| t.to_dtype(DType::BF16))
+        .expect("norm")
+    });
+    let (w, b) = (
+        ColumnTable::split_at(&weights, split),
+        ColumnTable::split_at(&biases, split),
+    );
+    let got = layer_norm(&x, w, b, 1e-6, DType::BF16).expect("split norm");
+    assert_eq!(got.dtype(), DType::BF16);
+    let (got, want) = (
+        got.to_dtype(DType::F32).expect("f32"),
+        want.to_dtype(DType::F32).expect("f32"),
+    );
+    assert_eq!(rel(&got, &want), 0.0);
+
+    assert!(
+        layer_norm(&x, w, ColumnTable::every_row(&row(&biases, 0)), 1e-6, DType::F32).is_err(),
+        "tables split apart are refused"
+    );
+    assert!(
+        residual_sum(&x, std::slice::from_ref(&y), Some(ColumnTable::every_row(&gates))).is_err(),
+        "a two-row table for every row is refused"
+    );
 }
 
 #[test]
@@ -604,8 +687,9 @@ fn residual_sums_add_the_parts_in_order_then_the_gated_update() {
     let (x, gate) = (randn(&[6, 40], 70), randn(&[40], 71));
     let parts: Vec<Tensor> = (72..75).map(|seed| randn(&[6, 40], seed)).collect();
     let sum = ((&parts[0] + &parts[1]).expect("sum") + &parts[2]).expect("sum");
-    let gated = residual_sum(&x, &parts, Some(&gate)).expect("gated");
-    assert!(rel(&gated, &gated_residual(&x, &sum, &gate).expect("reference")) < 1e-7);
+    let gated = residual_sum(&x, &parts, Some(ColumnTable::every_row(&gate))).expect("gated");
+    let reference = gated_residual(&x, &sum, ColumnTable::every_row(&gate)).expect("reference");
+    assert!(rel(&gated, &reference) < 1e-7);
     let plain = residual_sum(&x, &parts[..2], None).expect("plain");
     assert!(
         rel(

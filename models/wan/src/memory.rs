@@ -176,14 +176,12 @@ impl DitMemory {
             true => (x + f).max(f + reduced),
             false => (x + 2 * f).max(2 * f).max(f + reduced),
         };
-        // A residual update: old and new stream and the attention or FFN output (2R + Rc),
-        // and a wider stream's copy of that output (R).
-        let widened = if es == e { 0 } else { r };
-        let residual = 2 * r + rc + widened;
-        // A wider stream's norm: its output in the stream's dtype, then cast (R + Rc) beside it.
-        let norm = r + widened + rc;
+        // A residual update: old and new stream and the attention or FFN output (2R + Rc; a
+        // wider stream reads the output as it is). A norm writes the compute dtype from the
+        // stream (R + Rc), below it.
+        let residual = 2 * r + rc;
         // Beside the residual stream (R) the block's peak; a norm's gather (R + X) is below.
-        let block = (r + self_attn.max(cross).max(ffn)).max(residual).max(norm);
+        let block = (r + self_attn.max(cross).max(ffn)).max(residual);
         // S2V's audio injection after some blocks (`forward_with`, `S2vAudio::injection`), over
         // the video's tokens (V full width, Lv this rank's heads): beside the stream, every
         // token gathered (X; at TP 1 the stream itself) while each frame's AdaIN feeds its

@@ -2,7 +2,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
-use tpinfer_kernels::{layer_norm, residual_sum, row_sum_squares, scale_rows_cols};
+use tpinfer_kernels::{layer_norm, residual_sum, row_sum_squares, scale_rows_cols, ColumnTable};
 use tpinfer_layers::{
     full_attention, ColumnParallelLinear, Error, MergedColumnParallelLinear, Result, RowParallelLinear,
 };
@@ -528,8 +528,8 @@ impl WanRank {
                     let every = step.gather(x.clone(), &*self.comm)?.narrow(0, 0, video)?;
                     let residual = s2v.audio.injection(injection, every, &clip.audio, c, &*self.comm)?;
                     if video_rows > 0 {
-                        let residual = residual.narrow(0, start, video_rows)?.to_dtype(self.stream)?;
-                        let updated = (x.narrow(0, 0, video_rows)? + residual)?;
+                        let residual = residual.narrow(0, start, video_rows)?;
+                        let updated = residual_sum(&x.narrow(0, 0, video_rows)?, &[residual], None)?;
                         x = match len > video_rows {
                             true => Tensor::cat(&[&updated, &x.narrow(0, video_rows, len - video_rows)?], 0)?,
                             false => updated,
@@ -545,7 +545,7 @@ impl WanRank {
         let temb = temb.to_dtype(DType::F32)?.squeeze(0)?;
         let shift = self.head_table.get(0)?.broadcast_add(&temb)?;
         let scale = self.head_table.get(1)?.broadcast_add(&temb)?;
-        let x = modulated_norm(&x, &shift, &scale, c.eps)?;
+        let x = modulated_norm(&x, &shift, &scale, c.eps, x.dtype())?;
         let out = self.proj_out.forward_in(&x, self.stream)?;
         step.mark("head")?;
         let out = step.gather(out, &*self.comm)?;
@@ -598,7 +598,7 @@ impl Block {
         let e = Modulation::new(&self.table, step)?;
 
         // Self-attention, gated.
-        let n = e.norm(&x, 0, 1, c.eps)?.to_dtype(step.compute)?;
+        let n = e.norm(&x, 0, 1, c.eps, step.compute)?;
         step.mark("norms and residuals")?;
         x = self
             .self_attn
@@ -606,10 +606,15 @@ impl Block {
 
         // Cross-attention to the text, plain residual.
         let n = match &self.norm2 {
-            Some((w, b)) => layer_norm(&x, w, b, c.eps)?,
-            None => x.clone(),
-        }
-        .to_dtype(step.compute)?;
+            Some((w, b)) => layer_norm(
+                &x,
+                ColumnTable::every_row(w),
+                ColumnTable::every_row(b),
+                c.eps,
+                step.compute,
+            )?,
+            None => x.to_dtype(step.compute)?,
+        };
         step.mark("norms and residuals")?;
         x = self
             .cross_attn
@@ -618,7 +623,7 @@ impl Block {
             })?;
 
         // FFN (GELU, tanh approximation), gated.
-        let n = e.norm(&x, 3, 4, c.eps)?.to_dtype(step.compute)?;
+        let n = e.norm(&x, 3, 4, c.eps, step.compute)?;
         step.mark("norms and residuals")?;
         let hidden = self.ffn_up.empty_output(step.tokens(&n)?, &n)?;
         step.gather_each(&n, comm, |part, first| {
@@ -637,54 +642,42 @@ impl Block {
 /// the timestep's for every row, or under S2V the timestep's for the video's rows, which
 /// come first, and timestep 0's for the reference and motion rows after them.
 struct Modulation {
+    /// `[6, dim]`, or under S2V `[6, 2, dim]`: the timestep's, then timestep 0's.
     e: Tensor,
-    /// Timestep 0's rows, and the number of rows before them.
-    rest: Option<(Tensor, usize)>,
+    /// Under S2V, the rows before timestep 0's.
+    split: Option<usize>,
 }
 
 impl Modulation {
     fn new(table: &Tensor, step: &Step) -> Result<Self> {
-        Ok(Self {
-            e: table.broadcast_add(step.time)?,
-            rest: match step.zero_time {
-                Some((zero, video)) => Some((table.broadcast_add(zero)?, video)),
-                None => None,
+        let e = table.broadcast_add(step.time)?;
+        Ok(match step.zero_time {
+            Some((zero, video)) => Self {
+                e: Tensor::stack(&[e, table.broadcast_add(zero)?], 1)?,
+                split: Some(video),
             },
+            None => Self { e, split: None },
         })
     }
 
-    /// `each` of the runs of `rows` rows that share a table (the table, first row, count),
-    /// joined in order.
-    fn per_run(
-        &self,
-        rows: usize,
-        mut each: impl FnMut(&Tensor, usize, usize) -> candle_core::Result<Tensor>,
-    ) -> candle_core::Result<Tensor> {
-        match &self.rest {
-            Some((rest, video)) if *video < rows => match *video {
-                0 => each(rest, 0, rows),
-                v => Tensor::cat(&[each(&self.e, 0, v)?, each(rest, v, rows - v)?], 0),
-            },
-            _ => each(&self.e, 0, rows),
+    /// `values` (a row of the tables) for each row of the stream.
+    fn per_row<'a>(&self, values: &'a Tensor) -> ColumnTable<'a> {
+        match self.split {
+            Some(split) => ColumnTable::split_at(values, split),
+            None => ColumnTable::every_row(values),
         }
     }
 
-    /// `norm(x) · (1 + scale) + shift`, with rows `shift` and `scale` of the tables.
-    fn norm(&self, x: &Tensor, shift: usize, scale: usize, eps: f64) -> candle_core::Result<Tensor> {
-        self.per_run(x.dim(0)?, |e, first, n| {
-            modulated_norm(&x.narrow(0, first, n)?, &e.get(shift)?, &e.get(scale)?, eps)
-        })
+    /// `norm(x) · (1 + scale) + shift` in `out`, with rows `shift` and `scale` of the tables.
+    fn norm(&self, x: &Tensor, shift: usize, scale: usize, eps: f64, out: DType) -> candle_core::Result<Tensor> {
+        let (shift, scale) = (self.e.get(shift)?, (self.e.get(scale)? + 1.0)?);
+        layer_norm(x, self.per_row(&scale), self.per_row(&shift), eps, out)
     }
 
     /// `x + gate · Σ parts`, with row `gate` of the tables.
     fn gated_sum(&self, x: &Tensor, parts: &[Tensor], gate: usize) -> candle_core::Result<Tensor> {
-        self.per_run(x.dim(0)?, |e, first, n| {
-            let parts = parts
-                .iter()
-                .map(|p| p.narrow(0, first, n))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            residual_sum(&x.narrow(0, first, n)?, &parts, Some(&e.get(gate)?))
-        })
+        let gate = self.e.get(gate)?;
+        residual_sum(x, parts, Some(self.per_row(&gate)))
     }
 }
 
@@ -830,9 +823,23 @@ pub(crate) fn rope_grid(hd: usize, grid: &PositionGrid, device: &Device) -> Resu
 }
 
 /// LayerNorm modulated per channel, `norm(x) · (1 + scale) + shift`, in f32 as diffusers'
-/// FP32LayerNorm: one fused LayerNorm with weight `1 + scale` and bias `shift`.
-pub(crate) fn modulated_norm(x: &Tensor, shift: &Tensor, scale: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-    layer_norm(x, &(scale + 1.0)?, shift, eps)
+/// FP32LayerNorm, written as `out`: one fused LayerNorm with weight `1 + scale` and bias
+/// `shift`.
+pub(crate) fn modulated_norm(
+    x: &Tensor,
+    shift: &Tensor,
+    scale: &Tensor,
+    eps: f64,
+    out: DType,
+) -> candle_core::Result<Tensor> {
+    let weight = (scale + 1.0)?;
+    layer_norm(
+        x,
+        ColumnTable::every_row(&weight),
+        ColumnTable::every_row(shift),
+        eps,
+        out,
+    )
 }
 
 #[cfg(test)]

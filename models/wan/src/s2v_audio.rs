@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
-use tpinfer_kernels::layer_norm;
+use tpinfer_kernels::{layer_norm, ColumnTable};
 use tpinfer_layers::{
     full_attention, ColumnParallelLinear, Error, MergedColumnParallelLinear, Result, RowParallelLinear,
 };
@@ -117,7 +117,8 @@ fn plain_layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
     let width = x.dim(1)?;
     let ones = Tensor::ones(width, DType::F32, x.device())?;
     let zeros = Tensor::zeros(width, DType::F32, x.device())?;
-    Ok(layer_norm(x, &ones, &zeros, eps)?)
+    let (ones, zeros) = (ColumnTable::every_row(&ones), ColumnTable::every_row(&zeros));
+    Ok(layer_norm(x, ones, zeros, eps, x.dtype())?)
 }
 
 impl CausalAudioEncoder {
@@ -227,8 +228,8 @@ impl AudioInjector {
             let parts = (0..frames)
                 .map(|f| {
                     let (shift, scale) = (emb.get(f)?.narrow(0, 0, dim)?, emb.get(f)?.narrow(0, dim, dim)?);
-                    let modulated = modulated_norm(&video.narrow(0, f * hw, hw)?, &shift, &scale, ADAIN_NORM_EPS)?
-                        .to_dtype(audio.local.dtype())?;
+                    let frame = video.narrow(0, f * hw, hw)?;
+                    let modulated = modulated_norm(&frame, &shift, &scale, ADAIN_NORM_EPS, audio.local.dtype())?;
                     self.q.forward(&modulated)
                 })
                 .collect::<Result<Vec<_>>>()?;

@@ -2,7 +2,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
-use tpinfer_kernels::{layer_norm, linear_bias};
+use tpinfer_kernels::{layer_norm, linear_bias, ColumnTable};
 use tpinfer_layers::{full_attention, ColumnParallelLinear, MergedColumnParallelLinear, Result, RowParallelLinear};
 use tpinfer_weights::{ShardLoader, WeightStore};
 
@@ -69,7 +69,8 @@ impl Norm {
     }
 
     fn forward(&self, x: &Tensor, eps: f64) -> Result<Tensor> {
-        Ok(layer_norm(x, &self.weight, &self.bias, eps)?)
+        let (weight, bias) = (ColumnTable::every_row(&self.weight), ColumnTable::every_row(&self.bias));
+        Ok(layer_norm(x, weight, bias, eps, x.dtype())?)
     }
 }
 
