@@ -137,44 +137,49 @@ impl DitMemory {
 
         // `Attention::forward` on the modulated norm `n` (X, all rows), self-attention:
         // Q's GEMM output and Q with its bias (2L; fused: L); then with Q alive, the merged
-        // K/V GEMM output and K/V with its bias (4L; fused: 2L); `full_width_rms_norm`:
-        // normalized (and rotated) Q beside Q and the merged K/V (4L), then, Q dropped,
-        // normalized K beside them (4L; K is read in place); then V's contiguous copy for
-        // the heads' view beside Q, K and the merged K/V (5L), which is dropped after it.
-        let projections = x + 5 * l;
+        // K/V GEMM output and K/V with its bias (4L; fused: 2L); `n` dropped,
+        // `full_width_rms_norm`: normalized (and rotated) Q beside Q and the merged K/V (4L),
+        // then, Q dropped, normalized K beside them (4L; K is read in place); then V's
+        // contiguous copy for its heads beside Q, K and the merged K/V (5L), which goes next.
+        let projections = match path.fused_linear {
+            true => (x + 3 * l).max(5 * l),
+            false => x + 5 * l,
+        };
         // The attention output beside Q, K, V (4L), or the blockwise path's f32 work: within
         // the loop over heads, one head's scaled queries, keys (and a transposed copy) and
         // values, two score buffers and the f32 outputs of the heads so far; after it, those
         // outputs and their stacked copy.
         let attention = match path.attention {
-            AttentionPath::Flash => x + 4 * l,
+            AttentionPath::Flash => 4 * l,
             AttentionPath::Blockwise => {
                 let t = s;
                 let scores = SCORE_BUFFER_BYTES.min(s * t * 4);
                 let head = (s + 3 * t) * hd * 4;
                 let outputs = s * heads * hd * 4;
-                x + 3 * l + (head + 2 * scores + outputs).max(2 * outputs)
+                3 * l + (head + 2 * scores + outputs).max(2 * outputs)
             }
         };
         // `RowParallelLinear::forward` beside its input (the attention output, L; the FFN's
         // hidden, F): the partial product, then the sum (this rank's rows of it at TP > 1, R)
         // and, unfused, the biased sum; fused, the bias is added on rank 0 in the GEMM, and at
-        // TP 1 the sum is the partial itself.
+        // TP 1 the sum is the partial itself. Then the residual update beside the input: the
+        // sum and the new stream (Rc + R).
         let reduced = match (path.fused_linear, shard.world) {
             (true, 1) => x,
             (true, _) => x + rc,
             (false, 1) => 2 * x,
             (false, _) => x + 2 * rc,
         };
-        let output = x + l + reduced;
+        let update = reduced.max(rc + r);
+        let output = l + update;
         let self_attn = projections.max(attention).max(output);
-        // Cross-attention: the same with keys over the text.
+        // Cross-attention: the same with keys over the text, beside `n`.
         let cross = (x + 2 * l + 4 * text_l).max(output);
         // `Block::forward`'s FFN: the up GEMM's output and its bias beside `n` (X + 2F); GELU
         // (2F); fused, the hidden alone (X + F); the down projection beside the hidden.
         let ffn = match path.fused_linear {
-            true => (x + f).max(f + reduced),
-            false => (x + 2 * f).max(2 * f).max(f + reduced),
+            true => (x + f).max(f + update),
+            false => (x + 2 * f).max(2 * f).max(f + update),
         };
         // A residual update: old and new stream and the attention or FFN output (2R + Rc; a
         // wider stream reads the output as it is). A norm writes the compute dtype from the

@@ -725,12 +725,14 @@ impl Attention {
         })?;
         // `[tokens, heads, head_dim]` throughout: no transposes before or after attention.
         let hd = c.attention_head_dim;
-        let heads = |t: &Tensor| -> Result<Tensor> {
+        // By value: a view left bound beside its heads would keep Q and K alive through the
+        // output projection. V's heads are a contiguous copy of its half of the merged K/V
+        // output, which goes with `kv`.
+        let heads = |t: Tensor| -> Result<Tensor> {
             let (s, width) = t.dims2()?;
             Ok(t.reshape((s, width / hd, hd))?)
         };
-        // V stays a view into the merged K/V output, which lives until attention ends.
-        let (q, k, v) = (heads(&q)?, heads(&k)?, heads(&kv[1])?);
+        let (q, k, v) = (heads(q)?, heads(k)?, heads(kv[1].clone())?);
         drop(kv);
         let out = full_attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), SCORE_BUFFER_BYTES)?;
         drop((q, k, v));
