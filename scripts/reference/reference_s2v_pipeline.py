@@ -35,6 +35,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 import types
 import wave
 
@@ -219,6 +220,30 @@ def bucket_module(root):
     return module
 
 
+T5_XXL = dict(dim=4096, dim_attn=4096, dim_ffn=10240, num_heads=64, num_layers=24, num_buckets=32)
+
+
+class Stages:
+    """Seconds per stage, the device synchronised at each mark (the whole clip's timing)."""
+
+    def __init__(self, device):
+        self.device, self.seconds, self.last = device, {}, None
+
+    def mark(self, name):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if self.last is not None:
+            self.seconds[self.last[0]] = self.seconds.get(self.last[0], 0.0) + now - self.last[1]
+        self.last = (name, now)
+
+    def report(self):
+        self.mark(None)
+        for name, s in self.seconds.items():
+            print(f"  {name}: {s:.2f} s")
+        print(f"  total: {sum(self.seconds.values()):.2f} s")
+
+
 def run(args):
     from PIL import Image
     from tokenizers import Tokenizer
@@ -226,26 +251,61 @@ def run(args):
     from transformers import Wav2Vec2FeatureExtractor, Wav2Vec2ForCTC
 
     pipe, inputs = args.model, args.inputs
-    H = W = SIZE
+    W, H = map(int, args.size.split("x"))
+    frames, dev = args.frames, torch.device(args.device)
+    # As the wheel's `generate` runs in bf16: the T5 in bf16, the DiT's weights in bf16 under
+    # autocast, the VAE in f32 on the device, wav2vec2 in f32 on the CPU (AudioEncoder's default).
+    bf16 = args.dtype == "bf16"
+    wide = torch.bfloat16 if bf16 else torch.float32
     with torch.no_grad():
-        # Text.
+        # The weights, loaded before the clock starts.
         t5 = wheel(args.wan22, "modules.t5")
         tok = Tokenizer.from_file(os.path.join(pipe, "google", "umt5-xxl", "tokenizer.json"))
-        state = {k: v.float() for k, v in torch.load(os.path.join(pipe, "models_t5_umt5-xxl-enc-bf16.pth")).items()}
-        encoder = t5.T5Encoder(**{**T5, "vocab": state["token_embedding.weight"].shape[0]}, shared_pos=False,
-                               dropout=0.0).eval()
-        encoder.load_state_dict(state)
+        state = torch.load(os.path.join(pipe, "models_t5_umt5-xxl-enc-bf16.pth"), map_location=dev)
+        vocab, dim = state["token_embedding.weight"].shape
+        shape = T5_XXL if dim == T5_XXL["dim"] else T5
+        with dev:
+            encoder = t5.T5Encoder(**{**shape, "vocab": vocab}, shared_pos=False, dropout=0.0).eval().to(wide)
+        encoder.load_state_dict({k: v.to(wide) for k, v in state.items()})
+        del state
+        w2v = Wav2Vec2ForCTC.from_pretrained(os.path.join(pipe, "wav2vec2-large-xlsr-53-english")).eval()
+        vae_module = wheel(args.wan22, "modules.vae2_1")
+        vae_state = torch.load(os.path.join(pipe, "Wan2.1_VAE.pth"), map_location=dev)
+        with dev:
+            vae = vae_module.WanVAE_(dim=vae_state["encoder.conv1.weight"].shape[0], z_dim=16, dim_mult=[1, 2, 4, 4],
+                                     num_res_blocks=2, attn_scales=[], temperal_downsample=[False, True, True],
+                                     dropout=0.0).eval()
+        vae.load_state_dict(vae_state)
+        scale = [torch.tensor(MEAN, device=dev), 1.0 / torch.tensor(STD, device=dev)]
+        model_s2v = wheel(args.wan22, "modules.s2v.model_s2v")
+        config = json.load(open(os.path.join(pipe, "config.json")))
+        kwargs = {k: v for k, v in config.items() if k not in ("_class_name", "trainable_token", "motion_frames")}
+        kwargs["window_size"], kwargs["patch_size"] = tuple(kwargs["window_size"]), tuple(kwargs["patch_size"])
+        with dev:
+            dit = model_s2v.WanModel_S2V(**kwargs).eval().to(wide)
+        dit.load_state_dict(load_file(os.path.join(pipe, "diffusion_pytorch_model.safetensors"), device=args.device))
+        solvers = wheel(args.wan22, "utils.fm_solvers_unipc")
+        init = os.path.join(inputs, "init.safetensors")
+        noise = load_file(init)["latents"].to(dev) if os.path.exists(init) else None
+
+        stages = Stages(dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        stages.mark("encode the prompt and the negative")
 
         def encode_text(text):
-            ids = torch.tensor([tok.encode(" ".join(text.split())).ids])
-            return encoder(ids, torch.ones_like(ids))[0]
+            # Padded to the text length with its mask, as T5EncoderModel does, then cut.
+            ids = tok.encode(" ".join(text.split())).ids[:512]
+            padded = torch.tensor([ids + [0] * (512 - len(ids))], device=dev)
+            mask = (torch.arange(512, device=dev) < len(ids)).unsqueeze(0).long()
+            return encoder(padded, mask)[0, :len(ids)]
 
         context, context_null = encode_text(PROMPT), encode_text(NEGATIVE)
         # Speech, as extract_audio_feat and get_audio_embed_bucket_fps make it.
+        stages.mark("encode the speech")
         with wave.open(os.path.join(inputs, "speech.wav")) as w:
             pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
         audio = pcm.astype(np.float32) / 32768.0
-        w2v = Wav2Vec2ForCTC.from_pretrained(os.path.join(pipe, "wav2vec2-large-xlsr-53-english")).eval()
         extractor = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0,
                                              do_normalize=True, return_attention_mask=True)
         values = extractor(audio, sampling_rate=16000, return_tensors="pt").input_values
@@ -253,61 +313,66 @@ def run(args):
         m = bucket_module(args.wan22)
         feat = m.linear_interpolation(states, input_fps=50, output_fps=30)
         bucket, clips = m.AudioEncoder.get_audio_embed_bucket_fps(types.SimpleNamespace(video_rate=30), feat, fps=16,
-                                                                  batch_frames=FRAMES, m=0)
-        audio_emb = bucket.unsqueeze(0).permute(0, 2, 3, 1)  # [1, layers, dim, frames]
-        # The reference image.
+                                                                  batch_frames=frames, m=0)
+        audio_emb = bucket.unsqueeze(0).permute(0, 2, 3, 1).to(dev, wide)  # [1, layers, dim, frames]
+        # The reference image, and (as `generate` does) the zero motion frames and the absent
+        # pose video's -1 frames through the encoder.
+        stages.mark("encode the image, motion and pose")
         image = np.array(Image.open(os.path.join(inputs, "face.png")).convert("RGB"))
         pic = transforms.CenterCrop((H, W))(transforms.Resize(min(H, W))(Image.fromarray(image)))
-        ref_pixels = transforms.ToTensor()(pic).unsqueeze(1).unsqueeze(0) * 2 - 1.0
-        vae_module = wheel(args.wan22, "modules.vae2_1")
-        vae = vae_module.WanVAE_(dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-                                 temperal_downsample=[False, True, True], dropout=0.0).eval()
-        vae.load_state_dict(torch.load(os.path.join(pipe, "Wan2.1_VAE.pth")))
-        scale = [torch.tensor(MEAN), 1.0 / torch.tensor(STD)]
+        ref_pixels = transforms.ToTensor()(pic).unsqueeze(1).unsqueeze(0).to(dev) * 2 - 1.0
         ref_latents = vae.encode(ref_pixels, scale)
-        # The DiT and the sampler.
-        model_s2v = wheel(args.wan22, "modules.s2v.model_s2v")
-        config = json.load(open(os.path.join(pipe, "config.json")))
-        kwargs = {k: v for k, v in config.items() if k not in ("_class_name", "trainable_token", "motion_frames")}
-        kwargs["window_size"], kwargs["patch_size"] = tuple(kwargs["window_size"]), tuple(kwargs["patch_size"])
-        dit = model_s2v.WanModel_S2V(**kwargs).eval()
-        dit.load_state_dict(load_file(os.path.join(pipe, "diffusion_pytorch_model.safetensors")))
-        solvers = wheel(args.wan22, "utils.fm_solvers_unipc")
-        noise = load_file(os.path.join(inputs, "init.safetensors"))["latents"]
-        clips = min(clips, noise.shape[0])
-        videos_last_frames = torch.zeros(1, 3, MOTION, H, W)
-        motion_latents = None
-        pose = torch.zeros(16, noise.shape[2], H // 8, W // 8)
+        videos_last_frames = torch.zeros(1, 3, MOTION, H, W, device=dev)
+        motion_latents = vae.encode(videos_last_frames, scale)
+        pose_pixels = -torch.ones(1, 3, frames + 1, H, W, device=dev)
+        pose = (vae.encode(pose_pixels, scale)[:, :, 1:] * 0).to(wide)[0]
+        clips = min(clips, args.clips)
+        lat = (frames + 3 + MOTION) // 4 - LAT_MOTION
         out = []
+        autocast = torch.amp.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and dev.type == "cuda")
         for r in range(clips):
+            stages.mark(f"clip {r + 1}: denoise")
             scheduler = solvers.FlowUniPCMultistepScheduler(num_train_timesteps=1000, shift=1,
                                                             use_dynamic_shifting=False)
-            scheduler.set_timesteps(args.steps, device="cpu", shift=SHIFT)
-            latents = noise[r].clone()
-            audio_input = audio_emb[..., r * FRAMES:(r + 1) * FRAMES]
-            motion = motion_latents if motion_latents is not None else torch.zeros(1, 16, LAT_MOTION, H // 8, W // 8)
-            for t in scheduler.timesteps:
-                def velocity(ctx, audio_in):
-                    return dit([latents], t=torch.stack([t]), context=[ctx], seq_len=None, cond_states=[pose],
-                               motion_latents=[motion[0]], ref_latents=[ref_latents[0]], audio_input=audio_in,
-                               motion_frames=[MOTION, LAT_MOTION], drop_motion_frames=r == 0)[0]
-                cond, uncond = velocity(context, audio_input), velocity(context_null, 0.0 * audio_input)
-                guided = uncond + GUIDE * (cond - uncond)
-                latents = scheduler.step(guided.unsqueeze(0), t, latents.unsqueeze(0), return_dict=False)[0].squeeze(0)
+            scheduler.set_timesteps(args.steps, device=dev, shift=SHIFT)
+            if noise is not None:
+                latents = noise[r].clone().to(wide)
+            else:
+                g = torch.Generator(device=dev).manual_seed(args.seed + r)
+                latents = torch.randn(16, lat, H // 8, W // 8, device=dev, dtype=wide, generator=g)
+            audio_input = audio_emb[..., r * frames:(r + 1) * frames]
+            motion = motion_latents
+            with autocast:
+                for t in scheduler.timesteps:
+                    def velocity(ctx, audio_in):
+                        return dit([latents], t=torch.stack([t]), context=[ctx], seq_len=None,
+                                   cond_states=[pose], motion_latents=[motion[0]], ref_latents=[ref_latents[0]],
+                                   audio_input=audio_in, motion_frames=[MOTION, LAT_MOTION],
+                                   drop_motion_frames=r == 0)[0]
+                    cond, uncond = velocity(context, audio_input), velocity(context_null, 0.0 * audio_input)
+                    guided = uncond + GUIDE * (cond - uncond)
+                    latents = scheduler.step(guided.unsqueeze(0), t, latents.unsqueeze(0),
+                                             return_dict=False)[0].squeeze(0)
+            stages.mark(f"clip {r + 1}: decode")
             before = ref_latents if r == 0 else motion_latents
-            image = vae.decode(torch.cat([before, latents.unsqueeze(0)], dim=2), scale).clamp(-1, 1)
-            image = image[:, :, -FRAMES:]
+            image = vae.decode(torch.cat([before, latents.unsqueeze(0).float()], dim=2), scale).clamp(-1, 1)
+            image = image[:, :, -frames:]
             if r == 0:
                 image = image[:, :, 3:]
+            stages.mark(f"clip {r + 1}: encode the motion")
             overlap = min(MOTION, image.shape[2])
             videos_last_frames = torch.cat([videos_last_frames[:, :, overlap:], image[:, :, -overlap:]], dim=2)
             motion_latents = vae.encode(videos_last_frames, scale)
-            out.append(image)
-        frames = torch.cat(out, dim=2)[0].permute(1, 0, 2, 3).contiguous()
-    # In 8 bits, rounded as diffusers' video processor rounds.
-    frames = ((frames / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-    save_file({"frames": frames}, args.out)
-    print(f"{clips} clips, frames {list(frames.shape)}")
+            out.append(image.cpu())
+        frames_out = torch.cat(out, dim=2)[0].permute(1, 0, 2, 3).contiguous()
+    print(f"{clips} clips of {args.steps} guided steps, frames {list(frames_out.shape)}, {args.dtype} on {dev}:")
+    stages.report()
+    if dev.type == "cuda":
+        print(f"  peak allocated {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+    if args.out:
+        # In 8 bits, rounded as diffusers' video processor rounds.
+        frames8 = ((frames_out / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        save_file({"frames": frames8}, args.out)
 
 
 def compare(args):
@@ -337,7 +402,13 @@ def main():
     r.add_argument("--model", required=True)
     r.add_argument("--inputs", required=True)
     r.add_argument("--steps", type=int, default=STEPS)
-    r.add_argument("--out", required=True)
+    r.add_argument("--out")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    r.add_argument("--size", default=f"{SIZE}x{SIZE}", help="WIDTHxHEIGHT of the frames")
+    r.add_argument("--frames", type=int, default=FRAMES, help="frames per clip")
+    r.add_argument("--clips", type=int, default=1 << 30, help="at most this many clips")
+    r.add_argument("--seed", type=int, default=42, help="each clip's noise, without init.safetensors")
     f = sub.add_parser("full")
     f.add_argument("--wan22", required=True)
     f.add_argument("--out", required=True)
