@@ -17,7 +17,8 @@ the reference for `tpinfer generate --model S2V_DIR --audio --image`.
           negative prompt, silent audio), decoded after the reference (first clip, cut by
           three frames) or motion latents, the last 73 frames re-encoded as the next clip's
           motion. Writes the frames [frames, 3, H, W] in 8 bits.
-  compare: tpinfer's --save-frames PNGs against the reference's frames, in 8-bit.
+  compare: tpinfer's --save-frames PNGs (or a `run --out` file) against the reference's frames,
+          in 8-bit.
   full:   the rest of the official layout at the published sizes, beside a DiT that
           reference_s2v_speed.py made: Wan's umT5-XXL T5Encoder (bf16 .pth), Wan2.1's VAE
           (.pth), wav2vec2-large-xlsr-53's shape, this script's tokenizer; random weights made
@@ -379,14 +380,20 @@ def compare(args):
     from PIL import Image
 
     ref8 = load_file(args.ref)["frames"].float()
-    names = sorted(n for n in os.listdir(args.frames) if n.endswith(".png"))
-    worst, total, count = 0, 0.0, 0
-    for i, name in enumerate(names):
-        got = torch.from_numpy(np.array(Image.open(os.path.join(args.frames, name)).convert("RGB"))).permute(2, 0, 1).float()
-        diff = (got - ref8[i]).abs()
-        worst, total, count = max(worst, int(diff.max())), total + float(diff.sum()), count + diff.numel()
-    print(f"{len(names)} frames against the reference's {ref8.shape[0]}: largest difference {worst}/255, "
-          f"mean {total / count:.4f}/255")
+    if os.path.isfile(args.frames):
+        got8 = load_file(args.frames)["frames"].float()
+    else:
+        names = sorted(n for n in os.listdir(args.frames) if n.endswith(".png"))
+        got8 = torch.stack([torch.from_numpy(np.array(Image.open(os.path.join(args.frames, n)).convert("RGB")))
+                            .permute(2, 0, 1).float() for n in names])
+    # A video cut at the speech's end holds the reference's first frames; `--count` cuts both.
+    count = min(got8.shape[0], args.count or got8.shape[0])
+    got8, ref8 = got8[:count], ref8[:count]
+    diff = (got8 - ref8).abs()
+    # In [-1, 1], as the decoder writes them.
+    rel = float((got8 - ref8).norm() / (ref8 / 127.5 - 1).norm() / 127.5)
+    print(f"{got8.shape[0]} frames against the reference's: largest difference {int(diff.max())}/255, "
+          f"mean {float(diff.mean()):.4f}/255, rel {rel:.3e}")
 
 
 def main():
@@ -420,6 +427,7 @@ def main():
     c = sub.add_parser("compare")
     c.add_argument("--ref", required=True)
     c.add_argument("--frames", required=True)
+    c.add_argument("--count", type=int, help="compare the first COUNT frames")
     args = p.parse_args()
     {"make": make, "run": run, "compare": compare, "full": full}[args.cmd](args)
 
