@@ -8,15 +8,19 @@ the reference for `tpinfer generate --model S2V_DIR --audio --image`.
           google/umt5-xxl/tokenizer.json (a Unigram tokenizer appending </s>), Wan2.1_VAE.pth
           (Wan's WanVAE_ at base width 4), wav2vec2-large-xlsr-53-english/ (a 24-layer
           Wav2Vec2ForCTC, so 25 states as S2V reads them); and the inputs: speech.wav (1.5 s of
-          a voiced stand-in at 16 kHz: two clips of 16 frames), face.png, and init.safetensors
-          (`latents`, each clip's starting noise [clips, 16, 4, 8, 8]).
-  run:    WanS2V.generate's loop as the wheel writes it (wan/speech2video.py), on the CPU in f32:
+          a voiced stand-in at 16 kHz: two clips of 16 frames), face.png, init.safetensors
+          (`latents`, each clip's starting noise [clips, 16, 4, 8, 8]) and pose.mp4 (40 frames
+          of H.264 with B-frames, as libx264 writes by default).
+  run:    WanS2V.generate's loop as the wheel writes it (wan/speech2video.py), on the CPU in f32
+          (or --device cuda --dtype bf16 as generate runs it, each stage timed):
           the prompt and S2V's default negative prompt through the T5, the speech through
           wav2vec2 and the wheel's own resampling to frames, the reference image resized and
           cropped by torchvision and encoded, each clip denoised by UniPC with guidance (the
           negative prompt, silent audio), decoded after the reference (first clip, cut by
           three frames) or motion latents, the last 73 frames re-encoded as the next clip's
-          motion. Writes the frames [frames, 3, H, W] in 8 bits.
+          motion. With --pose-video, each clip's poses as `WanS2V.load_pose_cond` reads them
+          (its own code, PyAV's decoder in decord's place). Writes the frames [frames, 3, H, W]
+          in 8 bits.
   compare: tpinfer's --save-frames PNGs (or a `run --out` file) against the reference's frames,
           in 8-bit.
   full:   the rest of the official layout at the published sizes, beside a DiT that
@@ -26,12 +30,16 @@ the reference for `tpinfer generate --model S2V_DIR --audio --image`.
 
   python reference_s2v_pipeline.py make --wan22 DIR --out PIPE --inputs IN
   python reference_s2v_pipeline.py run --wan22 DIR --model PIPE --inputs IN --steps 2 --out ref.st
-(tests/fixtures/s2v-pipeline holds PIPE as model/, IN as inputs/ and ref.st as reference.safetensors.)
+  python reference_s2v_pipeline.py run --wan22 DIR --model PIPE --inputs IN --steps 2 --pose-video IN/pose.mp4 \
+      --out ref_pose.st
+(tests/fixtures/s2v-pipeline holds PIPE as model/, IN as inputs/, ref.st as reference.safetensors and
+ref_pose.st as reference_pose.safetensors.)
   tpinfer generate --model PIPE --audio IN/speech.wav --image IN/face.png --prompt "a person talks" \
       --size 64x64 --frames 16 --steps 2 --init-latents IN/init.safetensors --save-frames frames --out v.mp4
   python reference_s2v_pipeline.py compare --ref ref.st --frames frames
 """
 import argparse
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -172,6 +180,27 @@ def make(args):
     Image.fromarray(face).save(os.path.join(args.inputs, "face.png"))
     lat = (FRAMES + 3 + MOTION) // 4 - LAT_MOTION
     save_file({"latents": torch.randn(2, 16, lat, SIZE // 8, SIZE // 8)}, os.path.join(args.inputs, "init.safetensors"))
+    write_pose_video(os.path.join(args.inputs, "pose.mp4"))
+
+
+def write_pose_video(path):
+    """40 frames at 16 a second of a blob sweeping over a ramp, as libx264 writes H.264 by
+    default (High profile, B-frames: frames stored out of display order)."""
+    import av
+
+    with av.open(path, "w") as out:
+        stream = out.add_stream("libx264", rate=16, options={"crf": "10"})
+        stream.width = stream.height = SIZE
+        stream.pix_fmt = "yuv420p"
+        yy, xx = np.mgrid[0:SIZE, 0:SIZE]
+        for t in range(40):
+            img = np.zeros((SIZE, SIZE, 3), np.uint8)
+            cx, cy = 16 + t, 32 + int(10 * np.sin(t / 4))
+            img[..., 0] = np.clip(255 - 6 * np.hypot(xx - cx, yy - cy), 0, 255)
+            img[..., 1] = (xx * 2) % 256
+            img[..., 2] = 40
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
+        out.mux(stream.encode())
 
 
 def full(args):
@@ -213,8 +242,7 @@ def full(args):
 
 
 def bucket_module(root):
-    # audio_encoder.py imports librosa for its file reading, which is not used here.
-    sys.modules.setdefault("librosa", types.ModuleType("librosa"))
+    stub_modules("librosa")
     spec = importlib.util.spec_from_file_location("s2v_audio_encoder", os.path.join(root, "wan/modules/s2v/audio_encoder.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -243,6 +271,43 @@ class Stages:
         for name, s in self.seconds.items():
             print(f"  {name}: {s:.2f} s")
         print(f"  total: {sum(self.seconds.values()):.2f} s")
+
+
+def stub_modules(*names):
+    """Empty modules for the wheel's imports that these scripts never call (its audio file
+    reader, its video reader)."""
+    for name in names:
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+            module.VideoReader = None
+            sys.modules[name] = module
+
+
+def pose_latents(args, clips, frames, H, W, vae, scale, dev, dtype):
+    """`WanS2V.load_pose_cond` itself, each clip's pose latents, with decord's reader replaced
+    by PyAV's (ffmpeg's decoder, as decord's) picking the same frames."""
+    import av
+
+    stub_modules("librosa", "decord")
+    s2v = wheel(args.wan22, "speech2video")
+
+    def read_last_n_frames(video_path, n_frames, target_fps=16, reverse=False):
+        with av.open(video_path) as container:
+            stream = container.streams.video[0]
+            original_fps = float(stream.average_rate)
+            decoded = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+        interval = max(1, round(original_fps / target_fps))
+        start = 0 if reverse else max(0, len(decoded) - (n_frames - 1) * interval - 1)
+        picked = [start + i * interval for i in range(n_frames) if start + i * interval < len(decoded)]
+        return np.stack([decoded[i] for i in picked])
+
+    def encode(videos):
+        return [vae.encode(v.unsqueeze(0).float(), scale)[0] for v in videos]
+
+    this = types.SimpleNamespace(read_last_n_frames=read_last_n_frames, fps=16, param_dtype=dtype, device=dev,
+                                 vae=types.SimpleNamespace(encode=encode))
+    return [c[0].to(dev, dtype) for c in s2v.WanS2V.load_pose_cond(this, args.pose_video, clips, frames, (H, W))]
 
 
 def run(args):
@@ -325,9 +390,12 @@ def run(args):
         ref_latents = vae.encode(ref_pixels, scale)
         videos_last_frames = torch.zeros(1, 3, MOTION, H, W, device=dev)
         motion_latents = vae.encode(videos_last_frames, scale)
-        pose_pixels = -torch.ones(1, 3, frames + 1, H, W, device=dev)
-        pose = (vae.encode(pose_pixels, scale)[:, :, 1:] * 0).to(wide)[0]
         clips = min(clips, args.clips)
+        if args.pose_video:
+            poses = pose_latents(args, clips, frames, H, W, vae, scale, dev, wide)
+        else:
+            pose_pixels = -torch.ones(1, 3, frames + 1, H, W, device=dev)
+            poses = [(vae.encode(pose_pixels, scale)[:, :, 1:] * 0).to(wide)[0]] * clips
         lat = (frames + 3 + MOTION) // 4 - LAT_MOTION
         out = []
         autocast = torch.amp.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and dev.type == "cuda")
@@ -342,7 +410,7 @@ def run(args):
                 g = torch.Generator(device=dev).manual_seed(args.seed + r)
                 latents = torch.randn(16, lat, H // 8, W // 8, device=dev, dtype=wide, generator=g)
             audio_input = audio_emb[..., r * frames:(r + 1) * frames]
-            motion = motion_latents
+            motion, pose = motion_latents, poses[r]
             with autocast:
                 for t in scheduler.timesteps:
                     def velocity(ctx, audio_in):
@@ -416,6 +484,7 @@ def main():
     r.add_argument("--frames", type=int, default=FRAMES, help="frames per clip")
     r.add_argument("--clips", type=int, default=1 << 30, help="at most this many clips")
     r.add_argument("--seed", type=int, default=42, help="each clip's noise, without init.safetensors")
+    r.add_argument("--pose-video", help="an MP4 of poses, read as load_pose_cond reads it")
     f = sub.add_parser("full")
     f.add_argument("--wan22", required=True)
     f.add_argument("--out", required=True)

@@ -112,34 +112,33 @@ fn a_two_clip_video_matches_the_wan22_loop() {
     assert!(rel < 1e-5, "TP 2 against TP 1: {rel:e}");
 }
 
-/// A pose video (H.264 in MP4, written here, read back at 16 frames a second) guides the clips:
-/// the frames move, and TP 2 equals TP 1.
+/// The fixture's pose video (40 frames of H.264 as libx264 writes it by default, with
+/// B-frames stored out of display order) guides the clips as the wheel's `load_pose_cond`
+/// does: its first 32 frames, within 2/255 of the wheel's frames in f32; the pose moves them;
+/// TP 2 equals TP 1.
 #[test]
-fn a_pose_video_guides_the_clips() {
-    use tpinfer_media::{FrameSize, Mp4Writer};
-    let size = FrameSize {
-        width: SIZE,
-        height: SIZE,
-    };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("pose.mp4");
-    let mut video = Mp4Writer::new(std::fs::File::create(&path).expect("create"), size, 16).expect("writer");
-    // 20 frames (the rest of the two clips' 32 is padding): a bright bar sweeping across.
-    for t in 0..20 {
-        let rgb: Vec<u8> = (0..SIZE * SIZE)
-            .flat_map(|p| match (p % SIZE) / 4 == t % 16 {
-                true => [250, 250, 250],
-                false => [10, 10, 10],
-            })
-            .collect();
-        video.push(&rgb).expect("frame");
-    }
-    video.finish().expect("finish");
-    let frames = tpinfer_media::read_video_frames(&path, 16, 32).expect("read");
-    assert_eq!(frames.frames.len(), 20);
-    let pixels = tpinfer_media::pose_pixels(&frames, SIZE, SIZE, 32);
-    let pose = Tensor::from_vec(pixels, (3, 32, SIZE, SIZE), &Device::Cpu).expect("pose");
+fn a_pose_video_guides_the_clips_as_the_wan22_loop() {
+    let reference = candle_core::safetensors::load(fixture().join("reference_pose.safetensors"), &Device::Cpu)
+        .expect("reference")["frames"]
+        .flatten_all()
+        .and_then(|f| f.to_vec1::<u8>())
+        .expect("reference frames");
+    let frames = tpinfer_media::read_video_frames(&fixture().join("inputs/pose.mp4"), 16, 2 * CLIP_FRAMES)
+        .expect("read the pose video");
+    assert_eq!(frames.frames.len(), 2 * CLIP_FRAMES);
+    let pixels = tpinfer_media::pose_pixels(&frames, SIZE, SIZE, 2 * CLIP_FRAMES);
+    let pose = Tensor::from_vec(pixels, (3, 2 * CLIP_FRAMES, SIZE, SIZE), &Device::Cpu).expect("pose");
     let one = run(1, Some(pose.clone()));
+    let worst = eight_bit(&one)
+        .iter()
+        .zip(&reference)
+        .map(|(a, b)| a.abs_diff(*b))
+        .max()
+        .expect("pixels");
+    assert!(
+        worst <= 2,
+        "largest difference from the wheel's frames with the pose: {worst}/255"
+    );
     let without = run(1, None);
     assert!(tensor_rel_error(&one, &without) > 1e-3, "the pose moves the frames");
     let two = run(2, Some(pose));

@@ -74,11 +74,20 @@ pub fn read_video_frames(path: &Path, fps: usize, count: usize) -> Result<VideoF
         path: path.to_path_buf(),
         detail,
     };
-    let mut decoder = openh264::decoder::Decoder::new().map_err(|e| decode(e.to_string()))?;
-    let mut frames = Vec::new();
-    let mut decoded = 0usize;
+    // No flush after each sample: a stream with B-frames (libx264's default) holds pictures
+    // back to put them in display order, and a forced flush broke their references.
+    let config = openh264::decoder::DecoderConfig::new().flush_after_decode(openh264::decoder::Flush::NoFlush);
+    let mut decoder = openh264::decoder::Decoder::with_api_config(openh264::OpenH264API::from_source(), config)
+        .map_err(|e| decode(e.to_string()))?;
+    let mut kept = Kept {
+        frames: Vec::new(),
+        decoded: 0,
+        every,
+        count,
+        size: frame,
+    };
     for sample_id in 1..=samples {
-        if frames.len() >= count {
+        if kept.frames.len() >= count {
             break;
         }
         let sample = reader
@@ -94,16 +103,38 @@ pub fn read_video_frames(path: &Path, fps: usize, count: usize) -> Result<VideoF
             stream.extend(start.iter().chain(unit));
             units = &units[4 + n..];
         }
-        // Every frame decodes (the next ones refer to it); every `every`-th is kept.
         if let Some(yuv) = decoder.decode(&stream).map_err(|e| decode(e.to_string()))? {
-            if decoded.is_multiple_of(every) {
-                let mut rgb = vec![0; frame.width * frame.height * 3];
-                yuv.write_rgb8(&mut rgb);
-                frames.push(rgb);
-            }
-            decoded += 1;
+            kept.push(&yuv);
         }
         stream.clear();
     }
-    Ok(VideoFrames { size: frame, frames })
+    // The pictures still held for reordering, in display order.
+    for yuv in decoder.flush_remaining().map_err(|e| decode(e.to_string()))? {
+        kept.push(&yuv);
+    }
+    Ok(VideoFrames {
+        size: frame,
+        frames: kept.frames,
+    })
+}
+
+/// The frames kept of those decoded, in display order: every `every`-th, up to `count`.
+struct Kept {
+    frames: Vec<Vec<u8>>,
+    decoded: usize,
+    every: usize,
+    count: usize,
+    size: FrameSize,
+}
+
+impl Kept {
+    /// Every picture decodes (the next ones refer to it); every `every`-th is kept.
+    fn push(&mut self, yuv: &openh264::decoder::DecodedYUV) {
+        if self.decoded.is_multiple_of(self.every) && self.frames.len() < self.count {
+            let mut rgb = vec![0; self.size.width * self.size.height * 3];
+            yuv.write_rgb8(&mut rgb);
+            self.frames.push(rgb);
+        }
+        self.decoded += 1;
+    }
 }
