@@ -88,24 +88,27 @@ fn eight_bit(frames: &Tensor) -> Vec<u8> {
         .expect("8-bit frames")
 }
 
+/// The largest difference, in 8 bits, of `frames` from the wheel's in the fixture's `file`.
+fn worst_from_wheel(frames: &Tensor, file: &str) -> u8 {
+    let reference = candle_core::safetensors::load(fixture().join(file), &Device::Cpu).expect("reference")["frames"]
+        .flatten_all()
+        .and_then(|f| f.to_vec1::<u8>())
+        .expect("reference frames");
+    let ours = eight_bit(frames);
+    ours.iter()
+        .zip(&reference)
+        .map(|(a, b)| a.abs_diff(*b))
+        .max()
+        .expect("pixels")
+}
+
 /// The first clip's 13 frames (16 less the three S2V cuts) and the second's 16, within 2/255
 /// of the wheel's in f32, at TP 1 and 2, and the widths equal.
 #[test]
 fn a_two_clip_video_matches_the_wan22_loop() {
-    let reference = candle_core::safetensors::load(fixture().join("reference.safetensors"), &Device::Cpu)
-        .expect("reference")["frames"]
-        .flatten_all()
-        .and_then(|f| f.to_vec1::<u8>())
-        .expect("reference frames");
     let one = run(1, None);
     assert_eq!(one.dims(), [13 + 16, 3, SIZE, SIZE]);
-    let ours = eight_bit(&one);
-    let worst = ours
-        .iter()
-        .zip(&reference)
-        .map(|(a, b)| a.abs_diff(*b))
-        .max()
-        .expect("pixels");
+    let worst = worst_from_wheel(&one, "reference.safetensors");
     assert!(worst <= 2, "largest difference from the wheel's frames: {worst}/255");
     let two = run(2, None);
     let rel = tensor_rel_error(&two, &one);
@@ -118,23 +121,13 @@ fn a_two_clip_video_matches_the_wan22_loop() {
 /// TP 2 equals TP 1.
 #[test]
 fn a_pose_video_guides_the_clips_as_the_wan22_loop() {
-    let reference = candle_core::safetensors::load(fixture().join("reference_pose.safetensors"), &Device::Cpu)
-        .expect("reference")["frames"]
-        .flatten_all()
-        .and_then(|f| f.to_vec1::<u8>())
-        .expect("reference frames");
     let frames = tpinfer_media::read_video_frames(&fixture().join("inputs/pose.mp4"), 16, 2 * CLIP_FRAMES)
         .expect("read the pose video");
     assert_eq!(frames.frames.len(), 2 * CLIP_FRAMES);
     let pixels = tpinfer_media::pose_pixels(&frames, SIZE, SIZE, 2 * CLIP_FRAMES);
     let pose = Tensor::from_vec(pixels, (3, 2 * CLIP_FRAMES, SIZE, SIZE), &Device::Cpu).expect("pose");
     let one = run(1, Some(pose.clone()));
-    let worst = eight_bit(&one)
-        .iter()
-        .zip(&reference)
-        .map(|(a, b)| a.abs_diff(*b))
-        .max()
-        .expect("pixels");
+    let worst = worst_from_wheel(&one, "reference_pose.safetensors");
     assert!(
         worst <= 2,
         "largest difference from the wheel's frames with the pose: {worst}/255"
