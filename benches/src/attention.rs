@@ -11,10 +11,10 @@ use clap::Args;
 
 #[derive(Args)]
 pub struct AttentionArgs {
-    /// Cases `Q_LEN:KV_LEN:HEADS:KV_HEADS:HEAD_DIM[:causal|:cached|:paged]`; `cached`: causal,
-    /// the last Q_LEN of KV_LEN keys through a KV cache with 77 unfilled (NaN) slots after
-    /// them; `paged`: Q_LEN sequences of one query each, sequence i over KV_LEN · (i + 1) /
-    /// Q_LEN keys in blocks of 16 of a paged pool.
+    /// Cases `Q_LEN:KV_LEN:HEADS:KV_HEADS:HEAD_DIM[:causal|:cached|:paged|:paged-f32]`;
+    /// `cached`: causal, the last Q_LEN of KV_LEN keys through a KV cache with 77 unfilled (NaN)
+    /// slots after them; `paged`: Q_LEN sequences of one query each, sequence i over KV_LEN ·
+    /// (i + 1) / Q_LEN keys in blocks of 16 of a paged pool, in bf16 (`paged-f32`: in f32).
     #[arg(long, value_delimiter = ',', required = true)]
     cases: Vec<String>,
     /// Timed calls per case, after one warm-up.
@@ -38,6 +38,8 @@ struct Case {
     causal: bool,
     cached: bool,
     paged: bool,
+    /// The paged case's dtype.
+    dtype: DType,
 }
 
 fn parse(case: &str) -> Result<Case> {
@@ -47,7 +49,7 @@ fn parse(case: &str) -> Result<Case> {
         None => (false, false, false),
         Some(&"causal") => (true, false, false),
         Some(&"cached") => (true, true, false),
-        Some(&"paged") => (false, false, true),
+        Some(&"paged" | &"paged-f32") => (false, false, true),
         Some(other) => bail!("unknown flag {other} in {case}"),
     };
     Ok(Case {
@@ -59,6 +61,10 @@ fn parse(case: &str) -> Result<Case> {
         causal,
         cached,
         paged,
+        dtype: match parts.get(5) {
+            Some(&"paged-f32") => DType::F32,
+            _ => DType::BF16,
+        },
     })
 }
 
@@ -181,7 +187,9 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Re
         true => Some(tpinfer_layers::causal_mask(s, t, q.device())?),
         false => None,
     };
-    let head = |x: &Tensor, h: usize| -> Result<Tensor> { Ok(x.narrow(1, h, 1)?.squeeze(1)?.to_dtype(DType::F32)?) };
+    let head = |x: &Tensor, h: usize| -> Result<Tensor> {
+        Ok(x.narrow(1, h, 1)?.squeeze(1)?.to_dtype(DType::F32)?.contiguous()?)
+    };
     let mut out = Vec::with_capacity(heads);
     for h in 0..heads {
         let kv = h / (heads / kv_heads);
@@ -218,10 +226,10 @@ fn paged(c: &Case, args: &AttentionArgs, device: &candle_core::Device) -> Result
         }
     }
     let slots = blocks * PAGED_BLOCK;
-    let pool = Tensor::randn(0f32, 1.0, (2, slots, c.kv_heads, c.head_dim), device)?.to_dtype(DType::BF16)?;
-    let nan = Tensor::full(f32::NAN, (2, PAGED_BLOCK, c.kv_heads, c.head_dim), device)?.to_dtype(DType::BF16)?;
+    let pool = Tensor::randn(0f32, 1.0, (2, slots, c.kv_heads, c.head_dim), device)?.to_dtype(c.dtype)?;
+    let nan = Tensor::full(f32::NAN, (2, PAGED_BLOCK, c.kv_heads, c.head_dim), device)?.to_dtype(c.dtype)?;
     pool.slice_set(&nan, 1, used * PAGED_BLOCK)?;
-    let q = Tensor::randn(0f32, 1.0, (n, c.heads, c.head_dim), device)?.to_dtype(DType::BF16)?;
+    let q = Tensor::randn(0f32, 1.0, (n, c.heads, c.head_dim), device)?.to_dtype(c.dtype)?;
     let u32s = |v: &[u32], shape: &[usize]| Tensor::from_vec(v.to_vec(), shape, device);
     let q_rows: Vec<u32> = (0..n as u32).rev().collect();
     let lens_u32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
@@ -248,7 +256,7 @@ fn paged(c: &Case, args: &AttentionArgs, device: &candle_core::Device) -> Result
     let ms = start.elapsed().as_secs_f64() * 1e3 / args.repeats as f64;
     let keys: usize = lens.iter().sum();
     let flops = 4.0 * (keys * c.heads * c.head_dim) as f64;
-    let bytes = (2 * keys * c.kv_heads * c.head_dim * 2) as f64;
+    let bytes = (2 * keys * c.kv_heads * c.head_dim * c.dtype.size_in_bytes()) as f64;
     let (err, rounding) = match args.no_reference {
         true => ("—".to_string(), "—".to_string()),
         false => {
@@ -264,7 +272,7 @@ fn paged(c: &Case, args: &AttentionArgs, device: &candle_core::Device) -> Result
                 refs.push(reference(&query, &k, &v, scale, false)?);
             }
             let reference = Tensor::cat(&refs, 0)?;
-            let rounded = reference.to_dtype(DType::BF16)?;
+            let rounded = reference.to_dtype(c.dtype)?;
             let rel = |x: &Tensor| crate::relative_error(x, &reference);
             (format!("{:.2e}", rel(&out)?), format!("{:.2e}", rel(&rounded)?))
         }

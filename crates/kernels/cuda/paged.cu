@@ -4,6 +4,7 @@
 // run in one launch, whatever blocks their tables hold.
 #include "convert.cuh"
 #include "rotate.cuh"
+#include "tile.cuh"
 
 namespace {
 
@@ -234,6 +235,201 @@ __device__ void paged_split(const T* __restrict__ q, const unsigned* __restrict_
     }
 }
 
+// Block-table entries a CTA holds in shared memory at a time (4,096 keys in blocks of 16).
+constexpr int TABLE_SEGMENT = 256;
+// Passes whose K and V rows are in shared memory or on their way: two load while one is scored.
+constexpr int STAGES = 3;
+// Steps a lane takes a pass of paged_stream: STREAM_STEPS · WARPS · 32 · 16 bytes of K and as
+// many of V (8 KiB each) for rows of up to 512 bytes. Its dynamic shared memory is the stages'
+// K and V rows, then the staged table: STAGES · 16 KiB + TABLE_SEGMENT · 4 bytes
+// (PAGED_STREAM_SMEM in paged.rs).
+constexpr int STREAM_STEPS = 4;
+
+
+// paged_split's arithmetic with its keys streamed: the CTA copies each pass's K and V rows
+// into shared memory with cp.async, STAGES - 1 passes ahead of the one it scores, so that the
+// loads in flight hold no registers and never wait on the scoring; the slots come from the
+// block table staged in shared memory, a segment at a time. 1.2–1.3× paged_split's speed with
+// 32 to 128 sequences in groups of 4; slower with few sequences, whose slices are too short
+// to fill the stages (benches/RESULTS.md). The scoring and the warps' meeting are
+// paged_split's, written out again: shared through a helper, both kernels lost 10–30% to
+// register allocation (measured, 2026-12-04).
+template <typename T, int D, int G>
+__device__ void paged_stream(const T* __restrict__ q, const unsigned* __restrict__ q_rows,
+                             const T* __restrict__ pool, const unsigned* __restrict__ tables,
+                             const unsigned* __restrict__ lens, float* __restrict__ part_o,
+                             float* __restrict__ part_ml, T* __restrict__ out, int q_heads, int kv_heads, int group,
+                             int offset, int max_blocks, int block_shift, long pool_slots, float scale_log2) {
+    using L = KeyLayout<T, D, G>;
+    constexpr int LANES = L::LANES, E = L::E, KEYS = L::KEYS, STEPS = STREAM_STEPS, PASS = STEPS * WARPS * KEYS;
+    constexpr int CHUNK = 16 / (int)sizeof(T), CHUNKS = D / CHUNK;  // 16-byte pieces of a row
+    static_assert(PASS * D * sizeof(T) == 8192, "rows of up to 512 bytes: a stage of K is 8 KiB");
+    using P = Pack<T, E>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* stage_k = reinterpret_cast<T*>(smem);
+    T* stage_v = stage_k + STAGES * PASS * D;
+    unsigned* staged = reinterpret_cast<unsigned*>(stage_v + STAGES * PASS * D);
+    const int k = blockIdx.x, s = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int len = lens[s];
+    const int2 sl = slices_of(len, splits);
+    const int slices = sl.y;
+    const int h0 = max(0, k * group - offset), heads = min(q_heads, (k + 1) * group - offset) - h0;
+    if (len == 0 && split == 0) {
+        for (int i = threadIdx.x; i < heads * D; i += blockDim.x) out[((long)s * q_heads + h0) * D + i] = from_f32<T>(0.f);
+    }
+    if (split >= slices) return;
+    const int start = split * sl.x, end = min(len, start + sl.x);
+    const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    const int piece = lane % LANES, slot = lane / LANES;
+    const unsigned* table = tables + (long)s * max_blocks;
+    const int block_mask = (1 << block_shift) - 1;
+    const long row = (long)kv_heads * D;
+    const T* keys = pool + (long)k * D;
+    const T* values = keys + pool_slots * row;
+
+    float qf[G][E];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g >= heads) break;
+        const P p = *reinterpret_cast<const P*>(q + ((long)q_rows[s] * q_heads + h0 + g) * D + piece * E);
+#pragma unroll
+        for (int e = 0; e < E; ++e) qf[g][e] = to_f32(p.v[e]) * scale_log2;
+    }
+    float m[G], l[G], o[G][E];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = -INFINITY, l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) o[g][e] = 0.f;
+    }
+    const int segment_keys = TABLE_SEGMENT << block_shift;
+    for (int seg = start; seg < end; seg += segment_keys) {
+        const int seg_end = min(end, seg + segment_keys);
+        const int first_block = seg >> block_shift, blocks = ((seg_end - 1) >> block_shift) - first_block + 1;
+        for (int i = t; i < blocks; i += WARPS * 32) staged[i] = table[first_block + i];
+        __syncthreads();
+        const int passes = (seg_end - seg + PASS - 1) / PASS;
+        // Pass p's rows into stage p % STAGES (past the end: the last key again); a group is
+        // committed even when empty, so that the waits below count alike.
+        auto issue = [&](int p) {
+            if (p < passes) {
+                const int pass0 = seg + p * PASS;
+                T* sk = stage_k + (p % STAGES) * PASS * D;
+                T* sv = stage_v + (p % STAGES) * PASS * D;
+                for (int c = t; c < PASS * CHUNKS; c += WARPS * 32) {
+                    const int key = c / CHUNKS, col = c % CHUNKS * CHUNK;
+                    const int j = min(pass0 + key, seg_end - 1);
+                    const long at = ((long)staged[(j >> block_shift) - first_block] << block_shift | (j & block_mask)) * row + col;
+                    cp_async16(smem_addr(sk + key * D + col), keys + at, true);
+                    cp_async16(smem_addr(sv + key * D + col), values + at, true);
+                }
+            }
+            cp_async_commit();
+        };
+#pragma unroll
+        for (int p = 0; p < STAGES - 1; ++p) issue(p);
+        for (int p = 0; p < passes; ++p) {
+            cp_async_wait<STAGES - 2>();  // pass p has landed
+            __syncthreads();              // for every thread, and every warp is done with pass p - 1
+            issue(p + STAGES - 1);        // into pass p - 1's stage
+            const int pass0 = seg + p * PASS;
+            const T* sk = stage_k + (p % STAGES) * PASS * D;
+            const T* sv = stage_v + (p % STAGES) * PASS * D;
+            float sc[G][STEPS];
+#pragma unroll
+            for (int i = 0; i < STEPS; ++i) {
+                const int key = (i * WARPS + warp) * KEYS + slot;
+                const bool filled = pass0 + key < seg_end;
+                const P kr = *reinterpret_cast<const P*>(sk + key * D + piece * E);
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    if (g >= heads) break;
+                    float dot = 0.f;
+#pragma unroll
+                    for (int e = 0; e < E; ++e) dot = fmaf(qf[g][e], to_f32(kr.v[e]), dot);
+#pragma unroll
+                    for (int w = LANES / 2; w > 0; w /= 2) dot += __shfl_xor_sync(0xffffffff, dot, w);
+                    sc[g][i] = filled ? dot : -INFINITY;
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                if (g >= heads) break;
+                float mx = m[g];
+#pragma unroll
+                for (int i = 0; i < STEPS; ++i) mx = fmaxf(mx, sc[g][i]);
+#pragma unroll
+                for (int w = LANES; w < 32; w *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, w));
+                const float base = mx == -INFINITY ? 0.f : mx;
+                const float alpha = exp2f(m[g] - base);
+                float sum = 0.f;
+#pragma unroll
+                for (int e = 0; e < E; ++e) o[g][e] *= alpha;
+#pragma unroll
+                for (int i = 0; i < STEPS; ++i) {
+                    const float p = exp2f(sc[g][i] - base);
+                    sum += p;
+                    const P vr = *reinterpret_cast<const P*>(sv + ((i * WARPS + warp) * KEYS + slot) * D + piece * E);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) o[g][e] = fmaf(p, to_f32(vr.v[e]), o[g][e]);
+                }
+                m[g] = mx;
+                l[g] = l[g] * alpha + sum;
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // the stages and the staged table are free for the next segment
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g >= heads) break;
+#pragma unroll
+        for (int w = LANES; w < 32; w *= 2) {
+            l[g] += __shfl_xor_sync(0xffffffff, l[g], w);
+#pragma unroll
+            for (int e = 0; e < E; ++e) o[g][e] += __shfl_xor_sync(0xffffffff, o[g][e], w);
+        }
+    }
+    // The warps meet in the stages' memory, free now.
+    auto warp_o = reinterpret_cast<float(*)[G][D]>(smem);
+    auto warp_ml = reinterpret_cast<float(*)[G][2]>(smem + WARPS * G * D * sizeof(float));
+    if (slot == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (g >= heads) break;
+#pragma unroll
+            for (int e = 0; e < E; ++e) warp_o[warp][g][piece * E + e] = o[g][e];
+            if (piece == 0) warp_ml[warp][g][0] = m[g], warp_ml[warp][g][1] = l[g];
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g >= heads) break;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, warp_ml[w][g][0]);
+        float sum = 0.f;
+        float weight[WARPS];
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            weight[w] = warp_ml[w][g][0] == -INFINITY ? 0.f : exp2f(warp_ml[w][g][0] - mx);
+            sum += weight[w] * warp_ml[w][g][1];
+        }
+        const long head = (long)s * q_heads + h0 + g;
+        for (int c = t; c < D; c += WARPS * 32) {
+            float acc = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) acc += weight[w] * warp_o[w][g][c];
+            if (slices == 1)
+                out[head * D + c] = from_f32<T>(sum > 0.f ? acc / sum : 0.f);
+            else
+                part_o[(head * splits + split) * D + c] = acc;
+        }
+        if (slices > 1 && t == 0) part_ml[2 * (head * splits + split)] = mx, part_ml[2 * (head * splits + split) + 1] = sum;
+    }
+}
+
 // CTA (h, s): query head h of sequence s, when its keys took several slices: their partials
 // weighted by exp2(max - the largest max), summed and divided by the weighted sums.
 template <typename T, int D>
@@ -275,6 +471,16 @@ __device__ void merge_slices(const float* __restrict__ part_o, const float* __re
                              offset, max_blocks, block_shift, pool_slots, scale_log2);                          \
     }
 
+// At least four CTAs an SM (128 registers a thread), which their shared memory allows.
+#define PAGED_STREAM(SUFFIX, T, D, G)                                                                         \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) paged_stream_##SUFFIX##_d##D##_g##G(           \
+        const T* q, const unsigned* q_rows, const T* pool, const unsigned* tables, const unsigned* lens,        \
+        float* part_o, float* part_ml, T* out, int q_heads, int kv_heads, int group, int offset, int max_blocks, \
+        int block_shift, long pool_slots, float scale_log2) {                                                   \
+        paged_stream<T, D, G>(q, q_rows, pool, tables, lens, part_o, part_ml, out, q_heads, kv_heads, group,    \
+                              offset, max_blocks, block_shift, pool_slots, scale_log2);                         \
+    }
+
 #define MERGE_SLICES(SUFFIX, T, D)                                                                              \
     extern "C" __global__ void merge_slices_##SUFFIX##_d##D(const float* part_o, const float* part_ml,          \
                                                              const unsigned* lens, T* out, int q_heads,         \
@@ -289,12 +495,22 @@ __device__ void merge_slices(const float* __restrict__ part_o, const float* __re
     PAGED_ATTENTION(SUFFIX, T, D, 8)   \
     MERGE_SLICES(SUFFIX, T, D)
 
-#define PAGED(SUFFIX, T)         \
-    ROTARY_PAGED(SUFFIX, T)      \
-    PAGED_HEAD(SUFFIX, T, 64)    \
-    PAGED_HEAD(SUFFIX, T, 128)   \
-    PAGED_HEAD(SUFFIX, T, 256)
+// The streamed kernel for rows of up to 512 bytes (not f32 heads of 256).
+#define PAGED_STREAMS(SUFFIX, T, D) \
+    PAGED_STREAM(SUFFIX, T, D, 1)   \
+    PAGED_STREAM(SUFFIX, T, D, 2)   \
+    PAGED_STREAM(SUFFIX, T, D, 4)
+
+#define PAGED(SUFFIX, T)           \
+    ROTARY_PAGED(SUFFIX, T)        \
+    PAGED_HEAD(SUFFIX, T, 64)      \
+    PAGED_HEAD(SUFFIX, T, 128)     \
+    PAGED_HEAD(SUFFIX, T, 256)     \
+    PAGED_STREAMS(SUFFIX, T, 64)   \
+    PAGED_STREAMS(SUFFIX, T, 128)
 
 PAGED(f32, float)
 PAGED(bf16, __nv_bfloat16)
 PAGED(f16, __half)
+PAGED_STREAMS(bf16, __nv_bfloat16, 256)
+PAGED_STREAMS(f16, __half, 256)

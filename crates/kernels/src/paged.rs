@@ -304,6 +304,7 @@ impl candle_core::CustomOp2 for PagedAttention<'_> {
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute as Attr;
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{DType, Result, Tensor};
@@ -318,6 +319,14 @@ mod cuda {
     /// The CTAs the attention aims for, and the most slices a sequence's keys split into.
     const TARGET_CTAS: usize = 2048;
     const MAX_SPLITS: usize = 64;
+    /// The fewest sequences, the largest group and the longest head row (bytes) that take the
+    /// streamed kernel.
+    const STREAM_SEQUENCES: usize = 8;
+    const STREAM_GROUP: usize = 4;
+    const STREAM_ROW_BYTES: usize = 512;
+    /// The streamed kernel's dynamic shared memory (cuda/paged.cu): three stages of 8 KiB of
+    /// K and 8 KiB of V, and 256 block-table entries.
+    const PAGED_STREAM_SMEM: u32 = 3 * 16 * 1024 + 256 * 4;
 
     pub(super) fn rotary_qkv_paged(
         pool: &Tensor,
@@ -395,7 +404,22 @@ mod cuda {
         // no CTA waits long on another's share. The grid does not depend on the lengths.
         let splits = TARGET_CTAS.div_ceil(n * s.kv_heads).clamp(1, MAX_SPLITS);
         let dtype = suffix(q.dtype())?;
-        let split = crate::module::PAGED.kernel(dev, &format!("paged_split_{dtype}_d{}_g{padded}", s.head_dim))?;
+        // The streamed kernel where it is the faster: enough sequences that each CTA's slice
+        // fills its pipeline, and groups of up to 4 (whose state leaves room for four CTAs an
+        // SM). benches/RESULTS.md has both kernels' times.
+        let streamed = n >= STREAM_SEQUENCES
+            && padded <= STREAM_GROUP
+            && s.head_dim * q.dtype().size_in_bytes() <= STREAM_ROW_BYTES;
+        let (name, smem) = match streamed {
+            true => ("paged_stream", PAGED_STREAM_SMEM),
+            false => ("paged_split", 0),
+        };
+        let attention = crate::module::PAGED.kernel(dev, &format!("{name}_{dtype}_d{}_g{padded}", s.head_dim))?;
+        if streamed {
+            attention
+                .set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                .w()?;
+        }
         // Each split's output rows, then its max and sum; none when every sequence is one slice.
         let partials = match splits {
             1 => None,
@@ -412,7 +436,7 @@ mod cuda {
             None => (0, 0),
         };
         let tensors = addresses(&[q, decode.q_rows, pool, decode.tables, decode.lens])?;
-        let mut b = split.builder();
+        let mut b = attention.builder();
         for a in &tensors {
             b.arg(a);
         }
@@ -436,7 +460,7 @@ mod cuda {
         let cfg = LaunchConfig {
             grid_dim: (s.kv_heads as u32, n as u32, splits as u32),
             block_dim: (ATTENTION_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem,
         };
         // SAFETY: the arguments match the kernel's signature; paged_decode_attention checked
         // the shapes, dtypes and contiguity of q, the pool, the index tensors and the output
