@@ -252,8 +252,8 @@ constexpr int STREAM_STEPS = 4;
 // block table staged in shared memory, a segment at a time. 1.2–1.3× paged_split's speed with
 // 32 to 128 sequences in groups of 4; slower with few sequences, whose slices are too short
 // to fill the stages (benches/RESULTS.md). The scoring and the warps' meeting are
-// paged_split's, written out again: shared through a helper, both kernels lost 10–30% to
-// register allocation (measured, 2026-12-04).
+// paged_split's, written out again: a version sharing them through a helper (a struct of the
+// lane's state, the pieces passed as lambdas) ran 10–13% slower here (measured 2026-12-04).
 template <typename T, int D, int G>
 __device__ void paged_stream(const T* __restrict__ q, const unsigned* __restrict__ q_rows,
                              const T* __restrict__ pool, const unsigned* __restrict__ tables,
