@@ -10,6 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Args;
+use tpinfer_kernels::RowWeight;
 use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
 
 #[derive(Args)]
@@ -134,7 +135,11 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
     println!("| decode step, eager | {eager:.3} | {:.1} tok/s |", 1e3 / eager);
     argmax(&device, c.vocab_size, args.steps)?;
     embedding(&device, dtype, &c, args.steps)?;
-    gemvs(&device, dtype, &c, args.steps)?;
+    gemvs(&device, dtype, &c, args.steps, false)?;
+    let (n, k) = (c.hidden_size, c.intermediate_size);
+    if tpinfer_kernels::fp8_path(&device, dtype, n, k) == tpinfer_kernels::Fp8Path::Fp8Kernels {
+        gemvs(&device, dtype, &c, args.steps, true)?;
+    }
     small_kernels(&device, dtype, &c, args.steps)?;
     decode_attention(&device, dtype, &c, args.steps)
 }
@@ -238,12 +243,38 @@ fn cold_copies(bytes: usize) -> usize {
     (256usize << 20).div_ceil(bytes).max(2)
 }
 
+/// A cold copy of a weight as a step holds it: dense, or FP8 values with their row scales.
+enum Held {
+    Dense(Tensor),
+    Fp8(Tensor, Tensor),
+}
+
+impl Held {
+    fn weight(&self) -> RowWeight<'_> {
+        match self {
+            Held::Dense(w) => RowWeight::Dense(w),
+            Held::Fp8(values, scales) => RowWeight::Fp8 { values, scales },
+        }
+    }
+
+    /// The weight's values in f32, for the reference product.
+    fn f32(&self) -> candle_core::Result<Tensor> {
+        match self {
+            Held::Dense(w) => w.to_dtype(DType::F32),
+            Held::Fp8(values, scales) => tpinfer_kernels::expand_fp8(values, scales, DType::F32),
+        }
+    }
+}
+
 /// The step's weight products: cuBLAS against the GEMV kernel at each tile, each weight read
 /// from HBM; and the MLP's gate/up product with its SiLU product in one kernel against the two.
-fn gemvs(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: usize) -> Result<()> {
+/// With `fp8`, the weights of the layers in E4M3 with row scales, as `--weights fp8` holds
+/// them (the LM head stays in `dtype`), and no cuBLAS row.
+fn gemvs(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: usize, fp8: bool) -> Result<()> {
     let (h, ffn, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
     let qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * d;
     let mut totals = [0.0; 2];
+    let format = if fp8 { "FP8" } else { "dense" };
     for (name, rows, cols, per_layer) in [
         ("qkv", qkv, h, true),
         ("o_proj", c.num_attention_heads * d, h, true),
@@ -251,46 +282,61 @@ fn gemvs(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: u
         ("down", h, ffn, true),
         ("lm_head", c.vocab_size, h, false),
     ] {
-        let bytes = rows * cols * dtype.size_in_bytes();
+        if fp8 && !per_layer {
+            continue;
+        }
+        let bytes = rows * cols * if fp8 { 1 } else { dtype.size_in_bytes() };
         let weights = (0..cold_copies(bytes))
-            .map(|_| Tensor::randn(0f32, 0.02, (rows, cols), device)?.to_dtype(dtype))
-            .collect::<candle_core::Result<Vec<_>>>()?;
+            .map(|_| -> Result<Held> {
+                let w = Tensor::randn(0f32, 0.02, (rows, cols), device)?;
+                Ok(match fp8 {
+                    false => Held::Dense(w.to_dtype(dtype)?),
+                    true => {
+                        let (values, scales) = tpinfer_weights::quantize_rows(&w.to_device(&Device::Cpu)?)?;
+                        Held::Fp8(values.to_device(device)?, scales.to_device(device)?)
+                    }
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let x = Tensor::randn(0f32, 1.0, (1, 1, cols), device)?.to_dtype(dtype)?;
-        let exact = x
-            .to_dtype(DType::F32)?
-            .broadcast_matmul(&weights[0].to_dtype(DType::F32)?.t()?)?;
+        let exact = x.to_dtype(DType::F32)?.broadcast_matmul(&weights[0].f32()?.t()?)?;
         let next = std::cell::Cell::new(0);
         let weight = || {
             next.set((next.get() + 1) % weights.len());
-            &weights[next.get()]
+            weights[next.get()].weight()
         };
         let layers = if per_layer { c.num_hidden_layers } else { 1 };
         let row = |kernel: String, ms: f64, y: Tensor| -> Result<()> {
             let err = crate::relative_error(&y, &exact)?;
             println!(
-                "| GEMV {name} [{rows} x {cols}] ({kernel}, rel. error vs f32 {err:.1e}) | {ms:.4} | {:.0} GB/s, x{layers} = {:.2} ms |",
+                "| GEMV {name} [{rows} x {cols}], {format} ({kernel}, rel. error vs f32 {err:.1e}) | {ms:.4} | {:.0} GB/s, x{layers} = {:.2} ms |",
                 bytes as f64 / ms / 1e6,
                 ms * layers as f64
             );
             Ok(())
         };
-        let cublas = time_in_graph(device, calls, || x.broadcast_matmul(&weight().t()?))?;
-        row("candle/cuBLAS".into(), cublas, x.broadcast_matmul(&weights[0].t()?)?)?;
-        let mut best = f64::MAX;
+        let mut cublas = 0.0;
+        if let Held::Dense(w0) = &weights[0] {
+            let dense = |w: RowWeight| match w {
+                RowWeight::Dense(w) => x.broadcast_matmul(&w.t()?),
+                RowWeight::Fp8 { .. } => candle_core::bail!("a dense weight"),
+            };
+            cublas = time_in_graph(device, calls, || dense(weight()))?;
+            row("candle/cuBLAS".into(), cublas, x.broadcast_matmul(&w0.t()?)?)?;
+        }
         for tile in tpinfer_kernels::GEMV_TILES {
             let ms = time_in_graph(device, calls, || tpinfer_kernels::gemv_tiled(&x, weight(), tile))?;
             row(
                 format!("tpinfer_kernels::gemv, {tile} rows per block"),
                 ms,
-                tpinfer_kernels::gemv_tiled(&x, &weights[0], tile)?,
+                tpinfer_kernels::gemv_tiled(&x, weights[0].weight(), tile)?,
             )?;
-            best = best.min(ms);
         }
         let ms = time_in_graph(device, calls, || tpinfer_kernels::gemv(&x, weight()))?;
         row(
             "tpinfer_kernels::gemv as the step runs it".into(),
             ms,
-            tpinfer_kernels::gemv(&x, &weights[0])?,
+            tpinfer_kernels::gemv(&x, weights[0].weight())?,
         )?;
         totals[0] += cublas * layers as f64;
         totals[1] += ms * layers as f64;
@@ -299,25 +345,32 @@ fn gemvs(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: u
                 tpinfer_kernels::silu_mul(&tpinfer_kernels::gemv(&x, weight())?.reshape((1, rows))?)
             })?;
             let fused = time_in_graph(device, calls, || tpinfer_kernels::gemv_gate_up_silu(&x, weight()))?;
-            let want = tpinfer_kernels::silu_mul(&tpinfer_kernels::gemv(&x, &weights[0])?.reshape((1, rows))?)?;
-            let got = tpinfer_kernels::gemv_gate_up_silu(&x, &weights[0])?;
+            let w0 = weights[0].weight();
+            let want = tpinfer_kernels::silu_mul(&tpinfer_kernels::gemv(&x, w0)?.reshape((1, rows))?)?;
+            let got = tpinfer_kernels::gemv_gate_up_silu(&x, w0)?;
             if bits(&got)? != bits(&want)? {
-                bail!("gemv_gate_up_silu does not give the bits of gemv + silu_mul");
+                bail!("gemv_gate_up_silu ({format}) does not give the bits of gemv + silu_mul");
             }
             println!(
-                "| gate_up and SiLU product: gemv + silu_mul / gemv_gate_up_silu (same bits) | {unfused:.4} / {fused:.4} | x{layers} = {:.2} / {:.2} ms |",
+                "| gate_up and SiLU product, {format}: gemv + silu_mul / gemv_gate_up_silu (same bits) | {unfused:.4} / {fused:.4} | x{layers} = {:.2} / {:.2} ms |",
                 unfused * layers as f64,
                 fused * layers as f64
             );
         }
-        if name == "qkv" && tpinfer_kernels::gemv_on_cuda(&x, &weights[0]) {
-            qkv_rotary(device, dtype, c, calls, &x, &weights, &weight)?;
+        if name == "qkv" && tpinfer_kernels::gemv_on_cuda(&x, weights[0].weight()) {
+            qkv_rotary(device, dtype, c, calls, &x, weights[0].weight(), &weight)?;
         }
     }
-    println!(
-        "| all weight GEMVs of a step, cuBLAS / tpinfer_kernels::gemv | {:.3} / {:.3} | |",
-        totals[0], totals[1]
-    );
+    match fp8 {
+        false => println!(
+            "| all weight GEMVs of a step, cuBLAS / tpinfer_kernels::gemv | {:.3} / {:.3} | |",
+            totals[0], totals[1]
+        ),
+        true => println!(
+            "| all FP8 weight GEMVs of a step's layers, tpinfer_kernels::gemv | {:.3} | |",
+            totals[1]
+        ),
+    }
     Ok(())
 }
 
@@ -328,15 +381,15 @@ fn bits(t: &Tensor) -> Result<Vec<f32>> {
 
 /// The QKV product followed by the rotation and the cache write (gemv, rotary_qkv_into)
 /// against the kernel that does both (gemv_rotary_qkv_into): the same bits in the queries and
-/// the whole cache, and the time of each. `weight` cycles through `weights` (cold copies).
+/// the whole cache, and the time of each. `weight` cycles through cold copies of `first`.
 fn qkv_rotary<'w>(
     device: &Device,
     dtype: DType,
     c: &tpinfer_llama::LlamaConfig,
     calls: usize,
     x: &Tensor,
-    weights: &'w [Tensor],
-    weight: &dyn Fn() -> &'w Tensor,
+    first: RowWeight<'w>,
+    weight: &dyn Fn() -> RowWeight<'w>,
 ) -> Result<()> {
     let (heads, kv_heads, d, capacity) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, 4096);
     let table = Tensor::randn(0f32, 1.0, (2, capacity, d / 2), device)?.to_dtype(dtype)?;
@@ -347,27 +400,31 @@ fn qkv_rotary<'w>(
             Tensor::zeros((1, heads, d), dtype, device)?,
         ))
     };
-    let unfused = |w: &Tensor, (cache, queries): &(Tensor, Tensor)| -> candle_core::Result<Tensor> {
+    let unfused = |w: RowWeight, (cache, queries): &(Tensor, Tensor)| -> candle_core::Result<Tensor> {
         let product = tpinfer_kernels::gemv(x, w)?.reshape((1, ()))?;
         tpinfer_kernels::rotary_qkv_into(cache, &product, &table, &position, heads, queries)?;
         Ok(queries.clone())
     };
-    let fused = |w: &Tensor, (cache, queries): &(Tensor, Tensor)| -> candle_core::Result<Tensor> {
+    let fused = |w: RowWeight, (cache, queries): &(Tensor, Tensor)| -> candle_core::Result<Tensor> {
         tpinfer_kernels::gemv_rotary_qkv_into(cache, x, w, &table, &position, heads, queries)?;
         Ok(queries.clone())
     };
     let (want, got) = (outputs()?, outputs()?);
-    unfused(&weights[0], &want)?;
-    fused(&weights[0], &got)?;
+    unfused(first, &want)?;
+    fused(first, &got)?;
+    let format = match first {
+        RowWeight::Dense(_) => "dense",
+        RowWeight::Fp8 { .. } => "FP8",
+    };
     if bits(&got.0)? != bits(&want.0)? || bits(&got.1)? != bits(&want.1)? {
-        bail!("gemv_rotary_qkv_into does not give the bits of gemv + rotary_qkv_into");
+        bail!("gemv_rotary_qkv_into ({format}) does not give the bits of gemv + rotary_qkv_into");
     }
     let buffers = outputs()?;
     let t_unfused = time_in_graph(device, calls, || unfused(weight(), &buffers))?;
     let t_fused = time_in_graph(device, calls, || fused(weight(), &buffers))?;
     let layers = c.num_hidden_layers as f64;
     println!(
-        "| QKV and rotation: gemv + rotary_qkv_into / gemv_rotary_qkv_into (same bits) | {t_unfused:.4} / {t_fused:.4} | x{layers} = {:.2} / {:.2} ms |",
+        "| QKV and rotation, {format}: gemv + rotary_qkv_into / gemv_rotary_qkv_into (same bits) | {t_unfused:.4} / {t_fused:.4} | x{layers} = {:.2} / {:.2} ms |",
         t_unfused * layers,
         t_fused * layers
     );

@@ -106,8 +106,6 @@ mod cuda {
 
     use crate::launch::{addresses, elementwise, suffix, THREADS};
 
-    /// Weight rows per CTA of the FP8 GEMV (GEMV_ROWS in cuda/fp8.cu).
-    const GEMV_ROWS: usize = 4;
     /// cuBLASLt's workspace for the FP8 GEMMs, per stream, from the pool: 4 MiB of the 32 a
     /// Hopper handle keeps for bf16 GEMMs (the 8B plan held within 1% with it).
     const WORKSPACE_BYTES: usize = 4 << 20;
@@ -219,7 +217,13 @@ mod cuda {
         // cuBLASLt has no FP8 epilogue with an f32 output: there the bias and GELU follow.
         let epilogue_in_gemm = rows > 1 && x.dtype() != DType::F32;
         let y = match rows {
-            1 => gemv(x, &values, &scales)?,
+            1 => crate::gemv(
+                x,
+                crate::RowWeight::Fp8 {
+                    values: &values,
+                    scales: &scales,
+                },
+            )?,
             _ => {
                 let (qx, sx) = quantize_rows(x)?;
                 let bias = bias.filter(|_| epilogue_in_gemm).map(|b| b.contiguous()).transpose()?;
@@ -238,31 +242,6 @@ mod cuda {
             true => y.gelu(),
             false => Ok(y),
         }
-    }
-
-    /// One row `x` `[1, k]` through the FP8 weight, dequantized in registers.
-    fn gemv(x: &Tensor, values: &Tensor, scales: &Tensor) -> Result<Tensor> {
-        let dev = cuda_device(x)?;
-        let (n, k) = values.dims2()?;
-        let y = crate::linear::empty(&[1, n], x.dtype(), x.device())?;
-        let func = crate::module::FP8.kernel(dev, &format!("fp8_gemv_weights_{}", suffix(x.dtype())?))?;
-        let a = addresses(&[x, values, scales, &y])?;
-        let (n32, k32) = (n as i32, k as i32);
-        let mut b = func.builder();
-        for address in &a {
-            b.arg(address);
-        }
-        b.arg(&n32).arg(&k32);
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(GEMV_ROWS) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: x holds k contiguous elements of its dtype (k % 16 == 0: 16-byte loads of a
-        // fresh or contiguous buffer); values n rows of k bytes and scales n floats,
-        // contiguous; y is fresh, n elements.
-        unsafe { b.launch(cfg) }.w()?;
-        Ok(y)
     }
 
     fn out_type(dtype: DType) -> Result<sys::cudaDataType> {

@@ -4,103 +4,175 @@
 
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 
+use crate::fp8::{fp8_linear, fp8_path, Fp8Path};
+
 /// Outputs per CTA that the CUDA kernel is compiled for ([`gemv_tiled`]).
 pub const GEMV_TILES: [usize; 3] = [2, 4, 8];
-/// The tile [`gemv`] and [`gemv_gate_up_silu`] use.
-const DEFAULT_TILE: usize = 4;
 
-/// Whether [`gemv`] runs on CUDA for `x` and `w`: one row, bf16 or f16 on both, `k` a multiple
-/// of 8. On CPU it always runs (the twin that the tests check the kernel's math with).
-pub fn gemv_on_cuda(x: &Tensor, w: &Tensor) -> bool {
-    let k = w.dims().get(1).copied().unwrap_or(0);
-    cfg!(feature = "cuda")
-        && x.device().is_cuda()
-        && matches!(x.dtype(), DType::BF16 | DType::F16)
-        && w.dtype() == x.dtype()
-        && x.dims().last() == Some(&k)
-        && x.elem_count() == k
-        && k.is_multiple_of(8)
+/// A GEMV's weight `[n, k]`.
+#[derive(Debug, Clone, Copy)]
+pub enum RowWeight<'a> {
+    /// In the input's dtype.
+    Dense(&'a Tensor),
+    /// E4M3 `values` `[n, k]` and f32 `scales` `[n]`, one per row ([`fp8_linear`]'s layout),
+    /// dequantized in registers: a 16-byte load holds twice the values of a dense one.
+    Fp8 { values: &'a Tensor, scales: &'a Tensor },
 }
 
-/// Whether [`gemv_gate_up_silu`] runs on CUDA, as [`gemv_on_cuda`], with `w`'s rows even.
-pub fn gemv_gate_up_silu_on_cuda(x: &Tensor, w: &Tensor) -> bool {
-    gemv_on_cuda(x, w) && w.dim(0).is_ok_and(|rows| rows.is_multiple_of(2))
+impl<'a> From<&'a Tensor> for RowWeight<'a> {
+    fn from(w: &'a Tensor) -> Self {
+        Self::Dense(w)
+    }
+}
+
+impl RowWeight<'_> {
+    /// The tensor whose shape `[n, k]` is the product's.
+    fn matrix(&self) -> &Tensor {
+        match self {
+            Self::Dense(w) => w,
+            Self::Fp8 { values, .. } => values,
+        }
+    }
+
+    /// The tile [`gemv`] and [`gemv_gate_up_silu`] use: FP8 takes twice the dense rows per CTA,
+    /// so that a thread keeps as many bytes in flight (cuda/gemv.cu).
+    fn default_tile(&self) -> usize {
+        match self {
+            Self::Dense(_) => 4,
+            Self::Fp8 { .. } => 8,
+        }
+    }
+}
+
+/// Whether [`gemv`] runs on CUDA for `x` and `w`: one row, `k` a whole number of 16-byte
+/// loads; a dense `w` in `x`'s dtype, bf16 or f16; an FP8 `w` on a GPU of FP8 tensor cores
+/// ([`fp8_path`]), with `x` in f32, bf16 or f16. On CPU a dense product always runs (the twin
+/// that the tests check the kernel's math with); an FP8 one expands its weight.
+pub fn gemv_on_cuda<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>) -> bool {
+    let w = w.into();
+    let Ok((n, k)) = w.matrix().dims2() else {
+        return false;
+    };
+    let one_row = x.dims().last() == Some(&k) && x.elem_count() == k;
+    let typed = match w {
+        RowWeight::Dense(w) => matches!(x.dtype(), DType::BF16 | DType::F16) && w.dtype() == x.dtype(),
+        RowWeight::Fp8 { values, scales } => {
+            values.dtype() == DType::F8E4M3
+                && scales.dtype() == DType::F32
+                && scales.dims() == [n]
+                && fp8_path(x.device(), x.dtype(), n, k) == Fp8Path::Fp8Kernels
+        }
+    };
+    let load = match w {
+        RowWeight::Dense(_) => 8,
+        RowWeight::Fp8 { .. } => 16,
+    };
+    cfg!(feature = "cuda") && x.device().is_cuda() && typed && one_row && k.is_multiple_of(load)
+}
+
+/// Whether [`gemv_gate_up_silu`] runs on CUDA, as [`gemv_on_cuda`], with `w`'s rows even and
+/// `x` in bf16 or f16.
+pub fn gemv_gate_up_silu_on_cuda<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>) -> bool {
+    let w = w.into();
+    gemv_on_cuda(x, w)
+        && matches!(x.dtype(), DType::BF16 | DType::F16)
+        && w.matrix().dim(0).is_ok_and(|rows| rows.is_multiple_of(2))
 }
 
 /// `x · wᵀ` for `x` `[.., k]` holding one row and `w` `[n, k]`: `[.., n]`, accumulated in f32.
-pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    apply(x, w, DEFAULT_TILE, false)
+pub fn gemv<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>) -> Result<Tensor> {
+    let w = w.into();
+    apply(x, w, w.default_tile(), false)
 }
 
 /// [`gemv`] with `tile` outputs per CUDA thread block, one of [`GEMV_TILES`] (the tile is
 /// a speed choice only: every tile gives the same bits). For benchmarks.
-pub fn gemv_tiled(x: &Tensor, w: &Tensor, tile: usize) -> Result<Tensor> {
-    apply(x, w, tile, false)
+pub fn gemv_tiled<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>, tile: usize) -> Result<Tensor> {
+    apply(x, w.into(), tile, false)
 }
 
 /// `silu(x · gateᵀ) · (x · upᵀ)` for `x` `[.., k]` holding one row and a gated MLP's merged
 /// weight `w` `[gate (n) | up (n)]`, `[2n, k]`: `[.., n]`. The bits of [`gemv`] followed by
 /// [`crate::silu_mul`] (each product rounded to the dtype, then the SiLU product), in one
 /// pass.
-pub fn gemv_gate_up_silu(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    apply(x, w, DEFAULT_TILE, true)
+pub fn gemv_gate_up_silu<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>) -> Result<Tensor> {
+    let w = w.into();
+    apply(x, w, w.default_tile(), true)
 }
 
 /// [`gemv`] written into `out` (`[n]` elements, contiguous), as a link of a kernel chain
 /// ([`crate::chained`]) on CUDA; elsewhere the product is copied in.
-pub fn gemv_into(x: &Tensor, w: &Tensor, out: &Tensor) -> Result<()> {
-    apply_into(x, w, false, out)
+pub fn gemv_into<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>, out: &Tensor) -> Result<()> {
+    apply_into(x, w.into(), false, out)
 }
 
 /// [`gemv_gate_up_silu`] written into `out`, as [`gemv_into`].
-pub fn gemv_gate_up_silu_into(x: &Tensor, w: &Tensor, out: &Tensor) -> Result<()> {
-    apply_into(x, w, true, out)
+pub fn gemv_gate_up_silu_into<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>, out: &Tensor) -> Result<()> {
+    apply_into(x, w.into(), true, out)
 }
 
 /// [`crate::rotary_qkv_into`] of the product of one row `x` and a fused QKV weight `w`
 /// `[(q_heads + 2 · kv_heads) · d, k]`, in one CUDA kernel that computes each pair of rows
 /// that rotate together and writes them rotated: the bits of [`gemv`] then
 /// [`crate::rotary_qkv_into`], without the product's round trip through memory. A chain link.
-/// Only where [`gemv_on_cuda`] holds for `x` and `w`; the caller has checked that the position
-/// fits the table and the cache.
-pub fn gemv_rotary_qkv_into(
+/// Only where [`gemv_gate_up_silu_on_cuda`] holds for `x` and `w` (a 16-bit `x`); the caller
+/// has checked that the position fits the table and the cache.
+pub fn gemv_rotary_qkv_into<'a>(
     cache: &Tensor,
     x: &Tensor,
-    w: &Tensor,
+    w: impl Into<RowWeight<'a>>,
     table: &Tensor,
     position: &Tensor,
     q_heads: usize,
     queries: &Tensor,
 ) -> Result<()> {
+    let w = w.into();
     #[cfg(feature = "cuda")]
-    if gemv_on_cuda(x, w) {
+    if gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16) {
         return cuda::gemv_rotary_qkv_into(cache, x, w, table, position, q_heads, queries);
     }
     let _ = (cache, table, position, q_heads, queries);
     candle_core::bail!(
-        "gemv_rotary_qkv_into: x {:?} and w {:?} are not a 16-bit GEMV on CUDA",
+        "gemv_rotary_qkv_into: x {:?} {:?} and w {:?} are not a 16-bit GEMV on CUDA",
         x.dims(),
-        w.dims()
+        x.dtype(),
+        w.matrix().dims()
     )
 }
 
-fn apply_into(x: &Tensor, w: &Tensor, gate_up: bool, out: &Tensor) -> Result<()> {
+fn apply_into(x: &Tensor, w: RowWeight, gate_up: bool, out: &Tensor) -> Result<()> {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
-        let op = Gemv::checked(x, w, DEFAULT_TILE, gate_up)?;
+    if x.device().is_cuda() && (matches!(w, RowWeight::Dense(_)) || gemv_on_cuda(x, w)) {
+        let op = Gemv::checked(x, w, w.default_tile(), gate_up)?;
         return cuda::gemv_into(&op, x, w, out);
     }
-    let y = apply(x, w, DEFAULT_TILE, gate_up)?;
+    let y = apply(x, w, w.default_tile(), gate_up)?;
     out.slice_set(&y.reshape(out.shape())?, 0, 0)
 }
 
-fn apply(x: &Tensor, w: &Tensor, tile: usize, gate_up: bool) -> Result<Tensor> {
+fn apply(x: &Tensor, w: RowWeight, tile: usize, gate_up: bool) -> Result<Tensor> {
     let op = Gemv::checked(x, w, tile, gate_up)?;
     let mut shape = x.dims().to_vec();
     if let Some(last) = shape.last_mut() {
         *last = op.n;
     }
-    let y = x.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &op)?;
+    let y = match w {
+        RowWeight::Dense(w) => x.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &op)?,
+        #[cfg(feature = "cuda")]
+        RowWeight::Fp8 { .. } if gemv_on_cuda(x, w) => {
+            let y = crate::linear::empty(&[op.n], x.dtype(), x.device())?;
+            cuda::gemv_into(&op, x, w, &y)?;
+            y
+        }
+        // Elsewhere the products of fp8_linear, which expands the weight.
+        RowWeight::Fp8 { values, scales } => {
+            let y = fp8_linear(&x.reshape((1, op.k))?, values, scales, None, false)?;
+            match gate_up {
+                true => crate::silu_mul(&y)?,
+                false => y,
+            }
+        }
+    };
     y.reshape(shape)
 }
 
@@ -116,16 +188,22 @@ struct Gemv {
 
 impl Gemv {
     /// The product of one row `x` and `w`, checked.
-    fn checked(x: &Tensor, w: &Tensor, tile: usize, gate_up: bool) -> Result<Self> {
+    fn checked(x: &Tensor, w: RowWeight, tile: usize, gate_up: bool) -> Result<Self> {
         let width = x.dims().last().copied().unwrap_or(0);
-        let (rows, k) = w.dims2()?;
-        if x.elem_count() != width || width != k || w.dtype() != x.dtype() || (gate_up && rows % 2 != 0) {
+        let (rows, k) = w.matrix().dims2()?;
+        let typed = match w {
+            RowWeight::Dense(w) => w.dtype() == x.dtype(),
+            RowWeight::Fp8 { values, scales } => {
+                values.dtype() == DType::F8E4M3 && scales.dtype() == DType::F32 && scales.dims() == [rows]
+            }
+        };
+        if x.elem_count() != width || width != k || !typed || (gate_up && rows % 2 != 0) {
             candle_core::bail!(
                 "gemv: x {:?} {:?} is not one row of w {:?} {:?}'s input{}",
                 x.dims(),
                 x.dtype(),
-                w.dims(),
-                w.dtype(),
+                w.matrix().dims(),
+                w.matrix().dtype(),
                 if gate_up {
                     " (or w's rows are not [gate | up])"
                 } else {
@@ -173,7 +251,7 @@ mod cuda {
     use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
     use half::{bf16, f16};
 
-    use super::Gemv;
+    use super::{Gemv, RowWeight};
     use crate::chain::Launch;
     use crate::launch::{check_output, device_address, suffix};
 
@@ -197,32 +275,96 @@ mod cuda {
         let ws = w.as_cuda_slice::<T>()?.slice(wl.start_offset()..);
         // SAFETY: every output is written by the CTA that owns it.
         let out = unsafe { dev.alloc::<T>(op.n)? };
-        let addresses = [
-            xs.device_ptr(&stream).0,
-            ws.device_ptr(&stream).0,
-            out.device_ptr(&stream).0,
-        ];
-        let offsets = [xl.start_offset(), wl.start_offset()];
-        launch(op, dev, x.dtype(), addresses, offsets)?;
+        let weight = Weight {
+            values: ws.device_ptr(&stream).0,
+            scales: 0,
+            offset: wl.start_offset(),
+            fp8: false,
+            _held: Vec::new(),
+        };
+        let (x_at, y) = (xs.device_ptr(&stream).0, out.device_ptr(&stream).0);
+        launch(op, dev, x.dtype(), (x_at, xl.start_offset()), weight, y)?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 
+    /// A weight as the kernels take it: its values' and scales' addresses (0: dense), and
+    /// the values' offset in elements, which must keep their rows on 16 bytes.
+    struct Weight {
+        values: u64,
+        scales: u64,
+        offset: usize,
+        fp8: bool,
+        /// What the addresses point into, alive until the launch.
+        _held: Vec<Tensor>,
+    }
+
+    impl Weight {
+        fn of(w: RowWeight) -> Result<Self> {
+            Ok(match w {
+                RowWeight::Dense(w) => {
+                    let w = w.contiguous()?;
+                    Self {
+                        values: device_address(&w)?,
+                        scales: 0,
+                        offset: w.layout().start_offset(),
+                        fp8: false,
+                        _held: vec![w],
+                    }
+                }
+                RowWeight::Fp8 { values, scales } => {
+                    let (values, scales) = (values.contiguous()?, scales.contiguous()?);
+                    Self {
+                        values: device_address(&values)?,
+                        scales: device_address(&scales)?,
+                        offset: values.layout().start_offset(),
+                        fp8: true,
+                        _held: vec![values, scales],
+                    }
+                }
+            })
+        }
+
+        /// The kernel name's infix (cuda/gemv.cu).
+        fn format(&self) -> &'static str {
+            if self.fp8 {
+                "fp8_"
+            } else {
+                ""
+            }
+        }
+
+        /// Values in one 16-byte load: k and the offsets are whole loads of them.
+        fn load(&self) -> usize {
+            if self.fp8 {
+                16
+            } else {
+                8
+            }
+        }
+    }
+
     /// The product written into `out`: a chain link.
-    pub(super) fn gemv_into(op: &Gemv, x: &Tensor, w: &Tensor, out: &Tensor) -> Result<()> {
+    pub(super) fn gemv_into(op: &Gemv, x: &Tensor, w: RowWeight, out: &Tensor) -> Result<()> {
         check_output(out, x.dtype(), op.n, "gemv")?;
         let candle_core::Device::Cuda(dev) = x.device() else {
             candle_core::bail!("gemv: x is not on CUDA");
         };
-        let (x, w) = (x.contiguous()?, w.contiguous()?);
-        let addresses = [device_address(&x)?, device_address(&w)?, device_address(out)?];
-        let offsets = [x.layout().start_offset(), w.layout().start_offset()];
-        launch(op, dev, x.dtype(), addresses, offsets)
+        let x = x.contiguous()?;
+        let weight = Weight::of(w)?;
+        launch(
+            op,
+            dev,
+            x.dtype(),
+            (device_address(&x)?, x.layout().start_offset()),
+            weight,
+            device_address(out)?,
+        )
     }
 
     pub(super) fn gemv_rotary_qkv_into(
         cache: &Tensor,
         x: &Tensor,
-        w: &Tensor,
+        w: RowWeight,
         table: &Tensor,
         position: &Tensor,
         q_heads: usize,
@@ -230,7 +372,7 @@ mod cuda {
     ) -> Result<()> {
         crate::position::check(position, x, "gemv_rotary_qkv")?;
         let (two, kv_heads, capacity, d) = cache.dims4()?;
-        let (rows, k) = w.dims2()?;
+        let (rows, k) = w.matrix().dims2()?;
         let (table_two, positions, half) = table.dims3()?;
         let dtype = x.dtype();
         if two != 2
@@ -245,7 +387,7 @@ mod cuda {
             candle_core::bail!(
                 "gemv_rotary_qkv: w {:?}, the cache {:?} and the table {:?} are not [({q_heads} + 2 · kv_heads) · d, k], \
                  a contiguous [2, kv_heads, capacity, d] and [2, positions, d / 2] in {dtype:?}",
-                w.dims(),
+                w.matrix().dims(),
                 cache.dims(),
                 table.dims()
             );
@@ -254,18 +396,25 @@ mod cuda {
         let candle_core::Device::Cuda(dev) = x.device() else {
             candle_core::bail!("gemv_rotary_qkv: x is not on CUDA");
         };
-        let (x, w) = (x.contiguous()?, w.contiguous()?);
-        if !(k.is_multiple_of(8) && [&x, &w].iter().all(|t| t.layout().start_offset().is_multiple_of(8))) {
-            candle_core::bail!("gemv_rotary_qkv: k = {k} and the offsets of x and w must be multiples of 8");
+        let x = x.contiguous()?;
+        let weight = Weight::of(w)?;
+        let load = weight.load();
+        if !(k.is_multiple_of(load)
+            && [x.layout().start_offset(), weight.offset]
+                .iter()
+                .all(|o| o.is_multiple_of(load)))
+        {
+            candle_core::bail!("gemv_rotary_qkv: k = {k} and the offsets of x and w must be multiples of {load}");
         }
-        let func = crate::module::GEMV.kernel(dev, &format!("gemv_rotary_{}", suffix(dtype)?))?;
+        let func = crate::module::GEMV.kernel(dev, &format!("gemv_rotary_{}{}", weight.format(), suffix(dtype)?))?;
         let cfg = LaunchConfig {
             grid_dim: ((rows / 2) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut launch = Launch::default();
-        for t in [&x, &w, table, queries, cache] {
+        launch.arg(device_address(&x)?).arg(weight.values).arg(weight.scales);
+        for t in [table, queries, cache] {
             launch.arg(device_address(t)?);
         }
         for v in [q_heads, kv_heads, d, k] {
@@ -276,21 +425,23 @@ mod cuda {
             .arg(positions as i32)
             .arg(capacity as i32);
         // SAFETY: the arguments match the kernel's signature; w holds the (q_heads + 2 ·
-        // kv_heads) · d rows of k that the rows / 2 CTAs read in pairs, x k values, queries
-        // q_heads · d, the cache is a contiguous [2, kv_heads, capacity, d], and the kernel
-        // skips a position past the table or the cache.
+        // kv_heads) · d rows of k (and an FP8 w as many scales) that the rows / 2 CTAs read in
+        // pairs, x k values, queries q_heads · d, the cache is a contiguous [2, kv_heads,
+        // capacity, d], and the kernel skips a position past the table or the cache.
         unsafe { launch.launch(dev, &func, cfg) }
     }
 
-    /// Launches the kernel on x, w and y at `addresses`; `offsets` are x's and w's in
-    /// elements, which must keep their rows on 16 bytes.
-    fn launch(op: &Gemv, dev: &CudaDevice, dtype: DType, [x, w, y]: [u64; 3], offsets: [usize; 2]) -> Result<()> {
-        let (n, k) = (op.n, op.k);
-        if !(k.is_multiple_of(8) && offsets.iter().all(|o| o.is_multiple_of(8))) {
-            candle_core::bail!("gemv: k = {k} and the offsets {offsets:?} must be multiples of 8");
+    /// Launches the kernel on `x` (its address and offset in elements), `w` and `y`.
+    fn launch(op: &Gemv, dev: &CudaDevice, dtype: DType, (x, x_offset): (u64, usize), w: Weight, y: u64) -> Result<()> {
+        let (n, k, load) = (op.n, op.k, w.load());
+        if !(k.is_multiple_of(load) && [x_offset, w.offset].iter().all(|o| o.is_multiple_of(load))) {
+            candle_core::bail!(
+                "gemv: k = {k} and the offsets {:?} must be multiples of {load}",
+                [x_offset, w.offset]
+            );
         }
         let kernel = if op.gate_up { "gemv_gate_up_silu" } else { "gemv" };
-        let name = format!("{kernel}_{}_r{}", suffix(dtype)?, op.tile);
+        let name = format!("{kernel}_{}{}_r{}", w.format(), suffix(dtype)?, op.tile);
         let func = crate::module::GEMV.kernel(dev, &name)?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(op.tile) as u32, 1, 1),
@@ -298,11 +449,12 @@ mod cuda {
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match the kernel's signature; x holds k values, w n rows of k
-        // (2n with gate_up) and y n values.
+        // (2n with gate_up), and as many scales where it is FP8, and y n values.
         unsafe {
             Launch::default()
                 .arg(x)
-                .arg(w)
+                .arg(w.values)
+                .arg(w.scales)
                 .arg(y)
                 .arg(n as i32)
                 .arg(k as i32)

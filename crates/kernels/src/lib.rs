@@ -48,7 +48,7 @@ pub use fp8::{expand as expand_fp8, fp8_linear, fp8_path, Fp8Path};
 pub use frames::{cat_frames, packed_frames, upsample_nearest2x, write_frames};
 pub use gemv::{
     gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_gate_up_silu_on_cuda, gemv_into, gemv_on_cuda,
-    gemv_rotary_qkv_into, gemv_tiled, GEMV_TILES,
+    gemv_rotary_qkv_into, gemv_tiled, RowWeight, GEMV_TILES,
 };
 #[cfg(feature = "cuda")]
 pub use launch::device_address;

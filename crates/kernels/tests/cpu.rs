@@ -6,10 +6,11 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
-    add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, gated_residual, gelu_tanh_mul,
-    gemv, gemv_gate_up_silu, gemv_tiled, layer_norm, linear_bias, linear_bias_into, paged_decode_attention,
-    residual_sum, rotary_qkv, rotary_qkv_paged, row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias,
-    write_u32s, ColumnTable, DecodeRows, DecodeScratch, QueryGroups, RowsAt,
+    add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, fp8_linear, gated_residual,
+    gelu_tanh_mul, gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_tiled, layer_norm, linear_bias,
+    linear_bias_into, paged_decode_attention, residual_sum, rotary_qkv, rotary_qkv_paged, row_sum_squares,
+    scale_rows_cols, silu_mul, softmax_relative_bias, write_u32s, ColumnTable, DecodeRows, DecodeScratch, QueryGroups,
+    RowWeight, RowsAt,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -635,6 +636,41 @@ fn the_fused_gate_up_silu_product_gives_the_unfused_bits() {
         gemv_tiled(&randn(&[1, 16], 58), &randn(&[8, 16], 59), 3).is_err(),
         "no such tile"
     );
+}
+
+#[test]
+fn an_fp8_weight_runs_the_gemvs_as_its_expanded_products() {
+    // On the CPU an FP8 weight is expanded for the product, as fp8_linear does on every rank
+    // without FP8 kernels: the GEMVs give fp8_linear's values, the fused one its SiLU product.
+    let (n, k) = (24, 64);
+    let x = randn(&[1, 1, k], 60);
+    let w = randn(&[2 * n, k], 61).affine(0.25, 0.0).expect("scale");
+    let values = w.to_dtype(DType::F8E4M3).expect("e4m3");
+    let scales = randn(&[2 * n], 62).abs().expect("abs").affine(1.0, 0.5).expect("shift");
+    let weight = RowWeight::Fp8 {
+        values: &values,
+        scales: &scales,
+    };
+    let want = fp8_linear(&x, &values, &scales, None, false).expect("fp8 linear");
+    let got = gemv(&x, weight).expect("gemv");
+    assert_eq!(got.dims(), [1, 1, 2 * n]);
+    assert!(rel(&got, &want) < 1e-7, "{:e}", rel(&got, &want));
+    let want = silu_mul(&want.reshape((1, 2 * n)).expect("rows"))
+        .and_then(|t| t.reshape((1, 1, n)))
+        .expect("silu");
+    let got = gemv_gate_up_silu(&x, weight).expect("fused");
+    assert_eq!(got.dims(), [1, 1, n]);
+    assert!(rel(&got, &want) < 1e-7, "{:e}", rel(&got, &want));
+    let out = Tensor::zeros(n, DType::F32, &Device::Cpu).expect("out");
+    gemv_gate_up_silu_into(&x, weight, &out).expect("into");
+    assert!(rel(&out.reshape((1, 1, n)).expect("shape"), &got) < 1e-7);
+
+    let short = scales.narrow(0, 0, n).expect("narrow");
+    let mismatched = RowWeight::Fp8 {
+        values: &values,
+        scales: &short,
+    };
+    assert!(gemv(&x, mismatched).is_err(), "a scale per row");
 }
 
 #[test]

@@ -64,12 +64,13 @@ impl KvCache {
     }
 
     /// [`Self::append_rotated_into`] of the QKV product of one row `x` with the fused weight
-    /// `w` (`[(q_heads + 2 · heads) · head_dim, k]`), the product computed by the same kernel:
-    /// where [`tpinfer_kernels::gemv_on_cuda`] holds for `x` and `w`.
+    /// `w` (`[(q_heads + 2 · heads) · head_dim, k]`, dense or FP8), the product computed by the
+    /// same kernel: where [`tpinfer_kernels::gemv_on_cuda`] holds for `x` and `w`, with `x` in
+    /// 16 bits.
     pub fn append_projected_rotated_into(
         &self,
         x: &Tensor,
-        w: &Tensor,
+        w: tpinfer_kernels::RowWeight,
         rope: &Rope,
         at: &Position,
         q_heads: usize,

@@ -2,9 +2,10 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::quantized::QMatMul;
-use candle_core::{Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 use candle_nn::Linear;
 use tpinfer_comm::Communicator;
+use tpinfer_kernels::RowWeight;
 use tpinfer_weights::{ShardLoader, ShardSpec, Weight, WeightDecl};
 
 use crate::Result;
@@ -46,6 +47,19 @@ impl Product {
         match self {
             Self::Dense(linear) => Some(linear),
             Self::Quantized { .. } | Self::Fp8 { .. } => None,
+        }
+    }
+
+    /// The weight as the GEMV kernels take it, where the product has no bias: dense or FP8.
+    fn row_weight(&self) -> Option<RowWeight<'_>> {
+        match self {
+            Self::Dense(linear) if linear.bias().is_none() => Some(RowWeight::Dense(linear.weight())),
+            Self::Fp8 {
+                values,
+                scales,
+                bias: None,
+            } => Some(RowWeight::Fp8 { values, scales }),
+            _ => None,
         }
     }
 
@@ -113,11 +127,8 @@ pub(crate) fn quantized_product(weight: &QMatMul, x: &Tensor) -> candle_core::Re
 /// One row's product written into `out`: the GEMV in place where it runs (a kernel chain's
 /// link on CUDA), elsewhere the product copied in.
 fn apply_row_into(product: &Product, x: &Tensor, out: &Tensor) -> candle_core::Result<()> {
-    if let Some(linear) = product.dense() {
-        let w = linear.weight();
-        if linear.bias().is_none() && tpinfer_kernels::gemv_on_cuda(x, w) {
-            return tpinfer_kernels::gemv_into(x, w, out);
-        }
+    if let Some(w) = product.row_weight().filter(|&w| tpinfer_kernels::gemv_on_cuda(x, w)) {
+        return tpinfer_kernels::gemv_into(x, w, out);
     }
     out.slice_set(&apply(product, x)?.reshape(out.shape())?, 0, 0)
 }
@@ -302,12 +313,12 @@ impl MergedColumnParallelLinear {
         }
     }
 
-    /// The merged dense weight, where one row `x`'s product runs as the bias-free GEMV kernel
-    /// on CUDA: for kernels that fuse what follows the product into it.
-    pub fn gemv_weight(&self, x: &Tensor) -> Option<&Tensor> {
-        let linear = self.joined()?.dense()?;
-        let w = linear.weight();
-        (linear.bias().is_none() && tpinfer_kernels::gemv_on_cuda(x, w)).then_some(w)
+    /// The merged weight, dense or FP8, where one row `x`'s product runs as the bias-free GEMV
+    /// kernel on CUDA in 16 bits: for kernels that fuse what follows the product into it.
+    pub fn gemv_weight(&self, x: &Tensor) -> Option<RowWeight<'_>> {
+        self.joined()?
+            .row_weight()
+            .filter(|&w| tpinfer_kernels::gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16))
     }
 
     /// An output of `rows` rows for [`Self::forward_merged_into`], like `x`.
@@ -342,13 +353,12 @@ impl MergedColumnParallelLinear {
         Ok(out.slice_set(&product.reshape(out.shape())?, 0, 0)?)
     }
 
-    /// The dense `[gate | up]` weight, where the fused SiLU-product GEMV covers `x`.
-    fn silu_product_weight(&self, x: &Tensor) -> Option<&Tensor> {
-        let linear = self.joined()?.dense()?;
-        let covered = matches!(self.out_sizes[..], [gate, up] if gate == up)
-            && linear.bias().is_none()
-            && tpinfer_kernels::gemv_gate_up_silu_on_cuda(x, linear.weight());
-        covered.then(|| linear.weight())
+    /// The `[gate | up]` weight, dense or FP8, where the fused SiLU-product GEMV covers `x`.
+    fn silu_product_weight(&self, x: &Tensor) -> Option<RowWeight<'_>> {
+        let w = self.joined()?.row_weight()?;
+        let covered =
+            matches!(self.out_sizes[..], [gate, up] if gate == up) && tpinfer_kernels::gemv_gate_up_silu_on_cuda(x, w);
+        covered.then_some(w)
     }
 
     /// For a gated MLP's `[gate | up]` (two merged linears of one size, no bias) and one
