@@ -34,11 +34,15 @@ impl RowWeight<'_> {
         }
     }
 
-    /// The tile [`gemv`] and [`gemv_gate_up_silu`] use: FP8 takes twice the dense rows per CTA,
-    /// so that a thread keeps as many bytes in flight (cuda/gemv.cu).
-    fn default_tile(&self) -> usize {
+    /// The tile [`gemv`] and [`gemv_gate_up_silu`] use. FP8 takes twice the dense rows per
+    /// CTA, so that a thread keeps as many bytes in flight (cuda/gemv.cu), except where that
+    /// measured slower on an H200 (`tpinfer-bench decode-profile`, Llama-3-8B): with `gate_up`
+    /// (each output reads two rows) and for rows of 8,192 values or more (the down
+    /// projection's 14,336: 0.0160 ms at 4 against 0.0184 at 8).
+    fn default_tile(&self, gate_up: bool) -> usize {
         match self {
             Self::Dense(_) => 4,
+            Self::Fp8 { values, .. } if gate_up || values.dim(1).is_ok_and(|k| k >= 8192) => 4,
             Self::Fp8 { .. } => 8,
         }
     }
@@ -82,7 +86,7 @@ pub fn gemv_gate_up_silu_on_cuda<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>) ->
 /// `x · wᵀ` for `x` `[.., k]` holding one row and `w` `[n, k]`: `[.., n]`, accumulated in f32.
 pub fn gemv<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>) -> Result<Tensor> {
     let w = w.into();
-    apply(x, w, w.default_tile(), false)
+    apply(x, w, w.default_tile(false), false)
 }
 
 /// [`gemv`] with `tile` outputs per CUDA thread block, one of [`GEMV_TILES`] (the tile is
@@ -97,7 +101,7 @@ pub fn gemv_tiled<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>, tile: usize) -> R
 /// pass.
 pub fn gemv_gate_up_silu<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>) -> Result<Tensor> {
     let w = w.into();
-    apply(x, w, w.default_tile(), true)
+    apply(x, w, w.default_tile(true), true)
 }
 
 /// [`gemv`] written into `out` (`[n]` elements, contiguous), as a link of a kernel chain
@@ -143,10 +147,10 @@ pub fn gemv_rotary_qkv_into<'a>(
 fn apply_into(x: &Tensor, w: RowWeight, gate_up: bool, out: &Tensor) -> Result<()> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && (matches!(w, RowWeight::Dense(_)) || gemv_on_cuda(x, w)) {
-        let op = Gemv::checked(x, w, w.default_tile(), gate_up)?;
+        let op = Gemv::checked(x, w, w.default_tile(gate_up), gate_up)?;
         return cuda::gemv_into(&op, x, w, out);
     }
-    let y = apply(x, w, w.default_tile(), gate_up)?;
+    let y = apply(x, w, w.default_tile(gate_up), gate_up)?;
     out.slice_set(&y.reshape(out.shape())?, 0, 0)
 }
 
