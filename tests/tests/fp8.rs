@@ -230,3 +230,45 @@ fn fp8_products_plan_a_quantized_input_on_cuda_and_an_expanded_weight_on_cpu() {
         "CPU: the gate/up expanded, E4M3 to bf16 and the product"
     );
 }
+
+/// The same for the video models: the Wan-14B DiT at TP 2 (81 frames at 480p: 32,760 tokens,
+/// the widest input the FFN's hidden, 6,912 columns a rank; the largest weight its up or down
+/// projection) and umT5-XXL (a 512-token prompt, the widest input its FFN's 10,240; gate and up
+/// expanded together on CPU).
+#[test]
+fn video_fp8_products_plan_a_quantized_input_on_cuda_and_an_expanded_weight_on_cpu() {
+    let extra = |name: &str, tp, placement: Placement, device: fn() -> DeviceProfile| {
+        let plan = |format| {
+            let (_, model) = tpinfer_engine::registry::open_as(name, format).expect("preset");
+            Plan::new(&*model, tp, DType::BF16, placement, device()).expect("plan")
+        };
+        let (fp8, bf16) = (plan(WeightFormat::Fp8), plan(WeightFormat::AsStored));
+        (
+            fp8.tokens_per_forward as u64,
+            fp8.ranks[0].activations - bf16.ranks[0].activations,
+        )
+    };
+    let video = Placement::Dit {
+        frames: 81,
+        width: 832,
+        height: 480,
+        cfg: true,
+    };
+    let (tokens, cuda) = extra("wan2.1-t2v-14b", 2, video, DeviceProfile::cuda);
+    assert_eq!((tokens, cuda), (32_760, 32_760 * (6_912 + 4)), "DiT on CUDA");
+    let (_, cpu) = extra("wan2.1-t2v-14b", 2, video, DeviceProfile::cpu);
+    assert_eq!(
+        cpu,
+        2 * 2 * 6_912 * 5_120,
+        "DiT on CPU: the FFN's projection expanded and scaled"
+    );
+    let prompt = Placement::llm(512, 1);
+    let (_, cuda) = extra("umt5-xxl", 1, prompt, DeviceProfile::cuda);
+    assert_eq!(cuda, 512 * (10_240 + 4), "umT5 on CUDA");
+    let (_, cpu) = extra("umt5-xxl", 1, prompt, DeviceProfile::cpu);
+    assert_eq!(
+        cpu,
+        2 * 2 * 2 * 10_240 * 4_096,
+        "umT5 on CPU: gate and up expanded and scaled"
+    );
+}

@@ -22,7 +22,7 @@ pub enum Fp8Path {
 /// kernels on CUDA from compute capability 8.9, in f32, bf16 or f16, with `k` and `n`
 /// multiples of 16 (cuBLASLt's FP8 GEMM needs 16-byte aligned rows of every operand).
 pub fn fp8_path(device: &Device, dtype: DType, n: usize, k: usize) -> Fp8Path {
-    let shapes = matches!(dtype, DType::F32 | DType::BF16 | DType::F16) && k.is_multiple_of(16) && n.is_multiple_of(16);
+    let shapes = fp8_kernels_take(dtype, n, k);
     let tensor_cores = match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(dev) => cuda::has_fp8_tensor_cores(dev),
@@ -32,6 +32,13 @@ pub fn fp8_path(device: &Device, dtype: DType, n: usize, k: usize) -> Fp8Path {
         true => Fp8Path::Fp8Kernels,
         false => Fp8Path::Expanded,
     }
+}
+
+/// Whether the FP8 kernels take a product of `n` rows and `k` columns in `dtype` on a GPU
+/// with FP8 tensor cores (the device apart from [`fp8_path`]; a plan asks it of a GPU it
+/// has not opened).
+pub fn fp8_kernels_take(dtype: DType, n: usize, k: usize) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16 | DType::F16) && k.is_multiple_of(16) && n.is_multiple_of(16)
 }
 
 /// `x · (values · scales)ᵀ (+ bias)`, then GELU (tanh approximation) when `gelu`, for `x`

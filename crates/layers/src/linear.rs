@@ -76,6 +76,31 @@ impl Product {
 /// products) through the GEMV kernel; more rows with a bias through the fused linear (one
 /// cuBLASLt GEMM with the bias in its epilogue on CUDA); everything else through candle's
 /// matmul, quantized or not.
+/// The bytes the largest FP8 product among `decls` (this rank's slices) takes beyond a dense
+/// product's while it runs, for `rows` input rows in `dtype`, by the path it takes
+/// (`tpinfer_kernels::fp8_path`). With `fp8_tensor_cores` (a plan's CUDA GPU, compute
+/// capability 8.9 or later) and 16-aligned sides, its input quantized: a byte a value and an
+/// f32 scale a row. Otherwise the weight expanded to `dtype`: its values and their scaled copy,
+/// `joined` weights at once where a layer joins several into one product.
+pub fn fp8_product_bytes(
+    decls: &[WeightDecl],
+    dtype: DType,
+    fp8_tensor_cores: bool,
+    rows: usize,
+    joined: usize,
+) -> usize {
+    decls
+        .iter()
+        .filter(|d| d.quant == Some(tpinfer_weights::Quant::Fp8))
+        .filter_map(|d| match d.spec.local_shape(&d.shape).ok()?.as_slice() {
+            &[n, k] if fp8_tensor_cores && tpinfer_kernels::fp8_kernels_take(dtype, n, k) => Some(rows * (k + 4)),
+            &[n, k] => Some(joined * 2 * dtype.size_in_bytes() * n * k),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 fn apply(product: &Product, x: &Tensor) -> candle_core::Result<Tensor> {
     let linear = match product {
         Product::Dense(linear) => linear,

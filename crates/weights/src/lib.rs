@@ -20,7 +20,7 @@ mod shard;
 pub use error::WeightError;
 pub use fp8::quantize_rows;
 pub use gguf::{GgufStore, GgufTensorMap};
-pub use loader::{hold_matrices, largest_fp8_matrix, ShardLoader, Weight, WeightDecl};
+pub use loader::{hold_matrices, ShardLoader, Weight, WeightDecl};
 pub use lora::{LoraAdapter, LoraStore};
 pub use progress::{CountingStore, LoadProgress};
 pub use pth_store::PthStore;

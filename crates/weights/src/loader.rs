@@ -81,19 +81,6 @@ pub fn hold_matrices(
     }
 }
 
-/// The values of the largest FP8 matrix among `decls` (this rank's slice): a product of an
-/// FP8 weight expands it into the compute dtype while it runs (two copies, the values and the
-/// product), which a family's footprint counts, times how many of them its fused layers join.
-pub fn largest_fp8_matrix(decls: &[WeightDecl]) -> usize {
-    decls
-        .iter()
-        .filter(|d| d.quant == Some(Quant::Fp8))
-        .filter_map(|d| d.spec.local_shape(&d.shape).ok())
-        .map(|shape| shape.iter().product::<usize>())
-        .max()
-        .unwrap_or(0)
-}
-
 /// A matrix as a rank holds it: dense in the compute dtype, in the GGML blocks it is stored
 /// in, or as FP8 E4M3 `values` (`[rows, cols]`) times f32 `scales` (`[rows]`).
 #[derive(Clone)]

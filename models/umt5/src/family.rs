@@ -111,7 +111,7 @@ impl RankShard for Umt5RankShard {
     }
 
     /// Prompts are encoded one at a time: the temporaries are one prompt's.
-    fn footprint(&self, dtype: DType, placement: Placement, _: Accelerator) -> Result<Footprint, PlanError> {
+    fn footprint(&self, dtype: DType, placement: Placement, accelerator: Accelerator) -> Result<Footprint, PlanError> {
         let Placement::Llm { max_context, batch, .. } = placement else {
             return Err(PlanError::Placement(
                 "a text encoder is placed with the prompt's tokens (--max-context), not --frames and --size".into(),
@@ -125,10 +125,12 @@ impl RankShard for Umt5RankShard {
             )));
         }
         let m = EncodeMemory::new(&self.config, &self.shard, dtype, max_context);
-        // FP8 weights expand for their products: the merged gate/up, twice the largest.
-        let expanded = 2 * 2 * dtype.size_in_bytes() * tpinfer_weights::largest_fp8_matrix(&self.decls);
+        // An FP8 product beside the peak: on CUDA its quantized input, elsewhere its expanded
+        // weight (the merged gate/up's two).
+        let fp8 =
+            tpinfer_layers::fp8_product_bytes(&self.decls, dtype, accelerator == Accelerator::Cuda, max_context, 2);
         Ok(Footprint {
-            activations: (m.peak + expanded) as u64,
+            activations: (m.peak + fp8) as u64,
             pool_slack: m.pool_slack as u64,
             tokens_per_forward: max_context,
             ..Footprint::default()

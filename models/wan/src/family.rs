@@ -176,16 +176,19 @@ impl RankShard for WanRankShard {
         };
         let path = ForwardPath::for_device(accelerator == Accelerator::Cuda, dtype, c.attention_head_dim);
         let m = DitMemory::new(c, &self.shard, dtype, video, path);
+        let tokens = c.sequence_tokens(frames, width, height);
         Ok(Footprint {
             buffers: m.buffers as u64,
             cache: m.latents as u64,
-            // FP8 weights expand for their products: the FFN's up projection is the largest.
-            activations: (m.activations + 2 * dtype.size_in_bytes() * tpinfer_weights::largest_fp8_matrix(&self.decls))
+            // An FP8 product beside the block's temporaries: on CUDA its quantized input (the
+            // FFN's hidden, the widest), elsewhere its expanded weight (the FFN's up projection).
+            activations: (m.activations
+                + tpinfer_layers::fp8_product_bytes(&self.decls, dtype, accelerator == Accelerator::Cuda, tokens, 1))
                 as u64,
             pool_slack: m.pool_slack as u64,
             // Latents and text states are made by a request, not at load.
             at_load: 0,
-            tokens_per_forward: c.sequence_tokens(frames, width, height),
+            tokens_per_forward: tokens,
         })
     }
 }
