@@ -122,6 +122,9 @@ struct DitArgs {
     /// guided step as `generate` runs it, the conditioning prepared once.
     #[arg(long, default_value_t = 0)]
     guided_steps: usize,
+    /// The form the blocks' linear weights are held in (`fp8`: quantized at load).
+    #[arg(long, value_enum, default_value_t = WeightsArg::AsStored)]
+    weights: WeightsArg,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -129,6 +132,16 @@ enum WeightsArg {
     AsStored,
     Dequantized,
     Fp8,
+}
+
+impl WeightsArg {
+    fn format(self) -> tpinfer_engine::WeightFormat {
+        match self {
+            Self::AsStored => tpinfer_engine::WeightFormat::AsStored,
+            Self::Dequantized => tpinfer_engine::WeightFormat::Dequantized,
+            Self::Fp8 => tpinfer_engine::WeightFormat::Fp8,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -305,11 +318,7 @@ fn engine(common: &Common, tp: usize, max_seqs: usize) -> Result<Engine> {
         .max_seqs(max_seqs)
         .comm_timeout(std::time::Duration::from_secs(common.comm_timeout))
         .enforce_eager(common.enforce_eager);
-    builder = builder.weight_format(match common.weights {
-        WeightsArg::AsStored => tpinfer_engine::WeightFormat::AsStored,
-        WeightsArg::Dequantized => tpinfer_engine::WeightFormat::Dequantized,
-        WeightsArg::Fp8 => tpinfer_engine::WeightFormat::Fp8,
-    });
+    builder = builder.weight_format(common.weights.format());
     if let Some(fault) = common.fault {
         builder = builder.inject_fault(fault);
     }
@@ -592,7 +601,7 @@ fn dit(args: DitArgs) -> Result<()> {
     );
     println!("|---|---|---|---|---|---|");
     for &tp in &args.tp {
-        let builder = builder(&args.model, tp, args.cuda, args.dtype);
+        let builder = builder(&args.model, tp, args.cuda, args.dtype).weight_format(args.weights.format());
         let engine = VideoEngine::start(builder, largest).with_context(|| format!("loading at TP {tp}"))?;
         for (index, input) in inputs.iter().enumerate() {
             let run = || -> Result<candle_core::Tensor> { Ok(input.velocity(&engine, false)?.0) };
