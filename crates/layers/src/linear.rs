@@ -92,9 +92,9 @@ pub fn fp8_product_bytes(
     decls
         .iter()
         .filter(|d| d.quant == Some(tpinfer_weights::Quant::Fp8))
-        .filter_map(|d| match d.spec.local_shape(&d.shape).ok()?.as_slice() {
-            &[n, k] if fp8_tensor_cores && tpinfer_kernels::fp8_kernels_take(dtype, n, k) => Some(rows * (k + 4)),
-            &[n, k] => Some(joined * 2 * dtype.size_in_bytes() * n * k),
+        .filter_map(|d| match *d.spec.local_shape(&d.shape).ok()?.as_slice() {
+            [n, k] if fp8_tensor_cores && tpinfer_kernels::fp8_kernels_take(dtype, n, k) => Some(rows * (k + 4)),
+            [n, k] => Some(joined * 2 * dtype.size_in_bytes() * n * k),
             _ => None,
         })
         .max()
