@@ -31,6 +31,8 @@ pub use tpinfer_kernels::{sample_rows, DecodeRows, QueryGroups, RowSampling, Row
 
 pub use candle_nn::ops::rms_norm;
 #[cfg(feature = "cuda")]
+pub use linear::reserve_quantized_product_scratch;
+#[cfg(feature = "cuda")]
 pub use tpinfer_kernels::graph;
 pub use tpinfer_kernels::{
     add_rms_norm, add_rms_norm_into, argmax, chained, cuda_flash_attention_covers, flash_attention,

@@ -76,6 +76,28 @@ impl Product {
 /// products) through the GEMV kernel; more rows with a bias through the fused linear (one
 /// cuBLASLt GEMM with the bias in its epilogue on CUDA); everything else through candle's
 /// matmul, quantized or not.
+/// Input rows that candle's MMVQ kernels (a product of GGML blocks with few rows) take at
+/// most; more go to its MMQ kernels, whose scratch is apart (candle 0.11's `fast_mmvq`).
+#[cfg(feature = "cuda")]
+const MMVQ_MAX_ROWS: usize = 8;
+
+/// Grows candle's per-device MMVQ scratch (each input row quantized to Q8_1) to the size that
+/// `MMVQ_MAX_ROWS` rows of `widest` values take, which no later product exceeds. A captured
+/// CUDA graph holds that scratch's address, and candle replaces the buffer with a larger one
+/// whenever a product needs more (a prompt of 2–8 tokens after the capture): the graph would
+/// then write memory that has been freed. The scratch only grows, so a rank of GGML blocks
+/// calls this once, with its widest input, before it captures.
+#[cfg(feature = "cuda")]
+pub fn reserve_quantized_product_scratch(device: &candle_core::Device, widest: usize) -> Result<()> {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    // Padded as candle pads a row for the Q8_1 copy; Q8_0 blocks of 32 values.
+    let k = widest.next_multiple_of(512);
+    let w = Tensor::zeros((32, k), DType::F32, &candle_core::Device::Cpu)?;
+    let w = QMatMul::from_arc(Arc::new(QTensor::quantize_onto(&w, GgmlDType::Q8_0, device)?))?;
+    w.forward(&Tensor::zeros((MMVQ_MAX_ROWS, k), DType::F32, device)?)?;
+    Ok(())
+}
+
 /// The bytes the largest FP8 product among `decls` (this rank's slices) takes beyond a dense
 /// product's while it runs, for `rows` input rows in `dtype`, by the path it takes
 /// (`tpinfer_kernels::fp8_path`). With `fp8_tensor_cores` (a plan's CUDA GPU, compute

@@ -59,8 +59,10 @@ pub struct LlamaRank {
     bytes_on_device: usize,
     /// Whether some weights are held in GGML blocks. candle's quantized matmuls capture in the
     /// one-sequence decode step (an 8B Q4_K_M's logits equal the eager step's bit for bit on
-    /// an H200, at 1.25× its speed) but are not validated in batched steps, which such a rank
-    /// runs eagerly. (FP8 products are tpinfer's kernels and cuBLASLt, which capture.)
+    /// an H200, at 1.25× its speed), their scratch reserved first
+    /// (`tpinfer_layers::reserve_quantized_product_scratch`), but are not validated in batched
+    /// steps, which such a rank runs eagerly. (FP8 products are tpinfer's kernels and
+    /// cuBLASLt, which capture.)
     #[cfg(feature = "cuda")]
     ggml_blocks: bool,
 }
@@ -366,10 +368,16 @@ impl LlamaRank {
             let device = self.norm.device().clone();
             (self.decode, self.batch_graphs) = match (on, self.paged) {
                 (false, _) => (None, None),
-                (true, None) => (
-                    crate::graph::DecodeGraph::new(&device, self.flash, self.config.vocab_size)?,
-                    None,
-                ),
+                (true, None) => {
+                    if self.ggml_blocks {
+                        let widest = self.config.hidden_size.max(self.shard.ffn_cols.len());
+                        tpinfer_layers::reserve_quantized_product_scratch(&device, widest)?;
+                    }
+                    (
+                        crate::graph::DecodeGraph::new(&device, self.flash, self.config.vocab_size)?,
+                        None,
+                    )
+                }
                 (true, Some(_)) if self.ggml_blocks => (None, None),
                 (true, Some(_)) => (None, self.new_batch_graphs()?),
             };
