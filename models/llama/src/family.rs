@@ -130,8 +130,8 @@ impl LlamaRankShard {
         let gate = format!("{}.weight", crate::shard::names::LayerNames::of(0).gate);
         let quant = self.decls.iter().find(|d| d.name == gate).and_then(|d| d.quant);
         if quant == Some(Quant::Fp8) && accelerator == Accelerator::Cuda {
-            let widest_input = self.config.hidden_size.max(self.shard.ffn_cols.len());
-            return rows * (widest_input + 4);
+            // The merged gate/up: two weights expanded at once where a side is not 16-aligned.
+            return tpinfer_layers::fp8_product_bytes(&self.decls, dtype, true, rows, 2);
         }
         let per_value = match quant {
             Some(Quant::Fp8) => 2 * dtype.size_in_bytes(),
