@@ -48,6 +48,16 @@ impl RowWeight<'_> {
     }
 }
 
+/// Values in one 16-byte load of a weight row (cuda/gemv.cu), FP8 or 16-bit: `k` and the
+/// offsets are whole loads of them.
+fn values_per_load(fp8: bool) -> usize {
+    if fp8 {
+        16
+    } else {
+        8
+    }
+}
+
 /// Whether [`gemv`] runs on CUDA for `x` and `w`: one row, `k` a whole number of 16-byte
 /// loads; a dense `w` in `x`'s dtype, bf16 or f16; an FP8 `w` on a GPU of FP8 tensor cores
 /// ([`fp8_path`]), with `x` in f32, bf16 or f16. On CPU a dense product always runs (the twin
@@ -67,11 +77,11 @@ pub fn gemv_on_cuda<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>) -> bool {
                 && fp8_path(x.device(), x.dtype(), n, k) == Fp8Path::Fp8Kernels
         }
     };
-    let load = match w {
-        RowWeight::Dense(_) => 8,
-        RowWeight::Fp8 { .. } => 16,
-    };
-    cfg!(feature = "cuda") && x.device().is_cuda() && typed && one_row && k.is_multiple_of(load)
+    cfg!(feature = "cuda")
+        && x.device().is_cuda()
+        && typed
+        && one_row
+        && k.is_multiple_of(values_per_load(matches!(w, RowWeight::Fp8 { .. })))
 }
 
 /// Whether [`gemv_gate_up_silu`] runs on CUDA, as [`gemv_on_cuda`], with `w`'s rows even and
@@ -337,13 +347,17 @@ mod cuda {
             }
         }
 
-        /// Values in one 16-byte load: k and the offsets are whole loads of them.
-        fn load(&self) -> usize {
-            if self.fp8 {
-                16
-            } else {
-                8
+        /// Fails unless `k` and the offsets of x (`x_offset`) and of the values are whole
+        /// 16-byte loads of values.
+        fn check_loads(&self, k: usize, x_offset: usize, kernel: &str) -> Result<()> {
+            let load = super::values_per_load(self.fp8);
+            if !(k.is_multiple_of(load) && [x_offset, self.offset].iter().all(|o| o.is_multiple_of(load))) {
+                candle_core::bail!(
+                    "{kernel}: k = {k} and the offsets of x and w {:?} must be multiples of {load}",
+                    [x_offset, self.offset]
+                );
             }
+            Ok(())
         }
     }
 
@@ -402,14 +416,7 @@ mod cuda {
         };
         let x = x.contiguous()?;
         let weight = Weight::of(w)?;
-        let load = weight.load();
-        if !(k.is_multiple_of(load)
-            && [x.layout().start_offset(), weight.offset]
-                .iter()
-                .all(|o| o.is_multiple_of(load)))
-        {
-            candle_core::bail!("gemv_rotary_qkv: k = {k} and the offsets of x and w must be multiples of {load}");
-        }
+        weight.check_loads(k, x.layout().start_offset(), "gemv_rotary_qkv")?;
         let func = crate::module::GEMV.kernel(dev, &format!("gemv_rotary_{}{}", weight.format(), suffix(dtype)?))?;
         let cfg = LaunchConfig {
             grid_dim: ((rows / 2) as u32, 1, 1),
@@ -437,13 +444,8 @@ mod cuda {
 
     /// Launches the kernel on `x` (its address and offset in elements), `w` and `y`.
     fn launch(op: &Gemv, dev: &CudaDevice, dtype: DType, (x, x_offset): (u64, usize), w: Weight, y: u64) -> Result<()> {
-        let (n, k, load) = (op.n, op.k, w.load());
-        if !(k.is_multiple_of(load) && [x_offset, w.offset].iter().all(|o| o.is_multiple_of(load))) {
-            candle_core::bail!(
-                "gemv: k = {k} and the offsets {:?} must be multiples of {load}",
-                [x_offset, w.offset]
-            );
-        }
+        let (n, k) = (op.n, op.k);
+        w.check_loads(k, x_offset, "gemv")?;
         let kernel = if op.gate_up { "gemv_gate_up_silu" } else { "gemv" };
         let name = format!("{kernel}_{}{}_r{}", w.format(), suffix(dtype)?, op.tile);
         let func = crate::module::GEMV.kernel(dev, &name)?;

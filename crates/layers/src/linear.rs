@@ -72,10 +72,6 @@ impl Product {
     }
 }
 
-/// `x · wᵀ (+ b)` through `product`: dense, one input row on CUDA in 16 bits (a decode step's
-/// products) through the GEMV kernel; more rows with a bias through the fused linear (one
-/// cuBLASLt GEMM with the bias in its epilogue on CUDA); everything else through candle's
-/// matmul, quantized or not.
 /// Input rows that candle's MMVQ kernels (a product of GGML blocks with few rows) take at
 /// most; more go to its MMQ kernels, whose scratch is apart (candle 0.11's `fast_mmvq`).
 #[cfg(feature = "cuda")]
@@ -123,6 +119,10 @@ pub fn fp8_product_bytes(
         .unwrap_or(0)
 }
 
+/// `x · wᵀ (+ b)` through `product`: dense, one input row on CUDA in 16 bits (a decode step's
+/// products) through the GEMV kernel; more rows with a bias through the fused linear (one
+/// cuBLASLt GEMM with the bias in its epilogue on CUDA); everything else through candle's
+/// matmul, quantized or not.
 fn apply(product: &Product, x: &Tensor) -> candle_core::Result<Tensor> {
     let linear = match product {
         Product::Dense(linear) => linear,
