@@ -80,3 +80,83 @@ impl candle_core::InplaceOp1 for WriteU32s<'_> {
         stream.memcpy_htod(self.0, &mut dst).w()
     }
 }
+
+/// Where a small u32 tensor's values are copied for the host without a wait: queued behind the
+/// work that writes them, read once the host has waited for that work (say on a
+/// `Communicator::fence` taken after [`ReadBack::queue`]) while later work stays queued. On
+/// CUDA, page-locked host memory, which the copy engine writes on its own; CPU tensors are
+/// read when queued.
+pub struct ReadBack {
+    values: HostValues,
+}
+
+enum HostValues {
+    Cpu(Vec<u32>),
+    #[cfg(feature = "cuda")]
+    Pinned(candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<u32>),
+}
+
+impl ReadBack {
+    /// Room for `len` values from tensors on `device`.
+    pub fn new(len: usize, device: &candle_core::Device) -> Result<Self> {
+        let values = match device {
+            #[cfg(feature = "cuda")]
+            candle_core::Device::Cuda(cuda) => {
+                use candle_core::cuda_backend::WrapErr;
+                // SAFETY: every value is written by a copy before it is read (`values`).
+                // Cached (not write-combined) memory: the host reads it.
+                let pinned = unsafe { cuda.cuda_stream().context().alloc_pinned_with_flags::<u32>(len, 0) }.w()?;
+                HostValues::Pinned(pinned)
+            }
+            _ => HostValues::Cpu(vec![0; len]),
+        };
+        Ok(Self { values })
+    }
+
+    /// Queues the copy of `src` (contiguous u32, as many values as this holds) after the work
+    /// queued so far.
+    pub fn queue(&mut self, src: &Tensor) -> Result<()> {
+        let len = match &self.values {
+            HostValues::Cpu(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            HostValues::Pinned(p) => p.len(),
+        };
+        if src.dtype() != DType::U32 || src.elem_count() != len || !src.is_contiguous() {
+            candle_core::bail!(
+                "read back: a {:?} {:?} tensor is not {len} contiguous u32 values",
+                src.dtype(),
+                src.dims()
+            );
+        }
+        match &mut self.values {
+            HostValues::Cpu(v) => v.copy_from_slice(&src.flatten_all()?.to_vec1::<u32>()?),
+            #[cfg(feature = "cuda")]
+            HostValues::Pinned(pinned) => {
+                use candle_core::cuda_backend::WrapErr;
+                let (storage, layout) = src.storage_and_layout();
+                let candle_core::Storage::Cuda(storage) = &*storage else {
+                    candle_core::bail!("read back: the tensor is not on the GPU its host memory belongs to");
+                };
+                let start = layout.start_offset();
+                let view = storage.as_cuda_slice::<u32>()?.slice(start..start + len);
+                storage.device.cuda_stream().memcpy_dtoh(&view, pinned).w()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The values the last [`Self::queue`] copied. The caller has waited for the copy: this
+    /// does not.
+    pub fn values(&self) -> Result<&[u32]> {
+        match &self.values {
+            HostValues::Cpu(v) => Ok(v),
+            // The slice's own wait is for an event that cudarc records only in its
+            // multi-stream mode: past the caller's wait, it returns at once either way.
+            #[cfg(feature = "cuda")]
+            HostValues::Pinned(pinned) => {
+                use candle_core::cuda_backend::WrapErr;
+                pinned.as_slice().w()
+            }
+        }
+    }
+}
