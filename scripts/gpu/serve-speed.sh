@@ -6,7 +6,8 @@
 # (default 1,32,64; "none" skips it). Binaries from $BIN (scripts/build/build-cuda.sh's .dist). Needs torch.
 # Results: $OUT/serve-speed.log (and the servers' own logs, $OUT/serve-*.log). First, a server
 # with --max-seqs 1 (one request at a time, the captured decode step) at concurrency 1,
-# greedy and at temperature 0.7.
+# greedy and at temperature 0.7 (SINGLE=0 skips it; SERVE_ARGS adds flags to every server,
+# such as --quantize fp8); MAX_SEQS=none skips continuous batching.
 . "$(dirname "$0")/env.sh"
 TOK=${TOK:-.dist/llama3-tokenizer}
 LOG=$OUT/serve-speed.log
@@ -18,7 +19,7 @@ cat "$W"/m8b/*.safetensors > /dev/null
 serve() {
   log "tpinfer serve --max-seqs $1"
   RUST_LOG=${RUST_LOG:-info,tpinfer_engine::batching=debug} "$BIN/tpinfer" serve --model "$W/m8b" --served-model-name m8b --tp 1 --device cuda --port 8123 \
-    --max-seqs "$1" --max-context "${CONTEXT:-1024}" > "$OUT/serve-$1.log" 2>&1 &
+    --max-seqs "$1" --max-context "${CONTEXT:-1024}" ${SERVE_ARGS:-} > "$OUT/serve-$1.log" 2>&1 &
   server=$!
   for _ in $(seq 300); do
     curl -sf localhost:8123/health > /dev/null && return 0
@@ -44,7 +45,7 @@ if [ "${SINGLE:-1}" = 1 ] && serve 1; then
   stop
 fi
 # Continuous batching.
-if serve "${MAX_SEQS:-128}"; then
+if [ "${MAX_SEQS:-}" != none ] && serve "${MAX_SEQS:-128}"; then
   load "${LEVELS:-1,8,32,64,128}"
   stop
   # Each batched step's times (the engine's debug events), by the sequences in it.
