@@ -144,9 +144,8 @@ pub trait Communicator {
     fn stats(&self) -> &CommStats;
 }
 
-/// A point in the work a rank has queued on its device ([`Communicator::fence`]). Thread ranks
-/// (CPU ranks, or one GPU alone) have no peer to watch while they wait: theirs has always
-/// passed, and whoever reads a lone GPU's results waits for its device itself.
+/// A point in the work a rank has queued on its device ([`Communicator::fence`]). CPU ranks
+/// run their work as they queue it, so theirs has always passed.
 #[derive(Debug)]
 pub struct Fence {
     #[cfg(feature = "nccl")]

@@ -82,9 +82,10 @@ impl candle_core::InplaceOp1 for WriteU32s<'_> {
 }
 
 /// Where a small u32 tensor's values are copied for the host without a wait: queued behind the
-/// work that writes them, and read ([`ReadBack::values`]) once that work alone has finished,
-/// while later work stays queued. On CUDA, page-locked host memory, which the copy engine
-/// writes on its own; CPU tensors are read when queued.
+/// work that writes them, read once the host has waited for that work (say on a
+/// `Communicator::fence` taken after [`ReadBack::queue`]) while later work stays queued. On
+/// CUDA, page-locked host memory, which the copy engine writes on its own; CPU tensors are
+/// read when queued.
 pub struct ReadBack {
     values: HostValues,
 }
@@ -92,11 +93,7 @@ pub struct ReadBack {
 enum HostValues {
     Cpu(Vec<u32>),
     #[cfg(feature = "cuda")]
-    Pinned {
-        host: candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<u32>,
-        /// Recorded after the last copy into `host`.
-        copied: Option<candle_core::cuda_backend::cudarc::driver::CudaEvent>,
-    },
+    Pinned(candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<u32>),
 }
 
 impl ReadBack {
@@ -108,8 +105,8 @@ impl ReadBack {
                 use candle_core::cuda_backend::WrapErr;
                 // SAFETY: every value is written by a copy before it is read (`values`).
                 // Cached (not write-combined) memory: the host reads it.
-                let host = unsafe { cuda.cuda_stream().context().alloc_pinned_with_flags::<u32>(len, 0) }.w()?;
-                HostValues::Pinned { host, copied: None }
+                let pinned = unsafe { cuda.cuda_stream().context().alloc_pinned_with_flags::<u32>(len, 0) }.w()?;
+                HostValues::Pinned(pinned)
             }
             _ => HostValues::Cpu(vec![0; len]),
         };
@@ -122,7 +119,7 @@ impl ReadBack {
         let len = match &self.values {
             HostValues::Cpu(v) => v.len(),
             #[cfg(feature = "cuda")]
-            HostValues::Pinned { host, .. } => host.len(),
+            HostValues::Pinned(p) => p.len(),
         };
         if src.dtype() != DType::U32 || src.elem_count() != len || !src.is_contiguous() {
             candle_core::bail!(
@@ -134,7 +131,7 @@ impl ReadBack {
         match &mut self.values {
             HostValues::Cpu(v) => v.copy_from_slice(&src.flatten_all()?.to_vec1::<u32>()?),
             #[cfg(feature = "cuda")]
-            HostValues::Pinned { host, copied } => {
+            HostValues::Pinned(pinned) => {
                 use candle_core::cuda_backend::WrapErr;
                 let (storage, layout) = src.storage_and_layout();
                 let candle_core::Storage::Cuda(storage) = &*storage else {
@@ -142,28 +139,23 @@ impl ReadBack {
                 };
                 let start = layout.start_offset();
                 let view = storage.as_cuda_slice::<u32>()?.slice(start..start + len);
-                let stream = storage.device.cuda_stream();
-                stream.memcpy_dtoh(&view, host).w()?;
-                *copied = Some(stream.record_event(None).w()?);
+                storage.device.cuda_stream().memcpy_dtoh(&view, pinned).w()?;
             }
         }
         Ok(())
     }
 
-    /// The values the last [`Self::queue`] copied, once the copy has finished: this waits for
-    /// it, and for the work queued before it, but not for work queued since.
+    /// The values the last [`Self::queue`] copied. The caller has waited for the copy: this
+    /// does not.
     pub fn values(&self) -> Result<&[u32]> {
         match &self.values {
             HostValues::Cpu(v) => Ok(v),
+            // The slice's own wait is for an event that cudarc records only in its
+            // multi-stream mode: past the caller's wait, it returns at once either way.
             #[cfg(feature = "cuda")]
-            HostValues::Pinned { host, copied } => {
+            HostValues::Pinned(pinned) => {
                 use candle_core::cuda_backend::WrapErr;
-                if let Some(copied) = copied {
-                    copied.synchronize().w()?;
-                }
-                // The slice's own wait is for an event that cudarc records only in its
-                // multi-stream mode: past the one above, it returns at once either way.
-                host.as_slice().w()
+                pinned.as_slice().w()
             }
         }
     }
