@@ -374,18 +374,15 @@ pub fn run_greedy_with(
     traces.into_iter().next().expect("rank 0")
 }
 
-/// Greedy decoding kept on the device ([`LlamaRank::greedy_queue`]) at TP `tp` on CPU rank
-/// threads: the prompt, then `steps` steps, each read after `ahead` - 1 more are queued
-/// behind it (1: read as it is queued), rank r passing the flag r + 1 at every step. Rank 0's
-/// trace (the logits of the prompt and of the steps that return theirs: those read with none
-/// queued after them), every rank's summed flags per step, and rank 0's all-reduces over the
-/// steps.
+/// Greedy decoding kept on the device ([`LlamaRank::greedy_step`]) at TP `tp` on CPU rank
+/// threads: the prompt, then `steps` steps, rank r passing the flag r + 1 at every step. Rank
+/// 0's trace, every rank's summed flags per step, and rank 0's all-reduces over the steps.
 pub fn run_device_greedy(
     model: &Path,
     tp: usize,
     dtype: DType,
     prompt: &[u32],
-    (steps, ahead): (usize, usize),
+    steps: usize,
 ) -> (LogitsTrace, Vec<Vec<u32>>, u64) {
     let runs = on_cpu_ranks(model, tp, dtype, |mut rank, comm| {
         let flag = comm.rank() as u32 + 1;
@@ -398,19 +395,9 @@ pub fn run_device_greedy(
         };
         let mut flags = Vec::new();
         let before = comm.stats().snapshot();
-        let mut queued = 0;
         for _ in 0..steps {
-            while queued < (trace.tokens.len() - 1 + ahead).min(steps) {
-                rank.greedy_queue(flag).expect("greedy step queued");
-                queued += 1;
-            }
-            let step = rank.greedy_take().expect("greedy step read");
-            assert_eq!(
-                step.logits.is_some(),
-                queued == trace.tokens.len(),
-                "logits of the newest step alone"
-            );
-            trace.logits.extend(step.logits.as_ref().map(values));
+            let step = rank.greedy_step(flag).expect("greedy step");
+            trace.logits.push(values(&step.logits));
             trace.tokens.push(step.token);
             flags.push(step.flags);
         }

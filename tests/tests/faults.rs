@@ -43,12 +43,9 @@ fn run_with(fault: Fault, tp: usize) -> (usize, EngineError, EngineError) {
 #[test]
 fn a_rank_returning_an_error_is_the_reported_cause() {
     let (tokens, error, again) = run_with(Fault::Error { rank: 1, step: 3 }, 3);
-    // Rank 1 fails awaiting decode step 3, which every rank ran (the ranks queue a greedy step
-    // ahead of the one they read): the prompt's token, steps 0–2's, and step 3's, which rank 0
-    // read, are delivered; nothing after.
     assert_eq!(
-        tokens, 5,
-        "the tokens of the steps run before the failure are delivered"
+        tokens, 4,
+        "the tokens sampled before the failing decode step are delivered"
     );
     assert!(matches!(error, EngineError::Injected { rank: 1, .. }), "{error}");
     assert!(again.to_string().contains("rank 1: injected fault"), "{again}");

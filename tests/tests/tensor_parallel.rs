@@ -178,21 +178,18 @@ fn flash_attention_path_equals_unfused_path() {
 
 /// Greedy decoding on the device (each step's argmax left there as the next input, the ranks'
 /// flags summed within the step) picks the tokens the host picks from the same logits, at
-/// every width, every rank reads the same flag sum, and a step adds one all-reduce. Read a
-/// step behind the device (the next one queued before a step is read), the tokens and flags
-/// are the same, and only the newest step read returns its logits.
+/// every width, every rank reads the same flag sum, and a step adds one all-reduce.
 #[test]
 fn device_greedy_steps_equal_host_greedy_steps() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = TinyLlama::default().write(dir.path());
     let host = run_greedy(&path, 1, DType::F32, PROMPT, 10);
     for tp in [1, 2, 3] {
-        let (device, flags, all_reduces) = run_device_greedy(&path, tp, DType::F32, PROMPT, (10, 1));
+        let (device, flags, all_reduces) = run_device_greedy(&path, tp, DType::F32, PROMPT, 10);
         // Per step: the embedding's, two per layer, and the flags' sum.
         let layers = TinyLlama::default().layers as u64;
         assert_eq!(all_reduces, 10 * (2 + 2 * layers), "TP {tp}");
         assert_eq!(device.tokens, host.tokens, "TP {tp}");
-        assert_eq!(device.logits.len(), host.logits.len(), "TP {tp}");
         for (step, (got, want)) in device.logits.iter().zip(&host.logits).enumerate() {
             let err = rel_error(got, want);
             assert!(err < 1e-5, "TP {tp} step {step}: {err:e}");
@@ -201,13 +198,5 @@ fn device_greedy_steps_equal_host_greedy_steps() {
         for rank_flags in &flags {
             assert_eq!(rank_flags, &vec![sum; 10], "TP {tp}");
         }
-        let (ahead, ahead_flags, ahead_all_reduces) = run_device_greedy(&path, tp, DType::F32, PROMPT, (10, 2));
-        assert_eq!(ahead.tokens, host.tokens, "TP {tp}, a step ahead");
-        assert_eq!(ahead_flags, flags, "TP {tp}, a step ahead");
-        assert_eq!(ahead_all_reduces, all_reduces, "TP {tp}, a step ahead");
-        // The prompt's logits and the last step's: every other step was read behind a newer one.
-        assert_eq!(ahead.logits.len(), 2, "TP {tp}, a step ahead");
-        let err = rel_error(&ahead.logits[1], &host.logits[10]);
-        assert!(err < 1e-5, "TP {tp}, a step ahead, the last step: {err:e}");
     }
 }

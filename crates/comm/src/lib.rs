@@ -131,35 +131,11 @@ pub trait Communicator {
     /// finished, so that the host may read its results; fails, naming the rank, when a peer
     /// has failed or stalled meanwhile. CPU ranks have nothing queued.
     fn wait(&self) -> Result<(), CommError>;
-    /// Marks the work this rank has queued so far, for [`Communicator::wait_for`] to wait on
-    /// while more stays queued behind it.
-    fn fence(&self) -> Result<Fence, CommError>;
-    /// [`Communicator::wait`] for the work queued before `fence` alone: returns once it has
-    /// finished, however much was queued after it, or fails as `wait` does.
-    fn wait_for(&self, fence: &Fence) -> Result<(), CommError>;
     /// Marks this rank as failed with `cause`, so that every peer's pending and next collective
     /// fails at once with this rank named instead of waiting for it.
     fn abort(&self, cause: &str);
     /// Counters of the collectives this rank has entered.
     fn stats(&self) -> &CommStats;
-}
-
-/// A point in the work a rank has queued on its device ([`Communicator::fence`]). CPU ranks
-/// run their work as they queue it, so theirs has always passed.
-#[derive(Debug)]
-pub struct Fence {
-    #[cfg(feature = "nccl")]
-    event: Option<candle_core::cuda::cudarc::driver::CudaEvent>,
-}
-
-impl Fence {
-    /// The fence of a rank with nothing queued.
-    fn passed() -> Self {
-        Self {
-            #[cfg(feature = "nccl")]
-            event: None,
-        }
-    }
 }
 
 /// [`Communicator::all_gather_rows`] in one part: the gathered tensor.

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use candle_core::cuda::cudarc::driver::{
-    CudaEvent, CudaSlice, CudaStream, CudaView, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop,
+    CudaSlice, CudaStream, CudaView, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop,
 };
 use candle_core::cuda::cudarc::nccl::{result::NcclError, sys, Comm, Id, NcclType, ReduceOp};
 use candle_core::cuda::CudaDType;
@@ -23,7 +23,7 @@ use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 
 use crate::peer::PeerReduce;
 use crate::peer_rows::{Host, PeerRows};
-use crate::{Collective, CommError, CommOptions, CommStats, Communicator, Fence};
+use crate::{Collective, CommError, CommOptions, CommStats, Communicator};
 
 /// All-reduces of 16-bit tensors up to this size over more than two ranks are summed in f32
 /// (see `all_reduce_sum`).
@@ -321,24 +321,15 @@ impl NcclComm {
     /// Waits for the stream to finish what was queued, with a deadline, watching for peers'
     /// failures. On either, aborts this rank's communicator so that no kernel spins forever.
     fn wait_for_stream(&self, op: Collective) -> Result<(), CommError> {
-        let event = self.record(op)?;
-        self.wait_for_event(op, &event)
-    }
-
-    /// An event recorded after the work queued so far on this rank's stream.
-    fn record(&self, op: Collective) -> Result<CudaEvent, CommError> {
-        self.device
-            .cuda_stream()
-            .record_event(None)
-            .map_err(|e| self.tensor_error(op)(candle_core::Error::Cuda(Box::new(e))))
-    }
-
-    /// [`Self::wait_for_stream`] up to `event`, which work queued after it does not delay.
-    fn wait_for_event(&self, op: Collective, event: &CudaEvent) -> Result<(), CommError> {
         {
             let mut board = self.group.board();
             board.entered[self.rank] += 1;
         }
+        let event = self
+            .device
+            .cuda_stream()
+            .record_event(None)
+            .map_err(|e| self.tensor_error(op)(candle_core::Error::Cuda(Box::new(e))))?;
         let deadline = Instant::now() + self.group.timeout;
         loop {
             match event.try_is_complete() {
@@ -687,19 +678,6 @@ impl Communicator for NcclComm {
 
     fn wait(&self) -> Result<(), CommError> {
         self.wait_for_stream(Collective::Wait)
-    }
-
-    fn fence(&self) -> Result<Fence, CommError> {
-        Ok(Fence {
-            event: Some(self.record(Collective::Wait)?),
-        })
-    }
-
-    fn wait_for(&self, fence: &Fence) -> Result<(), CommError> {
-        match &fence.event {
-            Some(event) => self.wait_for_event(Collective::Wait, event),
-            None => Ok(()),
-        }
     }
 
     fn abort(&self, cause: &str) {

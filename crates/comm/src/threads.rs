@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::{Collective, CommError, CommStats, Communicator, Fence};
+use crate::{Collective, CommError, CommStats, Communicator};
 
 /// How long a rank waits for its peers before it names the missing ones.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
@@ -322,14 +322,6 @@ impl Communicator for ThreadComm {
     }
 
     fn wait(&self) -> Result<(), CommError> {
-        Ok(())
-    }
-
-    fn fence(&self) -> Result<Fence, CommError> {
-        Ok(Fence::passed())
-    }
-
-    fn wait_for(&self, _fence: &Fence) -> Result<(), CommError> {
         Ok(())
     }
 

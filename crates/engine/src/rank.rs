@@ -141,9 +141,10 @@ impl<'a> JobRun<'a> {
         }
     }
 
-    /// Fails, naming decode `step`, where its `logits` are not finite: checked every
-    /// [`FINITE_CHECK_STEPS`] steps, and at the `last`.
-    fn check_finite(&self, logits: &Tensor, step: usize, last: bool) -> Result<(), EngineError> {
+    /// Fails, naming the decode step, where the `logits` of the step just run are not
+    /// finite: checked every [`FINITE_CHECK_STEPS`] steps, and at the `last`.
+    fn check_finite(&self, logits: &Tensor, last: bool) -> Result<(), EngineError> {
+        let step = self.context.len() - self.job.prompt.len();
         if !last && !step.is_multiple_of(FINITE_CHECK_STEPS) {
             return Ok(());
         }
@@ -158,11 +159,6 @@ impl<'a> JobRun<'a> {
                 stage: format!("decode step {step}"),
             }),
         }
-    }
-
-    /// The number of tokens generated so far.
-    fn generated(&self) -> usize {
-        self.context.len() - self.job.prompt.len()
     }
 
     fn layer_err(&self) -> impl Fn(tpinfer_layers::Error) -> EngineError {
@@ -180,27 +176,17 @@ impl<'a> JobRun<'a> {
         cached: usize,
         capacity: usize,
     ) -> Option<StopReason> {
-        let listening = self.stream(token, logprobs);
-        self.ending(token, cached, capacity)
-            .or((!listening).then_some(StopReason::Cancelled))
-    }
-
-    /// Rank 0 streams a new `token`; false once the request's receiver is gone.
-    fn stream(&mut self, token: u32, logprobs: Option<crate::TokenLogprobs>) -> bool {
         self.prefill.get_or_insert_with(|| self.start.elapsed());
-        self.job.events.send(RankEvent::Token(token, logprobs)).is_ok()
-    }
-
-    /// Whether the request ends at a new `token` (kept either way), as every rank decides alike
-    /// from the token: at an end of sequence, at its token limit, or where the KV cache (of
-    /// `cached` positions, `capacity` at most) has no room to run it.
-    fn ending(&self, token: u32, cached: usize, capacity: usize) -> Option<StopReason> {
+        let generated = self.context.len() + 1 - self.job.prompt.len();
+        let cancelled = self.job.events.send(RankEvent::Token(token, logprobs)).is_err();
         if self.job.eos.contains(&token) {
             Some(StopReason::Eos)
-        } else if self.generated() + 1 >= self.job.max_new_tokens {
+        } else if generated >= self.job.max_new_tokens {
             Some(StopReason::MaxTokens)
         } else if cached + 1 > capacity {
             Some(StopReason::ContextFull)
+        } else if cancelled {
+            Some(StopReason::Cancelled)
         } else {
             None
         }
@@ -231,9 +217,10 @@ impl<'a> JobRun<'a> {
         let _ = self.job.events.send(RankEvent::Done(stats));
     }
 
-    /// Injects the configured fault before decode step `step` (the forward of the
-    /// (`step` + 1)-th generated token).
-    fn maybe_fault(&mut self, setup: &RankSetup<'_>, step: usize) -> Result<(), EngineError> {
+    /// Injects the configured fault before decode step `n` (the forward of the (n + 1)-th
+    /// generated token).
+    fn maybe_fault(&mut self, setup: &RankSetup<'_>) -> Result<(), EngineError> {
+        let step = self.context.len() - self.job.prompt.len() - 1;
         match setup.fault.filter(|f| f.at(self.rank, step)) {
             Some(Fault::NonFinite { .. }) => {
                 self.poisoned = true;
@@ -250,15 +237,10 @@ fn sample_err(e: candle_core::Error) -> EngineError {
 }
 
 /// Greedy decoding on the device: each step's argmax stays there as the next step's input, so
-/// the host only reads the token (8 bytes with the stop flag) and never sends one back.
-///
-/// The device runs a step ahead of the host: while the host streams a token and decides on
-/// it, the next step is already queued, so no step waits on the host. Every rank reads the
-/// same tokens, so every rank ends alike at an end of sequence, the token limit or a full KV
-/// cache (a step that would overflow it is never queued), and the steps still queued then are
-/// read and their tokens discarded. Only a cancellation is rank 0's alone: it rides on the
-/// flag sum of the next step queued. No step is queued past one whose logits are read: the
-/// finiteness checks' and, for a traced request, every step.
+/// the host only reads the token (8 bytes with the stop flag) and never sends one back. Rank
+/// 0's stop decision for a token rides on the next step's flag sum, so that every rank leaves
+/// after the same step; that step's token is discarded. A step that would overflow the KV
+/// cache is never run: every rank sees that alike.
 fn run_greedy(
     model: &mut LlamaRank,
     comm: &dyn Communicator,
@@ -267,72 +249,28 @@ fn run_greedy(
     logits: Tensor,
 ) -> Result<usize, EngineError> {
     run.trace(&logits)?;
-    let traced = run.job.logits.is_some();
     let capacity = model.max_positions();
     let mut token = model.greedy_start(&logits).map_err(run.layer_err())?;
-    // Rank 0's: the request's receiver is gone.
-    let mut cancelled = false;
-    // Steps queued so far, and of them not yet read.
-    let (mut queued, mut unread) = (0, 0);
-    // The logits of the step read last, where no later one has overwritten them.
-    let mut newest = None;
     loop {
-        // `token` has just been read; `unread` steps are queued after it.
-        let cached = run.context.len();
-        let end = run.ending(token, cached, capacity);
-        if run.rank == 0 && !cancelled {
-            cancelled = !run.stream(token, None);
-        }
-        run.context.push(token);
-        if let Some(reason) = end {
-            return finish_greedy(model, comm, run, reason, (queued, unread), newest);
-        }
-        let depth = match traced {
-            true => 1,
-            false => 2,
+        let reason = match run.rank {
+            0 => run.accept(token, None, model.cached_positions(), capacity),
+            _ => None,
         };
-        while unread < depth && model.cached_positions() < capacity {
-            if unread > 0 && queued % FINITE_CHECK_STEPS == 0 {
-                break;
-            }
-            let flag = encode(cancelled.then_some(StopReason::Cancelled));
-            model.greedy_queue(flag).map_err(run.layer_err())?;
-            (queued, unread) = (queued + 1, unread + 1);
+        run.context.push(token);
+        if model.cached_positions() + 1 > capacity {
+            run.finish(comm, reason.unwrap_or(StopReason::ContextFull));
+            return Ok(model.cached_positions());
         }
-        // A fault strikes as the step's result is awaited, as a failure on the device would.
-        run.maybe_fault(setup, queued - unread)?;
-        let step = model.greedy_take().map_err(run.layer_err())?;
-        unread -= 1;
+        run.maybe_fault(setup)?;
+        let step = model.greedy_step(encode(reason)).map_err(run.layer_err())?;
+        run.check_finite(&step.logits, decode(step.flags).is_some())?;
         if let Some(reason) = decode(step.flags) {
-            return finish_greedy(model, comm, run, reason, (queued, unread), step.logits);
+            run.finish(comm, reason);
+            return Ok(model.cached_positions());
         }
-        if let Some(logits) = &step.logits {
-            run.check_finite(logits, queued, false)?;
-            run.trace(logits)?;
-        }
-        (token, newest) = (step.token, step.logits);
+        run.trace(&step.logits)?;
+        token = step.token;
     }
-}
-
-/// Ends a greedy request for `reason`: reads the `unread` steps still queued (of `queued` in
-/// all), discarding their tokens, and checks the logits of the last step run (`newest`, the
-/// step read last, where none is left to read).
-fn finish_greedy(
-    model: &mut LlamaRank,
-    comm: &dyn Communicator,
-    run: JobRun,
-    reason: StopReason,
-    (queued, unread): (usize, usize),
-    mut newest: Option<Tensor>,
-) -> Result<usize, EngineError> {
-    for _ in 0..unread {
-        newest = model.greedy_take().map_err(run.layer_err())?.logits;
-    }
-    if let Some(logits) = &newest {
-        run.check_finite(logits, queued, true)?;
-    }
-    run.finish(comm, reason);
-    Ok(model.cached_positions())
 }
 
 /// Sampling (or a penalty, or log-probabilities) on rank 0: it chooses each token on the
@@ -379,14 +317,14 @@ fn run_sampled(
         };
         run.context.push(token);
         if let Some(reason) = decode(code) {
-            run.check_finite(&logits, run.generated(), true)?;
+            run.check_finite(&logits, true)?;
             run.finish(comm, reason);
             // The last token was sampled but never run through the model.
             return Ok(run.context.len() - 1);
         }
-        run.maybe_fault(setup, run.generated() - 1)?;
+        run.maybe_fault(setup)?;
         logits = model.forward(&[token]).map_err(run.layer_err())?;
-        run.check_finite(&logits, run.generated(), false)?;
+        run.check_finite(&logits, false)?;
     }
 }
 

@@ -55,7 +55,7 @@ pub use launch::device_address;
 pub use linear::{empty, fused_linear_covers, linear_bias, linear_bias_into};
 pub use paged::{paged_decode_attention, rotary_qkv_paged, DecodeRows, QueryGroups, RowsAt, PAGED_HEAD_DIMS};
 pub use pool::PoolHold;
-pub use position::{write_u32s, ReadBack};
+pub use position::write_u32s;
 pub use rotary::{rotary_qkv, rotary_qkv_into};
 pub use rowwise::{
     add_rms_norm, add_rms_norm_into, embed_owned_rows, gated_residual, gelu_tanh_mul, layer_norm, residual_sum,

@@ -36,5 +36,5 @@ pub use linear::reserve_quantized_product_scratch;
 pub use tpinfer_kernels::graph;
 pub use tpinfer_kernels::{
     add_rms_norm, add_rms_norm_into, argmax, chained, cuda_flash_attention_covers, flash_attention,
-    flash_attention_cached, flash_attention_cached_into, write_u32s, DecodeScratch, ReadBack,
+    flash_attention_cached, flash_attention_cached_into, write_u32s, DecodeScratch,
 };

@@ -1,12 +1,11 @@
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use tpinfer_comm::{Communicator, Fence};
+use tpinfer_comm::Communicator;
 use tpinfer_layers::{
     add_rms_norm, add_rms_norm_into, argmax, causal_mask, chained, flash_attention_cached, flash_attention_cached_into,
     grouped_attention, rms_norm, write_u32s, DecodeScratch, GatedMlp, KvCache, MergedColumnParallelLinear,
-    PagedKvCache, Position, ReadBack, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
+    PagedKvCache, Position, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -46,11 +45,6 @@ pub struct LlamaRank {
     step_io: StepIo,
     /// The decode step's activations (flash attention), made by the first decode step.
     step_buffers: std::cell::OnceCell<StepBuffers>,
-    /// Greedy steps queued and not yet read, oldest first ([`Self::greedy_queue`]).
-    queued: VecDeque<QueuedStep>,
-    /// The read-backs of steps already read, for the next ones to reuse: page-locked host
-    /// memory is slow to allocate, and one whose copy may still be pending must not be freed.
-    spare_reads: Vec<ReadBack>,
     /// The captured decode step (CUDA with flash attention), once there is one.
     #[cfg(feature = "cuda")]
     decode: Option<crate::graph::DecodeGraph>,
@@ -147,20 +141,11 @@ impl StepBuffers {
 pub struct GreedyStep {
     /// The argmax of the step's logits, already queued as the next step's input.
     pub token: u32,
-    /// The sum over the ranks of the `flag`s they passed to [`LlamaRank::greedy_queue`].
+    /// The sum over the ranks of the `flag`s they passed to [`LlamaRank::greedy_step`].
     pub flags: u32,
-    /// The step's f32 logits `[1, vocab]`, where no later step was queued before this one was
-    /// read: a captured step's are the graph's output buffer, which the next step overwrites.
-    pub logits: Option<Tensor>,
-}
-
-/// A greedy step queued on the device and not yet read.
-struct QueuedStep {
-    /// The step's token and summed flags, copied for the host.
-    read: ReadBack,
-    /// Past the step and the copy.
-    fence: Fence,
-    logits: Tensor,
+    /// The step's f32 logits `[1, vocab]`; on a captured step, the graph's output buffer,
+    /// which the next step overwrites.
+    pub logits: Tensor,
 }
 
 struct DecoderLayer {
@@ -272,8 +257,6 @@ impl LlamaRank {
             position: Position::new(device)?,
             step_io: StepIo::new(device)?,
             step_buffers: std::cell::OnceCell::new(),
-            queued: VecDeque::new(),
-            spare_reads: Vec::new(),
             #[cfg(feature = "cuda")]
             decode: None,
             #[cfg(feature = "cuda")]
@@ -431,11 +414,9 @@ impl LlamaRank {
         self.rope.max_positions()
     }
 
-    /// Empties the KV cache for a new sequence, and forgets greedy steps left unread (a
-    /// request that failed): their device work stays ordered before the next sequence's.
+    /// Empties the KV cache for a new sequence.
     pub fn clear_cache(&mut self) {
         self.cached = 0;
-        self.spare_reads.extend(self.queued.drain(..).map(|step| step.read));
     }
 
     /// Runs `ids` (continuing what is cached) and returns the f32 logits over the full
@@ -446,13 +427,10 @@ impl LlamaRank {
     /// flag sum of [`Self::greedy_step`].
     pub fn forward(&mut self, ids: &[u32]) -> Result<Tensor> {
         self.check_room(ids.len())?;
-        self.check_none_queued()?;
         if let [token] = ids {
             write_u32s(&self.step_io.token, &[*token])?;
-            let logits = self.queue_step()?;
-            self.comm.wait()?;
             // A copy: a captured step's output buffer is overwritten by the next replay.
-            return Ok(logits.copy()?);
+            return Ok(self.decode_step()?.copy()?);
         }
         let device = self.norm.device().clone();
         let mut chunks = ids.chunks(self.prefill_chunk).peekable();
@@ -482,69 +460,25 @@ impl LlamaRank {
     /// [`Self::forward`]): their argmax becomes the next step's input. Returns that token. Every
     /// rank holds the same logits, so every rank queues the same token.
     pub fn greedy_start(&mut self, logits: &Tensor) -> Result<u32> {
-        self.check_none_queued()?;
         let token = argmax(logits)?;
         self.step_io.token.slice_set(&token, 0, 0)?;
         Ok(token.flatten_all()?.to_vec1::<u32>()?[0])
     }
 
-    /// Queues one step of greedy decoding on the device and returns without waiting for it:
-    /// the step runs the newest token (from [`Self::greedy_start`] or the step queued before),
-    /// queues the argmax of its logits as the next input, and sums each rank's `flag` over the
-    /// ranks. [`Self::greedy_take`] reads the steps in order, so that the host can decide on one
-    /// token while the device runs the next step. The host reads 8 bytes per step and never
-    /// sends a token back, so ranks need no broadcast to stay in lockstep.
-    pub fn greedy_queue(&mut self, flag: u32) -> Result<()> {
+    /// One step of greedy decoding on the device: runs the queued token (from
+    /// [`Self::greedy_start`] or the previous step), queues the argmax of its logits as the
+    /// next input, and sums each rank's `flag` over the ranks. The host reads 8 bytes per
+    /// step and never sends a token back, so ranks need no broadcast to stay in lockstep.
+    pub fn greedy_step(&mut self, flag: u32) -> Result<GreedyStep> {
         self.check_room(1)?;
         write_u32s(&self.step_io.flag, &[flag])?;
-        let logits = self.queue_step()?;
-        let mut read = match self.spare_reads.pop() {
-            Some(read) => read,
-            None => ReadBack::new(2, self.norm.device())?,
-        };
-        read.queue(&self.step_io.out)?;
-        let fence = self.comm.fence()?;
-        self.queued.push_back(QueuedStep { read, fence, logits });
-        Ok(())
-    }
-
-    /// The oldest step [`Self::greedy_queue`] queued, once it has run.
-    pub fn greedy_take(&mut self) -> Result<GreedyStep> {
-        let step = self
-            .queued
-            .pop_front()
-            .ok_or_else(|| candle_core::Error::Msg("greedy_take: no greedy step is queued".into()))?;
-        let read = self
-            .comm
-            .wait_for(&step.fence)
-            .map_err(tpinfer_layers::Error::from)
-            .and_then(|()| {
-                let values = step.read.values()?;
-                <[u32; 2]>::try_from(values).map_err(|_| {
-                    candle_core::Error::Msg(format!("a greedy step read back {} values", values.len())).into()
-                })
-            });
-        self.spare_reads.push(step.read);
-        let [token, flags] = read?;
+        let logits = self.decode_step()?;
+        let out = self.step_io.out.to_vec1::<u32>()?;
         Ok(GreedyStep {
-            token,
-            flags,
-            logits: self.queued.is_empty().then_some(step.logits),
+            token: out[0],
+            flags: out[1],
+            logits,
         })
-    }
-
-    /// [`Self::greedy_queue`], then [`Self::greedy_take`]: one step, waited for.
-    pub fn greedy_step(&mut self, flag: u32) -> Result<GreedyStep> {
-        self.greedy_queue(flag)?;
-        self.greedy_take()
-    }
-
-    /// Fails while greedy steps are queued: they read and write the step's inputs.
-    fn check_none_queued(&self) -> Result<()> {
-        match self.queued.len() {
-            0 => Ok(()),
-            n => Err(candle_core::Error::Msg(format!("{n} greedy steps are queued and not yet read")).into()),
-        }
     }
 
     /// Fails unless the KV cache has room for `positions` more.
@@ -558,9 +492,9 @@ impl LlamaRank {
         }
     }
 
-    /// Queues the token in `step_io` at the cached position (as a captured graph where there
-    /// is one), without waiting for it. Returns the logits.
-    fn queue_step(&mut self) -> Result<Tensor> {
+    /// Runs the token in `step_io` at the cached position (as a captured graph where there is
+    /// one) and waits for it. Returns the logits.
+    fn decode_step(&mut self) -> Result<Tensor> {
         self.position.set(self.cached)?;
         #[cfg(feature = "cuda")]
         let logits = match self.decode.take() {
@@ -574,6 +508,7 @@ impl LlamaRank {
         #[cfg(not(feature = "cuda"))]
         let logits = self.queue_decode_step()?;
         self.cached += 1;
+        self.comm.wait()?;
         Ok(logits)
     }
 
