@@ -26,19 +26,43 @@ __device__ __forceinline__ float block_max(float v) {
     return m;
 }
 
+// V bytes stored at once: a vector's quantized values.
+template <int V>
+struct alignas(V) Bytes {
+    uint8_t b[V];
+};
+
+// Rows read in 16-byte vectors, several in flight a thread: one 2-byte load a thread at a time
+// left the quantization of a Wan-14B DiT's activations far below the memory's rate. The
+// caller passes x 16-byte aligned (k is a multiple of 16, so every row is).
 template <typename T>
 __device__ void quantize_rows(const T* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ scales, int k) {
+    constexpr int V = 16 / sizeof(T);
     const long row = blockIdx.x;
-    const T* xr = x + row * k;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + row * k);
+    const int vectors = k / V;
     float amax = 0.f;
-    for (int i = threadIdx.x; i < k; i += THREADS) amax = fmaxf(amax, fabsf(to_f32(xr[i])));
+#pragma unroll 4
+    for (int i = threadIdx.x; i < vectors; i += THREADS) {
+        const uint4 raw = xr[i];
+        const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int j = 0; j < V; ++j) amax = fmaxf(amax, fabsf(to_f32(v[j])));
+    }
     amax = block_max(amax);
     const float scale = amax > 0.f ? amax / E4M3_MAX : 1.f;
     if (threadIdx.x == 0) scales[row] = scale;
-    uint8_t* qr = q + row * k;
+    Bytes<V>* qr = reinterpret_cast<Bytes<V>*>(q + row * k);
     // A division, as the weights' quantization and the reference divide.
-    for (int i = threadIdx.x; i < k; i += THREADS)
-        qr[i] = __nv_cvt_float_to_fp8(to_f32(xr[i]) / scale, __NV_SATFINITE, __NV_E4M3);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < vectors; i += THREADS) {
+        const uint4 raw = xr[i];
+        const T* v = reinterpret_cast<const T*>(&raw);
+        Bytes<V> out;
+#pragma unroll
+        for (int j = 0; j < V; ++j) out.b[j] = __nv_cvt_float_to_fp8(to_f32(v[j]) / scale, __NV_SATFINITE, __NV_E4M3);
+        qr[i] = out;
+    }
 }
 
 template <typename T>

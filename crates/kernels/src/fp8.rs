@@ -87,6 +87,46 @@ pub fn fp8_linear(x: &Tensor, values: &Tensor, scales: &Tensor, bias: Option<&Te
     y.reshape(shape)
 }
 
+/// [`fp8_linear`] of `x` `[rows, k]` written into rows `first_row..first_row + rows` of `out`
+/// (`[.., n]`, contiguous, in `x`'s dtype): a part of a product over gathered rows. The W8A8
+/// GEMM writes there itself; other paths copy their result in.
+pub fn fp8_linear_into(
+    out: &Tensor,
+    first_row: usize,
+    x: &Tensor,
+    values: &Tensor,
+    scales: &Tensor,
+    bias: Option<&Tensor>,
+    gelu: bool,
+) -> Result<()> {
+    let (n, k) = values.dims2()?;
+    let (rows, x_k) = x.dims2()?;
+    let (out_rows, out_n) = out.dims2()?;
+    if x_k != k || out_n != n || first_row + rows > out_rows || out.dtype() != x.dtype() || !out.is_contiguous() {
+        candle_core::bail!(
+            "fp8_linear_into: x {:?} {:?} at row {first_row} of out {:?} {:?} (contiguous: {}) with values {:?}",
+            x.dims(),
+            x.dtype(),
+            out.dims(),
+            out.dtype(),
+            out.is_contiguous(),
+            values.dims()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if rows > 1 && cuda::epilogue_in_gemm(x.dtype()) && fp8_path(x.device(), x.dtype(), n, k) == Fp8Path::Fp8Kernels {
+        return cuda::product_into(
+            &x.contiguous()?,
+            values,
+            scales,
+            bias,
+            gelu,
+            &out.narrow(0, first_row, rows)?,
+        );
+    }
+    out.slice_set(&fp8_linear(x, values, scales, bias, gelu)?, 0, first_row)
+}
+
 /// `values · scales` (each row by its scale) in `dtype`: the weight a product expands.
 pub fn expand(values: &Tensor, scales: &Tensor, dtype: DType) -> Result<Tensor> {
     match values.device() {
@@ -122,8 +162,9 @@ mod cuda {
     /// A stream and the FP8 GEMMs' workspace on it.
     type Workspace = (Arc<CudaStream>, Arc<CudaSlice<u8>>);
 
-    /// An FP8 GEMM's rows, output and input widths, output dtype and epilogue.
-    type GemmShape = (usize, usize, usize, DType, u32);
+    /// An FP8 GEMM's rows, output and input widths, output dtype, epilogue and the output's
+    /// alignment in bytes.
+    type GemmShape = (usize, usize, usize, DType, u32, u32);
 
     thread_local! {
         /// The FP8 GEMMs' workspace for each stream this thread launches on.
@@ -165,10 +206,23 @@ mod cuda {
         }
     }
 
-    /// `x` `[rows, k]` (contiguous) as E4M3 bytes `[rows, k]` and f32 scales `[rows]`.
+    /// `x` `[rows, k]` (contiguous, `k` a multiple of 16) as E4M3 bytes `[rows, k]` and f32
+    /// scales `[rows]`.
     fn quantize_rows(x: &Tensor) -> Result<(Tensor, Tensor)> {
         let dev = cuda_device(x)?;
         let (rows, k) = x.dims2()?;
+        if !k.is_multiple_of(16) {
+            candle_core::bail!("fp8: quantizing rows of {k} values, not a multiple of 16");
+        }
+        // The kernel reads 16-byte vectors: a view that starts between them is copied.
+        let copied;
+        let x = match crate::launch::device_address(x)?.is_multiple_of(16) {
+            true => x,
+            false => {
+                copied = x.copy()?;
+                &copied
+            }
+        };
         let q = crate::linear::empty(&[rows, k], DType::U8, x.device())?;
         let s = crate::linear::empty(&[rows], DType::F32, x.device())?;
         let func = crate::module::FP8.kernel(dev, &format!("fp8_quantize_rows_{}", suffix(x.dtype())?))?;
@@ -184,8 +238,9 @@ mod cuda {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: x holds rows · k contiguous elements of its dtype; q rows · k bytes and s rows
-        // floats, fresh; one CTA a row.
+        // SAFETY: x holds rows · k contiguous elements of its dtype from a 16-byte aligned
+        // address, k a multiple of 16, so the kernel's 16-byte loads stay within aligned rows;
+        // q rows · k bytes and s rows floats, fresh; one CTA a row.
         unsafe { b.launch(cfg) }.w()?;
         Ok((q, s))
     }
@@ -220,22 +275,20 @@ mod cuda {
     ) -> Result<Tensor> {
         let (rows, k) = x.dims2()?;
         let n = values.dim(0)?;
-        let (values, scales) = (values.contiguous()?, scales.contiguous()?);
-        // cuBLASLt has no FP8 epilogue with an f32 output: there the bias and GELU follow.
-        let epilogue_in_gemm = rows > 1 && x.dtype() != DType::F32;
+        let epilogue_in_gemm = rows > 1 && epilogue_in_gemm(x.dtype());
         let y = match rows {
             1 => crate::gemv(
                 x,
                 crate::RowWeight::Fp8 {
-                    values: &values,
-                    scales: &scales,
+                    values: &values.contiguous()?,
+                    scales: &scales.contiguous()?,
                 },
             )?,
             _ => {
-                let (qx, sx) = quantize_rows(x)?;
-                let bias = bias.filter(|_| epilogue_in_gemm).map(|b| b.contiguous()).transpose()?;
-                let gelu = gelu && epilogue_in_gemm;
-                gemm(&qx, &sx, &values, &scales, bias.as_ref(), gelu, x.dtype(), (rows, n, k))?
+                let y = crate::linear::empty(&[rows, n], x.dtype(), x.device())?;
+                let bias = bias.filter(|_| epilogue_in_gemm);
+                w8a8(x, values, scales, bias, gelu && epilogue_in_gemm, (k, &y))?;
+                y
             }
         };
         if epilogue_in_gemm {
@@ -249,6 +302,41 @@ mod cuda {
             true => y.gelu(),
             false => Ok(y),
         }
+    }
+
+    /// Whether the W8A8 GEMM applies the bias and GELU itself for an output in `dtype`:
+    /// cuBLASLt has no FP8 epilogue with an f32 output, so there they follow it.
+    pub(super) fn epilogue_in_gemm(dtype: DType) -> bool {
+        dtype != DType::F32
+    }
+
+    /// [`product`] of several rows `x` written into `y` (`[rows, n]`, contiguous; a view into
+    /// a larger output), the bias and GELU in the GEMM's epilogue ([`epilogue_in_gemm`]).
+    pub(super) fn product_into(
+        x: &Tensor,
+        values: &Tensor,
+        scales: &Tensor,
+        bias: Option<&Tensor>,
+        gelu: bool,
+        y: &Tensor,
+    ) -> Result<()> {
+        w8a8(x, values, scales, bias, gelu, (x.dim(1)?, y))
+    }
+
+    /// `x` quantized per row, then the FP8 GEMM into `y` `[rows, n]` (`k` the inner width).
+    fn w8a8(
+        x: &Tensor,
+        values: &Tensor,
+        scales: &Tensor,
+        bias: Option<&Tensor>,
+        gelu: bool,
+        (k, y): (usize, &Tensor),
+    ) -> Result<()> {
+        let (rows, n) = y.dims2()?;
+        let (values, scales) = (values.contiguous()?, scales.contiguous()?);
+        let (qx, sx) = quantize_rows(x)?;
+        let bias = bias.map(|b| b.contiguous()).transpose()?;
+        gemm(&qx, &sx, &values, &scales, bias.as_ref(), gelu, y, (rows, n, k))
     }
 
     fn out_type(dtype: DType) -> Result<sys::cudaDataType> {
@@ -290,29 +378,47 @@ mod cuda {
         .map_err(cublas_error("descriptor"))
     }
 
+    fn prefer<V>(
+        pref: sys::cublasLtMatmulPreference_t,
+        attr: sys::cublasLtMatmulPreferenceAttributes_t,
+        value: &V,
+    ) -> Result<()> {
+        // SAFETY: `value` is the attribute's type, read for its size.
+        unsafe {
+            result::set_matmul_pref_attribute(pref, attr, value as *const V as *const c_void, std::mem::size_of::<V>())
+        }
+        .map_err(cublas_error("preference"))
+    }
+
     /// cuBLASLt's algorithm for descriptor `d` on layouts A, B and C (= D), within the
-    /// workspace.
+    /// workspace, for a C and D aligned to `c_alignment` bytes.
     fn choose_algorithm(
         handle: sys::cublasLtHandle_t,
         d: sys::cublasLtMatmulDesc_t,
         [a, b, c]: [sys::cublasLtMatrixLayout_t; 3],
+        c_alignment: u32,
     ) -> Result<sys::cublasLtMatmulHeuristicResult_t> {
         let pref = result::create_matmul_pref().map_err(cublas_error("preference"))?;
         let pref = Owned {
             handle: pref,
             destroy: result::destroy_matmul_pref,
         };
-        let bytes = WORKSPACE_BYTES as u64;
-        // SAFETY: the attribute is a u64 read for its size.
-        unsafe {
-            result::set_matmul_pref_attribute(
-                pref.handle,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &bytes as *const u64 as *const c_void,
-                std::mem::size_of::<u64>(),
-            )
-        }
-        .map_err(cublas_error("preference"))?;
+        use sys::cublasLtMatmulPreferenceAttributes_t as Pref;
+        prefer(
+            pref.handle,
+            Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &(WORKSPACE_BYTES as u64),
+        )?;
+        prefer(
+            pref.handle,
+            Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+            &c_alignment,
+        )?;
+        prefer(
+            pref.handle,
+            Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            &c_alignment,
+        )?;
         // SAFETY: the descriptors are live; cuBLASLt reads them only.
         unsafe { result::get_matmul_algo_heuristic(handle, d, a, b, c, c, pref.handle) }
             .map_err(cublas_error("no algorithm for these shapes"))
@@ -330,15 +436,15 @@ mod cuda {
         scales: &Tensor,
         bias: Option<&Tensor>,
         gelu: bool,
-        dtype: DType,
+        y: &Tensor,
         (rows, n, k): (usize, usize, usize),
-    ) -> Result<Tensor> {
+    ) -> Result<()> {
         use sys::cublasLtMatmulDescAttributes_t as Attr;
         let dev = cuda_device(qx)?;
         let stream = dev.cuda_stream();
         let lt = crate::linear::cublaslt_handle(&stream)?;
         let space = workspace(&stream)?;
-        let y = crate::linear::empty(&[rows, n], dtype, qx.device())?;
+        let dtype = y.dtype();
         let out = out_type(dtype)?;
 
         let desc = result::create_matmul_desc(
@@ -357,7 +463,7 @@ mod cuda {
         let outer = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as i32;
         set(d, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
         set(d, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
-        let [x_address, sx_address, w_address, sw_address, y_address] = addresses(&[qx, sx, values, scales, &y])?[..]
+        let [x_address, sx_address, w_address, sw_address, y_address] = addresses(&[qx, sx, values, scales, y])?[..]
         else {
             candle_core::bail!("fp8 GEMM: operand addresses");
         };
@@ -378,11 +484,14 @@ mod cuda {
 
         let (a, b, c) = (layout(E4M3, k, n)?, layout(E4M3, k, rows)?, layout(out, n, rows)?);
         let handle = *lt.handle();
-        let shape = (rows, n, k, dtype, epilogue as u32);
+        // A part written into a larger output may start off cuBLASLt's assumed 256-byte
+        // alignment: the algorithm is chosen for the alignment the output has.
+        let y_alignment = 1u32 << y_address.trailing_zeros().min(8);
+        let shape = (rows, n, k, dtype, epilogue as u32, y_alignment);
         let heuristic = match ALGOS.with_borrow(|algos| algos.get(&shape).copied()) {
             Some(chosen) => chosen,
             None => {
-                let chosen = choose_algorithm(handle, d, [a.handle, b.handle, c.handle])?;
+                let chosen = choose_algorithm(handle, d, [a.handle, b.handle, c.handle], y_alignment)?;
                 ALGOS.with_borrow_mut(|algos| algos.insert(shape, chosen));
                 chosen
             }
@@ -392,7 +501,8 @@ mod cuda {
         // SAFETY: the weight holds n rows of k E4M3 bytes, the activations rows rows of k, the
         // scales n and rows floats, the bias n elements of `dtype`, all contiguous from their
         // addresses (16-byte aligned: k and n are multiples of 16 and the buffers fresh or
-        // whole); y is fresh, rows · n of `dtype`; the workspace is this stream's own.
+        // whole); y holds rows · n of `dtype` from its address (checked by the callers), at
+        // the alignment the algorithm was chosen for; the workspace is this stream's own.
         unsafe {
             result::matmul(
                 handle,
@@ -413,8 +523,7 @@ mod cuda {
                 stream.cu_stream() as sys::cudaStream_t,
             )
         }
-        .map_err(cublas_error("matmul"))?;
-        Ok(y)
+        .map_err(cublas_error("matmul"))
     }
 }
 

@@ -192,15 +192,17 @@ fn empty_output(product: &Product, rows: usize, x: &Tensor) -> Result<Tensor> {
 
 /// [`apply`] (then GELU, tanh approximation, when `gelu`) of rows `x` written into rows
 /// `first_row..` of `out`: a part of a product over gathered rows. Dense with a bias, through
-/// the fused linear, which writes in place on CUDA.
+/// the fused linear, and FP8 through its GEMM, which write in place on CUDA.
 fn apply_into(product: &Product, out: &Tensor, first_row: usize, x: &Tensor, gelu: bool) -> candle_core::Result<()> {
     if let Some(linear) = product.dense() {
         if let Some(b) = linear.bias() {
             return tpinfer_kernels::linear_bias_into(out, first_row, x, linear.weight(), b, gelu);
         }
     }
+    if let Product::Fp8 { values, scales, bias } = product {
+        return tpinfer_kernels::fp8_linear_into(out, first_row, x, values, scales, bias.as_ref(), gelu);
+    }
     let y = match product {
-        Product::Fp8 { values, scales, bias } => tpinfer_kernels::fp8_linear(x, values, scales, bias.as_ref(), gelu)?,
         _ if gelu => apply(product, x)?.gelu()?,
         _ => apply(product, x)?,
     };
@@ -520,17 +522,30 @@ impl RowParallelLinear {
     }
 
     /// This rank's partial product of `x`, and whether it carries the bias: where the fused
-    /// GEMM covers `x`, rank 0 adds it in the epilogue, before the sum (still once).
+    /// GEMM covers `x`, and always with FP8 weights (whose GEMM takes a bias in its epilogue
+    /// and other paths add it after), rank 0 adds it to its partial, before the sum (still
+    /// once). A separate add would pass over the whole output once more.
     fn partial(&self, x: &Tensor) -> candle_core::Result<(Tensor, bool)> {
-        match (&self.bias, self.product.dense()) {
-            (Some(b), Some(linear)) if tpinfer_kernels::fused_linear_covers(x, linear.weight()) => Ok((
-                match self.comm.rank() {
-                    0 => tpinfer_kernels::linear_bias(x, linear.weight(), b, false)?,
-                    _ => apply(&self.product, x)?,
-                },
-                true,
-            )),
-            _ => Ok((apply(&self.product, x)?, false)),
+        let carried = self.bias.is_some() && self.carries_bias(x);
+        let y = match (&self.bias, &self.product) {
+            (Some(b), Product::Dense(linear)) if carried && self.comm.rank() == 0 => {
+                tpinfer_kernels::linear_bias(x, linear.weight(), b, false)?
+            }
+            (Some(b), Product::Fp8 { values, scales, .. }) if self.comm.rank() == 0 => {
+                tpinfer_kernels::fp8_linear(x, values, scales, Some(b), false)?
+            }
+            _ => apply(&self.product, x)?,
+        };
+        Ok((y, carried))
+    }
+
+    /// Whether rank 0's partial product of `x` carries the bias ([`Self::partial`]): every
+    /// rank must agree, so that none adds it again after the sum.
+    fn carries_bias(&self, x: &Tensor) -> bool {
+        match &self.product {
+            Product::Dense(linear) => tpinfer_kernels::fused_linear_covers(x, linear.weight()),
+            Product::Fp8 { .. } => true,
+            Product::Quantized { .. } => false,
         }
     }
 
