@@ -111,7 +111,7 @@ fn wide_tiny_llama() -> TinyLlama {
     }
 }
 
-/// Q4_K_M's mix: Q6_K for V and FFN down, Q4_K for the rest, so Q/K/V cannot be joined.
+/// Q4_K_M's mix: Q6_K for V and FFN down, Q4_K for the rest, so V is not joined to Q and K.
 fn q4_k_m(name: &str) -> GgmlDType {
     match name.ends_with("attn_v.weight") || name.ends_with("ffn_down.weight") {
         true => GgmlDType::Q6K,
@@ -270,4 +270,35 @@ fn a_checkpoint_written_as_gguf_runs_as_itself() {
         .collect_text()
         .expect("stream");
     assert!(!ids.is_empty());
+}
+
+/// In Q4_K_M, Q and K (Q4_K) stack into one weight and V (Q6_K) stays apart: one product
+/// fewer a layer, each activation quantization to Q8_1 with it. The joined blocks expand to
+/// Q's rows, then K's.
+#[test]
+fn q4_k_m_joins_q_and_k_and_keeps_v_apart() {
+    use tpinfer_llama::{LlamaCheckpoint, LlamaShard};
+    use tpinfer_weights::{ShardLoader, Weight};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("q4_k_m.gguf");
+    wide_tiny_llama().write_gguf(&path, q4_k_m);
+    let checkpoint = LlamaCheckpoint::open_with(&path, WeightFormat::AsStored).expect("open");
+    let shard = LlamaShard::new(&checkpoint.config, 2, 1).expect("shard");
+    let decls = checkpoint.weight_decls(&shard);
+    let names = ["q_proj", "k_proj", "v_proj"].map(|p| format!("model.layers.0.self_attn.{p}.weight"));
+    let names = names.each_ref().map(String::as_str);
+    let expand = |w: &Weight| match w {
+        Weight::Quantized(q) => q.dequantize(&Device::Cpu).expect("dequantize"),
+        _ => panic!("a dense or FP8 weight where GGML blocks were kept"),
+    };
+    let flat = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values");
+    let mut apart = ShardLoader::new(&*checkpoint.store, &decls, DType::F32, &Device::Cpu);
+    let separate = names.map(|n| expand(&apart.take_weight(n).expect("take")));
+    let mut joined = ShardLoader::new(&*checkpoint.store, &decls, DType::F32, &Device::Cpu);
+    let stacked = joined.take_stacked(&names).expect("stack");
+    let runs: Vec<_> = stacked.iter().map(|(_, run)| run.clone()).collect();
+    assert_eq!(runs, [0..2, 2..3]);
+    let qk = Tensor::cat(&separate[..2], 0).expect("cat");
+    assert_eq!(flat(&expand(&stacked[0].0)), flat(&qk));
+    assert_eq!(flat(&expand(&stacked[1].0)), flat(&separate[2]));
 }

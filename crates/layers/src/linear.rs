@@ -274,10 +274,10 @@ impl ColumnParallelLinear {
 
 /// Several column-parallel linears on the same input (Q/K/V, or gate/up) fused into one
 /// GEMM: their local slices are concatenated at load time and split after the product.
-/// Quantized slices in different blocks (a Q4_K_M file's Q6_K V beside Q4_K Q and K) cannot
-/// be joined: those run as one product each, written side by side.
+/// Quantized slices in different blocks cannot be joined: each run of one form is one product
+/// (a Q4_K_M file's Q4_K Q and K one, its Q6_K V another), written side by side.
 pub struct MergedColumnParallelLinear {
-    /// One product, or one per linear where their weights could not be joined.
+    /// One product, or one per run of linears whose weights could be joined.
     parts: Vec<Product>,
     out_sizes: Vec<usize>,
 }
@@ -293,20 +293,14 @@ impl MergedColumnParallelLinear {
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let stacked = weights.take_stacked(&weight_names.iter().map(String::as_str).collect::<Vec<_>>())?;
         let bias_names = names("bias");
-        let mut biases = match (bias, stacked.len()) {
-            (false, n) => vec![None; n],
-            (true, 1) => vec![Some(
-                weights.take_concat(&bias_names.iter().map(String::as_str).collect::<Vec<_>>(), 0)?,
-            )],
-            (true, _) => bias_names
-                .iter()
-                .map(|n| weights.take(n).map(Some))
-                .collect::<std::result::Result<_, _>>()?,
-        };
         let parts = stacked
             .into_iter()
-            .zip(biases.drain(..))
-            .map(|(w, b)| Product::new(w, b))
+            .map(|(w, run)| {
+                let b = bias
+                    .then(|| weights.take_concat(&bias_names[run].iter().map(String::as_str).collect::<Vec<_>>(), 0))
+                    .transpose()?;
+                Product::new(w, b)
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { parts, out_sizes })
     }

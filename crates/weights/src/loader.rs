@@ -1,4 +1,5 @@
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, QTensor};
@@ -247,16 +248,30 @@ impl<'a> ShardLoader<'a> {
         }
     }
 
-    /// Several declared matrices stacked by rows, for fused layers: one weight where they
-    /// can be joined (all dense, all FP8, or all in the same GGML blocks), else one per name.
-    pub fn take_stacked(&mut self, names: &[&str]) -> Result<Vec<Weight>, WeightError> {
+    /// Several declared matrices stacked by rows, for fused layers: each run of consecutive
+    /// names in one form (dense, FP8, or the same GGML blocks) joined into one weight, with
+    /// the range of `names` it holds. A Q4_K_M file's Q and K (Q4_K) join; its V (Q6_K) stands
+    /// apart.
+    pub fn take_stacked(&mut self, names: &[&str]) -> Result<Vec<(Weight, Range<usize>)>, WeightError> {
         let quants = names.iter().map(|n| self.quant_of(n)).collect::<Result<Vec<_>, _>>()?;
-        if quants.windows(2).any(|q| q[0] != q[1]) {
-            return names.iter().map(|n| self.take_weight(n)).collect();
+        let mut runs = Vec::new();
+        let mut start = 0;
+        for end in 1..=names.len() {
+            if end == names.len() || quants[end] != quants[start] {
+                runs.push((quants[start], start..end));
+                start = end;
+            }
         }
+        runs.into_iter()
+            .map(|(quant, run)| Ok((self.take_joined(&names[run.clone()], quant)?, run)))
+            .collect()
+    }
+
+    /// `names`, all in form `quant`, stacked by rows into one weight.
+    fn take_joined(&mut self, names: &[&str], quant: Option<Quant>) -> Result<Weight, WeightError> {
         let joined = names.join(" + ");
-        match quants.first().copied().flatten() {
-            None => Ok(vec![Weight::Dense(self.take_concat(names, 0)?)]),
+        match quant {
+            None => Ok(Weight::Dense(self.take_concat(names, 0)?)),
             Some(Quant::Fp8) => {
                 let parts = names.iter().map(|n| self.read_fp8(n)).collect::<Result<Vec<_>, _>>()?;
                 let (values, scales): (Vec<Tensor>, Vec<Tensor>) = parts.into_iter().unzip();
@@ -267,23 +282,24 @@ impl<'a> ShardLoader<'a> {
                     })
                 };
                 let (values, scales) = (cat(&values)?, cat(&scales)?);
-                Ok(vec![self.upload_fp8(&joined, values, scales)?])
+                self.upload_fp8(&joined, values, scales)
             }
             Some(Quant::Ggml(_)) => {
-                let parts = names
-                    .iter()
-                    .map(|n| self.read_quantized(n))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let mut parts = parts.into_iter();
-                let Some(mut stacked) = parts.next() else {
-                    return Ok(Vec::new());
+                let mut parts = names.iter().map(|n| self.read_quantized(n));
+                let Some(mut stacked) = parts.next().transpose()? else {
+                    return Err(WeightError::Missing {
+                        name: joined,
+                        origin: "a stack of no tensors".to_string(),
+                        config: self.store.config_origin(),
+                    });
                 };
                 for part in parts {
+                    let part = part?;
                     stacked.shape[0] += part.shape[0];
                     stacked.bytes.extend_from_slice(&part.bytes);
                 }
                 let qtensor = self.upload_quantized(&joined, stacked)?;
-                Ok(vec![Weight::Quantized(Arc::new(qtensor))])
+                Ok(Weight::Quantized(Arc::new(qtensor)))
             }
         }
     }
