@@ -13,8 +13,13 @@ use clap::Args;
 #[derive(Args)]
 pub struct Fp8Args {
     /// Cases `ROWS:IN:OUT[:bias][:gelu]`.
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(long, value_delimiter = ',')]
     cases: Vec<String>,
+    /// Cases `ROWS:N:OUT` of a gated MLP's down projection: the hidden `silu(gate) · up` of a
+    /// random gate/up output `[ROWS, 2N]` quantized as it is made (`fp8_linear_of_silu_mul`),
+    /// against `silu_mul` and then the product.
+    #[arg(long, value_delimiter = ',')]
+    silu_mul_cases: Vec<String>,
     #[arg(long, value_enum, default_value = "bf16")]
     dtype: crate::DtypeArg,
     /// Timed calls per case, after one warm-up.
@@ -28,6 +33,68 @@ pub struct Fp8Args {
 pub fn run(args: Fp8Args) -> Result<()> {
     let device = crate::gpu().context("the FP8 benchmark needs a CUDA build and a GPU")?;
     let dtype = crate::dtype_of(args.dtype);
+    products(&args, &device, dtype)?;
+    silu_mul_products(&args, &device, dtype)
+}
+
+/// The fused down projection of a gated MLP against its two steps: time per call, and the
+/// largest difference between their outputs (the same hidden, rounded alike, so none).
+fn silu_mul_products(args: &Fp8Args, device: &Device, dtype: DType) -> Result<()> {
+    if args.silu_mul_cases.is_empty() {
+        return Ok(());
+    }
+    println!("\n| rows × 2n → out | fused: ms | silu_mul, then the product: ms | speedup | max abs difference |");
+    println!("|---|---:|---:|---:|---:|");
+    for text in &args.silu_mul_cases {
+        let ((rows, n, out), flags) = crate::linear::product_case(text)?;
+        if !flags.is_empty() {
+            bail!("{text}: a silu_mul case takes no flags");
+        }
+        let host = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0 / (n as f32).sqrt(), (out, n), &host)?.to_dtype(DType::BF16)?;
+        let (values, scales) = tpinfer_weights::quantize_rows(&w)?;
+        let (values, scales) = (values.to_device(device)?, scales.to_device(device)?);
+        let gate_up = Tensor::randn(0f32, 2.0, (rows, 2 * n), &host)?
+            .to_dtype(dtype)?
+            .to_device(device)?;
+        let fused = || -> Result<Tensor> { Ok(tpinfer_kernels::fp8_linear_of_silu_mul(&gate_up, &values, &scales)?) };
+        let apart = || -> Result<Tensor> {
+            let hidden = tpinfer_kernels::silu_mul(&gate_up)?;
+            Ok(tpinfer_kernels::fp8_linear(&hidden, &values, &scales, None, false)?)
+        };
+        let (y_fused, ms_fused) = time_calls(device, args.repeats, &fused)?;
+        let (y_apart, ms_apart) = time_calls(device, args.repeats, &apart)?;
+        let diff = (y_fused.to_dtype(DType::F32)? - y_apart.to_dtype(DType::F32)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        println!(
+            "| {rows} × {} → {out} | {ms_fused:.4} | {ms_apart:.4} | {:.2}× | {diff:.3e} |",
+            2 * n,
+            ms_apart / ms_fused
+        );
+    }
+    Ok(())
+}
+
+/// `f`'s output and its time per call in ms: one warm-up, then `repeats` calls.
+fn time_calls(device: &Device, repeats: usize, f: &dyn Fn() -> Result<Tensor>) -> Result<(Tensor, f64)> {
+    let y = f()?;
+    device.synchronize()?;
+    let start = std::time::Instant::now();
+    for _ in 0..repeats {
+        f()?;
+    }
+    device.synchronize()?;
+    Ok((y, start.elapsed().as_secs_f64() * 1e3 / repeats as f64))
+}
+
+/// The plain products (`--cases`), FP8 against the dequantized weight.
+fn products(args: &Fp8Args, device: &Device, dtype: DType) -> Result<()> {
+    if args.cases.is_empty() {
+        return Ok(());
+    }
     println!(
         "| rows × in → out | bias, GELU | path | FP8: ms | TFLOP/s or GB/s | {dtype:?}, dequantized: ms | speedup | FP8 error | FP8 into rows 3.., error | {dtype:?} error |"
     );
@@ -60,11 +127,11 @@ pub fn run(args: Fp8Args) -> Result<()> {
             .to_dtype(dtype)?;
         let b_host = Tensor::randn(0f32, 1.0, out, &host)?.to_dtype(dtype)?;
         let (x, values_dev, scales_dev) = (
-            x_host.to_device(&device)?,
-            values.to_device(&device)?,
-            scales.to_device(&device)?,
+            x_host.to_device(device)?,
+            values.to_device(device)?,
+            scales.to_device(device)?,
         );
-        let b = bias.then(|| b_host.to_device(&device)).transpose()?;
+        let b = bias.then(|| b_host.to_device(device)).transpose()?;
         let dense = tpinfer_kernels::expand_fp8(&values_dev, &scales_dev, dtype)?;
         let fp8 = || -> Result<Tensor> {
             Ok(tpinfer_kernels::fp8_linear(
@@ -89,23 +156,13 @@ pub fn run(args: Fp8Args) -> Result<()> {
             };
             Ok(if gelu { y.gelu()? } else { y })
         };
-        let time = |f: &dyn Fn() -> Result<Tensor>| -> Result<(Tensor, f64)> {
-            let y = f()?;
-            device.synchronize()?;
-            let start = std::time::Instant::now();
-            for _ in 0..args.repeats {
-                f()?;
-            }
-            device.synchronize()?;
-            Ok((y, start.elapsed().as_secs_f64() * 1e3 / args.repeats as f64))
-        };
-        let (y_fp8, ms_fp8) = time(&fp8)?;
-        let (y_base, ms_base) = time(&baseline)?;
+        let (y_fp8, ms_fp8) = time_calls(device, args.repeats, &fp8)?;
+        let (y_base, ms_base) = time_calls(device, args.repeats, &baseline)?;
         // The same product written into rows 3.. of a larger output, as a part of gathered
         // rows is: off cuBLASLt's assumed 256-byte alignment, with a row either side that it
         // must leave as it was.
         let first = 3;
-        let into = Tensor::zeros((first + rows + 1, out), dtype, &device)?;
+        let into = Tensor::zeros((first + rows + 1, out), dtype, device)?;
         tpinfer_kernels::fp8_linear_into(&into, first, &x, &values_dev, &scales_dev, b.as_ref(), gelu)?;
         let untouched = Tensor::cat(&[into.narrow(0, 0, first)?, into.narrow(0, first + rows, 1)?], 0)?;
         if untouched.abs()?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? != 0.0 {
@@ -134,7 +191,7 @@ pub fn run(args: Fp8Args) -> Result<()> {
         let err_fp8 = crate::relative_error(&head(&y_fp8)?, &quantized_ref)?;
         let err_into = crate::relative_error(&head(&y_into)?, &quantized_ref)?;
         let err_base = crate::relative_error(&head(&y_base)?, &dequantized_ref)?;
-        let path = match tpinfer_kernels::fp8_path(&device, dtype, out, k) {
+        let path = match tpinfer_kernels::fp8_path(device, dtype, out, k) {
             tpinfer_kernels::Fp8Path::Fp8Kernels if rows == 1 => "W8A16 GEMV",
             tpinfer_kernels::Fp8Path::Fp8Kernels => "W8A8 GEMM",
             tpinfer_kernels::Fp8Path::Expanded => "expanded",

@@ -2,6 +2,8 @@
 // - quantize_rows: each row of x as E4M3 values and one f32 scale, x ≈ q · scale, the scale
 //   putting the row's largest magnitude at E4M3's largest (448); an all-zero row gets 1. The
 //   activations of a W8A8 product, quantized per token as the weights are per row.
+// - silu_mul_quantize_rows: quantize_rows of a gated MLP's hidden, silu(gate) · up, made from
+//   the fused gate/up output as it is read.
 // - dequantize_rows: q_w · s_w in T, for GPUs without FP8 tensor cores (before sm_89) and
 //   shapes cuBLASLt's FP8 GEMM does not take.
 #include <cuda_fp8.h>
@@ -65,6 +67,53 @@ __device__ void quantize_rows(const T* __restrict__ x, uint8_t* __restrict__ q, 
     }
 }
 
+// silu(gate) · up of a row of x `[rows, 2n]` (gate, then up), rounded to T as silu_mul
+// rounds it (rowwise.cu's gate_mul), then quantized as quantize_rows quantizes: a gated MLP's
+// hidden made and quantized for the down projection's W8A8 GEMM without being written. The
+// caller passes x 16-byte aligned and n a multiple of 16.
+template <typename T>
+__device__ __forceinline__ void silu_mul_vector(const uint4* gate, const uint4* up, int i, float (&h)[16 / sizeof(T)]) {
+    const uint4 graw = gate[i], uraw = up[i];
+    const T* g = reinterpret_cast<const T*>(&graw);
+    const T* u = reinterpret_cast<const T*>(&uraw);
+#pragma unroll
+    for (int j = 0; j < 16 / (int)sizeof(T); ++j) {
+        const float gj = to_f32(g[j]);
+        h[j] = to_f32(from_f32<T>(gj / (1.f + expf(-gj)) * to_f32(u[j])));
+    }
+}
+
+template <typename T>
+__device__ void silu_mul_quantize_rows(const T* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ scales,
+                                       int n) {
+    constexpr int V = 16 / sizeof(T);
+    const long row = blockIdx.x;
+    const uint4* gate = reinterpret_cast<const uint4*>(x + row * 2 * n);
+    const uint4* up = reinterpret_cast<const uint4*>(x + row * 2 * n + n);
+    const int vectors = n / V;
+    float amax = 0.f;
+#pragma unroll 2
+    for (int i = threadIdx.x; i < vectors; i += THREADS) {
+        float h[V];
+        silu_mul_vector<T>(gate, up, i, h);
+#pragma unroll
+        for (int j = 0; j < V; ++j) amax = fmaxf(amax, fabsf(h[j]));
+    }
+    amax = block_max(amax);
+    const float scale = amax > 0.f ? amax / E4M3_MAX : 1.f;
+    if (threadIdx.x == 0) scales[row] = scale;
+    Bytes<V>* qr = reinterpret_cast<Bytes<V>*>(q + row * n);
+#pragma unroll 2
+    for (int i = threadIdx.x; i < vectors; i += THREADS) {
+        float h[V];
+        silu_mul_vector<T>(gate, up, i, h);
+        Bytes<V> out;
+#pragma unroll
+        for (int j = 0; j < V; ++j) out.b[j] = __nv_cvt_float_to_fp8(h[j] / scale, __NV_SATFINITE, __NV_E4M3);
+        qr[i] = out;
+    }
+}
+
 template <typename T>
 __device__ void dequantize_rows(const uint8_t* __restrict__ w, const float* __restrict__ sw, T* __restrict__ out,
                                 long elements, int k) {
@@ -80,6 +129,10 @@ __device__ void dequantize_rows(const uint8_t* __restrict__ w, const float* __re
     extern "C" __global__ void __launch_bounds__(THREADS)                                                    \
         fp8_quantize_rows_##SUFFIX(const T* x, uint8_t* q, float* scales, int k) {                           \
         quantize_rows<T>(x, q, scales, k);                                                                   \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                    \
+        fp8_silu_mul_quantize_rows_##SUFFIX(const T* x, uint8_t* q, float* scales, int n) {                  \
+        silu_mul_quantize_rows<T>(x, q, scales, n);                                                          \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                    \
         fp8_dequantize_rows_##SUFFIX(const uint8_t* w, const float* sw, T* out, long elements, int k) {      \

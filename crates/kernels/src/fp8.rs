@@ -127,6 +127,31 @@ pub fn fp8_linear_into(
     out.slice_set(&fp8_linear(x, values, scales, bias, gelu)?, 0, first_row)
 }
 
+/// The down projection of a gated MLP's hidden: `silu(gate) · up` of its fused gate/up output
+/// `gate_up` `[rows, 2n]` (gate, then up) times `(values · scales)ᵀ` (`values` `[m, n]`),
+/// `[rows, m]` in `gate_up`'s dtype. On the W8A8 path the hidden is made and quantized in one
+/// pass and never written; elsewhere [`crate::silu_mul`], then [`fp8_linear`]. The same values
+/// either way: the fused pass rounds the hidden to the dtype as `silu_mul` does.
+pub fn fp8_linear_of_silu_mul(gate_up: &Tensor, values: &Tensor, scales: &Tensor) -> Result<Tensor> {
+    let (rows, cols) = gate_up.dims2()?;
+    let (m, n) = values.dims2()?;
+    if cols != 2 * n || values.dtype() != DType::F8E4M3 || scales.dims() != [m] {
+        candle_core::bail!(
+            "fp8 linear of silu_mul: gate/up {:?}, values {:?} {:?} and scales {:?} do not fit",
+            gate_up.dims(),
+            values.dims(),
+            values.dtype(),
+            scales.dims()
+        );
+    }
+    // One row runs the W8A16 GEMV, which takes the hidden as it is.
+    if rows > 1 && fp8_path(gate_up.device(), gate_up.dtype(), m, n) == Fp8Path::Fp8Kernels {
+        #[cfg(feature = "cuda")]
+        return cuda::silu_mul_product(&gate_up.contiguous()?, values, scales);
+    }
+    fp8_linear(&crate::silu_mul(gate_up)?, values, scales, None, false)
+}
+
 /// `values · scales` (each row by its scale) in `dtype`: the weight a product expands.
 pub fn expand(values: &Tensor, scales: &Tensor, dtype: DType) -> Result<Tensor> {
     match values.device() {
@@ -209,12 +234,19 @@ mod cuda {
     /// `x` `[rows, k]` (contiguous, `k` a multiple of 16) as E4M3 bytes `[rows, k]` and f32
     /// scales `[rows]`.
     fn quantize_rows(x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let k = x.dim(1)?;
+        quantize_with(x, "fp8_quantize_rows", k)
+    }
+
+    /// Rows of `k` values made from rows of `x` (contiguous) by `kernel` (fp8.cu), quantized
+    /// as [`quantize_rows`] quantizes: E4M3 bytes `[rows, k]` and f32 scales `[rows]`.
+    fn quantize_with(x: &Tensor, kernel: &str, k: usize) -> Result<(Tensor, Tensor)> {
         let dev = cuda_device(x)?;
-        let (rows, k) = x.dims2()?;
+        let rows = x.dim(0)?;
         if !k.is_multiple_of(16) {
             candle_core::bail!("fp8: quantizing rows of {k} values, not a multiple of 16");
         }
-        // The kernel reads 16-byte vectors: a view that starts between them is copied.
+        // The kernels read 16-byte vectors: a view that starts between them is copied.
         let copied;
         let x = match crate::launch::device_address(x)?.is_multiple_of(16) {
             true => x,
@@ -225,7 +257,7 @@ mod cuda {
         };
         let q = crate::linear::empty(&[rows, k], DType::U8, x.device())?;
         let s = crate::linear::empty(&[rows], DType::F32, x.device())?;
-        let func = crate::module::FP8.kernel(dev, &format!("fp8_quantize_rows_{}", suffix(x.dtype())?))?;
+        let func = crate::module::FP8.kernel(dev, &format!("{kernel}_{}", suffix(x.dtype())?))?;
         let a = addresses(&[x, &q, &s])?;
         let k = k as i32;
         let mut b = func.builder();
@@ -238,11 +270,27 @@ mod cuda {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: x holds rows · k contiguous elements of its dtype from a 16-byte aligned
-        // address, k a multiple of 16, so the kernel's 16-byte loads stay within aligned rows;
-        // q rows · k bytes and s rows floats, fresh; one CTA a row.
+        // SAFETY: x holds rows contiguous rows of its dtype from a 16-byte aligned address,
+        // each k (quantize_rows) or 2k (silu_mul_quantize_rows, checked by its caller) values,
+        // k a multiple of 16, so the kernels' 16-byte loads stay within aligned rows; q
+        // rows · k bytes and s rows floats, fresh; one CTA a row.
         unsafe { b.launch(cfg) }.w()?;
         Ok((q, s))
+    }
+
+    /// [`super::fp8_linear_of_silu_mul`] on the W8A8 path: the hidden made and quantized in
+    /// one pass over `gate_up` `[rows, 2n]` (contiguous), then the GEMM.
+    pub(super) fn silu_mul_product(gate_up: &Tensor, values: &Tensor, scales: &Tensor) -> Result<Tensor> {
+        let (rows, cols) = gate_up.dims2()?;
+        let (m, n) = values.dims2()?;
+        if cols != 2 * n {
+            candle_core::bail!("fp8: a gate/up output {:?} for a weight of {n} columns", gate_up.dims());
+        }
+        let (qx, sx) = quantize_with(gate_up, "fp8_silu_mul_quantize_rows", n)?;
+        let y = crate::linear::empty(&[rows, m], gate_up.dtype(), gate_up.device())?;
+        let (values, scales) = (values.contiguous()?, scales.contiguous()?);
+        gemm(&qx, &sx, &values, &scales, None, false, &y, (rows, m, n))?;
+        Ok(y)
     }
 
     pub(super) fn dequantize_rows(values: &Tensor, scales: &Tensor, dtype: DType) -> Result<Tensor> {

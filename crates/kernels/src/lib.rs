@@ -44,7 +44,9 @@ pub use chain::chained;
 pub use chain::{trace_launches, trace_step, trace_to, TracedLaunch};
 pub use channel_norm::channel_rms_norm;
 pub use conv::{conv_filter, conv_frames_bias, conv_path, cudnn_version, cudnn_workspace_bound, ConvPath};
-pub use fp8::{expand as expand_fp8, fp8_kernels_take, fp8_linear, fp8_linear_into, fp8_path, Fp8Path};
+pub use fp8::{
+    expand as expand_fp8, fp8_kernels_take, fp8_linear, fp8_linear_into, fp8_linear_of_silu_mul, fp8_path, Fp8Path,
+};
 pub use frames::{cat_frames, packed_frames, upsample_nearest2x, write_frames};
 pub use gemv::{
     gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_gate_up_silu_on_cuda, gemv_into, gemv_on_cuda,

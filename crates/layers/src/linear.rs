@@ -476,11 +476,18 @@ impl RowParallelLinear {
 
     /// [`Self::forward`] of `silu(gate) · up` for a gated MLP's fused gate/up output
     /// `[.., 2n]` (gate, then up), through one `silu_mul` pass. Takes `gate_up` to free it
-    /// before the product, as the activation model in the Llama crate counts.
+    /// before the product, as the activation model in the Llama crate counts. FP8 weights
+    /// take the hidden quantized as it is made (`fp8_linear_of_silu_mul`).
     pub fn forward_silu_mul(&self, gate_up: Tensor) -> Result<Tensor> {
         let mut dims = gate_up.dims().to_vec();
         let cols = dims.pop().unwrap_or(0);
         let rows = dims.iter().product::<usize>();
+        if let Product::Fp8 { values, scales, .. } = &self.product {
+            let partial = tpinfer_kernels::fp8_linear_of_silu_mul(&gate_up.reshape((rows, cols))?, values, scales)?;
+            drop(gate_up);
+            dims.push(values.dim(0)?);
+            return self.reduce(partial.reshape(dims)?);
+        }
         let hidden = tpinfer_kernels::silu_mul(&gate_up.reshape((rows, cols))?)?;
         drop(gate_up);
         dims.push(cols / 2);
