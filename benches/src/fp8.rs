@@ -16,8 +16,8 @@ pub struct Fp8Args {
     #[arg(long, value_delimiter = ',')]
     cases: Vec<String>,
     /// Cases `ROWS:N:OUT` of a gated MLP's down projection: the hidden `silu(gate) · up` of a
-    /// random gate/up output `[ROWS, 2N]` quantized as it is made (`fp8_linear_of_silu_mul`),
-    /// against `silu_mul` and then the product.
+    /// random gate/up output `[ROWS, 2N]` quantized as it is made (`fp8_linear_of_silu_mul`,
+    /// which fuses from 256 rows), against `silu_mul` and then the product.
     #[arg(long, value_delimiter = ',')]
     silu_mul_cases: Vec<String>,
     #[arg(long, value_enum, default_value = "bf16")]
