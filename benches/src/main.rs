@@ -410,7 +410,7 @@ fn speed(args: SpeedArgs) -> Result<()> {
             .iter()
             .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
         let plan = engine.plan();
-        let this_run = planned_for_run(&engine, args.common.cuda, args.common.prompt_tokens, args.new_tokens)?;
+        let this_run = planned_for_run(&engine, &args.common, args.common.prompt_tokens, args.new_tokens)?;
         let memory: Vec<String> = engine
             .device_memory()
             .iter()
@@ -466,18 +466,28 @@ fn speed(args: SpeedArgs) -> Result<()> {
 }
 
 /// Each rank's planned activation peak and pool slack for a run of `prompt` tokens and `new`
-/// generated ones, by the same model the engine checks itself against.
-fn planned_for_run(engine: &Engine, cuda: bool, prompt: usize, new: usize) -> Result<Vec<(u64, u64)>> {
+/// generated ones, by the same model the engine checks itself against, with what the prompt's
+/// products of quantized weights take beyond dense ones (as the plan counts them).
+fn planned_for_run(engine: &Engine, common: &Common, prompt: usize, new: usize) -> Result<Vec<(u64, u64)>> {
+    use tpinfer_family::Family;
     use tpinfer_llama::memory::{flash_attention, prefill_chunk, request_memory};
-    (0..engine.tp())
+    let model = tpinfer_llama::LlamaModel::open_checkpoint_with(&common.model, common.weights.format())?;
+    let accelerator = match common.cuda {
+        true => tpinfer_plan::Accelerator::Cuda,
+        false => tpinfer_plan::Accelerator::Cpu,
+    };
+    model
+        .shards(engine.tp())?
+        .iter()
         .map(|rank| {
-            let shard = tpinfer_llama::LlamaShard::new(engine.config(), engine.tp(), rank)?;
-            let flash = flash_attention(cuda, engine.dtype(), engine.config().head_dim, &shard);
+            let shard = &rank.shard;
+            let flash = flash_attention(common.cuda, engine.dtype(), engine.config().head_dim, shard);
             let chunk = prefill_chunk(shard.heads.q_heads.len(), engine.max_context(), flash);
             // The last generated token is sampled but never run through the model.
             let total = prompt + new - 1;
-            let m = request_memory(engine.config(), &shard, engine.dtype(), chunk, prompt, total, flash);
-            Ok((m.peak as u64, m.pool_slack() as u64))
+            let m = request_memory(engine.config(), shard, engine.dtype(), chunk, prompt, total, flash);
+            let quantized = rank.quantized_product_bytes(engine.dtype(), accelerator, prompt.min(chunk));
+            Ok(((m.peak + quantized) as u64, m.pool_slack() as u64))
         })
         .collect()
 }

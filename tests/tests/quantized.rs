@@ -302,3 +302,32 @@ fn q4_k_m_joins_q_and_k_and_keeps_v_apart() {
     assert_eq!(flat(&expand(&stacked[0].0)), flat(&qk));
     assert_eq!(flat(&expand(&stacked[1].0)), flat(&separate[2]));
 }
+
+/// A GGML rank's plan on CUDA counts what candle's MMQ kernels take for a prompt of more than
+/// 8 rows: the largest product's f32 input and output, the Q8_1 workspace and the 16 MiB
+/// stream-k fixup buffer. A decode step's 8 rows or fewer run MMVQ, with none of it; nor does
+/// an f32 run copy its input and output.
+#[test]
+fn a_ggml_rank_plans_candles_mmq_copies_and_workspaces_on_cuda() {
+    use tpinfer_family::Family;
+    use tpinfer_plan::Accelerator;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("q4_k_m.gguf");
+    let model = wide_tiny_llama();
+    model.write_gguf(&path, q4_k_m);
+    let family = tpinfer_llama::LlamaModel::open_checkpoint_with(&path, WeightFormat::AsStored).expect("open");
+    let shards = family.shards(1).expect("shards");
+    let bytes = |dtype, accelerator, rows| shards[0].quantized_product_bytes(dtype, accelerator, rows);
+    assert_eq!(bytes(DType::BF16, Accelerator::Cuda, 8), 0);
+    let (rows, fixup) = (128, 16 << 20);
+    // The fused gate/up is the widest: its f32 input and output.
+    let gate_up = rows * (model.hidden + 2 * model.intermediate) * 4;
+    let bf16 = bytes(DType::BF16, Accelerator::Cuda, rows);
+    assert!(bf16 > fixup + gate_up, "{bf16}");
+    assert!(bf16 < fixup + gate_up + rows * model.intermediate * 2, "{bf16}");
+    let f32 = bytes(DType::F32, Accelerator::Cuda, rows);
+    assert_eq!(bf16 - f32, gate_up);
+    // CPU ranks expand the blocks instead: the largest merged weight in f32, then in bf16.
+    let expanded = 2 * model.intermediate * model.hidden * (4 + 2);
+    assert_eq!(bytes(DType::BF16, Accelerator::Cpu, rows), expanded);
+}

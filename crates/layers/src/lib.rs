@@ -21,7 +21,9 @@ pub use attention::{blockwise_attention, causal_attention, causal_mask, full_att
 pub use embedding::VocabParallelEmbedding;
 pub use error::{Error, Result};
 pub use kv_cache::KvCache;
-pub use linear::{fp8_product_bytes, ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear};
+pub use linear::{
+    fp8_product_bytes, mmq_product_bytes, ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear,
+};
 pub use mlp::{GatedMlp, GatedMlpNames};
 pub use paged_kv::{BlockTable, PagedKvCache};
 pub use partition::{split_aligned, split_blocks, split_evenly, HeadShard};

@@ -74,8 +74,30 @@ impl Product {
 
 /// Input rows that candle's MMVQ kernels (a product of GGML blocks with few rows) take at
 /// most; more go to its MMQ kernels, whose scratch is apart (candle 0.11's `fast_mmvq`).
-#[cfg(feature = "cuda")]
 const MMVQ_MAX_ROWS: usize = 8;
+
+/// The bytes candle's MMQ kernels take beyond a dense product's on CUDA, for a rank whose
+/// products of GGML blocks have `products` `(k, n)` (input, output widths) and run `rows`
+/// input rows in `dtype` (candle 0.11's `fast_mmq`). While one runs: its input as f32 and its
+/// output in f32 before the cast to `dtype` (neither in f32). Kept from the first on: the input
+/// quantized to Q8_1 blocks (144 bytes a 128 values, the row padded to 512), grown to the
+/// largest, and the stream-k fixup buffer of 256 × 128 × 128 floats. None for
+/// [`MMVQ_MAX_ROWS`] rows or fewer.
+pub fn mmq_product_bytes(products: &[(usize, usize)], dtype: DType, rows: usize) -> usize {
+    if rows <= MMVQ_MAX_ROWS {
+        return 0;
+    }
+    let f32_copy = |width: usize| if dtype == DType::F32 { 0 } else { rows * width * 4 };
+    let transient = products
+        .iter()
+        .map(|&(k, n)| f32_copy(k) + f32_copy(n))
+        .max()
+        .unwrap_or(0);
+    let q8_1 = |k: usize| k.next_multiple_of(512) / 128 * 144;
+    let workspace = products.iter().map(|&(k, _)| rows * q8_1(k)).max().unwrap_or(0) + 128 * 144;
+    let fixup = 256 * 128 * 128 * 4;
+    transient + workspace + fixup
+}
 
 /// Grows candle's per-device MMVQ scratch (each input row quantized to Q8_1) to the size that
 /// `MMVQ_MAX_ROWS` rows of `widest` values take, which no later product exceeds. A captured

@@ -123,29 +123,33 @@ impl LlamaRankShard {
     /// The bytes a product of a quantized weight takes beyond a dense one's while it runs,
     /// for the largest (merged) weight of `rows` input rows. On CUDA, FP8 products quantize
     /// their input (a byte a value and a scale a row; the plan's GPU has FP8 tensor cores,
-    /// compute capability 8.9 or later) and GGML blocks are multiplied as they are. On CPU
-    /// ranks the weight is expanded: FP8 to E4M3 values and the product in the compute dtype,
-    /// GGML blocks to f32, then the compute dtype.
-    fn quantized_product_bytes(&self, dtype: DType, accelerator: Accelerator, rows: usize) -> usize {
+    /// compute capability 8.9 or later) and GGML blocks are multiplied as they are, through
+    /// candle's MMQ kernels' f32 copies and workspaces for more than a few rows. On CPU ranks
+    /// the weight is expanded: FP8 to E4M3 values and the product in the compute dtype, GGML
+    /// blocks to f32, then the compute dtype.
+    pub fn quantized_product_bytes(&self, dtype: DType, accelerator: Accelerator, rows: usize) -> usize {
         let gate = format!("{}.weight", crate::shard::names::LayerNames::of(0).gate);
         let quant = self.decls.iter().find(|d| d.name == gate).and_then(|d| d.quant);
         if quant == Some(Quant::Fp8) && accelerator == Accelerator::Cuda {
             // The merged gate/up: two weights expanded at once where a side is not 16-aligned.
             return tpinfer_layers::fp8_product_bytes(&self.decls, dtype, true, rows, 2);
         }
-        let per_value = match quant {
-            Some(Quant::Fp8) => 2 * dtype.size_in_bytes(),
-            Some(Quant::Ggml(_)) if accelerator == Accelerator::Cpu => {
-                4 + if dtype == DType::F32 { 0 } else { dtype.size_in_bytes() }
-            }
-            _ => return 0,
-        };
         let (h, d) = (self.config.hidden_size, self.config.head_dim);
         let (q, kv, ffn) = (
             self.shard.heads.q_heads.len() * d,
             self.shard.heads.kv_heads.len() * d,
             self.shard.ffn_cols.len(),
         );
+        if matches!(quant, Some(Quant::Ggml(_))) && accelerator == Accelerator::Cuda {
+            // A prompt's products; its logits come from its last row alone.
+            let products = [(h, q + 2 * kv), (q, h), (h, 2 * ffn), (ffn, h)];
+            return tpinfer_layers::mmq_product_bytes(&products, dtype, rows);
+        }
+        let per_value = match quant {
+            Some(Quant::Fp8) => 2 * dtype.size_in_bytes(),
+            Some(Quant::Ggml(_)) => 4 + if dtype == DType::F32 { 0 } else { dtype.size_in_bytes() },
+            None => return 0,
+        };
         // The merged Q/K/V and gate/up hold the others' rows; a quantized LM head (GGUF's
         // own output matrix) may be larger still.
         let head_quantized = self
