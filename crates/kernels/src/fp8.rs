@@ -329,8 +329,7 @@ mod cuda {
         bias: Option<&Tensor>,
         gelu: bool,
     ) -> Result<Tensor> {
-        let (rows, k) = x.dims2()?;
-        let n = values.dim(0)?;
+        let (rows, n) = (x.dim(0)?, values.dim(0)?);
         let epilogue_in_gemm = rows > 1 && epilogue_in_gemm(x.dtype());
         let y = match rows {
             1 => crate::gemv(
@@ -343,7 +342,7 @@ mod cuda {
             _ => {
                 let y = crate::linear::empty(&[rows, n], x.dtype(), x.device())?;
                 let bias = bias.filter(|_| epilogue_in_gemm);
-                w8a8(x, values, scales, bias, gelu && epilogue_in_gemm, (k, &y))?;
+                product_into(x, values, scales, bias, gelu && epilogue_in_gemm, &y)?;
                 y
             }
         };
@@ -366,8 +365,9 @@ mod cuda {
         dtype != DType::F32
     }
 
-    /// [`product`] of several rows `x` written into `y` (`[rows, n]`, contiguous; a view into
-    /// a larger output), the bias and GELU in the GEMM's epilogue ([`epilogue_in_gemm`]).
+    /// [`product`] of several rows `x` (contiguous) written into `y` (`[rows, n]`,
+    /// contiguous; a view into a larger output): `x` quantized per row, then the FP8 GEMM with
+    /// the bias and GELU in its epilogue ([`epilogue_in_gemm`]).
     pub(super) fn product_into(
         x: &Tensor,
         values: &Tensor,
@@ -376,19 +376,7 @@ mod cuda {
         gelu: bool,
         y: &Tensor,
     ) -> Result<()> {
-        w8a8(x, values, scales, bias, gelu, (x.dim(1)?, y))
-    }
-
-    /// `x` quantized per row, then the FP8 GEMM into `y` `[rows, n]` (`k` the inner width).
-    fn w8a8(
-        x: &Tensor,
-        values: &Tensor,
-        scales: &Tensor,
-        bias: Option<&Tensor>,
-        gelu: bool,
-        (k, y): (usize, &Tensor),
-    ) -> Result<()> {
-        let (rows, n) = y.dims2()?;
+        let ((rows, n), k) = (y.dims2()?, x.dim(1)?);
         let (values, scales) = (values.contiguous()?, scales.contiguous()?);
         let (qx, sx) = quantize_rows(x)?;
         let bias = bias.map(|b| b.contiguous()).transpose()?;
