@@ -626,4 +626,44 @@ mod tests {
         assert_eq!(fp8_path(&dev, DType::BF16, 16, 32), Fp8Path::Expanded);
         Ok(())
     }
+
+    /// Rows written into a larger output are the plain product's rows; the rows around them
+    /// stay as they were; an output that cannot hold them is refused.
+    #[test]
+    fn a_product_written_into_rows_is_the_plain_product() -> Result<()> {
+        let dev = Device::Cpu;
+        let (rows, k, n) = (3, 32, 16);
+        let values = Tensor::randn(0f32, 100.0, (n, k), &dev)?.to_dtype(DType::F8E4M3)?;
+        let scales = Tensor::rand(0.001f32, 0.01, n, &dev)?;
+        let x = Tensor::randn(0f32, 1.0, (rows, k), &dev)?;
+        let bias = Tensor::randn(0f32, 1.0, n, &dev)?;
+        let out = Tensor::full(7f32, (rows + 3, n), &dev)?;
+        fp8_linear_into(&out, 2, &x, &values, &scales, Some(&bias), true)?;
+        let y = fp8_linear(&x, &values, &scales, Some(&bias), true)?;
+        assert_eq!(out.narrow(0, 2, rows)?.to_vec2::<f32>()?, y.to_vec2::<f32>()?);
+        for r in [0, 1, rows + 2] {
+            assert_eq!(out.get(r)?.to_vec1::<f32>()?, vec![7f32; n], "row {r}");
+        }
+        assert!(fp8_linear_into(&out, 4, &x, &values, &scales, None, false).is_err());
+        let narrow = Tensor::zeros((rows, n / 2), DType::F32, &dev)?;
+        assert!(fp8_linear_into(&narrow, 0, &x, &values, &scales, None, false).is_err());
+        Ok(())
+    }
+
+    /// The down projection of a gated MLP's fused gate/up output is `silu_mul`'s hidden times
+    /// the weight; a gate/up output of the wrong width is refused.
+    #[test]
+    fn the_silu_product_projection_is_the_product_of_silu_mul() -> Result<()> {
+        let dev = Device::Cpu;
+        let (rows, n, m) = (4, 32, 16);
+        let values = Tensor::randn(0f32, 100.0, (m, n), &dev)?.to_dtype(DType::F8E4M3)?;
+        let scales = Tensor::rand(0.001f32, 0.01, m, &dev)?;
+        let gate_up = Tensor::randn(0f32, 2.0, (rows, 2 * n), &dev)?;
+        let y = fp8_linear_of_silu_mul(&gate_up, &values, &scales)?;
+        let apart = fp8_linear(&crate::silu_mul(&gate_up)?, &values, &scales, None, false)?;
+        assert_eq!(y.to_vec2::<f32>()?, apart.to_vec2::<f32>()?);
+        let wrong = Tensor::zeros((rows, n), DType::F32, &dev)?;
+        assert!(fp8_linear_of_silu_mul(&wrong, &values, &scales).is_err());
+        Ok(())
+    }
 }
