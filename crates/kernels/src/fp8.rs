@@ -575,14 +575,19 @@ mod cuda {
 mod tests {
     use super::*;
 
+    /// A random `[n, k]` E4M3 weight of large values and small row scales, on the CPU.
+    fn random_weight(n: usize, k: usize) -> Result<(Tensor, Tensor)> {
+        let values = Tensor::randn(0f32, 100.0, (n, k), &Device::Cpu)?.to_dtype(DType::F8E4M3)?;
+        Ok((values, Tensor::rand(0.001f32, 0.01, n, &Device::Cpu)?))
+    }
+
     /// The CPU path is the weight expanded row by row: checked against the product written
     /// out element by element, with the bias and GELU after it.
     #[test]
     fn expanded_product_is_the_dequantized_weights_product() -> Result<()> {
         let dev = Device::Cpu;
         let (rows, k, n) = (3, 32, 16);
-        let values = (Tensor::randn(0f32, 100.0, (n, k), &dev)?).to_dtype(DType::F8E4M3)?;
-        let scales = Tensor::rand(0.001f32, 0.01, n, &dev)?;
+        let (values, scales) = random_weight(n, k)?;
         let x = Tensor::randn(0f32, 1.0, (1, rows, k), &dev)?;
         let bias = Tensor::randn(0f32, 1.0, n, &dev)?;
         let y = fp8_linear(&x, &values, &scales, Some(&bias), true)?;
@@ -633,8 +638,7 @@ mod tests {
     fn a_product_written_into_rows_is_the_plain_product() -> Result<()> {
         let dev = Device::Cpu;
         let (rows, k, n) = (3, 32, 16);
-        let values = Tensor::randn(0f32, 100.0, (n, k), &dev)?.to_dtype(DType::F8E4M3)?;
-        let scales = Tensor::rand(0.001f32, 0.01, n, &dev)?;
+        let (values, scales) = random_weight(n, k)?;
         let x = Tensor::randn(0f32, 1.0, (rows, k), &dev)?;
         let bias = Tensor::randn(0f32, 1.0, n, &dev)?;
         let out = Tensor::full(7f32, (rows + 3, n), &dev)?;
@@ -656,8 +660,7 @@ mod tests {
     fn the_silu_product_projection_is_the_product_of_silu_mul() -> Result<()> {
         let dev = Device::Cpu;
         let (rows, n, m) = (4, 32, 16);
-        let values = Tensor::randn(0f32, 100.0, (m, n), &dev)?.to_dtype(DType::F8E4M3)?;
-        let scales = Tensor::rand(0.001f32, 0.01, m, &dev)?;
+        let (values, scales) = random_weight(m, n)?;
         let gate_up = Tensor::randn(0f32, 2.0, (rows, 2 * n), &dev)?;
         let y = fp8_linear_of_silu_mul(&gate_up, &values, &scales)?;
         let apart = fp8_linear(&crate::silu_mul(&gate_up)?, &values, &scales, None, false)?;
