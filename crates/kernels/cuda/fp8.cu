@@ -34,37 +34,52 @@ struct alignas(V) Bytes {
     uint8_t b[V];
 };
 
-// Rows read in 16-byte vectors, several in flight a thread: one 2-byte load a thread at a time
-// left the quantization of a Wan-14B DiT's activations far below the memory's rate. The
-// caller passes x 16-byte aligned (k is a multiple of 16, so every row is).
-template <typename T>
-__device__ void quantize_rows(const T* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ scales, int k) {
-    constexpr int V = 16 / sizeof(T);
+// Row blockIdx.x of k values made V at a time, vector i by `make(i, values)`, quantized to E4M3
+// bytes in q and one f32 scale: the largest magnitude over the row, then the values made again
+// and divided by the scale (as the weights' quantization and the reference divide), UNROLL
+// vectors in flight a thread in each pass.
+template <int V, int UNROLL, typename Make>
+__device__ __forceinline__ void quantize_made_row(Make make, uint8_t* __restrict__ q, float* __restrict__ scales,
+                                                  int k) {
     const long row = blockIdx.x;
-    const uint4* xr = reinterpret_cast<const uint4*>(x + row * k);
     const int vectors = k / V;
     float amax = 0.f;
-#pragma unroll 4
+#pragma unroll UNROLL
     for (int i = threadIdx.x; i < vectors; i += THREADS) {
-        const uint4 raw = xr[i];
-        const T* v = reinterpret_cast<const T*>(&raw);
+        float h[V];
+        make(i, h);
 #pragma unroll
-        for (int j = 0; j < V; ++j) amax = fmaxf(amax, fabsf(to_f32(v[j])));
+        for (int j = 0; j < V; ++j) amax = fmaxf(amax, fabsf(h[j]));
     }
     amax = block_max(amax);
     const float scale = amax > 0.f ? amax / E4M3_MAX : 1.f;
     if (threadIdx.x == 0) scales[row] = scale;
     Bytes<V>* qr = reinterpret_cast<Bytes<V>*>(q + row * k);
-    // A division, as the weights' quantization and the reference divide.
-#pragma unroll 4
+#pragma unroll UNROLL
     for (int i = threadIdx.x; i < vectors; i += THREADS) {
-        const uint4 raw = xr[i];
-        const T* v = reinterpret_cast<const T*>(&raw);
+        float h[V];
+        make(i, h);
         Bytes<V> out;
 #pragma unroll
-        for (int j = 0; j < V; ++j) out.b[j] = __nv_cvt_float_to_fp8(to_f32(v[j]) / scale, __NV_SATFINITE, __NV_E4M3);
+        for (int j = 0; j < V; ++j) out.b[j] = __nv_cvt_float_to_fp8(h[j] / scale, __NV_SATFINITE, __NV_E4M3);
         qr[i] = out;
     }
+}
+
+// Rows read in 16-byte vectors, four in flight a thread: one 2-byte load a thread at a time
+// left the quantization of a Wan-14B DiT's activations far below the memory's rate. The caller
+// passes x 16-byte aligned (k is a multiple of 16, so every row is).
+template <typename T>
+__device__ void quantize_rows(const T* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ scales, int k) {
+    constexpr int V = 16 / sizeof(T);
+    const uint4* xr = reinterpret_cast<const uint4*>(x + blockIdx.x * (long)k);
+    const auto load = [xr](int i, float(&h)[V]) {
+        const uint4 raw = xr[i];
+        const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int j = 0; j < V; ++j) h[j] = to_f32(v[j]);
+    };
+    quantize_made_row<V, 4>(load, q, scales, k);
 }
 
 // silu(gate) · up of a row of x `[rows, 2n]` (gate, then up), rounded to T as silu_mul
@@ -72,46 +87,22 @@ __device__ void quantize_rows(const T* __restrict__ x, uint8_t* __restrict__ q, 
 // hidden made and quantized for the down projection's W8A8 GEMM without being written. The
 // caller passes x 16-byte aligned and n a multiple of 16.
 template <typename T>
-__device__ __forceinline__ void silu_mul_vector(const uint4* gate, const uint4* up, int i, float (&h)[16 / sizeof(T)]) {
-    const uint4 graw = gate[i], uraw = up[i];
-    const T* g = reinterpret_cast<const T*>(&graw);
-    const T* u = reinterpret_cast<const T*>(&uraw);
-#pragma unroll
-    for (int j = 0; j < 16 / (int)sizeof(T); ++j) {
-        const float gj = to_f32(g[j]);
-        h[j] = to_f32(from_f32<T>(gj / (1.f + expf(-gj)) * to_f32(u[j])));
-    }
-}
-
-template <typename T>
 __device__ void silu_mul_quantize_rows(const T* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ scales,
                                        int n) {
     constexpr int V = 16 / sizeof(T);
-    const long row = blockIdx.x;
-    const uint4* gate = reinterpret_cast<const uint4*>(x + row * 2 * n);
-    const uint4* up = reinterpret_cast<const uint4*>(x + row * 2 * n + n);
-    const int vectors = n / V;
-    float amax = 0.f;
-#pragma unroll 2
-    for (int i = threadIdx.x; i < vectors; i += THREADS) {
-        float h[V];
-        silu_mul_vector<T>(gate, up, i, h);
+    const uint4* gate = reinterpret_cast<const uint4*>(x + blockIdx.x * 2 * (long)n);
+    const uint4* up = reinterpret_cast<const uint4*>(x + blockIdx.x * 2 * (long)n + n);
+    const auto silu_mul = [gate, up](int i, float(&h)[V]) {
+        const uint4 graw = gate[i], uraw = up[i];
+        const T* g = reinterpret_cast<const T*>(&graw);
+        const T* u = reinterpret_cast<const T*>(&uraw);
 #pragma unroll
-        for (int j = 0; j < V; ++j) amax = fmaxf(amax, fabsf(h[j]));
-    }
-    amax = block_max(amax);
-    const float scale = amax > 0.f ? amax / E4M3_MAX : 1.f;
-    if (threadIdx.x == 0) scales[row] = scale;
-    Bytes<V>* qr = reinterpret_cast<Bytes<V>*>(q + row * n);
-#pragma unroll 2
-    for (int i = threadIdx.x; i < vectors; i += THREADS) {
-        float h[V];
-        silu_mul_vector<T>(gate, up, i, h);
-        Bytes<V> out;
-#pragma unroll
-        for (int j = 0; j < V; ++j) out.b[j] = __nv_cvt_float_to_fp8(h[j] / scale, __NV_SATFINITE, __NV_E4M3);
-        qr[i] = out;
-    }
+        for (int j = 0; j < V; ++j) {
+            const float gj = to_f32(g[j]);
+            h[j] = to_f32(from_f32<T>(gj / (1.f + expf(-gj)) * to_f32(u[j])));
+        }
+    };
+    quantize_made_row<V, 2>(silu_mul, q, scales, n);
 }
 
 template <typename T>
