@@ -11,10 +11,13 @@ use clap::Args;
 
 #[derive(Args)]
 pub struct AttentionArgs {
-    /// Cases `Q_LEN:KV_LEN:HEADS:KV_HEADS:HEAD_DIM[:causal|:cached|:paged|:paged-f32]`;
+    /// Cases `Q_LEN:KV_LEN:HEADS:KV_HEADS:HEAD_DIM[:causal|:cached|:paged|:paged-f32|:fp8]`;
     /// `cached`: causal, the last Q_LEN of KV_LEN keys through a KV cache with 77 unfilled (NaN)
     /// slots after them; `paged`: Q_LEN sequences of one query each, sequence i over KV_LEN ·
-    /// (i + 1) / Q_LEN keys in blocks of 16 of a paged pool, in bf16 (`paged-f32`: in f32).
+    /// (i + 1) / Q_LEN keys in blocks of 16 of a paged pool, in bf16 (`paged-f32`: in f32);
+    /// `fp8`: the E4M3 kernel and the bf16 one on the same inputs, whose query and key rows
+    /// and value channels have magnitudes spread over 2⁴, so that a scale applied to the wrong
+    /// block or channel shows.
     #[arg(long, value_delimiter = ',', required = true)]
     cases: Vec<String>,
     /// Timed calls per case, after one warm-up.
@@ -38,6 +41,7 @@ struct Case {
     causal: bool,
     cached: bool,
     paged: bool,
+    fp8: bool,
     /// The paged case's dtype.
     dtype: DType,
 }
@@ -46,7 +50,7 @@ fn parse(case: &str) -> Result<Case> {
     let parts: Vec<&str> = case.split(':').collect();
     let n = |i: usize| -> Result<usize> { parts.get(i).context("too few fields")?.parse().context("not a number") };
     let (causal, cached, paged) = match parts.get(5) {
-        None => (false, false, false),
+        None | Some(&"fp8") => (false, false, false),
         Some(&"causal") => (true, false, false),
         Some(&"cached") => (true, true, false),
         Some(&"paged" | &"paged-f32") => (false, false, true),
@@ -61,6 +65,7 @@ fn parse(case: &str) -> Result<Case> {
         causal,
         cached,
         paged,
+        fp8: parts.get(5) == Some(&"fp8"),
         dtype: match parts.get(5) {
             Some(&"paged-f32") => DType::F32,
             _ => DType::BF16,
@@ -81,50 +86,74 @@ pub fn run(args: AttentionArgs) -> Result<()> {
         let randn = |len: usize, heads: usize| -> Result<Tensor> {
             Ok(Tensor::randn(0f32, 1.0, (len, heads, c.head_dim), &device)?.to_dtype(DType::BF16)?)
         };
-        let (q, k, v) = (
+        let (mut q, mut k, mut v) = (
             randn(c.q_len, c.heads)?,
             randn(c.kv_len, c.kv_heads)?,
             randn(c.kv_len, c.kv_heads)?,
         );
+        if c.fp8 {
+            let spread = |x: &Tensor, n: usize, shape: &[usize]| -> Result<Tensor> {
+                let f: Vec<f32> = (0..n).map(|i| (4.0 * (i as f32 * 0.618_034).fract()).exp2()).collect();
+                let f = Tensor::from_vec(f, shape, &device)?.to_dtype(DType::BF16)?;
+                Ok(x.broadcast_mul(&f)?)
+            };
+            q = spread(&q, c.q_len, &[c.q_len, 1, 1])?;
+            k = spread(&k, c.kv_len, &[c.kv_len, 1, 1])?;
+            v = spread(&v, c.head_dim, &[1, 1, c.head_dim])?;
+        }
         let scale = 1.0 / (c.head_dim as f64).sqrt();
-        let call = Call::new(&c, &k, &v, scale)?;
-        let out = call.run(&q)?;
-        device.synchronize()?;
-        let start = std::time::Instant::now();
-        for _ in 0..args.repeats {
-            call.run(&q)?;
-        }
-        device.synchronize()?;
-        let ms = start.elapsed().as_secs_f64() * 1e3 / args.repeats as f64;
-        let mut flops = 4.0 * (c.q_len * c.kv_len * c.heads * c.head_dim) as f64;
-        if c.causal {
-            flops *= 1.0 - c.q_len as f64 / (2.0 * c.kv_len as f64);
-        }
-        let (err, rounding) = match args.no_reference {
-            true => ("—".to_string(), "—".to_string()),
-            false => {
-                let reference = reference(&q, &k, &v, scale, c.causal)?;
-                let rounded = reference.to_dtype(DType::BF16)?;
-                let rel = |x: &Tensor| crate::relative_error(x, &reference);
-                (format!("{:.2e}", rel(&out)?), format!("{:.2e}", rel(&rounded)?))
-            }
+        let reference = match args.no_reference {
+            true => None,
+            false => Some(reference(&q, &k, &v, scale, c.causal)?),
         };
-        println!(
-            "| {} × {} | {} ({}) | {} | {} | {ms:.3} | {:.0} | {err} | {rounding} |",
-            c.q_len,
-            c.kv_len,
-            c.heads,
-            c.kv_heads,
-            c.head_dim,
-            if c.cached {
+        let mut calls = vec![("", Call::new(&c, &k, &v, scale)?)];
+        if c.fp8 {
+            calls.push((
+                ", FP8",
+                Call {
+                    fp8: true,
+                    ..Call::new(&c, &k, &v, scale)?
+                },
+            ));
+        }
+        for (label, call) in calls {
+            let out = call.run(&q)?;
+            device.synchronize()?;
+            let start = std::time::Instant::now();
+            for _ in 0..args.repeats {
+                call.run(&q)?;
+            }
+            device.synchronize()?;
+            let ms = start.elapsed().as_secs_f64() * 1e3 / args.repeats as f64;
+            let mut flops = 4.0 * (c.q_len * c.kv_len * c.heads * c.head_dim) as f64;
+            if c.causal {
+                flops *= 1.0 - c.q_len as f64 / (2.0 * c.kv_len as f64);
+            }
+            let (err, rounding) = match &reference {
+                None => ("—".to_string(), "—".to_string()),
+                Some(reference) => {
+                    let rounded = reference.to_dtype(DType::BF16)?;
+                    let rel = |x: &Tensor| crate::relative_error(x, reference);
+                    (format!("{:.2e}", rel(&out)?), format!("{:.2e}", rel(&rounded)?))
+                }
+            };
+            let mask = if c.cached {
                 "cached"
             } else if c.causal {
                 "causal"
             } else {
                 "none"
-            },
-            flops / ms / 1e9
-        );
+            };
+            println!(
+                "| {} × {} | {} ({}) | {} | {mask}{label} | {ms:.3} | {:.0} | {err} | {rounding} |",
+                c.q_len,
+                c.kv_len,
+                c.heads,
+                c.kv_heads,
+                c.head_dim,
+                flops / ms / 1e9
+            );
+        }
     }
     Ok(())
 }
@@ -141,6 +170,8 @@ struct Call {
     position: Option<Tensor>,
     /// The decode kernel's partials, for a cached call of one query.
     scratch: tpinfer_kernels::DecodeScratch,
+    /// [`tpinfer_kernels::flash_attention_fp8`] instead.
+    fp8: bool,
 }
 
 impl Call {
@@ -154,6 +185,7 @@ impl Call {
                 causal,
                 position: None,
                 scratch: tpinfer_kernels::DecodeScratch::new(),
+                fp8: false,
             });
         }
         let spare = Tensor::full(f32::NAN, (SPARE_SLOTS, c.kv_heads, c.head_dim), k.device())?.to_dtype(DType::BF16)?;
@@ -166,6 +198,7 @@ impl Call {
             causal,
             position: Some(position),
             scratch: tpinfer_kernels::DecodeScratch::new(),
+            fp8: false,
         })
     }
 
@@ -174,6 +207,7 @@ impl Call {
             Some(position) => {
                 tpinfer_kernels::flash_attention_cached(q, &self.k, &self.v, position, self.scale, &self.scratch)?
             }
+            None if self.fp8 => tpinfer_kernels::flash_attention_fp8(q, &self.k, &self.v, self.scale)?,
             None => tpinfer_kernels::flash_attention(q, &self.k, &self.v, self.scale, self.causal)?,
         })
     }

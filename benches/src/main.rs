@@ -125,6 +125,9 @@ struct DitArgs {
     /// The form the blocks' linear weights are held in (`fp8`: quantized at load).
     #[arg(long, value_enum, default_value_t = WeightsArg::AsStored)]
     weights: WeightsArg,
+    /// Self-attention's products on E4M3 operands (Hopper, bf16).
+    #[arg(long)]
+    fp8_attention: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -611,7 +614,13 @@ fn dit(args: DitArgs) -> Result<()> {
     );
     println!("|---|---|---|---|---|---|");
     for &tp in &args.tp {
-        let builder = builder(&args.model, tp, args.cuda, args.dtype).weight_format(args.weights.format());
+        let precision = match args.fp8_attention {
+            true => tpinfer_engine::SelfAttention::Fp8,
+            false => tpinfer_engine::SelfAttention::ComputeDtype,
+        };
+        let builder = builder(&args.model, tp, args.cuda, args.dtype)
+            .weight_format(args.weights.format())
+            .self_attention(precision);
         let engine = VideoEngine::start(builder, largest).with_context(|| format!("loading at TP {tp}"))?;
         for (index, input) in inputs.iter().enumerate() {
             let run = || -> Result<candle_core::Tensor> { Ok(input.velocity(&engine, false)?.0) };

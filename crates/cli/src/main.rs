@@ -239,6 +239,7 @@ const VIDEO_ONLY: &[&str] = &[
     "save_frames",
     "save_latents",
     "fps",
+    "attention",
 ];
 
 fn run(cli: Cli, given: &Given) -> Result<ExitCode> {

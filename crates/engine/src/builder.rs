@@ -6,6 +6,7 @@ use candle_core::DType;
 use tpinfer_comm::CommOptions;
 use tpinfer_runtime::LoadProgress;
 use tpinfer_runtime::{DeviceKind, GroupOptions};
+use tpinfer_wan::SelfAttention;
 use tpinfer_weights::{LoraAdapter, WeightFormat};
 
 use crate::{Engine, EngineError};
@@ -59,6 +60,7 @@ pub struct EngineBuilder {
     pub(crate) group: GroupOptions,
     pub(crate) weight_format: WeightFormat,
     pub(crate) lora: Option<Arc<LoraAdapter>>,
+    pub(crate) self_attention: SelfAttention,
 }
 
 /// Context used when none is given, so that a 128k-context model does not reserve rotary
@@ -84,6 +86,7 @@ impl EngineBuilder {
             group: GroupOptions::default(),
             weight_format: WeightFormat::AsStored,
             lora: None,
+            self_attention: SelfAttention::ComputeDtype,
         }
     }
 
@@ -115,6 +118,14 @@ impl EngineBuilder {
     /// own slices; a language model refuses one.
     pub fn lora(mut self, adapter: Arc<LoraAdapter>) -> Self {
         self.lora = Some(adapter);
+        self
+    }
+
+    /// The precision of a Wan DiT's self-attention products. Default: the compute dtype;
+    /// [`SelfAttention::Fp8`] runs them on E4M3 operands (Hopper GPUs in bf16; other ranks
+    /// refuse it at load), which changes the video. A language model refuses it.
+    pub fn self_attention(mut self, precision: SelfAttention) -> Self {
+        self.self_attention = precision;
         self
     }
 

@@ -45,6 +45,12 @@ impl Engine {
                 b.model.display()
             )));
         }
+        if b.self_attention != tpinfer_wan::SelfAttention::ComputeDtype {
+            return Err(EngineError::InvalidRequest(format!(
+                "{}: FP8 self-attention is for Wan video models, not language models",
+                b.model.display()
+            )));
+        }
         let model = LlamaModel::open_checkpoint_with(&b.model, b.weight_format)?;
         let config = model.config().clone();
         // A GGUF file without a tokenizer (one tpinfer wrote, say) takes the tokenizer.json

@@ -50,7 +50,7 @@ pub use tpinfer_wav2vec2::VideoFrameFeatures;
 
 pub use tpinfer_tokenizer::{ChatMessage, Tokenizer};
 pub use tpinfer_wan::sampler::Solver;
-pub use tpinfer_wan::S2V_MOTION_FRAMES;
+pub use tpinfer_wan::{SelfAttention, S2V_MOTION_FRAMES};
 pub use tpinfer_weights::{LoraAdapter, WeightFormat};
 pub use video::{S2vInputs, StageProfile, StepReport, VideoEngine, VideoRequest, VideoShape};
 

@@ -230,7 +230,8 @@ impl VideoEngine {
         let model = WanModel::open_checkpoint(transformer)
             .map_err(|e| wan_err(&e))?
             .with_format(b.weight_format)
-            .map_err(|e| wan_err(&e))?;
+            .map_err(|e| wan_err(&e))?
+            .with_self_attention(b.self_attention);
         let model = match &b.lora {
             Some(adapter) => model.with_lora(adapter.clone()).map_err(|e| wan_err(&e))?,
             None => model,

@@ -18,6 +18,8 @@
 // Otherwise the same layouts, masking and GQA as flash_attention.cu, which the launcher picks
 // on other GPUs.
 #include <cuda.h>
+#include <cuda_fp8.h>
+#include <cfloat>
 
 #include "tile.cuh"
 
@@ -34,11 +36,15 @@ constexpr int STAGING_ROW = D + 8;       // a query staging row, padded for ldma
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = 232;
 
-// The descriptor of a 128-byte-swizzled shared-memory operand (sm_90 GMMA descriptor):
-// start address, leading and stride byte offsets (each in 16-byte units) and the layout type.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t leading, uint32_t stride) {
+// The layout types of an sm_90 GMMA descriptor (bits 62-63) this file uses.
+constexpr uint64_t SWIZZLE_128B_LAYOUT = 1, SWIZZLE_64B_LAYOUT = 2;
+
+// The descriptor of a swizzled shared-memory operand (sm_90 GMMA descriptor): start address,
+// leading and stride byte offsets (each in 16-byte units) and the layout type.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t leading, uint32_t stride,
+                                              uint64_t layout = SWIZZLE_128B_LAYOUT) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(leading >> 4) << 16) | ((uint64_t)(stride >> 4) << 32) |
-           (1ull << 62);
+           (layout << 62);
 }
 
 #define ACC4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
@@ -81,6 +87,32 @@ struct Wgmma;
 WGMMA(__nv_bfloat16, "bf16", 64, REGS32, ACC32, PRED32, TAIL32)
 WGMMA(__nv_bfloat16, "bf16", 128, REGS64, ACC64, PRED64, TAIL64)
 #undef WGMMA
+
+// D = A·B (+ D when scale_d) for one m64nNk32 step with E4M3 operands: A 64×32 in registers,
+// four bytes a register in mma.sync's m16n8k32 A layout (register r: row g + 8 (r & 1),
+// columns 4t + 16 (r >> 1) .. + 3), B 32×N in shared memory through `desc`, always K-major
+// (8-bit wgmma has no transpose).
+template <int N>
+struct WgmmaE4m3;
+
+#define TAIL32_E4M3 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+#define TAIL64_E4M3 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+#define WGMMA_E4M3(N, REGS, ACC, PRED, TAIL)                                                                  \
+    template <>                                                                                            \
+    struct WgmmaE4m3<N> {                                                                                  \
+        static __device__ __forceinline__ void run(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc, \
+                                                   int scale_d) {                                          \
+            asm volatile(PRED "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS TAIL         \
+                         : ACC                                                                             \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));           \
+        }                                                                                                  \
+    };
+
+WGMMA_E4M3(64, REGS32, ACC32, PRED32, TAIL32_E4M3)
+WGMMA_E4M3(128, REGS64, ACC64, PRED64, TAIL64_E4M3)
+#undef WGMMA_E4M3
+#undef TAIL32_E4M3
+#undef TAIL64_E4M3
 #undef TAIL32
 #undef TAIL64
 #undef PRED32
@@ -294,4 +326,308 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     fence_registers(o);
     mbar_arrive(empty(last));
     softmax.store<T>(o, out, row_a, q_len, heads, head, t);
+}
+
+// ---- FP8 (E4M3) attention -------------------------------------------------------------------
+//
+// The same pipeline with both products on E4M3 operands, which Hopper's tensor cores run at
+// twice bf16's rate, as FlashAttention-3's FP8 path and SageAttention do. The kernels below it
+// quantize the inputs first: Q and K with one scale per 64 rows of a head (a consumer's query
+// rows, a key tile), so that a tile's scores take one multiply; V with one scale per channel
+// of a KV head, applied to O at the end. P, which the stale maximum keeps at most 2^8, goes to
+// E4M3 (at most 448) unscaled.
+//
+// 8-bit wgmma reads B only K-major, so V comes transposed (`[KV head, d, keys]`), and within
+// each 32 keys in the order in which P's accumulator layout hands over its A fragments: thread
+// t of a quad holds keys 2t, 2t + 1, 8 + 2t, 9 + 2t (and those + 16) of a k32 step, which the A
+// layout takes as columns 4t .. 4t + 3 (and + 16). A sum over keys does not depend on their
+// order, so V's rows follow P's instead of P being shuffled between lanes.
+
+namespace {
+
+constexpr int QUANT_ROWS = 64;  // rows of a head under one Q or K scale
+constexpr float E4M3_MAX = 448.f;
+constexpr int E4M3_STAGES = 8;           // K/V tile pairs in the ring (half as large as bf16's)
+constexpr int E4M3_TILE_BYTES = BLOCK_N * D;  // a K tile (64 keys × 128 values) or a V tile
+constexpr int V_SWIZZLE_ATOM = 8 * 64;   // 8 rows of 64 bytes (64-byte swizzle)
+
+// The key at position p of a 32-key group of the transposed V.
+__device__ __forceinline__ int p_order_key(int p) {
+    const int t = (p % 16) / 4, i = p % 4;
+    return (p / 16) * 16 + (i / 2) * 8 + 2 * t + (i % 2);
+}
+
+// Four values as one register of E4M3 bytes, the first in the lowest byte.
+__device__ __forceinline__ uint32_t pack_e4m3(float a, float b, float c, float d) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+    return lo | (hi << 16);
+}
+
+// P of a 64-key tile (accumulator layout) as the A fragments of two k32 steps.
+__device__ __forceinline__ void p_fragments_e4m3(const float (&p)[BLOCK_N / 8][4], uint32_t (&pf)[BLOCK_N / 32][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 32; ++kk) {
+        const int i = 4 * kk;
+        pf[kk][0] = pack_e4m3(p[i][0], p[i][1], p[i + 1][0], p[i + 1][1]);
+        pf[kk][1] = pack_e4m3(p[i][2], p[i][3], p[i + 1][2], p[i + 1][3]);
+        pf[kk][2] = pack_e4m3(p[i + 2][0], p[i + 2][1], p[i + 3][0], p[i + 3][1]);
+        pf[kk][3] = pack_e4m3(p[i + 2][2], p[i + 2][3], p[i + 3][2], p[i + 3][3]);
+    }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int w = 16; w > 0; w /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, w));
+    return v;
+}
+
+// Eight bf16 values (16 bytes) as floats.
+__device__ __forceinline__ void unpack8(const uint4& chunk, float (&out)[8]) {
+    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&chunk);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = __bfloat162float(v[j]);
+}
+
+}  // namespace
+
+// Q or K `[len, heads, 128]` (row and head strides in elements, d contiguous, 16-byte-aligned
+// rows) to E4M3 `[len, heads, 128]` with one scale per 64 rows of a head: scales[head ·
+// gridDim.x + block] = absmax / 448, each value divided by it. Grid (blocks, heads), 256
+// threads, each four 16-byte chunks of the 64 × 128 block.
+extern "C" __global__ void __launch_bounds__(256)
+    quantize_row_blocks_e4m3(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
+                             uint8_t* __restrict__ out, float* __restrict__ scales) {
+    __shared__ float warp_maxima[8];
+    const int head = blockIdx.y, heads = gridDim.y, row0 = blockIdx.x * QUANT_ROWS;
+    float v[4][8], m = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int c = threadIdx.x + 256 * i, row = row0 + c / 16, col = (c % 16) * 8;
+        const uint4 chunk = row < len ? *reinterpret_cast<const uint4*>(x + row * row_stride + head * head_stride + col)
+                                      : make_uint4(0, 0, 0, 0);
+        unpack8(chunk, v[i]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[i][j]));
+    }
+    m = warp_max(m);
+    if (threadIdx.x % 32 == 0) warp_maxima[threadIdx.x / 32] = m;
+    __syncthreads();
+    m = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) m = fmaxf(m, warp_maxima[w]);
+    const float scale = m / E4M3_MAX;
+    if (threadIdx.x == 0) scales[head * gridDim.x + blockIdx.x] = scale;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int c = threadIdx.x + 256 * i, row = row0 + c / 16, col = (c % 16) * 8;
+        if (row >= len) continue;
+        uint2 q;
+        q.x = m > 0.f ? pack_e4m3(v[i][0] / scale, v[i][1] / scale, v[i][2] / scale, v[i][3] / scale) : 0;
+        q.y = m > 0.f ? pack_e4m3(v[i][4] / scale, v[i][5] / scale, v[i][6] / scale, v[i][7] / scale) : 0;
+        *reinterpret_cast<uint2*>(out + ((long)row * heads + head) * D + col) = q;
+    }
+}
+
+// The largest |V| of each channel of each KV head, maxed into `absmax` (`[heads, 128]`, zero
+// before the first launch) as the bits of a non-negative float, which order as unsigned
+// integers do. Grid (rows / 256 rounded up, heads), 128 threads: 16 a row, 8 channels each.
+extern "C" __global__ void __launch_bounds__(128)
+    channel_absmax_bf16(const __nv_bfloat16* __restrict__ v, long row_stride, long head_stride, int len,
+                        unsigned* __restrict__ absmax) {
+    __shared__ float maxima[8][D];
+    const int head = blockIdx.y, r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
+    float m[8] = {};
+    const int end = min(len, (int)(blockIdx.x + 1) * 256);
+    for (int row = blockIdx.x * 256 + r; row < end; row += 8) {
+        float x[8];
+        unpack8(*reinterpret_cast<const uint4*>(v + row * row_stride + head * head_stride + c8), x);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], fabsf(x[j]));
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) maxima[r][c8 + j] = m[j];
+    __syncthreads();
+    float best = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) best = fmaxf(best, maxima[i][threadIdx.x]);
+    atomicMax(absmax + head * D + threadIdx.x, __float_as_uint(best));
+}
+
+// V `[len, heads, 128]` to E4M3 `[heads, 128, padded]` (`padded`: len rounded up to 64; the
+// keys past len are zeros), each channel divided by its scale absmax / 448, which the first
+// block of each head writes to `scales` (`[heads, 128]`); the keys of each 32 in P's order
+// (p_order_key). Grid (padded / 64, heads), 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+    transpose_values_e4m3(const __nv_bfloat16* __restrict__ v, long row_stride, long head_stride, int len, int padded,
+                          const unsigned* __restrict__ absmax, uint8_t* __restrict__ out, float* __restrict__ scales) {
+    constexpr int ROW = D + 8;  // padded rows: a warp's reads of one channel spread over banks
+    __shared__ __nv_bfloat16 tile[BLOCK_N][ROW];
+    const int head = blockIdx.y, key0 = blockIdx.x * BLOCK_N;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int c = threadIdx.x + 256 * i, row = c / 16, col = (c % 16) * 8;
+        const uint4 chunk = key0 + row < len
+                                ? *reinterpret_cast<const uint4*>(v + (key0 + row) * row_stride + head * head_stride + col)
+                                : make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(&tile[row][col]) = chunk;
+    }
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x < D)
+        scales[head * D + threadIdx.x] = __uint_as_float(absmax[head * D + threadIdx.x]) / E4M3_MAX;
+    // 128 channels × 8 runs of 8 positions, four a thread; a run is one 8-byte store.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int task = threadIdx.x + 256 * i, channel = task / 8, p0 = (task % 8) * 8;
+        const float m = __uint_as_float(absmax[head * D + channel]), scale = m / E4M3_MAX;
+        float x[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int p = p0 + j, key = (p / 32) * 32 + p_order_key(p % 32);
+            x[j] = m > 0.f ? __bfloat162float(tile[key][channel]) / scale : 0.f;
+        }
+        uint2 q;
+        q.x = pack_e4m3(x[0], x[1], x[2], x[3]);
+        q.y = pack_e4m3(x[4], x[5], x[6], x[7]);
+        *reinterpret_cast<uint2*>(out + ((long)head * D + channel) * padded + key0 + p0) = q;
+    }
+}
+
+// Grid: (q_len / 128 rounded up, heads); 384 threads. Dynamic shared memory
+// (SM90_E4M3_SMEM_BYTES in src/lib.rs): 1 KiB to align the swizzle atoms, E4M3_STAGES pairs of
+// a K tile (64 keys × 128 bytes, 128-byte-swizzled) and a V tile (128 channels × 64 keys,
+// 64-byte-swizzled), 2 · E4M3_STAGES mbarriers. `q` is E4M3 `[q_len, heads, 128]`; q_scale
+// `[heads, q_len / 64 rounded up]`, k_scale `[KV heads, kv_len / 64 rounded up]`, v_scale
+// `[KV heads, 128]`; the maps span K `[kv_len, KV heads, 128]` and the transposed V; `out` is
+// bf16 `[q_len, heads, 128]`. Non-causal, no cache.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_attention_sm90_e4m3_d128(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
+                                   const uint8_t* __restrict__ q, const float* __restrict__ q_scale,
+                                   const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                                   __nv_bfloat16* __restrict__ out, int q_len, int kv_len, int heads, int group,
+                                   float scale_log2) {
+    constexpr int BLOCK_M = 128;
+    extern __shared__ uint8_t dynamic_smem[];
+    const uint32_t smem = (smem_addr(dynamic_smem) + SWIZZLE_ATOM - 1) & ~(uint32_t)(SWIZZLE_ATOM - 1);
+    const auto k_tile = [&](int stage) { return smem + 2 * stage * E4M3_TILE_BYTES; };
+    const auto v_tile = [&](int stage) { return smem + (2 * stage + 1) * E4M3_TILE_BYTES; };
+    const uint32_t bars = smem + 2 * E4M3_STAGES * E4M3_TILE_BYTES;
+    const auto full = [&](int stage) { return bars + 8 * stage; };
+    const auto empty = [&](int stage) { return bars + 8 * (E4M3_STAGES + stage); };
+
+    const int head = blockIdx.y, kv_head = head / group, m0 = blockIdx.x * BLOCK_M;
+    const int warpgroup = threadIdx.x / 128;
+    const int n_tiles = key_tiles(kv_len, kv_len, BLOCK_N);
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < E4M3_STAGES; ++s) {
+            mbar_init(full(s), 1);
+            mbar_init(empty(s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {  // the producer: one thread issues every copy
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+        if (threadIdx.x == 0) {
+            for (int j = 0; j < n_tiles; ++j) {
+                const int stage = j % E4M3_STAGES;
+                mbar_wait(empty(stage), ((j / E4M3_STAGES) & 1) ^ 1);
+                mbar_expect_tx(full(stage), 2 * E4M3_TILE_BYTES);
+                tma_load(k_tile(stage), &k_map, full(stage), 0, j * BLOCK_N, kv_head);
+                tma_load(v_tile(stage), &v_map, full(stage), j * BLOCK_N, 0, kv_head);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+
+    // Consumer c (0, 1): query rows wg_row0 .. wg_row0 + 63, one Q scale block.
+    const int c = warpgroup - 1, tid = threadIdx.x - 128 * warpgroup;
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int wg_row0 = m0 + 64 * c;
+    const int row_a = wg_row0 + warp * 16 + g;  // this thread's first query row; the second is 8 below
+    // The queries straight from global memory into A fragments: read once per CTA.
+    uint32_t qf[D / 32][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 32; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int row = row_a + 8 * (r & 1), col = 32 * kk + 4 * t + 16 * (r >> 1);
+            qf[kk][r] = row < q_len ? *reinterpret_cast<const uint32_t*>(q + ((long)row * heads + head) * D + col) : 0;
+        }
+    const int q_blocks = (q_len + QUANT_ROWS - 1) / QUANT_ROWS, k_blocks = (kv_len + QUANT_ROWS - 1) / QUANT_ROWS;
+    const float q_scale_log2 = wg_row0 < q_len ? scale_log2 * q_scale[head * q_blocks + wg_row0 / QUANT_ROWS] : 0.f;
+    // A tile's scale from raw scores to base-2 logits; never zero, which would turn a masked
+    // score's −inf into NaN (a zero Q or K block has zero scores, which any scale keeps).
+    const auto tile_scale = [&](int j) { return fmaxf(q_scale_log2 * k_scale[kv_head * k_blocks + j], FLT_MIN); };
+
+    float o[D / 8][4] = {};
+    OnlineSoftmax softmax;
+    if (n_tiles == 0) {  // no keys: zeros
+        softmax.store<__nv_bfloat16>(o, out, row_a, q_len, heads, head, t);
+        return;
+    }
+    const auto masked = [&](int n0) { return n0 + BLOCK_N > kv_len; };
+    // S = Q Kᵀ of a stage's tile, issued but not waited for: B is the K tile as stored
+    // (K-major, one 128-byte row a key); a k32 step moves 32 bytes along the rows.
+    const auto issue_scores = [&](float (&s)[BLOCK_N / 8][4], int stage) {
+        const uint64_t desc = smem_desc(k_tile(stage), 16, SWIZZLE_ATOM);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 32; ++kk) WgmmaE4m3<BLOCK_N>::run(s, qf[kk], desc + ((kk * 32) >> 4), kk > 0);
+        wgmma_commit();
+    };
+    // O += P V of a stage's tile, issued but not waited for: B is the transposed V tile
+    // (K-major, one 64-byte row a channel); a k32 step moves 32 bytes along the rows.
+    uint32_t pf[BLOCK_N / 32][4];
+    const auto issue_values = [&](int stage) {
+        const uint64_t desc = smem_desc(v_tile(stage), 16, V_SWIZZLE_ATOM, SWIZZLE_64B_LAYOUT);
+        fence_registers(o);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 32; ++kk) WgmmaE4m3<D>::run(o, pf[kk], desc + ((kk * 32) >> 4), 1);
+        wgmma_commit();
+    };
+
+    float s[BLOCK_N / 8][4];
+    mbar_wait(full(0), 0);
+    issue_scores(s, 0);
+    wgmma_wait<0>();
+    fence_registers(s);
+    softmax.update(s, tile_scale(0), masked(0), 0, kv_len, -1, row_a, t);
+    // As the bf16 kernel: S of tile j + 1 and P·V of tile j on the tensor cores while the
+    // softmax of tile j + 1 runs.
+    for (int j = 0; j + 1 < n_tiles; ++j) {
+        const int stage = j % E4M3_STAGES, next = (j + 1) % E4M3_STAGES;
+        mbar_wait(full(next), ((j + 1) / E4M3_STAGES) & 1);
+        p_fragments_e4m3(s, pf);
+        issue_scores(s, next);
+        issue_values(stage);
+        wgmma_wait<1>();
+        fence_registers(s);
+        const int n0 = (j + 1) * BLOCK_N;
+        const float2 alpha = softmax.update(s, tile_scale(j + 1), masked(n0), n0, kv_len, -1, row_a, t);
+        wgmma_wait<0>();
+        fence_registers(o);
+        OnlineSoftmax::rescale(o, alpha);
+        mbar_arrive(empty(stage));
+    }
+    const int last = (n_tiles - 1) % E4M3_STAGES;
+    p_fragments_e4m3(s, pf);
+    issue_values(last);
+    wgmma_wait<0>();
+    fence_registers(o);
+    mbar_arrive(empty(last));
+    // V's per-channel scales, then the row sums.
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+        const float2 sv = *reinterpret_cast<const float2*>(v_scale + kv_head * D + i * 8 + 2 * t);
+        o[i][0] *= sv.x;
+        o[i][1] *= sv.y;
+        o[i][2] *= sv.x;
+        o[i][3] *= sv.y;
+    }
+    softmax.store<__nv_bfloat16>(o, out, row_a, q_len, heads, head, t);
 }

@@ -13,6 +13,7 @@
 //! kernel does, so that CPU ranks run (and the tests check) the same memory behaviour.
 
 mod argmax;
+mod attention_fp8;
 mod chain;
 mod channel_norm;
 mod conv;
@@ -39,6 +40,7 @@ mod rowwise;
 mod sample;
 
 pub use argmax::argmax;
+pub use attention_fp8::{flash_attention_fp8, flash_attention_fp8_bytes, flash_attention_fp8_supported};
 pub use chain::chained;
 #[cfg(feature = "timeline")]
 pub use chain::{trace_launches, trace_step, trace_to, TracedLaunch};
@@ -329,7 +331,7 @@ mod cuda {
 
     /// (row stride, head stride) of a `[len, heads, d]` layout whose last dim is contiguous;
     /// rows are copied in 16-byte pieces, so offsets and strides must be multiples of 8.
-    fn strides(layout: &Layout, what: &str) -> Result<(i64, i64)> {
+    pub(crate) fn strides(layout: &Layout, what: &str) -> Result<(i64, i64)> {
         match layout.stride() {
             [row, head, 1] if (row | head | layout.start_offset()).is_multiple_of(8) => Ok((*row as i64, *head as i64)),
             other => candle_core::bail!(
@@ -592,7 +594,7 @@ mod cuda {
 
     /// The Hopper kernel (cuda/flash_attention_sm90.cu), built for compute capability 9.0 only.
     #[cfg(tpinfer_sm90)]
-    mod hopper {
+    pub(crate) mod hopper {
         use std::ffi::c_void;
         use std::mem::MaybeUninit;
 
@@ -631,7 +633,7 @@ mod cuda {
         /// memory; rows past `rows` arrive as zeros. `None` for a layout the driver will not
         /// map (no rows, or strides it rejects, such as a broadcast's zero).
         #[repr(transparent)]
-        struct TensorMap(sys::CUtensorMap);
+        pub(crate) struct TensorMap(sys::CUtensorMap);
 
         // SAFETY: the kernel takes the map by value (__grid_constant__); it is plain bytes with
         // the alignment CUDA's own CUtensorMap declares.
@@ -639,18 +641,35 @@ mod cuda {
 
         impl TensorMap {
             fn kv(base: sys::CUdeviceptr, rows: usize, kv_heads: usize, (row, head): (i64, i64)) -> Option<Self> {
-                let dims = [128u64, rows as u64, kv_heads as u64];
-                let byte_strides = [row as u64 * 2, head as u64 * 2];
-                let boxes = [64u32, 64, 1];
+                Self::tiled(
+                    base,
+                    sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                    [128, rows as u64, kv_heads as u64],
+                    [row as u64 * 2, head as u64 * 2],
+                    [64, 64, 1],
+                    sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                )
+            }
+
+            /// A 3-D map (dims innermost first, the outer two strides in bytes) copied in
+            /// `boxes` into shared memory swizzled by `swizzle`; out-of-range elements arrive as
+            /// zeros. The caller makes `base` and the strides multiples of 16 bytes, as TMA needs.
+            pub(crate) fn tiled(
+                base: sys::CUdeviceptr,
+                data_type: sys::CUtensorMapDataType,
+                dims: [u64; 3],
+                byte_strides: [u64; 2],
+                boxes: [u32; 3],
+                swizzle: sys::CUtensorMapSwizzle,
+            ) -> Option<Self> {
                 let element_strides = [1u32; 3];
                 let mut map = MaybeUninit::<sys::CUtensorMap>::uninit();
-                // SAFETY: every array holds `rank` (or rank − 1 strides) entries; the launcher's
-                // stride check makes the address and strides multiples of 16 bytes, as TMA needs;
-                // the map is read only if the driver filled it.
+                // SAFETY: every array holds `rank` (or rank − 1 strides) entries; the map is
+                // read only if the driver filled it.
                 unsafe {
                     sys::cuTensorMapEncodeTiled(
                         map.as_mut_ptr(),
-                        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                        data_type,
                         3,
                         base as *mut c_void,
                         dims.as_ptr(),
@@ -658,7 +677,7 @@ mod cuda {
                         boxes.as_ptr(),
                         element_strides.as_ptr(),
                         sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                        swizzle,
                         sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                         sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
                     )

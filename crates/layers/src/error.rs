@@ -13,6 +13,9 @@ pub enum Error {
     Tensor(#[from] candle_core::Error),
     #[error("cannot shard: {0}")]
     Shard(String),
+    /// An option this rank's device or dtype has no kernel for.
+    #[error("{0}")]
+    Unsupported(String),
     #[error("the sequence needs {needed} positions but the KV cache holds {capacity}; raise --max-context")]
     CacheFull { needed: usize, capacity: usize },
 }

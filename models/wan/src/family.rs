@@ -11,7 +11,7 @@ use tpinfer_plan::{
 };
 use tpinfer_weights::{CountingStore, ShardLoader, WeightDecl, WeightFormat};
 
-use crate::memory::{DitMemory, ForwardPath, Video};
+use crate::memory::{DitMemory, ForwardPath, SelfAttention, Video};
 use crate::{WanCheckpoint, WanCheckpointError, WanConfig, WanRank, WanShard};
 
 /// The longest video a plan takes (17 minutes at 16 fps) and the widest side: far past any
@@ -27,6 +27,7 @@ pub struct WanModel {
     checkpoint: Option<Arc<WanCheckpoint>>,
     /// The form the blocks' linear weights are held in.
     format: WeightFormat,
+    self_attention: SelfAttention,
 }
 
 /// One rank's part of a Wan DiT: its heads and FFN columns, with the tensors it reads.
@@ -34,6 +35,7 @@ pub struct WanModel {
 pub struct WanRankShard {
     pub shard: WanShard,
     config: Arc<WanConfig>,
+    self_attention: SelfAttention,
     decls: Arc<[WeightDecl]>,
 }
 
@@ -47,6 +49,7 @@ impl WanModel {
             config: Arc::new(checkpoint.config.clone()),
             checkpoint: Some(Arc::new(checkpoint)),
             format: WeightFormat::AsStored,
+            self_attention: SelfAttention::ComputeDtype,
         })
     }
 
@@ -72,6 +75,15 @@ impl WanModel {
         })
     }
 
+    /// The same model with its self-attention at `precision` on every rank (planned so; a rank
+    /// without a kernel for it refuses at load).
+    pub fn with_self_attention(self, precision: SelfAttention) -> Self {
+        Self {
+            self_attention: precision,
+            ..self
+        }
+    }
+
     /// The tensors `shard` reads, in the model's weight format.
     fn decls(&self, shard: &WanShard) -> Vec<WeightDecl> {
         let store = self.checkpoint.as_ref().map(|c| c.store.clone());
@@ -84,6 +96,7 @@ impl WanModel {
             config: Arc::new(config),
             checkpoint: None,
             format: WeightFormat::AsStored,
+            self_attention: SelfAttention::ComputeDtype,
         }
     }
 }
@@ -174,7 +187,8 @@ impl RankShard for WanRankShard {
             height,
             cfg,
         };
-        let path = ForwardPath::for_device(accelerator == Accelerator::Cuda, dtype, c.attention_head_dim);
+        let path = ForwardPath::for_device(accelerator == Accelerator::Cuda, dtype, c.attention_head_dim)
+            .with_self_attention(self.self_attention);
         let m = DitMemory::new(c, &self.shard, dtype, video, path);
         let tokens = c.sequence_tokens(frames, width, height);
         Ok(Footprint {
@@ -226,6 +240,7 @@ impl Family for WanModel {
                 Ok(WanRankShard {
                     shard,
                     config: self.config.clone(),
+                    self_attention: self.self_attention,
                     decls,
                 })
             })
@@ -250,7 +265,8 @@ impl Family for WanModel {
             ctx.comm.clone(),
             ctx.dtype,
             ctx.device,
-        )
+        )?
+        .with_self_attention(self.self_attention)
     }
 
     /// FP8 (`--quantize fp8`) holds the blocks' linear weights in E4M3; the embedders and the

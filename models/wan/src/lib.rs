@@ -16,6 +16,7 @@ mod shard;
 pub use checkpoint::{WanCheckpoint, WanCheckpointError};
 pub use config::{S2vModules, WanConfig, S2V_MOTION_FRAMES, S2V_NEGATIVE_PROMPT};
 pub use family::{WanModel, WanRankShard};
+pub use memory::SelfAttention;
 pub use model::WanRank;
 pub use profile::StageTimes;
 pub use s2v::{S2vClip, S2vCondition};

@@ -5,8 +5,9 @@
 //! The forward is written for this model: the residual stream is passed by value and every
 //! intermediate is dropped as soon as the next exists; norms, residuals and the sharded
 //! RMSNorm are one-pass fused ops (`tpinfer_kernels`) that allocate only their output;
-//! attention is flash attention (no score matrix) except for f32 on CUDA, which runs
-//! [`tpinfer_layers::blockwise_attention`] with bounded score buffers.
+//! attention is flash attention (no score matrix; self-attention optionally with E4M3
+//! products) except for f32 on CUDA, which runs [`tpinfer_layers::blockwise_attention`] with
+//! bounded score buffers.
 
 use candle_core::DType;
 
@@ -41,6 +42,20 @@ pub enum AttentionPath {
     Flash,
     /// `tpinfer_layers::blockwise_attention`: CUDA ranks in f32.
     Blockwise,
+    /// Self-attention by `tpinfer_kernels::flash_attention_fp8` ([`SelfAttention::Fp8`]),
+    /// cross-attention by flash attention.
+    Fp8,
+}
+
+/// The precision of the DiT's self-attention products, the bulk of its step at video lengths.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SelfAttention {
+    /// In the compute dtype.
+    #[default]
+    ComputeDtype,
+    /// Q·Kᵀ and P·V on E4M3 operands (`tpinfer_kernels::flash_attention_fp8`): Hopper GPUs in
+    /// bf16 only, a numerics choice of the user's.
+    Fp8,
 }
 
 /// How a rank runs its forward, which decides its temporaries.
@@ -56,7 +71,8 @@ pub struct ForwardPath {
 }
 
 impl ForwardPath {
-    /// The path on a CUDA device (`cuda`) or CPU ranks in `dtype`.
+    /// The path on a CUDA device (`cuda`) or CPU ranks in `dtype`, self-attention in the
+    /// compute dtype.
     pub fn for_device(cuda: bool, dtype: DType, head_dim: usize) -> Self {
         let attention = match !cuda || tpinfer_kernels::cuda_flash_attention_covers(dtype, head_dim) {
             true => AttentionPath::Flash,
@@ -74,6 +90,17 @@ impl ForwardPath {
             } else {
                 0
             },
+        }
+    }
+
+    /// This path with self-attention at `precision`: FP8 where flash attention runs.
+    pub fn with_self_attention(self, precision: SelfAttention) -> Self {
+        match (precision, self.attention) {
+            (SelfAttention::Fp8, AttentionPath::Flash) => Self {
+                attention: AttentionPath::Fp8,
+                ..self
+            },
+            _ => self,
         }
     }
 }
@@ -151,6 +178,8 @@ impl DitMemory {
         // outputs and their stacked copy.
         let attention = match path.attention {
             AttentionPath::Flash => 4 * l,
+            // Beside them the kernel's E4M3 copies of Q, K and V and their scales.
+            AttentionPath::Fp8 => 4 * l + tpinfer_kernels::flash_attention_fp8_bytes(s, heads, s, heads),
             AttentionPath::Blockwise => {
                 let t = s;
                 let scores = SCORE_BUFFER_BYTES.min(s * t * 4);

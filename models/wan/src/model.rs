@@ -8,7 +8,7 @@ use tpinfer_layers::{
 };
 use tpinfer_weights::{ShardLoader, TensorInfo, WeightDecl, WeightFormat, WeightStore};
 
-use crate::memory::SCORE_BUFFER_BYTES;
+use crate::memory::{SelfAttention, SCORE_BUFFER_BYTES};
 use crate::profile::StageTimes;
 use crate::s2v::{S2vClip, S2vCondition, S2vEmbedders};
 use crate::s2v_audio::AudioEmbedding;
@@ -36,6 +36,7 @@ pub struct WanRank {
     s2v: Option<S2vEmbedders>,
     comm: Arc<dyn Communicator>,
     bytes_loaded: usize,
+    self_attention: SelfAttention,
 }
 
 /// A replicated linear.
@@ -165,6 +166,7 @@ struct Step<'a> {
     zero_time: Option<(&'a Tensor, usize)>,
     /// The products' dtype, which the norms write (the stream may be wider).
     compute: DType,
+    self_attention: SelfAttention,
     /// This rank's rows of the residual stream at TP > 1 (sequence parallelism).
     rows: Option<&'a Rows>,
     times: Option<&'a StageTimes>,
@@ -346,6 +348,7 @@ impl WanRank {
             s2v,
             comm,
             bytes_loaded,
+            self_attention: SelfAttention::ComputeDtype,
         })
     }
 
@@ -515,6 +518,7 @@ impl WanRank {
             time: &time,
             zero_time: clip.map(|clip| (&clip.zero_time, video_rows)),
             compute: self.dtype,
+            self_attention: self.self_attention,
             rows: rows.as_ref(),
             times,
         };
@@ -577,6 +581,26 @@ impl WanRank {
         let sinusoid = Tensor::from_vec(sinusoid, (1, 2 * half), device)?;
         let h = candle_nn::ops::silu(&self.time_1.forward_in(&sinusoid, self.stream)?)?;
         self.time_2.forward_in(&h, self.stream)
+    }
+
+    /// This rank with its self-attention at `precision`; refused where no kernel runs it (FP8:
+    /// bf16 on a Hopper GPU).
+    pub fn with_self_attention(self, precision: SelfAttention) -> Result<Self> {
+        let (device, head_dim) = (self.head_table.device(), self.config.attention_head_dim);
+        if precision == SelfAttention::Fp8
+            && !tpinfer_kernels::flash_attention_fp8_supported(device, self.dtype, head_dim)
+        {
+            return Err(Error::Unsupported(format!(
+                "--attention fp8 runs on Hopper GPUs (compute capability 9.0) in bf16 with head size 128; this rank \
+                 is {:?} in {:?} with head size {head_dim} (leave --attention at its default)",
+                device.location(),
+                self.dtype
+            )));
+        }
+        Ok(Self {
+            self_attention: precision,
+            ..self
+        })
     }
 
     /// The weight bytes this rank copied out of the checkpoint.
@@ -734,7 +758,11 @@ impl Attention {
         };
         let (q, k, v) = (heads(q)?, heads(k)?, heads(kv[1].clone())?);
         drop(kv);
-        let out = full_attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), SCORE_BUFFER_BYTES)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let out = match (rope, step.self_attention) {
+            (Some(_), SelfAttention::Fp8) => tpinfer_kernels::flash_attention_fp8(&q, &k, &v, scale)?,
+            _ => full_attention(&q, &k, &v, scale, SCORE_BUFFER_BYTES)?,
+        };
         drop((q, k, v));
         step.mark(if rope.is_some() {
             "self-attention"

@@ -1,0 +1,240 @@
+//! Attention with E4M3 products on Hopper (cuda/flash_attention_sm90.cu's
+//! `flash_attention_sm90_e4m3_d128`): the queries and keys quantized with one scale per 64 rows
+//! of a head, the values with one per channel of a head, the softmax's P rounded to E4M3, both
+//! products at twice bf16's tensor-core rate. A numerics choice of the caller's, as in
+//! FlashAttention-3's FP8 path and SageAttention: the output is not bf16 attention's.
+//!
+//! Only the Hopper kernel exists: elsewhere [`flash_attention_fp8_supported`] is false and
+//! [`flash_attention_fp8`] refuses, so that a caller asks once and says which path runs.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+/// The head size the kernel is compiled for.
+const HEAD_DIM: usize = 128;
+
+/// Whether [`flash_attention_fp8`] runs on `device` for `dtype` queries of `head_dim`: bf16
+/// with head size 128, in a build with the Hopper kernels, on a GPU of compute capability 9.0.
+pub fn flash_attention_fp8_supported(device: &Device, dtype: DType, head_dim: usize) -> bool {
+    dtype == DType::BF16 && head_dim == HEAD_DIM && hopper(device)
+}
+
+#[cfg(tpinfer_sm90)]
+fn hopper(device: &Device) -> bool {
+    match device {
+        Device::Cuda(dev) => matches!(dev.cuda_stream().context().compute_capability(), Ok((9, 0))),
+        _ => false,
+    }
+}
+
+#[cfg(not(tpinfer_sm90))]
+fn hopper(_: &Device) -> bool {
+    false
+}
+
+/// Non-causal softmax attention of `q` `[q_len, heads, 128]` over `k`, `v` `[kv_len,
+/// kv_heads, 128]` (bf16, `d` contiguous, strides multiples of 8; query head `h` reads KV head
+/// `h / (heads / kv_heads)`) with scores scaled by `scale`, both products in E4M3; returns bf16
+/// `[q_len, heads, 128]`. Besides its output it holds, while it runs, E4M3 copies of Q, K
+/// and V (V padded to 64 keys) and their f32 scales: [`flash_attention_fp8_bytes`].
+pub fn flash_attention_fp8(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let (q_len, heads, d) = q.dims3()?;
+    let (kv_len, kv_heads, kd) = k.dims3()?;
+    if v.dims() != k.dims() || kd != d || kv_heads == 0 || heads % kv_heads != 0 {
+        candle_core::bail!(
+            "FP8 attention: q {:?}, k {:?}, v {:?} do not fit (same head size, heads a multiple of KV heads)",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    if !flash_attention_fp8_supported(q.device(), q.dtype(), d) || k.dtype() != DType::BF16 || v.dtype() != DType::BF16
+    {
+        candle_core::bail!(
+            "FP8 attention runs on Hopper GPUs (compute capability 9.0), bf16 with head size {HEAD_DIM}; got {:?} \
+             {:?} on {:?}",
+            q.dtype(),
+            q.dims(),
+            q.device().location()
+        );
+    }
+    if q_len == 0 || kv_len == 0 {
+        return Tensor::zeros((q_len, heads, d), DType::BF16, q.device());
+    }
+    #[cfg(tpinfer_sm90)]
+    return cuda::launch(q, k, v, scale);
+    #[cfg(not(tpinfer_sm90))]
+    candle_core::bail!("FP8 attention: this build has no Hopper kernels (scale {scale})")
+}
+
+/// The bytes [`flash_attention_fp8`] holds beside its inputs and output while it runs, for
+/// `q_len` queries of `heads` heads over `kv_len` keys of `kv_heads`: the E4M3 copies (V's
+/// keys padded to 64) and their scales.
+pub fn flash_attention_fp8_bytes(q_len: usize, heads: usize, kv_len: usize, kv_heads: usize) -> usize {
+    let blocks = |len: usize| len.div_ceil(QUANT_ROWS);
+    let copies = (q_len * heads + kv_len * kv_heads + kv_len.next_multiple_of(QUANT_ROWS) * kv_heads) * HEAD_DIM;
+    let scales = 4 * (blocks(q_len) * heads + blocks(kv_len) * kv_heads + 2 * kv_heads * HEAD_DIM);
+    copies + scales
+}
+
+/// Rows of a head under one Q or K scale (QUANT_ROWS in the kernel), and the padding of V's keys.
+const QUANT_ROWS: usize = 64;
+
+#[cfg(tpinfer_sm90)]
+mod cuda {
+    use candle_core::cuda_backend::cudarc::driver::sys::{self, CUfunction_attribute_enum as Attr};
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{DType, Result, Tensor};
+
+    use super::{HEAD_DIM, QUANT_ROWS};
+    use crate::cuda::hopper::TensorMap;
+    use crate::cuda::strides;
+    use crate::launch::device_address;
+    use crate::module::FLASH_ATTENTION_SM90;
+
+    /// Query rows per CTA: two consumer warpgroups of 64.
+    const QUERY_ROWS: usize = 128;
+    /// A producer warpgroup and the two consumers.
+    const THREADS: u32 = 3 * 128;
+    /// Dynamic shared memory: 1 KiB to align the swizzle atoms, eight stages of a K and a V
+    /// tile (64 × 128 bytes each), sixteen mbarriers.
+    const SMEM_BYTES: u32 = 1024 + 8 * 2 * 64 * 128 + 16 * 8;
+
+    pub(super) fn launch(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+        let (q_len, heads, d) = q.dims3()?;
+        let (kv_len, kv_heads, _) = k.dims3()?;
+        let candle_core::Device::Cuda(dev) = q.device() else {
+            candle_core::bail!("FP8 attention: q is not on a CUDA device");
+        };
+        let device = q.device();
+        let empty = |shape: &[usize], dtype: DType| crate::empty(shape, dtype, device);
+        let (q_blocks, k_blocks) = (q_len.div_ceil(QUANT_ROWS), kv_len.div_ceil(QUANT_ROWS));
+        let padded = kv_len.next_multiple_of(QUANT_ROWS);
+        let (q8, k8, vt8) = (
+            empty(&[q_len, heads, d], DType::U8)?,
+            empty(&[kv_len, kv_heads, d], DType::U8)?,
+            empty(&[kv_heads, d, padded], DType::U8)?,
+        );
+        let (q_scale, k_scale, v_scale) = (
+            empty(&[heads, q_blocks], DType::F32)?,
+            empty(&[kv_heads, k_blocks], DType::F32)?,
+            empty(&[kv_heads, d], DType::F32)?,
+        );
+        let v_absmax = Tensor::zeros((kv_heads, d), DType::U32, device)?;
+        let out = empty(&[q_len, heads, d], DType::BF16)?;
+        let quantize = FLASH_ATTENTION_SM90.kernel(dev, "quantize_row_blocks_e4m3")?;
+        for (x, x8, scales, len, n_heads, blocks) in [
+            (q, &q8, &q_scale, q_len, heads, q_blocks),
+            (k, &k8, &k_scale, kv_len, kv_heads, k_blocks),
+        ] {
+            let (row, head) = strides(x.layout(), "FP8 attention's input")?;
+            let (x, x8, scales) = (device_address(x)?, device_address(x8)?, device_address(scales)?);
+            let len = len as i32;
+            let mut b = quantize.builder();
+            b.arg(&x).arg(&row).arg(&head).arg(&len).arg(&x8).arg(&scales);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks as u32, n_heads as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments match the kernel; `x` covers `len` rows of every head at
+            // its strides, `x8` and `scales` hold `len · heads · 128` and `blocks · heads`.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        let (v_row, v_head) = strides(v.layout(), "FP8 attention's values")?;
+        let (v_at, absmax_at, vt8_at, v_scale_at) = (
+            device_address(v)?,
+            device_address(&v_absmax)?,
+            device_address(&vt8)?,
+            device_address(&v_scale)?,
+        );
+        let (len, padded_i) = (kv_len as i32, padded as i32);
+        let absmax = FLASH_ATTENTION_SM90.kernel(dev, "channel_absmax_bf16")?;
+        let mut b = absmax.builder();
+        b.arg(&v_at).arg(&v_row).arg(&v_head).arg(&len).arg(&absmax_at);
+        let cfg = LaunchConfig {
+            grid_dim: (kv_len.div_ceil(256) as u32, kv_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel; `v` covers `kv_len` rows of every KV head and
+        // `absmax` holds `kv_heads · 128` zeros.
+        unsafe { b.launch(cfg) }.w()?;
+        let transpose = FLASH_ATTENTION_SM90.kernel(dev, "transpose_values_e4m3")?;
+        let mut b = transpose.builder();
+        b.arg(&v_at)
+            .arg(&v_row)
+            .arg(&v_head)
+            .arg(&len)
+            .arg(&padded_i)
+            .arg(&absmax_at)
+            .arg(&vt8_at)
+            .arg(&v_scale_at);
+        let cfg = LaunchConfig {
+            grid_dim: ((padded / QUANT_ROWS) as u32, kv_heads as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above; `vt8` holds `kv_heads · 128 · padded` bytes, `v_scale` `kv_heads · 128`.
+        unsafe { b.launch(cfg) }.w()?;
+
+        let u8_map = sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8;
+        let k_map = TensorMap::tiled(
+            device_address(&k8)?,
+            u8_map,
+            [HEAD_DIM as u64, kv_len as u64, kv_heads as u64],
+            [(kv_heads * HEAD_DIM) as u64, HEAD_DIM as u64],
+            [HEAD_DIM as u32, QUANT_ROWS as u32, 1],
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        );
+        let v_map = TensorMap::tiled(
+            vt8_at,
+            u8_map,
+            [padded as u64, HEAD_DIM as u64, kv_heads as u64],
+            [padded as u64, (HEAD_DIM * padded) as u64],
+            [QUANT_ROWS as u32, HEAD_DIM as u32, 1],
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+        );
+        let (Some(k_map), Some(v_map)) = (k_map, v_map) else {
+            candle_core::bail!(
+                "FP8 attention: the driver refused the tensor maps of {kv_len} keys of {kv_heads} heads"
+            );
+        };
+        let func = FLASH_ATTENTION_SM90.kernel(dev, "flash_attention_sm90_e4m3_d128")?;
+        func.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM_BYTES as i32)
+            .w()?;
+        let (q8_at, q_scale_at, k_scale_at, out_at) = (
+            device_address(&q8)?,
+            device_address(&q_scale)?,
+            device_address(&k_scale)?,
+            device_address(&out)?,
+        );
+        let (q_len_i, heads_i, group) = (q_len as i32, heads as i32, (heads / kv_heads) as i32);
+        let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
+        let mut b = func.builder();
+        b.arg(&k_map)
+            .arg(&v_map)
+            .arg(&q8_at)
+            .arg(&q_scale_at)
+            .arg(&k_scale_at)
+            .arg(&v_scale_at)
+            .arg(&out_at)
+            .arg(&q_len_i)
+            .arg(&len)
+            .arg(&heads_i)
+            .arg(&group)
+            .arg(&scale_log2);
+        let cfg = LaunchConfig {
+            grid_dim: (q_len.div_ceil(QUERY_ROWS) as u32, heads as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: SMEM_BYTES,
+        };
+        // SAFETY: the arguments match the kernel's signature; the maps span K's `kv_len` rows
+        // and V's `padded` keys of every KV head; the scales hold the blocks the kernel reads;
+        // every output row below `q_len` of every head is written.
+        unsafe { b.launch(cfg) }.w()?;
+        // The copies are freed in stream order after the kernel, which reads them.
+        drop((q8, k8, vt8, q_scale, k_scale, v_scale, v_absmax));
+        Ok(out)
+    }
+}
