@@ -11,13 +11,13 @@ use clap::Args;
 
 #[derive(Args)]
 pub struct AttentionArgs {
-    /// Cases `Q_LEN:KV_LEN:HEADS:KV_HEADS:HEAD_DIM[:causal|:cached|:paged|:paged-f32|:fp8]`;
+    /// Cases `Q_LEN:KV_LEN:HEADS:KV_HEADS:HEAD_DIM[:causal|:cached|:paged|:paged-f32|:8bit|:8bit-spread]`;
     /// `cached`: causal, the last Q_LEN of KV_LEN keys through a KV cache with 77 unfilled (NaN)
     /// slots after them; `paged`: Q_LEN sequences of one query each, sequence i over KV_LEN ·
     /// (i + 1) / Q_LEN keys in blocks of 16 of a paged pool, in bf16 (`paged-f32`: in f32);
-    /// `fp8`: the E4M3 kernel and the bf16 one on the same inputs, whose query and key rows
-    /// and value channels have magnitudes spread over 2⁴, so that a scale applied to the wrong
-    /// block or channel shows.
+    /// `8bit`: the 8-bit kernel and the bf16 one on the same inputs; `8bit-spread` with query
+    /// and key rows and value channels of magnitudes spread over 2⁴ and keys offset by a
+    /// channel mean, so that a scale or mean applied to the wrong block or channel shows.
     #[arg(long, value_delimiter = ',', required = true)]
     cases: Vec<String>,
     /// Timed calls per case, after one warm-up.
@@ -41,7 +41,8 @@ struct Case {
     causal: bool,
     cached: bool,
     paged: bool,
-    fp8: bool,
+    /// An 8-bit case, and whether its inputs are spread.
+    eight_bit: Option<bool>,
     /// The paged case's dtype.
     dtype: DType,
 }
@@ -50,7 +51,7 @@ fn parse(case: &str) -> Result<Case> {
     let parts: Vec<&str> = case.split(':').collect();
     let n = |i: usize| -> Result<usize> { parts.get(i).context("too few fields")?.parse().context("not a number") };
     let (causal, cached, paged) = match parts.get(5) {
-        None | Some(&"fp8") => (false, false, false),
+        None | Some(&"8bit" | &"8bit-spread") => (false, false, false),
         Some(&"causal") => (true, false, false),
         Some(&"cached") => (true, true, false),
         Some(&"paged" | &"paged-f32") => (false, false, true),
@@ -65,7 +66,11 @@ fn parse(case: &str) -> Result<Case> {
         causal,
         cached,
         paged,
-        fp8: parts.get(5) == Some(&"fp8"),
+        eight_bit: match parts.get(5) {
+            Some(&"8bit") => Some(false),
+            Some(&"8bit-spread") => Some(true),
+            _ => None,
+        },
         dtype: match parts.get(5) {
             Some(&"paged-f32") => DType::F32,
             _ => DType::BF16,
@@ -91,7 +96,7 @@ pub fn run(args: AttentionArgs) -> Result<()> {
             randn(c.kv_len, c.kv_heads)?,
             randn(c.kv_len, c.kv_heads)?,
         );
-        if c.fp8 {
+        if c.eight_bit == Some(true) {
             let spread = |x: &Tensor, n: usize, shape: &[usize]| -> Result<Tensor> {
                 let f: Vec<f32> = (0..n).map(|i| (4.0 * (i as f32 * 0.618_034).fract()).exp2()).collect();
                 let f = Tensor::from_vec(f, shape, &device)?.to_dtype(DType::BF16)?;
@@ -100,6 +105,12 @@ pub fn run(args: AttentionArgs) -> Result<()> {
             q = spread(&q, c.q_len, &[c.q_len, 1, 1])?;
             k = spread(&k, c.kv_len, &[c.kv_len, 1, 1])?;
             v = spread(&v, c.head_dim, &[1, 1, c.head_dim])?;
+            // A mean over the keys, which the kernel takes out of K and the softmax ignores.
+            let offset: Vec<f32> = (0..c.head_dim)
+                .map(|i| 3.0 * (i as f32 * 0.414_214).fract() - 1.5)
+                .collect();
+            let offset = Tensor::from_vec(offset, (1, 1, c.head_dim), &device)?.to_dtype(DType::BF16)?;
+            k = k.broadcast_add(&offset)?;
         }
         let scale = 1.0 / (c.head_dim as f64).sqrt();
         let reference = match args.no_reference {
@@ -107,11 +118,11 @@ pub fn run(args: AttentionArgs) -> Result<()> {
             false => Some(reference(&q, &k, &v, scale, c.causal)?),
         };
         let mut calls = vec![("", Call::new(&c, &k, &v, scale)?)];
-        if c.fp8 {
+        if c.eight_bit.is_some() {
             calls.push((
-                ", FP8",
+                ", 8-bit",
                 Call {
-                    fp8: true,
+                    eight_bit: true,
                     ..Call::new(&c, &k, &v, scale)?
                 },
             ));
@@ -170,8 +181,8 @@ struct Call {
     position: Option<Tensor>,
     /// The decode kernel's partials, for a cached call of one query.
     scratch: tpinfer_kernels::DecodeScratch,
-    /// [`tpinfer_kernels::flash_attention_fp8`] instead.
-    fp8: bool,
+    /// [`tpinfer_kernels::flash_attention_8bit`] instead.
+    eight_bit: bool,
 }
 
 impl Call {
@@ -185,7 +196,7 @@ impl Call {
                 causal,
                 position: None,
                 scratch: tpinfer_kernels::DecodeScratch::new(),
-                fp8: false,
+                eight_bit: false,
             });
         }
         let spare = Tensor::full(f32::NAN, (SPARE_SLOTS, c.kv_heads, c.head_dim), k.device())?.to_dtype(DType::BF16)?;
@@ -198,7 +209,7 @@ impl Call {
             causal,
             position: Some(position),
             scratch: tpinfer_kernels::DecodeScratch::new(),
-            fp8: false,
+            eight_bit: false,
         })
     }
 
@@ -207,7 +218,7 @@ impl Call {
             Some(position) => {
                 tpinfer_kernels::flash_attention_cached(q, &self.k, &self.v, position, self.scale, &self.scratch)?
             }
-            None if self.fp8 => tpinfer_kernels::flash_attention_fp8(q, &self.k, &self.v, self.scale)?,
+            None if self.eight_bit => tpinfer_kernels::flash_attention_8bit(q, &self.k, &self.v, self.scale)?,
             None => tpinfer_kernels::flash_attention(q, &self.k, &self.v, self.scale, self.causal)?,
         })
     }

@@ -95,7 +95,6 @@ WGMMA(__nv_bfloat16, "bf16", 128, REGS64, ACC64, PRED64, TAIL64)
 template <int N>
 struct WgmmaE4m3;
 
-#define TAIL32_E4M3 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
 #define TAIL64_E4M3 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
 #define WGMMA_E4M3(N, REGS, ACC, PRED, TAIL)                                                                  \
     template <>                                                                                            \
@@ -108,10 +107,22 @@ struct WgmmaE4m3;
         }                                                                                                  \
     };
 
-WGMMA_E4M3(64, REGS32, ACC32, PRED32, TAIL32_E4M3)
 WGMMA_E4M3(128, REGS64, ACC64, PRED64, TAIL64_E4M3)
 #undef WGMMA_E4M3
-#undef TAIL32_E4M3
+
+// D = A·B (+ D when scale_d) for one m64n64k32 step with signed 8-bit operands and an s32
+// accumulator, the operand layouts as WgmmaE4m3's.
+struct WgmmaS8N64 {
+    static __device__ __forceinline__ void run(int (&d)[8][4], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+#define ACC4_S32(i) "+r"(d[i][0]), "+r"(d[i][1]), "+r"(d[i][2]), "+r"(d[i][3])
+        asm volatile(PRED32 "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " REGS32
+                            ", {%32, %33, %34, %35}, %36, p;\n}\n"
+                     : ACC4_S32(0), ACC4_S32(1), ACC4_S32(2), ACC4_S32(3), ACC4_S32(4), ACC4_S32(5), ACC4_S32(6),
+                       ACC4_S32(7)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+#undef ACC4_S32
+    }
+};
 #undef TAIL64_E4M3
 #undef TAIL32
 #undef TAIL64
@@ -138,6 +149,13 @@ __device__ __forceinline__ void fence_registers(float (&d)[N][4]) {
     for (int i = 0; i < N; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_registers(int (&d)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(d[i][e])::"memory");
 }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
@@ -328,14 +346,18 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     softmax.store<T>(o, out, row_a, q_len, heads, head, t);
 }
 
-// ---- FP8 (E4M3) attention -------------------------------------------------------------------
+// ---- 8-bit attention: INT8 Q·Kᵀ, FP8 (E4M3) P·V -----------------------------------------------
 //
-// The same pipeline with both products on E4M3 operands, which Hopper's tensor cores run at
-// twice bf16's rate, as FlashAttention-3's FP8 path and SageAttention do. The kernels below it
-// quantize the inputs first: Q and K with one scale per 64 rows of a head (a consumer's query
-// rows, a key tile), so that a tile's scores take one multiply; V with one scale per channel
-// of a KV head, applied to O at the end. P, which the stale maximum keeps at most 2^8, goes to
-// E4M3 (at most 448) unscaled.
+// SageAttention2's scheme on this file's pipeline: both products on 8-bit operands, which
+// Hopper's tensor cores run at twice bf16's rate. The kernels below it quantize the inputs
+// first. Q and K go to INT8 with one scale per 64 rows of a head (a consumer's query rows, a
+// key tile), so that a tile's scores take one multiply; K first loses its mean over the keys
+// (each channel's, per KV head), which shifts every score of a query row by the same amount
+// and so leaves the softmax as it was, while taking out the channel offsets that would
+// otherwise spend the 8 bits. V goes to E4M3 with one scale per channel of a KV head, applied
+// to O at the end; P, which the stale maximum keeps at most 2^8, goes to E4M3 (at most 448)
+// unscaled. INT8 rather than E4M3 for the scores: E4M3's 3-bit mantissa moves large scores
+// by whole units, and the softmax exponentiates that.
 //
 // 8-bit wgmma reads B only K-major, so V comes transposed (`[KV head, d, keys]`), and within
 // each 32 keys in the order in which P's accumulator layout hands over its A fragments: thread
@@ -346,10 +368,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 namespace {
 
 constexpr int QUANT_ROWS = 64;  // rows of a head under one Q or K scale
-constexpr float E4M3_MAX = 448.f;
-constexpr int E4M3_STAGES = 8;           // K/V tile pairs in the ring (half as large as bf16's)
-constexpr int E4M3_TILE_BYTES = BLOCK_N * D;  // a K tile (64 keys × 128 values) or a V tile
-constexpr int V_SWIZZLE_ATOM = 8 * 64;   // 8 rows of 64 bytes (64-byte swizzle)
+constexpr float S8_MAX = 127.f, E4M3_MAX = 448.f;
+constexpr int STAGES_8BIT = 8;              // K/V tile pairs in the ring (half as large as bf16's)
+constexpr int TILE_BYTES_8BIT = BLOCK_N * D;  // a K tile (64 keys × 128 values) or a V tile
+constexpr int V_SWIZZLE_ATOM = 8 * 64;      // 8 rows of 64 bytes (64-byte swizzle)
+// 1.5 · 2^23: added to an integer below 2^22 in magnitude as bits, it makes the float
+// 1.5 · 2^23 + the integer exactly, so one integer add and one float subtract convert it.
+constexpr int MAGIC_BITS = 0x4B400000;
+constexpr float MAGIC = 12582912.f;
 
 // The key at position p of a 32-key group of the transposed V.
 __device__ __forceinline__ int p_order_key(int p) {
@@ -362,6 +388,12 @@ __device__ __forceinline__ uint32_t pack_e4m3(float a, float b, float c, float d
     const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
     const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
     return lo | (hi << 16);
+}
+
+// Four values, already within ±127, rounded to one register of INT8 bytes, the first lowest.
+__device__ __forceinline__ uint32_t pack_s8(float a, float b, float c, float d) {
+    const auto byte = [](float x) { return (uint32_t)(__float2int_rn(x) & 0xFF); };
+    return byte(a) | (byte(b) << 8) | (byte(c) << 16) | (byte(d) << 24);
 }
 
 // P of a 64-key tile (accumulator layout) as the A fragments of two k32 steps.
@@ -389,26 +421,73 @@ __device__ __forceinline__ void unpack8(const uint4& chunk, float (&out)[8]) {
     for (int j = 0; j < 8; ++j) out[j] = __bfloat162float(v[j]);
 }
 
+// Per channel of each head of `x` (`[len, heads, 128]`): the largest magnitude (MAX) or the
+// sum, folded into `stats` (`[heads, 128]`, zero before the launch) by atomics; a magnitude as
+// the bits of a non-negative float, which order as unsigned integers do. Grid (len / 256
+// rounded up, heads), 128 threads: 16 a row, 8 channels each.
+template <bool MAX>
+__device__ __forceinline__ void channel_stats(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride,
+                                              int len, float* __restrict__ stats) {
+    __shared__ float partial[8][D];
+    const int head = blockIdx.y, r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
+    float acc[8] = {};
+    const int end = min(len, (int)(blockIdx.x + 1) * 256);
+    for (int row = blockIdx.x * 256 + r; row < end; row += 8) {
+        float v[8];
+        unpack8(*reinterpret_cast<const uint4*>(x + row * row_stride + head * head_stride + c8), v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = MAX ? fmaxf(acc[j], fabsf(v[j])) : acc[j] + v[j];
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) partial[r][c8 + j] = acc[j];
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) total = MAX ? fmaxf(total, partial[i][threadIdx.x]) : total + partial[i][threadIdx.x];
+    float* at = stats + head * D + threadIdx.x;
+    if (MAX)
+        atomicMax(reinterpret_cast<unsigned*>(at), __float_as_uint(total));
+    else
+        atomicAdd(at, total);
+}
+
 }  // namespace
 
+extern "C" __global__ void __launch_bounds__(128)
+    channel_absmax_bf16(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
+                        float* __restrict__ absmax) {
+    channel_stats<true>(x, row_stride, head_stride, len, absmax);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    channel_sum_bf16(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
+                     float* __restrict__ sum) {
+    channel_stats<false>(x, row_stride, head_stride, len, sum);
+}
+
 // Q or K `[len, heads, 128]` (row and head strides in elements, d contiguous, 16-byte-aligned
-// rows) to E4M3 `[len, heads, 128]` with one scale per 64 rows of a head: scales[head ·
-// gridDim.x + block] = absmax / 448, each value divided by it. Grid (blocks, heads), 256
-// threads, each four 16-byte chunks of the 64 × 128 block.
+// rows), less each channel's mean (channel_sum / len) when `channel_sum` is not null, to INT8
+// `[len, heads, 128]` with one scale per 64 rows of a head: scales[head · gridDim.x + block] =
+// absmax / 127, each value divided by it and rounded. Grid (blocks, heads), 256 threads, each
+// four 16-byte chunks of the 64 × 128 block.
 extern "C" __global__ void __launch_bounds__(256)
-    quantize_row_blocks_e4m3(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
-                             uint8_t* __restrict__ out, float* __restrict__ scales) {
+    quantize_row_blocks_s8(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
+                           const float* __restrict__ channel_sum, int8_t* __restrict__ out, float* __restrict__ scales) {
     __shared__ float warp_maxima[8];
     const int head = blockIdx.y, heads = gridDim.y, row0 = blockIdx.x * QUANT_ROWS;
     float v[4][8], m = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int c = threadIdx.x + 256 * i, row = row0 + c / 16, col = (c % 16) * 8;
-        const uint4 chunk = row < len ? *reinterpret_cast<const uint4*>(x + row * row_stride + head * head_stride + col)
-                                      : make_uint4(0, 0, 0, 0);
-        unpack8(chunk, v[i]);
+        const bool inside = row < len;
+        unpack8(inside ? *reinterpret_cast<const uint4*>(x + row * row_stride + head * head_stride + col)
+                       : make_uint4(0, 0, 0, 0),
+                v[i]);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[i][j]));
+        for (int j = 0; j < 8; ++j) {
+            if (channel_sum && inside) v[i][j] -= channel_sum[head * D + col + j] / len;
+            m = fmaxf(m, fabsf(v[i][j]));
+        }
     }
     m = warp_max(m);
     if (threadIdx.x % 32 == 0) warp_maxima[threadIdx.x / 32] = m;
@@ -416,42 +495,18 @@ extern "C" __global__ void __launch_bounds__(256)
     m = 0.f;
 #pragma unroll
     for (int w = 0; w < 8; ++w) m = fmaxf(m, warp_maxima[w]);
-    const float scale = m / E4M3_MAX;
+    const float scale = m / S8_MAX, inverse = m > 0.f ? S8_MAX / m : 0.f;
     if (threadIdx.x == 0) scales[head * gridDim.x + blockIdx.x] = scale;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int c = threadIdx.x + 256 * i, row = row0 + c / 16, col = (c % 16) * 8;
         if (row >= len) continue;
+        const float(&x8)[8] = v[i];
         uint2 q;
-        q.x = m > 0.f ? pack_e4m3(v[i][0] / scale, v[i][1] / scale, v[i][2] / scale, v[i][3] / scale) : 0;
-        q.y = m > 0.f ? pack_e4m3(v[i][4] / scale, v[i][5] / scale, v[i][6] / scale, v[i][7] / scale) : 0;
+        q.x = pack_s8(x8[0] * inverse, x8[1] * inverse, x8[2] * inverse, x8[3] * inverse);
+        q.y = pack_s8(x8[4] * inverse, x8[5] * inverse, x8[6] * inverse, x8[7] * inverse);
         *reinterpret_cast<uint2*>(out + ((long)row * heads + head) * D + col) = q;
     }
-}
-
-// The largest |V| of each channel of each KV head, maxed into `absmax` (`[heads, 128]`, zero
-// before the first launch) as the bits of a non-negative float, which order as unsigned
-// integers do. Grid (rows / 256 rounded up, heads), 128 threads: 16 a row, 8 channels each.
-extern "C" __global__ void __launch_bounds__(128)
-    channel_absmax_bf16(const __nv_bfloat16* __restrict__ v, long row_stride, long head_stride, int len,
-                        unsigned* __restrict__ absmax) {
-    __shared__ float maxima[8][D];
-    const int head = blockIdx.y, r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
-    float m[8] = {};
-    const int end = min(len, (int)(blockIdx.x + 1) * 256);
-    for (int row = blockIdx.x * 256 + r; row < end; row += 8) {
-        float x[8];
-        unpack8(*reinterpret_cast<const uint4*>(v + row * row_stride + head * head_stride + c8), x);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], fabsf(x[j]));
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) maxima[r][c8 + j] = m[j];
-    __syncthreads();
-    float best = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) best = fmaxf(best, maxima[i][threadIdx.x]);
-    atomicMax(absmax + head * D + threadIdx.x, __float_as_uint(best));
 }
 
 // V `[len, heads, 128]` to E4M3 `[heads, 128, padded]` (`padded`: len rounded up to 64; the
@@ -460,7 +515,7 @@ extern "C" __global__ void __launch_bounds__(128)
 // (p_order_key). Grid (padded / 64, heads), 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
     transpose_values_e4m3(const __nv_bfloat16* __restrict__ v, long row_stride, long head_stride, int len, int padded,
-                          const unsigned* __restrict__ absmax, uint8_t* __restrict__ out, float* __restrict__ scales) {
+                          const float* __restrict__ absmax, uint8_t* __restrict__ out, float* __restrict__ scales) {
     constexpr int ROW = D + 8;  // padded rows: a warp's reads of one channel spread over banks
     __shared__ __nv_bfloat16 tile[BLOCK_N][ROW];
     const int head = blockIdx.y, key0 = blockIdx.x * BLOCK_N;
@@ -473,18 +528,17 @@ extern "C" __global__ void __launch_bounds__(256)
         *reinterpret_cast<uint4*>(&tile[row][col]) = chunk;
     }
     __syncthreads();
-    if (blockIdx.x == 0 && threadIdx.x < D)
-        scales[head * D + threadIdx.x] = __uint_as_float(absmax[head * D + threadIdx.x]) / E4M3_MAX;
+    if (blockIdx.x == 0 && threadIdx.x < D) scales[head * D + threadIdx.x] = absmax[head * D + threadIdx.x] / E4M3_MAX;
     // 128 channels × 8 runs of 8 positions, four a thread; a run is one 8-byte store.
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int task = threadIdx.x + 256 * i, channel = task / 8, p0 = (task % 8) * 8;
-        const float m = __uint_as_float(absmax[head * D + channel]), scale = m / E4M3_MAX;
+        const float m = absmax[head * D + channel], inverse = m > 0.f ? E4M3_MAX / m : 0.f;
         float x[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const int p = p0 + j, key = (p / 32) * 32 + p_order_key(p % 32);
-            x[j] = m > 0.f ? __bfloat162float(tile[key][channel]) / scale : 0.f;
+            x[j] = __bfloat162float(tile[key][channel]) * inverse;
         }
         uint2 q;
         q.x = pack_e4m3(x[0], x[1], x[2], x[3]);
@@ -493,34 +547,34 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// Grid: (q_len / 128 rounded up, heads); 384 threads. Dynamic shared memory
-// (SM90_E4M3_SMEM_BYTES in src/lib.rs): 1 KiB to align the swizzle atoms, E4M3_STAGES pairs of
-// a K tile (64 keys × 128 bytes, 128-byte-swizzled) and a V tile (128 channels × 64 keys,
-// 64-byte-swizzled), 2 · E4M3_STAGES mbarriers. `q` is E4M3 `[q_len, heads, 128]`; q_scale
-// `[heads, q_len / 64 rounded up]`, k_scale `[KV heads, kv_len / 64 rounded up]`, v_scale
-// `[KV heads, 128]`; the maps span K `[kv_len, KV heads, 128]` and the transposed V; `out` is
-// bf16 `[q_len, heads, 128]`. Non-causal, no cache.
+// Grid: (q_len / 128 rounded up, heads); 384 threads. Dynamic shared memory (SMEM_BYTES in
+// src/attention_8bit.rs): 1 KiB to align the swizzle atoms, STAGES_8BIT pairs of a K tile (64
+// keys × 128 bytes, 128-byte-swizzled) and a V tile (128 channels × 64 keys, 64-byte-swizzled),
+// 2 · STAGES_8BIT mbarriers. `q` is INT8 `[q_len, heads, 128]`, the K map's K INT8 `[kv_len, KV
+// heads, 128]`, the V map's V E4M3 transposed; q_scale `[heads, q_len / 64 rounded up]`,
+// k_scale `[KV heads, kv_len / 64 rounded up]`, v_scale `[KV heads, 128]`; `out` is bf16
+// `[q_len, heads, 128]`. Non-causal, no cache.
 extern "C" __global__ void __launch_bounds__(384, 1)
-    flash_attention_sm90_e4m3_d128(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
-                                   const uint8_t* __restrict__ q, const float* __restrict__ q_scale,
+    flash_attention_sm90_8bit_d128(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
+                                   const int8_t* __restrict__ q, const float* __restrict__ q_scale,
                                    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
                                    __nv_bfloat16* __restrict__ out, int q_len, int kv_len, int heads, int group,
                                    float scale_log2) {
     constexpr int BLOCK_M = 128;
     extern __shared__ uint8_t dynamic_smem[];
     const uint32_t smem = (smem_addr(dynamic_smem) + SWIZZLE_ATOM - 1) & ~(uint32_t)(SWIZZLE_ATOM - 1);
-    const auto k_tile = [&](int stage) { return smem + 2 * stage * E4M3_TILE_BYTES; };
-    const auto v_tile = [&](int stage) { return smem + (2 * stage + 1) * E4M3_TILE_BYTES; };
-    const uint32_t bars = smem + 2 * E4M3_STAGES * E4M3_TILE_BYTES;
+    const auto k_tile = [&](int stage) { return smem + 2 * stage * TILE_BYTES_8BIT; };
+    const auto v_tile = [&](int stage) { return smem + (2 * stage + 1) * TILE_BYTES_8BIT; };
+    const uint32_t bars = smem + 2 * STAGES_8BIT * TILE_BYTES_8BIT;
     const auto full = [&](int stage) { return bars + 8 * stage; };
-    const auto empty = [&](int stage) { return bars + 8 * (E4M3_STAGES + stage); };
+    const auto empty = [&](int stage) { return bars + 8 * (STAGES_8BIT + stage); };
 
     const int head = blockIdx.y, kv_head = head / group, m0 = blockIdx.x * BLOCK_M;
     const int warpgroup = threadIdx.x / 128;
     const int n_tiles = key_tiles(kv_len, kv_len, BLOCK_N);
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < E4M3_STAGES; ++s) {
+        for (int s = 0; s < STAGES_8BIT; ++s) {
             mbar_init(full(s), 1);
             mbar_init(empty(s), 256);
         }
@@ -532,9 +586,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
         if (threadIdx.x == 0) {
             for (int j = 0; j < n_tiles; ++j) {
-                const int stage = j % E4M3_STAGES;
-                mbar_wait(empty(stage), ((j / E4M3_STAGES) & 1) ^ 1);
-                mbar_expect_tx(full(stage), 2 * E4M3_TILE_BYTES);
+                const int stage = j % STAGES_8BIT;
+                mbar_wait(empty(stage), ((j / STAGES_8BIT) & 1) ^ 1);
+                mbar_expect_tx(full(stage), 2 * TILE_BYTES_8BIT);
                 tma_load(k_tile(stage), &k_map, full(stage), 0, j * BLOCK_N, kv_head);
                 tma_load(v_tile(stage), &v_map, full(stage), j * BLOCK_N, 0, kv_head);
             }
@@ -559,8 +613,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         }
     const int q_blocks = (q_len + QUANT_ROWS - 1) / QUANT_ROWS, k_blocks = (kv_len + QUANT_ROWS - 1) / QUANT_ROWS;
     const float q_scale_log2 = wg_row0 < q_len ? scale_log2 * q_scale[head * q_blocks + wg_row0 / QUANT_ROWS] : 0.f;
-    // A tile's scale from raw scores to base-2 logits; never zero, which would turn a masked
-    // score's −inf into NaN (a zero Q or K block has zero scores, which any scale keeps).
+    // A tile's scale from integer scores to base-2 logits; never zero, which would turn a
+    // masked score's −inf into NaN (a zero Q or K block has zero scores, which any scale keeps).
     const auto tile_scale = [&](int j) { return fmaxf(q_scale_log2 * k_scale[kv_head * k_blocks + j], FLT_MIN); };
 
     float o[D / 8][4] = {};
@@ -570,13 +624,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         return;
     }
     const auto masked = [&](int n0) { return n0 + BLOCK_N > kv_len; };
-    // S = Q Kᵀ of a stage's tile, issued but not waited for: B is the K tile as stored
-    // (K-major, one 128-byte row a key); a k32 step moves 32 bytes along the rows.
-    const auto issue_scores = [&](float (&s)[BLOCK_N / 8][4], int stage) {
+    // S = Q Kᵀ of a stage's tile in integers, issued but not waited for: B is the K tile as
+    // stored (K-major, one 128-byte row a key); a k32 step moves 32 bytes along the rows.
+    int si[BLOCK_N / 8][4];
+    const auto issue_scores = [&](int stage) {
         const uint64_t desc = smem_desc(k_tile(stage), 16, SWIZZLE_ATOM);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 32; ++kk) WgmmaE4m3<BLOCK_N>::run(s, qf[kk], desc + ((kk * 32) >> 4), kk > 0);
+        for (int kk = 0; kk < D / 32; ++kk) WgmmaS8N64::run(si, qf[kk], desc + ((kk * 32) >> 4), kk > 0);
         wgmma_commit();
     };
     // O += P V of a stage's tile, issued but not waited for: B is the transposed V tile
@@ -590,23 +645,31 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         for (int kk = 0; kk < BLOCK_N / 32; ++kk) WgmmaE4m3<D>::run(o, pf[kk], desc + ((kk * 32) >> 4), 1);
         wgmma_commit();
     };
-
+    // The scores as floats (|S| ≤ 127² · 128 < 2^22) once their product has ended.
     float s[BLOCK_N / 8][4];
+    const auto scores = [&] {
+        fence_registers(si);
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[i][e] = __int_as_float(si[i][e] + MAGIC_BITS) - MAGIC;
+    };
+
     mbar_wait(full(0), 0);
-    issue_scores(s, 0);
+    issue_scores(0);
     wgmma_wait<0>();
-    fence_registers(s);
+    scores();
     softmax.update(s, tile_scale(0), masked(0), 0, kv_len, -1, row_a, t);
     // As the bf16 kernel: S of tile j + 1 and P·V of tile j on the tensor cores while the
     // softmax of tile j + 1 runs.
     for (int j = 0; j + 1 < n_tiles; ++j) {
-        const int stage = j % E4M3_STAGES, next = (j + 1) % E4M3_STAGES;
-        mbar_wait(full(next), ((j + 1) / E4M3_STAGES) & 1);
+        const int stage = j % STAGES_8BIT, next = (j + 1) % STAGES_8BIT;
+        mbar_wait(full(next), ((j + 1) / STAGES_8BIT) & 1);
         p_fragments_e4m3(s, pf);
-        issue_scores(s, next);
+        issue_scores(next);
         issue_values(stage);
         wgmma_wait<1>();
-        fence_registers(s);
+        scores();
         const int n0 = (j + 1) * BLOCK_N;
         const float2 alpha = softmax.update(s, tile_scale(j + 1), masked(n0), n0, kv_len, -1, row_a, t);
         wgmma_wait<0>();
@@ -614,7 +677,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         OnlineSoftmax::rescale(o, alpha);
         mbar_arrive(empty(stage));
     }
-    const int last = (n_tiles - 1) % E4M3_STAGES;
+    const int last = (n_tiles - 1) % STAGES_8BIT;
     p_fragments_e4m3(s, pf);
     issue_values(last);
     wgmma_wait<0>();
