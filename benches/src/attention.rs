@@ -41,8 +41,8 @@ struct Case {
     causal: bool,
     cached: bool,
     paged: bool,
-    /// An 8-bit case, and whether its inputs are spread.
-    eight_bit: Option<bool>,
+    /// An 8-bit case: whether its inputs are spread, and its scores' operands.
+    eight_bit: Option<(bool, tpinfer_kernels::ScoreOperands)>,
     /// The paged case's dtype.
     dtype: DType,
 }
@@ -51,7 +51,7 @@ fn parse(case: &str) -> Result<Case> {
     let parts: Vec<&str> = case.split(':').collect();
     let n = |i: usize| -> Result<usize> { parts.get(i).context("too few fields")?.parse().context("not a number") };
     let (causal, cached, paged) = match parts.get(5) {
-        None | Some(&"8bit" | &"8bit-spread") => (false, false, false),
+        None | Some(&"8bit" | &"8bit-spread" | &"8bit-e4m3" | &"8bit-e4m3-spread") => (false, false, false),
         Some(&"causal") => (true, false, false),
         Some(&"cached") => (true, true, false),
         Some(&"paged" | &"paged-f32") => (false, false, true),
@@ -67,8 +67,10 @@ fn parse(case: &str) -> Result<Case> {
         cached,
         paged,
         eight_bit: match parts.get(5) {
-            Some(&"8bit") => Some(false),
-            Some(&"8bit-spread") => Some(true),
+            Some(&"8bit") => Some((false, tpinfer_kernels::ScoreOperands::Int8)),
+            Some(&"8bit-spread") => Some((true, tpinfer_kernels::ScoreOperands::Int8)),
+            Some(&"8bit-e4m3") => Some((false, tpinfer_kernels::ScoreOperands::E4m3)),
+            Some(&"8bit-e4m3-spread") => Some((true, tpinfer_kernels::ScoreOperands::E4m3)),
             _ => None,
         },
         dtype: match parts.get(5) {
@@ -96,7 +98,7 @@ pub fn run(args: AttentionArgs) -> Result<()> {
             randn(c.kv_len, c.kv_heads)?,
             randn(c.kv_len, c.kv_heads)?,
         );
-        if c.eight_bit == Some(true) {
+        if c.eight_bit.is_some_and(|(spread, _)| spread) {
             let spread = |x: &Tensor, n: usize, shape: &[usize]| -> Result<Tensor> {
                 let f: Vec<f32> = (0..n).map(|i| (4.0 * (i as f32 * 0.618_034).fract()).exp2()).collect();
                 let f = Tensor::from_vec(f, shape, &device)?.to_dtype(DType::BF16)?;
@@ -118,11 +120,11 @@ pub fn run(args: AttentionArgs) -> Result<()> {
             false => Some(reference(&q, &k, &v, scale, c.causal)?),
         };
         let mut calls = vec![("", Call::new(&c, &k, &v, scale)?)];
-        if c.eight_bit.is_some() {
+        if let Some((_, operands)) = c.eight_bit {
             calls.push((
                 ", 8-bit",
                 Call {
-                    eight_bit: true,
+                    eight_bit: Some(operands),
                     ..Call::new(&c, &k, &v, scale)?
                 },
             ));
@@ -181,8 +183,8 @@ struct Call {
     position: Option<Tensor>,
     /// The decode kernel's partials, for a cached call of one query.
     scratch: tpinfer_kernels::DecodeScratch,
-    /// [`tpinfer_kernels::flash_attention_8bit`] instead.
-    eight_bit: bool,
+    /// [`tpinfer_kernels::flash_attention_8bit_with`] instead.
+    eight_bit: Option<tpinfer_kernels::ScoreOperands>,
 }
 
 impl Call {
@@ -196,7 +198,7 @@ impl Call {
                 causal,
                 position: None,
                 scratch: tpinfer_kernels::DecodeScratch::new(),
-                eight_bit: false,
+                eight_bit: None,
             });
         }
         let spare = Tensor::full(f32::NAN, (SPARE_SLOTS, c.kv_heads, c.head_dim), k.device())?.to_dtype(DType::BF16)?;
@@ -209,7 +211,7 @@ impl Call {
             causal,
             position: Some(position),
             scratch: tpinfer_kernels::DecodeScratch::new(),
-            eight_bit: false,
+            eight_bit: None,
         })
     }
 
@@ -218,8 +220,12 @@ impl Call {
             Some(position) => {
                 tpinfer_kernels::flash_attention_cached(q, &self.k, &self.v, position, self.scale, &self.scratch)?
             }
-            None if self.eight_bit => tpinfer_kernels::flash_attention_8bit(q, &self.k, &self.v, self.scale)?,
-            None => tpinfer_kernels::flash_attention(q, &self.k, &self.v, self.scale, self.causal)?,
+            None => match self.eight_bit {
+                Some(operands) => {
+                    tpinfer_kernels::flash_attention_8bit_with(q, &self.k, &self.v, self.scale, operands)?
+                }
+                None => tpinfer_kernels::flash_attention(q, &self.k, &self.v, self.scale, self.causal)?,
+            },
         })
     }
 }

@@ -95,6 +95,7 @@ WGMMA(__nv_bfloat16, "bf16", 128, REGS64, ACC64, PRED64, TAIL64)
 template <int N>
 struct WgmmaE4m3;
 
+#define TAIL32_E4M3 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
 #define TAIL64_E4M3 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
 #define WGMMA_E4M3(N, REGS, ACC, PRED, TAIL)                                                                  \
     template <>                                                                                            \
@@ -107,8 +108,10 @@ struct WgmmaE4m3;
         }                                                                                                  \
     };
 
+WGMMA_E4M3(64, REGS32, ACC32, PRED32, TAIL32_E4M3)
 WGMMA_E4M3(128, REGS64, ACC64, PRED64, TAIL64_E4M3)
 #undef WGMMA_E4M3
+#undef TAIL32_E4M3
 
 // D = A·B (+ D when scale_d) for one m64n64k32 step with signed 8-bit operands and an s32
 // accumulator, the operand layouts as WgmmaE4m3's.
@@ -467,12 +470,15 @@ extern "C" __global__ void __launch_bounds__(128)
 
 // Q or K `[len, heads, 128]` (row and head strides in elements, d contiguous, 16-byte-aligned
 // rows), less each channel's mean (channel_sum / len) when `channel_sum` is not null, to INT8
-// `[len, heads, 128]` with one scale per 64 rows of a head: scales[head · gridDim.x + block] =
-// absmax / 127, each value divided by it and rounded. Grid (blocks, heads), 256 threads, each
-// four 16-byte chunks of the 64 × 128 block.
-extern "C" __global__ void __launch_bounds__(256)
-    quantize_row_blocks_s8(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
-                           const float* __restrict__ channel_sum, int8_t* __restrict__ out, float* __restrict__ scales) {
+// (S8) or E4M3 `[len, heads, 128]` with one scale per 64 rows of a head: scales[head ·
+// gridDim.x + block] = absmax / 127 (or 448), each value divided by it and rounded. Grid
+// (blocks, heads), 256 threads, each four 16-byte chunks of the 64 × 128 block.
+template <bool S8>
+__device__ __forceinline__ void quantize_row_blocks(const __nv_bfloat16* __restrict__ x, long row_stride,
+                                                    long head_stride, int len, const float* __restrict__ channel_sum,
+                                                    uint8_t* __restrict__ out, float* __restrict__ scales) {
+    constexpr float LARGEST = S8 ? S8_MAX : E4M3_MAX;
+    const auto pack = [](float a, float b, float c, float d) { return S8 ? pack_s8(a, b, c, d) : pack_e4m3(a, b, c, d); };
     __shared__ float warp_maxima[8];
     const int head = blockIdx.y, heads = gridDim.y, row0 = blockIdx.x * QUANT_ROWS;
     float v[4][8], m = 0.f;
@@ -495,7 +501,7 @@ extern "C" __global__ void __launch_bounds__(256)
     m = 0.f;
 #pragma unroll
     for (int w = 0; w < 8; ++w) m = fmaxf(m, warp_maxima[w]);
-    const float scale = m / S8_MAX, inverse = m > 0.f ? S8_MAX / m : 0.f;
+    const float scale = m / LARGEST, inverse = m > 0.f ? LARGEST / m : 0.f;
     if (threadIdx.x == 0) scales[head * gridDim.x + blockIdx.x] = scale;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -503,10 +509,23 @@ extern "C" __global__ void __launch_bounds__(256)
         if (row >= len) continue;
         const float(&x8)[8] = v[i];
         uint2 q;
-        q.x = pack_s8(x8[0] * inverse, x8[1] * inverse, x8[2] * inverse, x8[3] * inverse);
-        q.y = pack_s8(x8[4] * inverse, x8[5] * inverse, x8[6] * inverse, x8[7] * inverse);
+        q.x = pack(x8[0] * inverse, x8[1] * inverse, x8[2] * inverse, x8[3] * inverse);
+        q.y = pack(x8[4] * inverse, x8[5] * inverse, x8[6] * inverse, x8[7] * inverse);
         *reinterpret_cast<uint2*>(out + ((long)row * heads + head) * D + col) = q;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    quantize_row_blocks_s8(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
+                           const float* __restrict__ channel_sum, uint8_t* __restrict__ out, float* __restrict__ scales) {
+    quantize_row_blocks<true>(x, row_stride, head_stride, len, channel_sum, out, scales);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    quantize_row_blocks_e4m3(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
+                             const float* __restrict__ channel_sum, uint8_t* __restrict__ out,
+                             float* __restrict__ scales) {
+    quantize_row_blocks<false>(x, row_stride, head_stride, len, channel_sum, out, scales);
 }
 
 // V `[len, heads, 128]` to E4M3 `[heads, 128, padded]` (`padded`: len rounded up to 64; the
@@ -554,15 +573,15 @@ extern "C" __global__ void __launch_bounds__(256)
 // heads, 128]`, the V map's V E4M3 transposed; q_scale `[heads, q_len / 64 rounded up]`,
 // k_scale `[KV heads, kv_len / 64 rounded up]`, v_scale `[KV heads, 128]`; `out` is bf16
 // `[q_len, heads, 128]`. Non-causal, no cache.
-extern "C" __global__ void __launch_bounds__(384, 1)
-    flash_attention_sm90_8bit_d128(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
-                                   const int8_t* __restrict__ q, const float* __restrict__ q_scale,
-                                   const float* __restrict__ k_scale, const float* __restrict__ v_scale,
-                                   __nv_bfloat16* __restrict__ out, int q_len, int kv_len, int heads, int group,
-                                   float scale_log2) {
+template <bool QK_S8>
+__device__ __forceinline__ void attention_8bit(const CUtensorMap& k_map, const CUtensorMap& v_map,
+                                               const uint8_t* __restrict__ q, const float* __restrict__ q_scale,
+                                               const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                                               __nv_bfloat16* __restrict__ out, int q_len, int kv_len, int heads,
+                                               int group, float scale_log2) {
     constexpr int BLOCK_M = 128;
-    extern __shared__ uint8_t dynamic_smem[];
-    const uint32_t smem = (smem_addr(dynamic_smem) + SWIZZLE_ATOM - 1) & ~(uint32_t)(SWIZZLE_ATOM - 1);
+    extern __shared__ uint8_t dynamic_smem_8bit[];
+    const uint32_t smem = (smem_addr(dynamic_smem_8bit) + SWIZZLE_ATOM - 1) & ~(uint32_t)(SWIZZLE_ATOM - 1);
     const auto k_tile = [&](int stage) { return smem + 2 * stage * TILE_BYTES_8BIT; };
     const auto v_tile = [&](int stage) { return smem + (2 * stage + 1) * TILE_BYTES_8BIT; };
     const uint32_t bars = smem + 2 * STAGES_8BIT * TILE_BYTES_8BIT;
@@ -627,11 +646,17 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     // S = Q Kᵀ of a stage's tile in integers, issued but not waited for: B is the K tile as
     // stored (K-major, one 128-byte row a key); a k32 step moves 32 bytes along the rows.
     int si[BLOCK_N / 8][4];
+    float s[BLOCK_N / 8][4];
     const auto issue_scores = [&](int stage) {
         const uint64_t desc = smem_desc(k_tile(stage), 16, SWIZZLE_ATOM);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 32; ++kk) WgmmaS8N64::run(si, qf[kk], desc + ((kk * 32) >> 4), kk > 0);
+        for (int kk = 0; kk < D / 32; ++kk) {
+            if constexpr (QK_S8)
+                WgmmaS8N64::run(si, qf[kk], desc + ((kk * 32) >> 4), kk > 0);
+            else
+                WgmmaE4m3<BLOCK_N>::run(s, qf[kk], desc + ((kk * 32) >> 4), kk > 0);
+        }
         wgmma_commit();
     };
     // O += P V of a stage's tile, issued but not waited for: B is the transposed V tile
@@ -645,21 +670,24 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         for (int kk = 0; kk < BLOCK_N / 32; ++kk) WgmmaE4m3<D>::run(o, pf[kk], desc + ((kk * 32) >> 4), 1);
         wgmma_commit();
     };
-    // The scores as floats (|S| ≤ 127² · 128 < 2^22) once their product has ended.
-    float s[BLOCK_N / 8][4];
+    // The scores as floats once their product has ended (integers: |S| ≤ 127² · 128 < 2^22).
     const auto scores = [&] {
-        fence_registers(si);
+        if constexpr (QK_S8) {
+            fence_registers(si);
 #pragma unroll
-        for (int i = 0; i < BLOCK_N / 8; ++i)
+            for (int i = 0; i < BLOCK_N / 8; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][e] = __int_as_float(si[i][e] + MAGIC_BITS) - MAGIC;
+                for (int e = 0; e < 4; ++e) s[i][e] = __int_as_float(si[i][e] + MAGIC_BITS) - MAGIC;
+        } else {
+            fence_registers(s);
+        }
     };
 
     mbar_wait(full(0), 0);
     issue_scores(0);
     wgmma_wait<0>();
     scores();
-    softmax.update(s, tile_scale(0), masked(0), 0, kv_len, -1, row_a, t);
+    softmax.update<BLOCK_N / 8, true>(s, tile_scale(0), masked(0), 0, kv_len, -1, row_a, t);
     // As the bf16 kernel: S of tile j + 1 and P·V of tile j on the tensor cores while the
     // softmax of tile j + 1 runs.
     for (int j = 0; j + 1 < n_tiles; ++j) {
@@ -671,7 +699,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         wgmma_wait<1>();
         scores();
         const int n0 = (j + 1) * BLOCK_N;
-        const float2 alpha = softmax.update(s, tile_scale(j + 1), masked(n0), n0, kv_len, -1, row_a, t);
+        const float2 alpha = softmax.update<BLOCK_N / 8, true>(s, tile_scale(j + 1), masked(n0), n0, kv_len, -1, row_a, t);
         wgmma_wait<0>();
         fence_registers(o);
         OnlineSoftmax::rescale(o, alpha);
@@ -693,4 +721,22 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         o[i][3] *= sv.y;
     }
     softmax.store<__nv_bfloat16>(o, out, row_a, q_len, heads, head, t);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_attention_sm90_8bit_d128(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
+                                   const uint8_t* __restrict__ q, const float* __restrict__ q_scale,
+                                   const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                                   __nv_bfloat16* __restrict__ out, int q_len, int kv_len, int heads, int group,
+                                   float scale_log2) {
+    attention_8bit<true>(k_map, v_map, q, q_scale, k_scale, v_scale, out, q_len, kv_len, heads, group, scale_log2);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_attention_sm90_e4m3_d128(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
+                                   const uint8_t* __restrict__ q, const float* __restrict__ q_scale,
+                                   const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                                   __nv_bfloat16* __restrict__ out, int q_len, int kv_len, int heads, int group,
+                                   float scale_log2) {
+    attention_8bit<false>(k_map, v_map, q, q_scale, k_scale, v_scale, out, q_len, kv_len, heads, group, scale_log2);
 }

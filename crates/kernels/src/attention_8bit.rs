@@ -38,6 +38,24 @@ fn hopper(_: &Device) -> bool {
 /// copies of Q, K and V (V padded to 64 keys) and their f32 scales and channel statistics:
 /// [`flash_attention_8bit_bytes`].
 pub fn flash_attention_8bit(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    flash_attention_8bit_with(q, k, v, scale, ScoreOperands::Int8)
+}
+
+/// The operands of the 8-bit kernel's Q·Kᵀ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScoreOperands {
+    Int8,
+    E4m3,
+}
+
+/// [`flash_attention_8bit`] with Q·Kᵀ on `operands`.
+pub fn flash_attention_8bit_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    operands: ScoreOperands,
+) -> Result<Tensor> {
     let (q_len, heads, d) = q.dims3()?;
     let (kv_len, kv_heads, kd) = k.dims3()?;
     if v.dims() != k.dims() || kd != d || kv_heads == 0 || heads % kv_heads != 0 {
@@ -62,9 +80,9 @@ pub fn flash_attention_8bit(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> R
         return Tensor::zeros((q_len, heads, d), DType::BF16, q.device());
     }
     #[cfg(tpinfer_sm90)]
-    return cuda::launch(q, k, v, scale);
+    return cuda::launch(q, k, v, scale, operands);
     #[cfg(not(tpinfer_sm90))]
-    candle_core::bail!("8-bit attention: this build has no Hopper kernels (scale {scale})")
+    candle_core::bail!("8-bit attention: this build has no Hopper kernels (scale {scale}, {operands:?})")
 }
 
 /// The bytes [`flash_attention_8bit`] holds beside its inputs and output while it runs, for
@@ -87,7 +105,7 @@ mod cuda {
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{DType, Result, Tensor};
 
-    use super::{HEAD_DIM, QUANT_ROWS};
+    use super::{ScoreOperands, HEAD_DIM, QUANT_ROWS};
     use crate::cuda::hopper::TensorMap;
     use crate::cuda::strides;
     use crate::launch::device_address;
@@ -101,7 +119,11 @@ mod cuda {
     /// tile (64 × 128 bytes each), sixteen mbarriers.
     const SMEM_BYTES: u32 = 1024 + 8 * 2 * 64 * 128 + 16 * 8;
 
-    pub(super) fn launch(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    pub(super) fn launch(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, operands: ScoreOperands) -> Result<Tensor> {
+        let (quantize_name, attention_name) = match operands {
+            ScoreOperands::Int8 => ("quantize_row_blocks_s8", "flash_attention_sm90_8bit_d128"),
+            ScoreOperands::E4m3 => ("quantize_row_blocks_e4m3", "flash_attention_sm90_e4m3_d128"),
+        };
         let (q_len, heads, d) = q.dims3()?;
         let (kv_len, kv_heads, _) = k.dims3()?;
         let candle_core::Device::Cuda(dev) = q.device() else {
@@ -143,7 +165,7 @@ mod cuda {
             // at its strides and `stats` holds `kv_heads · 128` zeros.
             unsafe { b.launch(channel_grid) }.w()?;
         }
-        let quantize = FLASH_ATTENTION_SM90.kernel(dev, "quantize_row_blocks_s8")?;
+        let quantize = FLASH_ATTENTION_SM90.kernel(dev, quantize_name)?;
         let null = 0u64;
         for (x, sum, x8, scales, rows, n_heads, blocks) in [
             (q, None, &q8, &q_scale, q_len, heads, q_blocks),
@@ -219,7 +241,7 @@ mod cuda {
                 "8-bit attention: the driver refused the tensor maps of {kv_len} keys of {kv_heads} heads"
             );
         };
-        let func = FLASH_ATTENTION_SM90.kernel(dev, "flash_attention_sm90_8bit_d128")?;
+        let func = FLASH_ATTENTION_SM90.kernel(dev, attention_name)?;
         func.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM_BYTES as i32)
             .w()?;
         let (q8_at, q_scale_at, k_scale_at, out_at) = (

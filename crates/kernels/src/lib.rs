@@ -40,7 +40,10 @@ mod rowwise;
 mod sample;
 
 pub use argmax::argmax;
-pub use attention_8bit::{flash_attention_8bit, flash_attention_8bit_bytes, flash_attention_8bit_supported};
+pub use attention_8bit::{
+    flash_attention_8bit, flash_attention_8bit_bytes, flash_attention_8bit_supported, flash_attention_8bit_with,
+    ScoreOperands,
+};
 pub use chain::chained;
 #[cfg(feature = "timeline")]
 pub use chain::{trace_launches, trace_step, trace_to, TracedLaunch};
