@@ -11,11 +11,11 @@ use clap::Args;
 
 #[derive(Args)]
 pub struct AttentionArgs {
-    /// Cases `Q_LEN:KV_LEN:HEADS:KV_HEADS:HEAD_DIM[:causal|:cached|:paged|:paged-f32|:8bit|:8bit-spread]`;
+    /// Cases `Q_LEN:KV_LEN:HEADS:KV_HEADS:HEAD_DIM[:causal|:cached|:paged|:paged-f32|:fp8|:fp8-spread]`;
     /// `cached`: causal, the last Q_LEN of KV_LEN keys through a KV cache with 77 unfilled (NaN)
     /// slots after them; `paged`: Q_LEN sequences of one query each, sequence i over KV_LEN ·
     /// (i + 1) / Q_LEN keys in blocks of 16 of a paged pool, in bf16 (`paged-f32`: in f32);
-    /// `8bit`: the 8-bit kernel and the bf16 one on the same inputs; `8bit-spread` with query
+    /// `fp8`: the E4M3 kernel and the bf16 one on the same inputs; `fp8-spread` with query
     /// and key rows and value channels of magnitudes spread over 2⁴ and keys offset by a
     /// channel mean, so that a scale or mean applied to the wrong block or channel shows.
     #[arg(long, value_delimiter = ',', required = true)]
@@ -41,8 +41,8 @@ struct Case {
     causal: bool,
     cached: bool,
     paged: bool,
-    /// An 8-bit case: whether its inputs are spread, and its scores' operands.
-    eight_bit: Option<(bool, tpinfer_kernels::ScoreOperands)>,
+    /// An FP8 case, and whether its inputs are spread.
+    fp8: Option<bool>,
     /// The paged case's dtype.
     dtype: DType,
 }
@@ -51,7 +51,7 @@ fn parse(case: &str) -> Result<Case> {
     let parts: Vec<&str> = case.split(':').collect();
     let n = |i: usize| -> Result<usize> { parts.get(i).context("too few fields")?.parse().context("not a number") };
     let (causal, cached, paged) = match parts.get(5) {
-        None | Some(&"8bit" | &"8bit-spread" | &"8bit-e4m3" | &"8bit-e4m3-spread") => (false, false, false),
+        None | Some(&"fp8" | &"fp8-spread") => (false, false, false),
         Some(&"causal") => (true, false, false),
         Some(&"cached") => (true, true, false),
         Some(&"paged" | &"paged-f32") => (false, false, true),
@@ -66,11 +66,9 @@ fn parse(case: &str) -> Result<Case> {
         causal,
         cached,
         paged,
-        eight_bit: match parts.get(5) {
-            Some(&"8bit") => Some((false, tpinfer_kernels::ScoreOperands::Int8)),
-            Some(&"8bit-spread") => Some((true, tpinfer_kernels::ScoreOperands::Int8)),
-            Some(&"8bit-e4m3") => Some((false, tpinfer_kernels::ScoreOperands::E4m3)),
-            Some(&"8bit-e4m3-spread") => Some((true, tpinfer_kernels::ScoreOperands::E4m3)),
+        fp8: match parts.get(5) {
+            Some(&"fp8") => Some(false),
+            Some(&"fp8-spread") => Some(true),
             _ => None,
         },
         dtype: match parts.get(5) {
@@ -98,7 +96,7 @@ pub fn run(args: AttentionArgs) -> Result<()> {
             randn(c.kv_len, c.kv_heads)?,
             randn(c.kv_len, c.kv_heads)?,
         );
-        if c.eight_bit.is_some_and(|(spread, _)| spread) {
+        if c.fp8 == Some(true) {
             let spread = |x: &Tensor, n: usize, shape: &[usize]| -> Result<Tensor> {
                 let f: Vec<f32> = (0..n).map(|i| (4.0 * (i as f32 * 0.618_034).fract()).exp2()).collect();
                 let f = Tensor::from_vec(f, shape, &device)?.to_dtype(DType::BF16)?;
@@ -120,11 +118,11 @@ pub fn run(args: AttentionArgs) -> Result<()> {
             false => Some(reference(&q, &k, &v, scale, c.causal)?),
         };
         let mut calls = vec![("", Call::new(&c, &k, &v, scale)?)];
-        if let Some((_, operands)) = c.eight_bit {
+        if c.fp8.is_some() {
             calls.push((
-                ", 8-bit",
+                ", FP8",
                 Call {
-                    eight_bit: Some(operands),
+                    fp8: true,
                     ..Call::new(&c, &k, &v, scale)?
                 },
             ));
@@ -183,8 +181,8 @@ struct Call {
     position: Option<Tensor>,
     /// The decode kernel's partials, for a cached call of one query.
     scratch: tpinfer_kernels::DecodeScratch,
-    /// [`tpinfer_kernels::flash_attention_8bit_with`] instead.
-    eight_bit: Option<tpinfer_kernels::ScoreOperands>,
+    /// [`tpinfer_kernels::flash_attention_fp8`] instead.
+    fp8: bool,
 }
 
 impl Call {
@@ -198,7 +196,7 @@ impl Call {
                 causal,
                 position: None,
                 scratch: tpinfer_kernels::DecodeScratch::new(),
-                eight_bit: None,
+                fp8: false,
             });
         }
         let spare = Tensor::full(f32::NAN, (SPARE_SLOTS, c.kv_heads, c.head_dim), k.device())?.to_dtype(DType::BF16)?;
@@ -211,7 +209,7 @@ impl Call {
             causal,
             position: Some(position),
             scratch: tpinfer_kernels::DecodeScratch::new(),
-            eight_bit: None,
+            fp8: false,
         })
     }
 
@@ -220,12 +218,8 @@ impl Call {
             Some(position) => {
                 tpinfer_kernels::flash_attention_cached(q, &self.k, &self.v, position, self.scale, &self.scratch)?
             }
-            None => match self.eight_bit {
-                Some(operands) => {
-                    tpinfer_kernels::flash_attention_8bit_with(q, &self.k, &self.v, self.scale, operands)?
-                }
-                None => tpinfer_kernels::flash_attention(q, &self.k, &self.v, self.scale, self.causal)?,
-            },
+            None if self.fp8 => tpinfer_kernels::flash_attention_fp8(q, &self.k, &self.v, self.scale)?,
+            None => tpinfer_kernels::flash_attention(q, &self.k, &self.v, self.scale, self.causal)?,
         })
     }
 }

@@ -125,9 +125,9 @@ struct DitArgs {
     /// The form the blocks' linear weights are held in (`fp8`: quantized at load).
     #[arg(long, value_enum, default_value_t = WeightsArg::AsStored)]
     weights: WeightsArg,
-    /// Self-attention's products on 8-bit operands (Hopper, bf16).
+    /// Self-attention's products on E4M3 operands (Hopper, bf16).
     #[arg(long)]
-    attention_8bit: bool,
+    attention_fp8: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -614,8 +614,8 @@ fn dit(args: DitArgs) -> Result<()> {
     );
     println!("|---|---|---|---|---|---|");
     for &tp in &args.tp {
-        let precision = match args.attention_8bit {
-            true => tpinfer_engine::SelfAttention::EightBit,
+        let precision = match args.attention_fp8 {
+            true => tpinfer_engine::SelfAttention::Fp8,
             false => tpinfer_engine::SelfAttention::ComputeDtype,
         };
         let builder = builder(&args.model, tp, args.cuda, args.dtype)

@@ -16,15 +16,14 @@ use crate::ranks::Ranks;
 #[derive(Clone, Copy, clap::ValueEnum)]
 pub enum AttentionArg {
     Dtype,
-    #[value(name = "8bit")]
-    EightBit,
+    Fp8,
 }
 
 impl AttentionArg {
     pub(crate) fn precision(self) -> SelfAttention {
         match self {
             Self::Dtype => SelfAttention::ComputeDtype,
-            Self::EightBit => SelfAttention::EightBit,
+            Self::Fp8 => SelfAttention::Fp8,
         }
     }
 }
@@ -85,8 +84,8 @@ pub struct VideoArgs {
     #[arg(long, default_value_t = 16)]
     pub(crate) fps: u32,
     /// The precision of the DiT's self-attention products: `dtype` (the compute dtype) or
-    /// `8bit` (INT8 Q·Kᵀ and FP8 P·V, SageAttention2's scheme: faster on Hopper GPUs in bf16,
-    /// and a slightly different video).
+    /// `fp8` (both products on E4M3 operands, FlashAttention-3's FP8 path: faster on Hopper
+    /// GPUs in bf16, and a different video).
     #[arg(long, value_enum, default_value_t = AttentionArg::Dtype)]
     pub(crate) attention: AttentionArg,
     /// Speech-to-video: the speech (WAV, FLAC or MP3) that drives the video and plays in it.

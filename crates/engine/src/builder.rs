@@ -122,8 +122,8 @@ impl EngineBuilder {
     }
 
     /// The precision of a Wan DiT's self-attention products. Default: the compute dtype;
-    /// [`SelfAttention::EightBit`] runs them on 8-bit operands (Hopper GPUs in bf16; other
-    /// ranks refuse it at load), which changes the video. A language model refuses it.
+    /// [`SelfAttention::Fp8`] runs them on E4M3 operands (Hopper GPUs in bf16; other ranks
+    /// refuse it at load), which changes the video. A language model refuses it.
     pub fn self_attention(mut self, precision: SelfAttention) -> Self {
         self.self_attention = precision;
         self

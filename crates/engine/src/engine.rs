@@ -47,7 +47,7 @@ impl Engine {
         }
         if b.self_attention != tpinfer_wan::SelfAttention::ComputeDtype {
             return Err(EngineError::InvalidRequest(format!(
-                "{}: 8-bit self-attention is for Wan video models, not language models",
+                "{}: FP8 self-attention is for Wan video models, not language models",
                 b.model.display()
             )));
         }

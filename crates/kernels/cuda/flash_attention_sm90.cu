@@ -113,19 +113,6 @@ WGMMA_E4M3(128, REGS64, ACC64, PRED64, TAIL64_E4M3)
 #undef WGMMA_E4M3
 #undef TAIL32_E4M3
 
-// D = A·B (+ D when scale_d) for one m64n64k32 step with signed 8-bit operands and an s32
-// accumulator, the operand layouts as WgmmaE4m3's.
-struct WgmmaS8N64 {
-    static __device__ __forceinline__ void run(int (&d)[8][4], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-#define ACC4_S32(i) "+r"(d[i][0]), "+r"(d[i][1]), "+r"(d[i][2]), "+r"(d[i][3])
-        asm volatile(PRED32 "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " REGS32
-                            ", {%32, %33, %34, %35}, %36, p;\n}\n"
-                     : ACC4_S32(0), ACC4_S32(1), ACC4_S32(2), ACC4_S32(3), ACC4_S32(4), ACC4_S32(5), ACC4_S32(6),
-                       ACC4_S32(7)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
-#undef ACC4_S32
-    }
-};
 #undef TAIL64_E4M3
 #undef TAIL32
 #undef TAIL64
@@ -152,13 +139,6 @@ __device__ __forceinline__ void fence_registers(float (&d)[N][4]) {
     for (int i = 0; i < N; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_registers(int (&d)[N][4]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(d[i][e])::"memory");
 }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
@@ -349,18 +329,18 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     softmax.store<T>(o, out, row_a, q_len, heads, head, t);
 }
 
-// ---- 8-bit attention: INT8 Q·Kᵀ, FP8 (E4M3) P·V -----------------------------------------------
+// ---- FP8 (E4M3) attention -------------------------------------------------------------------
 //
-// SageAttention2's scheme on this file's pipeline: both products on 8-bit operands, which
+// FlashAttention-3's FP8 path on this file's pipeline: both products on E4M3 operands, which
 // Hopper's tensor cores run at twice bf16's rate. The kernels below it quantize the inputs
-// first. Q and K go to INT8 with one scale per 64 rows of a head (a consumer's query rows, a
-// key tile), so that a tile's scores take one multiply; K first loses its mean over the keys
-// (each channel's, per KV head), which shifts every score of a query row by the same amount
-// and so leaves the softmax as it was, while taking out the channel offsets that would
-// otherwise spend the 8 bits. V goes to E4M3 with one scale per channel of a KV head, applied
+// first. Q and K take one scale per 64 rows of a head (a consumer's query rows, a key tile),
+// so that a tile's scores take one multiply; K first loses its mean over the keys (each
+// channel's, per KV head, as SageAttention does), which shifts every score of a query row by
+// the same amount and so leaves the softmax as it was, while taking out channel offsets that
+// would otherwise spend the scale's range. V takes one scale per channel of a KV head, applied
 // to O at the end; P, which the stale maximum keeps at most 2^8, goes to E4M3 (at most 448)
-// unscaled. INT8 rather than E4M3 for the scores: E4M3's 3-bit mantissa moves large scores
-// by whole units, and the softmax exponentiates that.
+// unscaled. E4M3 keeps 4 significant bits, so each product's operands are off by up to 1/16
+// of themselves: on random inputs the output is off by about 5% (benches/RESULTS.md).
 //
 // 8-bit wgmma reads B only K-major, so V comes transposed (`[KV head, d, keys]`), and within
 // each 32 keys in the order in which P's accumulator layout hands over its A fragments: thread
@@ -371,14 +351,10 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 namespace {
 
 constexpr int QUANT_ROWS = 64;  // rows of a head under one Q or K scale
-constexpr float S8_MAX = 127.f, E4M3_MAX = 448.f;
-constexpr int STAGES_8BIT = 8;              // K/V tile pairs in the ring (half as large as bf16's)
-constexpr int TILE_BYTES_8BIT = BLOCK_N * D;  // a K tile (64 keys × 128 values) or a V tile
-constexpr int V_SWIZZLE_ATOM = 8 * 64;      // 8 rows of 64 bytes (64-byte swizzle)
-// 1.5 · 2^23: added to an integer below 2^22 in magnitude as bits, it makes the float
-// 1.5 · 2^23 + the integer exactly, so one integer add and one float subtract convert it.
-constexpr int MAGIC_BITS = 0x4B400000;
-constexpr float MAGIC = 12582912.f;
+constexpr float E4M3_MAX = 448.f;
+constexpr int STAGES_FP8 = 8;              // K/V tile pairs in the ring (half as large as bf16's)
+constexpr int TILE_BYTES_FP8 = BLOCK_N * D;  // a K tile (64 keys × 128 values) or a V tile
+constexpr int V_SWIZZLE_ATOM = 8 * 64;     // 8 rows of 64 bytes (64-byte swizzle)
 
 // The key at position p of a 32-key group of the transposed V.
 __device__ __forceinline__ int p_order_key(int p) {
@@ -391,12 +367,6 @@ __device__ __forceinline__ uint32_t pack_e4m3(float a, float b, float c, float d
     const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
     const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
     return lo | (hi << 16);
-}
-
-// Four values, already within ±127, rounded to one register of INT8 bytes, the first lowest.
-__device__ __forceinline__ uint32_t pack_s8(float a, float b, float c, float d) {
-    const auto byte = [](float x) { return (uint32_t)(__float2int_rn(x) & 0xFF); };
-    return byte(a) | (byte(b) << 8) | (byte(c) << 16) | (byte(d) << 24);
 }
 
 // P of a 64-key tile (accumulator layout) as the A fragments of two k32 steps.
@@ -469,16 +439,14 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // Q or K `[len, heads, 128]` (row and head strides in elements, d contiguous, 16-byte-aligned
-// rows), less each channel's mean (channel_sum / len) when `channel_sum` is not null, to INT8
-// (S8) or E4M3 `[len, heads, 128]` with one scale per 64 rows of a head: scales[head ·
-// gridDim.x + block] = absmax / 127 (or 448), each value divided by it and rounded. Grid
-// (blocks, heads), 256 threads, each four 16-byte chunks of the 64 × 128 block.
-template <bool S8>
-__device__ __forceinline__ void quantize_row_blocks(const __nv_bfloat16* __restrict__ x, long row_stride,
-                                                    long head_stride, int len, const float* __restrict__ channel_sum,
-                                                    uint8_t* __restrict__ out, float* __restrict__ scales) {
-    constexpr float LARGEST = S8 ? S8_MAX : E4M3_MAX;
-    const auto pack = [](float a, float b, float c, float d) { return S8 ? pack_s8(a, b, c, d) : pack_e4m3(a, b, c, d); };
+// rows), less each channel's mean (channel_sum / len) when `channel_sum` is not null, to E4M3
+// `[len, heads, 128]` with one scale per 64 rows of a head: scales[head · gridDim.x + block] =
+// absmax / 448, each value divided by it. Grid (blocks, heads), 256 threads, each four
+// 16-byte chunks of the 64 × 128 block.
+extern "C" __global__ void __launch_bounds__(256)
+    quantize_row_blocks_e4m3(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
+                             const float* __restrict__ channel_sum, uint8_t* __restrict__ out,
+                             float* __restrict__ scales) {
     __shared__ float warp_maxima[8];
     const int head = blockIdx.y, heads = gridDim.y, row0 = blockIdx.x * QUANT_ROWS;
     float v[4][8], m = 0.f;
@@ -501,7 +469,7 @@ __device__ __forceinline__ void quantize_row_blocks(const __nv_bfloat16* __restr
     m = 0.f;
 #pragma unroll
     for (int w = 0; w < 8; ++w) m = fmaxf(m, warp_maxima[w]);
-    const float scale = m / LARGEST, inverse = m > 0.f ? LARGEST / m : 0.f;
+    const float scale = m / E4M3_MAX, inverse = m > 0.f ? E4M3_MAX / m : 0.f;
     if (threadIdx.x == 0) scales[head * gridDim.x + blockIdx.x] = scale;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -509,23 +477,10 @@ __device__ __forceinline__ void quantize_row_blocks(const __nv_bfloat16* __restr
         if (row >= len) continue;
         const float(&x8)[8] = v[i];
         uint2 q;
-        q.x = pack(x8[0] * inverse, x8[1] * inverse, x8[2] * inverse, x8[3] * inverse);
-        q.y = pack(x8[4] * inverse, x8[5] * inverse, x8[6] * inverse, x8[7] * inverse);
+        q.x = pack_e4m3(x8[0] * inverse, x8[1] * inverse, x8[2] * inverse, x8[3] * inverse);
+        q.y = pack_e4m3(x8[4] * inverse, x8[5] * inverse, x8[6] * inverse, x8[7] * inverse);
         *reinterpret_cast<uint2*>(out + ((long)row * heads + head) * D + col) = q;
     }
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-    quantize_row_blocks_s8(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
-                           const float* __restrict__ channel_sum, uint8_t* __restrict__ out, float* __restrict__ scales) {
-    quantize_row_blocks<true>(x, row_stride, head_stride, len, channel_sum, out, scales);
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-    quantize_row_blocks_e4m3(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
-                             const float* __restrict__ channel_sum, uint8_t* __restrict__ out,
-                             float* __restrict__ scales) {
-    quantize_row_blocks<false>(x, row_stride, head_stride, len, channel_sum, out, scales);
 }
 
 // V `[len, heads, 128]` to E4M3 `[heads, 128, padded]` (`padded`: len rounded up to 64; the
@@ -567,33 +522,33 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // Grid: (q_len / 128 rounded up, heads); 384 threads. Dynamic shared memory (SMEM_BYTES in
-// src/attention_8bit.rs): 1 KiB to align the swizzle atoms, STAGES_8BIT pairs of a K tile (64
+// src/attention_fp8.rs): 1 KiB to align the swizzle atoms, STAGES_FP8 pairs of a K tile (64
 // keys × 128 bytes, 128-byte-swizzled) and a V tile (128 channels × 64 keys, 64-byte-swizzled),
-// 2 · STAGES_8BIT mbarriers. `q` is INT8 `[q_len, heads, 128]`, the K map's K INT8 `[kv_len, KV
-// heads, 128]`, the V map's V E4M3 transposed; q_scale `[heads, q_len / 64 rounded up]`,
+// 2 · STAGES_FP8 mbarriers. `q` is E4M3 `[q_len, heads, 128]`, the K map's K E4M3 `[kv_len,
+// KV heads, 128]`, the V map's V E4M3 transposed; q_scale `[heads, q_len / 64 rounded up]`,
 // k_scale `[KV heads, kv_len / 64 rounded up]`, v_scale `[KV heads, 128]`; `out` is bf16
 // `[q_len, heads, 128]`. Non-causal, no cache.
-template <bool QK_S8>
-__device__ __forceinline__ void attention_8bit(const CUtensorMap& k_map, const CUtensorMap& v_map,
-                                               const uint8_t* __restrict__ q, const float* __restrict__ q_scale,
-                                               const float* __restrict__ k_scale, const float* __restrict__ v_scale,
-                                               __nv_bfloat16* __restrict__ out, int q_len, int kv_len, int heads,
-                                               int group, float scale_log2) {
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_attention_sm90_e4m3_d128(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
+                                   const uint8_t* __restrict__ q, const float* __restrict__ q_scale,
+                                   const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                                   __nv_bfloat16* __restrict__ out, int q_len, int kv_len, int heads, int group,
+                                   float scale_log2) {
     constexpr int BLOCK_M = 128;
-    extern __shared__ uint8_t dynamic_smem_8bit[];
-    const uint32_t smem = (smem_addr(dynamic_smem_8bit) + SWIZZLE_ATOM - 1) & ~(uint32_t)(SWIZZLE_ATOM - 1);
-    const auto k_tile = [&](int stage) { return smem + 2 * stage * TILE_BYTES_8BIT; };
-    const auto v_tile = [&](int stage) { return smem + (2 * stage + 1) * TILE_BYTES_8BIT; };
-    const uint32_t bars = smem + 2 * STAGES_8BIT * TILE_BYTES_8BIT;
+    extern __shared__ uint8_t dynamic_smem[];
+    const uint32_t smem = (smem_addr(dynamic_smem) + SWIZZLE_ATOM - 1) & ~(uint32_t)(SWIZZLE_ATOM - 1);
+    const auto k_tile = [&](int stage) { return smem + 2 * stage * TILE_BYTES_FP8; };
+    const auto v_tile = [&](int stage) { return smem + (2 * stage + 1) * TILE_BYTES_FP8; };
+    const uint32_t bars = smem + 2 * STAGES_FP8 * TILE_BYTES_FP8;
     const auto full = [&](int stage) { return bars + 8 * stage; };
-    const auto empty = [&](int stage) { return bars + 8 * (STAGES_8BIT + stage); };
+    const auto empty = [&](int stage) { return bars + 8 * (STAGES_FP8 + stage); };
 
     const int head = blockIdx.y, kv_head = head / group, m0 = blockIdx.x * BLOCK_M;
     const int warpgroup = threadIdx.x / 128;
     const int n_tiles = key_tiles(kv_len, kv_len, BLOCK_N);
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES_8BIT; ++s) {
+        for (int s = 0; s < STAGES_FP8; ++s) {
             mbar_init(full(s), 1);
             mbar_init(empty(s), 256);
         }
@@ -605,9 +560,9 @@ __device__ __forceinline__ void attention_8bit(const CUtensorMap& k_map, const C
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
         if (threadIdx.x == 0) {
             for (int j = 0; j < n_tiles; ++j) {
-                const int stage = j % STAGES_8BIT;
-                mbar_wait(empty(stage), ((j / STAGES_8BIT) & 1) ^ 1);
-                mbar_expect_tx(full(stage), 2 * TILE_BYTES_8BIT);
+                const int stage = j % STAGES_FP8;
+                mbar_wait(empty(stage), ((j / STAGES_FP8) & 1) ^ 1);
+                mbar_expect_tx(full(stage), 2 * TILE_BYTES_FP8);
                 tma_load(k_tile(stage), &k_map, full(stage), 0, j * BLOCK_N, kv_head);
                 tma_load(v_tile(stage), &v_map, full(stage), j * BLOCK_N, 0, kv_head);
             }
@@ -632,8 +587,8 @@ __device__ __forceinline__ void attention_8bit(const CUtensorMap& k_map, const C
         }
     const int q_blocks = (q_len + QUANT_ROWS - 1) / QUANT_ROWS, k_blocks = (kv_len + QUANT_ROWS - 1) / QUANT_ROWS;
     const float q_scale_log2 = wg_row0 < q_len ? scale_log2 * q_scale[head * q_blocks + wg_row0 / QUANT_ROWS] : 0.f;
-    // A tile's scale from integer scores to base-2 logits; never zero, which would turn a
-    // masked score's −inf into NaN (a zero Q or K block has zero scores, which any scale keeps).
+    // A tile's scale from raw scores to base-2 logits; never zero, which would turn a masked
+    // score's −inf into NaN (a zero Q or K block has zero scores, which any scale keeps).
     const auto tile_scale = [&](int j) { return fmaxf(q_scale_log2 * k_scale[kv_head * k_blocks + j], FLT_MIN); };
 
     float o[D / 8][4] = {};
@@ -643,20 +598,13 @@ __device__ __forceinline__ void attention_8bit(const CUtensorMap& k_map, const C
         return;
     }
     const auto masked = [&](int n0) { return n0 + BLOCK_N > kv_len; };
-    // S = Q Kᵀ of a stage's tile in integers, issued but not waited for: B is the K tile as
-    // stored (K-major, one 128-byte row a key); a k32 step moves 32 bytes along the rows.
-    int si[BLOCK_N / 8][4];
-    float s[BLOCK_N / 8][4];
-    const auto issue_scores = [&](int stage) {
+    // S = Q Kᵀ of a stage's tile, issued but not waited for: B is the K tile as stored
+    // (K-major, one 128-byte row a key); a k32 step moves 32 bytes along the rows.
+    const auto issue_scores = [&](float (&s)[BLOCK_N / 8][4], int stage) {
         const uint64_t desc = smem_desc(k_tile(stage), 16, SWIZZLE_ATOM);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 32; ++kk) {
-            if constexpr (QK_S8)
-                WgmmaS8N64::run(si, qf[kk], desc + ((kk * 32) >> 4), kk > 0);
-            else
-                WgmmaE4m3<BLOCK_N>::run(s, qf[kk], desc + ((kk * 32) >> 4), kk > 0);
-        }
+        for (int kk = 0; kk < D / 32; ++kk) WgmmaE4m3<BLOCK_N>::run(s, qf[kk], desc + ((kk * 32) >> 4), kk > 0);
         wgmma_commit();
     };
     // O += P V of a stage's tile, issued but not waited for: B is the transposed V tile
@@ -670,42 +618,31 @@ __device__ __forceinline__ void attention_8bit(const CUtensorMap& k_map, const C
         for (int kk = 0; kk < BLOCK_N / 32; ++kk) WgmmaE4m3<D>::run(o, pf[kk], desc + ((kk * 32) >> 4), 1);
         wgmma_commit();
     };
-    // The scores as floats once their product has ended (integers: |S| ≤ 127² · 128 < 2^22).
-    const auto scores = [&] {
-        if constexpr (QK_S8) {
-            fence_registers(si);
-#pragma unroll
-            for (int i = 0; i < BLOCK_N / 8; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[i][e] = __int_as_float(si[i][e] + MAGIC_BITS) - MAGIC;
-        } else {
-            fence_registers(s);
-        }
-    };
 
+    float s[BLOCK_N / 8][4];
     mbar_wait(full(0), 0);
-    issue_scores(0);
+    issue_scores(s, 0);
     wgmma_wait<0>();
-    scores();
-    softmax.update<BLOCK_N / 8, true>(s, tile_scale(0), masked(0), 0, kv_len, -1, row_a, t);
+    fence_registers(s);
+    softmax.update(s, tile_scale(0), masked(0), 0, kv_len, -1, row_a, t);
     // As the bf16 kernel: S of tile j + 1 and P·V of tile j on the tensor cores while the
     // softmax of tile j + 1 runs.
     for (int j = 0; j + 1 < n_tiles; ++j) {
-        const int stage = j % STAGES_8BIT, next = (j + 1) % STAGES_8BIT;
-        mbar_wait(full(next), ((j + 1) / STAGES_8BIT) & 1);
+        const int stage = j % STAGES_FP8, next = (j + 1) % STAGES_FP8;
+        mbar_wait(full(next), ((j + 1) / STAGES_FP8) & 1);
         p_fragments_e4m3(s, pf);
-        issue_scores(next);
+        issue_scores(s, next);
         issue_values(stage);
         wgmma_wait<1>();
-        scores();
+        fence_registers(s);
         const int n0 = (j + 1) * BLOCK_N;
-        const float2 alpha = softmax.update<BLOCK_N / 8, true>(s, tile_scale(j + 1), masked(n0), n0, kv_len, -1, row_a, t);
+        const float2 alpha = softmax.update(s, tile_scale(j + 1), masked(n0), n0, kv_len, -1, row_a, t);
         wgmma_wait<0>();
         fence_registers(o);
         OnlineSoftmax::rescale(o, alpha);
         mbar_arrive(empty(stage));
     }
-    const int last = (n_tiles - 1) % STAGES_8BIT;
+    const int last = (n_tiles - 1) % STAGES_FP8;
     p_fragments_e4m3(s, pf);
     issue_values(last);
     wgmma_wait<0>();
@@ -721,22 +658,4 @@ __device__ __forceinline__ void attention_8bit(const CUtensorMap& k_map, const C
         o[i][3] *= sv.y;
     }
     softmax.store<__nv_bfloat16>(o, out, row_a, q_len, heads, head, t);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1)
-    flash_attention_sm90_8bit_d128(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
-                                   const uint8_t* __restrict__ q, const float* __restrict__ q_scale,
-                                   const float* __restrict__ k_scale, const float* __restrict__ v_scale,
-                                   __nv_bfloat16* __restrict__ out, int q_len, int kv_len, int heads, int group,
-                                   float scale_log2) {
-    attention_8bit<true>(k_map, v_map, q, q_scale, k_scale, v_scale, out, q_len, kv_len, heads, group, scale_log2);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1)
-    flash_attention_sm90_e4m3_d128(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
-                                   const uint8_t* __restrict__ q, const float* __restrict__ q_scale,
-                                   const float* __restrict__ k_scale, const float* __restrict__ v_scale,
-                                   __nv_bfloat16* __restrict__ out, int q_len, int kv_len, int heads, int group,
-                                   float scale_log2) {
-    attention_8bit<false>(k_map, v_map, q, q_scale, k_scale, v_scale, out, q_len, kv_len, heads, group, scale_log2);
 }

@@ -107,13 +107,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
-// x rounded to nearest with 4 significant bits (E4M3's, above its subnormals) by Veltkamp's
-// split, three FP32 operations: c = x · (2^20 + 1) keeps x's top bits in c − (c − x).
-__device__ __forceinline__ float round_to_e4m3_precision(float x) {
-    const float c = __fmul_rn(x, 1048577.f);
-    return __fsub_rn(c, __fsub_rn(c, x));
-}
-
 // The running softmax of a thread's two query rows, `a` (fragment row g) and `b` (g + 8), in
 // base 2, over tiles of scores in the m16n8 accumulator layout: s[i][0..1] are row a's keys
 // 8i + 2t, 8i + 2t + 1 and s[i][2..3] row b's (t = lane % 4). The rows' other keys live in
@@ -126,12 +119,7 @@ struct OnlineSoftmax {
     // (see `fragments`), adding to the running sums. Returns the factors (row a, row b) by
     // which O must be rescaled to the new maxima before P·V is added (1 while they stay): a
     // separate step, so that a pipelined kernel can do it once an earlier product into O ends.
-    //
-    // With ROUND_E4M3, each P is first rounded to E4M3's precision (4 significant bits), as
-    // the P·V product will see it, so that the sums weigh what the product adds: near-uniform
-    // attention rounds its many equal P alike, and an unrounded sum would leave that common
-    // factor (up to 1/16) in the output.
-    template <int NT, bool ROUND_E4M3 = false>
+    template <int NT>
     __device__ __forceinline__ float2 update(float (&s)[NT][4], float scale_log2, bool masked, int n0, int kv_len,
                                              int causal_offset, int row_a, int t) {
         // Maxima of the raw scores (scale_log2 > 0 keeps the order); P = 2^(s · scale − max),
@@ -178,12 +166,6 @@ struct OnlineSoftmax {
             float p1 = exp2_approx(fmaf(s[i][1], scale_log2, -base_a));
             float p2 = exp2_approx(fmaf(s[i][2], scale_log2, -base_b));
             float p3 = exp2_approx(fmaf(s[i][3], scale_log2, -base_b));
-            if (ROUND_E4M3) {
-                p0 = round_to_e4m3_precision(p0);
-                p1 = round_to_e4m3_precision(p1);
-                p2 = round_to_e4m3_precision(p2);
-                p3 = round_to_e4m3_precision(p3);
-            }
             sum_a += p0 + p1;
             sum_b += p2 + p3;
             s[i][0] = p0, s[i][1] = p1, s[i][2] = p2, s[i][3] = p3;

@@ -13,7 +13,7 @@
 //! kernel does, so that CPU ranks run (and the tests check) the same memory behaviour.
 
 mod argmax;
-mod attention_8bit;
+mod attention_fp8;
 mod chain;
 mod channel_norm;
 mod conv;
@@ -40,10 +40,7 @@ mod rowwise;
 mod sample;
 
 pub use argmax::argmax;
-pub use attention_8bit::{
-    flash_attention_8bit, flash_attention_8bit_bytes, flash_attention_8bit_supported, flash_attention_8bit_with,
-    ScoreOperands,
-};
+pub use attention_fp8::{flash_attention_fp8, flash_attention_fp8_bytes, flash_attention_fp8_supported};
 pub use chain::chained;
 #[cfg(feature = "timeline")]
 pub use chain::{trace_launches, trace_step, trace_to, TracedLaunch};

@@ -5,7 +5,7 @@
 //! The forward is written for this model: the residual stream is passed by value and every
 //! intermediate is dropped as soon as the next exists; norms, residuals and the sharded
 //! RMSNorm are one-pass fused ops (`tpinfer_kernels`) that allocate only their output;
-//! attention is flash attention (no score matrix; self-attention optionally with 8-bit
+//! attention is flash attention (no score matrix; self-attention optionally with E4M3
 //! products) except for f32 on CUDA, which runs [`tpinfer_layers::blockwise_attention`] with
 //! bounded score buffers.
 
@@ -42,9 +42,9 @@ pub enum AttentionPath {
     Flash,
     /// `tpinfer_layers::blockwise_attention`: CUDA ranks in f32.
     Blockwise,
-    /// Self-attention by `tpinfer_kernels::flash_attention_8bit` ([`SelfAttention::EightBit`]),
+    /// Self-attention by `tpinfer_kernels::flash_attention_fp8` ([`SelfAttention::Fp8`]),
     /// cross-attention by flash attention.
-    EightBit,
+    Fp8,
 }
 
 /// The precision of the DiT's self-attention products, the bulk of its step at video lengths.
@@ -53,9 +53,9 @@ pub enum SelfAttention {
     /// In the compute dtype.
     #[default]
     ComputeDtype,
-    /// Q·Kᵀ in INT8 and P·V in E4M3 (`tpinfer_kernels::flash_attention_8bit`, SageAttention2's
-    /// scheme): Hopper GPUs in bf16 only, a numerics choice of the user's.
-    EightBit,
+    /// Q·Kᵀ and P·V on E4M3 operands (`tpinfer_kernels::flash_attention_fp8`,
+    /// FlashAttention-3's FP8 path): Hopper GPUs in bf16 only, a numerics choice of the user's.
+    Fp8,
 }
 
 /// How a rank runs its forward, which decides its temporaries.
@@ -93,11 +93,11 @@ impl ForwardPath {
         }
     }
 
-    /// This path with self-attention at `precision`: 8-bit where flash attention runs.
+    /// This path with self-attention at `precision`: FP8 where flash attention runs.
     pub fn with_self_attention(self, precision: SelfAttention) -> Self {
         match (precision, self.attention) {
-            (SelfAttention::EightBit, AttentionPath::Flash) => Self {
-                attention: AttentionPath::EightBit,
+            (SelfAttention::Fp8, AttentionPath::Flash) => Self {
+                attention: AttentionPath::Fp8,
                 ..self
             },
             _ => self,
@@ -178,8 +178,8 @@ impl DitMemory {
         // outputs and their stacked copy.
         let attention = match path.attention {
             AttentionPath::Flash => 4 * l,
-            // Beside them the kernel's 8-bit copies of Q, K and V and their scales.
-            AttentionPath::EightBit => 4 * l + tpinfer_kernels::flash_attention_8bit_bytes(s, heads, s, heads),
+            // Beside them the kernel's E4M3 copies of Q, K and V and their scales.
+            AttentionPath::Fp8 => 4 * l + tpinfer_kernels::flash_attention_fp8_bytes(s, heads, s, heads),
             AttentionPath::Blockwise => {
                 let t = s;
                 let scores = SCORE_BUFFER_BYTES.min(s * t * 4);

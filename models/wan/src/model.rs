@@ -584,14 +584,14 @@ impl WanRank {
     }
 
     /// This rank with its self-attention at `precision`; refused where no kernel runs it
-    /// (8-bit: bf16 on a Hopper GPU).
+    /// (FP8: bf16 on a Hopper GPU).
     pub fn with_self_attention(self, precision: SelfAttention) -> Result<Self> {
         let (device, head_dim) = (self.head_table.device(), self.config.attention_head_dim);
-        if precision == SelfAttention::EightBit
-            && !tpinfer_kernels::flash_attention_8bit_supported(device, self.dtype, head_dim)
+        if precision == SelfAttention::Fp8
+            && !tpinfer_kernels::flash_attention_fp8_supported(device, self.dtype, head_dim)
         {
             return Err(Error::Unsupported(format!(
-                "--attention 8bit runs on Hopper GPUs (compute capability 9.0) in bf16 with head size 128; this rank \
+                "--attention fp8 runs on Hopper GPUs (compute capability 9.0) in bf16 with head size 128; this rank \
                  is {:?} in {:?} with head size {head_dim} (leave --attention at its default)",
                 device.location(),
                 self.dtype
@@ -760,7 +760,7 @@ impl Attention {
         drop(kv);
         let scale = 1.0 / (hd as f64).sqrt();
         let out = match (rope, step.self_attention) {
-            (Some(_), SelfAttention::EightBit) => tpinfer_kernels::flash_attention_8bit(&q, &k, &v, scale)?,
+            (Some(_), SelfAttention::Fp8) => tpinfer_kernels::flash_attention_fp8(&q, &k, &v, scale)?,
             _ => full_attention(&q, &k, &v, scale, SCORE_BUFFER_BYTES)?,
         };
         drop((q, k, v));
