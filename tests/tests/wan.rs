@@ -253,3 +253,77 @@ fn requests_that_cannot_denoise() {
     let values = latents.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values");
     assert!(values.iter().all(|v| v.is_finite()));
 }
+
+/// FP8 self-attention runs only where its Hopper kernel does: CPU ranks refuse it at load,
+/// naming the option and what would run, and a language model refuses it before loading.
+#[test]
+fn fp8_self_attention_is_refused_where_no_kernel_runs_it() {
+    use tpinfer_engine::SelfAttention;
+    let model = TinyWan::default();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(dir.path());
+    let shape = VideoShape {
+        frames: 9,
+        width: 64,
+        height: 64,
+    };
+    let builder = Engine::builder(&path).tp(2).self_attention(SelfAttention::Fp8);
+    let err = VideoEngine::start(builder, shape).err().expect("refused").to_string();
+    assert!(
+        err.contains("--attention fp8") && err.contains("Hopper") && err.contains("Cpu"),
+        "{err}"
+    );
+    let llama_dir = tempfile::tempdir().expect("tempdir");
+    let llama = tpinfer_tests::TinyLlama::default().write(llama_dir.path());
+    let err = Engine::builder(&llama)
+        .self_attention(SelfAttention::Fp8)
+        .build()
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("FP8 self-attention is for Wan video models"), "{err}");
+}
+
+/// The plan of FP8 self-attention: the path takes it only where flash attention runs, and a
+/// forward's peak grows by at most the kernel's E4M3 copies and scales, counted to the byte:
+/// at TP 1 the attention is the 14B DiT's peak and grows, at TP 2 and 5 the FFN stays it.
+#[test]
+fn fp8_self_attention_plans_its_copies() {
+    use tpinfer_wan::memory::{AttentionPath, DitMemory, ForwardPath, Video};
+    use tpinfer_wan::{SelfAttention, WanConfig, WanShard};
+    let fp8 = |path: ForwardPath| path.with_self_attention(SelfAttention::Fp8).attention;
+    assert_eq!(fp8(ForwardPath::for_device(true, DType::BF16, 128)), AttentionPath::Fp8);
+    assert_eq!(
+        fp8(ForwardPath::for_device(true, DType::F32, 128)),
+        AttentionPath::Blockwise
+    );
+    // Q 1000 × 12 heads and K and V 1000 × 4, V's keys padded to 1024, all of 128 values a
+    // byte; f32 scales: Q's 16 blocks × 12, K's 16 × 4, and 3 per channel of each KV head.
+    let bytes = (12_000 + 4_000 + 4 * 1024) * 128 + 4 * (16 * 12 + 16 * 4 + 3 * 4 * 128);
+    assert_eq!(tpinfer_kernels::flash_attention_fp8_bytes(1000, 12, 1000, 4), bytes);
+    let c = WanConfig::wan21_t2v_14b();
+    let video = Video {
+        frames: 81,
+        width: 832,
+        height: 480,
+        cfg: true,
+    };
+    let s = c.sequence_tokens(81, 832, 480);
+    for tp in [1, 2, 5] {
+        let shard = WanShard::new(&c, tp, 0).expect("shard");
+        let path = ForwardPath::for_device(true, DType::BF16, 128);
+        let plain = DitMemory::new(&c, &shard, DType::BF16, video, path);
+        let quantized = DitMemory::new(
+            &c,
+            &shard,
+            DType::BF16,
+            video,
+            path.with_self_attention(SelfAttention::Fp8),
+        );
+        let heads = shard.heads.len();
+        let copies = tpinfer_kernels::flash_attention_fp8_bytes(s, heads, s, heads);
+        let grown = quantized.activations - plain.activations;
+        assert!(grown <= copies && (grown > 0) == (tp == 1), "TP {tp}: {grown} of {copies}");
+        assert_eq!((quantized.buffers, quantized.latents), (plain.buffers, plain.latents));
+    }
+}
