@@ -323,7 +323,10 @@ fn fp8_self_attention_plans_its_copies() {
         let heads = shard.heads.len();
         let copies = tpinfer_kernels::flash_attention_fp8_bytes(s, heads, s, heads);
         let grown = quantized.activations - plain.activations;
-        assert!(grown <= copies && (grown > 0) == (tp == 1), "TP {tp}: {grown} of {copies}");
+        assert!(
+            grown <= copies && (grown > 0) == (tp == 1),
+            "TP {tp}: {grown} of {copies}"
+        );
         assert_eq!((quantized.buffers, quantized.latents), (plain.buffers, plain.latents));
     }
 }

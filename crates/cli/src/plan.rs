@@ -53,6 +53,10 @@ pub struct PlanArgs {
     json: bool,
     #[command(flatten)]
     weights: crate::ranks::WeightArgs,
+    /// DiT: the precision of the self-attention products (`fp8`: `tpinfer generate
+    /// --attention fp8`'s E4M3 copies planned beside them).
+    #[arg(long, value_enum, default_value_t = crate::video::AttentionArg::Dtype)]
+    attention: crate::video::AttentionArg,
 }
 
 pub(crate) fn parse_size(text: &str) -> Result<(usize, usize), String> {
@@ -70,7 +74,15 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
     if tpinfer_engine::WanPipelineDir::detect(dir) || tpinfer_engine::S2vPipelineDir::detect(dir) || preset_pipeline {
         return pipeline(&args);
     }
-    let (_, model) = tpinfer_engine::registry::open_as(&args.model, args.weights.format())?;
+    let (_, model) = match args.attention.precision() {
+        tpinfer_engine::SelfAttention::ComputeDtype => {
+            tpinfer_engine::registry::open_as(&args.model, args.weights.format())?
+        }
+        precision => match tpinfer_engine::registry::open_dit_as(&args.model, args.weights.format(), precision) {
+            Some(dit) => (tpinfer_engine::registry::Task::Video, dit?),
+            None => bail!("--attention is for video DiT models; {} is not one", args.model),
+        },
+    };
     let model = &*model;
     // As the engine does: f32 on CPU ranks, the checkpoint's dtype on GPUs.
     let dtype = match (args.dtype, args.cpu) {
@@ -120,6 +132,9 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
             tpinfer_engine::WeightFormat::Dequantized => println!("Quantized weights expanded to {dtype} at load.\n"),
             tpinfer_engine::WeightFormat::AsStored => {}
         }
+        if args.attention.precision() == tpinfer_engine::SelfAttention::Fp8 {
+            println!("Self-attention on E4M3 operands (Hopper GPUs in bf16), its copies planned.\n");
+        }
     }
     match args.tp {
         Some(0) => bail!("--tp must be at least 1"),
@@ -133,7 +148,7 @@ fn pipeline(args: &PlanArgs) -> Result<ExitCode> {
     if args.max_context.is_some() || args.batch.is_some() {
         bail!("--max-context and --batch are for LLMs; a pipeline is placed with --frames and --size");
     }
-    let models = crate::plan_pipeline::Models::open(&args.model, args.weights.format())?;
+    let models = crate::plan_pipeline::Models::open(&args.model, args.weights.format(), args.attention.precision())?;
     let (width, height) = args.size.unwrap_or((832, 480));
     // Text-to-video's 81 frames; speech-to-video's clips of 80.
     let video = Placement::Dit {

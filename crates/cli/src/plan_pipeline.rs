@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use tpinfer_engine::{DType, WeightFormat};
+use tpinfer_engine::{DType, SelfAttention, WeightFormat};
 use tpinfer_plan::{mib, DeviceProfile, Placement, Plan, RankPlan, Residency, ShardedModel};
 
 /// Wan's prompts, as the encoder is planned and run.
@@ -38,13 +38,17 @@ pub struct Models(Vec<Stage>, String);
 
 impl Models {
     /// The stages of `name_or_dir`, the text encoder's and the DiT's linear weights in
-    /// `format` (the VAE's convolutions as stored).
-    pub fn open(name_or_dir: &str, format: WeightFormat) -> Result<Self> {
+    /// `format` (the VAE's convolutions as stored), the DiT's self-attention at `attention`.
+    pub fn open(name_or_dir: &str, format: WeightFormat, attention: SelfAttention) -> Result<Self> {
         let open_as = |name: &str, format| -> Result<Arc<dyn ShardedModel>> {
             Ok(tpinfer_engine::registry::open_as(name, format)?.1)
         };
         let open = |name: &str| open_as(name, format);
         let open_vae = |name: &str| open_as(name, WeightFormat::AsStored);
+        let open_dit = |name: &str| -> Result<Arc<dyn ShardedModel>> {
+            let dit = tpinfer_engine::registry::open_dit_as(name, format, attention);
+            Ok(dit.with_context(|| format!("{name} is not a Wan DiT"))??)
+        };
         let path = |p: &Path| -> Result<String> {
             p.to_str()
                 .map(str::to_string)
@@ -62,13 +66,13 @@ impl Models {
                 (
                     open("umt5-xxl")?,
                     speech,
-                    open(dit)?,
+                    open_dit(dit)?,
                     Some(open_vae("wan2.1-vae")?),
                     vae_encode,
                 )
             }
             _ if tpinfer_engine::S2vPipelineDir::detect(dir) => {
-                let s2v = tpinfer_engine::S2vPipelineDir::open(dir)?.stage_models(format)?;
+                let s2v = tpinfer_engine::S2vPipelineDir::open(dir)?.stage_models(format, attention)?;
                 (
                     s2v.text_encoder,
                     Some(s2v.speech_encoder),
@@ -86,7 +90,7 @@ impl Models {
                 (
                     open(&path(&pipeline.text_encoder)?)?,
                     None,
-                    open(&path(&pipeline.transformer)?)?,
+                    open_dit(&path(&pipeline.transformer)?)?,
                     vae,
                     None,
                 )

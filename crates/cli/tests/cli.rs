@@ -184,6 +184,50 @@ fn plan_reproduces_the_live_avatar_case() {
     );
 }
 
+/// `--attention fp8` plans the E4M3 copies of a DiT's self-attention, by preset, alone and in
+/// its pipeline, as the engine does (the 14B DiT at TP 1: its activations grow, nothing else);
+/// a language model refuses the flag by name.
+#[test]
+fn plan_of_fp8_self_attention() {
+    let dit = |model: &str, attention: &str| {
+        let args = [
+            "--model",
+            model,
+            "--tp",
+            "1",
+            "--gpu-mem",
+            "80GiB",
+            "--frames",
+            "81",
+            "--size",
+            "832x480",
+            "--attention",
+            attention,
+            "--json",
+        ];
+        json(&plan(&args))
+    };
+    let field = |out: &serde_json::Value, name: &str| out["plan"]["ranks"][0][name].as_u64().expect("bytes");
+    let (exact, fp8) = (dit("wan2.1-t2v-14b", "dtype"), dit("wan2.1-t2v-14b", "fp8"));
+    assert!(field(&fp8, "activations") > field(&exact, "activations"));
+    assert_eq!(field(&fp8, "weights"), field(&exact, "weights"));
+    let grown = field(&fp8, "activations") - field(&exact, "activations");
+    let (pipe_exact, pipe_fp8) = (
+        dit("wan2.1-t2v-14b-pipeline", "dtype"),
+        dit("wan2.1-t2v-14b-pipeline", "fp8"),
+    );
+    let transformer = |out: &serde_json::Value| {
+        out["stages"]["transformer"]["ranks"][0]["activations"]
+            .as_u64()
+            .expect("bytes")
+    };
+    assert_eq!(transformer(&pipe_fp8) - transformer(&pipe_exact), grown);
+    assert_fails_with(
+        &plan(&["--model", "llama-3-8b", "--gpu-mem", "24GiB", "--attention", "fp8"]),
+        &["--attention is for video DiT models"],
+    );
+}
+
 #[test]
 fn plan_without_tp_suggests_the_smallest_width() {
     let out = json(&plan(&["--model", "llama-3-70b", "--gpu-mem", "24GiB", "--json"]));

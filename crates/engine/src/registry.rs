@@ -8,7 +8,7 @@ use tpinfer_family::Family;
 use tpinfer_llama::LlamaModel;
 use tpinfer_plan::{PlanError, ShardedModel};
 use tpinfer_umt5::Umt5Model;
-use tpinfer_wan::WanModel;
+use tpinfer_wan::{SelfAttention, WanModel};
 use tpinfer_wan_vae::WanVaeModel;
 use tpinfer_wav2vec2::Wav2Vec2Model;
 use tpinfer_weights::WeightFormat;
@@ -104,6 +104,26 @@ pub fn open(name_or_path: &str) -> Result<(Task, Arc<dyn ShardedModel>), PlanErr
 }
 
 /// [`open`], the model's linear weights planned in `format`.
+/// A Wan DiT (a preset or a transformer directory) opened for planning, its linear weights in
+/// `format` and its self-attention at `precision`; `None` when `name_or_path` is not one.
+pub fn open_dit_as(
+    name_or_path: &str,
+    format: WeightFormat,
+    precision: SelfAttention,
+) -> Option<Result<Arc<dyn ShardedModel>, PlanError>> {
+    let path = Path::new(name_or_path);
+    let model = match WanModel::preset(name_or_path) {
+        Some(model) => Ok(model),
+        None if WanModel::detect(path) => WanModel::open(path),
+        None => return None,
+    };
+    Some(
+        model
+            .and_then(|m| m.with_format(format))
+            .map(|m| Arc::new(m.with_self_attention(precision)) as Arc<dyn ShardedModel>),
+    )
+}
+
 pub fn open_as(name_or_path: &str, format: WeightFormat) -> Result<(Task, Arc<dyn ShardedModel>), PlanError> {
     for family in families() {
         if let Some(model) = (family.preset)(name_or_path, format) {

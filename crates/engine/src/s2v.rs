@@ -95,7 +95,11 @@ pub struct S2vStageModels {
 impl S2vPipelineDir {
     /// Its stages for the planner, the text encoder's and the DiT's linear weights in
     /// `format`.
-    pub fn stage_models(&self, format: WeightFormat) -> Result<S2vStageModels, EngineError> {
+    pub fn stage_models(
+        &self,
+        format: WeightFormat,
+        self_attention: tpinfer_wan::SelfAttention,
+    ) -> Result<S2vStageModels, EngineError> {
         let err = |e: tpinfer_plan::PlanError| EngineError::from(RuntimeError::Model(e.to_string()));
         let vae = WanVaeModel::open_original(&self.vae).map_err(err)?;
         Ok(S2vStageModels {
@@ -110,7 +114,8 @@ impl S2vPipelineDir {
                 WanModel::open_checkpoint(&self.dit)
                     .map_err(|e| EngineError::from(RuntimeError::Model(e.to_string())))?
                     .with_format(format)
-                    .map_err(err)?,
+                    .map_err(err)?
+                    .with_self_attention(self_attention),
             ),
             vae_encoder: Arc::new(WanVaeEncoderModel::of(&vae)),
             vae: Arc::new(vae),
