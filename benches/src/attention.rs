@@ -16,8 +16,8 @@ pub struct AttentionArgs {
     /// slots after them; `paged`: Q_LEN sequences of one query each, sequence i over KV_LEN ·
     /// (i + 1) / Q_LEN keys in blocks of 16 of a paged pool, in bf16 (`paged-f32`: in f32);
     /// `fp8`: the E4M3 kernel and the bf16 one on the same inputs; `fp8-spread` with query
-    /// and key rows and value channels of magnitudes spread over 2⁴ and keys offset by a
-    /// channel mean, so that a scale or mean applied to the wrong block or channel shows.
+    /// and key rows and value channels of magnitudes spread over 2⁴, so that a scale applied
+    /// to the wrong block or channel shows.
     #[arg(long, value_delimiter = ',', required = true)]
     cases: Vec<String>,
     /// Timed calls per case, after one warm-up.
@@ -105,12 +105,6 @@ pub fn run(args: AttentionArgs) -> Result<()> {
             q = spread(&q, c.q_len, &[c.q_len, 1, 1])?;
             k = spread(&k, c.kv_len, &[c.kv_len, 1, 1])?;
             v = spread(&v, c.head_dim, &[1, 1, c.head_dim])?;
-            // A mean over the keys, which the kernel takes out of K and the softmax ignores.
-            let offset: Vec<f32> = (0..c.head_dim)
-                .map(|i| 3.0 * (i as f32 * 0.414_214).fract() - 1.5)
-                .collect();
-            let offset = Tensor::from_vec(offset, (1, 1, c.head_dim), &device)?.to_dtype(DType::BF16)?;
-            k = k.broadcast_add(&offset)?;
         }
         let scale = 1.0 / (c.head_dim as f64).sqrt();
         let reference = match args.no_reference {

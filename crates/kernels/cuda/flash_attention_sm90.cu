@@ -334,11 +334,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 // FlashAttention-3's FP8 path on this file's pipeline: both products on E4M3 operands, which
 // Hopper's tensor cores run at twice bf16's rate. The kernels below it quantize the inputs
 // first. Q and K take one scale per 64 rows of a head (a consumer's query rows, a key tile),
-// so that a tile's scores take one multiply; K first loses its mean over the keys (each
-// channel's, per KV head, as SageAttention does), which shifts every score of a query row by
-// the same amount and so leaves the softmax as it was, while taking out channel offsets that
-// would otherwise spend the scale's range. V takes one scale per channel of a KV head, applied
-// to O at the end; P, which the stale maximum keeps at most 2^8, goes to E4M3 (at most 448)
+// so that a tile's scores take one multiply; V takes one scale per channel of a KV head,
+// applied to O at the end; P, which the stale maximum keeps at most 2^8, goes to E4M3 (at most 448)
 // unscaled. E4M3 keeps 4 significant bits, so each product's operands are off by up to 1/16
 // of themselves: on random inputs the output is off by about 5% (benches/RESULTS.md).
 //
@@ -394,74 +391,52 @@ __device__ __forceinline__ void unpack8(const uint4& chunk, float (&out)[8]) {
     for (int j = 0; j < 8; ++j) out[j] = __bfloat162float(v[j]);
 }
 
-// Per channel of each head of `x` (`[len, heads, 128]`): the largest magnitude (MAX) or the
-// sum, folded into `stats` (`[heads, 128]`, zero before the launch) by atomics; a magnitude as
-// the bits of a non-negative float, which order as unsigned integers do. Grid (len / 256
-// rounded up, heads), 128 threads: 16 a row, 8 channels each.
-template <bool MAX>
-__device__ __forceinline__ void channel_stats(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride,
-                                              int len, float* __restrict__ stats) {
-    __shared__ float partial[8][D];
-    const int head = blockIdx.y, r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
-    float acc[8] = {};
-    const int end = min(len, (int)(blockIdx.x + 1) * 256);
-    for (int row = blockIdx.x * 256 + r; row < end; row += 8) {
-        float v[8];
-        unpack8(*reinterpret_cast<const uint4*>(x + row * row_stride + head * head_stride + c8), v);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = MAX ? fmaxf(acc[j], fabsf(v[j])) : acc[j] + v[j];
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) partial[r][c8 + j] = acc[j];
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) total = MAX ? fmaxf(total, partial[i][threadIdx.x]) : total + partial[i][threadIdx.x];
-    float* at = stats + head * D + threadIdx.x;
-    if (MAX)
-        atomicMax(reinterpret_cast<unsigned*>(at), __float_as_uint(total));
-    else
-        atomicAdd(at, total);
-}
-
 }  // namespace
 
+// The largest magnitude of each channel of each head of `v` (`[len, heads, 128]`), maxed into
+// `absmax` (`[heads, 128]`, zero before the first launch) as the bits of a non-negative float,
+// which order as unsigned integers do (so the result does not depend on the blocks' order).
+// Grid (len / 256 rounded up, heads), 128 threads: 16 a row, 8 channels each.
 extern "C" __global__ void __launch_bounds__(128)
-    channel_absmax_bf16(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
-                        float* __restrict__ absmax) {
-    channel_stats<true>(x, row_stride, head_stride, len, absmax);
-}
-
-extern "C" __global__ void __launch_bounds__(128)
-    channel_sum_bf16(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
-                     float* __restrict__ sum) {
-    channel_stats<false>(x, row_stride, head_stride, len, sum);
+    channel_absmax_bf16(const __nv_bfloat16* __restrict__ v, long row_stride, long head_stride, int len,
+                        unsigned* __restrict__ absmax) {
+    __shared__ float maxima[8][D];
+    const int head = blockIdx.y, r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
+    float m[8] = {};
+    const int end = min(len, (int)(blockIdx.x + 1) * 256);
+    for (int row = blockIdx.x * 256 + r; row < end; row += 8) {
+        float x[8];
+        unpack8(*reinterpret_cast<const uint4*>(v + row * row_stride + head * head_stride + c8), x);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], fabsf(x[j]));
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) maxima[r][c8 + j] = m[j];
+    __syncthreads();
+    float best = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) best = fmaxf(best, maxima[i][threadIdx.x]);
+    atomicMax(absmax + head * D + threadIdx.x, __float_as_uint(best));
 }
 
 // Q or K `[len, heads, 128]` (row and head strides in elements, d contiguous, 16-byte-aligned
-// rows), less each channel's mean (channel_sum / len) when `channel_sum` is not null, to E4M3
-// `[len, heads, 128]` with one scale per 64 rows of a head: scales[head · gridDim.x + block] =
-// absmax / 448, each value divided by it. Grid (blocks, heads), 256 threads, each four
-// 16-byte chunks of the 64 × 128 block.
+// rows) to E4M3 `[len, heads, 128]` with one scale per 64 rows of a head: scales[head ·
+// gridDim.x + block] = absmax / 448, each value divided by it. Grid (blocks, heads), 256
+// threads, each four 16-byte chunks of the 64 × 128 block.
 extern "C" __global__ void __launch_bounds__(256)
     quantize_row_blocks_e4m3(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
-                             const float* __restrict__ channel_sum, uint8_t* __restrict__ out,
-                             float* __restrict__ scales) {
+                             uint8_t* __restrict__ out, float* __restrict__ scales) {
     __shared__ float warp_maxima[8];
     const int head = blockIdx.y, heads = gridDim.y, row0 = blockIdx.x * QUANT_ROWS;
     float v[4][8], m = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int c = threadIdx.x + 256 * i, row = row0 + c / 16, col = (c % 16) * 8;
-        const bool inside = row < len;
-        unpack8(inside ? *reinterpret_cast<const uint4*>(x + row * row_stride + head * head_stride + col)
-                       : make_uint4(0, 0, 0, 0),
+        unpack8(row < len ? *reinterpret_cast<const uint4*>(x + row * row_stride + head * head_stride + col)
+                          : make_uint4(0, 0, 0, 0),
                 v[i]);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            if (channel_sum && inside) v[i][j] -= channel_sum[head * D + col + j] / len;
-            m = fmaxf(m, fabsf(v[i][j]));
-        }
+        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[i][j]));
     }
     m = warp_max(m);
     if (threadIdx.x % 32 == 0) warp_maxima[threadIdx.x / 32] = m;
@@ -489,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // (p_order_key). Grid (padded / 64, heads), 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
     transpose_values_e4m3(const __nv_bfloat16* __restrict__ v, long row_stride, long head_stride, int len, int padded,
-                          const float* __restrict__ absmax, uint8_t* __restrict__ out, float* __restrict__ scales) {
+                          const unsigned* __restrict__ absmax, uint8_t* __restrict__ out, float* __restrict__ scales) {
     constexpr int ROW = D + 8;  // padded rows: a warp's reads of one channel spread over banks
     __shared__ __nv_bfloat16 tile[BLOCK_N][ROW];
     const int head = blockIdx.y, key0 = blockIdx.x * BLOCK_N;
@@ -502,12 +477,13 @@ extern "C" __global__ void __launch_bounds__(256)
         *reinterpret_cast<uint4*>(&tile[row][col]) = chunk;
     }
     __syncthreads();
-    if (blockIdx.x == 0 && threadIdx.x < D) scales[head * D + threadIdx.x] = absmax[head * D + threadIdx.x] / E4M3_MAX;
+    if (blockIdx.x == 0 && threadIdx.x < D)
+        scales[head * D + threadIdx.x] = __uint_as_float(absmax[head * D + threadIdx.x]) / E4M3_MAX;
     // 128 channels × 8 runs of 8 positions, four a thread; a run is one 8-byte store.
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int task = threadIdx.x + 256 * i, channel = task / 8, p0 = (task % 8) * 8;
-        const float m = absmax[head * D + channel], inverse = m > 0.f ? E4M3_MAX / m : 0.f;
+        const float m = __uint_as_float(absmax[head * D + channel]), inverse = m > 0.f ? E4M3_MAX / m : 0.f;
         float x[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {

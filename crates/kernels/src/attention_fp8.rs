@@ -1,6 +1,6 @@
 //! Attention with E4M3 products on Hopper (cuda/flash_attention_sm90.cu's
-//! `flash_attention_sm90_e4m3_d128`), FlashAttention-3's FP8 path: Q and K (less K's mean
-//! over the keys) with one scale per 64 rows of a head, V with one per channel of a head, the
+//! `flash_attention_sm90_e4m3_d128`), FlashAttention-3's FP8 path: Q and K with one scale per
+//! 64 rows of a head, V with one per channel of a head, the
 //! softmax's P rounded to E4M3, both products at twice bf16's tensor-core rate. A numerics
 //! choice of the caller's: E4M3 keeps 4 significant bits, and on random inputs the output is
 //! about 5% from bf16 attention's.
@@ -36,8 +36,9 @@ fn hopper(_: &Device) -> bool {
 /// kv_heads, 128]` (bf16, `d` contiguous, strides multiples of 8; query head `h` reads KV head
 /// `h / (heads / kv_heads)`) with scores scaled by `scale`, both products on E4M3 operands;
 /// returns bf16 `[q_len, heads, 128]`. Besides its output it holds, while it runs, E4M3
-/// copies of Q, K and V (V padded to 64 keys) and their f32 scales and channel statistics:
+/// copies of Q, K and V (V padded to 64 keys), their f32 scales and V's channel maxima:
 /// [`flash_attention_fp8_bytes`].
+#[cfg_attr(not(tpinfer_sm90), allow(unused_variables))]
 pub fn flash_attention_fp8(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     let (q_len, heads, d) = q.dims3()?;
     let (kv_len, kv_heads, kd) = k.dims3()?;
@@ -65,16 +66,16 @@ pub fn flash_attention_fp8(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Re
     #[cfg(tpinfer_sm90)]
     return cuda::launch(q, k, v, scale);
     #[cfg(not(tpinfer_sm90))]
-    candle_core::bail!("FP8 attention: this build has no Hopper kernels (scale {scale})")
+    candle_core::bail!("FP8 attention: this build has no Hopper kernels")
 }
 
 /// The bytes [`flash_attention_fp8`] holds beside its inputs and output while it runs, for
 /// `q_len` queries of `heads` heads over `kv_len` keys of `kv_heads`: the E4M3 copies (V's
-/// keys padded to 64), their scales, and K's channel sums and V's channel maxima.
+/// keys padded to 64), their scales, and V's channel maxima.
 pub fn flash_attention_fp8_bytes(q_len: usize, heads: usize, kv_len: usize, kv_heads: usize) -> usize {
     let blocks = |len: usize| len.div_ceil(QUANT_ROWS);
     let copies = (q_len * heads + kv_len * kv_heads + kv_len.next_multiple_of(QUANT_ROWS) * kv_heads) * HEAD_DIM;
-    let scales = 4 * (blocks(q_len) * heads + blocks(kv_len) * kv_heads + 3 * kv_heads * HEAD_DIM);
+    let scales = 4 * (blocks(q_len) * heads + blocks(kv_len) * kv_heads + 2 * kv_heads * HEAD_DIM);
     copies + scales
 }
 
@@ -122,54 +123,27 @@ mod cuda {
             empty(&[kv_heads, k_blocks], DType::F32)?,
             empty(&[kv_heads, d], DType::F32)?,
         );
-        // Folded into by atomics: zeros first.
-        let (k_sum, v_absmax) = (
-            Tensor::zeros((kv_heads, d), DType::F32, device)?,
-            Tensor::zeros((kv_heads, d), DType::F32, device)?,
-        );
+        // Maxed into by atomics: zeros first.
+        let v_absmax = Tensor::zeros((kv_heads, d), DType::U32, device)?;
         let out = empty(&[q_len, heads, d], DType::BF16)?;
         let len = kv_len as i32;
-        let channel_grid = LaunchConfig {
-            grid_dim: (kv_len.div_ceil(256) as u32, kv_heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        for (name, x, stats) in [("channel_sum_bf16", k, &k_sum), ("channel_absmax_bf16", v, &v_absmax)] {
-            let (row, head) = strides(x.layout(), "FP8 attention's keys and values")?;
-            let (x, stats) = (device_address(x)?, device_address(stats)?);
-            let func = FLASH_ATTENTION_SM90.kernel(dev, name)?;
-            let mut b = func.builder();
-            b.arg(&x).arg(&row).arg(&head).arg(&len).arg(&stats);
-            // SAFETY: the arguments match the kernel; `x` covers `kv_len` rows of every KV head
-            // at its strides and `stats` holds `kv_heads · 128` zeros.
-            unsafe { b.launch(channel_grid) }.w()?;
-        }
         let quantize = FLASH_ATTENTION_SM90.kernel(dev, "quantize_row_blocks_e4m3")?;
-        let null = 0u64;
-        for (x, sum, x8, scales, rows, n_heads, blocks) in [
-            (q, None, &q8, &q_scale, q_len, heads, q_blocks),
-            (k, Some(&k_sum), &k8, &k_scale, kv_len, kv_heads, k_blocks),
+        for (x, x8, scales, rows, n_heads, blocks) in [
+            (q, &q8, &q_scale, q_len, heads, q_blocks),
+            (k, &k8, &k_scale, kv_len, kv_heads, k_blocks),
         ] {
             let (row, head) = strides(x.layout(), "FP8 attention's queries and keys")?;
-            let sum = sum.map(device_address).transpose()?.unwrap_or(null);
             let (x, x8, scales) = (device_address(x)?, device_address(x8)?, device_address(scales)?);
             let rows = rows as i32;
             let mut b = quantize.builder();
-            b.arg(&x)
-                .arg(&row)
-                .arg(&head)
-                .arg(&rows)
-                .arg(&sum)
-                .arg(&x8)
-                .arg(&scales);
+            b.arg(&x).arg(&row).arg(&head).arg(&rows).arg(&x8).arg(&scales);
             let cfg = LaunchConfig {
                 grid_dim: (blocks as u32, n_heads as u32, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: the arguments match the kernel; `x` covers `rows` rows of every head at
-            // its strides, `sum` (or null) `n_heads · 128` channel sums, `x8` and `scales` hold
-            // `rows · n_heads · 128` and `blocks · n_heads`.
+            // its strides, `x8` and `scales` hold `rows · n_heads · 128` and `blocks · n_heads`.
             unsafe { b.launch(cfg) }.w()?;
         }
         let (v_row, v_head) = strides(v.layout(), "FP8 attention's values")?;
@@ -179,6 +153,17 @@ mod cuda {
             device_address(&vt8)?,
             device_address(&v_scale)?,
         );
+        let absmax = FLASH_ATTENTION_SM90.kernel(dev, "channel_absmax_bf16")?;
+        let mut b = absmax.builder();
+        b.arg(&v_at).arg(&v_row).arg(&v_head).arg(&len).arg(&absmax_at);
+        let cfg = LaunchConfig {
+            grid_dim: (kv_len.div_ceil(256) as u32, kv_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel; `v` covers `kv_len` rows of every KV head at
+        // its strides and `absmax` holds `kv_heads · 128` zeros.
+        unsafe { b.launch(cfg) }.w()?;
         let padded_i = padded as i32;
         let transpose = FLASH_ATTENTION_SM90.kernel(dev, "transpose_values_e4m3")?;
         let mut b = transpose.builder();
@@ -254,7 +239,7 @@ mod cuda {
         // every output row below `q_len` of every head is written.
         unsafe { b.launch(cfg) }.w()?;
         // The copies are freed in stream order after the kernel, which reads them.
-        drop((q8, k8, vt8, q_scale, k_scale, v_scale, k_sum, v_absmax));
+        drop((q8, k8, vt8, q_scale, k_scale, v_scale, v_absmax));
         Ok(out)
     }
 }

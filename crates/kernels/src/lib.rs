@@ -628,10 +628,8 @@ mod cuda {
                 && dev.cuda_stream().context().compute_capability().w()? == (9, 0))
         }
 
-        /// K or V as the kernel's TMA operand: a 3-D tensor map over (d, rows, KV heads),
-        /// innermost first, copied in boxes of 64 × 64 × 1 into 128-byte-swizzled shared
-        /// memory; rows past `rows` arrive as zeros. `None` for a layout the driver will not
-        /// map (no rows, or strides it rejects, such as a broadcast's zero).
+        /// A TMA operand of the Hopper kernels: a 3-D tensor map the driver encoded
+        /// ([`TensorMap::kv`] for bf16 K or V, [`TensorMap::tiled`] in general).
         #[repr(transparent)]
         pub(crate) struct TensorMap(sys::CUtensorMap);
 
@@ -640,6 +638,10 @@ mod cuda {
         unsafe impl DeviceRepr for TensorMap {}
 
         impl TensorMap {
+            /// K or V over (d, rows, KV heads), innermost first, copied in boxes of 64 × 64 × 1
+            /// into 128-byte-swizzled shared memory; rows past `rows` arrive as zeros. `None`
+            /// for a layout the driver will not map (no rows, or strides it rejects, such as a
+            /// broadcast's zero); the launcher's stride check makes them multiples of 16 bytes.
             fn kv(base: sys::CUdeviceptr, rows: usize, kv_heads: usize, (row, head): (i64, i64)) -> Option<Self> {
                 Self::tiled(
                     base,
