@@ -924,6 +924,7 @@ fn options_that_do_not_apply_are_refused_by_name() {
         (path(&pipeline), "--max-new-tokens", "5"),
         (path(&llama), "--frames", "9"),
         (path(&llama), "--out", "x.mp4"),
+        (path(&llama), "--attention", "fp8"),
     ] {
         let output = tpinfer(
             &["generate", "--model", &model, "--prompt", "a fox", option, value],
@@ -931,6 +932,36 @@ fn options_that_do_not_apply_are_refused_by_name() {
         );
         assert_fails_with(&output, &[option, "does not apply"]);
     }
+    // FP8 self-attention applies to a video model but has no kernel on CPU ranks: refused at
+    // load, before any step, with what would run.
+    let output = tpinfer(
+        &[
+            "generate",
+            "--model",
+            &path(&pipeline),
+            "--prompt",
+            "a fox",
+            "--frames",
+            "5",
+            "--size",
+            "64x32",
+            "--steps",
+            "1",
+            "--attention",
+            "fp8",
+            "--out",
+            &path(&dir.path().join("fox.mp4")),
+        ],
+        Duration::from_secs(60),
+    );
+    assert_fails_with(
+        &output,
+        &[
+            "--attention fp8 runs on Hopper GPUs",
+            "leave --attention at its default",
+        ],
+    );
+    assert!(!dir.path().join("fox.mp4").exists(), "no video is written");
 }
 
 /// A preset pipeline (`<DiT preset>-pipeline`) plans umT5-XXL, the DiT and Wan2.1's VAE on
