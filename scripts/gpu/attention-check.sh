@@ -5,7 +5,8 @@
 # On an H100/H200 with a CUDA_COMPUTE_CAP=90 build, head size 128 with 64 or more queries runs
 # the Hopper (wgmma, TMA) kernel, the rest the mma.sync one. `cached` cases read a KV cache
 # whose unfilled slots hold NaN (prefill chunks; one query runs the split-KV decode kernel, from
-# one key to 8,191).
+# one key to 8,191). FP8=1 adds the FP8 kernel (Hopper) beside the bf16 one on the same inputs:
+# N(0, 1), and rows and channels spread over 2⁴.
 . "$(dirname "$0")/env.sh"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/attention.log"; }
 run() { log "$*"; timeout "${LIMIT:-300}" "$@" 2>&1 | tee -a "$OUT/attention.log"; return "${PIPESTATUS[0]}"; }
@@ -16,4 +17,9 @@ run "$BIN/tpinfer-bench" attention --repeats 3 --cases \
 1:385:32:8:128:cached,1:2048:32:8:128:cached,1:5000:16:2:64:cached,1:8191:32:8:128:cached
 run "$BIN/tpinfer-bench" attention --repeats 5 --no-reference --cases \
   9360:9360:40:40:128,32760:32760:40:40:128,32760:32760:20:20:128,32760:512:40:40:128,2048:2048:32:8:128:causal
+if [ -n "${FP8:-}" ]; then
+  run "$BIN/tpinfer-bench" attention --repeats 5 --cases \
+    1000:1000:12:12:128:fp8,16384:16384:4:4:128:fp8,1000:1000:12:12:128:fp8-spread,300:777:8:2:128:fp8-spread
+  run "$BIN/tpinfer-bench" attention --repeats 5 --no-reference --cases 32760:32760:40:40:128:fp8
+fi
 log done
