@@ -172,6 +172,37 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, u
 // A barrier among the 128 threads of one warpgroup (ids 1, 2; 0 is __syncthreads').
 __device__ __forceinline__ void warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 
+// A ring of STAGES stages at `bars`: a "full" mbarrier per stage (bars + 8 · stage), which the
+// producer's copies complete, then an "empty" one (bars + 8 · (STAGES + stage)), on which both
+// consumers' 256 threads arrive. Thread 0 initializes them; the whole CTA waits for it.
+template <int STAGES_N>
+__device__ __forceinline__ void init_ring(uint32_t bars) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES_N; ++s) {
+            mbar_init(bars + 8 * s, 1);
+            mbar_init(bars + 8 * (STAGES_N + s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+}
+
+// The producer warpgroup: gives its registers to the consumers, then thread 0 fills the ring
+// with tiles 0 .. n_tiles − 1 in turn, each `bytes` long, `load(stage, j)` issuing tile j's
+// copies into `stage` once both consumers have let it go.
+template <int STAGES_N, typename Load>
+__device__ __forceinline__ void produce(uint32_t bars, int n_tiles, uint32_t bytes, Load load) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+    if (threadIdx.x == 0) {
+        for (int j = 0; j < n_tiles; ++j) {
+            const int stage = j % STAGES_N;
+            mbar_wait(bars + 8 * (STAGES_N + stage), ((j / STAGES_N) & 1) ^ 1);
+            mbar_expect_tx(bars + 8 * stage, bytes);
+            load(stage, j);
+        }
+    }
+}
+
 }  // namespace
 
 // Grid: (q_len / 128 rounded up, heads); 384 threads. Dynamic shared memory (SM90_SMEM_BYTES
@@ -207,29 +238,15 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const int offset = kv_len - q_len;  // causal position of query 0
     const int n_tiles = key_tiles(kv_len, causal ? offset + m0 + BLOCK_M : kv_len, BLOCK_N);
 
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full(s), 1);
-            mbar_init(empty(s), 256);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-
+    init_ring<STAGES>(bars);
     if (warpgroup == 0) {  // the producer: one thread issues every copy
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
-        if (threadIdx.x == 0) {
-            for (int j = 0; j < n_tiles; ++j) {
-                const int stage = j % STAGES;
-                mbar_wait(empty(stage), ((j / STAGES) & 1) ^ 1);
-                mbar_expect_tx(full(stage), 2 * TILE_BYTES);
-                for (int block = 0; block < 2; ++block) {
-                    const uint32_t at = block * BLOCK_N * SWIZZLE_ROW;
-                    tma_load(k_tile(stage) + at, &k_map, full(stage), block * 64, j * BLOCK_N, kv_head);
-                    tma_load(v_tile(stage) + at, &v_map, full(stage), block * 64, j * BLOCK_N, kv_head);
-                }
+        produce<STAGES>(bars, n_tiles, 2 * TILE_BYTES, [&](int stage, int j) {
+            for (int block = 0; block < 2; ++block) {
+                const uint32_t at = block * BLOCK_N * SWIZZLE_ROW;
+                tma_load(k_tile(stage) + at, &k_map, full(stage), block * 64, j * BLOCK_N, kv_head);
+                tma_load(v_tile(stage) + at, &v_map, full(stage), block * 64, j * BLOCK_N, kv_head);
             }
-        }
+        });
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
@@ -523,26 +540,12 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const int warpgroup = threadIdx.x / 128;
     const int n_tiles = key_tiles(kv_len, kv_len, BLOCK_N);
 
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES_FP8; ++s) {
-            mbar_init(full(s), 1);
-            mbar_init(empty(s), 256);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-
+    init_ring<STAGES_FP8>(bars);
     if (warpgroup == 0) {  // the producer: one thread issues every copy
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
-        if (threadIdx.x == 0) {
-            for (int j = 0; j < n_tiles; ++j) {
-                const int stage = j % STAGES_FP8;
-                mbar_wait(empty(stage), ((j / STAGES_FP8) & 1) ^ 1);
-                mbar_expect_tx(full(stage), 2 * TILE_BYTES_FP8);
-                tma_load(k_tile(stage), &k_map, full(stage), 0, j * BLOCK_N, kv_head);
-                tma_load(v_tile(stage), &v_map, full(stage), j * BLOCK_N, 0, kv_head);
-            }
-        }
+        produce<STAGES_FP8>(bars, n_tiles, 2 * TILE_BYTES_FP8, [&](int stage, int j) {
+            tma_load(k_tile(stage), &k_map, full(stage), 0, j * BLOCK_N, kv_head);
+            tma_load(v_tile(stage), &v_map, full(stage), j * BLOCK_N, 0, kv_head);
+        });
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
