@@ -934,33 +934,15 @@ fn options_that_do_not_apply_are_refused_by_name() {
     }
     // FP8 self-attention applies to a video model but has no kernel on CPU ranks: refused at
     // load, before any step, with what would run.
-    let output = tpinfer(
-        &[
-            "generate",
-            "--model",
-            &path(&pipeline),
-            "--prompt",
-            "a fox",
-            "--frames",
-            "5",
-            "--size",
-            "64x32",
-            "--steps",
-            "1",
-            "--attention",
-            "fp8",
-            "--out",
-            &path(&dir.path().join("fox.mp4")),
-        ],
-        Duration::from_secs(60),
-    );
-    assert_fails_with(
-        &output,
-        &[
-            "--attention fp8 runs on Hopper GPUs",
-            "leave --attention at its default",
-        ],
-    );
+    let (model, out) = (path(&pipeline), path(&dir.path().join("fox.mp4")));
+    let mut args = vec!["generate", "--model", &model, "--out", &out, "--prompt", "fox"];
+    args.extend("--frames 5 --size 64x32 --steps 1 --attention fp8".split(' '));
+    let output = tpinfer(&args, Duration::from_secs(60));
+    let refusal = [
+        "--attention fp8 runs on Hopper GPUs",
+        "leave --attention at its default",
+    ];
+    assert_fails_with(&output, &refusal);
     assert!(!dir.path().join("fox.mp4").exists(), "no video is written");
 }
 
