@@ -103,7 +103,6 @@ pub fn open(name_or_path: &str) -> Result<(Task, Arc<dyn ShardedModel>), PlanErr
     open_as(name_or_path, WeightFormat::AsStored)
 }
 
-/// [`open`], the model's linear weights planned in `format`.
 /// A Wan DiT (a preset or a transformer directory) opened for planning, its linear weights in
 /// `format` and its self-attention at `precision`; `None` when `name_or_path` is not one.
 pub fn open_dit_as(
@@ -124,6 +123,7 @@ pub fn open_dit_as(
     )
 }
 
+/// [`open`], the model's linear weights planned in `format`.
 pub fn open_as(name_or_path: &str, format: WeightFormat) -> Result<(Task, Arc<dyn ShardedModel>), PlanError> {
     for family in families() {
         if let Some(model) = (family.preset)(name_or_path, format) {

@@ -94,7 +94,7 @@ pub struct S2vStageModels {
 
 impl S2vPipelineDir {
     /// Its stages for the planner, the text encoder's and the DiT's linear weights in
-    /// `format`.
+    /// `format`, the DiT's self-attention at `self_attention`.
     pub fn stage_models(
         &self,
         format: WeightFormat,
