@@ -298,9 +298,9 @@ fn fp8_self_attention_plans_its_copies() {
         AttentionPath::Blockwise
     );
     // Q 1000 × 12 heads and K and V 1000 × 4, V's keys padded to 1024, all of 128 values a
-    // byte; f32 scales: Q's 16 blocks × 12, K's 16 × 4, and V's maximum and scale per channel
-    // of each KV head.
-    let bytes = (12_000 + 4_000 + 4 * 1024) * 128 + 4 * (16 * 12 + 16 * 4 + 2 * 4 * 128);
+    // byte; f32 scales: Q's 16 blocks of 64 rows × 12, K's 8 of 128 × 4, and V's maximum and
+    // scale per channel of each KV head.
+    let bytes = (12_000 + 4_000 + 4 * 1024) * 128 + 4 * (16 * 12 + 8 * 4 + 2 * 4 * 128);
     assert_eq!(tpinfer_kernels::flash_attention_fp8_bytes(1000, 12, 1000, 4), bytes);
     let c = WanConfig::wan21_t2v_14b();
     let video = Video {

@@ -36,8 +36,8 @@ constexpr int STAGING_ROW = D + 8;       // a query staging row, padded for ldma
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = 232;
 
-// The layout types of an sm_90 GMMA descriptor (bits 62-63) this file uses.
-constexpr uint64_t SWIZZLE_128B_LAYOUT = 1, SWIZZLE_64B_LAYOUT = 2;
+// The layout type of an sm_90 GMMA descriptor (bits 62-63) this file uses.
+constexpr uint64_t SWIZZLE_128B_LAYOUT = 1;
 
 // The descriptor of a swizzled shared-memory operand (sm_90 GMMA descriptor): start address,
 // leading and stride byte offsets (each in 16-byte units) and the layout type.
@@ -95,7 +95,6 @@ WGMMA(__nv_bfloat16, "bf16", 128, REGS64, ACC64, PRED64, TAIL64)
 template <int N>
 struct WgmmaE4m3;
 
-#define TAIL32_E4M3 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
 #define TAIL64_E4M3 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
 #define WGMMA_E4M3(N, REGS, ACC, PRED, TAIL)                                                                  \
     template <>                                                                                            \
@@ -108,10 +107,8 @@ struct WgmmaE4m3;
         }                                                                                                  \
     };
 
-WGMMA_E4M3(64, REGS32, ACC32, PRED32, TAIL32_E4M3)
 WGMMA_E4M3(128, REGS64, ACC64, PRED64, TAIL64_E4M3)
 #undef WGMMA_E4M3
-#undef TAIL32_E4M3
 
 #undef TAIL64_E4M3
 #undef TAIL32
@@ -350,8 +347,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 //
 // FlashAttention-3's FP8 path on this file's pipeline: both products on E4M3 operands, which
 // Hopper's tensor cores run at twice bf16's rate. The kernels below it quantize the inputs
-// first. Q and K take one scale per 64 rows of a head (a consumer's query rows, a key tile),
-// so that a tile's scores take one multiply; V takes one scale per channel of a KV head,
+// first. Q takes one scale per 64 rows of a head (a consumer's query rows), K one per 128 (a
+// key tile), so that a tile's scores take one multiply; V takes one scale per channel of a KV head,
 // applied to O at the end; P, which the stale maximum keeps at most 2^8, goes to E4M3 (at most 448)
 // unscaled. E4M3 keeps 4 significant bits, so each product's operands are off by up to 1/16
 // of themselves: on random inputs the output is off by about 5% (benches/RESULTS.md).
@@ -361,14 +358,18 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 // t of a quad holds keys 2t, 2t + 1, 8 + 2t, 9 + 2t (and those + 16) of a k32 step, which the A
 // layout takes as columns 4t .. 4t + 3 (and + 16). A sum over keys does not depend on their
 // order, so V's rows follow P's instead of P being shuffled between lanes.
+//
+// A tile holds 128 keys, where the bf16 kernel's holds 64: the per-tile work besides the
+// products (the row maxima's shuffles, the barriers, the waits) is then spread over twice the
+// keys, and each wgmma is twice as wide.
 
 namespace {
 
-constexpr int QUANT_ROWS = 64;  // rows of a head under one Q or K scale
+constexpr int QUANT_ROWS = 64;   // rows of a head under one Q scale; V's keys are padded to it
+constexpr int KEYS_FP8 = 128;    // keys per tile, and rows of a head under one K scale
 constexpr float E4M3_MAX = 448.f;
-constexpr int STAGES_FP8 = 8;              // K/V tile pairs in the ring (half as large as bf16's)
-constexpr int TILE_BYTES_FP8 = BLOCK_N * D;  // a K tile (64 keys × 128 values) or a V tile
-constexpr int V_SWIZZLE_ATOM = 8 * 64;     // 8 rows of 64 bytes (64-byte swizzle)
+constexpr int STAGES_FP8 = 6;                 // K/V tile pairs in the ring
+constexpr int TILE_BYTES_FP8 = KEYS_FP8 * D;  // a K tile (128 keys × 128 values) or a V tile
 
 // The key at position p of a 32-key group of the transposed V.
 __device__ __forceinline__ int p_order_key(int p) {
@@ -383,10 +384,11 @@ __device__ __forceinline__ uint32_t pack_e4m3(float a, float b, float c, float d
     return lo | (hi << 16);
 }
 
-// P of a 64-key tile (accumulator layout) as the A fragments of two k32 steps.
-__device__ __forceinline__ void p_fragments_e4m3(const float (&p)[BLOCK_N / 8][4], uint32_t (&pf)[BLOCK_N / 32][4]) {
+// P of a tile of 8 · NT keys (accumulator layout) as the A fragments of NT / 4 k32 steps.
+template <int NT>
+__device__ __forceinline__ void p_fragments_e4m3(const float (&p)[NT][4], uint32_t (&pf)[NT / 4][4]) {
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 32; ++kk) {
+    for (int kk = 0; kk < NT / 4; ++kk) {
         const int i = 4 * kk;
         pf[kk][0] = pack_e4m3(p[i][0], p[i][1], p[i + 1][0], p[i + 1][1]);
         pf[kk][1] = pack_e4m3(p[i][2], p[i][3], p[i + 1][2], p[i + 1][3]);
@@ -437,17 +439,19 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // Q or K `[len, heads, 128]` (row and head strides in elements, d contiguous, 16-byte-aligned
-// rows) to E4M3 `[len, heads, 128]` with one scale per 64 rows of a head: scales[head ·
+// rows) to E4M3 `[len, heads, 128]` with one scale per ROWS rows of a head: scales[head ·
 // gridDim.x + block] = absmax / 448, each value divided by it. Grid (blocks, heads), 256
-// threads, each four 16-byte chunks of the 64 × 128 block.
-extern "C" __global__ void __launch_bounds__(256)
-    quantize_row_blocks_e4m3(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
-                             uint8_t* __restrict__ out, float* __restrict__ scales) {
+// threads, each ROWS / 16 16-byte chunks of the ROWS × 128 block.
+template <int ROWS>
+__device__ __forceinline__ void quantize_row_blocks(const __nv_bfloat16* __restrict__ x, long row_stride,
+                                                    long head_stride, int len, uint8_t* __restrict__ out,
+                                                    float* __restrict__ scales) {
+    constexpr int CHUNKS = ROWS / 16;
     __shared__ float warp_maxima[8];
-    const int head = blockIdx.y, heads = gridDim.y, row0 = blockIdx.x * QUANT_ROWS;
-    float v[4][8], m = 0.f;
+    const int head = blockIdx.y, heads = gridDim.y, row0 = blockIdx.x * ROWS;
+    float v[CHUNKS][8], m = 0.f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < CHUNKS; ++i) {
         const int c = threadIdx.x + 256 * i, row = row0 + c / 16, col = (c % 16) * 8;
         unpack8(row < len ? *reinterpret_cast<const uint4*>(x + row * row_stride + head * head_stride + col)
                           : make_uint4(0, 0, 0, 0),
@@ -464,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const float scale = m / E4M3_MAX, inverse = m > 0.f ? E4M3_MAX / m : 0.f;
     if (threadIdx.x == 0) scales[head * gridDim.x + blockIdx.x] = scale;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < CHUNKS; ++i) {
         const int c = threadIdx.x + 256 * i, row = row0 + c / 16, col = (c % 16) * 8;
         if (row >= len) continue;
         const float(&x8)[8] = v[i];
@@ -473,6 +477,20 @@ extern "C" __global__ void __launch_bounds__(256)
         q.y = pack_e4m3(x8[4] * inverse, x8[5] * inverse, x8[6] * inverse, x8[7] * inverse);
         *reinterpret_cast<uint2*>(out + ((long)row * heads + head) * D + col) = q;
     }
+}
+
+// Q: one scale per consumer warpgroup's 64 query rows.
+extern "C" __global__ void __launch_bounds__(256)
+    quantize_query_blocks_e4m3(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
+                               uint8_t* __restrict__ out, float* __restrict__ scales) {
+    quantize_row_blocks<QUANT_ROWS>(x, row_stride, head_stride, len, out, scales);
+}
+
+// K: one scale per tile of keys, so that a tile's scores take one multiply.
+extern "C" __global__ void __launch_bounds__(256)
+    quantize_key_blocks_e4m3(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
+                             uint8_t* __restrict__ out, float* __restrict__ scales) {
+    quantize_row_blocks<KEYS_FP8>(x, row_stride, head_stride, len, out, scales);
 }
 
 // V `[len, heads, 128]` to E4M3 `[heads, 128, padded]` (`padded`: len rounded up to 64; the
@@ -515,11 +533,11 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // Grid: (q_len / 128 rounded up, heads); 384 threads. Dynamic shared memory (SMEM_BYTES in
-// src/attention_fp8.rs): 1 KiB to align the swizzle atoms, STAGES_FP8 pairs of a K tile (64
-// keys × 128 bytes, 128-byte-swizzled) and a V tile (128 channels × 64 keys, 64-byte-swizzled),
+// src/attention_fp8.rs): 1 KiB to align the swizzle atoms, STAGES_FP8 pairs of a K tile (128
+// keys × 128 bytes) and a V tile (128 channels × 128 keys), both 128-byte-swizzled,
 // 2 · STAGES_FP8 mbarriers. `q` is E4M3 `[q_len, heads, 128]`, the K map's K E4M3 `[kv_len,
 // KV heads, 128]`, the V map's V E4M3 transposed; q_scale `[heads, q_len / 64 rounded up]`,
-// k_scale `[KV heads, kv_len / 64 rounded up]`, v_scale `[KV heads, 128]`; `out` is bf16
+// k_scale `[KV heads, kv_len / 128 rounded up]`, v_scale `[KV heads, 128]`; `out` is bf16
 // `[q_len, heads, 128]`. Non-causal, no cache.
 extern "C" __global__ void __launch_bounds__(384, 1)
     flash_attention_sm90_e4m3_d128(const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
@@ -538,13 +556,13 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 
     const int head = blockIdx.y, kv_head = head / group, m0 = blockIdx.x * BLOCK_M;
     const int warpgroup = threadIdx.x / 128;
-    const int n_tiles = key_tiles(kv_len, kv_len, BLOCK_N);
+    const int n_tiles = key_tiles(kv_len, kv_len, KEYS_FP8);
 
     init_ring<STAGES_FP8>(bars);
     if (warpgroup == 0) {  // the producer: one thread issues every copy
         produce<STAGES_FP8>(bars, n_tiles, 2 * TILE_BYTES_FP8, [&](int stage, int j) {
-            tma_load(k_tile(stage), &k_map, full(stage), 0, j * BLOCK_N, kv_head);
-            tma_load(v_tile(stage), &v_map, full(stage), j * BLOCK_N, 0, kv_head);
+            tma_load(k_tile(stage), &k_map, full(stage), 0, j * KEYS_FP8, kv_head);
+            tma_load(v_tile(stage), &v_map, full(stage), j * KEYS_FP8, 0, kv_head);
         });
         return;
     }
@@ -564,7 +582,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             const int row = row_a + 8 * (r & 1), col = 32 * kk + 4 * t + 16 * (r >> 1);
             qf[kk][r] = row < q_len ? *reinterpret_cast<const uint32_t*>(q + ((long)row * heads + head) * D + col) : 0;
         }
-    const int q_blocks = (q_len + QUANT_ROWS - 1) / QUANT_ROWS, k_blocks = (kv_len + QUANT_ROWS - 1) / QUANT_ROWS;
+    const int q_blocks = (q_len + QUANT_ROWS - 1) / QUANT_ROWS, k_blocks = (kv_len + KEYS_FP8 - 1) / KEYS_FP8;
     const float q_scale_log2 = wg_row0 < q_len ? scale_log2 * q_scale[head * q_blocks + wg_row0 / QUANT_ROWS] : 0.f;
     // A tile's scale from raw scores to base-2 logits; never zero, which would turn a masked
     // score's −inf into NaN (a zero Q or K block has zero scores, which any scale keeps).
@@ -576,29 +594,29 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         softmax.store<__nv_bfloat16>(o, out, row_a, q_len, heads, head, t);
         return;
     }
-    const auto masked = [&](int n0) { return n0 + BLOCK_N > kv_len; };
+    const auto masked = [&](int n0) { return n0 + KEYS_FP8 > kv_len; };
     // S = Q Kᵀ of a stage's tile, issued but not waited for: B is the K tile as stored
     // (K-major, one 128-byte row a key); a k32 step moves 32 bytes along the rows.
-    const auto issue_scores = [&](float (&s)[BLOCK_N / 8][4], int stage) {
+    const auto issue_scores = [&](float (&s)[KEYS_FP8 / 8][4], int stage) {
         const uint64_t desc = smem_desc(k_tile(stage), 16, SWIZZLE_ATOM);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 32; ++kk) WgmmaE4m3<BLOCK_N>::run(s, qf[kk], desc + ((kk * 32) >> 4), kk > 0);
+        for (int kk = 0; kk < D / 32; ++kk) WgmmaE4m3<KEYS_FP8>::run(s, qf[kk], desc + ((kk * 32) >> 4), kk > 0);
         wgmma_commit();
     };
     // O += P V of a stage's tile, issued but not waited for: B is the transposed V tile
-    // (K-major, one 64-byte row a channel); a k32 step moves 32 bytes along the rows.
-    uint32_t pf[BLOCK_N / 32][4];
+    // (K-major, one 128-byte row a channel, as K's); a k32 step moves 32 bytes along the rows.
+    uint32_t pf[KEYS_FP8 / 32][4];
     const auto issue_values = [&](int stage) {
-        const uint64_t desc = smem_desc(v_tile(stage), 16, V_SWIZZLE_ATOM, SWIZZLE_64B_LAYOUT);
+        const uint64_t desc = smem_desc(v_tile(stage), 16, SWIZZLE_ATOM);
         fence_registers(o);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 32; ++kk) WgmmaE4m3<D>::run(o, pf[kk], desc + ((kk * 32) >> 4), 1);
+        for (int kk = 0; kk < KEYS_FP8 / 32; ++kk) WgmmaE4m3<D>::run(o, pf[kk], desc + ((kk * 32) >> 4), 1);
         wgmma_commit();
     };
 
-    float s[BLOCK_N / 8][4];
+    float s[KEYS_FP8 / 8][4];
     mbar_wait(full(0), 0);
     issue_scores(s, 0);
     wgmma_wait<0>();
@@ -614,7 +632,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         issue_values(stage);
         wgmma_wait<1>();
         fence_registers(s);
-        const int n0 = (j + 1) * BLOCK_N;
+        const int n0 = (j + 1) * KEYS_FP8;
         const float2 alpha = softmax.update(s, tile_scale(j + 1), masked(n0), n0, kv_len, -1, row_a, t);
         wgmma_wait<0>();
         fence_registers(o);

@@ -1,6 +1,6 @@
 //! Attention with E4M3 products on Hopper (cuda/flash_attention_sm90.cu's
-//! `flash_attention_sm90_e4m3_d128`), FlashAttention-3's FP8 path: Q and K with one scale per
-//! 64 rows of a head, V with one per channel of a head, the
+//! `flash_attention_sm90_e4m3_d128`), FlashAttention-3's FP8 path: Q with one scale per 64
+//! rows of a head, K with one per 128 (a tile of keys), V with one per channel of a head, the
 //! softmax's P rounded to E4M3, both products at twice bf16's tensor-core rate. A numerics
 //! choice of the caller's: E4M3 keeps 4 significant bits, and on random inputs the output is
 //! about 5% from bf16 attention's.
@@ -73,14 +73,16 @@ pub fn flash_attention_fp8(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Re
 /// `q_len` queries of `heads` heads over `kv_len` keys of `kv_heads`: the E4M3 copies (V's
 /// keys padded to 64), their scales, and V's channel maxima.
 pub fn flash_attention_fp8_bytes(q_len: usize, heads: usize, kv_len: usize, kv_heads: usize) -> usize {
-    let blocks = |len: usize| len.div_ceil(QUANT_ROWS);
     let copies = (q_len * heads + kv_len * kv_heads + kv_len.next_multiple_of(QUANT_ROWS) * kv_heads) * HEAD_DIM;
-    let scales = 4 * (blocks(q_len) * heads + blocks(kv_len) * kv_heads + 2 * kv_heads * HEAD_DIM);
+    let scales =
+        4 * (q_len.div_ceil(QUANT_ROWS) * heads + kv_len.div_ceil(KEY_ROWS) * kv_heads + 2 * kv_heads * HEAD_DIM);
     copies + scales
 }
 
-/// Rows of a head under one Q or K scale (QUANT_ROWS in the kernel), and the padding of V's keys.
+/// Rows of a head under one Q scale (QUANT_ROWS in the kernel), and the padding of V's keys.
 const QUANT_ROWS: usize = 64;
+/// Keys of a tile, and rows of a head under one K scale (KEYS_FP8 in the kernel).
+const KEY_ROWS: usize = 128;
 
 #[cfg(tpinfer_sm90)]
 mod cuda {
@@ -89,7 +91,7 @@ mod cuda {
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{DType, Result, Tensor};
 
-    use super::{HEAD_DIM, QUANT_ROWS};
+    use super::{HEAD_DIM, KEY_ROWS, QUANT_ROWS};
     use crate::cuda::hopper::TensorMap;
     use crate::cuda::strides;
     use crate::launch::device_address;
@@ -99,9 +101,9 @@ mod cuda {
     const QUERY_ROWS: usize = 128;
     /// A producer warpgroup and the two consumers.
     const THREADS: u32 = 3 * 128;
-    /// Dynamic shared memory: 1 KiB to align the swizzle atoms, eight stages of a K and a V
-    /// tile (64 × 128 bytes each), sixteen mbarriers.
-    const SMEM_BYTES: u32 = 1024 + 8 * 2 * 64 * 128 + 16 * 8;
+    /// Dynamic shared memory: 1 KiB to align the swizzle atoms, six stages of a K and a V tile
+    /// (128 × 128 bytes each), twelve mbarriers.
+    const SMEM_BYTES: u32 = 1024 + 6 * 2 * 128 * 128 + 12 * 8;
 
     pub(super) fn launch(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
         let (q_len, heads, d) = q.dims3()?;
@@ -111,7 +113,7 @@ mod cuda {
         };
         let device = q.device();
         let empty = |shape: &[usize], dtype: DType| crate::empty(shape, dtype, device);
-        let (q_blocks, k_blocks) = (q_len.div_ceil(QUANT_ROWS), kv_len.div_ceil(QUANT_ROWS));
+        let (q_blocks, k_blocks) = (q_len.div_ceil(QUANT_ROWS), kv_len.div_ceil(KEY_ROWS));
         let padded = kv_len.next_multiple_of(QUANT_ROWS);
         let (q8, k8, vt8) = (
             empty(&[q_len, heads, d], DType::U8)?,
@@ -127,11 +129,11 @@ mod cuda {
         let v_absmax = Tensor::zeros((kv_heads, d), DType::U32, device)?;
         let out = empty(&[q_len, heads, d], DType::BF16)?;
         let len = kv_len as i32;
-        let quantize = FLASH_ATTENTION_SM90.kernel(dev, "quantize_row_blocks_e4m3")?;
-        for (x, x8, scales, rows, n_heads, blocks) in [
-            (q, &q8, &q_scale, q_len, heads, q_blocks),
-            (k, &k8, &k_scale, kv_len, kv_heads, k_blocks),
+        for (x, x8, scales, rows, n_heads, blocks, kernel) in [
+            (q, &q8, &q_scale, q_len, heads, q_blocks, "quantize_query_blocks_e4m3"),
+            (k, &k8, &k_scale, kv_len, kv_heads, k_blocks, "quantize_key_blocks_e4m3"),
         ] {
+            let quantize = FLASH_ATTENTION_SM90.kernel(dev, kernel)?;
             let (row, head) = strides(x.layout(), "FP8 attention's queries and keys")?;
             let (x, x8, scales) = (device_address(x)?, device_address(x8)?, device_address(scales)?);
             let rows = rows as i32;
@@ -189,16 +191,17 @@ mod cuda {
             u8_map,
             [HEAD_DIM as u64, kv_len as u64, kv_heads as u64],
             [(kv_heads * HEAD_DIM) as u64, HEAD_DIM as u64],
-            [HEAD_DIM as u32, QUANT_ROWS as u32, 1],
+            [HEAD_DIM as u32, KEY_ROWS as u32, 1],
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
         );
+        // Keys past `padded` (the last tile's second half) arrive as zeros.
         let v_map = TensorMap::tiled(
             vt8_at,
             u8_map,
             [padded as u64, HEAD_DIM as u64, kv_heads as u64],
             [padded as u64, (HEAD_DIM * padded) as u64],
-            [QUANT_ROWS as u32, HEAD_DIM as u32, 1],
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+            [KEY_ROWS as u32, HEAD_DIM as u32, 1],
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
         );
         let (Some(k_map), Some(v_map)) = (k_map, v_map) else {
             candle_core::bail!(
