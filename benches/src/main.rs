@@ -669,6 +669,7 @@ fn dit(args: DitArgs) -> Result<()> {
                 velocity.save_safetensors("velocity", &path)?;
             }
         }
+        print_memory_parts(&engine.device_memory(), engine.plan());
         if args.profile {
             dit_profile(&engine, tp, inputs.last().context("no inputs")?)?;
         }
@@ -677,6 +678,27 @@ fn dit(args: DitArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Rank 0's measured peak in its parts beside the plan's (MiB): the pool's live tensors, the
+/// pool's reserve beyond them, and what the device holds outside the pool (the CUDA context,
+/// cuBLAS, cuDNN's handle and loaded kernels), to say which term a miss is in.
+pub(crate) fn print_memory_parts(memory: &[Option<tpinfer_runtime::DeviceMemory>], plan: &tpinfer_plan::Plan) {
+    let (Some(Some(m)), Some(p)) = (memory.first(), plan.ranks.first()) else {
+        return;
+    };
+    let mib = tpinfer_plan::mib;
+    let tensors = p.weights + p.buffers + p.cache + p.activations;
+    println!(
+        "rank 0, MiB measured / planned: pool tensors {:.0} / {:.0}; pool reserve beyond them {:.0} / {:.0}; \
+         outside the pool {:.0} / {:.0}",
+        mib(m.pool_used_peak),
+        mib(tensors),
+        mib(m.pool_peak.saturating_sub(m.pool_used_peak)),
+        mib(p.allocator_slack),
+        mib(m.used.saturating_sub(m.pool_reserved)),
+        mib(p.workspace + p.context)
+    );
 }
 
 /// Each guided step's time of a short denoising run from the input's latents.

@@ -72,7 +72,7 @@ pub fn vae(args: VaeArgs) -> Result<()> {
             "| {tp} | {} × {}x{} | {dtype:?} | {median:.3} | {memory} |",
             shape.frames, shape.width, shape.height
         );
-        print_memory_parts(&device_memory, engine.plan());
+        crate::print_memory_parts(&device_memory, engine.plan());
         if let (Some(out), Some(frames)) = (&args.out, decoded) {
             let path = PathBuf::from(format!("{}_tp{tp}.safetensors", out.display()));
             frames
@@ -81,25 +81,4 @@ pub fn vae(args: VaeArgs) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Rank 0's measured peak in its parts beside the plan's (MiB): the pool's live tensors, the
-/// pool's reserve beyond them, and what the device holds outside the pool (the CUDA context,
-/// cuBLAS, cuDNN's handle and loaded kernels), to say which term a miss is in.
-fn print_memory_parts(memory: &[Option<tpinfer_runtime::DeviceMemory>], plan: &tpinfer_plan::Plan) {
-    let (Some(Some(m)), Some(p)) = (memory.first(), plan.ranks.first()) else {
-        return;
-    };
-    let mib = tpinfer_plan::mib;
-    let tensors = p.weights + p.buffers + p.cache + p.activations;
-    println!(
-        "rank 0, MiB measured / planned: pool tensors {:.0} / {:.0}; pool reserve beyond them {:.0} / {:.0}; \
-         outside the pool {:.0} / {:.0}",
-        mib(m.pool_used_peak),
-        mib(tensors),
-        mib(m.pool_peak.saturating_sub(m.pool_used_peak)),
-        mib(p.allocator_slack),
-        mib(m.used.saturating_sub(m.pool_reserved)),
-        mib(p.workspace + p.context)
-    );
 }
