@@ -151,12 +151,22 @@ fn wan_rank_f32(
     store: &dyn tpinfer_weights::WeightStore,
     shard: &tpinfer_wan::WanShard,
 ) -> tpinfer_wan::WanRank {
+    wan_rank_f32_as(config, store, shard, tpinfer_weights::WeightFormat::AsStored)
+}
+
+/// A Wan DiT's only rank on the CPU, in f32, its weights in `format`.
+fn wan_rank_f32_as(
+    config: &tpinfer_wan::WanConfig,
+    store: &dyn tpinfer_weights::WeightStore,
+    shard: &tpinfer_wan::WanShard,
+    format: tpinfer_weights::WeightFormat,
+) -> tpinfer_wan::WanRank {
     let comm = ThreadGroup::ranks(1, std::time::Duration::from_secs(30)).remove(0);
     tpinfer_wan::WanRank::load(
         config,
         store,
         shard.clone(),
-        tpinfer_weights::WeightFormat::AsStored,
+        format,
         Arc::new(comm),
         DType::F32,
         &Device::Cpu,
@@ -174,15 +184,30 @@ fn wan_rank_f32(
 /// that scratch outgrew the residual update after the FFN's down projection.
 #[test]
 fn dit_forward_allocates_what_the_memory_model_says() {
+    dit_forward_against_the_memory_model(tpinfer_weights::WeightFormat::AsStored, 384);
+}
+
+/// The same with FP8 weights (`--quantize fp8`), which CPU ranks expand product by product:
+/// each product's expanded weight is counted in the phase it runs in, not beside the block's
+/// peak. With an FFN of 384 the peak is the projections', after their products (an expanded
+/// weight beside it would be 16% over); with 1,024 it is the FFN's up product (its expanded
+/// weight left out, 21% under).
+#[test]
+fn dit_fp8_forward_allocates_what_the_memory_model_says() {
+    dit_forward_against_the_memory_model(tpinfer_weights::WeightFormat::Fp8, 384);
+    dit_forward_against_the_memory_model(tpinfer_weights::WeightFormat::Fp8, 1024);
+}
+
+fn dit_forward_against_the_memory_model(format: tpinfer_weights::WeightFormat, ffn: usize) {
     let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     use tpinfer_tests::{open_wan, wan_inputs, TinyWan};
-    use tpinfer_wan::memory::{DitMemory, ForwardPath, Video};
+    use tpinfer_wan::memory::{DitMemory, ForwardPath, LinearWeights, Video};
     use tpinfer_wan::WanShard;
 
     let model = TinyWan {
         heads: 4,
         head_dim: 32,
-        ffn: 384,
+        ffn,
         ..TinyWan::default()
     };
     let dir = tempfile::tempdir().expect("tempdir");
@@ -199,22 +224,30 @@ fn dit_forward_allocates_what_the_memory_model_says() {
     let dtype = DType::F32;
     let shard = WanShard::new(&config, 1, 0).expect("shard");
     let measured = single_thread(|| {
-        let rank = wan_rank_f32(&config, &*store, &shard);
+        let rank = wan_rank_f32_as(&config, &*store, &shard, format);
         let context = rank.embed_text(&text).expect("text");
         drop(rank.forward(&latents, 700.0, &context).expect("warm-up"));
         let (velocity, measured) = peak_during(|| rank.forward(&latents, 700.0, &context).expect("forward"));
         drop(velocity);
         measured
     });
+    let weights = match format {
+        tpinfer_weights::WeightFormat::Fp8 => LinearWeights::Fp8 { tensor_cores: false },
+        _ => LinearWeights::Dense,
+    };
     let m = DitMemory::with_text(
         &config,
         &shard,
         dtype,
         video,
         text.dim(0).expect("tokens"),
-        ForwardPath::for_device(false, dtype, config.attention_head_dim),
+        ForwardPath::for_device(false, dtype, config.attention_head_dim).with_linear_weights(weights),
     );
-    assert_close(measured, m.buffers + m.activations, &format!("DiT {dtype:?}"));
+    assert_close(
+        measured,
+        m.buffers + m.activations,
+        &format!("DiT {dtype:?} {format:?}"),
+    );
 }
 
 /// Wan2.2-S2V's forward (the tiny checkpoint of `tests/fixtures/s2v-dit`, its clip with the

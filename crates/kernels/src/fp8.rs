@@ -71,20 +71,27 @@ pub fn fp8_linear(x: &Tensor, values: &Tensor, scales: &Tensor, bias: Option<&Te
     let y = match fp8_path(x.device(), x.dtype(), n, k) {
         #[cfg(feature = "cuda")]
         Fp8Path::Fp8Kernels => cuda::product(&x2, values, scales, bias, gelu)?,
-        _ => {
-            let dense = expand(values, scales, x.dtype())?;
-            let y = x2.matmul(&dense.t()?)?;
-            let y = match bias {
-                Some(b) => y.broadcast_add(b)?,
-                None => y,
-            };
-            match gelu {
-                true => y.gelu()?,
-                false => y,
-            }
-        }
+        _ => expanded_product(&x2, values, scales, bias, gelu)?,
     };
     y.reshape(shape)
+}
+
+/// The weight expanded to `x`'s dtype, then the dense product, with the bias and GELU in the
+/// GEMM where [`crate::linear_bias`] fuses them: beside the expanded weight, only the output
+/// is allocated (added after the GEMM, the bias and GELU each held another output-sized
+/// tensor).
+fn expanded_product(x: &Tensor, values: &Tensor, scales: &Tensor, bias: Option<&Tensor>, gelu: bool) -> Result<Tensor> {
+    let dense = expand(values, scales, x.dtype())?;
+    match bias {
+        Some(b) => crate::linear_bias(x, &dense, b, gelu),
+        None => {
+            let y = x.matmul(&dense.t()?)?;
+            match gelu {
+                true => y.gelu(),
+                false => Ok(y),
+            }
+        }
+    }
 }
 
 /// [`fp8_linear`] of `x` `[rows, k]` written into rows `first_row..first_row + rows` of `out`
@@ -124,7 +131,13 @@ pub fn fp8_linear_into(
             &out.narrow(0, first_row, rows)?,
         );
     }
-    out.slice_set(&fp8_linear(x, values, scales, bias, gelu)?, 0, first_row)
+    match bias {
+        // The expanded product writes into `out` itself where the fused linear covers it.
+        Some(b) if fp8_path(x.device(), x.dtype(), n, k) != Fp8Path::Fp8Kernels => {
+            crate::linear_bias_into(out, first_row, x, &expand(values, scales, x.dtype())?, b, gelu)
+        }
+        _ => out.slice_set(&fp8_linear(x, values, scales, bias, gelu)?, 0, first_row),
+    }
 }
 
 /// The fewest rows for which [`fp8_linear_of_silu_mul`] makes and quantizes the hidden in one

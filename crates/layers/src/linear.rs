@@ -133,12 +133,31 @@ pub fn fp8_product_bytes(
         .iter()
         .filter(|d| d.quant == Some(tpinfer_weights::Quant::Fp8))
         .filter_map(|d| match *d.spec.local_shape(&d.shape).ok()?.as_slice() {
-            [n, k] if fp8_tensor_cores && tpinfer_kernels::fp8_kernels_take(dtype, n, k) => Some(rows * (k + 4)),
-            [n, k] => Some(joined * 2 * dtype.size_in_bytes() * n * k),
+            [n, k] => {
+                let one = fp8_product_extra(n, k, dtype, fp8_tensor_cores, rows);
+                Some(match fp8_product_quantizes_input(n, k, dtype, fp8_tensor_cores) {
+                    true => one,
+                    false => joined * one,
+                })
+            }
             _ => None,
         })
         .max()
         .unwrap_or(0)
+}
+
+/// The bytes one FP8 product of an `[n, k]` weight slice takes beyond a dense product's while
+/// it runs, for `rows` input rows in `dtype`: as [`fp8_product_bytes`] counts a product of its
+/// own weight.
+pub fn fp8_product_extra(n: usize, k: usize, dtype: DType, fp8_tensor_cores: bool, rows: usize) -> usize {
+    match fp8_product_quantizes_input(n, k, dtype, fp8_tensor_cores) {
+        true => rows * (k + 4),
+        false => 2 * dtype.size_in_bytes() * n * k,
+    }
+}
+
+fn fp8_product_quantizes_input(n: usize, k: usize, dtype: DType, fp8_tensor_cores: bool) -> bool {
+    fp8_tensor_cores && tpinfer_kernels::fp8_kernels_take(dtype, n, k)
 }
 
 /// `x · wᵀ (+ b)` through `product`: dense, one input row on CUDA in 16 bits (a decode step's

@@ -9,9 +9,9 @@ use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
 use tpinfer_plan::{
     boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
 };
-use tpinfer_weights::{CountingStore, ShardLoader, WeightDecl, WeightFormat};
+use tpinfer_weights::{CountingStore, Quant, ShardLoader, WeightDecl, WeightFormat};
 
-use crate::memory::{DitMemory, ForwardPath, SelfAttention, Video};
+use crate::memory::{DitMemory, ForwardPath, LinearWeights, SelfAttention, Video};
 use crate::{WanCheckpoint, WanCheckpointError, WanConfig, WanRank, WanShard};
 
 /// The longest video a plan takes (17 minutes at 16 fps) and the widest side: far past any
@@ -187,18 +187,21 @@ impl RankShard for WanRankShard {
             height,
             cfg,
         };
-        let path = ForwardPath::for_device(accelerator == Accelerator::Cuda, dtype, c.attention_head_dim)
-            .with_self_attention(self.self_attention);
+        let cuda = accelerator == Accelerator::Cuda;
+        // The blocks' products are FP8 together (`model::weight_decls`).
+        let weights = match self.decls.iter().any(|d| d.quant == Some(Quant::Fp8)) {
+            true => LinearWeights::Fp8 { tensor_cores: cuda },
+            false => LinearWeights::Dense,
+        };
+        let path = ForwardPath::for_device(cuda, dtype, c.attention_head_dim)
+            .with_self_attention(self.self_attention)
+            .with_linear_weights(weights);
         let m = DitMemory::new(c, &self.shard, dtype, video, path);
         let tokens = c.sequence_tokens(frames, width, height);
         Ok(Footprint {
             buffers: m.buffers as u64,
             cache: m.latents as u64,
-            // An FP8 product beside the block's temporaries: on CUDA its quantized input (the
-            // FFN's hidden, the widest), elsewhere its expanded weight (the FFN's up projection).
-            activations: (m.activations
-                + tpinfer_layers::fp8_product_bytes(&self.decls, dtype, accelerator == Accelerator::Cuda, tokens, 1))
-                as u64,
+            activations: m.activations as u64,
             pool_slack: m.pool_slack as u64,
             // Latents and text states are made by a request, not at load.
             at_load: 0,

@@ -58,10 +58,22 @@ pub enum SelfAttention {
     Fp8,
 }
 
+/// How the blocks' linear products run, which decides what a product holds while it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinearWeights {
+    /// In the compute dtype.
+    Dense,
+    /// E4M3 (`--quantize fp8`, or stored so): on FP8 tensor cores (`tensor_cores`, a CUDA
+    /// plan) each product quantizes its input, elsewhere it expands its weight
+    /// (`tpinfer_layers::fp8_product_extra`).
+    Fp8 { tensor_cores: bool },
+}
+
 /// How a rank runs its forward, which decides its temporaries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ForwardPath {
     pub attention: AttentionPath,
+    pub weights: LinearWeights,
     /// Linear layers with a bias add it (and the FFN its GELU) inside the GEMM, allocating
     /// only their output (`tpinfer_kernels::linear_bias`): CUDA ranks in bf16/f16, CPU ranks
     /// in f32.
@@ -84,6 +96,7 @@ impl ForwardPath {
         };
         Self {
             attention,
+            weights: LinearWeights::Dense,
             fused_linear,
             linear_workspace: if fused_linear && cuda {
                 FUSED_LINEAR_WORKSPACE
@@ -102,6 +115,11 @@ impl ForwardPath {
             },
             _ => self,
         }
+    }
+
+    /// This path with the blocks' linear products over `weights`.
+    pub fn with_linear_weights(self, weights: LinearWeights) -> Self {
+        Self { weights, ..self }
     }
 }
 
@@ -161,6 +179,17 @@ impl DitMemory {
         };
         let (r, rc) = (rows * d * es, rows * d * e);
         let (text_l, context) = (text * heads * hd * e, text * d * e);
+        // What a product of an [n, k] weight slice over `m` rows holds while it runs beyond a
+        // dense one's: with FP8 weights, its quantized input or its expanded weight.
+        let product = |n: usize, k: usize, m: usize| match path.weights {
+            LinearWeights::Dense => 0,
+            LinearWeights::Fp8 { tensor_cores } => tpinfer_layers::fp8_product_extra(n, k, dtype, tensor_cores, m),
+        };
+        let (lw, fw) = (heads * hd, shard.ffn_cols.len());
+        // Q's and the merged K/V's products over the norm (each in turn), the output
+        // projection's over the attention output, the FFN's up and down.
+        let over_norm = product(lw, d, s).max(product(2 * lw, d, s));
+        let (out_product, up, down) = (product(d, lw, s), product(fw, d, s), product(d, fw, s));
 
         // `Attention::forward` on the modulated norm `n` (X, all rows), self-attention:
         // Q's GEMM output and Q with its bias (2L; fused: L); then with Q alive, the merged
@@ -169,8 +198,8 @@ impl DitMemory {
         // then, Q dropped, normalized K beside them (4L; K is read in place); then V's
         // contiguous copy for its heads beside Q, K and the merged K/V (5L), which goes next.
         let projections = match path.fused_linear {
-            true => (x + 3 * l).max(5 * l),
-            false => x + 5 * l,
+            true => (x + 3 * l + over_norm).max(5 * l),
+            false => x + 5 * l + over_norm,
         };
         // The attention output beside Q, K, V (4L), or the blockwise path's f32 work: within
         // the loop over heads, one head's scaled queries, keys (and a transposed copy) and
@@ -189,26 +218,26 @@ impl DitMemory {
             }
         };
         // `RowParallelLinear::forward` beside its input (the attention output, L; the FFN's
-        // hidden, F): the partial product, then the sum (this rank's rows of it at TP > 1, R)
-        // and, unfused, the biased sum; fused, the bias is added on rank 0 in the GEMM, and at
-        // TP 1 the sum is the partial itself. Then the residual update beside the input: the
-        // sum and the new stream (Rc + R).
+        // hidden, F): the partial product (with an FP8 weight, beside what its product holds),
+        // then the sum (this rank's rows of it at TP > 1, R) and, unfused, the biased sum;
+        // fused, the bias is added on rank 0 in the GEMM, and at TP 1 the sum is the partial
+        // itself. Then the residual update beside the input: the sum and the new stream (Rc + R).
         let reduced = match (path.fused_linear, shard.world) {
             (true, 1) => x,
             (true, _) => x + rc,
             (false, 1) => 2 * x,
             (false, _) => x + 2 * rc,
         };
-        let update = reduced.max(rc + r);
-        let output = l + update;
+        let output = l + (reduced + out_product).max(rc + r);
         let self_attn = projections.max(attention).max(output);
         // Cross-attention: the same with keys over the text, beside `n`.
-        let cross = (x + 2 * l + 4 * text_l).max(output);
+        let cross = (x + 2 * l + 4 * text_l + over_norm).max(output);
         // `Block::forward`'s FFN: the up GEMM's output and its bias beside `n` (X + 2F); GELU
         // (2F); fused, the hidden alone (X + F); the down projection beside the hidden.
+        let down_and_update = (reduced + down).max(rc + r);
         let ffn = match path.fused_linear {
-            true => (x + f).max(f + update),
-            false => (x + 2 * f).max(2 * f).max(f + update),
+            true => (x + f + up).max(f + down_and_update),
+            false => (x + 2 * f + up).max(2 * f).max(f + down_and_update),
         };
         // A residual update: old and new stream and the attention or FFN output (2R + Rc; a
         // wider stream reads the output as it is). A norm writes the compute dtype from the
