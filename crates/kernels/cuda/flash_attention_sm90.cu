@@ -501,8 +501,8 @@ extern "C" __global__ void __launch_bounds__(256)
     transpose_values_e4m3(const __nv_bfloat16* __restrict__ v, long row_stride, long head_stride, int len, int padded,
                           const unsigned* __restrict__ absmax, uint8_t* __restrict__ out, float* __restrict__ scales) {
     constexpr int ROW = D + 8;  // padded rows: a warp's reads of one channel spread over banks
-    __shared__ __nv_bfloat16 tile[BLOCK_N][ROW];
-    const int head = blockIdx.y, key0 = blockIdx.x * BLOCK_N;
+    __shared__ __nv_bfloat16 tile[QUANT_ROWS][ROW];
+    const int head = blockIdx.y, key0 = blockIdx.x * QUANT_ROWS;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int c = threadIdx.x + 256 * i, row = c / 16, col = (c % 16) * 8;
