@@ -187,7 +187,9 @@ impl DitMemory {
         };
         let (lw, fw) = (heads * hd, shard.ffn_cols.len());
         // Q's and the merged K/V's products over the norm (each in turn), the output
-        // projection's over the attention output, the FFN's up and down.
+        // projection's over the attention output, the FFN's up and down; each over all `s`
+        // rows (at TP > 1 a gathered norm's products may run a rank's rows at a time: an upper
+        // bound there).
         let over_norm = product(lw, d, s).max(product(2 * lw, d, s));
         let (out_product, up, down) = (product(d, lw, s), product(fw, d, s), product(d, fw, s));
 
