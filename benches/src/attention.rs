@@ -15,7 +15,8 @@ pub struct AttentionArgs {
     /// `cached`: causal, the last Q_LEN of KV_LEN keys through a KV cache with 77 unfilled (NaN)
     /// slots after them; `paged`: Q_LEN sequences of one query each, sequence i over KV_LEN ·
     /// (i + 1) / Q_LEN keys in blocks of 16 of a paged pool, in bf16 (`paged-f32`: in f32);
-    /// `fp8`: the E4M3 kernel and the bf16 one on the same inputs; `fp8-spread` with query
+    /// `fp8`: the E4M3 kernels (Hopper's wgmma one where it runs, and the mma.sync one of
+    /// compute capability 8.9) and the bf16 one on the same inputs; `fp8-spread` with query
     /// and key rows and value channels of magnitudes spread over 2⁴, so that a scale applied
     /// to the wrong block or channel shows.
     #[arg(long, value_delimiter = ',', required = true)]
@@ -113,13 +114,16 @@ pub fn run(args: AttentionArgs) -> Result<()> {
         };
         let mut calls = vec![("", Call::new(&c, &k, &v, scale)?)];
         if c.fp8.is_some() {
-            calls.push((
-                ", FP8",
-                Call {
-                    fp8: true,
+            let fp8 = |kernel| -> Result<Call> {
+                Ok(Call {
+                    fp8: Some(kernel),
                     ..Call::new(&c, &k, &v, scale)?
-                },
-            ));
+                })
+            };
+            if tpinfer_kernels::flash_attention_fp8_supported(&device, DType::BF16, c.head_dim) {
+                calls.push((", FP8", fp8(Fp8Kernel::AsRun)?));
+            }
+            calls.push((", FP8 mma.sync", fp8(Fp8Kernel::MmaSync)?));
         }
         for (label, call) in calls {
             let out = call.run(&q)?;
@@ -175,8 +179,17 @@ struct Call {
     position: Option<Tensor>,
     /// The decode kernel's partials, for a cached call of one query.
     scratch: tpinfer_kernels::DecodeScratch,
-    /// [`tpinfer_kernels::flash_attention_fp8`] instead.
-    fp8: bool,
+    /// An FP8 kernel instead.
+    fp8: Option<Fp8Kernel>,
+}
+
+/// [`tpinfer_kernels::flash_attention_fp8`] (what `--attention fp8` runs on the GPU: the
+/// wgmma kernel on Hopper, the mma.sync one on Ada) or
+/// [`tpinfer_kernels::flash_attention_fp8_mma`].
+#[derive(Clone, Copy)]
+enum Fp8Kernel {
+    AsRun,
+    MmaSync,
 }
 
 impl Call {
@@ -190,7 +203,7 @@ impl Call {
                 causal,
                 position: None,
                 scratch: tpinfer_kernels::DecodeScratch::new(),
-                fp8: false,
+                fp8: None,
             });
         }
         let spare = Tensor::full(f32::NAN, (SPARE_SLOTS, c.kv_heads, c.head_dim), k.device())?.to_dtype(DType::BF16)?;
@@ -203,7 +216,7 @@ impl Call {
             causal,
             position: Some(position),
             scratch: tpinfer_kernels::DecodeScratch::new(),
-            fp8: false,
+            fp8: None,
         })
     }
 
@@ -212,8 +225,11 @@ impl Call {
             Some(position) => {
                 tpinfer_kernels::flash_attention_cached(q, &self.k, &self.v, position, self.scale, &self.scratch)?
             }
-            None if self.fp8 => tpinfer_kernels::flash_attention_fp8(q, &self.k, &self.v, self.scale)?,
-            None => tpinfer_kernels::flash_attention(q, &self.k, &self.v, self.scale, self.causal)?,
+            None => match self.fp8 {
+                Some(Fp8Kernel::AsRun) => tpinfer_kernels::flash_attention_fp8(q, &self.k, &self.v, self.scale)?,
+                Some(Fp8Kernel::MmaSync) => tpinfer_kernels::flash_attention_fp8_mma(q, &self.k, &self.v, self.scale)?,
+                None => tpinfer_kernels::flash_attention(q, &self.k, &self.v, self.scale, self.causal)?,
+            },
         })
     }
 }

@@ -5,14 +5,16 @@
 //! H100/H200), so that those GPUs load the kernels without compiling them; and PTX for
 //! `CUDA_COMPUTE_CAP`, which the driver compiles at first use on any other (newer) GPU.
 //! When 90 is among them it also compiles the Hopper attention kernel for sm_90a (wgmma exists
-//! only there) and sets the `tpinfer_sm90` cfg. `TPINFER_CUDA_TARGETS` tells the crate what
+//! only there) and sets the `tpinfer_sm90` cfg; with 89 among them, the `tpinfer_sm89` cfg (the
+//! FP8 mma.sync attention kernel runs from that SASS alone). `TPINFER_CUDA_TARGETS` tells the crate what
 //! was built, for its error when a GPU has no code.
 //! With the `timeline` feature every kernel is compiled with TPINFER_TIMELINE (cuda/chain.cuh).
 use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const SOURCES: [&str; 9] = [
+const SOURCES: [&str; 10] = [
+    "attention_fp8",
     "flash_attention",
     "fp8",
     "paged",
@@ -32,6 +34,7 @@ fn main() {
     println!("cargo::rerun-if-env-changed=TPINFER_CUDA_SASS");
     println!("cargo::rerun-if-env-changed=NVCC");
     println!("cargo::rustc-check-cfg=cfg(tpinfer_sm90)");
+    println!("cargo::rustc-check-cfg=cfg(tpinfer_sm89)");
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
@@ -57,6 +60,7 @@ fn main() {
     println!("cargo::rerun-if-changed=cuda/best.cuh");
     println!("cargo::rerun-if-changed=cuda/convert.cuh");
     println!("cargo::rerun-if-changed=cuda/tile.cuh");
+    println!("cargo::rerun-if-changed=cuda/fp8_attention.cuh");
     println!("cargo::rerun-if-changed=cuda/chain.cuh");
     println!("cargo::rerun-if-changed=cuda/rotate.cuh");
     for name in SOURCES {
@@ -66,6 +70,9 @@ fn main() {
         let define = format!("-DDECODE_GROUP={group}");
         let out = format!("decode_attention_g{group}");
         compile(&nvcc, &out_dir, "decode_attention", &out, &gencode, &[&define]);
+    }
+    if sass.iter().any(|c| c == "89") {
+        println!("cargo::rustc-cfg=tpinfer_sm89");
     }
     if sass.iter().any(|c| c == "90") {
         let name = "flash_attention_sm90";

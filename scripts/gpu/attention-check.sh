@@ -5,8 +5,9 @@
 # On an H100/H200 with a CUDA_COMPUTE_CAP=90 build, head size 128 with 64 or more queries runs
 # the Hopper (wgmma, TMA) kernel, the rest the mma.sync one. `cached` cases read a KV cache
 # whose unfilled slots hold NaN (prefill chunks; one query runs the split-KV decode kernel, from
-# one key to 8,191). FP8=1 adds the FP8 kernel (Hopper) beside the bf16 one on the same inputs:
-# N(0, 1), and rows and channels spread over 2⁴.
+# one key to 8,191). FP8=1 adds the FP8 kernels beside the bf16 one on the same inputs: N(0, 1),
+# and rows and channels spread over 2⁴; on an H100/H200 both the Hopper kernel and the
+# mma.sync one that `--attention fp8` runs on an RTX 4090 (sm_90 runs it from its own SASS).
 . "$(dirname "$0")/env.sh"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/attention.log"; }
 run() { log "$*"; timeout "${LIMIT:-300}" "$@" 2>&1 | tee -a "$OUT/attention.log"; return "${PIPESTATUS[0]}"; }

@@ -133,7 +133,7 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
             tpinfer_engine::WeightFormat::AsStored => {}
         }
         if args.attention.precision() == tpinfer_engine::SelfAttention::Fp8 {
-            println!("Self-attention on E4M3 operands (Hopper GPUs in bf16), its copies planned.\n");
+            println!("Self-attention on E4M3 operands (Hopper and Ada GPUs in bf16), its copies planned.\n");
         }
     }
     match args.tp {

@@ -84,8 +84,8 @@ pub struct VideoArgs {
     #[arg(long, default_value_t = 16)]
     pub(crate) fps: u32,
     /// The precision of the DiT's self-attention products: `dtype` (the compute dtype) or
-    /// `fp8` (both products on E4M3 operands, FlashAttention-3's FP8 path: faster on Hopper
-    /// GPUs in bf16, and a different video).
+    /// `fp8` (both products on E4M3 operands, FlashAttention-3's FP8 path: on Hopper and Ada
+    /// GPUs in bf16; faster on an H200, and a different video).
     #[arg(long, value_enum, default_value_t = AttentionArg::Dtype)]
     pub(crate) attention: AttentionArg,
     /// Speech-to-video: the speech (WAV, FLAC or MP3) that drives the video and plays in it.

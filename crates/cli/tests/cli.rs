@@ -939,7 +939,7 @@ fn options_that_do_not_apply_are_refused_by_name() {
     args.extend("--frames 5 --size 64x32 --steps 1 --attention fp8".split(' '));
     let output = tpinfer(&args, Duration::from_secs(60));
     let refusal = [
-        "--attention fp8 runs on Hopper GPUs",
+        "--attention fp8 runs on Hopper and Ada GPUs",
         "leave --attention at its default",
     ];
     assert_fails_with(&output, &refusal);

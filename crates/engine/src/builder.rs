@@ -122,7 +122,7 @@ impl EngineBuilder {
     }
 
     /// The precision of a Wan DiT's self-attention products. Default: the compute dtype;
-    /// [`SelfAttention::Fp8`] runs them on E4M3 operands (Hopper GPUs in bf16; other ranks
+    /// [`SelfAttention::Fp8`] runs them on E4M3 operands (Hopper and Ada GPUs in bf16; other ranks
     /// refuse it at load), which changes the video. A language model refuses it.
     pub fn self_attention(mut self, precision: SelfAttention) -> Self {
         self.self_attention = precision;

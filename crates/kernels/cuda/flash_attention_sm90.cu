@@ -21,6 +21,7 @@
 #include <cuda_fp8.h>
 #include <cfloat>
 
+#include "fp8_attention.cuh"
 #include "tile.cuh"
 
 namespace {
@@ -345,19 +346,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 
 // ---- FP8 (E4M3) attention -------------------------------------------------------------------
 //
-// FlashAttention-3's FP8 path on this file's pipeline: both products on E4M3 operands, which
-// Hopper's tensor cores run at twice bf16's rate. The kernels below it quantize the inputs
-// first. Q takes one scale per 64 rows of a head (a consumer's query rows), K one per 128 (a
-// key tile), so that a tile's scores take one multiply; V takes one scale per channel of a KV head,
-// applied to O at the end; P, which the stale maximum keeps at most 2^8, goes to E4M3 (at most 448)
-// unscaled. E4M3 keeps 4 significant bits, so each product's operands are off by up to 1/16
-// of themselves: on random inputs the output is off by about 5% (benches/RESULTS.md).
-//
-// 8-bit wgmma reads B only K-major, so V comes transposed (`[KV head, d, keys]`), and within
-// each 32 keys in the order in which P's accumulator layout hands over its A fragments: thread
-// t of a quad holds keys 2t, 2t + 1, 8 + 2t, 9 + 2t (and those + 16) of a k32 step, which the A
-// layout takes as columns 4t .. 4t + 3 (and + 16). A sum over keys does not depend on their
-// order, so V's rows follow P's instead of P being shuffled between lanes.
+// fp8_attention.cuh's scheme on this file's pipeline: both products on wgmma with E4M3
+// operands, which Hopper's tensor cores run at twice bf16's rate, after attention_fp8.cu's
+// input passes.
 //
 // A tile holds 128 keys, where the bf16 kernel's holds 64: the per-tile work besides the
 // products (the row maxima's shuffles, the barriers, the waits) is then spread over twice the
@@ -365,172 +356,10 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 
 namespace {
 
-constexpr int QUANT_ROWS = 64;   // rows of a head under one Q scale; V's keys are padded to it
-constexpr int KEYS_FP8 = 128;    // keys per tile, and rows of a head under one K scale
-constexpr float E4M3_MAX = 448.f;
 constexpr int STAGES_FP8 = 6;                 // K/V tile pairs in the ring
 constexpr int TILE_BYTES_FP8 = KEYS_FP8 * D;  // a K tile (128 keys × 128 values) or a V tile
 
-// The key at position p of a 32-key group of the transposed V.
-__device__ __forceinline__ int p_order_key(int p) {
-    const int t = (p % 16) / 4, i = p % 4;
-    return (p / 16) * 16 + (i / 2) * 8 + 2 * t + (i % 2);
-}
-
-// Four values as one register of E4M3 bytes, the first in the lowest byte.
-__device__ __forceinline__ uint32_t pack_e4m3(float a, float b, float c, float d) {
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
-    return lo | (hi << 16);
-}
-
-// P of a tile of 8 · NT keys (accumulator layout) as the A fragments of NT / 4 k32 steps.
-template <int NT>
-__device__ __forceinline__ void p_fragments_e4m3(const float (&p)[NT][4], uint32_t (&pf)[NT / 4][4]) {
-#pragma unroll
-    for (int kk = 0; kk < NT / 4; ++kk) {
-        const int i = 4 * kk;
-        pf[kk][0] = pack_e4m3(p[i][0], p[i][1], p[i + 1][0], p[i + 1][1]);
-        pf[kk][1] = pack_e4m3(p[i][2], p[i][3], p[i + 1][2], p[i + 1][3]);
-        pf[kk][2] = pack_e4m3(p[i + 2][0], p[i + 2][1], p[i + 3][0], p[i + 3][1]);
-        pf[kk][3] = pack_e4m3(p[i + 2][2], p[i + 2][3], p[i + 3][2], p[i + 3][3]);
-    }
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int w = 16; w > 0; w /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, w));
-    return v;
-}
-
-// Eight bf16 values (16 bytes) as floats.
-__device__ __forceinline__ void unpack8(const uint4& chunk, float (&out)[8]) {
-    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&chunk);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) out[j] = __bfloat162float(v[j]);
-}
-
 }  // namespace
-
-// The largest magnitude of each channel of each head of `v` (`[len, heads, 128]`), maxed into
-// `absmax` (`[heads, 128]`, zero before the first launch) as the bits of a non-negative float,
-// which order as unsigned integers do (so the result does not depend on the blocks' order).
-// Grid (len / 256 rounded up, heads), 128 threads: 16 a row, 8 channels each.
-extern "C" __global__ void __launch_bounds__(128)
-    channel_absmax_bf16(const __nv_bfloat16* __restrict__ v, long row_stride, long head_stride, int len,
-                        unsigned* __restrict__ absmax) {
-    __shared__ float maxima[8][D];
-    const int head = blockIdx.y, r = threadIdx.x / 16, c8 = (threadIdx.x % 16) * 8;
-    float m[8] = {};
-    const int end = min(len, (int)(blockIdx.x + 1) * 256);
-    for (int row = blockIdx.x * 256 + r; row < end; row += 8) {
-        float x[8];
-        unpack8(*reinterpret_cast<const uint4*>(v + row * row_stride + head * head_stride + c8), x);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], fabsf(x[j]));
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) maxima[r][c8 + j] = m[j];
-    __syncthreads();
-    float best = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) best = fmaxf(best, maxima[i][threadIdx.x]);
-    atomicMax(absmax + head * D + threadIdx.x, __float_as_uint(best));
-}
-
-// Q or K `[len, heads, 128]` (row and head strides in elements, d contiguous, 16-byte-aligned
-// rows) to E4M3 `[len, heads, 128]` with one scale per ROWS rows of a head: scales[head ·
-// gridDim.x + block] = absmax / 448, each value divided by it. Grid (blocks, heads), 256
-// threads, each ROWS / 16 16-byte chunks of the ROWS × 128 block.
-template <int ROWS>
-__device__ __forceinline__ void quantize_row_blocks(const __nv_bfloat16* __restrict__ x, long row_stride,
-                                                    long head_stride, int len, uint8_t* __restrict__ out,
-                                                    float* __restrict__ scales) {
-    constexpr int CHUNKS = ROWS / 16;
-    __shared__ float warp_maxima[8];
-    const int head = blockIdx.y, heads = gridDim.y, row0 = blockIdx.x * ROWS;
-    float v[CHUNKS][8], m = 0.f;
-#pragma unroll
-    for (int i = 0; i < CHUNKS; ++i) {
-        const int c = threadIdx.x + 256 * i, row = row0 + c / 16, col = (c % 16) * 8;
-        unpack8(row < len ? *reinterpret_cast<const uint4*>(x + row * row_stride + head * head_stride + col)
-                          : make_uint4(0, 0, 0, 0),
-                v[i]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[i][j]));
-    }
-    m = warp_max(m);
-    if (threadIdx.x % 32 == 0) warp_maxima[threadIdx.x / 32] = m;
-    __syncthreads();
-    m = 0.f;
-#pragma unroll
-    for (int w = 0; w < 8; ++w) m = fmaxf(m, warp_maxima[w]);
-    const float scale = m / E4M3_MAX, inverse = m > 0.f ? E4M3_MAX / m : 0.f;
-    if (threadIdx.x == 0) scales[head * gridDim.x + blockIdx.x] = scale;
-#pragma unroll
-    for (int i = 0; i < CHUNKS; ++i) {
-        const int c = threadIdx.x + 256 * i, row = row0 + c / 16, col = (c % 16) * 8;
-        if (row >= len) continue;
-        const float(&x8)[8] = v[i];
-        uint2 q;
-        q.x = pack_e4m3(x8[0] * inverse, x8[1] * inverse, x8[2] * inverse, x8[3] * inverse);
-        q.y = pack_e4m3(x8[4] * inverse, x8[5] * inverse, x8[6] * inverse, x8[7] * inverse);
-        *reinterpret_cast<uint2*>(out + ((long)row * heads + head) * D + col) = q;
-    }
-}
-
-// Q: one scale per consumer warpgroup's 64 query rows.
-extern "C" __global__ void __launch_bounds__(256)
-    quantize_query_blocks_e4m3(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
-                               uint8_t* __restrict__ out, float* __restrict__ scales) {
-    quantize_row_blocks<QUANT_ROWS>(x, row_stride, head_stride, len, out, scales);
-}
-
-// K: one scale per tile of keys, so that a tile's scores take one multiply.
-extern "C" __global__ void __launch_bounds__(256)
-    quantize_key_blocks_e4m3(const __nv_bfloat16* __restrict__ x, long row_stride, long head_stride, int len,
-                             uint8_t* __restrict__ out, float* __restrict__ scales) {
-    quantize_row_blocks<KEYS_FP8>(x, row_stride, head_stride, len, out, scales);
-}
-
-// V `[len, heads, 128]` to E4M3 `[heads, 128, padded]` (`padded`: len rounded up to 64; the
-// keys past len are zeros), each channel divided by its scale absmax / 448, which the first
-// block of each head writes to `scales` (`[heads, 128]`); the keys of each 32 in P's order
-// (p_order_key). Grid (padded / 64, heads), 256 threads.
-extern "C" __global__ void __launch_bounds__(256)
-    transpose_values_e4m3(const __nv_bfloat16* __restrict__ v, long row_stride, long head_stride, int len, int padded,
-                          const unsigned* __restrict__ absmax, uint8_t* __restrict__ out, float* __restrict__ scales) {
-    constexpr int ROW = D + 8;  // padded rows: a warp's reads of one channel spread over banks
-    __shared__ __nv_bfloat16 tile[QUANT_ROWS][ROW];
-    const int head = blockIdx.y, key0 = blockIdx.x * QUANT_ROWS;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int c = threadIdx.x + 256 * i, row = c / 16, col = (c % 16) * 8;
-        const uint4 chunk = key0 + row < len
-                                ? *reinterpret_cast<const uint4*>(v + (key0 + row) * row_stride + head * head_stride + col)
-                                : make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(&tile[row][col]) = chunk;
-    }
-    __syncthreads();
-    if (blockIdx.x == 0 && threadIdx.x < D)
-        scales[head * D + threadIdx.x] = __uint_as_float(absmax[head * D + threadIdx.x]) / E4M3_MAX;
-    // 128 channels × 8 runs of 8 positions, four a thread; a run is one 8-byte store.
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int task = threadIdx.x + 256 * i, channel = task / 8, p0 = (task % 8) * 8;
-        const float m = __uint_as_float(absmax[head * D + channel]), inverse = m > 0.f ? E4M3_MAX / m : 0.f;
-        float x[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int p = p0 + j, key = (p / 32) * 32 + p_order_key(p % 32);
-            x[j] = __bfloat162float(tile[key][channel]) * inverse;
-        }
-        uint2 q;
-        q.x = pack_e4m3(x[0], x[1], x[2], x[3]);
-        q.y = pack_e4m3(x[4], x[5], x[6], x[7]);
-        *reinterpret_cast<uint2*>(out + ((long)head * D + channel) * padded + key0 + p0) = q;
-    }
-}
 
 // Grid: (q_len / 128 rounded up, heads); 384 threads. Dynamic shared memory (SMEM_BYTES in
 // src/attention_fp8.rs): 1 KiB to align the swizzle atoms, STAGES_FP8 pairs of a K tile (128

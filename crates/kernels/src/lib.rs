@@ -40,7 +40,9 @@ mod rowwise;
 mod sample;
 
 pub use argmax::argmax;
-pub use attention_fp8::{flash_attention_fp8, flash_attention_fp8_bytes, flash_attention_fp8_supported};
+pub use attention_fp8::{
+    flash_attention_fp8, flash_attention_fp8_bytes, flash_attention_fp8_mma, flash_attention_fp8_supported,
+};
 pub use chain::chained;
 #[cfg(feature = "timeline")]
 pub use chain::{trace_launches, trace_step, trace_to, TracedLaunch};

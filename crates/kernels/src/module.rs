@@ -31,6 +31,7 @@ macro_rules! fatbin {
 }
 
 pub(crate) const ARGMAX: Module = fatbin!("argmax");
+pub(crate) const ATTENTION_FP8: Module = fatbin!("attention_fp8");
 pub(crate) const FLASH_ATTENTION: Module = fatbin!("flash_attention");
 #[cfg(tpinfer_sm90)]
 pub(crate) const FLASH_ATTENTION_SM90: Module = fatbin!("flash_attention_sm90");

@@ -54,7 +54,7 @@ pub enum SelfAttention {
     #[default]
     ComputeDtype,
     /// Q·Kᵀ and P·V on E4M3 operands (`tpinfer_kernels::flash_attention_fp8`,
-    /// FlashAttention-3's FP8 path): Hopper GPUs in bf16 only, a numerics choice of the user's.
+    /// FlashAttention-3's FP8 path): Hopper and Ada GPUs in bf16 only, a numerics choice of the user's.
     Fp8,
 }
 

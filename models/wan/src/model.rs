@@ -584,14 +584,14 @@ impl WanRank {
     }
 
     /// This rank with its self-attention at `precision`; refused where no kernel runs it
-    /// (FP8: bf16 on a Hopper GPU).
+    /// (FP8: bf16 on a Hopper or Ada GPU).
     pub fn with_self_attention(self, precision: SelfAttention) -> Result<Self> {
         let (device, head_dim) = (self.head_table.device(), self.config.attention_head_dim);
         if precision == SelfAttention::Fp8
             && !tpinfer_kernels::flash_attention_fp8_supported(device, self.dtype, head_dim)
         {
             return Err(Error::Unsupported(format!(
-                "--attention fp8 runs on Hopper GPUs (compute capability 9.0) in bf16 with head size 128; this rank \
+                "--attention fp8 runs on Hopper and Ada GPUs (compute capability 9.0 and 8.9) in bf16 with head size 128; this rank \
                  is {:?} in {:?} with head size {head_dim} (leave --attention at its default)",
                 device.location(),
                 self.dtype
