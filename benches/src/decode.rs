@@ -3,7 +3,7 @@
 //! a captured graph of many calls, as the step runs them). At TP > 1: every rank's bare step
 //! and the step's decode-size all-reduces alone.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -12,6 +12,8 @@ use candle_core::{DType, Device, Tensor};
 use clap::Args;
 use tpinfer_kernels::RowWeight;
 use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
+
+use crate::WeightsArg;
 
 #[derive(Args)]
 pub(crate) struct DecodeProfileArgs {
@@ -29,6 +31,10 @@ pub(crate) struct DecodeProfileArgs {
     /// step and its all-reduces are timed.
     #[arg(long, default_value_t = 1)]
     tp: usize,
+    /// The form the model's linear weights are held in for its steps (`fp8`: quantized at
+    /// load); the kernels alone are timed in both forms either way.
+    #[arg(long, value_enum, default_value_t = WeightsArg::AsStored)]
+    weights: WeightsArg,
 }
 
 /// One kernel call under test.
@@ -92,7 +98,8 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
     };
     let dtype = if args.cuda { DType::BF16 } else { DType::F32 };
     let context = args.prompt_tokens + 4 * (args.steps + 2) + 8;
-    let (mut model, c, prompt) = whole_model(&args.model, dtype, &device, args.prompt_tokens, context)?;
+    let checkpoint = LlamaCheckpoint::open_with(&args.model, args.weights.format())?;
+    let (mut model, c, prompt) = whole_model(&checkpoint, dtype, &device, args.prompt_tokens, context)?;
     println!(
         "| part (TP 1, {dtype:?}; steps synchronized, kernels timed in a graph) | ms | per token |\n|---|---|---|"
     );
@@ -147,20 +154,19 @@ pub(crate) fn run(args: DecodeProfileArgs) -> Result<()> {
 /// The Llama at `dir` as one rank holding all of it, with a KV cache of `context` tokens, its
 /// config, and a prompt of `prompt_tokens` made-up ids.
 fn whole_model(
-    dir: &Path,
+    checkpoint: &LlamaCheckpoint,
     dtype: DType,
     device: &Device,
     prompt_tokens: usize,
     context: usize,
 ) -> Result<(LlamaRank, tpinfer_llama::LlamaConfig, Vec<u32>)> {
-    let checkpoint = LlamaCheckpoint::open(dir)?;
     let c = checkpoint.config.clone();
     let shard = LlamaShard::new(&c, 1, 0)?;
     checkpoint.check(&shard)?;
     let comm = tpinfer_comm::ThreadGroup::ranks(1, std::time::Duration::from_secs(60))
         .pop()
         .context("no rank")?;
-    let model = LlamaRank::load(&checkpoint, shard, Arc::new(comm), dtype, device, context)?;
+    let model = LlamaRank::load(checkpoint, shard, Arc::new(comm), dtype, device, context)?;
     let prompt = made_up_prompt(&c, prompt_tokens);
     Ok((model, c, prompt))
 }

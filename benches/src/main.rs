@@ -131,14 +131,14 @@ struct DitArgs {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
-enum WeightsArg {
+pub(crate) enum WeightsArg {
     AsStored,
     Dequantized,
     Fp8,
 }
 
 impl WeightsArg {
-    fn format(self) -> tpinfer_engine::WeightFormat {
+    pub(crate) fn format(self) -> tpinfer_engine::WeightFormat {
         match self {
             Self::AsStored => tpinfer_engine::WeightFormat::AsStored,
             Self::Dequantized => tpinfer_engine::WeightFormat::Dequantized,

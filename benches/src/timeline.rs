@@ -34,6 +34,9 @@ pub(crate) struct TimelineArgs {
     /// Also every CTA's record of the kernels whose names start with this, into OUT.cta.tsv.
     #[arg(long)]
     ctas_of: Option<String>,
+    /// The form the model's linear weights are held in (`fp8`: quantized at load).
+    #[arg(long, value_enum, default_value_t = crate::WeightsArg::AsStored)]
+    weights: crate::WeightsArg,
 }
 
 /// CTAs the trace buffer holds (64 bytes each).
@@ -66,7 +69,7 @@ pub(crate) fn run(args: TimelineArgs) -> Result<()> {
     let context = args.prompt_tokens + 2 * (args.steps + 2) + 8;
     // Every rank on its own GPU and thread, NCCL between them (none at TP 1); each traces
     // into its own buffer (the trace is per thread), and the steps keep in step through the sums.
-    let checkpoint = tpinfer_llama::LlamaCheckpoint::open(&args.model)?;
+    let checkpoint = tpinfer_llama::LlamaCheckpoint::open_with(&args.model, args.weights.format())?;
     let c = checkpoint.config.clone();
     let prompt = crate::decode::made_up_prompt(&c, args.prompt_tokens);
     let traces = crate::decode::on_ranks(args.tp, true, |comm, device| {
