@@ -192,6 +192,21 @@ __device__ __forceinline__ void load_bytes(uint8_t* tile, const uint8_t* base, i
 // (flash_attention_sm90.cu's flash_attention_sm90_e4m3_d128), V transposed to `[KV heads, 128,
 // padded]`. Each warp keeps 16 query rows; K and V tiles of 64 keys arrive by cp.async, the next
 // K tile while P·V runs, as flash_attention.cu's bf16 kernel does. Non-causal, no cache.
+// acc[2p], acc[2p + 1] += a · the k32 step at `tile` (shared memory) of the tile's rows
+// 16p .. 16p + 15 (keys of K, channels of Vᵀ), ROW_BYTES apart, for every p < ROWS / 16;
+// ld_row and ld_byte are the lane's ldmatrix address (see the kernel).
+template <int ROWS, int ROW_BYTES>
+__device__ __forceinline__ void mma_k32_step(float (&acc)[ROWS / 8][4], const uint32_t (&a)[4], const uint8_t* tile,
+                                             int ld_row, int ld_byte) {
+#pragma unroll
+    for (int p = 0; p < ROWS / 16; ++p) {
+        uint32_t b[4];
+        ldmatrix_x4(b, tile + (p * 16 + ld_row) * ROW_BYTES + ld_byte);
+        mma_e4m3(acc[2 * p], a, b[0], b[1]);
+        mma_e4m3(acc[2 * p + 1], a, b[2], b[3]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK_M_MMA / 16 * 32)
     flash_attention_e4m3_d128(const uint8_t* __restrict__ q, const float* __restrict__ q_scale,
                               const uint8_t* __restrict__ k, const float* __restrict__ k_scale,
@@ -206,13 +221,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_M_MMA / 16 * 32)
     const int row_a = m0 + warp * 16 + g;  // this thread's first query row; the second is 8 below
     // The queries straight from global memory into A fragments, as the Hopper kernel reads them.
     uint32_t qf[D / 32][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 32; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int row = row_a + 8 * (r & 1), col = 32 * kk + 4 * t + 16 * (r >> 1);
-            qf[kk][r] = row < q_len ? *reinterpret_cast<const uint32_t*>(q + ((long)row * heads + head) * D + col) : 0;
-        }
+    query_fragments_e4m3<D>(q, row_a, q_len, heads, head, t, qf);
     const int q_blocks = (q_len + QUANT_ROWS - 1) / QUANT_ROWS, k_blocks = (kv_len + KEYS_FP8 - 1) / KEYS_FP8;
     const float q_scale_log2 = scale_log2 * q_scale[head * q_blocks + m0 / QUANT_ROWS];
     const uint8_t* kh = k + (long)kv_head * D;
@@ -241,14 +250,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_M_MMA / 16 * 32)
 
         float s[BLOCK_N_MMA / 8][4] = {};
 #pragma unroll
-        for (int kk = 0; kk < D / 32; ++kk)
-#pragma unroll
-            for (int p = 0; p < BLOCK_N_MMA / 16; ++p) {
-                uint32_t b[4];
-                ldmatrix_x4(b, k_tile + (p * 16 + ld_row) * K_ROW + kk * 32 + ld_byte);
-                mma_e4m3(s[2 * p], qf[kk], b[0], b[1]);
-                mma_e4m3(s[2 * p + 1], qf[kk], b[2], b[3]);
-            }
+        for (int kk = 0; kk < D / 32; ++kk) mma_k32_step<BLOCK_N_MMA, K_ROW>(s, qf[kk], k_tile + kk * 32, ld_row, ld_byte);
         // Never zero, which would turn a masked score's −inf into NaN.
         const float tile_scale = fmaxf(q_scale_log2 * k_scale[kv_head * k_blocks + n0 / KEYS_FP8], FLT_MIN);
         OnlineSoftmax::rescale(o, softmax.update(s, tile_scale, n0 + BLOCK_N_MMA > kv_len, n0, kv_len, -1, row_a, t));
@@ -261,24 +263,10 @@ extern "C" __global__ void __launch_bounds__(BLOCK_M_MMA / 16 * 32)
         cp_async_commit();
 
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N_MMA / 32; ++kk)
-#pragma unroll
-            for (int p = 0; p < D / 16; ++p) {
-                uint32_t b[4];
-                ldmatrix_x4(b, v_tile + (p * 16 + ld_row) * V_ROW + kk * 32 + ld_byte);
-                mma_e4m3(o[2 * p], pf[kk], b[0], b[1]);
-                mma_e4m3(o[2 * p + 1], pf[kk], b[2], b[3]);
-            }
+        for (int kk = 0; kk < BLOCK_N_MMA / 32; ++kk) mma_k32_step<D, V_ROW>(o, pf[kk], v_tile + kk * 32, ld_row, ld_byte);
         __syncthreads();  // every warp is done with V tile j
     }
     // V's per-channel scales, then the row sums.
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-        const float2 sv = *reinterpret_cast<const float2*>(v_scale + kv_head * D + i * 8 + 2 * t);
-        o[i][0] *= sv.x;
-        o[i][1] *= sv.y;
-        o[i][2] *= sv.x;
-        o[i][3] *= sv.y;
-    }
+    scale_by_channels<D>(o, v_scale, kv_head, t);
     softmax.store<__nv_bfloat16>(o, out, row_a, q_len, heads, head, t);
 }

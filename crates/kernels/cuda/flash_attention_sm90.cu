@@ -404,13 +404,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const int row_a = wg_row0 + warp * 16 + g;  // this thread's first query row; the second is 8 below
     // The queries straight from global memory into A fragments: read once per CTA.
     uint32_t qf[D / 32][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 32; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int row = row_a + 8 * (r & 1), col = 32 * kk + 4 * t + 16 * (r >> 1);
-            qf[kk][r] = row < q_len ? *reinterpret_cast<const uint32_t*>(q + ((long)row * heads + head) * D + col) : 0;
-        }
+    query_fragments_e4m3<D>(q, row_a, q_len, heads, head, t, qf);
     const int q_blocks = (q_len + QUANT_ROWS - 1) / QUANT_ROWS, k_blocks = (kv_len + KEYS_FP8 - 1) / KEYS_FP8;
     const float q_scale_log2 = wg_row0 < q_len ? scale_log2 * q_scale[head * q_blocks + wg_row0 / QUANT_ROWS] : 0.f;
     // A tile's scale from raw scores to base-2 logits; never zero, which would turn a masked
@@ -475,13 +469,6 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     fence_registers(o);
     mbar_arrive(empty(last));
     // V's per-channel scales, then the row sums.
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-        const float2 sv = *reinterpret_cast<const float2*>(v_scale + kv_head * D + i * 8 + 2 * t);
-        o[i][0] *= sv.x;
-        o[i][1] *= sv.y;
-        o[i][2] *= sv.x;
-        o[i][3] *= sv.y;
-    }
+    scale_by_channels<D>(o, v_scale, kv_head, t);
     softmax.store<__nv_bfloat16>(o, out, row_a, q_len, heads, head, t);
 }

@@ -30,6 +30,35 @@ __device__ __forceinline__ uint32_t pack_e4m3(float a, float b, float c, float d
     return lo | (hi << 16);
 }
 
+// The A fragments of a warp's 16 query rows of E4M3 Q (`[q_len, heads, HEAD]`), read straight
+// from global memory: row_a is the thread's first row, the second 8 below; rows past q_len
+// read as zeros. mma.sync m16n8k32's 8-bit A layout, which wgmma's register A shares.
+template <int HEAD>
+__device__ __forceinline__ void query_fragments_e4m3(const uint8_t* q, int row_a, int q_len, int heads, int head,
+                                                     int t, uint32_t (&qf)[HEAD / 32][4]) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD / 32; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int row = row_a + 8 * (r & 1), col = 32 * kk + 4 * t + 16 * (r >> 1);
+            qf[kk][r] = row < q_len ? *reinterpret_cast<const uint32_t*>(q + ((long)row * heads + head) * HEAD + col) : 0;
+        }
+}
+
+// O (accumulator layout, a thread's columns 8i + 2t and 8i + 2t + 1) times V's per-channel
+// scales of KV head kv_head (`v_scale` `[KV heads, HEAD]`).
+template <int HEAD>
+__device__ __forceinline__ void scale_by_channels(float (&o)[HEAD / 8][4], const float* v_scale, int kv_head, int t) {
+#pragma unroll
+    for (int i = 0; i < HEAD / 8; ++i) {
+        const float2 sv = *reinterpret_cast<const float2*>(v_scale + kv_head * HEAD + i * 8 + 2 * t);
+        o[i][0] *= sv.x;
+        o[i][1] *= sv.y;
+        o[i][2] *= sv.x;
+        o[i][3] *= sv.y;
+    }
+}
+
 // P of a tile of 8 · NT keys (accumulator layout) as the A fragments of NT / 4 k32 steps.
 template <int NT>
 __device__ __forceinline__ void p_fragments_e4m3(const float (&p)[NT][4], uint32_t (&pf)[NT / 4][4]) {
