@@ -81,10 +81,12 @@ fn serve_answers_then_stops_on_sigterm_under_load_and_exits_0() {
     let model = TinyLlama::default().write(dir.path());
     let model = model.to_str().expect("utf8 path");
     let (mut child, address) = start(model, &["--tp", "2", "--max-seqs", "2", "--shutdown-timeout-secs", "3"]);
+    // Sampled at OpenAI's default temperature, so the random model may draw its end-of-text
+    // token: ignore_eos keeps the token counts (and the load below running) as asked.
     let answer = post(
         &address,
         "/v1/completions",
-        r#"{"model": "tiny", "prompt": "hi", "max_tokens": 3}"#,
+        r#"{"model": "tiny", "prompt": "hi", "max_tokens": 3, "ignore_eos": true}"#,
     );
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(answer.contains("\"completion_tokens\":3"), "{answer}");
@@ -93,7 +95,9 @@ fn serve_answers_then_stops_on_sigterm_under_load_and_exits_0() {
         .map(|i| {
             let address = address.clone();
             std::thread::spawn(move || {
-                let body = format!(r#"{{"model": "tiny", "prompt": "load {i}", "max_tokens": 500, "stream": true}}"#);
+                let body = format!(
+                    r#"{{"model": "tiny", "prompt": "load {i}", "max_tokens": 500, "stream": true, "ignore_eos": true}}"#
+                );
                 let answer = post(&address, "/v1/completions", &body);
                 (answer, Instant::now())
             })
