@@ -133,18 +133,19 @@ fn print_report(report: &Report, timeout: u64) {
         println!("driver error: {e}");
     }
     if !inv.gpus.is_empty() {
-        println!("\n| GPU | name | compute capability | free / total memory, MiB | PCI bus |");
-        println!("|---|---|---|---|---|");
+        println!("\n| GPU | name | compute capability | free / total memory, MiB | PCI bus | what runs |");
+        println!("|---|---|---|---|---|---|");
         for g in &inv.gpus {
             println!(
-                "| {} | {} | {}.{} | {:.0} / {:.0} | {} |",
+                "| {} | {} | {}.{} | {:.0} / {:.0} | {} | {} |",
                 g.ordinal,
                 g.name,
                 g.compute_capability.0,
                 g.compute_capability.1,
                 mib(g.free_bytes),
                 mib(g.total_bytes),
-                g.pci_bus_id
+                g.pci_bus_id,
+                g.runs()
             );
         }
     }

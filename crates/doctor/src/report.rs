@@ -42,6 +42,28 @@ pub struct GpuInfo {
     pub pci_bus_id: String,
 }
 
+impl GpuInfo {
+    /// What this binary runs on the GPU, by its compute capability: the kernels at all (8.0
+    /// or newer), FP8 weights on tensor cores or expanded, and which FP8 attention kernel.
+    pub fn runs(&self) -> String {
+        let capability = self.compute_capability;
+        if capability < tpinfer_kernels::MIN_COMPUTE_CAPABILITY {
+            let (major, minor) = tpinfer_kernels::MIN_COMPUTE_CAPABILITY;
+            return format!("nothing: the kernels need compute capability {major}.{minor} or newer");
+        }
+        let weights = match tpinfer_kernels::fp8_tensor_cores(capability) {
+            true => "FP8 weights on FP8 tensor cores",
+            false => "FP8 weights expanded to bf16 (not faster)",
+        };
+        let attention = match tpinfer_kernels::fp8_attention_kernel(capability) {
+            Some(tpinfer_kernels::Fp8AttentionKernel::Hopper) => "FP8 attention (wgmma)",
+            Some(tpinfer_kernels::Fp8AttentionKernel::MmaSync) => "FP8 attention (mma.sync)",
+            None => "no FP8 attention",
+        };
+        format!("bf16 and f16; {weights}; {attention}")
+    }
+}
+
 /// One bounded NCCL init + all-reduce run over a set of GPUs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SmokeRun {

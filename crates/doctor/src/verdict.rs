@@ -76,6 +76,26 @@ pub fn verdict(report: &Report) -> Vec<Finding> {
             vec!["check CUDA_VISIBLE_DEVICES and `nvidia-smi`".into()],
         ));
     }
+    for g in inv
+        .gpus
+        .iter()
+        .filter(|g| g.compute_capability < tpinfer_kernels::MIN_COMPUTE_CAPABILITY)
+    {
+        let ((major, minor), (need_major, need_minor)) =
+            (g.compute_capability, tpinfer_kernels::MIN_COMPUTE_CAPABILITY);
+        out.push(finding(
+            Severity::Error,
+            format!(
+                "GPU {} ({}) is compute capability {major}.{minor}: tpinfer's CUDA kernels need {need_major}.{need_minor} \
+                 or newer",
+                g.ordinal, g.name
+            ),
+            vec![
+                "use Ampere or newer GPUs (A100, RTX 30 and 40 series, L4, L40, H100, H200)".into(),
+                "or leave this GPU out (CUDA_VISIBLE_DEVICES), or run on CPU ranks (--device cpu)".into(),
+            ],
+        ));
+    }
     if inv.cudnn_version.is_none() {
         out.push(finding(
             Severity::Warning,

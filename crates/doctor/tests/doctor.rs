@@ -162,6 +162,52 @@ fn a_missing_cudnn_is_a_warning_that_names_the_fix() {
 }
 
 #[test]
+fn a_gpu_older_than_ampere_is_an_error_that_names_it() {
+    let mut inv = inventory(2, true);
+    inv.gpus[1].name = "Tesla T4".into();
+    inv.gpus[1].compute_capability = (7, 5);
+    let findings = verdict(&report(inv.clone(), Vec::new()));
+    let old = &findings[0];
+    assert_eq!(old.severity, Severity::Error, "{findings:#?}");
+    assert!(
+        old.title.contains("GPU 1 (Tesla T4) is compute capability 7.5") && old.title.contains("need 8.0"),
+        "{}",
+        old.title
+    );
+    assert!(
+        old.advice.iter().any(|a| a.contains("--device cpu")),
+        "{:?}",
+        old.advice
+    );
+    assert_eq!(
+        findings.iter().filter(|f| f.severity == Severity::Error).count(),
+        1,
+        "GPU 0 (8.9) is fine"
+    );
+    assert!(inv.gpus[1].runs().starts_with("nothing"), "{}", inv.gpus[1].runs());
+}
+
+#[test]
+fn what_runs_follows_the_compute_capability() {
+    let on = |major, minor| {
+        let mut g = gpu(0);
+        g.compute_capability = (major, minor);
+        g.runs()
+    };
+    // Ampere has no FP8 tensor cores: FP8 checkpoints run, expanded.
+    assert!(on(8, 6).contains("FP8 weights expanded to bf16"), "{}", on(8, 6));
+    assert!(on(8, 0).ends_with("no FP8 attention"), "{}", on(8, 0));
+    // Ada and Hopper run FP8 weights on their tensor cores, and FP8 attention where this
+    // build has the kernel's machine code (a CUDA build; none in a CPU one).
+    for (capability, kernel) in [((8, 9), "mma.sync"), ((9, 0), "wgmma")] {
+        let runs = on(capability.0, capability.1);
+        assert!(runs.contains("FP8 weights on FP8 tensor cores"), "{runs}");
+        let attention = tpinfer_kernels::fp8_attention_kernel(capability).is_some();
+        assert_eq!(runs.contains(&format!("FP8 attention ({kernel})")), attention, "{runs}");
+    }
+}
+
+#[test]
 fn an_old_driver_is_a_mismatch_with_both_versions() {
     let mut inv = inventory(2, true);
     inv.driver_cuda = Some(12040);

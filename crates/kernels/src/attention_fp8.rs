@@ -23,25 +23,35 @@ pub fn flash_attention_fp8_supported(device: &Device, dtype: DType, head_dim: us
 }
 
 /// The FP8 attention kernels.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-enum Fp8Kernel {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8AttentionKernel {
     /// wgmma and TMA (`flash_attention_sm90_e4m3_d128`).
     Hopper,
     /// mma.sync m16n8k32 (`flash_attention_e4m3_d128`).
     MmaSync,
 }
 
-/// The kernel for `device`'s compute capability, where this build has its machine code: the
-/// mma.sync kernel's e4m3 products exist from sm_89 on, and the PTX other GPUs compile from
-/// (compute_80 by default) has none.
-fn kernel_for(device: &Device) -> Option<Fp8Kernel> {
+/// The FP8 attention kernel for a GPU of compute capability `capability`, where this build
+/// has its machine code: the mma.sync kernel's e4m3 products exist from sm_89 on, and the PTX
+/// other GPUs compile from (compute_80 by default) has none.
+pub fn fp8_attention_kernel(capability: (i32, i32)) -> Option<Fp8AttentionKernel> {
+    match capability {
+        (9, 0) if cfg!(tpinfer_sm90) => Some(Fp8AttentionKernel::Hopper),
+        (8, 9) if cfg!(tpinfer_sm89) => Some(Fp8AttentionKernel::MmaSync),
+        _ => None,
+    }
+}
+
+/// [`fp8_attention_kernel`] of `device`.
+fn kernel_for(device: &Device) -> Option<Fp8AttentionKernel> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device {
-        return match dev.cuda_stream().context().compute_capability() {
-            Ok((9, 0)) if cfg!(tpinfer_sm90) => Some(Fp8Kernel::Hopper),
-            Ok((8, 9)) if cfg!(tpinfer_sm89) => Some(Fp8Kernel::MmaSync),
-            _ => None,
-        };
+        return dev
+            .cuda_stream()
+            .context()
+            .compute_capability()
+            .ok()
+            .and_then(fp8_attention_kernel);
     }
     let _ = device;
     None
@@ -85,9 +95,9 @@ pub fn flash_attention_fp8(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Re
     }
     match kernel {
         #[cfg(tpinfer_sm90)]
-        Some(Fp8Kernel::Hopper) => cuda::launch_hopper(q, k, v, scale),
+        Some(Fp8AttentionKernel::Hopper) => cuda::launch_hopper(q, k, v, scale),
         #[cfg(feature = "cuda")]
-        Some(Fp8Kernel::MmaSync) => cuda::launch_mma(q, k, v, scale),
+        Some(Fp8AttentionKernel::MmaSync) => cuda::launch_mma(q, k, v, scale),
         _ => candle_core::bail!(
             "FP8 attention: this build has no kernel for {:?}",
             q.device().location()

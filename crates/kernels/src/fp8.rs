@@ -34,6 +34,12 @@ pub fn fp8_path(device: &Device, dtype: DType, n: usize, k: usize) -> Fp8Path {
     }
 }
 
+/// Whether a GPU of compute capability `capability` has FP8 tensor cores, which the FP8
+/// products run on (cuBLASLt's FP8 GEMM and the W8A16 GEMV): Ada (8.9) and newer.
+pub fn fp8_tensor_cores(capability: (i32, i32)) -> bool {
+    capability >= (8, 9)
+}
+
 /// Whether the FP8 kernels take a product of `n` rows and `k` columns in `dtype` on a GPU
 /// with FP8 tensor cores (the device apart from [`fp8_path`]; a plan asks it of a GPU it
 /// has not opened).
@@ -226,7 +232,7 @@ mod cuda {
         dev.cuda_stream()
             .context()
             .compute_capability()
-            .is_ok_and(|cap| cap >= (8, 9))
+            .is_ok_and(super::fp8_tensor_cores)
     }
 
     fn cublas_error(what: &str) -> impl Fn(result::CublasError) -> candle_core::Error + '_ {

@@ -42,6 +42,7 @@ mod sample;
 pub use argmax::argmax;
 pub use attention_fp8::{
     flash_attention_fp8, flash_attention_fp8_bytes, flash_attention_fp8_mma, flash_attention_fp8_supported,
+    fp8_attention_kernel, Fp8AttentionKernel,
 };
 pub use chain::chained;
 #[cfg(feature = "timeline")]
@@ -49,8 +50,10 @@ pub use chain::{trace_launches, trace_step, trace_to, TracedLaunch};
 pub use channel_norm::channel_rms_norm;
 pub use conv::{conv_filter, conv_frames_bias, conv_path, cudnn_version, cudnn_workspace_bound, ConvPath};
 pub use fp8::{
-    expand as expand_fp8, fp8_kernels_take, fp8_linear, fp8_linear_into, fp8_linear_of_silu_mul, fp8_path, Fp8Path,
+    expand as expand_fp8, fp8_kernels_take, fp8_linear, fp8_linear_into, fp8_linear_of_silu_mul, fp8_path,
+    fp8_tensor_cores, Fp8Path,
 };
+
 pub use frames::{cat_frames, packed_frames, upsample_nearest2x, write_frames};
 pub use gemv::{
     gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_gate_up_silu_on_cuda, gemv_into, gemv_on_cuda,
@@ -70,6 +73,10 @@ pub use rowwise::{
 pub use sample::{sample_rows, RowSampling};
 
 use candle_core::{DType, Device, Result, Tensor};
+
+/// The oldest GPUs the CUDA kernels run on: their tensor-core products, `ldmatrix` and
+/// `cp.async` need Ampere (compute capability 8.0) or newer.
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
 
 /// Whether the CUDA flash-attention kernel is compiled for `dtype` and `head_dim`: bf16 or
 /// f16, head size 64 or 128. Device-free, so that memory plans can ask it too.

@@ -98,13 +98,23 @@ impl Module {
             let module = context
                 .load_module(Ptx::from_binary(self.image.to_vec()))
                 .map_err(|e| {
-                    let gpu = match context.compute_capability() {
-                        Ok((major, minor)) => format!("compute capability {major}.{minor}"),
-                        Err(_) => "this GPU".into(),
+                    let capability = context.compute_capability().ok();
+                    let gpu = match capability {
+                        Some((major, minor)) => format!("compute capability {major}.{minor}"),
+                        None => "this GPU".into(),
+                    };
+                    let fix = match capability {
+                        Some(c) if c < crate::MIN_COMPUTE_CAPABILITY => {
+                            let (major, minor) = crate::MIN_COMPUTE_CAPABILITY;
+                            format!(
+                                "tpinfer's kernels need compute capability {major}.{minor} or newer (Ampere, Ada, \
+                                 Hopper); run on CPU ranks (--device cpu) or on a newer GPU"
+                            )
+                        }
+                        _ => "Rebuild with CUDA_COMPUTE_CAP set to this GPU's compute capability".into(),
                     };
                     candle_core::Error::Msg(format!(
-                        "loading tpinfer's {} kernels for {gpu}: {e}; this build holds {TARGETS}. Rebuild with \
-                     CUDA_COMPUTE_CAP set to this GPU's compute capability",
+                        "loading tpinfer's {} kernels for {gpu}: {e}; this build holds {TARGETS}. {fix}",
                         self.name
                     ))
                 })?;
