@@ -106,8 +106,8 @@ pub fn flash_attention_fp8(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Re
 }
 
 /// [`flash_attention_fp8`] through the mma.sync kernel, the one it runs on compute
-/// capability 8.9 (the RTX 4090), on any GPU of 8.9 or later: the same passes and operands.
-/// For `tpinfer-bench attention`, which sets it beside the Hopper kernel on an H100/H200.
+/// capability 8.9 (the RTX 4090), on 8.9 or 9.0: the same passes and operands. For
+/// `tpinfer-bench attention`, which sets it beside the Hopper kernel on an H100/H200.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
 pub fn flash_attention_fp8_mma(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     let (q_len, heads, d) = q.dims3()?;
@@ -276,7 +276,7 @@ mod cuda {
     }
 
     /// The mma.sync kernel (`flash_attention_e4m3_d128`) on a GPU of compute capability 8.9 or
-    /// later.
+    /// 9.0.
     pub(super) fn launch_mma(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
         /// Query rows per CTA (BLOCK_M_MMA in the kernel): four warps of 16.
         const QUERY_ROWS: usize = 64;
@@ -285,10 +285,14 @@ mod cuda {
         let candle_core::Device::Cuda(dev) = q.device() else {
             candle_core::bail!("FP8 attention: q is not on a CUDA device");
         };
+        // Its e4m3 products exist in the build's sm_89 and sm_90 machine code only: the PTX
+        // other GPUs compile from (compute_80 by default) traps there.
         let capability = dev.cuda_stream().context().compute_capability().w()?;
-        if capability < (8, 9) {
+        let machine_code = (capability == (8, 9) && cfg!(tpinfer_sm89)) || (capability == (9, 0) && cfg!(tpinfer_sm90));
+        if !machine_code {
             candle_core::bail!(
-                "FP8 attention needs FP8 tensor cores (compute capability 8.9 or later); this GPU has {}.{}",
+                "FP8 attention's mma.sync kernel runs on compute capability 8.9 and 9.0 in a build with their \
+                 machine code; this GPU has {}.{}",
                 capability.0,
                 capability.1
             );
