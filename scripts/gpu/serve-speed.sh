@@ -7,7 +7,8 @@
 # Results: $OUT/serve-speed.log (and the servers' own logs, $OUT/serve-*.log). First, a server
 # with --max-seqs 1 (one request at a time, the captured decode step) at concurrency 1,
 # greedy and at temperature 0.7 (SINGLE=0 skips it; SERVE_ARGS adds flags to every server,
-# such as --quantize fp8); MAX_SEQS=none skips continuous batching.
+# such as --quantize fp8); MAX_SEQS=none skips continuous batching; STEP_TOKENS="512 2048" runs it
+# once per --step-tokens budget.
 . "$(dirname "$0")/env.sh"
 TOK=${TOK:-.dist/llama3-tokenizer}
 LOG=$OUT/serve-speed.log
@@ -19,7 +20,7 @@ cat "$W"/m8b/*.safetensors > /dev/null
 serve() {
   log "tpinfer serve --max-seqs $1"
   RUST_LOG=${RUST_LOG:-info,tpinfer_engine::batching=debug} "$BIN/tpinfer" serve --model "$W/m8b" --served-model-name m8b --tp 1 --device cuda --port 8123 \
-    --max-seqs "$1" --max-context "${CONTEXT:-1024}" ${SERVE_ARGS:-} > "$OUT/serve-$1.log" 2>&1 &
+    --max-seqs "$1" --max-context "${CONTEXT:-1024}" ${SERVE_ARGS:-} ${STEP_ARGS:-} > "$OUT/serve-$1.log" 2>&1 &
   server=$!
   for _ in $(seq 300); do
     curl -sf localhost:8123/health > /dev/null && return 0
@@ -44,8 +45,13 @@ if [ "${SINGLE:-1}" = 1 ] && serve 1; then
   load 1 --temperature 0.7
   stop
 fi
-# Continuous batching.
-if [ "${MAX_SEQS:-}" != none ] && serve "${MAX_SEQS:-128}"; then
+# Continuous batching, once per new-token budget of STEP_TOKENS (e.g. "512 2048"; default:
+# the server's own), each server's batched steps summarised after its load.
+for st in ${STEP_TOKENS:-default}; do
+  [ "${MAX_SEQS:-}" != none ] || break
+  STEP_ARGS=$([ "$st" = default ] || echo "--step-tokens $st")
+  serve "${MAX_SEQS:-128}" || continue
+  log "step tokens: $st"
   load "${LEVELS:-1,8,32,64,128}"
   stop
   # Each batched step's times (the engine's debug events), by the sequences in it.
@@ -56,7 +62,7 @@ if [ "${MAX_SEQS:-}" != none ] && serve "${MAX_SEQS:-128}"; then
       b = b (s >= 128 ? 128 : s >= 64 ? 64 : s >= 32 ? 32 : s >= 8 ? 8 : 1) "+"
       n[b]++; f[b] += v["forward_ms"]; t[b] += v["step_ms"] }
     END { for (b in n) printf "%s\t%d\t%.2f\t%.2f\n", b, n[b], f[b] / n[b], t[b] / n[b] }' | sort | tee -a "$LOG"
-fi
+done
 [ "${BATCHES:-}" = none ] && { log done; exit 0; }
 log "transformers baseline"
 timeout 240 $PY "$SCRIPTS/reference/reference_serving.py" --model "$W/m8b" --batch "${BATCHES:-1,32,64}" 2>&1 \
