@@ -61,8 +61,8 @@ impl Engine {
             None => Tokenizer::from_hf_dir(&b.model)?,
         });
         let topology = Topology::new(b.tp, &b.device)?;
-        if topology.is_cpu() && model.holds_fp8() {
-            tracing::warn!("{}", crate::FP8_ON_CPU);
+        if let Some(note) = crate::fp8_expanded_note(&topology).filter(|_| model.holds_fp8()) {
+            tracing::warn!("{note}");
         }
         // A fault that can never strike would let a failure test pass without a failure.
         if let Some((rank, _)) = b.fault.map(|f| f.place()).filter(|&(rank, _)| rank >= b.tp) {

@@ -54,8 +54,43 @@ pub use tpinfer_wan::{SelfAttention, S2V_MOTION_FRAMES};
 pub use tpinfer_weights::{LoraAdapter, WeightFormat};
 pub use video::{S2vInputs, StageProfile, StepReport, VideoEngine, VideoRequest, VideoShape};
 
-/// What a run with FP8 weights on CPU ranks is told: the weights are expanded to the compute
-/// dtype for each product (as on GPUs before compute capability 8.9), which saves memory, not
-/// time.
-const FP8_ON_CPU: &str = "FP8 weights on CPU ranks are expanded to the compute dtype for each product: \
-    this saves memory, not time (FP8 products run on GPUs of compute capability 8.9 or later)";
+/// What a run with FP8 weights is told where ranks expand them to the compute dtype for each
+/// product (CPU ranks, GPUs before compute capability 8.9): that saves memory, not time.
+/// `None` where every rank has FP8 tensor cores.
+fn fp8_expanded_note(topology: &tpinfer_runtime::Topology) -> Option<String> {
+    let mut places: Vec<String> = Vec::new();
+    for device in topology.devices() {
+        if tpinfer_layers::fp8_tensor_cores_on(device) {
+            continue;
+        }
+        let place = match device.location() {
+            candle_core::DeviceLocation::Cuda { gpu_id } => format!("GPU {gpu_id}"),
+            _ => "CPU ranks".into(),
+        };
+        if !places.contains(&place) {
+            places.push(place);
+        }
+    }
+    (!places.is_empty()).then(|| {
+        format!(
+            "FP8 weights on {} are expanded to the compute dtype for each product: this saves memory, not \
+             time (FP8 products run on GPUs of compute capability 8.9 or later)",
+            places.join(", ")
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use tpinfer_runtime::{DeviceKind, Topology};
+
+    #[test]
+    fn fp8_weights_on_cpu_ranks_are_told_they_save_memory_not_time() -> Result<(), tpinfer_runtime::RuntimeError> {
+        let note = super::fp8_expanded_note(&Topology::new(3, &DeviceKind::Cpu)?);
+        let note = note.unwrap_or_default();
+        assert!(note.starts_with("FP8 weights on CPU ranks are expanded"), "{note}");
+        assert!(note.contains("saves memory, not time"), "{note}");
+        assert_eq!(note.matches("CPU ranks").count(), 1, "each place once: {note}");
+        Ok(())
+    }
+}

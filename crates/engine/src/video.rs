@@ -244,8 +244,10 @@ impl VideoEngine {
             )));
         }
         let topology = Topology::new(b.tp, &b.device)?;
-        if topology.is_cpu() && b.weight_format == tpinfer_weights::WeightFormat::Fp8 {
-            tracing::warn!("{}", crate::FP8_ON_CPU);
+        if let Some(note) =
+            crate::fp8_expanded_note(&topology).filter(|_| b.weight_format == tpinfer_weights::WeightFormat::Fp8)
+        {
+            tracing::warn!("{note}");
         }
         let dtype = b.dtype.unwrap_or(match topology.is_cpu() {
             true => DType::F32,

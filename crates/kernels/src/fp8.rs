@@ -22,15 +22,19 @@ pub enum Fp8Path {
 /// kernels on CUDA from compute capability 8.9, in f32, bf16 or f16, with `k` and `n`
 /// multiples of 16 (cuBLASLt's FP8 GEMM needs 16-byte aligned rows of every operand).
 pub fn fp8_path(device: &Device, dtype: DType, n: usize, k: usize) -> Fp8Path {
-    let shapes = fp8_kernels_take(dtype, n, k);
-    let tensor_cores = match device {
+    match fp8_kernels_take(dtype, n, k) && fp8_tensor_cores_on(device) {
+        true => Fp8Path::Fp8Kernels,
+        false => Fp8Path::Expanded,
+    }
+}
+
+/// Whether `device` is a GPU with FP8 tensor cores ([`fp8_tensor_cores`]); elsewhere (CPU
+/// ranks, older GPUs) FP8 weights are expanded for each product, which saves memory, not time.
+pub fn fp8_tensor_cores_on(device: &Device) -> bool {
+    match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(dev) => cuda::has_fp8_tensor_cores(dev),
         _ => false,
-    };
-    match shapes && tensor_cores {
-        true => Fp8Path::Fp8Kernels,
-        false => Fp8Path::Expanded,
     }
 }
 

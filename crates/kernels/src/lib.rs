@@ -51,7 +51,7 @@ pub use channel_norm::channel_rms_norm;
 pub use conv::{conv_filter, conv_frames_bias, conv_path, cudnn_version, cudnn_workspace_bound, ConvPath};
 pub use fp8::{
     expand as expand_fp8, fp8_kernels_take, fp8_linear, fp8_linear_into, fp8_linear_of_silu_mul, fp8_path,
-    fp8_tensor_cores, Fp8Path,
+    fp8_tensor_cores, fp8_tensor_cores_on, Fp8Path,
 };
 
 pub use frames::{cat_frames, packed_frames, upsample_nearest2x, write_frames};

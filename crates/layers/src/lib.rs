@@ -30,7 +30,7 @@ pub use paged_kv::{BlockTable, PagedKvCache};
 pub use partition::{split_aligned, split_blocks, split_evenly, HeadShard};
 pub use position::Position;
 pub use rope::{Rope, RopeScaling};
-pub use tpinfer_kernels::{sample_rows, DecodeRows, QueryGroups, RowSampling, RowsAt};
+pub use tpinfer_kernels::{fp8_tensor_cores_on, sample_rows, DecodeRows, QueryGroups, RowSampling, RowsAt};
 
 pub use candle_nn::ops::rms_norm;
 #[cfg(feature = "cuda")]
