@@ -285,11 +285,11 @@ mod cuda {
         let candle_core::Device::Cuda(dev) = q.device() else {
             candle_core::bail!("FP8 attention: q is not on a CUDA device");
         };
-        // Its e4m3 products exist in the build's sm_89 and sm_90 machine code only: the PTX
-        // other GPUs compile from (compute_80 by default) traps there.
+        // Its e4m3 products exist in the build's sm_89 and sm_90 machine code only, the GPUs
+        // that have an FP8 attention kernel: the PTX others compile from (compute_80 by
+        // default) traps there.
         let capability = dev.cuda_stream().context().compute_capability().w()?;
-        let machine_code = (capability == (8, 9) && cfg!(tpinfer_sm89)) || (capability == (9, 0) && cfg!(tpinfer_sm90));
-        if !machine_code {
+        if super::fp8_attention_kernel(capability).is_none() {
             candle_core::bail!(
                 "FP8 attention's mma.sync kernel runs on compute capability 8.9 and 9.0 in a build with their \
                  machine code; this GPU has {}.{}",
