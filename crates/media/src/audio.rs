@@ -18,6 +18,10 @@ use symphonia::core::probe::Hint;
 /// cannot fill memory before anything is checked.
 pub const MAX_AUDIO_SECONDS: u64 = 3600;
 
+/// The sample rates tpinfer decodes: telephone speech to the fastest studio rates. A header
+/// past them is corrupt, and would size the resampler's FFT from a bogus rate.
+pub const AUDIO_RATES: std::ops::RangeInclusive<u32> = 1_000..=768_000;
+
 /// Why an audio file could not be read. Every message names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum AudioError {
@@ -33,6 +37,13 @@ pub enum AudioError {
     NoTrack { path: String },
     #[error("{path}: the audio track does not say its sample rate")]
     NoSampleRate { path: String },
+    #[error(
+        "{path} says its sample rate is {rate} Hz; tpinfer reads {} to {} Hz, so the file is \
+         corrupt or not speech",
+        AUDIO_RATES.start(),
+        AUDIO_RATES.end()
+    )]
+    SampleRate { path: String, rate: u32 },
     #[error("{path} is corrupt: {detail}")]
     Corrupt { path: String, detail: String },
     #[error("{path} holds no samples: it is silent for zero seconds")]
@@ -102,6 +113,9 @@ pub fn decode_mono(path: &Path) -> Result<Speech, AudioError> {
         .sample_rate
         .filter(|&r| r > 0)
         .ok_or_else(|| AudioError::NoSampleRate { path: name() })?;
+    if !AUDIO_RATES.contains(&rate) {
+        return Err(AudioError::SampleRate { path: name(), rate });
+    }
     let limit = MAX_AUDIO_SECONDS * rate as u64;
     if params.n_frames.is_some_and(|n| n > limit) {
         return Err(AudioError::TooLong { path: name() });
@@ -160,6 +174,13 @@ pub fn decode_mono(path: &Path) -> Result<Speech, AudioError> {
 pub fn resample(samples: &[f32], from: u32, to: u32) -> Result<Vec<f32>, String> {
     if from == to {
         return Ok(samples.to_vec());
+    }
+    if let Some(rate) = [from, to].into_iter().find(|r| !AUDIO_RATES.contains(r)) {
+        return Err(format!(
+            "{rate} Hz is not a rate tpinfer resamples ({} to {} Hz)",
+            AUDIO_RATES.start(),
+            AUDIO_RATES.end()
+        ));
     }
     let target = (samples.len() as u64 * to as u64).div_ceil(from as u64) as usize;
     // The FFT resampler's filter is centred on input sample ⌊n/2⌋ of its n-sample chunk, and

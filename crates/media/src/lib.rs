@@ -26,7 +26,7 @@ use openh264::encoder::{Encoder, EncoderConfig, FrameRate, FrameType, RateContro
 use openh264::formats::{RgbSliceU8, YUVBuffer};
 use openh264::OpenH264API;
 
-pub use audio::{decode_mono, read_speech, resample, AudioError, Speech, MAX_AUDIO_SECONDS};
+pub use audio::{decode_mono, read_speech, resample, AudioError, Speech, AUDIO_RATES, MAX_AUDIO_SECONDS};
 pub use picture::{image_size, pose_pixels, read_reference_image, s2v_frame_size, ImageError};
 pub use video_in::{read_video_frames, VideoFrames, VideoReadError};
 

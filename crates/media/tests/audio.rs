@@ -183,3 +183,32 @@ fn what_is_not_speech_is_refused_by_name() {
         Ok(speech) => assert!(speech.seconds() < 0.5),
     }
 }
+
+/// A header whose sample rate is corrupt (here 2,365,603,456 Hz, one flipped byte of a 16 kHz
+/// WAV) is refused from the header: before, it sized the resampler's FFT from that rate, and
+/// the read took minutes and gigabytes.
+#[test]
+fn an_absurd_sample_rate_is_refused_from_the_header() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let samples: Vec<Vec<f32>> = tone(0.5, 300.0, 16_000, 1_600).into_iter().map(|s| vec![s]).collect();
+    let mut bytes = wav(1, 16_000, false, &samples);
+    // The fmt chunk's rate is bytes 24..28.
+    assert_eq!(&bytes[24..28], &16_000u32.to_le_bytes());
+    bytes[27] = 0x8d;
+    let path = dir.path().join("rate.wav");
+    std::fs::write(&path, &bytes).expect("write");
+    let started = std::time::Instant::now();
+    let err = read_speech(&path, 16_000).expect_err("absurd rate");
+    assert!(
+        matches!(
+            err,
+            AudioError::SampleRate {
+                rate: 2_365_603_456,
+                ..
+            }
+        ) && err.to_string().contains("rate.wav"),
+        "{err}"
+    );
+    assert!(started.elapsed().as_secs() < 5, "refused from the header");
+    assert!(tpinfer_media::resample(&[0.0; 8], 2_365_603_456, 16_000).is_err());
+}
