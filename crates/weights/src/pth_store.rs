@@ -37,7 +37,12 @@ impl PthStore {
         };
         // The reader opens the file itself; a missing file is named as such.
         File::open(path).map_err(io)?;
-        let infos = candle_core::pickle::read_pth_tensor_info(path, false, None).map_err(|e| bad(e.to_string()))?;
+        // candle's reader indexes what a malformed pickle leaves it without checking (a
+        // tuple too short for torch's rebuild call panics); such a file is refused like any
+        // other it cannot read. It holds no state past the call: unwinding out of it is safe.
+        let infos = std::panic::catch_unwind(|| candle_core::pickle::read_pth_tensor_info(path, false, None))
+            .map_err(|_| bad("its pickled state dict is malformed; save it again with torch.save".into()))?
+            .map_err(|e| bad(e.to_string()))?;
         if infos.is_empty() {
             return Err(bad(
                 "it holds no tensors: tpinfer reads a state dict saved with torch.save".into(),
