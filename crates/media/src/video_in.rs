@@ -1,6 +1,7 @@
 //! H.264 video in MP4 read back to frames (OpenH264's decoder on the track's samples): S2V's
 //! pose videos, sampled at the video's rate as S2V's `read_last_n_frames` samples them.
 
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use crate::FrameSize;
@@ -35,21 +36,26 @@ pub fn read_video_frames(path: &Path, fps: usize, count: usize) -> Result<VideoF
         path: path.to_path_buf(),
         detail,
     };
-    let file = std::fs::File::open(path).map_err(|e| read(e.to_string()))?;
-    let size = file.metadata().map_err(|e| read(e.to_string()))?.len();
-    let mut reader =
-        mp4::Mp4Reader::read_header(std::io::BufReader::new(file), size).map_err(|e| read(e.to_string()))?;
-    let (id, track) = reader
-        .tracks()
+    let mut file = std::fs::File::open(path).map_err(|e| read(e.to_string()))?;
+    let file_len = file.metadata().map_err(|e| read(e.to_string()))?.len();
+    let context = mp4parse::read_mp4(&mut std::io::BufReader::new(&mut file)).map_err(|e| read(e.to_string()))?;
+    let (track, entry, config) = context
+        .tracks
         .iter()
-        .find(|(_, t)| t.media_type().is_ok_and(|m| m == mp4::MediaType::H264))
-        .map(|(&id, t)| (id, t))
+        .filter(|t| t.track_type == mp4parse::TrackType::Video)
+        .find_map(|t| match t.stsd.as_ref()?.descriptions.first()? {
+            mp4parse::SampleEntry::Video(v) if v.codec_type == mp4parse::CodecType::H264 => match &v.codec_specific {
+                mp4parse::VideoCodecSpecific::AVCConfig(config) => Some((t, v, config)),
+                _ => None,
+            },
+            _ => None,
+        })
         .ok_or_else(|| VideoReadError::NoVideo {
             path: path.to_path_buf(),
         })?;
     let frame = FrameSize {
-        width: track.width() as usize,
-        height: track.height() as usize,
+        width: entry.width as usize,
+        height: entry.height as usize,
     };
     if frame.width == 0 || frame.height == 0 || frame.width > MAX_SIDE || frame.height > MAX_SIDE {
         return Err(read(format!(
@@ -57,17 +63,17 @@ pub fn read_video_frames(path: &Path, fps: usize, count: usize) -> Result<VideoF
             frame.width, frame.height
         )));
     }
-    let samples = track.sample_count();
-    let rate = track.frame_rate();
-    let every = match rate.is_finite() && rate > 0.0 {
-        true => ((rate / fps.max(1) as f64).round() as usize).max(1),
-        false => 1,
+    let config = AvcConfig::parse(config).map_err(|detail| read(format!("its avcC box: {detail}")))?;
+    let samples = mp4parse::unstable::create_sample_table(track, 0.into())
+        .ok_or_else(|| read("its video track's sample table is incomplete".into()))?;
+    let every = match frame_rate(track, samples.len()) {
+        rate if rate > 0.0 => ((rate / fps.max(1) as f64).round() as usize).max(1),
+        _ => 1,
     };
     // Annex B: the parameter sets, then each sample's length-prefixed units with start codes.
     let start = [0u8, 0, 0, 1];
     let mut stream = Vec::new();
-    for set in [track.sequence_parameter_set(), track.picture_parameter_set()] {
-        let set = set.map_err(|e| read(e.to_string()))?;
+    for set in &config.parameter_sets {
         stream.extend(start.iter().chain(set));
     }
     let decode = |detail: String| VideoReadError::Decode {
@@ -76,46 +82,113 @@ pub fn read_video_frames(path: &Path, fps: usize, count: usize) -> Result<VideoF
     };
     // No flush after each sample: a stream with B-frames (libx264's default) holds pictures
     // back to put them in display order, and a forced flush broke their references.
-    let config = openh264::decoder::DecoderConfig::new().flush_after_decode(openh264::decoder::Flush::NoFlush);
-    let mut decoder = openh264::decoder::Decoder::with_api_config(openh264::OpenH264API::from_source(), config)
+    let decoder_config = openh264::decoder::DecoderConfig::new().flush_after_decode(openh264::decoder::Flush::NoFlush);
+    let mut decoder = openh264::decoder::Decoder::with_api_config(openh264::OpenH264API::from_source(), decoder_config)
         .map_err(|e| decode(e.to_string()))?;
     let mut kept = Kept {
         frames: Vec::new(),
         decoded: 0,
         every,
         count,
-        size: frame,
+        size: None,
     };
-    for sample_id in 1..=samples {
+    let mut sample = Vec::new();
+    for (i, indice) in samples.iter().enumerate() {
         if kept.frames.len() >= count {
             break;
         }
-        let sample = reader
-            .read_sample(id, sample_id)
-            .map_err(|e| read(e.to_string()))?
-            .ok_or_else(|| read(format!("sample {sample_id} of {samples} is missing")))?;
-        let mut units = &sample.bytes[..];
-        while units.len() >= 4 {
-            let n = u32::from_be_bytes([units[0], units[1], units[2], units[3]]) as usize;
+        let (begin, end) = (indice.start_offset.0, indice.end_offset.0);
+        if begin > end || end > file_len {
+            return Err(read(format!(
+                "sample {i} of {} lies at bytes {begin}..{end}, past the file's {file_len}",
+                samples.len()
+            )));
+        }
+        sample.resize((end - begin) as usize, 0);
+        file.seek(SeekFrom::Start(begin))
+            .and_then(|_| file.read_exact(&mut sample))
+            .map_err(|e| read(format!("sample {i}: {e}")))?;
+        let mut units = &sample[..];
+        while !units.is_empty() {
+            let n = config
+                .unit_length(units)
+                .ok_or_else(|| read(format!("sample {i} has a unit past its end")))?;
             let unit = units
-                .get(4..4 + n)
-                .ok_or_else(|| read(format!("sample {sample_id} has a unit past its end")))?;
+                .get(config.length_size..config.length_size + n)
+                .ok_or_else(|| read(format!("sample {i} has a unit past its end")))?;
             stream.extend(start.iter().chain(unit));
-            units = &units[4 + n..];
+            units = &units[config.length_size + n..];
         }
         if let Some(yuv) = decoder.decode(&stream).map_err(|e| decode(e.to_string()))? {
-            kept.push(&yuv);
+            kept.push(&yuv).map_err(decode)?;
         }
         stream.clear();
     }
     // The pictures still held for reordering, in display order.
     for yuv in decoder.flush_remaining().map_err(|e| decode(e.to_string()))? {
-        kept.push(&yuv);
+        kept.push(&yuv).map_err(decode)?;
     }
     Ok(VideoFrames {
-        size: frame,
+        size: kept.size.unwrap_or(frame),
         frames: kept.frames,
     })
+}
+
+/// Frames a second of the track as S2V's reader took it when it was written (the mp4 crate's
+/// `frame_rate`): its samples over its duration in whole milliseconds, truncated to a whole
+/// rate. 0 where the duration is unknown or zero.
+fn frame_rate(track: &mp4parse::Track, samples: usize) -> f64 {
+    let (Some(duration), Some(timescale)) = (&track.duration, &track.timescale) else {
+        return 0.0;
+    };
+    let millis = match timescale.0 {
+        0 => None,
+        scale => duration.0.checked_mul(1_000_000).map(|us| us / scale / 1000),
+    };
+    match millis {
+        Some(ms) if ms > 0 => (samples as u64).saturating_mul(1000).checked_div(ms).unwrap_or(0) as f64,
+        _ => 0.0,
+    }
+}
+
+/// An avcC box (ISO 14496-15): the parameter sets and the size of each unit's length prefix.
+struct AvcConfig {
+    parameter_sets: Vec<Vec<u8>>,
+    length_size: usize,
+}
+
+impl AvcConfig {
+    fn parse(bytes: &[u8]) -> Result<Self, String> {
+        let short = || "it ends early".to_string();
+        let header = bytes.get(..6).ok_or_else(short)?;
+        let length_size = (header[4] & 3) as usize + 1;
+        if length_size == 3 {
+            return Err("it declares 3-byte unit lengths, which H.264 does not have".into());
+        }
+        let mut at = 5;
+        let mut parameter_sets = Vec::new();
+        // Sequence parameter sets (a 5-bit count), then picture parameter sets (8 bits).
+        for mask in [0x1f, 0xff] {
+            let n = (*bytes.get(at).ok_or_else(short)? & mask) as usize;
+            at += 1;
+            for _ in 0..n {
+                let len = bytes.get(at..at + 2).ok_or_else(short)?;
+                let len = u16::from_be_bytes([len[0], len[1]]) as usize;
+                parameter_sets.push(bytes.get(at + 2..at + 2 + len).ok_or_else(short)?.to_vec());
+                at += 2 + len;
+            }
+        }
+        Ok(Self {
+            parameter_sets,
+            length_size,
+        })
+    }
+
+    /// The length of the unit that `units` begins with, from its big-endian prefix.
+    fn unit_length(&self, units: &[u8]) -> Option<usize> {
+        let prefix = units.get(..self.length_size)?;
+        Some(prefix.iter().fold(0usize, |n, &b| n << 8 | b as usize))
+    }
 }
 
 /// The frames kept of those decoded, in display order: every `every`-th, up to `count`.
@@ -124,17 +197,30 @@ struct Kept {
     decoded: usize,
     every: usize,
     count: usize,
-    size: FrameSize,
+    /// The pictures' size, from the first: the stream's own, which the track header's need
+    /// not be (it gives the display size, which differs for non-square pixels).
+    size: Option<FrameSize>,
 }
 
 impl Kept {
-    /// Every picture decodes (the next ones refer to it); every `every`-th is kept.
-    fn push(&mut self, yuv: &openh264::decoder::DecodedYUV) {
+    /// Every picture decodes (the next ones refer to it); every `every`-th is kept. A stream
+    /// whose pictures change size is refused.
+    fn push(&mut self, yuv: &openh264::decoder::DecodedYUV) -> Result<(), String> {
+        use openh264::formats::YUVSource;
+        let (width, height) = yuv.dimensions();
+        let size = *self.size.get_or_insert(FrameSize { width, height });
+        if size != (FrameSize { width, height }) {
+            return Err(format!(
+                "picture {} is {width}x{height} where the first was {}x{}; give a video of one frame size",
+                self.decoded, size.width, size.height
+            ));
+        }
         if self.decoded.is_multiple_of(self.every) && self.frames.len() < self.count {
-            let mut rgb = vec![0; self.size.width * self.size.height * 3];
+            let mut rgb = vec![0; width * height * 3];
             yuv.write_rgb8(&mut rgb);
             self.frames.push(rgb);
         }
         self.decoded += 1;
+        Ok(())
     }
 }

@@ -85,3 +85,56 @@ fn what_is_not_a_video_is_refused_by_name() {
     let err = read_video_frames(&dir.path().join("absent.mp4"), 16, 8).expect_err("missing");
     assert!(err.to_string().contains("absent.mp4"), "{err}");
 }
+
+/// The track header's size is the display size; the pictures are the stream's own. A header
+/// that says 80 wide over a 64-wide stream (as non-square pixels do) reads at the stream's
+/// size: before, the frame buffer was sized from the header and the decoder's copy panicked.
+#[test]
+fn the_pictures_size_is_the_streams_not_the_headers() {
+    let size = FrameSize { width: 64, height: 48 };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("wide.mp4");
+    let mut video = Mp4Writer::new(std::io::Cursor::new(Vec::new()), size, 16).expect("writer");
+    for t in 0..4 {
+        video.push(&frame(size, t)).expect("frame");
+    }
+    let mut bytes = video.finish().expect("finish").into_inner();
+    // The avc1 sample entry (in stsd; ftyp names avc1 as a brand first): its fourcc, 6
+    // reserved bytes, the data reference index, 16 bytes pre-defined, then width and height
+    // (u16, big-endian).
+    let stsd = bytes.windows(4).position(|w| w == b"stsd").expect("stsd");
+    let at = stsd + bytes[stsd..].windows(4).position(|w| w == b"avc1").expect("avc1") + 4 + 6 + 2 + 16;
+    assert_eq!(&bytes[at..at + 4], &[0, 64, 0, 48]);
+    bytes[at + 1] = 80;
+    std::fs::write(&path, &bytes).expect("write");
+    let read = read_video_frames(&path, 16, 8).expect("read");
+    assert_eq!(read.size, size, "the stream's size");
+    assert_eq!(read.frames.len(), 4);
+    assert!(read.frames.iter().all(|f| f.len() == 64 * 48 * 3));
+    assert_eq!(square_at(size, &read.frames[3]), 2 + 2 * 3);
+}
+
+/// A box of size 0 inside the track (here the video media header, renamed to a type no reader
+/// knows) is an error, not a loop: the mp4 crate's reader seeked back to its start forever.
+#[test]
+fn a_box_of_size_zero_is_refused_not_looped_over() {
+    let size = FrameSize { width: 64, height: 48 };
+    let mut video = Mp4Writer::new(std::io::Cursor::new(Vec::new()), size, 16).expect("writer");
+    for t in 0..4 {
+        video.push(&frame(size, t)).expect("frame");
+    }
+    let mut bytes = video.finish().expect("finish").into_inner();
+    let vmhd = bytes.windows(4).position(|w| w == b"vmhd").expect("vmhd") - 4;
+    bytes[vmhd..vmhd + 8].copy_from_slice(b"\0\0\0\0zzzz");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("zero.mp4");
+    std::fs::write(&path, &bytes).expect("write");
+    let (done, finished) = std::sync::mpsc::channel();
+    let reader = path.clone();
+    std::thread::spawn(move || done.send(read_video_frames(&reader, 16, 8).map(|v| v.frames.len())));
+    let result = finished
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("the read ends");
+    let err = result.expect_err("a box of size 0 in a track");
+    assert!(err.to_string().contains("zero.mp4"), "{err}");
+}
