@@ -137,6 +137,17 @@ fn files_that_are_not_such_checkpoints_are_refused_by_name() {
         .expect("missing")
         .to_string();
     assert!(err.contains("absent.pth"), "{err}");
+    // A pickle that calls torch's tensor rebuild with no arguments, which candle's reader
+    // indexes unchecked (a panic before).
+    let short = dir.path().join("short.pth");
+    let pickle = b"\x80\x02}X\x01\x00\x00\x00wctorch._utils\n_rebuild_tensor_v2\n)Rs.".to_vec();
+    let mut archive = zip::ZipWriter::new(std::fs::File::create(&short).expect("create"));
+    let stored = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    archive.start_file("archive/data.pkl", stored).expect("entry");
+    std::io::Write::write_all(&mut archive, &pickle).expect("pickle");
+    archive.finish().expect("finish");
+    let err = PthStore::open(&short).err().expect("short rebuild").to_string();
+    assert!(err.contains("short.pth") && err.contains("malformed"), "{err}");
     // One model's file given as the other's.
     let err = Umt5Model::open_original(&fixture("vae.pth"))
         .err()
