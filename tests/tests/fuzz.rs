@@ -1,6 +1,6 @@
 //! Property-based fuzzing (proptest, on stable) of what tpinfer reads from files and flags:
-//! safetensors headers, GGUF files, the config parsers of every family, and the plan's
-//! arithmetic. Every case must end in `Ok` or a typed error: no panic, no hang, no wrapped
+//! safetensors headers, GGUF files, `.pth` state dicts, speech-to-video's speech, reference
+//! images and pose videos, the config parsers of every family, and the plan's arithmetic. Every case must end in `Ok` or a typed error: no panic, no hang, no wrapped
 //! product reported as a fit.
 //!
 //! CI runs each target for proptest's default case count; a longer run sets `PROPTEST_CASES`
@@ -229,6 +229,22 @@ fn lora_bytes() -> (Vec<u8>, usize) {
     (bytes, head)
 }
 
+/// A fixture's bytes, from the repository.
+fn fixture(path: &str) -> Vec<u8> {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    std::fs::read(format!("{root}/{path}")).expect("fixture")
+}
+
+/// Speech-to-video's inputs: each fixture, and the name (its extension) it is read under.
+const MEDIA: [(&str, &str); 6] = [
+    ("tests/fixtures/s2v-pipeline/inputs/speech.wav", "speech.wav"),
+    ("crates/media/tests/data/tone-stereo-22050.flac", "speech.flac"),
+    ("crates/media/tests/data/tone-mono-44100.mp3", "speech.mp3"),
+    ("crates/media/tests/data/s2v-image/face.png", "face.png"),
+    ("crates/media/tests/data/s2v-image/face.jpg", "face.jpg"),
+    ("tests/fixtures/s2v-pipeline/inputs/pose.mp4", "pose.mp4"),
+];
+
 proptest! {
     /// Every tensor of a mutated safetensors file opens and reads to a value or an error.
     #[test]
@@ -300,6 +316,51 @@ proptest! {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = write_temp(&dir, "adapter.safetensors", &bytes);
         let _ = tpinfer_weights::LoraAdapter::open(&path, Some(1.0));
+    }
+
+    /// Mutated speech, reference images and pose videos, in their headers (the first 512
+    /// bytes) or anywhere, read to a value or a typed error.
+    #[test]
+    fn s2v_media(which in 0..MEDIA.len(), whole in any::<bool>(), mutations in mutations()) {
+        let (source, name) = MEDIA[which];
+        let clean = fixture(source);
+        let head = if whole { clean.len() } else { 512 };
+        let bytes = mutate(clean, head, &mutations);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = write_temp(&dir, name, &bytes);
+        match name.rsplit('.').next() {
+            Some("wav" | "flac" | "mp3") => {
+                let _ = tpinfer_media::read_speech(&path, 16_000);
+            }
+            Some("png" | "jpg") => {
+                if let Ok((h, w)) = tpinfer_media::image_size(&path) {
+                    let (fh, fw) = tpinfer_media::s2v_frame_size(h, w, 832 * 480);
+                    let _ = tpinfer_media::read_reference_image(&path, fh, fw);
+                }
+            }
+            _ => {
+                if let Ok(video) = tpinfer_media::read_video_frames(&path, 16, 8) {
+                    let _ = tpinfer_media::pose_pixels(&video, 64, 64, 8);
+                }
+            }
+        }
+    }
+
+    /// A mutated `.pth` state dict (the pickle is in its first 4 KiB) opens and reads to
+    /// tensors or a typed error.
+    #[test]
+    fn pth_files(mutations in mutations(), whole in any::<bool>()) {
+        let clean = fixture("tests/fixtures/original-layout/t5_bf16.pth");
+        let head = if whole { clean.len() } else { 4096 };
+        let bytes = mutate(clean, head, &mutations);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = write_temp(&dir, "t5.pth", &bytes);
+        if let Ok(store) = tpinfer_weights::PthStore::open(&path) {
+            for name in store.names() {
+                let _ = store.read(&name, &ShardSpec::Replicated);
+                let _ = store.read(&name, &ShardSpec::Range { dim: 0, start: 1, len: 1 });
+            }
+        }
     }
 
     /// Any width, batch, context, frames and size on any preset plans, or is refused; a plan
