@@ -245,6 +245,19 @@ const MEDIA: [(&str, &str); 6] = [
     ("tests/fixtures/s2v-pipeline/inputs/pose.mp4", "pose.mp4"),
 ];
 
+/// The fields of a tokenizer.json, and of its Unigram model, that the tokenizer fuzz replaces.
+const TOKENIZER_FIELDS: [&str; 8] = [
+    "added_tokens",
+    "normalizer",
+    "pre_tokenizer",
+    "post_processor",
+    "decoder",
+    "model",
+    "truncation",
+    "padding",
+];
+const UNIGRAM_FIELDS: [&str; 4] = ["type", "unk_id", "vocab", "byte_fallback"];
+
 proptest! {
     /// Every tensor of a mutated safetensors file opens and reads to a value or an error.
     #[test]
@@ -360,6 +373,39 @@ proptest! {
                 let _ = store.read(&name, &ShardSpec::Replicated);
                 let _ = store.read(&name, &ShardSpec::Range { dim: 0, start: 1, len: 1 });
             }
+        }
+    }
+
+    /// A tokenizer.json (the tiny umT5 Unigram one) with fields of its own, of its model and
+    /// one vocabulary entry replaced by any JSON loads, encodes and decodes, or is refused.
+    #[test]
+    fn tokenizer_files(
+        top in prop::collection::vec((prop::sample::select(TOKENIZER_FIELDS.to_vec()), json()), 0..2),
+        model in prop::collection::vec((prop::sample::select(UNIGRAM_FIELDS.to_vec()), json()), 0..3),
+        entry in (any::<Index>(), json()),
+    ) {
+        let path = "tests/fixtures/s2v-pipeline/model/google/umt5-xxl/tokenizer.json";
+        let mut v: serde_json::Value = serde_json::from_slice(&fixture(path)).expect("json");
+        for (key, value) in top {
+            v[key] = value;
+        }
+        if let Some(fields) = v.get_mut("model").and_then(|m| m.as_object_mut()) {
+            for (key, value) in model {
+                fields.insert(key.into(), value);
+            }
+        }
+        let vocab = v.pointer_mut("/model/vocab").and_then(|m| m.as_array_mut());
+        if let Some(vocab) = vocab.filter(|v| !v.is_empty()) {
+            let at = entry.0.index(vocab.len());
+            vocab[at] = entry.1;
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        write_temp(&dir, "tokenizer.json", v.to_string().as_bytes());
+        if let Ok(t) = tpinfer_tokenizer::Tokenizer::from_hf_dir(dir.path()) {
+            if let Ok(ids) = t.encode("a cab  zz \u{2581}q", true) {
+                let _ = t.decode(&ids);
+            }
+            let _ = t.decode(&[0, 1, 2, 3, 57, 58, 1_000_000]);
         }
     }
 
