@@ -134,9 +134,9 @@ pub fn read_video_frames(path: &Path, fps: usize, count: usize) -> Result<VideoF
     })
 }
 
-/// Frames a second of the track as S2V's reader took it when it was written (the mp4 crate's
-/// `frame_rate`): its samples over its duration in whole milliseconds, truncated to a whole
-/// rate. 0 where the duration is unknown or zero.
+/// Frames a second of the track: its samples over its duration in whole milliseconds,
+/// truncated to a whole rate, as the mp4 crate's reader gave it when pose videos were checked
+/// against the wheel's (within 1/255). 0 where the duration is unknown or zero.
 fn frame_rate(track: &mp4parse::Track, samples: usize) -> f64 {
     let (Some(duration), Some(timescale)) = (&track.duration, &track.timescale) else {
         return 0.0;
