@@ -139,9 +139,27 @@ fn a_pose_video_guides_the_clips_as_the_wan22_loop() {
     assert!(rel < 1e-5, "TP 2 against TP 1 with a pose: {rel:e}");
 }
 
+/// A pose video shorter than the speech holds only its own frames: the engine pads the rest
+/// with −1, as S2V pads such a video. Twelve frames (clip 0 partly padded, clip 1 wholly)
+/// give the frames of the same twelve padded ahead to both clips.
+#[test]
+fn a_short_pose_video_is_padded_by_the_engine() {
+    let frames =
+        tpinfer_media::read_video_frames(&fixture().join("inputs/pose.mp4"), 16, 12).expect("read the pose video");
+    assert_eq!(frames.frames.len(), 12);
+    let pose = |total: usize| {
+        let pixels = tpinfer_media::pose_pixels(&frames, SIZE, SIZE, total);
+        Tensor::from_vec(pixels, (3, total, SIZE, SIZE), &Device::Cpu).expect("pose")
+    };
+    let short = run(1, Some(pose(12)));
+    let padded = run(1, Some(pose(2 * CLIP_FRAMES)));
+    assert_eq!(tensor_rel_error(&short, &padded), 0.0, "padded by the engine as ahead");
+}
+
 /// What a speech-to-video engine refuses by name, before any clip runs.
 #[test]
 fn speech_to_video_refuses_what_it_cannot_run() {
+    let posed = engine(1, true);
     let engine = engine(1, false);
     let text = engine.encode_prompt("a person talks").expect("prompt");
     let features = engine.encode_speech(&speech()).expect("speech");
@@ -191,6 +209,22 @@ fn speech_to_video_refuses_what_it_cannot_run() {
         .expect_err("a pose the engine was not planned for")
         .to_string();
     assert!(err.contains("pose video needs an engine started with one"), "{err}");
+    // Pose frames of another size, or none, to an engine planned for a pose.
+    for (frames, width) in [(4, 32), (0, SIZE)] {
+        let mut request = request(
+            Tensor::zeros((3, 1, SIZE, SIZE), DType::F32, &Device::Cpu).expect("zeros"),
+            None,
+        );
+        request.pose = Some(Tensor::zeros((3, frames, SIZE, width), DType::F32, &Device::Cpu).expect("zeros"));
+        let err = posed
+            .generate_s2v(request, |_| {})
+            .expect_err("pose frames it cannot take")
+            .to_string();
+        assert!(
+            err.contains("the pose frames are") && err.contains("[3, frames, 64, 64]"),
+            "{err}"
+        );
+    }
     // A text-to-video DiT's engine has no speech stages.
     let t2v = tpinfer_tests::TinyWan::default();
     let dir = tempfile::tempdir().expect("tempdir");

@@ -128,6 +128,19 @@ pub fn wan21_vae_encoder() -> Option<Arc<dyn ShardedModel>> {
     WanVaeModel::preset("wan2.1-vae").map(|vae| Arc::new(WanVaeEncoderModel::of(&vae)) as Arc<dyn ShardedModel>)
 }
 
+/// Frames `first .. first + count` of the pose frames `pose` `[3, frames, h, w]`, −1 past their
+/// end (S2V's padding of a pose video shorter than the speech).
+fn clip_pose(pose: &Tensor, first: usize, count: usize) -> candle_core::Result<Tensor> {
+    let (_, frames, h, w) = pose.dims4()?;
+    let held = frames.saturating_sub(first).min(count);
+    let padding = Tensor::full(-1f32, (3, count - held, h, w), pose.device())?.to_dtype(pose.dtype())?;
+    match held {
+        0 => Ok(padding),
+        _ if held == count => pose.narrow(1, first, count),
+        _ => Tensor::cat(&[&pose.narrow(1, first, held)?, &padding], 1),
+    }
+}
+
 /// The most frames S2V encodes at once: the motion frames, or with a pose video a clip's pose
 /// frames after a copy of their first.
 fn encoded_frames(clip: VideoShape, pose: bool) -> usize {
@@ -241,9 +254,11 @@ pub struct S2vRequest {
     pub reference: Tensor,
     /// At most this many clips; the speech's length decides otherwise.
     pub max_clips: Option<usize>,
-    /// The pose video's frames for every clip, `[3, clips · clip frames, height, width]` in
-    /// [−1, 1] (`tpinfer_media::pose_pixels`); without one, the pose latents are zeros, as
-    /// S2V's are. Needs an engine started with a pose.
+    /// The pose video's frames, `[3, frames, height, width]` in [−1, 1]
+    /// (`tpinfer_media::pose_pixels`), clip `i` taking frames `i · clip frames ..`; frames past
+    /// its end are −1, as S2V pads a video shorter than the speech, so that a short video
+    /// beside long speech holds only its own frames. Without one, the pose latents are zeros,
+    /// as S2V's are. Needs an engine started with a pose.
     pub pose: Option<Tensor>,
 }
 
@@ -357,13 +372,11 @@ impl VideoEngine {
                 ));
             }
             match pose.dims() {
-                &[3, frames, ph, pw] if frames >= clips * shape.frames && ph == shape.height && pw == shape.width => {}
+                &[3, frames, ph, pw] if frames > 0 && ph == shape.height && pw == shape.width => {}
                 dims => {
                     return Err(EngineError::InvalidRequest(format!(
-                        "the pose frames are {dims:?}; {clips} clips take [3, at least {}, {}, {}]",
-                        clips * shape.frames,
-                        shape.height,
-                        shape.width
+                        "the pose frames are {dims:?}; give [3, frames, {}, {}] with at least one frame",
+                        shape.height, shape.width
                     )))
                 }
             }
@@ -390,7 +403,7 @@ impl VideoEngine {
             // The clip's pose frames after a copy of their first, encoded, less that latent.
             let pose = match &request.pose {
                 Some(pose) => {
-                    let frames = pose.narrow(1, index * shape.frames, shape.frames).map_err(tensor_err)?;
+                    let frames = clip_pose(pose, index * shape.frames, shape.frames).map_err(tensor_err)?;
                     let first = frames.narrow(1, 0, 1).map_err(tensor_err)?;
                     let pixels = Tensor::cat(&[&first, &frames], 1).map_err(tensor_err)?;
                     let latents = stages.encode_pixels(&self.group, &pixels)?;
