@@ -1380,6 +1380,17 @@ fn speech_to_video_writes_a_talking_video() {
         let seconds = track.duration().as_secs_f64();
         assert!((seconds - 1.5).abs() < 0.05, "a track lasts {seconds} s");
     }
+    // With a pose video, one clip: its frames read as far as the clip takes them.
+    let (pose, posed) = (path(&inputs.join("pose.mp4")), path(&dir.path().join("posed.mp4")));
+    let mut args = common.to_vec();
+    args.extend(["--pose-video", &pose, "--max-clips", "1", "--out", &posed]);
+    let output = tpinfer(
+        &[&["generate", "--model", &path(&model)][..], &args].concat(),
+        Duration::from_secs(120),
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("1 clip"), "{stderr}");
     // Refused by name, before anything loads.
     let model = path(&model);
     let without_image = ["generate", "--model", &model, "--audio", &audio];

@@ -45,7 +45,7 @@ pub use status::{Health, Load};
 pub use stream::{EventStream, GenerationStats, StopReason, StreamEvent, TokenStream};
 pub use tpinfer_comm::CommOptions;
 pub use tpinfer_plan::{Plan, RankPlan};
-pub use tpinfer_runtime::{DeviceKind, DeviceMemory, LoadProgress, RuntimeError, PLAN_TOLERANCE};
+pub use tpinfer_runtime::{host_available, DeviceKind, DeviceMemory, LoadProgress, RuntimeError, PLAN_TOLERANCE};
 pub use tpinfer_wav2vec2::VideoFrameFeatures;
 
 pub use tpinfer_tokenizer::{ChatMessage, Tokenizer};

@@ -27,6 +27,90 @@ pub struct VideoFrames {
 /// The sides a video may have: past this, a file is refused before its frames are decoded.
 const MAX_SIDE: usize = 8_192;
 
+/// What a video's header says: its frames' size (the display size, which a stream of
+/// non-square pixels decodes to another) and how many frames [`read_video_frames`] keeps of
+/// it at the rate asked for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VideoInfo {
+    pub size: FrameSize,
+    pub frames: usize,
+}
+
+/// [`VideoInfo`] of the video at `path` read at `fps` frames a second, from its header alone:
+/// to size what reading it takes before its frames are decoded.
+pub fn video_info(path: &Path, fps: usize) -> Result<VideoInfo, VideoReadError> {
+    let track = VideoTrack::open(path, fps)?;
+    Ok(VideoInfo {
+        size: track.size,
+        frames: track.samples.len().div_ceil(track.every),
+    })
+}
+
+/// An MP4 file's H.264 track, its header read.
+struct VideoTrack {
+    file: std::fs::File,
+    file_len: u64,
+    size: FrameSize,
+    config: AvcConfig,
+    /// Each sample's bytes in the file, in decoding order.
+    samples: Vec<(u64, u64)>,
+    /// Every `every`-th frame is kept.
+    every: usize,
+}
+
+impl VideoTrack {
+    fn open(path: &Path, fps: usize) -> Result<Self, VideoReadError> {
+        let read = |detail: String| VideoReadError::Read {
+            path: path.to_path_buf(),
+            detail,
+        };
+        let mut file = std::fs::File::open(path).map_err(|e| read(e.to_string()))?;
+        let file_len = file.metadata().map_err(|e| read(e.to_string()))?.len();
+        let context = mp4parse::read_mp4(&mut std::io::BufReader::new(&mut file)).map_err(|e| read(e.to_string()))?;
+        let (track, entry, config) = context
+            .tracks
+            .iter()
+            .filter(|t| t.track_type == mp4parse::TrackType::Video)
+            .find_map(|t| match t.stsd.as_ref()?.descriptions.first()? {
+                mp4parse::SampleEntry::Video(v) if v.codec_type == mp4parse::CodecType::H264 => {
+                    match &v.codec_specific {
+                        mp4parse::VideoCodecSpecific::AVCConfig(config) => Some((t, v, config)),
+                        _ => None,
+                    }
+                }
+                _ => None,
+            })
+            .ok_or_else(|| VideoReadError::NoVideo {
+                path: path.to_path_buf(),
+            })?;
+        let size = FrameSize {
+            width: entry.width as usize,
+            height: entry.height as usize,
+        };
+        if size.width == 0 || size.height == 0 || size.width > MAX_SIDE || size.height > MAX_SIDE {
+            return Err(read(format!(
+                "its frames are {}x{}; tpinfer reads sides of 1 to {MAX_SIDE} pixels",
+                size.width, size.height
+            )));
+        }
+        let config = AvcConfig::parse(config).map_err(|detail| read(format!("its avcC box: {detail}")))?;
+        let samples = mp4parse::unstable::create_sample_table(track, 0.into())
+            .ok_or_else(|| read("its video track's sample table is incomplete".into()))?;
+        let every = match frame_rate(track, samples.len()) {
+            rate if rate > 0.0 => ((rate / fps.max(1) as f64).round() as usize).max(1),
+            _ => 1,
+        };
+        Ok(Self {
+            file,
+            file_len,
+            size,
+            config,
+            samples: samples.iter().map(|s| (s.start_offset.0, s.end_offset.0)).collect(),
+            every,
+        })
+    }
+}
+
 /// The first `count` frames of the video at `path` at `fps` frames a second: every
 /// `round(rate / fps)`-th frame of its own (at least every frame), as S2V reads its pose video
 /// (`read_last_n_frames(..., reverse=True)`, which starts at its first frame). Fewer where the
@@ -36,40 +120,14 @@ pub fn read_video_frames(path: &Path, fps: usize, count: usize) -> Result<VideoF
         path: path.to_path_buf(),
         detail,
     };
-    let mut file = std::fs::File::open(path).map_err(|e| read(e.to_string()))?;
-    let file_len = file.metadata().map_err(|e| read(e.to_string()))?.len();
-    let context = mp4parse::read_mp4(&mut std::io::BufReader::new(&mut file)).map_err(|e| read(e.to_string()))?;
-    let (track, entry, config) = context
-        .tracks
-        .iter()
-        .filter(|t| t.track_type == mp4parse::TrackType::Video)
-        .find_map(|t| match t.stsd.as_ref()?.descriptions.first()? {
-            mp4parse::SampleEntry::Video(v) if v.codec_type == mp4parse::CodecType::H264 => match &v.codec_specific {
-                mp4parse::VideoCodecSpecific::AVCConfig(config) => Some((t, v, config)),
-                _ => None,
-            },
-            _ => None,
-        })
-        .ok_or_else(|| VideoReadError::NoVideo {
-            path: path.to_path_buf(),
-        })?;
-    let frame = FrameSize {
-        width: entry.width as usize,
-        height: entry.height as usize,
-    };
-    if frame.width == 0 || frame.height == 0 || frame.width > MAX_SIDE || frame.height > MAX_SIDE {
-        return Err(read(format!(
-            "its frames are {}x{}; tpinfer reads sides of 1 to {MAX_SIDE} pixels",
-            frame.width, frame.height
-        )));
-    }
-    let config = AvcConfig::parse(config).map_err(|detail| read(format!("its avcC box: {detail}")))?;
-    let samples = mp4parse::unstable::create_sample_table(track, 0.into())
-        .ok_or_else(|| read("its video track's sample table is incomplete".into()))?;
-    let every = match frame_rate(track, samples.len()) {
-        rate if rate > 0.0 => ((rate / fps.max(1) as f64).round() as usize).max(1),
-        _ => 1,
-    };
+    let VideoTrack {
+        mut file,
+        file_len,
+        size: frame,
+        config,
+        samples,
+        every,
+    } = VideoTrack::open(path, fps)?;
     // Annex B: the parameter sets, then each sample's length-prefixed units with start codes.
     let start = [0u8, 0, 0, 1];
     let mut stream = Vec::new();
@@ -93,11 +151,10 @@ pub fn read_video_frames(path: &Path, fps: usize, count: usize) -> Result<VideoF
         size: None,
     };
     let mut sample = Vec::new();
-    for (i, indice) in samples.iter().enumerate() {
+    for (i, &(begin, end)) in samples.iter().enumerate() {
         if kept.frames.len() >= count {
             break;
         }
-        let (begin, end) = (indice.start_offset.0, indice.end_offset.0);
         if begin > end || end > file_len {
             return Err(read(format!(
                 "sample {i} of {} lies at bytes {begin}..{end}, past the file's {file_len}",

@@ -50,6 +50,9 @@ fn a_pose_video_reads_back_at_sixteen_frames_a_second() {
         video.push(rgb).expect("frame");
     }
     video.finish().expect("finish");
+    // The header alone says how many frames a read at 16 fps keeps: every other of 20.
+    let info = tpinfer_media::video_info(&path, 16).expect("header");
+    assert_eq!(info, tpinfer_media::VideoInfo { size, frames: 10 });
     let read = read_video_frames(&path, 16, 8).expect("read");
     assert_eq!(read.size, size);
     assert_eq!(read.frames.len(), 8, "8 frames asked for");
