@@ -1352,15 +1352,18 @@ fn speech_to_video_writes_a_talking_video() {
     let common = [
         "--audio", &audio, "--image", &image, "--size", "64x64", "--frames", "16", "--steps", "1", "--tp", "2",
     ];
-    let mut args = common.to_vec();
+    // A run with `common` and `more`, which must succeed: its stderr.
+    let succeed = |more: &[&str]| {
+        let output = tpinfer(
+            &[&["generate", "--model", &path(&model)][..], &common, more].concat(),
+            Duration::from_secs(120),
+        );
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(output.status.success(), "{stderr}");
+        stderr
+    };
     let (out, saved) = (path(&video), path(&frames));
-    args.extend(["--out", &out, "--save-frames", &saved]);
-    let output = tpinfer(
-        &[&["generate", "--model", &path(&model)][..], &args].concat(),
-        Duration::from_secs(120),
-    );
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "{stderr}");
+    let stderr = succeed(&["--out", &out, "--save-frames", &saved]);
     assert!(stderr.contains("2 clips, 24 frames"), "{stderr}");
     assert_eq!(std::fs::read_dir(&frames).expect("frames").count(), 24);
     let file = std::fs::File::open(&video).expect("mp4");
@@ -1382,14 +1385,7 @@ fn speech_to_video_writes_a_talking_video() {
     }
     // With a pose video, one clip: its frames read as far as the clip takes them.
     let (pose, posed) = (path(&inputs.join("pose.mp4")), path(&dir.path().join("posed.mp4")));
-    let mut args = common.to_vec();
-    args.extend(["--pose-video", &pose, "--max-clips", "1", "--out", &posed]);
-    let output = tpinfer(
-        &[&["generate", "--model", &path(&model)][..], &args].concat(),
-        Duration::from_secs(120),
-    );
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "{stderr}");
+    let stderr = succeed(&["--pose-video", &pose, "--max-clips", "1", "--out", &posed]);
     assert!(stderr.contains("1 clip"), "{stderr}");
     // Refused by name, before anything loads.
     let model = path(&model);
