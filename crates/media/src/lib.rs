@@ -28,7 +28,7 @@ use openh264::OpenH264API;
 
 pub use audio::{decode_mono, read_speech, resample, AudioError, Speech, AUDIO_RATES, MAX_AUDIO_SECONDS};
 pub use picture::{image_size, pose_pixels, read_reference_image, s2v_frame_size, ImageError};
-pub use video_in::{read_video_frames, video_info, VideoFrames, VideoInfo, VideoReadError};
+pub use video_in::{read_video_frames, VideoFrames, VideoReadError, VideoReader};
 
 /// Why a video or image could not be written.
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,7 @@
 //! H.264 video in MP4 read back to frames (OpenH264's decoder on the track's samples): S2V's
 //! pose videos, sampled at the video's rate as S2V's `read_last_n_frames` samples them.
 
+use std::collections::VecDeque;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
@@ -26,25 +27,6 @@ pub struct VideoFrames {
 
 /// The sides a video may have: past this, a file is refused before its frames are decoded.
 const MAX_SIDE: usize = 8_192;
-
-/// What a video's header says: its frames' size (the display size, which a stream of
-/// non-square pixels decodes to another) and how many frames [`read_video_frames`] keeps of
-/// it at the rate asked for.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct VideoInfo {
-    pub size: FrameSize,
-    pub frames: usize,
-}
-
-/// [`VideoInfo`] of the video at `path` read at `fps` frames a second, from its header alone:
-/// to size what reading it takes before its frames are decoded.
-pub fn video_info(path: &Path, fps: usize) -> Result<VideoInfo, VideoReadError> {
-    let track = VideoTrack::open(path, fps)?;
-    Ok(VideoInfo {
-        size: track.size,
-        frames: track.samples.len().div_ceil(track.every),
-    })
-}
 
 /// An MP4 file's H.264 track, its header read.
 struct VideoTrack {
@@ -111,60 +93,119 @@ impl VideoTrack {
     }
 }
 
-/// The first `count` frames of the video at `path` at `fps` frames a second: every
-/// `round(rate / fps)`-th frame of its own (at least every frame), as S2V reads its pose video
-/// (`read_last_n_frames(..., reverse=True)`, which starts at its first frame). Fewer where the
-/// video ends first.
+/// The first `count` frames of the video at `path` at `fps` frames a second (see
+/// [`VideoReader`]). Fewer where the video ends first.
 pub fn read_video_frames(path: &Path, fps: usize, count: usize) -> Result<VideoFrames, VideoReadError> {
-    let read = |detail: String| VideoReadError::Read {
-        path: path.to_path_buf(),
-        detail,
-    };
-    let VideoTrack {
-        mut file,
-        file_len,
-        size: frame,
-        config,
-        samples,
-        every,
-    } = VideoTrack::open(path, fps)?;
-    // Annex B: the parameter sets, then each sample's length-prefixed units with start codes.
-    let start = [0u8, 0, 0, 1];
-    let mut stream = Vec::new();
-    for set in &config.parameter_sets {
-        stream.extend(start.iter().chain(set));
+    VideoReader::open(path, fps)?.next_frames(count)
+}
+
+/// An H.264 video in MP4 read a few frames at a time at `fps` frames a second: every
+/// `round(rate / fps)`-th frame of its own (at least every frame), from its first, as S2V reads
+/// its pose video (`read_last_n_frames(..., reverse=True)`). Only what the frames handed out
+/// need is decoded and held, so a long video is read clip by clip in a clip's memory.
+pub struct VideoReader {
+    path: PathBuf,
+    track: VideoTrack,
+    decoder: openh264::decoder::Decoder,
+    /// The next sample to decode.
+    next: usize,
+    /// Pictures decoded so far, kept or not: every `every`-th is kept.
+    decoded: usize,
+    /// Kept pictures not handed out yet, in display order.
+    pending: VecDeque<Vec<u8>>,
+    /// The pictures' size, from the first: the stream's own, which the track header's need not
+    /// be (it gives the display size, which differs for non-square pixels).
+    size: Option<FrameSize>,
+    /// The pictures held for reordering were flushed: nothing more comes.
+    done: bool,
+}
+
+impl VideoReader {
+    /// Opens the video at `path` and reads its header: a file that is not an H.264 video in
+    /// MP4, or one of absurd size, is refused here, before any frame is decoded.
+    pub fn open(path: &Path, fps: usize) -> Result<Self, VideoReadError> {
+        let track = VideoTrack::open(path, fps)?;
+        // No flush after each sample: a stream with B-frames (libx264's default) holds
+        // pictures back to put them in display order, and a forced flush broke their
+        // references.
+        let config = openh264::decoder::DecoderConfig::new().flush_after_decode(openh264::decoder::Flush::NoFlush);
+        let decoder = openh264::decoder::Decoder::with_api_config(openh264::OpenH264API::from_source(), config)
+            .map_err(|e| VideoReadError::Decode {
+                path: path.to_path_buf(),
+                detail: e.to_string(),
+            })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            track,
+            decoder,
+            next: 0,
+            decoded: 0,
+            pending: VecDeque::new(),
+            size: None,
+            done: false,
+        })
     }
-    let decode = |detail: String| VideoReadError::Decode {
-        path: path.to_path_buf(),
-        detail,
-    };
-    // No flush after each sample: a stream with B-frames (libx264's default) holds pictures
-    // back to put them in display order, and a forced flush broke their references.
-    let decoder_config = openh264::decoder::DecoderConfig::new().flush_after_decode(openh264::decoder::Flush::NoFlush);
-    let mut decoder = openh264::decoder::Decoder::with_api_config(openh264::OpenH264API::from_source(), decoder_config)
-        .map_err(|e| decode(e.to_string()))?;
-    let mut kept = Kept {
-        frames: Vec::new(),
-        decoded: 0,
-        every,
-        count,
-        size: None,
-    };
-    let mut sample = Vec::new();
-    for (i, &(begin, end)) in samples.iter().enumerate() {
-        if kept.frames.len() >= count {
-            break;
+
+    /// How many frames the whole video gives at the rate it was opened for, from its header.
+    pub fn frames(&self) -> usize {
+        self.track.samples.len().div_ceil(self.track.every)
+    }
+
+    /// The next `count` frames, fewer where the video ends first (none past its end).
+    pub fn next_frames(&mut self, count: usize) -> Result<VideoFrames, VideoReadError> {
+        while self.pending.len() < count && !self.done {
+            self.decode_next()?;
         }
-        if begin > end || end > file_len {
+        let n = count.min(self.pending.len());
+        Ok(VideoFrames {
+            size: self.size.unwrap_or(self.track.size),
+            frames: self.pending.drain(..n).collect(),
+        })
+    }
+
+    /// Decodes the next sample, or at the end flushes the pictures held for reordering.
+    fn decode_next(&mut self) -> Result<(), VideoReadError> {
+        let read = |detail: String| VideoReadError::Read {
+            path: self.path.clone(),
+            detail,
+        };
+        let decode = |detail: String| VideoReadError::Decode {
+            path: self.path.clone(),
+            detail,
+        };
+        let track = &mut self.track;
+        let Some(&(begin, end)) = track.samples.get(self.next) else {
+            // The pictures still held for reordering, in display order.
+            let held = self.decoder.flush_remaining().map_err(|e| decode(e.to_string()))?;
+            for yuv in held {
+                keep(&yuv, &mut self.size, &mut self.decoded, track.every, &mut self.pending).map_err(decode)?;
+            }
+            self.done = true;
+            return Ok(());
+        };
+        let (i, samples) = (self.next, track.samples.len());
+        if begin > end || end > track.file_len {
             return Err(read(format!(
-                "sample {i} of {} lies at bytes {begin}..{end}, past the file's {file_len}",
-                samples.len()
+                "sample {i} of {samples} lies at bytes {begin}..{end}, past the file's {}",
+                track.file_len
             )));
         }
-        sample.resize((end - begin) as usize, 0);
-        file.seek(SeekFrom::Start(begin))
-            .and_then(|_| file.read_exact(&mut sample))
+        let mut sample = vec![0; (end - begin) as usize];
+        track
+            .file
+            .seek(SeekFrom::Start(begin))
+            .and_then(|_| track.file.read_exact(&mut sample))
             .map_err(|e| read(format!("sample {i}: {e}")))?;
+        // Annex B: the parameter sets before the first sample, then each sample's
+        // length-prefixed units with start codes.
+        let start = [0u8, 0, 0, 1];
+        let mut stream = Vec::new();
+        if i == 0 {
+            for set in &track.config.parameter_sets {
+                stream.extend(start.iter().chain(set));
+            }
+        }
+        let config = &track.config;
         let mut units = &sample[..];
         while !units.is_empty() {
             let n = config
@@ -176,19 +217,39 @@ pub fn read_video_frames(path: &Path, fps: usize, count: usize) -> Result<VideoF
             stream.extend(start.iter().chain(unit));
             units = &units[config.length_size + n..];
         }
-        if let Some(yuv) = decoder.decode(&stream).map_err(|e| decode(e.to_string()))? {
-            kept.push(&yuv).map_err(decode)?;
+        self.next += 1;
+        if let Some(yuv) = self.decoder.decode(&stream).map_err(|e| decode(e.to_string()))? {
+            keep(&yuv, &mut self.size, &mut self.decoded, track.every, &mut self.pending).map_err(decode)?;
         }
-        stream.clear();
+        Ok(())
     }
-    // The pictures still held for reordering, in display order.
-    for yuv in decoder.flush_remaining().map_err(|e| decode(e.to_string()))? {
-        kept.push(&yuv).map_err(decode)?;
+}
+
+/// Counts a decoded picture and keeps every `every`-th (every picture decodes: the next ones
+/// refer to it). A stream whose pictures change size is refused.
+fn keep(
+    yuv: &openh264::decoder::DecodedYUV,
+    size: &mut Option<FrameSize>,
+    decoded: &mut usize,
+    every: usize,
+    pending: &mut VecDeque<Vec<u8>>,
+) -> Result<(), String> {
+    use openh264::formats::YUVSource;
+    let (width, height) = yuv.dimensions();
+    let first = *size.get_or_insert(FrameSize { width, height });
+    if first != (FrameSize { width, height }) {
+        return Err(format!(
+            "picture {decoded} is {width}x{height} where the first was {}x{}; give a video of one frame size",
+            first.width, first.height
+        ));
     }
-    Ok(VideoFrames {
-        size: kept.size.unwrap_or(frame),
-        frames: kept.frames,
-    })
+    if decoded.is_multiple_of(every) {
+        let mut rgb = vec![0; width * height * 3];
+        yuv.write_rgb8(&mut rgb);
+        pending.push_back(rgb);
+    }
+    *decoded += 1;
+    Ok(())
 }
 
 /// Frames a second of the track: its samples over its duration in whole milliseconds,
@@ -245,39 +306,5 @@ impl AvcConfig {
     fn unit_length(&self, units: &[u8]) -> Option<usize> {
         let prefix = units.get(..self.length_size)?;
         Some(prefix.iter().fold(0usize, |n, &b| n << 8 | b as usize))
-    }
-}
-
-/// The frames kept of those decoded, in display order: every `every`-th, up to `count`.
-struct Kept {
-    frames: Vec<Vec<u8>>,
-    decoded: usize,
-    every: usize,
-    count: usize,
-    /// The pictures' size, from the first: the stream's own, which the track header's need
-    /// not be (it gives the display size, which differs for non-square pixels).
-    size: Option<FrameSize>,
-}
-
-impl Kept {
-    /// Every picture decodes (the next ones refer to it); every `every`-th is kept. A stream
-    /// whose pictures change size is refused.
-    fn push(&mut self, yuv: &openh264::decoder::DecodedYUV) -> Result<(), String> {
-        use openh264::formats::YUVSource;
-        let (width, height) = yuv.dimensions();
-        let size = *self.size.get_or_insert(FrameSize { width, height });
-        if size != (FrameSize { width, height }) {
-            return Err(format!(
-                "picture {} is {width}x{height} where the first was {}x{}; give a video of one frame size",
-                self.decoded, size.width, size.height
-            ));
-        }
-        if self.decoded.is_multiple_of(self.every) && self.frames.len() < self.count {
-            let mut rgb = vec![0; width * height * 3];
-            yuv.write_rgb8(&mut rgb);
-            self.frames.push(rgb);
-        }
-        self.decoded += 1;
-        Ok(())
     }
 }

@@ -50,9 +50,20 @@ fn a_pose_video_reads_back_at_sixteen_frames_a_second() {
         video.push(rgb).expect("frame");
     }
     video.finish().expect("finish");
-    // The header alone says how many frames a read at 16 fps keeps: every other of 20.
-    let info = tpinfer_media::video_info(&path, 16).expect("header");
-    assert_eq!(info, tpinfer_media::VideoInfo { size, frames: 10 });
+    // The header alone says how many frames a read at 16 fps keeps: every other of 20. Read
+    // three at a time, they are the frames of one read.
+    let mut reader = tpinfer_media::VideoReader::open(&path, 16).expect("header");
+    assert_eq!(reader.frames(), 10);
+    let mut chunks = Vec::new();
+    loop {
+        let chunk = reader.next_frames(3).expect("three frames");
+        assert_eq!(chunk.size, size);
+        if chunk.frames.is_empty() {
+            break;
+        }
+        chunks.extend(chunk.frames);
+    }
+    assert_eq!(chunks, read_video_frames(&path, 16, 100).expect("all").frames);
     let read = read_video_frames(&path, 16, 8).expect("read");
     assert_eq!(read.size, size);
     assert_eq!(read.frames.len(), 8, "8 frames asked for");
@@ -140,4 +151,22 @@ fn a_box_of_size_zero_is_refused_not_looped_over() {
         .expect("the read ends");
     let err = result.expect_err("a box of size 0 in a track");
     assert!(err.to_string().contains("zero.mp4"), "{err}");
+}
+
+/// libx264's default stream (B-frames stored out of display order) read a few frames at a
+/// time gives the frames of one read: pictures held for reordering carry over between reads.
+#[test]
+fn a_video_with_b_frames_reads_the_same_in_chunks() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/s2v-pipeline/inputs/pose.mp4");
+    let whole = read_video_frames(&path, 16, 1000).expect("whole");
+    assert!(whole.frames.len() >= 32, "{} frames", whole.frames.len());
+    let mut reader = tpinfer_media::VideoReader::open(&path, 16).expect("open");
+    assert_eq!(reader.frames(), whole.frames.len());
+    let mut chunks = Vec::new();
+    for _ in 0..whole.frames.len().div_ceil(5) + 1 {
+        chunks.extend(reader.next_frames(5).expect("five").frames);
+    }
+    assert_eq!(chunks.len(), whole.frames.len());
+    assert!(chunks == whole.frames, "the same frames in the same order");
 }
