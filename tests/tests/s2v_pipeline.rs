@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use tpinfer_engine::{DeviceKind, Engine, S2vRequest, Solver, VideoEngine, VideoRequest, VideoShape};
+use tpinfer_engine::{DeviceKind, Engine, PoseFrames, S2vRequest, Solver, VideoEngine, VideoRequest, VideoShape};
 use tpinfer_tests::tensor_rel_error;
 
 const CLIP_FRAMES: usize = 16;
@@ -37,7 +37,7 @@ fn speech() -> Vec<f32> {
 
 /// The run's frames `[frames, 3, 64, 64]` in [−1, 1] at TP `tp`, as the CLI makes them, with
 /// `pose`'s frames if given.
-fn run(tp: usize, pose: Option<Tensor>) -> Tensor {
+fn run(tp: usize, pose: Option<PoseFrames>) -> Tensor {
     let engine = engine(tp, pose.is_some());
     let text = engine.encode_prompt("a person talks").expect("prompt");
     let negative = engine
@@ -126,7 +126,7 @@ fn a_pose_video_guides_the_clips_as_the_wan22_loop() {
     assert_eq!(frames.frames.len(), 2 * CLIP_FRAMES);
     let pixels = tpinfer_media::pose_pixels(&frames, SIZE, SIZE, 2 * CLIP_FRAMES);
     let pose = Tensor::from_vec(pixels, (3, 2 * CLIP_FRAMES, SIZE, SIZE), &Device::Cpu).expect("pose");
-    let one = run(1, Some(pose.clone()));
+    let one = run(1, Some(PoseFrames::Whole(pose.clone())));
     let worst = worst_from_wheel(&one, "reference_pose.safetensors");
     assert!(
         worst <= 2,
@@ -134,9 +134,20 @@ fn a_pose_video_guides_the_clips_as_the_wan22_loop() {
     );
     let without = run(1, None);
     assert!(tensor_rel_error(&one, &without) > 1e-3, "the pose moves the frames");
-    let two = run(2, Some(pose));
+    let two = run(2, Some(PoseFrames::Whole(pose)));
     let rel = tensor_rel_error(&two, &one);
     assert!(rel < 1e-5, "TP 2 against TP 1 with a pose: {rel:e}");
+    // Read a clip at a time, as the CLI reads a pose video: the same frames.
+    let mut reader = tpinfer_media::VideoReader::open(&fixture().join("inputs/pose.mp4"), 16).expect("open");
+    let streamed = run(
+        1,
+        Some(PoseFrames::PerClip(Box::new(move |_| {
+            let clip = reader.next_frames(CLIP_FRAMES).map_err(|e| e.to_string())?;
+            let pixels = tpinfer_media::pose_pixels(&clip, SIZE, SIZE, clip.frames.len());
+            Tensor::from_vec(pixels, (3, clip.frames.len(), SIZE, SIZE), &Device::Cpu).map_err(|e| e.to_string())
+        }))),
+    );
+    assert_eq!(tensor_rel_error(&streamed, &one), 0.0, "read clip by clip");
 }
 
 /// A pose video shorter than the speech holds only its own frames: the engine pads the rest
@@ -151,9 +162,25 @@ fn a_short_pose_video_is_padded_by_the_engine() {
         let pixels = tpinfer_media::pose_pixels(&frames, SIZE, SIZE, total);
         Tensor::from_vec(pixels, (3, total, SIZE, SIZE), &Device::Cpu).expect("pose")
     };
-    let short = run(1, Some(pose(12)));
-    let padded = run(1, Some(pose(2 * CLIP_FRAMES)));
+    let short = run(1, Some(PoseFrames::Whole(pose(12))));
+    let padded = run(1, Some(PoseFrames::Whole(pose(2 * CLIP_FRAMES))));
     assert_eq!(tensor_rel_error(&short, &padded), 0.0, "padded by the engine as ahead");
+    // Given clip by clip: twelve frames, then none.
+    let twelve = pose(12);
+    let per_clip = run(
+        1,
+        Some(PoseFrames::PerClip(Box::new(move |clip| {
+            let first = (clip * CLIP_FRAMES).min(12);
+            twelve
+                .narrow(1, first, (12 - first).min(CLIP_FRAMES))
+                .map_err(|e| e.to_string())
+        }))),
+    );
+    assert_eq!(
+        tensor_rel_error(&per_clip, &padded),
+        0.0,
+        "padded by the engine clip by clip"
+    );
 }
 
 /// What a speech-to-video engine refuses by name, before any clip runs.
@@ -203,7 +230,9 @@ fn speech_to_video_refuses_what_it_cannot_run() {
     let err = engine.generate_s2v(none, |_| {}).expect_err("no clip").to_string();
     assert!(err.contains("no clip"), "{err}");
     let mut unplanned_pose = request(right, None);
-    unplanned_pose.pose = Some(Tensor::zeros((3, 32, SIZE, SIZE), DType::F32, &Device::Cpu).expect("zeros"));
+    unplanned_pose.pose = Some(PoseFrames::Whole(
+        Tensor::zeros((3, 32, SIZE, SIZE), DType::F32, &Device::Cpu).expect("zeros"),
+    ));
     let err = engine
         .generate_s2v(unplanned_pose, |_| {})
         .expect_err("a pose the engine was not planned for")
@@ -215,7 +244,9 @@ fn speech_to_video_refuses_what_it_cannot_run() {
             Tensor::zeros((3, 1, SIZE, SIZE), DType::F32, &Device::Cpu).expect("zeros"),
             None,
         );
-        request.pose = Some(Tensor::zeros((3, frames, SIZE, width), DType::F32, &Device::Cpu).expect("zeros"));
+        request.pose = Some(PoseFrames::Whole(
+            Tensor::zeros((3, frames, SIZE, width), DType::F32, &Device::Cpu).expect("zeros"),
+        ));
         let err = posed
             .generate_s2v(request, |_| {})
             .expect_err("pose frames it cannot take")
@@ -224,6 +255,23 @@ fn speech_to_video_refuses_what_it_cannot_run() {
             err.contains("the pose frames are") && err.contains("[3, frames, 64, 64]"),
             "{err}"
         );
+    }
+    // A clip's frames given clip by clip: more than a clip's, or a reader's failure.
+    let zeros = |frames: usize| Tensor::zeros((3, frames, SIZE, SIZE), DType::F32, &Device::Cpu);
+    for (source, named) in [
+        (
+            PoseFrames::PerClip(Box::new(move |_| zeros(CLIP_FRAMES + 1).map_err(|e| e.to_string()))),
+            "at most 16 frames",
+        ),
+        (
+            PoseFrames::PerClip(Box::new(|_| Err("the file went away".into()))),
+            "clip 0's pose frames: the file went away",
+        ),
+    ] {
+        let mut request = request(zeros(1).expect("zeros"), None);
+        request.pose = Some(source);
+        let err = posed.generate_s2v(request, |_| {}).expect_err(named).to_string();
+        assert!(err.contains(named), "{err}");
     }
     // A text-to-video DiT's engine has no speech stages.
     let t2v = tpinfer_tests::TinyWan::default();

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
-use tpinfer_engine::{S2vProgress, S2vRequest, VideoEngine, VideoRequest, VideoShape, S2V_FPS};
+use tpinfer_engine::{PoseFrames, S2vProgress, S2vRequest, VideoEngine, VideoRequest, VideoShape, S2V_FPS};
 
 use crate::frames::FrameFiles;
 use crate::progress::{self, Stages};
@@ -110,45 +110,21 @@ pub fn generate(ranks: Ranks, model: &Path, prompt: Option<&str>, args: &VideoAr
         width,
         height,
     };
-    // The pose video's frames for every clip the speech fills (at most --max-clips).
+    // The pose video, read a clip at a time as the engine asks for it (one clip's frames in
+    // memory), its header checked now, before the model loads.
     let pose = match &args.pose_video {
         Some(path) => {
-            let spoken = (speech.seconds() * S2V_FPS as f64).ceil() as usize;
-            // The engine cuts the speech into clips from its encoder's states; one clip more
-            // than the speech's frames fill covers any rounding (the rest is padding).
-            let clips = spoken / clip_frames + 2;
-            let clips = args.max_clips.map_or(clips, |n| n.min(clips));
             let named = || format!("--pose-video {}", path.display());
-            // Only the video's own frames are held: the engine pads past its end.
-            let info = tpinfer_media::video_info(path, S2V_FPS).with_context(named)?;
-            let total = info.frames.min(clips * clip_frames);
-            if total == 0 {
+            let mut reader = tpinfer_media::VideoReader::open(path, S2V_FPS).with_context(named)?;
+            if reader.frames() == 0 {
                 bail!("{} holds no frames: give an H.264 video with at least one", named());
             }
-            // Its frames as decoded, and as the engine takes them (f32, fitted), at once.
-            let frame = info.size.width * info.size.height * 3;
-            let needed = total as u64 * (frame + 3 * height * width * 4) as u64;
-            if let Some(available) = tpinfer_engine::host_available().filter(|&a| needed > a) {
-                let fits = (available / (needed / total as u64).max(1)) as usize / clip_frames;
-                bail!(
-                    "{}: its {total} frames at {S2V_FPS} fps take {:.1} GiB of host memory here, {:.1} GiB is \
-                     available; give --max-clips {} or less, or a shorter pose video",
-                    named(),
-                    tpinfer_plan::gib(needed),
-                    tpinfer_plan::gib(available),
-                    fits.max(1)
-                );
-            }
-            let video = tpinfer_media::read_video_frames(path, S2V_FPS, total).with_context(named)?;
-            let total = video.frames.len();
-            if total == 0 {
-                bail!(
-                    "{} decodes to no frames: give an H.264 video with at least one",
-                    named()
-                );
-            }
-            let pixels = tpinfer_media::pose_pixels(&video, height, width, total);
-            Some(Tensor::from_vec(pixels, (3, total, height, width), &Device::Cpu)?)
+            Some(PoseFrames::PerClip(Box::new(move |_clip| {
+                let video = reader.next_frames(clip_frames).map_err(|e| e.to_string())?;
+                let frames = video.frames.len();
+                let pixels = tpinfer_media::pose_pixels(&video, height, width, frames);
+                Tensor::from_vec(pixels, (3, frames, height, width), &Device::Cpu).map_err(|e| e.to_string())
+            })))
         }
         None => None,
     };

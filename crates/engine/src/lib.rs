@@ -40,12 +40,14 @@ pub use frames::{Frames, VaeEngine};
 pub use logprobs::{TokenLogprobs, MAX_TOP_LOGPROBS};
 pub use pipeline::WanPipelineDir;
 pub use request::{GenerateRequest, Prompt, SamplingParams};
-pub use s2v::{wan21_vae_encoder, S2vPipelineDir, S2vProgress, S2vRequest, S2vStageModels, S2vVideo, S2V_FPS};
+pub use s2v::{
+    wan21_vae_encoder, PoseFrames, S2vPipelineDir, S2vProgress, S2vRequest, S2vStageModels, S2vVideo, S2V_FPS,
+};
 pub use status::{Health, Load};
 pub use stream::{EventStream, GenerationStats, StopReason, StreamEvent, TokenStream};
 pub use tpinfer_comm::CommOptions;
 pub use tpinfer_plan::{Plan, RankPlan};
-pub use tpinfer_runtime::{host_available, DeviceKind, DeviceMemory, LoadProgress, RuntimeError, PLAN_TOLERANCE};
+pub use tpinfer_runtime::{DeviceKind, DeviceMemory, LoadProgress, RuntimeError, PLAN_TOLERANCE};
 pub use tpinfer_wav2vec2::VideoFrameFeatures;
 
 pub use tpinfer_tokenizer::{ChatMessage, Tokenizer};

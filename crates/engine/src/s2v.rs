@@ -128,6 +128,24 @@ pub fn wan21_vae_encoder() -> Option<Arc<dyn ShardedModel>> {
     WanVaeModel::preset("wan2.1-vae").map(|vae| Arc::new(WanVaeEncoderModel::of(&vae)) as Arc<dyn ShardedModel>)
 }
 
+/// Fails unless `pose` is `[3, n, height, width]` of `shape`: n at least 1 for the whole
+/// video's frames, at most `per_clip` for a clip's.
+fn check_pose(pose: &Tensor, shape: VideoShape, per_clip: Option<usize>) -> Result<(), EngineError> {
+    let (fits, want) = match (pose.dims(), per_clip) {
+        (&[3, n, ..], None) => (n >= 1, "at least one frame".to_string()),
+        (&[3, n, ..], Some(most)) => (n <= most, format!("at most {most} frames")),
+        (_, None) => (false, "at least one frame".to_string()),
+        (_, Some(most)) => (false, format!("at most {most} frames")),
+    };
+    match pose.dims() {
+        &[3, _, h, w] if fits && h == shape.height && w == shape.width => Ok(()),
+        dims => Err(EngineError::InvalidRequest(format!(
+            "the pose frames are {dims:?}; give [3, frames, {}, {}] with {want}",
+            shape.height, shape.width
+        ))),
+    }
+}
+
 /// Frames `first .. first + count` of the pose frames `pose` `[3, frames, h, w]`, −1 past their
 /// end (S2V's padding of a pose video shorter than the speech).
 fn clip_pose(pose: &Tensor, first: usize, count: usize) -> candle_core::Result<Tensor> {
@@ -239,8 +257,29 @@ impl S2vStages {
     }
 }
 
+/// Where a speech-to-video run's pose frames come from: `[3, n, height, width]` in [−1, 1]
+/// (`tpinfer_media::pose_pixels`). Clip `i` takes frames `i · clip frames ..`; those past the
+/// video's end are −1, as S2V pads a pose video shorter than the speech.
+pub enum PoseFrames {
+    /// All of them at once.
+    Whole(Tensor),
+    /// Clip by clip, as a long video is read (`tpinfer_media::VideoReader`): called with each
+    /// clip's index in order, it gives that clip's frames, at most a clip's (fewer, or none,
+    /// past the video's end). Only one clip's pixels are held at a time.
+    PerClip(Box<dyn FnMut(usize) -> Result<Tensor, String>>),
+}
+
+impl std::fmt::Debug for PoseFrames {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Whole(frames) => f.debug_tuple("Whole").field(&frames.dims()).finish(),
+            Self::PerClip(_) => f.write_str("PerClip"),
+        }
+    }
+}
+
 /// A speech-to-video run.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct S2vRequest {
     /// Each clip's denoising: the prompt's and the negative prompt's states, steps, shift,
     /// guidance, solver; clip `i` starts from the noise of `seed + i`, or from row `i` of
@@ -254,12 +293,9 @@ pub struct S2vRequest {
     pub reference: Tensor,
     /// At most this many clips; the speech's length decides otherwise.
     pub max_clips: Option<usize>,
-    /// The pose video's frames, `[3, frames, height, width]` in [−1, 1]
-    /// (`tpinfer_media::pose_pixels`), clip `i` taking frames `i · clip frames ..`; frames past
-    /// its end are −1, as S2V pads a video shorter than the speech, so that a short video
-    /// beside long speech holds only its own frames. Without one, the pose latents are zeros,
-    /// as S2V's are. Needs an engine started with a pose.
-    pub pose: Option<Tensor>,
+    /// The pose video's frames. Without one, the pose latents are zeros, as S2V's are. Needs
+    /// an engine started with a pose.
+    pub pose: Option<PoseFrames>,
 }
 
 /// What a speech-to-video run reports as it goes, from rank 0.
@@ -365,26 +401,25 @@ impl VideoEngine {
             ));
         }
         if let Some(pose) = &request.pose {
+            let whole = match pose {
+                PoseFrames::Whole(frames) => Some(frames),
+                PoseFrames::PerClip(_) => None,
+            };
             if !stages.pose {
                 return Err(EngineError::InvalidRequest(
                     "a pose video needs an engine started with one (its encode of a clip's frames is planned then)"
                         .into(),
                 ));
             }
-            match pose.dims() {
-                &[3, frames, ph, pw] if frames > 0 && ph == shape.height && pw == shape.width => {}
-                dims => {
-                    return Err(EngineError::InvalidRequest(format!(
-                        "the pose frames are {dims:?}; give [3, frames, {}, {}] with at least one frame",
-                        shape.height, shape.width
-                    )))
-                }
+            if let Some(frames) = whole {
+                check_pose(frames, shape, None)?;
             }
         }
         // Every input checked; the prompt and speech encoders are done: the DiT's turn.
         self.group.next_turn()?;
         let reference = stages.encode_pixels(&self.group, &request.reference)?;
         let no_pose = self.s2v_pose()?;
+        let mut pose = request.pose;
         let mut motion: Option<Tensor> = None;
         // The last frames made, as the motion frames' pixels: zeros before the first clip.
         let mut last = Tensor::zeros(
@@ -401,9 +436,19 @@ impl VideoEngine {
                 .narrow(0, index * shape.frames, shape.frames)
                 .map_err(tensor_err)?;
             // The clip's pose frames after a copy of their first, encoded, less that latent.
-            let pose = match &request.pose {
+            let pose = match &mut pose {
                 Some(pose) => {
-                    let frames = clip_pose(pose, index * shape.frames, shape.frames).map_err(tensor_err)?;
+                    let frames = match pose {
+                        PoseFrames::Whole(frames) => clip_pose(frames, index * shape.frames, shape.frames),
+                        PoseFrames::PerClip(next) => {
+                            let frames = next(index).map_err(|detail| {
+                                EngineError::InvalidRequest(format!("clip {index}'s pose frames: {detail}"))
+                            })?;
+                            check_pose(&frames, shape, Some(shape.frames))?;
+                            clip_pose(&frames, 0, shape.frames)
+                        }
+                    }
+                    .map_err(tensor_err)?;
                     let first = frames.narrow(1, 0, 1).map_err(tensor_err)?;
                     let pixels = Tensor::cat(&[&first, &frames], 1).map_err(tensor_err)?;
                     let latents = stages.encode_pixels(&self.group, &pixels)?;
