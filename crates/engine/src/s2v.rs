@@ -131,14 +131,12 @@ pub fn wan21_vae_encoder() -> Option<Arc<dyn ShardedModel>> {
 /// Fails unless `pose` is `[3, n, height, width]` of `shape`: n at least 1 for the whole
 /// video's frames, at most `per_clip` for a clip's.
 fn check_pose(pose: &Tensor, shape: VideoShape, per_clip: Option<usize>) -> Result<(), EngineError> {
-    let (fits, want) = match (pose.dims(), per_clip) {
-        (&[3, n, ..], None) => (n >= 1, "at least one frame".to_string()),
-        (&[3, n, ..], Some(most)) => (n <= most, format!("at most {most} frames")),
-        (_, None) => (false, "at least one frame".to_string()),
-        (_, Some(most)) => (false, format!("at most {most} frames")),
+    let (frames, want) = match per_clip {
+        None => (1..=usize::MAX, "at least one frame".to_string()),
+        Some(most) => (0..=most, format!("at most {most} frames")),
     };
     match pose.dims() {
-        &[3, _, h, w] if fits && h == shape.height && w == shape.width => Ok(()),
+        &[3, n, h, w] if frames.contains(&n) && h == shape.height && w == shape.width => Ok(()),
         dims => Err(EngineError::InvalidRequest(format!(
             "the pose frames are {dims:?}; give [3, frames, {}, {}] with {want}",
             shape.height, shape.width
@@ -401,17 +399,13 @@ impl VideoEngine {
             ));
         }
         if let Some(pose) = &request.pose {
-            let whole = match pose {
-                PoseFrames::Whole(frames) => Some(frames),
-                PoseFrames::PerClip(_) => None,
-            };
             if !stages.pose {
                 return Err(EngineError::InvalidRequest(
                     "a pose video needs an engine started with one (its encode of a clip's frames is planned then)"
                         .into(),
                 ));
             }
-            if let Some(frames) = whole {
+            if let PoseFrames::Whole(frames) = pose {
                 check_pose(frames, shape, None)?;
             }
         }
