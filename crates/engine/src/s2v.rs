@@ -149,10 +149,12 @@ fn check_pose(pose: &Tensor, shape: VideoShape, per_clip: Option<usize>) -> Resu
 fn clip_pose(pose: &Tensor, first: usize, count: usize) -> candle_core::Result<Tensor> {
     let (_, frames, h, w) = pose.dims4()?;
     let held = frames.saturating_sub(first).min(count);
+    if held == count {
+        return pose.narrow(1, first, count);
+    }
     let padding = Tensor::full(-1f32, (3, count - held, h, w), pose.device())?.to_dtype(pose.dtype())?;
     match held {
         0 => Ok(padding),
-        _ if held == count => pose.narrow(1, first, count),
         _ => Tensor::cat(&[&pose.narrow(1, first, held)?, &padding], 1),
     }
 }
