@@ -85,7 +85,7 @@ pub fn serve(args: ServeArgs, given_model: String) -> Result<()> {
         );
         let app = tpinfer_server::router(Arc::new(engine), options);
         let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
-        let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+        let server = axum::serve(tpinfer_server::without_nagle(listener), app).with_graceful_shutdown(async move {
             shutdown_signal().await;
             eprintln!("stopping: no new connections; requests in flight have {grace:?} to finish");
             let _ = stopping_tx.send(true);

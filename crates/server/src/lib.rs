@@ -13,6 +13,7 @@ mod openai;
 mod stop;
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -23,9 +24,11 @@ use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::{Listener, ListenerExt};
 use axum::{Json, Router};
 use futures_util::{Stream, StreamExt};
 use serde_json::{json, Value};
+use tokio::net::{TcpListener, TcpStream};
 use tpinfer_engine::{Engine, EngineError, EventStream, Health, RuntimeError, StopReason, StreamEvent};
 
 use logprobs::LogprobsOut;
@@ -50,6 +53,19 @@ struct AppState {
     in_flight: AtomicUsize,
     next_id: AtomicU64,
     created: u64,
+}
+
+/// `listener` with Nagle's algorithm off on every connection it accepts, as the server must
+/// listen. Streamed tokens are small writes: with it on, the first token after the response's
+/// headers waits until the client acknowledges them, which a client delaying its
+/// acknowledgements (Linux does, up to 40 ms) makes the time to the first token. Measured on
+/// loopback: 43.6 ms to the first token of a 512-token prompt whose prefill takes 13.3.
+pub fn without_nagle(listener: TcpListener) -> impl Listener<Io = TcpStream, Addr = SocketAddr> {
+    listener.tap_io(|stream| {
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::warn!("cannot turn off Nagle's algorithm on a connection: {e}");
+        }
+    })
 }
 
 /// The server's routes over `engine`.

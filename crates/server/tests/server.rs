@@ -6,9 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::Listener;
 use serde_json::{json, Value};
 use tpinfer_engine::{Engine, EngineBuilder, Fault};
-use tpinfer_server::{router, ServerOptions};
+use tpinfer_server::{router, without_nagle, ServerOptions};
 use tpinfer_tests::{assets_dir, TinyLlama};
 
 const MODEL: &str = "tiny";
@@ -24,8 +25,31 @@ async fn serve(engine: Engine, max_queue: usize) -> String {
             max_queue,
         },
     );
-    tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });
+    tokio::spawn(async move { axum::serve(without_nagle(listener), app).await.expect("serve") });
     format!("http://{address}")
+}
+
+/// Whether a connection `listener` accepts has Nagle's algorithm off.
+async fn accepts_without_nagle<L: Listener<Io = tokio::net::TcpStream>>(
+    mut listener: L,
+    address: std::net::SocketAddr,
+) -> bool {
+    let (accepted, client) = tokio::join!(listener.accept(), tokio::net::TcpStream::connect(address));
+    client.expect("connect");
+    accepted.0.nodelay().expect("nodelay")
+}
+
+/// The server's connections send each streamed token at once: with Nagle's algorithm on, the
+/// first token waits for the client's delayed acknowledgement of the headers (up to 40 ms).
+/// A plain listener's connections keep it on, so the wrapper is what turns it off.
+#[tokio::test]
+async fn connections_are_accepted_without_nagle() {
+    let plain = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = plain.local_addr().expect("address");
+    assert!(!accepts_without_nagle(plain, address).await);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    assert!(accepts_without_nagle(without_nagle(listener), address).await);
 }
 
 fn tiny(dir: &tempfile::TempDir) -> EngineBuilder {
