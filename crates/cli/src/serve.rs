@@ -27,7 +27,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 64)]
     max_seqs: usize,
     /// New tokens per step: decode tokens, and prompts prefilled in chunks beside them.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = tpinfer_engine::DEFAULT_STEP_TOKENS)]
     step_tokens: usize,
     /// Requests running or queued beyond which new ones get 429 (default: 4 × --max-seqs).
     #[arg(long)]

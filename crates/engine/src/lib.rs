@@ -32,7 +32,7 @@ mod status;
 mod stream;
 mod video;
 
-pub use builder::{EngineBuilder, Fault};
+pub use builder::{EngineBuilder, Fault, DEFAULT_STEP_TOKENS};
 pub use candle_core::DType;
 pub use engine::Engine;
 pub use error::EngineError;
