@@ -67,6 +67,50 @@ fn concurrent_requests_equal_each_run_alone() {
     }
 }
 
+/// A step's new tokens stay within the rows the memory plan counted for one forward (a full
+/// context's prompt, or a decode row per sequence): a budget past them runs at them, one
+/// within them as asked.
+#[test]
+fn the_step_budget_stays_within_the_rows_the_plan_counts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let engine = |max_context: usize, max_seqs: usize, step_tokens: usize| {
+        Engine::builder(&path)
+            .max_context(max_context)
+            .max_seqs(max_seqs)
+            .step_tokens(step_tokens)
+            .build()
+            .expect("batching engine")
+    };
+    let e = engine(64, 8, 4096);
+    assert_eq!(
+        e.plan().tokens_per_forward.min(64),
+        64,
+        "the tiny model's prompt chunk holds the context"
+    );
+    assert_eq!(e.step_tokens(), 64);
+    assert_eq!(
+        engine(32, 48, 4096).step_tokens(),
+        48,
+        "a decode row for every sequence"
+    );
+    assert_eq!(engine(64, 8, 40).step_tokens(), 40);
+    // Eight prompts of 17 tokens join the steps together: the budget of 64 splits them.
+    let e = Arc::new(e);
+    let prompt = |i: u32| GenerateRequest::new(Prompt::Tokens((0..17).map(|t| (i * 17 + t) % 250).collect()), 4);
+    let handles: Vec<_> = (0..8)
+        .map(|i| {
+            let e = e.clone();
+            std::thread::spawn(move || tokens(&e, prompt(i)))
+        })
+        .collect();
+    let got: Vec<_> = handles.into_iter().map(|h| h.join().expect("request thread")).collect();
+    let alone = engine(64, 1, 1);
+    for (i, got) in got.iter().enumerate() {
+        assert_eq!(got, &tokens(&alone, prompt(i as u32)), "request {i}");
+    }
+}
+
 /// Requests that begin with the same 40 tokens (a system prompt) share its computed KV blocks
 /// (16 positions each): every later one finds 32 positions cached, and each still gives the
 /// tokens of the same request run alone, sampled or greedy, at TP 1 and 2.

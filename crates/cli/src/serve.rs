@@ -26,7 +26,8 @@ pub struct ServeArgs {
     /// preempted and recomputed when its blocks run out).
     #[arg(long, default_value_t = 64)]
     max_seqs: usize,
-    /// New tokens per step: decode tokens, and prompts prefilled in chunks beside them.
+    /// New tokens per step: decode tokens, and prompts prefilled in chunks beside them; at
+    /// most the rows the memory plan counts for one forward (the context, or one per sequence).
     #[arg(long, default_value_t = tpinfer_engine::DEFAULT_STEP_TOKENS)]
     step_tokens: usize,
     /// Requests running or queued beyond which new ones get 429 (default: 4 × --max-seqs).

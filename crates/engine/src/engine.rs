@@ -25,6 +25,7 @@ pub struct Engine {
     config: LlamaConfig,
     tp: usize,
     max_context: usize,
+    step_tokens: usize,
     dtype: DType,
     rank_weight_bytes: Vec<usize>,
     devices: Vec<Device>,
@@ -102,13 +103,14 @@ impl Engine {
             _ => batching::warm_up(&group, llama)?,
         }
         let plan = group.plans()[llama.index()].clone();
+        let step_tokens = batched_step_tokens(b.step_tokens, &plan, max_context, batch);
         let devices = group.topology().devices().to_vec();
         let rank_weight_bytes = group.weight_bytes(llama.index());
         let (jobs_tx, jobs_rx) = mpsc::channel();
         let fault = b.fault;
         let limits = BatchLimits {
             max_seqs: batch,
-            step_tokens: b.step_tokens,
+            step_tokens,
             // The pool the ranks allocated (none for one sequence at a time, whose scheduler
             // hands out no blocks).
             blocks: tpinfer_llama::memory::paged_blocks(placement).unwrap_or(0),
@@ -138,6 +140,7 @@ impl Engine {
             config,
             tp: b.tp,
             max_context,
+            step_tokens,
             dtype,
             rank_weight_bytes,
             devices,
@@ -248,6 +251,12 @@ impl Engine {
         self.max_context
     }
 
+    /// The most new tokens a batched step runs: the builder's
+    /// [`EngineBuilder::step_tokens`], within the rows the plan counted for one forward.
+    pub fn step_tokens(&self) -> usize {
+        self.step_tokens
+    }
+
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -285,6 +294,21 @@ impl Drop for Engine {
             let _ = scheduler.join();
         }
     }
+}
+
+/// The new tokens per batched step: `asked`, at most the rows whose temporaries `plan` counted
+/// for one forward (a prompt chunk of up to `max_context` positions, or a decode row for each
+/// of `max_seqs` sequences), so that a step of several sequences' prompt chunks stays within
+/// the memory the plan checked. Told when it is fewer.
+fn batched_step_tokens(asked: usize, plan: &tpinfer_plan::Plan, max_context: usize, max_seqs: usize) -> usize {
+    let planned = plan.tokens_per_forward.min(max_context).max(max_seqs);
+    if max_seqs > 1 && asked > planned {
+        tracing::info!(
+            "{asked} new tokens a step asked; {planned} run, the rows the memory plan counts for one forward \
+             (a longer --max-context plans more)"
+        );
+    }
+    asked.min(planned)
 }
 
 /// Runs a short request's kernels once on every rank before the first request: the driver
