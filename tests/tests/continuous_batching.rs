@@ -9,6 +9,7 @@ use std::time::Duration;
 use tpinfer_engine::{
     DType, Engine, EngineError, Fault, GenerateRequest, Prompt, SamplingParams, StopReason, StreamEvent,
 };
+use tpinfer_runtime::host_available;
 use tpinfer_tests::TinyLlama;
 
 /// Request `i`: prompts of 1 to 17 tokens; even ones greedy, odd ones sampled with their own
@@ -109,6 +110,51 @@ fn the_step_budget_stays_within_the_rows_the_plan_counts() {
     for (i, got) in got.iter().enumerate() {
         assert_eq!(got, &tokens(&alone, prompt(i as u32)), "request {i}");
     }
+}
+
+/// CPU ranks given no budget size the paged cache to their part of half the host's available
+/// memory ([`tpinfer_runtime::CPU_POOL_SHARE`]): a server of more full contexts than that holds
+/// starts with fewer, where the plan of all of them had been refused for the host's memory,
+/// and serves. The pool is allocated zeroed and untouched, so it takes no memory until used.
+#[test]
+fn cpu_ranks_size_the_kv_cache_to_their_share_of_the_host() {
+    let Some(available) = host_available() else {
+        return; // no /proc/meminfo: the share is not taken
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    // 64 KiB of keys and values a position in f32: 4,096 full contexts of 512 are 128 GiB.
+    let path = TinyLlama {
+        layers: 8,
+        hidden: 1024,
+        heads: 8,
+        kv_heads: 8,
+        head_dim: 128,
+        ..TinyLlama::default()
+    }
+    .write(dir.path());
+    let engine = Engine::builder(&path)
+        .max_context(512)
+        .max_seqs(4096)
+        .build()
+        .expect("a batching engine on CPU ranks");
+    let block = 16 * 64 * 1024;
+    let share = (available as f64 * tpinfer_runtime::CPU_POOL_SHARE) as usize;
+    let blocks = engine.load().kv_blocks;
+    assert!(
+        blocks < 4096 * 512 / 16,
+        "{blocks} blocks: the pool was not sized to the host"
+    );
+    // MemAvailable moves between the two readings; a tenth of the share either way.
+    assert!(
+        blocks * block <= share + share / 10,
+        "{blocks} blocks of {block} bytes against a share of {share}"
+    );
+    assert!(
+        blocks * block >= share / 2,
+        "{blocks} blocks of {block} bytes against a share of {share}"
+    );
+    let (ids, _) = tokens(&engine, request(3));
+    assert!(!ids.is_empty());
 }
 
 /// Requests that begin with the same 40 tokens (a system prompt) share its computed KV blocks

@@ -22,8 +22,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8000)]
     port: u16,
     /// Sequences decoding at once; the paged KV cache holds this many full contexts, or as
-    /// many as the memory budget affords where that is fewer (then the newest sequence is
-    /// preempted and recomputed when its blocks run out).
+    /// many as the memory budget affords where that is fewer (CPU ranks without --gpu-mem: half
+    /// of the host's available memory; then the newest sequence is preempted and recomputed
+    /// when its blocks run out).
     #[arg(long, default_value_t = 64)]
     max_seqs: usize,
     /// New tokens per step: decode tokens, and prompts prefilled in chunks beside them; at

@@ -148,8 +148,9 @@ impl EngineBuilder {
     /// The most sequences decoding at once. 1 (the default) serves one request at a time
     /// through the captured single-sequence decode step; more batch every running sequence's
     /// tokens into each forward over a paged KV cache of this many full contexts, or of as
-    /// many as the memory budget holds where that is fewer ([`Self::gpu_mem`]; at least one),
-    /// shorter sequences sharing it finer (continuous batching).
+    /// many as the memory budget holds where that is fewer ([`Self::gpu_mem`]; CPU ranks given
+    /// none share half of the host's available memory; at least one), shorter sequences
+    /// sharing it finer (continuous batching).
     pub fn max_seqs(mut self, sequences: usize) -> Self {
         self.max_seqs = sequences;
         self

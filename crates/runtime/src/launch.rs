@@ -16,6 +16,12 @@ use crate::connect::{await_startup, connectors};
 use crate::group::{rank_main, Loader, RankSetup};
 use crate::{memory, ModelHandle, RankGroup, RuntimeError, Topology};
 
+/// The part of the host's available memory that CPU ranks size a memory pool to (an LLM's
+/// paged KV cache) when no budget is given. They share the host with everything else on it, so
+/// a server of many sequences takes half of what is free rather than all of it, as a GPU's
+/// pool may.
+pub const CPU_POOL_SHARE: f64 = 0.5;
+
 /// How a group starts and how its ranks run.
 #[derive(Debug, Clone)]
 pub struct GroupOptions {
@@ -266,10 +272,16 @@ impl Launch {
 
     /// The smallest of the ranks' budgets (see [`Self::start`]), if any rank has one: what a
     /// model may size a memory pool to before it is added, such as an LLM's paged KV cache.
+    /// CPU ranks without a given budget take an equal part of [`CPU_POOL_SHARE`] of the host's
+    /// available memory.
     pub fn budget(&self) -> Option<u64> {
-        (0..self.topology.width())
+        let given = (0..self.topology.width())
             .filter_map(|rank| self.rank_budget(rank).map(|(budget, _)| budget))
-            .min()
+            .min();
+        given.or_else(|| {
+            let available = self.topology.is_cpu().then(memory::host_available)??;
+            Some((available as f64 * CPU_POOL_SHARE) as u64 / self.topology.width() as u64)
+        })
     }
 
     /// The device profile the ranks are planned with.

@@ -16,8 +16,10 @@ mod topology;
 
 pub use error::{RankFailure, RuntimeError};
 pub use group::{ModelHandle, Models, Pending, Rank, RankEnv, RankGroup};
-pub use launch::{GroupOptions, Launch};
-pub use memory::{check_after_request, check_after_step, measure, reset_peak, DeviceMemory, PLAN_TOLERANCE};
+pub use launch::{GroupOptions, Launch, CPU_POOL_SHARE};
+pub use memory::{
+    check_after_request, check_after_step, host_available, measure, reset_peak, DeviceMemory, PLAN_TOLERANCE,
+};
 pub use topology::{DeviceKind, Topology};
 /// The weight bytes a group has loaded, for a progress bar (see [`GroupOptions::progress`]).
 pub use tpinfer_weights::LoadProgress;
