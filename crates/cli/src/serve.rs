@@ -80,6 +80,17 @@ pub fn serve(args: ServeArgs, given_model: String) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(address)
             .await
             .with_context(|| format!("cannot listen on {address}"))?;
+        if args.max_seqs > 1 {
+            eprintln!(
+                "KV cache: {} positions, {} full contexts of {} for up to {} sequences (shorter ones share it finer); \
+                 {} new tokens a step",
+                engine.kv_cache_positions(),
+                engine.kv_cache_positions() / engine.max_context(),
+                engine.max_context(),
+                args.max_seqs,
+                engine.step_tokens()
+            );
+        }
         eprintln!(
             "serving {} on http://{} (OpenAI API: /v1/chat/completions, /v1/completions, /v1/models; /health, /metrics)",
             options.model,

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use tpinfer_tests::TinyLlama;
 
-/// Starts the server on a free port; returns it and its address, read from its first line.
-fn start(model: &str, extra: &[&str]) -> (Child, String) {
+/// Starts the server on a free port; returns it, its address (read from the line that names
+/// it) and the lines it wrote before that one.
+fn start(model: &str, extra: &[&str]) -> (Child, String, Vec<String>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_tpinfer"))
         .args([
             "serve",
@@ -29,6 +30,7 @@ fn start(model: &str, extra: &[&str]) -> (Child, String) {
         .spawn()
         .expect("spawn tpinfer serve");
     let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let mut before = Vec::new();
     let address = loop {
         let line = lines
             .next()
@@ -38,10 +40,11 @@ fn start(model: &str, extra: &[&str]) -> (Child, String) {
             let rest = &line[at + "http://".len()..];
             break rest.split_whitespace().next().expect("an address").to_string();
         }
+        before.push(line);
     };
     // Keep draining stderr so that the server never blocks on a full pipe.
     std::thread::spawn(move || lines.for_each(drop));
-    (child, address)
+    (child, address, before)
 }
 
 /// A POST over a plain socket; the whole answer, headers included, once the server closes it
@@ -80,7 +83,14 @@ fn serve_answers_then_stops_on_sigterm_under_load_and_exits_0() {
     let dir = tempfile::tempdir().expect("tempdir");
     let model = TinyLlama::default().write(dir.path());
     let model = model.to_str().expect("utf8 path");
-    let (mut child, address) = start(model, &["--tp", "2", "--max-seqs", "2", "--shutdown-timeout-secs", "3"]);
+    let (mut child, address, before) = start(model, &["--tp", "2", "--max-seqs", "2", "--shutdown-timeout-secs", "3"]);
+    // The KV cache it holds, said before it listens: two full contexts of the tiny model's 512.
+    assert!(
+        before
+            .iter()
+            .any(|l| l.starts_with("KV cache: 1024 positions, 2 full contexts of 512")),
+        "{before:?}"
+    );
     // Sampled at OpenAI's default temperature, so the random model may draw its end-of-text
     // token: ignore_eos keeps the token counts (and the load below running) as asked.
     let answer = post(

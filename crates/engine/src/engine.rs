@@ -251,6 +251,12 @@ impl Engine {
         self.max_context
     }
 
+    /// The positions the paged KV cache holds over all its blocks: 0 for an engine that serves
+    /// one request at a time with a cache of its own.
+    pub fn kv_cache_positions(&self) -> usize {
+        self.load().kv_blocks * tpinfer_llama::memory::KV_BLOCK_SIZE
+    }
+
     /// The most new tokens a batched step runs: the builder's
     /// [`EngineBuilder::step_tokens`], within the rows the plan counted for one forward.
     pub fn step_tokens(&self) -> usize {
