@@ -81,11 +81,11 @@ pub fn serve(args: ServeArgs, given_model: String) -> Result<()> {
             .await
             .with_context(|| format!("cannot listen on {address}"))?;
         if args.max_seqs > 1 {
+            let positions = engine.kv_cache_positions();
             eprintln!(
-                "KV cache: {} positions, {} full contexts of {} for up to {} sequences (shorter ones share it finer); \
+                "KV cache: {positions} positions, {} full contexts of {} for up to {} sequences (shorter ones share it finer); \
                  {} new tokens a step",
-                engine.kv_cache_positions(),
-                engine.kv_cache_positions() / engine.max_context(),
+                positions / engine.max_context(),
                 engine.max_context(),
                 args.max_seqs,
                 engine.step_tokens()
