@@ -588,9 +588,9 @@ fn decode_attention(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfi
     let v = Tensor::randn(0f32, 1.0, (capacity, kv_heads, d), device)?.to_dtype(dtype)?;
     // One scratch for every length, as a rank's model holds one for all its layers.
     let scratch = tpinfer_kernels::DecodeScratch::new();
-    // Lengths either side of one tile, of one cluster of slices (8 × 64 keys) and of the most
-    // slices: each merge path of the split kernel.
-    for filled in [1, 64, 65, 256, 512, 513, 2048, 4096] {
+    // Lengths either side of one tile, of eight slices of 64 keys, of one cluster's most keys
+    // (8 × 128) and of the most slices: each merge path of the split kernel.
+    for filled in [1, 64, 65, 256, 512, 513, 768, 1024, 1025, 2048, 4096] {
         let keys = |t: &Tensor| t.narrow(0, 0, filled);
         let exact = reference_attention(&q, &keys(&k)?, &keys(&v)?, scale)?;
         let position = Tensor::new(&[filled as u32 - 1], device)?;
