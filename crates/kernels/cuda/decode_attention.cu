@@ -8,7 +8,9 @@
 //
 // q `[heads, D]` contiguous; k, v: element (row, kv_head, d) at ptr[row * row_stride +
 // kv_head * head_stride + d]; the filled length is *position + 1, read at run time (a captured
-// graph replays at every position). Query head h reads KV head h / group.
+// graph replays at every position). Query head h reads KV head h / group. Key j is in row j of
+// a sequence's own cache; in a paged pool (the PAGED kernels), in row blocks[j >> block_shift]
+// << block_shift | j % block_size, the sequence's block table read at run time too.
 //
 // On Hopper and newer the CTAs run in clusters of CLUSTER slices. Each CTA but the first
 // pushes its partial into the first CTA's shared memory (distributed shared memory), arrives
@@ -151,20 +153,29 @@ struct KeyLayout {
 // it are skipped (alike in the whole warp), not computed and masked, so a slice shorter than a
 // pass costs its keys, not a pass. Full passes carry no such checks: branches between the
 // steps would cut the interleaving of their independent shuffle and FMA chains.
-template <typename T, int D, int G, bool TAIL>
+template <typename T, int D, int G, bool TAIL, bool PAGED>
 __device__ __forceinline__ void key_pass(int pass0, int end, bool first_pass, const T* kp, const T* vp, long k_row,
-                                         long v_row, int warp, int slot, int group, float scale_log2,
-                                         const float (&qf)[G][8], float (&m)[G], float (&l)[G], float (&o)[G][8]) {
+                                         long v_row, const unsigned* __restrict__ blocks, int block_shift, int warp,
+                                         int slot, int group, float scale_log2, const float (&qf)[G][8],
+                                         float (&m)[G], float (&l)[G], float (&o)[G][8]) {
     using L = KeyLayout<D, G>;
     constexpr int LANES_PER_KEY = L::LANES_PER_KEY, KEYS_PER_WARP = L::KEYS_PER_WARP;
     constexpr int WARPS = L::WARPS, STEPS = L::STEPS;
+    // Each step's row first (a paged pool's table reads in flight together), then its K and V.
+    long row[STEPS];
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i) {
+        const int j = pass0 + (i * WARPS + warp) * KEYS_PER_WARP + slot;
+        const int mask = (1 << block_shift) - 1;
+        row[i] = !PAGED ? j : (!TAIL || j < end) ? (long)blocks[j >> block_shift] << block_shift | (j & mask) : 0;
+    }
     uint4 kr[STEPS], vr[STEPS];
 #pragma unroll
     for (int i = 0; i < STEPS; ++i) {
         const int j = pass0 + (i * WARPS + warp) * KEYS_PER_WARP + slot;
         const bool filled = !TAIL || j < end;
-        kr[i] = filled ? *reinterpret_cast<const uint4*>(kp + (long)j * k_row) : make_uint4(0, 0, 0, 0);
-        vr[i] = filled ? *reinterpret_cast<const uint4*>(vp + (long)j * v_row) : make_uint4(0, 0, 0, 0);
+        kr[i] = filled ? *reinterpret_cast<const uint4*>(kp + row[i] * k_row) : make_uint4(0, 0, 0, 0);
+        vr[i] = filled ? *reinterpret_cast<const uint4*>(vp + row[i] * v_row) : make_uint4(0, 0, 0, 0);
     }
     if (first_pass) chain_release();
     bool live[STEPS];
@@ -234,11 +245,12 @@ __device__ __forceinline__ void key_pass(int pass0, int end, bool first_pass, co
 // needs no CTA barrier; the warps meet once, at the end of the slice, where thread t takes
 // output column t. At most G (a power of two ≥ group) query heads: the kernel is instantiated
 // per G so that its arrays are as small as the group.
-template <typename T, int D, int G>
+template <typename T, int D, int G, bool PAGED>
 __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                           const unsigned* __restrict__ position, float* part_o, float* part_ml,
-                           unsigned* __restrict__ counters, T* __restrict__ out, int group, long k_row, long k_head,
-                           long v_row, long v_head, float scale_log2) {
+                           const unsigned* __restrict__ position, const unsigned* __restrict__ blocks,
+                           int block_shift, float* part_o, float* part_ml, unsigned* __restrict__ counters,
+                           T* __restrict__ out, int group, long k_row, long k_head, long v_row, long v_head,
+                           float scale_log2) {
     using L = KeyLayout<D, G>;
     constexpr int LANES_PER_KEY = L::LANES_PER_KEY, WARPS = L::WARPS, PASS = L::PASS;
 
@@ -305,11 +317,11 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     // Full passes have every step's keys inside the slice; only the last may be partial.
     int pass0 = start;
     for (; pass0 + PASS <= end; pass0 += PASS)
-        key_pass<T, D, G, false>(pass0, end, pass0 == start, kp, vp, k_row, v_row, warp, slot, group, scale_log2,
-                                 qf, m, l, o);
+        key_pass<T, D, G, false, PAGED>(pass0, end, pass0 == start, kp, vp, k_row, v_row, blocks, block_shift, warp,
+                                        slot, group, scale_log2, qf, m, l, o);
     if (pass0 < end)
-        key_pass<T, D, G, true>(pass0, end, pass0 == start, kp, vp, k_row, v_row, warp, slot, group, scale_log2,
-                                qf, m, l, o);
+        key_pass<T, D, G, true, PAGED>(pass0, end, pass0 == start, kp, vp, k_row, v_row, blocks, block_shift, warp,
+                                       slot, group, scale_log2, qf, m, l, o);
     if (end <= start) chain_release();  // a CTA without keys
     trace_mark(0);  // the keys
     // The slots of a warp share its max: their sums add, and slot 0's lanes hold the warp's.
@@ -437,14 +449,16 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
 #define DECODE_CLUSTER_DIMS
 #endif
 
-#define DECODE(SUFFIX, T, D, G)                                                                              \
-    extern "C" __global__ void __launch_bounds__(D) DECODE_CLUSTER_DIMS decode_split_##SUFFIX##_d##D##_g##G(     \
-        const T* q, const T* k, const T* v, const unsigned* position, float* part_o, float* part_ml,          \
-        unsigned* counters, T* out, int group, long k_row, long k_head, long v_row, long v_head,              \
-        float scale_log2 CHAIN_TRACE_PARAM) {                                                                 \
+// NAME: decode_split, or decode_split_paged over a pool's block table (`blocks`; null and
+// unread otherwise).
+#define DECODE(NAME, PAGED, SUFFIX, T, D, G)                                                                   \
+    extern "C" __global__ void __launch_bounds__(D) DECODE_CLUSTER_DIMS NAME##_##SUFFIX##_d##D##_g##G(          \
+        const T* q, const T* k, const T* v, const unsigned* position, const unsigned* blocks, int block_shift,  \
+        float* part_o, float* part_ml, unsigned* counters, T* out, int group, long k_row, long k_head,          \
+        long v_row, long v_head, float scale_log2 CHAIN_TRACE_PARAM) {                                        \
         CHAIN_TRACE_SCOPE                                                                                      \
-        split_pass<T, D, G>(q, k, v, position, part_o, part_ml, counters, out, group, k_row, k_head, v_row,   \
-                            v_head, scale_log2);                                                              \
+        split_pass<T, D, G, PAGED>(q, k, v, position, blocks, block_shift, part_o, part_ml, counters, out,      \
+                                   group, k_row, k_head, v_row, v_head, scale_log2);                          \
     }
 
 // One module per G (the build defines DECODE_GROUP): the driver JIT-compiles only the one a
@@ -452,7 +466,9 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
 #ifndef DECODE_GROUP
 #error "compile with -DDECODE_GROUP=1, 2, 4 or 8"
 #endif
-#define DECODE_EXPANDED(SUFFIX, T, D, G) DECODE(SUFFIX, T, D, G)
+#define DECODE_EXPANDED(SUFFIX, T, D, G)            \
+    DECODE(decode_split, false, SUFFIX, T, D, G)    \
+    DECODE(decode_split_paged, true, SUFFIX, T, D, G)
 DECODE_EXPANDED(bf16, __nv_bfloat16, 64, DECODE_GROUP)
 DECODE_EXPANDED(bf16, __nv_bfloat16, 128, DECODE_GROUP)
 DECODE_EXPANDED(f16, __half, 64, DECODE_GROUP)

@@ -177,42 +177,47 @@ __device__ void gemv(const T* x, const void* __restrict__ w, const float* __rest
 // rotation and cache write after it: CTA b computes the rows j and j + d/2 of head slot
 // b / (d/2) (query heads, then key heads, then value heads) — the two values that rotate
 // together — rounds them to T as the plain product does, and writes the query head rotated
-// into `queries`, the key head rotated and the value head as it is into `cache` `[2, kv_heads,
-// capacity, d]` at slot *position. The bits of gemv followed by rotary_qkv; one kernel and no
-// round trip of the product through memory. A position past the table or the cache is
-// skipped (the host checks it before it launches).
+// into `queries`, the key head rotated and the value head as it is into the cache at row
+// *row: key head h's element c at keys[row · row_stride + h · head_stride + c], value head h's
+// `values` elements further (a sequence's own cache `[2, kv_heads, capacity, d]`, its row the
+// position; or a paged pool `[2, slots, kv_heads, d]`, its row the token's slot). The bits of
+// gemv followed by rotary_qkv; one kernel and no round trip of the product through memory. A
+// position past the table or a row past the cache's `rows` is skipped (the host checks both
+// before it launches).
 template <typename T, typename W>
 __device__ void gemv_rotary(const T* x, const void* __restrict__ w, const float* __restrict__ scales,
-                            const T* __restrict__ table, T* __restrict__ queries, T* __restrict__ cache, int q_heads,
-                            int kv_heads, int d, int k, const unsigned* __restrict__ position, int positions,
-                            int capacity) {
+                            const T* __restrict__ table, T* __restrict__ queries, T* __restrict__ keys, long values,
+                            long row_stride, long head_stride, int q_heads, int kv_heads, int d, int k,
+                            const unsigned* __restrict__ position, const unsigned* __restrict__ row, int positions,
+                            long rows) {
     chain_release();
     const int half = d / 2, slot = blockIdx.x / half, j = blockIdx.x % half;
-    const int rows[2] = {slot * d + j, slot * d + j + half};
+    const int products[2] = {slot * d + j, slot * d + j + half};
     const bool query = slot < q_heads, value = slot >= q_heads + kv_heads;
-    // Only a copy before the chain writes the position, and nothing writes the table or the
-    // scales: they are read before the wait, while the first weight loads fly.
-    const long at = *position;
-    const bool skip = at >= positions || (!query && at >= capacity);
+    // Only a copy before the chain writes the position and the row, and nothing writes the
+    // table or the scales: they are read before the wait, while the first weight loads fly.
+    const long at = *position, cached = *row;
+    const bool skip = at >= positions || (!query && cached >= rows);
     float c = 1.f, s = 0.f, scale[2] = {1.f, 1.f};
     if (Format<T, W>::FP8 && threadIdx.x < 2) {
-        scale[0] = row_scale<W>(scales, rows[0]);
-        scale[1] = row_scale<W>(scales, rows[1]);
+        scale[0] = row_scale<W>(scales, products[0]);
+        scale[1] = row_scale<W>(scales, products[1]);
     }
     if (!value && !skip && threadIdx.x < 2) {
         c = to_f32(table[at * half + j]);
         s = to_f32(table[((long)positions + at) * half + j]);
     }
     __shared__ float partial[THREADS / 32][2];
-    dot_rows<T, W, 2>(x, w, rows, k, partial);
+    dot_rows<T, W, 2>(x, w, products, k, partial);
     if (threadIdx.x >= 2 || skip) return;
     // Thread 0 writes column j, thread 1 column j + half.
     const bool second = threadIdx.x == 1;
     const float x1 = to_f32(from_f32<T>(row_sum(partial, 0) * scale[0]));
     const float x2 = to_f32(from_f32<T>(row_sum(partial, 1) * scale[1]));
     const float y = value ? (second ? x2 : x1) : rotate(x1, x2, c, s, second);
-    // Key head h and value head h are cache rows h and kv_heads + h: slot - q_heads either way.
-    T* to = query ? queries + (long)slot * d : cache + ((long)(slot - q_heads) * capacity + at) * d;
+    const int head = value ? slot - q_heads - kv_heads : slot - q_heads;
+    T* to = query ? queries + (long)slot * d
+                  : keys + (value ? values : 0) + cached * row_stride + (long)head * head_stride;
     to[j + (second ? half : 0)] = from_f32<T>(y);
 }
 
@@ -234,11 +239,12 @@ __device__ void gemv_rotary(const T* x, const void* __restrict__ w, const float*
     }
 #define GEMV_ROTARY(FORMAT, W, SUFFIX, T)                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS) gemv_rotary_##FORMAT##SUFFIX(                        \
-        const T* x, const void* w, const float* scales, const T* table, T* queries, T* cache, int q_heads,     \
-        int kv_heads, int d, int k, const unsigned* position, int positions, int capacity CHAIN_TRACE_PARAM) { \
+        const T* x, const void* w, const float* scales, const T* table, T* queries, T* keys, long values,     \
+        long row_stride, long head_stride, int q_heads, int kv_heads, int d, int k, const unsigned* position,  \
+        const unsigned* row, int positions, long rows CHAIN_TRACE_PARAM) {                                    \
         CHAIN_TRACE_SCOPE                                                                                      \
-        gemv_rotary<T, W>(x, w, scales, table, queries, cache, q_heads, kv_heads, d, k, position, positions,   \
-                          capacity);                                                                           \
+        gemv_rotary<T, W>(x, w, scales, table, queries, keys, values, row_stride, head_stride, q_heads,        \
+                          kv_heads, d, k, position, row, positions, rows);                                     \
     }
 #define GEMV_16BIT(FORMAT, W, SUFFIX, T) \
     GEMV_ROTARY(FORMAT, W, SUFFIX, T)    \

@@ -143,11 +143,41 @@ pub fn gemv_rotary_qkv_into<'a>(
     let w = w.into();
     #[cfg(feature = "cuda")]
     if gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16) {
-        return cuda::gemv_rotary_qkv_into(cache, x, w, table, position, q_heads, queries);
+        let rows = cuda::CacheRows::own(cache, position)?;
+        return cuda::gemv_rotary_qkv_into(rows, x, w, table, position, q_heads, queries);
     }
     let _ = (cache, table, position, q_heads, queries);
+    not_a_16_bit_gemv("gemv_rotary_qkv_into", x, w)
+}
+
+/// [`gemv_rotary_qkv_into`] with the key and value written into a paged pool `[2, slots,
+/// kv_heads, d]` ([`crate::rotary_qkv_paged`]'s) at the one-element u32 `slot`, rotated for
+/// `position`: a lone sequence's decode row in a batched rank. The caller has checked that
+/// the position fits the table and the slot the pool.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_rotary_qkv_paged_into<'a>(
+    pool: &Tensor,
+    x: &Tensor,
+    w: impl Into<RowWeight<'a>>,
+    table: &Tensor,
+    position: &Tensor,
+    slot: &Tensor,
+    q_heads: usize,
+    queries: &Tensor,
+) -> Result<()> {
+    let w = w.into();
+    #[cfg(feature = "cuda")]
+    if gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16) {
+        let rows = cuda::CacheRows::paged(pool, slot)?;
+        return cuda::gemv_rotary_qkv_into(rows, x, w, table, position, q_heads, queries);
+    }
+    let _ = (pool, table, position, slot, q_heads, queries);
+    not_a_16_bit_gemv("gemv_rotary_qkv_paged_into", x, w)
+}
+
+fn not_a_16_bit_gemv(op: &str, x: &Tensor, w: RowWeight) -> Result<()> {
     candle_core::bail!(
-        "gemv_rotary_qkv_into: x {:?} {:?} and w {:?} are not a 16-bit GEMV on CUDA",
+        "{op}: x {:?} {:?} and w {:?} are not a 16-bit GEMV on CUDA",
         x.dims(),
         x.dtype(),
         w.matrix().dims()
@@ -379,8 +409,67 @@ mod cuda {
         )
     }
 
+    /// Where the rotary GEMV writes a row's key and value heads: key head `h`'s element `c`
+    /// at `cache[row · row_stride + h · head_stride + c]`, the value's `values` elements
+    /// further, the row read from the one-element u32 `row` when the kernel runs.
+    pub(super) struct CacheRows<'a> {
+        cache: &'a Tensor,
+        row: &'a Tensor,
+        kv_heads: usize,
+        d: usize,
+        rows: usize,
+        row_stride: usize,
+        head_stride: usize,
+        values: usize,
+    }
+
+    impl<'a> CacheRows<'a> {
+        /// A sequence's own cache `[2, kv_heads, capacity, d]`: the position is the row.
+        pub(super) fn own(cache: &'a Tensor, position: &'a Tensor) -> Result<Self> {
+            let (two, kv_heads, capacity, d) = cache.dims4()?;
+            Self::check(cache, two, "[2, kv_heads, capacity, d]")?;
+            Ok(Self {
+                cache,
+                row: position,
+                kv_heads,
+                d,
+                rows: capacity,
+                row_stride: d,
+                head_stride: capacity * d,
+                values: kv_heads * capacity * d,
+            })
+        }
+
+        /// A paged pool `[2, slots, kv_heads, d]`, the row at `slot`.
+        pub(super) fn paged(pool: &'a Tensor, slot: &'a Tensor) -> Result<Self> {
+            crate::position::check(slot, pool, "gemv_rotary_qkv (the slot)")?;
+            let (two, slots, kv_heads, d) = pool.dims4()?;
+            Self::check(pool, two, "[2, slots, kv_heads, d]")?;
+            Ok(Self {
+                cache: pool,
+                row: slot,
+                kv_heads,
+                d,
+                rows: slots,
+                row_stride: kv_heads * d,
+                head_stride: d,
+                values: slots * kv_heads * d,
+            })
+        }
+
+        fn check(cache: &Tensor, two: usize, layout: &str) -> Result<()> {
+            if two != 2 || !cache.is_contiguous() {
+                candle_core::bail!(
+                    "gemv_rotary_qkv: the cache {:?} is not a contiguous {layout}",
+                    cache.dims()
+                );
+            }
+            Ok(())
+        }
+    }
+
     pub(super) fn gemv_rotary_qkv_into(
-        cache: &Tensor,
+        cache: CacheRows,
         x: &Tensor,
         w: RowWeight,
         table: &Tensor,
@@ -389,24 +478,22 @@ mod cuda {
         queries: &Tensor,
     ) -> Result<()> {
         crate::position::check(position, x, "gemv_rotary_qkv")?;
-        let (two, kv_heads, capacity, d) = cache.dims4()?;
+        let (kv_heads, d) = (cache.kv_heads, cache.d);
         let (rows, k) = w.matrix().dims2()?;
         let (table_two, positions, half) = table.dims3()?;
         let dtype = x.dtype();
-        if two != 2
-            || table_two != 2
+        if table_two != 2
             || 2 * half != d
             || rows != (q_heads + 2 * kv_heads) * d
-            || !cache.is_contiguous()
             || !table.is_contiguous()
-            || cache.dtype() != dtype
+            || cache.cache.dtype() != dtype
             || table.dtype() != dtype
         {
             candle_core::bail!(
                 "gemv_rotary_qkv: w {:?}, the cache {:?} and the table {:?} are not [({q_heads} + 2 · kv_heads) · d, k], \
-                 a contiguous [2, kv_heads, capacity, d] and [2, positions, d / 2] in {dtype:?}",
+                 a cache of kv_heads heads of d and [2, positions, d / 2] in {dtype:?}",
                 w.matrix().dims(),
-                cache.dims(),
+                cache.cache.dims(),
                 table.dims()
             );
         }
@@ -425,20 +512,25 @@ mod cuda {
         };
         let mut launch = Launch::default();
         launch.arg(device_address(&x)?).arg(weight.values).arg(weight.scales);
-        for t in [table, queries, cache] {
+        for t in [table, queries, cache.cache] {
             launch.arg(device_address(t)?);
+        }
+        for v in [cache.values, cache.row_stride, cache.head_stride] {
+            launch.arg(v as i64);
         }
         for v in [q_heads, kv_heads, d, k] {
             launch.arg(v as i32);
         }
         launch
             .arg(device_address(position)?)
+            .arg(device_address(cache.row)?)
             .arg(positions as i32)
-            .arg(capacity as i32);
+            .arg(cache.rows as i64);
         // SAFETY: the arguments match the kernel's signature; w holds the (q_heads + 2 ·
         // kv_heads) · d rows of k (and an FP8 w as many scales) that the rows / 2 CTAs read in
-        // pairs, x k values, queries q_heads · d, the cache is a contiguous [2, kv_heads,
-        // capacity, d], and the kernel skips a position past the table or the cache.
+        // pairs, x k values, queries q_heads · d; the cache is contiguous, its strides and
+        // value offset those of its layout (CacheRows), and the kernel skips a position past
+        // the table or a row past the cache's rows.
         unsafe { launch.launch(dev, &func, cfg) }
     }
 

@@ -57,7 +57,7 @@ pub use fp8::{
 pub use frames::{cat_frames, packed_frames, upsample_nearest2x, write_frames};
 pub use gemv::{
     gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_gate_up_silu_on_cuda, gemv_into, gemv_on_cuda,
-    gemv_rotary_qkv_into, gemv_tiled, RowWeight, GEMV_TILES,
+    gemv_rotary_qkv_into, gemv_rotary_qkv_paged_into, gemv_tiled, RowWeight, GEMV_TILES,
 };
 #[cfg(feature = "cuda")]
 pub use launch::device_address;
@@ -132,6 +132,28 @@ impl DecodeScratch {
     }
 }
 
+/// The most KV heads a rank's decode attention takes: the merge counters of a device.
+const MAX_KV_HEADS: usize = 1024;
+
+/// How many slices the split-KV decode kernel launches for a cache of `capacity` rows over
+/// `kv_heads` heads: about four CTAs per SM of an H100/H200 in all, fewer for small caches (a
+/// CTA takes at least 64 keys past a cluster's 1,024, and only as many run as the filled
+/// length needs); at most 128, and a whole number of clusters of 8 (cuda/decode_attention.cu).
+fn decode_splits(kv_heads: usize, capacity: usize) -> usize {
+    (512 / kv_heads.max(1))
+        .min(capacity.div_ceil(64))
+        .clamp(1, 128)
+        .next_multiple_of(8)
+}
+
+/// The device bytes a [`DecodeScratch`] holds after one-row decodes of `q_heads` query heads
+/// of `head_dim` over `kv_heads` KV heads in caches of `capacity` rows: each slice's partial
+/// output, max and sum, and the merge counters. What a rank's memory plan counts for it.
+pub fn decode_scratch_bytes(q_heads: usize, kv_heads: usize, capacity: usize, head_dim: usize) -> usize {
+    let partials = q_heads * decode_splits(kv_heads, capacity);
+    (partials * head_dim + partials * 2 + MAX_KV_HEADS) * 4
+}
+
 /// Causal [`flash_attention`] of the queries at positions `position..position + q_len` over
 /// a KV cache's full capacity `k`, `v` `[capacity, kv_heads, d]`, of which the first
 /// `position + q_len` slots count. The position (a one-element u32 tensor, see
@@ -187,7 +209,7 @@ pub fn flash_attention_cached_into(
         {
             if q.dims3()?.0 == 1 && cuda::decode_covers(ql, kl) {
                 position::with_device_view(position, |p| {
-                    cuda::decode(&op, p, (qs, ql), (ks, kl), (vs, vl), Some(into))
+                    cuda::decode(&op, p, None, (qs, ql), (ks, kl), (vs, vl), Some(into))
                 })?;
                 return Ok(());
             }
@@ -195,6 +217,97 @@ pub fn flash_attention_cached_into(
     }
     let y = flash_attention_cached(q, k, v, position, scale, scratch)?;
     out.slice_set(&y.reshape(out.shape())?, 0, 0)
+}
+
+/// A lone sequence's paged KV cache, as [`paged_decode_attention_into`] reads it: its key at
+/// position `p` in slot `blocks[p / block_size] · block_size + p % block_size` of the pool.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedSequence<'a> {
+    /// The newest position, a one-element u32 tensor (as [`flash_attention_cached`]'s).
+    pub position: &'a Tensor,
+    /// The sequence's block table, `[blocks]` u32, covering the position.
+    pub blocks: &'a Tensor,
+    /// A power of two.
+    pub block_size: usize,
+}
+
+/// Whether [`paged_decode_attention_into`] runs for `q_heads` query heads over `kv_heads` of
+/// `head_dim` in `dtype` on CUDA: the split-KV decode kernel's groups (at most 8 query heads
+/// a KV head) and head sizes (64, 128). Device-free, so that a model can choose its path.
+pub fn paged_decode_attention_into_covers(dtype: DType, q_heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    cuda_flash_attention_covers(dtype, head_dim)
+        && kv_heads > 0
+        && q_heads.is_multiple_of(kv_heads)
+        && q_heads / kv_heads <= 8
+}
+
+/// [`flash_attention_cached_into`] of a lone sequence's query row `q` `[1, heads, d]` over its
+/// keys in a paged pool `[2, slots, kv_heads, d]` ([`rotary_qkv_paged`]'s), written into `out`:
+/// the split-KV decode kernel reading each key through the block table, a chain link, its
+/// splits in `scratch`. Positions `0..=position` count; the caller has checked that the table
+/// covers them. CUDA only, where [`paged_decode_attention_into_covers`] holds; the batched
+/// path ([`paged_decode_attention`]) serves everywhere.
+pub fn paged_decode_attention_into(
+    q: &Tensor,
+    pool: &Tensor,
+    sequence: PagedSequence<'_>,
+    scale: f64,
+    scratch: &DecodeScratch,
+    out: &Tensor,
+) -> Result<()> {
+    const OP: &str = "paged decode attention";
+    position::check(sequence.position, q, OP)?;
+    let (two, _, kv_heads, d) = pool.dims4()?;
+    let (rows, heads, q_d) = q.dims3()?;
+    let blocks = sequence.blocks;
+    if two != 2
+        || rows != 1
+        || q_d != d
+        || !pool.is_contiguous()
+        || !sequence.block_size.is_power_of_two()
+        || blocks.dtype() != DType::U32
+        || blocks.rank() != 1
+        || !blocks.is_contiguous()
+        || !paged_decode_attention_into_covers(q.dtype(), heads, kv_heads, d)
+    {
+        candle_core::bail!(
+            "{OP}: q {:?} {:?} over the pool {:?} in blocks of {} (table {:?} {:?}) is not one query row of a \
+             covered shape over a contiguous [2, slots, kv_heads, d] with a u32 table",
+            q.dims(),
+            q.dtype(),
+            pool.dims(),
+            sequence.block_size,
+            blocks.dims(),
+            blocks.dtype()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        launch::check_output(out, q.dtype(), heads * d, OP)?;
+        let into = launch::device_address(out)?;
+        let table = (launch::device_address(blocks)?, sequence.block_size.trailing_zeros());
+        let op = FlashAttention {
+            scale,
+            causal: true,
+            position: Some(sequence.position.clone()),
+            scratch: Some(scratch),
+        };
+        let (k, v) = (pool.get(0)?, pool.get(1)?);
+        let q = q.contiguous()?;
+        let ((qs, ql), (ks, kl), (vs, vl)) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
+        if let (candle_core::Storage::Cuda(qs), candle_core::Storage::Cuda(ks), candle_core::Storage::Cuda(vs)) =
+            (&*qs, &*ks, &*vs)
+        {
+            if cuda::decode_covers(ql, kl) {
+                position::with_device_view(sequence.position, |p| {
+                    cuda::decode(&op, p, Some(table), (qs, ql), (ks, kl), (vs, vl), Some(into))
+                })?;
+                return Ok(());
+            }
+        }
+    }
+    let _ = (scale, scratch, out);
+    candle_core::bail!("{OP}: runs on CUDA alone, for q on a 16-byte boundary")
 }
 
 /// `cached`: the position of the first query in a cache of the keys' full capacity, and the
@@ -289,8 +402,9 @@ impl candle_core::CustomOp3 for FlashAttention<'_> {
         match &self.position {
             // One query over a cache: the split-KV decode kernel.
             Some(position) if cuda::decode_covers(ql, kl) => {
-                let out =
-                    position::with_device_view(position, |p| cuda::decode(self, p, (q, ql), (k, kl), (v, vl), None))?;
+                let out = position::with_device_view(position, |p| {
+                    cuda::decode(self, p, None, (q, ql), (k, kl), (v, vl), None)
+                })?;
                 let out = out.ok_or_else(|| candle_core::Error::Msg("decode attention: no output came out".into()))?;
                 Ok((out, ql.shape().clone()))
             }
@@ -389,18 +503,21 @@ mod cuda {
             && d.is_multiple_of(8)
     }
 
-    /// The split-KV decode kernel, its output written at `into` or into a new buffer.
+    /// The split-KV decode kernel, its output written at `into` or into a new buffer. With
+    /// `blocks` (a block table's address and log2 of its block size), key j lies in the row
+    /// its table gives (decode_split_paged), else in row j.
     pub(crate) fn decode(
         op: &FlashAttention<'_>,
         position: &CudaView<'_, u32>,
+        blocks: Option<(u64, u32)>,
         q: Input,
         k: Input,
         v: Input,
         into: Option<u64>,
     ) -> Result<Option<CudaStorage>> {
         match q.0.dtype() {
-            DType::BF16 => decode_typed::<bf16>("bf16", op, position, q, k, v, into),
-            DType::F16 => decode_typed::<f16>("f16", op, position, q, k, v, into),
+            DType::BF16 => decode_typed::<bf16>("bf16", op, (position, blocks), q, k, v, into),
+            DType::F16 => decode_typed::<f16>("f16", op, (position, blocks), q, k, v, into),
             other => candle_core::bail!("flash attention: unsupported dtype {other:?}"),
         }
     }
@@ -408,7 +525,7 @@ mod cuda {
     fn decode_typed<T: CudaDType + DeviceRepr>(
         suffix: &str,
         op: &FlashAttention<'_>,
-        position: &CudaView<'_, u32>,
+        (position, blocks): (&CudaView<'_, u32>, Option<(u64, u32)>),
         (q, ql): Input,
         (k, kl): Input,
         (v, vl): Input,
@@ -438,14 +555,12 @@ mod cuda {
         let module = module.ok_or_else(|| {
             candle_core::Error::Msg(format!("decode attention: no kernel for a GQA group of {group}"))
         })?;
-        let split = module.kernel(dev, &format!("decode_split_{suffix}_d{d}_g{padded}"))?;
-        // About four CTAs per SM of an H100/H200 in all, fewer for small caches (a CTA takes
-        // at least 64 keys past a cluster's 512, and only as many run as the filled length needs); at most
-        // MAX_SPLITS, and a whole number of CLUSTERs (cuda/decode_attention.cu).
-        let splits = (512 / kv_heads)
-            .min(capacity.div_ceil(64))
-            .clamp(1, 128)
-            .next_multiple_of(8);
+        let name = match blocks {
+            Some(_) => "decode_split_paged",
+            None => "decode_split",
+        };
+        let split = module.kernel(dev, &format!("{name}_{suffix}_d{d}_g{padded}"))?;
+        let splits = super::decode_splits(kv_heads, capacity);
         let address = |s: &CudaStorage, l: &Layout| -> Result<u64> {
             Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..).device_ptr(&stream).0)
         };
@@ -462,6 +577,8 @@ mod cuda {
                 .arg(ks)
                 .arg(vs)
                 .arg(position.device_ptr(&stream).0)
+                .arg(blocks.map_or(0, |(table, _)| table))
+                .arg(blocks.map_or(0, |(_, shift)| shift as i32))
                 .arg(scratch.part_o.device_ptr(&stream).0)
                 .arg(scratch.part_ml.device_ptr(&stream).0)
                 .arg(scratch.counters.device_ptr(&stream).0)
@@ -469,7 +586,8 @@ mod cuda {
                 .arg(group);
             launch.arg(k_row).arg(k_head).arg(v_row).arg(v_head).arg(scale_log2);
             // SAFETY: the arguments match the kernel's signature; k and v cover `capacity` rows
-            // and the kernel reads at most *position + 1 ≤ capacity of them (checked by the caller);
+            // and the kernel reads at most *position + 1 ≤ capacity of them, or with a block
+            // table the rows of its first blocks, which cover them (checked by the caller);
             // the partials hold `heads · splits` rows, the output `heads · d`;
             // a counter per KV head, zero between launches.
             unsafe {
@@ -499,9 +617,6 @@ mod cuda {
         counters: CudaSlice<u32>,
     }
 
-    /// The most KV heads a rank's decode attention takes: the merge counters of a device.
-    const MAX_KV_HEADS: usize = 1024;
-
     /// Runs `launch` with `scratch`'s buffers on `dev`, which hold at least `rows` partials
     /// of `d`, so that a decode step allocates nothing for its splits and its kernels chain.
     /// Allocated, or grown, by a decode that runs eagerly (a capture cannot allocate memory
@@ -514,8 +629,11 @@ mod cuda {
         (rows, d): (usize, usize),
         launch: impl FnOnce(&ScratchBuffers) -> Result<()>,
     ) -> Result<()> {
-        if kv_heads > MAX_KV_HEADS {
-            candle_core::bail!("decode attention: {kv_heads} KV heads on one rank, at most {MAX_KV_HEADS}");
+        if kv_heads > super::MAX_KV_HEADS {
+            candle_core::bail!(
+                "decode attention: {kv_heads} KV heads on one rank, at most {}",
+                super::MAX_KV_HEADS
+            );
         }
         let mut all = scratch
             .buffers
@@ -540,7 +658,7 @@ mod cuda {
             device: dev.id(),
             part_o: unsafe { dev.alloc::<f32>(rows * d)? },
             part_ml: unsafe { dev.alloc::<f32>(rows * 2)? },
-            counters: dev.alloc_zeros::<u32>(MAX_KV_HEADS)?,
+            counters: dev.alloc_zeros::<u32>(super::MAX_KV_HEADS)?,
         };
         launch(&buffers)?;
         all.push(buffers);

@@ -26,7 +26,7 @@ pub use linear::{
     RowParallelLinear,
 };
 pub use mlp::{GatedMlp, GatedMlpNames};
-pub use paged_kv::{BlockTable, PagedKvCache};
+pub use paged_kv::{BlockTable, LoneRow, PagedKvCache};
 pub use partition::{split_aligned, split_blocks, split_evenly, HeadShard};
 pub use position::Position;
 pub use rope::{Rope, RopeScaling};
@@ -38,6 +38,7 @@ pub use linear::reserve_quantized_product_scratch;
 #[cfg(feature = "cuda")]
 pub use tpinfer_kernels::graph;
 pub use tpinfer_kernels::{
-    add_rms_norm, add_rms_norm_into, argmax, chained, cuda_flash_attention_covers, flash_attention,
-    flash_attention_cached, flash_attention_cached_into, write_u32s, DecodeScratch,
+    add_rms_norm, add_rms_norm_into, argmax, chained, cuda_flash_attention_covers, decode_scratch_bytes,
+    flash_attention, flash_attention_cached, flash_attention_cached_into, paged_decode_attention_into_covers,
+    write_u32s, DecodeScratch,
 };

@@ -1,7 +1,17 @@
 use candle_core::{DType, Device, Tensor};
-use tpinfer_kernels::{DecodeRows, RowsAt};
+use tpinfer_kernels::{DecodeRows, DecodeScratch, PagedSequence, RowWeight, RowsAt};
 
 use crate::{Error, Result, Rope};
+
+/// A lone sequence's decode row in a paged pool, as a batched step of one sequence runs it
+/// through the one-row kernels: `[1]` u32 `position` and `slot` (where its key and value go),
+/// and its block table `blocks` `[blocks]` u32, all read when the kernels run.
+#[derive(Debug, Clone, Copy)]
+pub struct LoneRow<'a> {
+    pub position: &'a Tensor,
+    pub slot: &'a Tensor,
+    pub blocks: &'a Tensor,
+}
 
 /// Keys and values of many sequences for one layer, in a pool of fixed-size blocks: `[2,
 /// blocks · block_size, heads, head_dim]` (keys, then values; each position a token-major
@@ -59,6 +69,52 @@ impl PagedKvCache {
     /// cached positions, `[n, q_heads, d]`; see [`tpinfer_kernels::paged_decode_attention`].
     pub fn decode_attention(&self, q: &Tensor, decode: DecodeRows<'_>, scale: f64) -> Result<Tensor> {
         Ok(tpinfer_kernels::paged_decode_attention(q, &self.kv, decode, scale)?)
+    }
+
+    /// The rotated query heads of one row `x`'s QKV product with the fused weight `w` written
+    /// into `queries`, its key (rotated) and value into the pool at `row`'s slot: one CUDA
+    /// kernel ([`tpinfer_kernels::gemv_rotary_qkv_paged_into`]), a chain link. The caller
+    /// has checked the position against the table and the slot against the pool.
+    pub fn write_projected_rotated_into(
+        &self,
+        x: &Tensor,
+        w: RowWeight,
+        rope: &Rope,
+        row: LoneRow<'_>,
+        q_heads: usize,
+        queries: &Tensor,
+    ) -> Result<()> {
+        Ok(tpinfer_kernels::gemv_rotary_qkv_paged_into(
+            &self.kv,
+            x,
+            w,
+            rope.table(),
+            row.position,
+            row.slot,
+            q_heads,
+            queries,
+        )?)
+    }
+
+    /// Attention of `row`'s query `q` `[1, q_heads, d]` over its sequence's cached positions,
+    /// written into `out`: the one-sequence decode kernel reading through the block table
+    /// ([`tpinfer_kernels::paged_decode_attention_into`]), a chain link.
+    pub fn lone_decode_attention_into(
+        &self,
+        q: &Tensor,
+        row: LoneRow<'_>,
+        scale: f64,
+        scratch: &DecodeScratch,
+        out: &Tensor,
+    ) -> Result<()> {
+        let sequence = PagedSequence {
+            position: row.position,
+            blocks: row.blocks,
+            block_size: self.block_size,
+        };
+        Ok(tpinfer_kernels::paged_decode_attention_into(
+            q, &self.kv, sequence, scale, scratch, out,
+        )?)
     }
 
     /// The keys and values at `slots` (`[t]` u32), `[t, heads, head_dim]` each.

@@ -88,7 +88,7 @@ pub struct RankMemory {
     /// Rotary tables and the GQA index, allocated at load; with flash attention (CUDA), also
     /// what the captured decode steps keep: their f32 logits output and a memory pool for
     /// one step's temporaries (a batched rank's graphs share both, on one stream, sized for
-    /// the largest bucket).
+    /// the largest bucket), and the one-token step's buffers and decode scratch.
     pub buffers: usize,
     /// Keys and values for every layer, allocated at load for the whole context.
     pub kv_cache: usize,
@@ -152,6 +152,20 @@ impl RankMemory {
             true => rows * config.vocab_size * 4 + forward(rows).peak,
             false => 0,
         };
+        // The one-token step's buffers and the split-KV decode kernel's scratch, over the
+        // sequence's cache or the pool: a lone sequence's step, or a batched rank's step of
+        // one decode row (`LlamaRank::lone_steps`).
+        let step = match flash {
+            true => {
+                let cache_rows = match batch.sequences {
+                    0 | 1 => t,
+                    _ => batch.pool_blocks(t) * KV_BLOCK_SIZE,
+                };
+                let rows = 4 * config.hidden_size + (nq + 2 * nkv) * d + 2 * nq * d + shard.ffn_cols.len();
+                rows * e + tpinfer_layers::decode_scratch_bytes(nq, nkv, cache_rows, d)
+            }
+            false => 0,
+        };
         // A batched step's prompt chunk attends over keys and values gathered from its
         // sequence's blocks (`PagedKvCache::read`): two `[t, kv, d]` copies beside the rest.
         let gathered = match batch.sequences {
@@ -159,7 +173,7 @@ impl RankMemory {
             _ => 2 * t * nkv * d * e,
         };
         Self {
-            buffers: buffers + graph,
+            buffers: buffers + graph + step,
             kv_cache,
             activations: worst.peak + gathered,
             pool_slack: worst.pool_slack(),

@@ -4,7 +4,7 @@ use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
     add_rms_norm, add_rms_norm_into, argmax, causal_mask, chained, flash_attention_cached, flash_attention_cached_into,
-    grouped_attention, rms_norm, write_u32s, DecodeScratch, GatedMlp, KvCache, MergedColumnParallelLinear,
+    grouped_attention, rms_norm, write_u32s, DecodeScratch, GatedMlp, KvCache, LoneRow, MergedColumnParallelLinear,
     PagedKvCache, Position, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
@@ -53,6 +53,10 @@ pub struct LlamaRank {
     batch_graphs: Option<crate::graph::BatchGraphs>,
     /// A batched rank's paged cache and step size (`None`: one sequence at a time).
     paged: Option<PagedCache>,
+    /// Whether a batched step of one decode row runs as the one-sequence step does, its
+    /// kernels chained, over the paged cache: where attention is fused (CUDA), the split-KV
+    /// decode kernel takes the heads, and every QKV product is a fused GEMV.
+    lone_steps: bool,
     comm: Arc<dyn Communicator>,
     dtype: DType,
     bytes_loaded: usize,
@@ -241,6 +245,13 @@ impl LlamaRank {
         )?;
         let kv_index = Tensor::new(shard.heads.kv_of_q.as_slice(), device)?;
         let norm = w.take(names::NORM)?;
+        let lone_steps = paged.is_some()
+            && flash
+            && tpinfer_layers::paged_decode_attention_into_covers(dtype, shard.heads.q_heads.len(), n_kv, c.head_dim)
+            && {
+                let row = Tensor::zeros((1, c.hidden_size), dtype, device)?;
+                layers.iter().all(|l| l.qkv.gemv_weight(&row).is_some())
+            };
         let mut rank = Self {
             config: c.clone(),
             embed,
@@ -262,6 +273,7 @@ impl LlamaRank {
             #[cfg(feature = "cuda")]
             batch_graphs: None,
             paged,
+            lone_steps,
             comm,
             dtype,
             shard,
@@ -558,7 +570,7 @@ impl LlamaRank {
     /// The final norm's output for `ids`, `[1, s, hidden]`, after caching their keys and values.
     fn hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
         if self.flash && ids.dims() == [1, 1] {
-            return self.step_hidden_states(ids);
+            return self.step_hidden_states(ids, StepKv::Own);
         }
         let offset = self.position.value();
         let mut x = self.embed.embed(ids)?;
@@ -582,8 +594,9 @@ impl LlamaRank {
     }
 
     /// [`Self::hidden_states`] of one token, through the [`StepBuffers`]: after the embedding
-    /// and the first norm, every kernel up to the final norm is a link of one chain.
-    fn step_hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
+    /// and the first norm, every kernel up to the final norm is a link of one chain. Its key
+    /// and value go where `kv` says.
+    fn step_hidden_states(&self, ids: &Tensor, kv: StepKv) -> Result<Tensor> {
         let b = match self.step_buffers.get() {
             Some(b) => b,
             None => {
@@ -604,7 +617,7 @@ impl LlamaRank {
                 if i > 0 {
                     add_rms_norm_into(&b.stream, &b.sum, &layer.input_norm, eps)?;
                 }
-                layer.step(b, &ctx)?;
+                layer.step(b, &ctx, kv)?;
             }
             if !self.layers.is_empty() {
                 add_rms_norm_into(&b.stream, &b.sum, &self.norm, eps)?;
@@ -631,6 +644,15 @@ fn add_norm(x: Tensor, y: Option<Tensor>, weight: &Tensor, eps: f64) -> Result<(
     let rows = |t: &Tensor| t.reshape((b * s, hidden));
     let (sum, normed) = add_rms_norm(&rows(&x)?, &rows(&y)?, weight, eps)?;
     Ok((sum.reshape((b, s, hidden))?, normed.reshape((b, s, hidden))?))
+}
+
+/// Where a one-token step caches its key and value and finds the cached ones.
+#[derive(Clone, Copy)]
+enum StepKv<'a> {
+    /// The rank's own one-sequence cache, at [`LayerContext::at`].
+    Own,
+    /// A paged rank's pool: the lone sequence of a batched step.
+    Paged(LoneRow<'a>),
 }
 
 /// What every layer of one forward shares.
@@ -660,32 +682,45 @@ impl DecoderLayer {
 
     /// One token through the layer in `b`: its input norm in `b.stream[1]`; out, the stream
     /// after attention in `b.stream[0]` and the MLP's output in `b.sum`, which the next norm
-    /// adds to it.
-    fn step(&self, b: &StepBuffers, ctx: &LayerContext) -> Result<()> {
+    /// adds to it. Its key and value go where `kv` says.
+    fn step(&self, b: &StepBuffers, ctx: &LayerContext, kv: StepKv) -> Result<()> {
         let h = b.stream.get(1)?;
         let n_q = ctx.shard.heads.q_heads.len();
-        match self.qkv.gemv_weight(&h) {
-            // The product, its rotation and the cache write in one kernel.
-            Some(w) => self
-                .cache
-                .append_projected_rotated_into(&h, w, ctx.rope, ctx.at, n_q, &b.queries)?,
-            None => {
-                self.qkv.forward_row_into(&h, &b.qkv)?;
-                self.cache
-                    .append_rotated_into(&b.qkv, ctx.rope, ctx.at, n_q, &b.queries)?;
+        let scale = 1.0 / (ctx.config.head_dim as f64).sqrt();
+        match kv {
+            StepKv::Own => {
+                match self.qkv.gemv_weight(&h) {
+                    // The product, its rotation and the cache write in one kernel.
+                    Some(w) => self
+                        .cache
+                        .append_projected_rotated_into(&h, w, ctx.rope, ctx.at, n_q, &b.queries)?,
+                    None => {
+                        self.qkv.forward_row_into(&h, &b.qkv)?;
+                        self.cache
+                            .append_rotated_into(&b.qkv, ctx.rope, ctx.at, n_q, &b.queries)?;
+                    }
+                }
+                let (k, v) = self.cache.slots()?;
+                flash_attention_cached_into(
+                    &b.queries,
+                    &k,
+                    &v,
+                    ctx.at.tensor(),
+                    scale,
+                    ctx.decode_scratch,
+                    &b.attention,
+                )?;
+            }
+            StepKv::Paged(row) => {
+                let (Some(pool), Some(w)) = (&self.paged, self.qkv.gemv_weight(&h)) else {
+                    return Err(tpinfer_layers::Error::Shard(
+                        "a lone paged step needs a paged cache and a fused QKV GEMV".into(),
+                    ));
+                };
+                pool.write_projected_rotated_into(&h, w, ctx.rope, row, n_q, &b.queries)?;
+                pool.lone_decode_attention_into(&b.queries, row, scale, ctx.decode_scratch, &b.attention)?;
             }
         }
-        let (k, v) = self.cache.slots()?;
-        let scale = 1.0 / (ctx.config.head_dim as f64).sqrt();
-        flash_attention_cached_into(
-            &b.queries,
-            &k,
-            &v,
-            ctx.at.tensor(),
-            scale,
-            ctx.decode_scratch,
-            &b.attention,
-        )?;
         self.o_proj.forward_row_into(&b.attention, &b.sum)?;
         add_rms_norm_into(&b.stream, &b.sum, &self.post_norm, ctx.config.rms_norm_eps)?;
         self.mlp.forward_row_into(&h, &b.hidden, &b.sum)

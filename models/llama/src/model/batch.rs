@@ -6,9 +6,11 @@
 //! decode rows attend in one kernel over their tables, prompt chunks one by one.
 
 use candle_core::{DType, Tensor};
-use tpinfer_layers::{causal_mask, flash_attention, grouped_attention, BlockTable, DecodeRows, Result, RowsAt};
+use tpinfer_layers::{
+    causal_mask, flash_attention, grouped_attention, BlockTable, DecodeRows, LoneRow, Result, RowsAt,
+};
 
-use super::{add_norm, DecoderLayer, LayerContext, LlamaRank};
+use super::{add_norm, DecoderLayer, LayerContext, LlamaRank, StepKv};
 
 /// One sequence's part of a batched forward: `tokens` at positions `start..start +
 /// tokens.len()`, its positions before `start` already cached in the blocks of `table`, which
@@ -118,6 +120,18 @@ impl LlamaRank {
     /// rows]` laid out as `layout` says, `[rows picked, vocab]`. Queues work without waiting
     /// on the host: a captured decode step is exactly this call.
     pub(crate) fn forward_layout(&self, ids: &Tensor, layout: &BatchLayout, last: Option<&Tensor>) -> Result<Tensor> {
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        // A lone decode row runs the one-sequence step's chain, reading its keys through its
+        // block table: a batched step of one sequence costs what a sequence alone does.
+        if let Some(blocks) = self.lone_blocks(layout)? {
+            let row = LoneRow {
+                position: &layout.positions,
+                slot: &layout.slots,
+                blocks: &blocks,
+            };
+            let hidden = self.step_hidden_states(ids, StepKv::Paged(row))?.squeeze(0)?;
+            return Ok(head.project(&hidden)?.to_dtype(DType::F32)?);
+        }
         let mut x = self.embed.embed(ids)?;
         // Prompt chunks attend through the flash kernel where the rank does (causal in the
         // kernel), else with masks of their own.
@@ -136,8 +150,18 @@ impl LlamaRank {
             Some(rows) => hidden.index_select(rows, 0)?,
             None => hidden,
         };
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         Ok(head.project(&last)?.to_dtype(DType::F32)?)
+    }
+
+    /// The block table `[blocks]` of `layout`'s sequence where it is one decode row alone and
+    /// the rank runs such a row as a lone step (`LlamaRank::lone_steps`).
+    fn lone_blocks(&self, layout: &BatchLayout) -> Result<Option<Tensor>> {
+        match &layout.decodes {
+            Some(group) if self.lone_steps && layout.prompts.is_empty() && layout.positions.dim(0)? == 1 => {
+                Ok(Some(group.tables.get(0)?))
+            }
+            _ => Ok(None),
+        }
     }
 
     fn batch_layout(&self, chunks: &[SequenceChunk<'_>]) -> Result<BatchLayout> {
