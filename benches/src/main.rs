@@ -213,6 +213,11 @@ struct SpeedArgs {
     /// Measured runs per width, after one warm-up run.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// Above 1, run through the continuous-batching engine (the paged KV cache, one request
+    /// in its batched steps), as `tpinfer serve` does; the memory column then holds the
+    /// engine's whole plan.
+    #[arg(long, default_value_t = 1)]
+    max_seqs: usize,
 }
 
 #[derive(Args)]
@@ -385,7 +390,7 @@ fn speed(args: SpeedArgs) -> Result<()> {
     println!("|---|---|---|---|---|---|---|");
     let mut details = Vec::new();
     for &tp in &args.tp {
-        let engine = engine(&args.common, tp, 1)?;
+        let engine = engine(&args.common, tp, args.max_seqs)?;
         let ids = prompt(&engine, args.common.prompt_tokens);
         let (mut prefill, mut decode) = (Vec::new(), Vec::new());
         for run in 0..=args.repeats {
@@ -420,7 +425,10 @@ fn speed(args: SpeedArgs) -> Result<()> {
             .zip(plan.ranks.iter().zip(&this_run))
             .map(|(m, (planned, &(run_activations, run_slack)))| {
                 let slack = if planned.allocator_slack > 0 { run_slack } else { 0 };
-                let run_total = planned.total_with(run_activations, slack);
+                let run_total = match args.max_seqs {
+                    1 => planned.total_with(run_activations, slack),
+                    _ => planned.total(),
+                };
                 let run_mib = tpinfer_plan::mib(run_total);
                 match m {
                     None => format!("– / {run_mib:.0}"),
