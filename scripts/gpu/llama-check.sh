@@ -49,6 +49,11 @@ run $REF logits --model "$W/m8b" --dtype bf16 --steps 8 --out "$W/r8b_bf16.st"
 run $REF compare --ref "$W/r8b_f32.st" --out-json "$OUT/bf16_8b.json" \
   $(runs tp t8b_tp) $(runs tp t8b_tp _eager) $(runs tp t8b_tp _paged) transformers_bf16="$W/r8b_bf16.st"
 run $REF compare --ref "$W/t8b_tp1_eager.st" --out-json "$OUT/graph_vs_eager.json" $(runs tp t8b_tp)
+# A lone request in the batched engine runs the one-sequence step's kernels over the paged
+# cache: the same bits as the one-sequence path, or the check fails.
+lone=0
+for tp in $TPS; do run $REF same "$W/t8b_tp$tp.st" "$W/t8b_tp${tp}_paged.st" || lone=1; done
+[ $lone = 0 ] || log "FAILED: a lone batched request differs from the one-sequence path"
 fi
 [ -d "$W/m8b" ] || run $REF make --shape 8b --dtype bf16 --out "$W/m8b" --tokenizer $TOK || exit 1
 

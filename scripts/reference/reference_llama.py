@@ -5,6 +5,7 @@
   logits  --model DIR --dtype f32|bf16 --out FILE      transformers' prefill logits + greedy tokens
           [--fp8]                                      with tpinfer's FP8 quantization of the layers' linears
   compare --ref FILE --out-json FILE NAME=FILE ...     relative errors of tpinfer runs vs a reference
+  same    FILE FILE                                    exits 1 unless two tpinfer runs' logits and tokens are the same bits
   speed   --model DIR                                  transformers decode tok/s and 2048-token prefill ms
 
 The prompt is the same fixed pseudo-random ids tpinfer-bench uses: id_i = (7919 i + 13) mod min(vocab, 30000).
@@ -222,6 +223,14 @@ def compare(args):
     Path(args.out_json).write_text(json.dumps(result, indent=1))
 
 
+def same(args):
+    a, b = load_file(args.files[0]), load_file(args.files[1])
+    differ = [k for k in sorted(set(a) | set(b))
+              if k not in a or k not in b or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])]
+    print(f"{args.files[0]} and {args.files[1]}: " + (f"differ in {', '.join(differ)}" if differ else "the same bits"))
+    sys.exit(1 if differ else 0)
+
+
 @torch.no_grad()
 def speed(args):
     """Decode tok/s after a --prompt-tokens prompt (128), prefill ms of --prefill-tokens (2048)."""
@@ -257,11 +266,12 @@ def main():
     l.add_argument("--perturb", type=float, default=0.0, help="scale the prompt's embeddings by 1 + ε·N(0, 1)")
     c = sub.add_parser("compare"); c.add_argument("--ref", required=True); c.add_argument("--out-json", required=True)
     c.add_argument("runs", nargs="+")
+    d = sub.add_parser("same"); d.add_argument("files", nargs=2)
     s = sub.add_parser("speed"); s.add_argument("--model", required=True); s.add_argument("--new-tokens", type=int, default=256)
     s.add_argument("--prompt-tokens", type=int, default=128); s.add_argument("--prefill-tokens", type=int, default=2048)
     s.add_argument("--out-json")
     args = p.parse_args()
-    dict(make=make, logits=logits, compare=compare, speed=speed)[args.cmd](args)
+    dict(make=make, logits=logits, compare=compare, same=same, speed=speed)[args.cmd](args)
 
 
 if __name__ == "__main__":
