@@ -135,6 +135,9 @@ impl DecodeScratch {
 /// The most KV heads a rank's decode attention takes: the merge counters of a device.
 const MAX_KV_HEADS: usize = 1024;
 
+/// Query heads per KV head the decode kernel handles (MAX_GROUP in cuda/decode_attention.cu).
+const DECODE_MAX_GROUP: usize = 8;
+
 /// How many slices the split-KV decode kernel launches for a cache of `capacity` rows over
 /// `kv_heads` heads: about four CTAs per SM of an H100/H200 in all, fewer for small caches (a
 /// CTA takes at least 64 keys past a cluster's 1,024, and only as many run as the filled
@@ -194,29 +197,51 @@ pub fn flash_attention_cached_into(
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
         position::check(position, q, "flash attention")?;
-        let (heads, d) = (q.dim(1)?, q.dim(2)?);
-        launch::check_output(out, q.dtype(), heads * d, "flash attention")?;
-        let into = launch::device_address(out)?;
         let op = FlashAttention {
             scale,
             causal: true,
             position: Some(position.clone()),
             scratch: Some(scratch),
         };
-        let ((qs, ql), (ks, kl), (vs, vl)) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
-        if let (candle_core::Storage::Cuda(qs), candle_core::Storage::Cuda(ks), candle_core::Storage::Cuda(vs)) =
-            (&*qs, &*ks, &*vs)
-        {
-            if q.dims3()?.0 == 1 && cuda::decode_covers(ql, kl) {
-                position::with_device_view(position, |p| {
-                    cuda::decode(&op, p, None, (qs, ql), (ks, kl), (vs, vl), Some(into))
-                })?;
-                return Ok(());
-            }
+        if decode_into(&op, (q, k, v), None, out, "flash attention")? {
+            return Ok(());
         }
     }
     let y = flash_attention_cached(q, k, v, position, scale, scratch)?;
     out.slice_set(&y.reshape(out.shape())?, 0, 0)
+}
+
+/// The split-KV decode kernel of `op` (its position and scratch given) for one query row `q`
+/// over `k`, `v`, written into `out`, each key j in row j or, with `blocks` (a block table's
+/// address and log2 of its block size), in the row the table gives. False, and nothing run,
+/// where the kernel does not take these inputs (`cuda::decode_covers`).
+#[cfg(feature = "cuda")]
+fn decode_into(
+    op: &FlashAttention<'_>,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    blocks: Option<(u64, u32)>,
+    out: &Tensor,
+    what: &str,
+) -> Result<bool> {
+    let position = op
+        .position
+        .as_ref()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{what}: the decode kernel needs a position")))?;
+    let (rows, heads, d) = q.dims3()?;
+    launch::check_output(out, q.dtype(), heads * d, what)?;
+    let into = launch::device_address(out)?;
+    let ((qs, ql), (ks, kl), (vs, vl)) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
+    if let (candle_core::Storage::Cuda(qs), candle_core::Storage::Cuda(ks), candle_core::Storage::Cuda(vs)) =
+        (&*qs, &*ks, &*vs)
+    {
+        if rows == 1 && cuda::decode_covers(ql, kl) {
+            position::with_device_view(position, |p| {
+                cuda::decode(op, p, blocks, (qs, ql), (ks, kl), (vs, vl), Some(into))
+            })?;
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// A lone sequence's paged KV cache, as [`paged_decode_attention_into`] reads it: its key at
@@ -238,7 +263,7 @@ pub fn paged_decode_attention_into_covers(dtype: DType, q_heads: usize, kv_heads
     cuda_flash_attention_covers(dtype, head_dim)
         && kv_heads > 0
         && q_heads.is_multiple_of(kv_heads)
-        && q_heads / kv_heads <= 8
+        && q_heads / kv_heads <= DECODE_MAX_GROUP
 }
 
 /// [`flash_attention_cached_into`] of a lone sequence's query row `q` `[1, heads, d]` over its
@@ -283,8 +308,6 @@ pub fn paged_decode_attention_into(
     }
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
-        launch::check_output(out, q.dtype(), heads * d, OP)?;
-        let into = launch::device_address(out)?;
         let table = (launch::device_address(blocks)?, sequence.block_size.trailing_zeros());
         let op = FlashAttention {
             scale,
@@ -293,17 +316,8 @@ pub fn paged_decode_attention_into(
             scratch: Some(scratch),
         };
         let (k, v) = (pool.get(0)?, pool.get(1)?);
-        let q = q.contiguous()?;
-        let ((qs, ql), (ks, kl), (vs, vl)) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
-        if let (candle_core::Storage::Cuda(qs), candle_core::Storage::Cuda(ks), candle_core::Storage::Cuda(vs)) =
-            (&*qs, &*ks, &*vs)
-        {
-            if cuda::decode_covers(ql, kl) {
-                position::with_device_view(sequence.position, |p| {
-                    cuda::decode(&op, p, Some(table), (qs, ql), (ks, kl), (vs, vl), Some(into))
-                })?;
-                return Ok(());
-            }
+        if decode_into(&op, (&q.contiguous()?, &k, &v), Some(table), out, OP)? {
+            return Ok(());
         }
     }
     let _ = (scale, scratch, out);
@@ -430,8 +444,6 @@ mod cuda {
     use crate::chain::Launch;
     use crate::module::{DECODE_ATTENTION, FLASH_ATTENTION};
 
-    /// Query heads per KV head the decode kernel handles (MAX_GROUP in cuda/decode_attention.cu).
-    const DECODE_MAX_GROUP: usize = 8;
     /// Query rows per CTA, 16 per warp (cuda/flash_attention.cu).
     const QUERY_ROWS: usize = 64;
 
@@ -491,13 +503,13 @@ mod cuda {
     }
 
     /// Whether the split-KV decode kernel takes `q` over `k`: one query row, a GQA group of at
-    /// most [`DECODE_MAX_GROUP`], and `q` contiguous on a 16-byte boundary.
+    /// most [`super::DECODE_MAX_GROUP`], and `q` contiguous on a 16-byte boundary.
     pub(crate) fn decode_covers(ql: &Layout, kl: &Layout) -> bool {
         let (q_len, heads, d) = ql.shape().dims3().unwrap_or((0, 0, 0));
         let kv_heads = kl.shape().dims().get(1).copied().unwrap_or(0);
         q_len == 1
             && kv_heads > 0
-            && heads / kv_heads <= DECODE_MAX_GROUP
+            && heads / kv_heads <= super::DECODE_MAX_GROUP
             && ql.is_contiguous()
             && ql.start_offset().is_multiple_of(8)
             && d.is_multiple_of(8)
