@@ -273,6 +273,34 @@ fn speech_to_video_refuses_what_it_cannot_run() {
         let err = posed.generate_s2v(request, |_| {}).expect_err(named).to_string();
         assert!(err.contains(named), "{err}");
     }
+    // Speech too short for one video frame: refused before any rank encodes it, by the
+    // engine's start and by the encode; a sample more makes the first frame.
+    let config = tpinfer_wav2vec2::Wav2Vec2Config::from_dir(&fixture().join("model/wav2vec2-large-xlsr-53-english"))
+        .expect("wav2vec2 config");
+    let least = config.samples_for(tpinfer_wav2vec2::STATES_FOR_A_FRAME);
+    assert_eq!(least, config.receptive_field() + 320, "two states, one hop apart");
+    let speech = speech();
+    let err = engine
+        .encode_speech(&speech[..least - 1])
+        .expect_err("too short")
+        .to_string();
+    assert!(
+        err.contains("(--audio)") && err.contains(&format!("needs {least}")),
+        "{err}"
+    );
+    let features = engine.encode_speech(&speech[..least]).expect("one frame's speech");
+    assert_eq!(features.clips, 1);
+    let shape = VideoShape {
+        frames: CLIP_FRAMES,
+        width: SIZE,
+        height: SIZE,
+    };
+    let builder = Engine::builder(fixture().join("model")).device(DeviceKind::Cpu);
+    let err = VideoEngine::start_s2v(builder, shape, least - 1, false)
+        .err()
+        .expect("planned for too short a speech")
+        .to_string();
+    assert!(err.contains("give longer audio"), "{err}");
     // A text-to-video DiT's engine has no speech stages.
     let t2v = tpinfer_tests::TinyWan::default();
     let dir = tempfile::tempdir().expect("tempdir");

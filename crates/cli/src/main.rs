@@ -62,8 +62,14 @@ impl Cli {
             (false, 2) => "debug",
             (false, _) => "trace",
         };
+        // The audio decoder logs the failures tpinfer reports itself, as errors of its own:
+        // below -v they would print the one error twice.
+        let quiet_crates = match self.verbose {
+            0 => ",symphonia=off",
+            _ => "",
+        };
         let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{level}{quiet_crates}")));
         // Colours only for a terminal: not in a file or a pipe.
         let logger = tracing_subscriber::fmt()
             .with_env_filter(filter)

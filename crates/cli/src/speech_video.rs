@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
-use tpinfer_engine::{PoseFrames, S2vProgress, S2vRequest, VideoEngine, VideoRequest, VideoShape, S2V_FPS};
+use tpinfer_engine::{
+    PoseFrames, S2vProgress, S2vRequest, VideoEngine, VideoRequest, VideoShape, S2V_FPS, SPEECH_SAMPLE_RATE,
+};
 
 use crate::frames::FrameFiles;
 use crate::progress::{self, Stages};
@@ -18,8 +20,6 @@ const CLIP_FRAMES: usize = 80;
 const STEPS: usize = 40;
 const GUIDE_SCALE: f64 = 4.5;
 const SHIFT: f64 = 3.0;
-/// The rate the speech encoder reads.
-const SPEECH_RATE: u32 = 16_000;
 
 pub fn generate(ranks: Ranks, model: &Path, prompt: Option<&str>, args: &VideoArgs, seed: u64) -> Result<()> {
     for (flag, given) in [
@@ -61,8 +61,8 @@ pub fn generate(ranks: Ranks, model: &Path, prompt: Option<&str>, args: &VideoAr
         args.shift.unwrap_or(SHIFT),
     );
     // Read before the model loads: a bad file costs nothing.
-    let speech =
-        tpinfer_media::read_speech(audio, SPEECH_RATE).with_context(|| format!("--audio {}", audio.display()))?;
+    let speech = tpinfer_media::read_speech(audio, SPEECH_SAMPLE_RATE)
+        .with_context(|| format!("--audio {}", audio.display()))?;
     let (image_height, image_width) =
         tpinfer_media::image_size(image).with_context(|| format!("--image {}", image.display()))?;
     let (area_width, area_height) = args.size;

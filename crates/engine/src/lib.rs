@@ -48,7 +48,7 @@ pub use stream::{EventStream, GenerationStats, StopReason, StreamEvent, TokenStr
 pub use tpinfer_comm::CommOptions;
 pub use tpinfer_plan::{Plan, RankPlan};
 pub use tpinfer_runtime::{DeviceKind, DeviceMemory, LoadProgress, RuntimeError, PLAN_TOLERANCE};
-pub use tpinfer_wav2vec2::VideoFrameFeatures;
+pub use tpinfer_wav2vec2::{VideoFrameFeatures, SAMPLE_RATE as SPEECH_SAMPLE_RATE};
 
 pub use tpinfer_tokenizer::{ChatMessage, Tokenizer};
 pub use tpinfer_wan::sampler::Solver;

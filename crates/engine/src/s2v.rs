@@ -16,7 +16,9 @@ use tpinfer_runtime::{Launch, ModelHandle, RankGroup, RuntimeError};
 use tpinfer_umt5::Umt5Model;
 use tpinfer_wan::{WanModel, S2V_MOTION_FRAMES};
 use tpinfer_wan_vae::{WanVaeEncoder, WanVaeEncoderModel, WanVaeModel};
-use tpinfer_wav2vec2::{per_video_frame, VideoFrameFeatures, Wav2Vec2Model, Wav2Vec2Rank};
+use tpinfer_wav2vec2::{
+    per_video_frame, VideoFrameFeatures, Wav2Vec2Model, Wav2Vec2Rank, SAMPLE_RATE, STATES_FOR_A_FRAME,
+};
 use tpinfer_weights::WeightFormat;
 
 use crate::error::finite;
@@ -177,8 +179,30 @@ pub(crate) fn s2v_decode_shape(clip: VideoShape, clip_latents: usize) -> VideoSh
 }
 
 /// S2V's stages besides the prompt encoder, the DiT and the decoder, on the ranks.
+/// The speech encoder's stage: its model on the ranks, and the fewest samples of speech that
+/// make a video frame.
+#[derive(Clone, Copy)]
+pub(crate) struct SpeechStage {
+    model: ModelHandle<Wav2Vec2Rank>,
+    least_samples: usize,
+}
+
+/// Refuses speech too short for a video frame before any rank encodes it.
+fn check_speech_length(samples: usize, least: usize) -> Result<(), EngineError> {
+    if samples >= least {
+        return Ok(());
+    }
+    let ms = |samples: usize| 1000.0 * samples as f64 / SAMPLE_RATE as f64;
+    Err(EngineError::InvalidRequest(format!(
+        "the speech (--audio) is {samples} samples ({:.0} ms at {SAMPLE_RATE} Hz); the first video frame needs {least} \
+         ({:.0} ms): give longer audio",
+        ms(samples),
+        ms(least)
+    )))
+}
+
 pub(crate) struct S2vStages {
-    speech: ModelHandle<Wav2Vec2Rank>,
+    speech: SpeechStage,
     encoder: ModelHandle<WanVaeEncoder>,
     /// Whether the encoder was planned for a clip's pose frames.
     pose: bool,
@@ -191,20 +215,25 @@ impl S2vStages {
         launch: &mut Launch,
         dir: &S2vPipelineDir,
         samples: Option<usize>,
-    ) -> Result<ModelHandle<Wav2Vec2Rank>, EngineError> {
+    ) -> Result<SpeechStage, EngineError> {
         let speech = Wav2Vec2Model::open(&dir.wav2vec2).map_err(|e| RuntimeError::Model(e.to_string()))?;
+        let least_samples = speech.config().samples_for(STATES_FOR_A_FRAME);
         let placement = match samples {
             Some(n) => Placement::llm(speech.config().frames(n).max(1), 1),
             None => speech.default_placement(),
         };
-        Ok(launch.add(Arc::new(speech), DType::F32, placement)?)
+        if let Some(n) = samples {
+            check_speech_length(n, least_samples)?;
+        }
+        let model = launch.add(Arc::new(speech), DType::F32, placement)?;
+        Ok(SpeechStage { model, least_samples })
     }
 
     /// The VAE's encoder beside its decoder, for the reference image and a clip's motion
     /// frames at `clip`'s size, and with `pose`, a clip's pose frames after their first.
     pub fn new(
         launch: &mut Launch,
-        speech: ModelHandle<Wav2Vec2Rank>,
+        speech: SpeechStage,
         vae: &WanVaeModel,
         clip: VideoShape,
         pose: bool,
@@ -223,7 +252,7 @@ impl S2vStages {
     /// The speech's wav2vec2 states `[layers + 1, frames, width]` on every rank, rank 0's on
     /// the CPU.
     fn speech_states(&self, group: &RankGroup, samples: &[f32]) -> Result<Tensor, EngineError> {
-        let (speech, samples) = (self.speech, samples.to_vec());
+        let (speech, samples) = (self.speech.model, samples.to_vec());
         crate::on_ranks::rank0_on_host(group, "speech states", move |rank| {
             let r = rank.env.rank;
             Ok(rank
@@ -328,9 +357,11 @@ impl VideoEngine {
     /// is freed with the text encoder where the ranks hold them in turns.
     pub fn encode_speech(&self, samples: &[f32]) -> Result<VideoFrameFeatures, EngineError> {
         let stages = self.stages()?;
-        if self.group.is_freed(stages.speech.index()) {
+        check_speech_length(samples.len(), stages.speech.least_samples)?;
+        if self.group.is_freed(stages.speech.model.index()) {
             return Err(EngineError::InvalidRequest(
-                "the speech encoder was freed with the text encoder, to fit the DiT in the memory budget: encode the                  speech before the first clip (or give the ranks room for both: a wider --tp or a larger --gpu-mem)"
+                "the speech encoder was freed with the text encoder, to fit the DiT in the memory budget: encode the \
+                 speech before the first clip (or give the ranks room for both: a wider --tp or a larger --gpu-mem)"
                     .into(),
             ));
         }

@@ -7,7 +7,10 @@ use std::path::Path;
 
 use rubato::{FftFixedInOut, Resampler};
 use symphonia::core::audio::SampleBuffer;
-use symphonia::core::codecs::{DecoderOptions, CODEC_TYPE_NULL};
+use symphonia::core::codecs::{
+    CodecParameters, DecoderOptions, CODEC_TYPE_MP1, CODEC_TYPE_MP2, CODEC_TYPE_MP3, CODEC_TYPE_NULL,
+    CODEC_TYPE_PCM_F32BE, CODEC_TYPE_PCM_F32LE, CODEC_TYPE_PCM_F64BE, CODEC_TYPE_PCM_F64LE,
+};
 use symphonia::core::errors::Error as SymphoniaError;
 use symphonia::core::formats::FormatOptions;
 use symphonia::core::io::MediaSourceStream;
@@ -46,6 +49,18 @@ pub enum AudioError {
     SampleRate { path: String, rate: u32 },
     #[error("{path} is corrupt: {detail}")]
     Corrupt { path: String, detail: String },
+    #[error(
+        "{path} is cut short: its header declares {declared} samples ({:.2} s), the file holds {held} ({:.2} s); \
+         give the whole file",
+        *declared as f64 / *rate as f64,
+        *held as f64 / *rate as f64
+    )]
+    Truncated {
+        path: String,
+        declared: u64,
+        held: u64,
+        rate: u32,
+    },
     #[error("{path} holds no samples: it is silent for zero seconds")]
     Empty { path: String },
     #[error("{path} is longer than {MAX_AUDIO_SECONDS} s; cut it into parts of an hour or less")]
@@ -96,8 +111,14 @@ pub fn decode_mono(path: &Path) -> Result<Speech, AudioError> {
     if let Some(ext) = path.extension().and_then(|e| e.to_str()) {
         hint.with_extension(ext);
     }
+    // An MP3 encoder pads the stream at both ends (LAME's header says by how much);
+    // libsndfile, under librosa.load, trims both, and so must the samples the frames follow.
+    let gapless = FormatOptions {
+        enable_gapless: true,
+        ..Default::default()
+    };
     let probed = symphonia::default::get_probe()
-        .format(&hint, stream, &FormatOptions::default(), &MetadataOptions::default())
+        .format(&hint, stream, &gapless, &MetadataOptions::default())
         .map_err(|e| AudioError::Format {
             path: name(),
             detail: e.to_string(),
@@ -117,7 +138,8 @@ pub fn decode_mono(path: &Path) -> Result<Speech, AudioError> {
         return Err(AudioError::SampleRate { path: name(), rate });
     }
     let limit = MAX_AUDIO_SECONDS * rate as u64;
-    if params.n_frames.is_some_and(|n| n > limit) {
+    let declared = declared_frames(&params);
+    if declared.is_some_and(|n| n > limit) {
         return Err(AudioError::TooLong { path: name() });
     }
     let mut decoder = symphonia::default::get_codecs()
@@ -163,10 +185,45 @@ pub fn decode_mono(path: &Path) -> Result<Speech, AudioError> {
     if samples.is_empty() {
         return Err(AudioError::Empty { path: name() });
     }
+    if let Some(declared) = declared.filter(|&n| exact_length(&params) && (samples.len() as u64) < n) {
+        return Err(AudioError::Truncated {
+            path: name(),
+            declared,
+            held: samples.len() as u64,
+            rate,
+        });
+    }
     Ok(Speech {
         samples,
         sample_rate: rate,
     })
+}
+
+/// The frames (samples of every channel) `params` says the track holds, where it says: not a
+/// WAV written to a pipe, whose data chunk declares the most bytes one can hold (0xFFFFFFFF:
+/// its writer, ffmpeg for one, could not go back to fill in the length).
+fn declared_frames(params: &CodecParameters) -> Option<u64> {
+    let sample_bytes = match params.codec {
+        CODEC_TYPE_PCM_F64LE | CODEC_TYPE_PCM_F64BE => 8,
+        CODEC_TYPE_PCM_F32LE | CODEC_TYPE_PCM_F32BE => 4,
+        _ => params.bits_per_coded_sample.map_or(1, |b| u64::from(b).div_ceil(8)),
+    };
+    let frame_bytes = params.channels.map_or(1, |c| c.count() as u64) * sample_bytes;
+    // The placeholder's frame count is the only one within a frame of a chunk's 4 GiB.
+    params
+        .n_frames
+        .filter(|&n| is_mpeg(params) || n.saturating_add(1).saturating_mul(frame_bytes) <= u64::from(u32::MAX))
+}
+
+/// Whether `params`' declared length is a count, not an estimate: a WAV's data chunk and a
+/// FLAC's STREAMINFO count their samples, where an MP3 without a Xing header is estimated
+/// from its bitrate.
+fn exact_length(params: &CodecParameters) -> bool {
+    !is_mpeg(params)
+}
+
+fn is_mpeg(params: &CodecParameters) -> bool {
+    matches!(params.codec, CODEC_TYPE_MP1 | CODEC_TYPE_MP2 | CODEC_TYPE_MP3)
 }
 
 /// `samples` at `from` Hz resampled to `to` Hz: ⌈n · to / from⌉ samples, as librosa returns,

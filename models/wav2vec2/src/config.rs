@@ -207,7 +207,15 @@ impl Wav2Vec2Config {
 
     /// The fewest samples that make one frame.
     pub fn receptive_field(&self) -> usize {
-        self.conv.iter().rev().fold(1, |n, c| (n - 1) * c.stride + c.kernel)
+        self.samples_for(1)
+    }
+
+    /// The fewest samples that make `frames` frames (at least one).
+    pub fn samples_for(&self, frames: usize) -> usize {
+        self.conv
+            .iter()
+            .rev()
+            .fold(frames.max(1), |n, c| (n - 1) * c.stride + c.kernel)
     }
 
     /// Whether a directory's `config.json` is a wav2vec2 model's.

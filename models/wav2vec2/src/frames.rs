@@ -5,11 +5,18 @@
 use candle_core::{DType, Device, Tensor};
 use tpinfer_layers::{Error, Result};
 
+/// The rate of the audio the encoder takes, in samples a second.
+pub const SAMPLE_RATE: u32 = 16_000;
+
 /// The encoder's states a second: 16 kHz audio over its convolutions' 320-sample hop.
 pub const STATES_PER_SECOND: usize = 50;
 
 /// The rate S2V first interpolates the states to (its `AudioEncoder.video_rate`).
 const INTERPOLATED_PER_SECOND: usize = 30;
+
+/// The fewest encoder states that make a video frame: [`per_video_frame`] keeps ⌊T · 30 / 50⌋
+/// interpolated states of T.
+pub const STATES_FOR_A_FRAME: usize = STATES_PER_SECOND.div_ceil(INTERPOLATED_PER_SECOND);
 
 /// The audio features of every video frame of a whole number of clips.
 #[derive(Debug, Clone)]

@@ -17,6 +17,6 @@ mod shard;
 
 pub use config::{ConvLayer, Wav2Vec2Config};
 pub use family::{Wav2Vec2Model, Wav2Vec2RankShard, PLANNED_SECONDS};
-pub use frames::{per_video_frame, VideoFrameFeatures, STATES_PER_SECOND};
+pub use frames::{per_video_frame, VideoFrameFeatures, SAMPLE_RATE, STATES_FOR_A_FRAME, STATES_PER_SECOND};
 pub use model::{Wav2Vec2Rank, FEATURE_CHUNK_FRAMES};
 pub use shard::{Names, PositionWeight, Wav2Vec2Shard};
