@@ -1,7 +1,9 @@
 //! LoRA adapters merged into each rank's slices at load, against the same adapter merged into
 //! the checkpoint offline (`W + s · B·A` written out here): a tiny Wan DiT at TP 1 to 4, its
 //! column-parallel, row-parallel and replicated weights changed; the adapter forms Live
-//! Avatar (PEFT) and kohya write; adapters that do not fit refused by name.
+//! Avatar (PEFT), kohya and ComfyUI write (Wan's original names on a diffusers checkpoint and
+//! back, each pair's own alpha, whole deltas of biases and norms); adapters that do not fit
+//! refused by name.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -84,7 +86,7 @@ fn an_adapter_merged_at_load_is_the_merged_checkpoint_at_every_width() {
     let base = model.write(base_dir.path());
     let merged = write_merged(&model, merged_dir.path());
     let adapter = Arc::new(LoraAdapter::open(&write_peft(lora_dir.path()), None).expect("adapter"));
-    assert_eq!(adapter.scale(), 0.5);
+    assert_eq!(adapter.scale_of("blocks.0.attn1.to_q.weight"), Some(0.5));
     assert_eq!(adapter.targets().count(), 5);
     let (latents, text) = wan_inputs(&model, 3, 6, 8, 5);
     let (reference, _) = run_wan(&merged, 1, DType::F32, &latents, &text, 600.0);
@@ -130,9 +132,12 @@ fn kohya_adapters_carry_their_alpha() {
     }
     let path = dir.path().join("kohya.safetensors");
     candle_core::safetensors::save(&tensors, &path).expect("save");
-    let adapter = LoraAdapter::open(&path, None).expect("adapter");
-    assert_eq!(adapter.scale(), 0.75);
-    assert_eq!(LoraAdapter::open(&path, Some(2.0)).expect("adapter").scale(), 2.0);
+    let q = "blocks.0.attn1.to_q.weight";
+    assert_eq!(LoraAdapter::open(&path, None).expect("adapter").scale_of(q), Some(0.75));
+    assert_eq!(
+        LoraAdapter::open(&path, Some(2.0)).expect("adapter").scale_of(q),
+        Some(2.0)
+    );
 }
 
 #[test]
@@ -192,5 +197,138 @@ fn adapters_that_do_not_fit_are_refused_by_name() {
     let err = LoraAdapter::open(&write(&pair("blocks.0.attn1.to_q", 60, 60)), None)
         .expect_err("no scale")
         .to_string();
-    assert!(err.contains("--lora-scale"), "{err}");
+    assert!(
+        err.contains("--lora-scale") && err.contains("blocks.0.attn1.to_q"),
+        "{err}"
+    );
+    // A value that is not a number: a corrupt file, refused before anything merges it.
+    let mut poisoned = pair("blocks.0.attn1.to_q", 60, 60);
+    let nan = Tensor::full(f32::NAN, (60, RANK), &Device::Cpu).expect("NaN");
+    poisoned.insert("blocks.0.attn1.to_q.lora_B.weight".into(), nan);
+    let err = LoraAdapter::open(&write(&poisoned), Some(1.0))
+        .expect_err("NaN")
+        .to_string();
+    assert!(err.contains("lora_B") && err.contains("not finite"), "{err}");
+}
+
+/// The original Wan code's name of each of [`targets`]' modules, as ComfyUI and kohya name a
+/// Wan adapter's changes.
+fn original(module: &str) -> &'static str {
+    match module {
+        "blocks.0.attn1.to_q" => "blocks.0.self_attn.q",
+        "blocks.0.attn1.to_out.0" => "blocks.0.self_attn.o",
+        "blocks.1.ffn.net.0.proj" => "blocks.1.ffn.0",
+        "blocks.1.ffn.net.2" => "blocks.1.ffn.2",
+        "condition_embedder.time_proj" => "time_projection.1",
+        other => panic!("no original name for {other}"),
+    }
+}
+
+/// A seeded whole delta of `n` values.
+fn delta(n: usize, salt: usize) -> Tensor {
+    let values: Vec<f32> = (0..n).map(|j| (((j * 31 + salt) % 17) as f32 - 8.0) * 0.01).collect();
+    Tensor::from_vec(values, n, &Device::Cpu).expect("delta")
+}
+
+/// Each pair's alpha (rank 4): every pair its own scale, alpha / 4.
+fn alpha(i: usize) -> f32 {
+    1.0 + i as f32
+}
+
+/// The ComfyUI form (`diffusion_model.` before Wan's original names, `lora_down`/`lora_up`,
+/// an alpha per pair, whole deltas of the first query's bias and norm), or kohya's
+/// (`lora_unet_`, dots as underscores).
+fn write_comfy(dir: &Path, kohya: bool) -> std::path::PathBuf {
+    let name = |module: &str| match kohya {
+        true => format!("lora_unet_{}", module.replace('.', "_")),
+        false => format!("diffusion_model.{module}"),
+    };
+    let mut tensors = HashMap::new();
+    for (i, (module, a, b)) in pairs().into_iter().enumerate() {
+        let module = name(original(&module));
+        tensors.insert(format!("{module}.lora_down.weight"), a);
+        tensors.insert(format!("{module}.lora_up.weight"), b);
+        tensors.insert(
+            format!("{module}.alpha"),
+            Tensor::new(&[alpha(i)], &Device::Cpu).expect("alpha"),
+        );
+    }
+    tensors.insert(format!("{}.diff_b", name("blocks.0.self_attn.q")), delta(60, 1));
+    tensors.insert(format!("{}.diff", name("blocks.0.self_attn.norm_q")), delta(60, 2));
+    let path = dir.join(if kohya {
+        "kohya.safetensors"
+    } else {
+        "comfy.safetensors"
+    });
+    candle_core::safetensors::save(&tensors, &path).expect("save adapter");
+    path
+}
+
+/// The model with [`write_comfy`]'s changes written into its checkpoint (diffusers' names).
+fn write_comfy_merged(model: &TinyWan, dir: &Path) -> std::path::PathBuf {
+    let path = model.write(dir);
+    let file = path.join("diffusion_pytorch_model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&file, &Device::Cpu).expect("checkpoint");
+    let mut add = |name: &str, change: Tensor| {
+        let merged = (&tensors[name] + change).expect("merged");
+        tensors.insert(name.to_string(), merged);
+    };
+    for (i, (module, a, b)) in pairs().into_iter().enumerate() {
+        let scale = alpha(i) as f64 / RANK as f64;
+        add(
+            &format!("{module}.weight"),
+            (b.matmul(&a).expect("B·A") * scale).expect("scaled"),
+        );
+    }
+    add("blocks.0.attn1.to_q.bias", delta(60, 1));
+    add("blocks.0.attn1.norm_q.weight", delta(60, 2));
+    candle_core::safetensors::save(&tensors, &file).expect("save");
+    path
+}
+
+/// A Wan adapter as ComfyUI and kohya's tools save it names the weights as the original Wan
+/// code does, with a scale per pair and whole deltas beside the pairs; it merges into a
+/// checkpoint in diffusers' names as into one in the original names, at every width, as the
+/// offline merge of the same changes.
+#[test]
+fn comfyui_and_kohya_adapters_merge_into_either_naming() {
+    let model = TinyWan::default();
+    let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().expect("tempdir")).collect();
+    let diffusers = model.write(dirs[0].path());
+    let original = TinyWan {
+        original_names: true,
+        ..TinyWan::default()
+    }
+    .write(dirs[1].path());
+    let merged = write_comfy_merged(&model, dirs[2].path());
+    let (latents, text) = wan_inputs(&model, 3, 6, 8, 5);
+    let (reference, _) = run_wan(&merged, 1, DType::F32, &latents, &text, 600.0);
+    let (without, _) = run_wan(&diffusers, 1, DType::F32, &latents, &text, 600.0);
+    assert!(
+        rel_error(&without, &reference) > 1e-2,
+        "the adapter changes the velocity"
+    );
+    for kohya in [false, true] {
+        let adapter = Arc::new(LoraAdapter::open(&write_comfy(dirs[3].path(), kohya), None).expect("adapter"));
+        assert_eq!(adapter.targets().count(), 7, "five pairs and two whole deltas");
+        for (base, widths) in [(&diffusers, 1..=3), (&original, 2..=2)] {
+            let checkpoint = WanCheckpoint::open(base)
+                .expect("open")
+                .with_lora(adapter.clone())
+                .expect("with LoRA");
+            for tp in widths {
+                let (out, _) = run_wan_from(
+                    &checkpoint,
+                    tp,
+                    DType::F32,
+                    WeightFormat::AsStored,
+                    &latents,
+                    &text,
+                    600.0,
+                );
+                let err = rel_error(&out, &reference);
+                assert!(err < 1e-5, "kohya {kohya}, {}, TP {tp}: {err:e}", base.display());
+            }
+        }
+    }
 }

@@ -148,12 +148,14 @@ struct GenerateArgs {
     /// statistics) instead of streaming the text.
     #[arg(long, help_heading = "Language models")]
     json: bool,
-    /// A LoRA adapter (safetensors: PEFT's names, as Live Avatar ships its adapter, or
-    /// kohya's) merged into a Wan DiT's weights at load; each rank merges only its slices.
+    /// A LoRA adapter (safetensors: PEFT's names, as Live Avatar ships its adapter, kohya's or
+    /// ComfyUI's, in Wan's original names or diffusers') merged into a Wan DiT's weights at
+    /// load; each rank merges only its slices.
     #[arg(long)]
     lora: Option<PathBuf>,
-    /// The adapter's scale, alpha / rank (default: from the file's alphas or the
-    /// adapter_config.json beside it).
+    /// Every pair's scale, replacing alpha / rank (default: each pair's alpha / rank from the
+    /// file, or the adapter_config.json beside it); whole deltas (`.diff`, `.diff_b`) are
+    /// added as stored.
     #[arg(long, requires = "lora")]
     lora_scale: Option<f64>,
     #[command(flatten)]

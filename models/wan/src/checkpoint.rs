@@ -36,10 +36,12 @@ impl WanCheckpoint {
     }
 
     /// The same checkpoint with `adapter` merged into each rank's slices as they are read.
-    /// The adapter names the weights as the checkpoint does (Live Avatar's, the original
-    /// Wan code's names, for the original Wan2.2-S2V checkpoint).
+    /// The adapter may name the weights in either of Wan's namings, whichever the
+    /// checkpoint is saved in: the original Wan code's (Live Avatar's adapter; ComfyUI's,
+    /// under `diffusion_model.`) or diffusers'.
     pub fn with_lora(&self, adapter: Arc<LoraAdapter>) -> Result<Self, WeightError> {
-        let merged: Arc<dyn WeightStore> = Arc::new(LoraStore::new(self.stored.clone(), adapter)?);
+        let aliases = original_names(&self.config);
+        let merged: Arc<dyn WeightStore> = Arc::new(LoraStore::new(self.stored.clone(), adapter, &aliases)?);
         Ok(Self {
             config: self.config.clone(),
             store: diffusers_view(merged, &self.config),
