@@ -112,6 +112,7 @@ fn tp_larger_than_the_head_count() {
     let dir = model_dir();
     let message = build_error(dir.path(), 9);
     assert_mentions(&message, &["9", "8 attention heads", "--tp 8 or less"]);
+    assert_eq!(message.matches("cannot shard").count(), 1, "said once: {message}");
 }
 
 #[test]

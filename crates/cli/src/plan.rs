@@ -34,7 +34,7 @@ pub struct PlanArgs {
     /// LLM: sequences served at once (`tpinfer serve --max-seqs`), sharing a paged KV cache
     /// of this many full contexts, or of as many as the budget holds where that is fewer, as
     /// `tpinfer serve` sizes it (default 1: one sequence with a cache of its own).
-    #[arg(long, visible_alias = "max-seqs")]
+    #[arg(long = "max-seqs", visible_alias = "batch")]
     batch: Option<usize>,
     /// DiT: frames, 4k + 1 (default 81).
     #[arg(long)]
@@ -102,7 +102,7 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
             Placement::llm(context.unwrap_or(max_context), args.batch.unwrap_or(batch))
         }
         (Placement::Dit { .. }, ..) if args.batch.is_some() => {
-            bail!("--batch is for LLMs; a DiT runs one video, its CFG passes in turn")
+            bail!("--max-seqs is for LLMs; a DiT runs one video, its CFG passes in turn")
         }
         (
             Placement::Dit {
@@ -146,7 +146,7 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
 /// A pipeline's plan: the video placement from --frames, --size and --no-cfg.
 fn pipeline(args: &PlanArgs) -> Result<ExitCode> {
     if args.max_context.is_some() || args.batch.is_some() {
-        bail!("--max-context and --batch are for LLMs; a pipeline is placed with --frames and --size");
+        bail!("--max-context and --max-seqs are for LLMs; a pipeline is placed with --frames and --size");
     }
     let models = crate::plan_pipeline::Models::open(&args.model, args.weights.format(), args.attention.precision())?;
     let (width, height) = args.size.unwrap_or((832, 480));

@@ -1110,7 +1110,7 @@ fn plan_refuses_absurd_sizes_quickly() {
     };
     refused(
         &["--model", "llama-3-8b", "--batch", "1000000000000"],
-        &["--batch 1000000000000", "65536"],
+        &["--max-seqs 1000000000000", "65536"],
     );
     refused(
         &[
@@ -1146,12 +1146,12 @@ fn plan_refuses_absurd_sizes_quickly() {
         "1",
         "--gpu-mem",
         "24GiB",
-        "--batch",
+        "--max-seqs",
         "60000",
     ]);
     assert_eq!(output.status.code(), Some(2));
     assert!(
-        String::from_utf8_lossy(&output.stderr).contains("--batch "),
+        String::from_utf8_lossy(&output.stderr).contains("--max-seqs "),
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );

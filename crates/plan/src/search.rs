@@ -237,7 +237,7 @@ pub fn over_budget_message(model: &dyn ShardedModel, plan: &Plan, dtype: DType, 
                     Plan::new(model, plan.tp, dtype, placement, plan.device).is_ok_and(|p| p.fits(budget))
                 };
                 if let Some(fewer) = largest(1, batch - 1, fits) {
-                    options.push(format!("--batch {fewer}"));
+                    options.push(format!("--max-seqs {fewer}"));
                 }
             }
         }

@@ -191,7 +191,7 @@ impl RankShard for LlamaRankShard {
         }
         if batch == 0 || batch > MAX_BATCH {
             return Err(PlanError::Placement(format!(
-                "--batch {batch} must be between 1 and {MAX_BATCH}"
+                "--max-seqs {batch} must be between 1 and {MAX_BATCH}"
             )));
         }
         let flash = flash_attention(accelerator == Accelerator::Cuda, dtype, config.head_dim, &self.shard);
@@ -260,7 +260,11 @@ impl Family for LlamaModel {
             .map(|rank| {
                 let shard = LlamaShard::new(&self.config, tp, rank).map_err(|e| PlanError::Sharding {
                     tp,
-                    detail: e.to_string(),
+                    // The plan's error says it cannot shard; the layer's detail alone follows.
+                    detail: match e {
+                        tpinfer_layers::Error::Shard(detail) => detail,
+                        other => other.to_string(),
+                    },
                 })?;
                 let decls = match &self.checkpoint {
                     Some(checkpoint) => checkpoint.weight_decls(&shard),
