@@ -24,7 +24,7 @@ pub struct SampleArgs {
 }
 
 /// A setting's name and its parameters (seed and draw filled in per row).
-fn settings(recent: &[u32]) -> Vec<(&'static str, RowSampling<'_>)> {
+fn settings<'a>(recent: &'a [u32], generated: &'a [u32]) -> Vec<(&'static str, RowSampling<'a>)> {
     let t = |temperature| RowSampling {
         temperature,
         ..RowSampling::GREEDY
@@ -62,19 +62,31 @@ fn settings(recent: &[u32]) -> Vec<(&'static str, RowSampling<'_>)> {
                 ..t(1.0)
             },
         ),
+        (
+            "T 1, repetition 1.1 over 64 tokens, frequency 0.5 and presence 0.3 over 64 generated (16 distinct)",
+            RowSampling {
+                repetition_penalty: 1.1,
+                penalized: recent,
+                frequency_penalty: 0.5,
+                presence_penalty: 0.3,
+                generated,
+                ..t(1.0)
+            },
+        ),
     ]
 }
 
 pub fn run(args: SampleArgs) -> Result<()> {
     let device = crate::gpu()?;
     let recent: Vec<u32> = (0..64u32).map(|i| i * 1999 % args.vocab as u32).collect();
+    let generated: Vec<u32> = (0..64u32).map(|i| (i % 16) * 2003 % args.vocab as u32).collect();
     println!("| rows | sampling | ms per call | tokens equal to the host's |");
     println!("|---:|---|---:|---:|");
     for &n in &args.rows {
         // Logits spread as a model's: a few tokens stand out of a broad tail.
         let logits = (Tensor::randn(0f32, 1.0, (n, args.vocab), &device)? * 3.0)?;
         let host = logits.to_device(&Device::Cpu)?;
-        for (name, setting) in settings(&recent) {
+        for (name, setting) in settings(&recent, &generated) {
             let rows = |draw: u64| -> Vec<RowSampling<'_>> {
                 (0..n as u64)
                     .map(|r| RowSampling {

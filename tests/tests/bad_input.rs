@@ -225,6 +225,11 @@ fn sampling_parameters_that_cannot_sample() {
         &with(|p| p.repetition_penalty = f32::INFINITY),
         &["repetition_penalty inf"],
     );
+    assert_mentions(
+        &with(|p| p.frequency_penalty = 2.5),
+        &["frequency_penalty 2.5", "-2 to 2"],
+    );
+    assert_mentions(&with(|p| p.presence_penalty = f32::NAN), &["presence_penalty NaN"]);
     // Greedy requests are checked too: a bad top_k is a mistake even where it would be ignored.
     let greedy = SamplingParams {
         top_k: Some(0),

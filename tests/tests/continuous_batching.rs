@@ -12,19 +12,33 @@ use tpinfer_engine::{
 use tpinfer_runtime::host_available;
 use tpinfer_tests::TinyLlama;
 
-/// Request `i`: prompts of 1 to 17 tokens; even ones greedy, odd ones sampled with their own
-/// seed; 3 to 18 new tokens.
+/// Request `i`: prompts of 1 to 17 tokens; even ones greedy (every other one with frequency
+/// and presence penalties, which look at the generated tokens alone), odd ones sampled with
+/// their own seed (every other one with all three penalties); 3 to 18 new tokens.
 fn request(i: usize) -> GenerateRequest {
     let prompt: Vec<u32> = (0..1 + (i * 5) % 17).map(|t| ((i * 31 + t * 7) % 250) as u32).collect();
-    let sampling = match i % 2 {
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        top_k: Some(40),
+        top_p: Some(0.95),
+        repetition_penalty: 1.1,
+        seed: 1000 + i as u64,
+        ..SamplingParams::default()
+    };
+    let sampling = match i % 4 {
         0 => SamplingParams::default(),
-        _ => SamplingParams {
-            temperature: 0.9,
-            top_k: Some(40),
-            top_p: Some(0.95),
-            repetition_penalty: 1.1,
-            seed: 1000 + i as u64,
+        1 => sampled,
+        2 => SamplingParams {
+            frequency_penalty: 0.7,
+            presence_penalty: 0.4,
             ..SamplingParams::default()
+        },
+        // A repetition window shorter than the tokens generated.
+        _ => SamplingParams {
+            frequency_penalty: 0.3,
+            presence_penalty: -0.2,
+            repetition_window: 4,
+            ..sampled
         },
     };
     GenerateRequest::new(Prompt::Tokens(prompt), 3 + i % 16).with_sampling(sampling)

@@ -137,10 +137,23 @@ fn seeded_sampling_is_reproducible_and_seed_dependent() {
         },
     );
     let distinct = |ids: &[u32]| ids.iter().collect::<std::collections::HashSet<_>>().len();
-    assert!(
-        distinct(&penalized) > distinct(&greedy(&engine, "xyz", 24)),
-        "penalty must diversify"
-    );
+    let plain = greedy(&engine, "xyz", 24);
+    assert!(distinct(&penalized) > distinct(&plain), "penalty must diversify");
+    // OpenAI's penalties on the generated tokens: greedy still, but off the beaten track.
+    for (frequency_penalty, presence_penalty) in [(2.0, 0.0), (0.0, 2.0)] {
+        let penalized = run(
+            0,
+            SamplingParams {
+                frequency_penalty,
+                presence_penalty,
+                ..SamplingParams::default()
+            },
+        );
+        assert!(
+            distinct(&penalized) > distinct(&plain),
+            "frequency {frequency_penalty}, presence {presence_penalty}: {penalized:?} against {plain:?}"
+        );
+    }
 }
 
 #[test]

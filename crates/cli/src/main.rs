@@ -141,6 +141,24 @@ struct GenerateArgs {
     /// Above 1 makes the tokens among the last 64 less likely to come again; 1 disables it.
     #[arg(long, default_value_t = 1.0, help_heading = "Language models")]
     repetition_penalty: f32,
+    /// Taken off a token's logit for each time it was generated, from -2 to 2 (OpenAI's
+    /// frequency_penalty); 0 disables it.
+    #[arg(
+        long,
+        default_value_t = 0.0,
+        allow_negative_numbers = true,
+        help_heading = "Language models"
+    )]
+    frequency_penalty: f32,
+    /// Taken off the logit of every token generated at all, from -2 to 2 (OpenAI's
+    /// presence_penalty); 0 disables it.
+    #[arg(
+        long,
+        default_value_t = 0.0,
+        allow_negative_numbers = true,
+        help_heading = "Language models"
+    )]
+    presence_penalty: f32,
     /// The sampler's seed (the video's noise for a Wan DiT).
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
@@ -228,6 +246,8 @@ const TEXT_ONLY: &[&str] = &[
     "top_k",
     "top_p",
     "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
 ];
 const VIDEO_ONLY: &[&str] = &[
     "lora",
@@ -356,6 +376,8 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
         top_k: args.top_k,
         top_p: args.top_p,
         repetition_penalty: args.repetition_penalty,
+        frequency_penalty: args.frequency_penalty,
+        presence_penalty: args.presence_penalty,
         seed: args.seed,
         ..SamplingParams::default()
     };

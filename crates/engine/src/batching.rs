@@ -157,7 +157,7 @@ struct Pick {
     sampling: SamplingParams,
     /// Its tokens generated so far.
     draw: usize,
-    /// The context's last tokens, which the repetition penalty looks at (empty without one).
+    /// The context's last tokens, which the penalties look at (empty without one).
     recent: Vec<u32>,
     /// Whether the logits also come to the host: for log-probabilities, or a trace.
     row: bool,
@@ -270,14 +270,12 @@ impl Sequence {
             return None;
         }
         let sampling = &self.job.sampling;
-        let recent = match sampling.repetition_penalty == 1.0 {
-            true => Vec::new(),
-            false => self.context[self.context.len().saturating_sub(sampling.repetition_window)..].to_vec(),
-        };
+        let draw = self.generated();
+        let tail = sampling.penalized_tail(draw);
         Some(Pick {
             sampling: sampling.clone(),
-            draw: self.generated(),
-            recent,
+            draw,
+            recent: self.context[self.context.len().saturating_sub(tail)..].to_vec(),
             row: self.job.logprobs.is_some() || self.job.logits.is_some(),
         })
     }

@@ -36,6 +36,12 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     /// How many of the last tokens the repetition penalty looks at.
     pub repetition_window: usize,
+    /// Taken off a token's logit for each time it was generated (OpenAI's
+    /// `frequency_penalty`, from −2 to 2); 0 disables.
+    pub frequency_penalty: f32,
+    /// Taken off the logit of every token generated at all (`presence_penalty`, −2 to 2);
+    /// 0 disables.
+    pub presence_penalty: f32,
     pub seed: u64,
 }
 
@@ -47,6 +53,8 @@ impl Default for SamplingParams {
             top_p: None,
             repetition_penalty: 1.0,
             repetition_window: 64,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
             seed: 299_792_458,
         }
     }
@@ -55,7 +63,27 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Greedy decoding with no penalty: the plain argmax of the logits.
     pub(crate) fn is_greedy(&self) -> bool {
-        self.temperature <= 0.0 && self.repetition_penalty == 1.0
+        self.temperature <= 0.0 && !self.penalizes()
+    }
+
+    /// Whether any penalty changes the logits.
+    fn penalizes(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.frequency_penalty != 0.0 || self.presence_penalty != 0.0
+    }
+
+    /// How many of a context's last tokens the penalties look at, `draw` of them generated:
+    /// the repetition penalty's window, and every generated token where the frequency or
+    /// presence penalty is on.
+    pub(crate) fn penalized_tail(&self, draw: usize) -> usize {
+        let repeats = match self.repetition_penalty == 1.0 {
+            true => 0,
+            false => self.repetition_window,
+        };
+        let generated = match self.frequency_penalty == 0.0 && self.presence_penalty == 0.0 {
+            true => 0,
+            false => draw,
+        };
+        repeats.max(generated)
     }
 
     /// Why these parameters cannot sample, if they cannot (`EngineError::InvalidRequest`, naming
@@ -93,12 +121,23 @@ impl SamplingParams {
         if !(penalty.is_finite() && penalty > 0.0) {
             return Some(format!("repetition_penalty {penalty} must be above 0 (1 disables it)"));
         }
+        for (name, value) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&value) {
+                return Some(format!("{name} {value} must be from -2 to 2 (0 disables it)"));
+            }
+        }
         None
     }
 
-    /// The kernel's parameters for the request's `draw`-th token after `context` (the
-    /// repetition penalty looks at its last `repetition_window` tokens).
+    /// The kernel's parameters for the request's `draw`-th token after `context`, whose last
+    /// `draw` tokens it generated (the repetition penalty looks at the last
+    /// `repetition_window` tokens, the frequency and presence penalties at the generated
+    /// ones); `context` may be cut to its last [`Self::penalized_tail`] tokens.
     pub(crate) fn row<'a>(&self, draw: usize, context: &'a [u32]) -> RowSampling<'a> {
+        let tail = |n: usize| &context[context.len().saturating_sub(n)..];
         RowSampling {
             temperature: self.temperature as f32,
             top_k: self.top_k,
@@ -106,7 +145,10 @@ impl SamplingParams {
             seed: self.seed,
             draw: draw as u64,
             repetition_penalty: self.repetition_penalty,
-            penalized: &context[context.len().saturating_sub(self.repetition_window)..],
+            penalized: tail(self.repetition_window),
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            generated: tail(draw),
         }
     }
 }

@@ -212,13 +212,17 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     if (threadIdx.x == 0) out[blockIdx.x] = b.index == NONE ? 0 : b.index;
 }
 
-// Divides the positive logits (multiplies the negative ones) of each listed token by its
-// row's penalty, in place: `tokens` `[count]` (distinct within a row), `rows` their rows.
-extern "C" __global__ void penalize_repeats(float* logits, const unsigned* tokens, const unsigned* rows,
-                                            const float* penalties, int count, int n) {
+// Penalizes each listed token of its row in place: divides a positive logit (multiplies a
+// negative one) by the entry's factor, the repetition penalty, then takes its offset off,
+// the frequency and presence penalties: `tokens` `[count]` (distinct within a row), `rows`
+// their rows.
+extern "C" __global__ void penalize(float* logits, const unsigned* tokens, const unsigned* rows,
+                                    const float* factors, const float* offsets, int count, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
         float* x = logits + (long)rows[i] * n + tokens[i];
-        const float penalty = penalties[rows[i]];
-        *x = *x > 0.f ? *x / penalty : *x * penalty;
+        const float factor = factors[i];
+        // Rounded as the host rounds each step: no multiply-add fused from the two.
+        const float scaled = *x > 0.f ? __fdiv_rn(*x, factor) : __fmul_rn(*x, factor);
+        *x = __fsub_rn(scaled, offsets[i]);
     }
 }

@@ -28,6 +28,14 @@ pub struct RowSampling<'a> {
     pub repetition_penalty: f32,
     /// Tokens already seen, repeats allowed.
     pub penalized: &'a [u32],
+    /// Taken off a token's logit once for each time it is in `generated` (OpenAI's
+    /// `frequency_penalty`), after the repetition penalty; 0 leaves them.
+    pub frequency_penalty: f32,
+    /// Taken off the logit of every token in `generated` once (`presence_penalty`).
+    pub presence_penalty: f32,
+    /// The request's tokens generated so far, repeats counted: what the frequency and
+    /// presence penalties look at (the prompt is not).
+    pub generated: &'a [u32],
 }
 
 impl RowSampling<'_> {
@@ -40,6 +48,9 @@ impl RowSampling<'_> {
         draw: 0,
         repetition_penalty: 1.0,
         penalized: &[],
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
+        generated: &[],
     };
 
     /// The top-k and top-p that keep fewer than all of `vocab` tokens (a greedy row keeps no
@@ -54,16 +65,43 @@ impl RowSampling<'_> {
         )
     }
 
-    /// The distinct tokens the penalty applies to, none when it is 1.
-    fn penalized_set(&self) -> Vec<u32> {
-        if self.repetition_penalty == 1.0 {
-            return Vec::new();
-        }
-        let mut tokens = self.penalized.to_vec();
+    /// Each distinct token a penalty changes, with what it does to the token's logit `x`:
+    /// `penalize(x, factor) - offset` (none when every penalty is off).
+    fn penalized_set(&self) -> Vec<Penalty> {
+        let repeats = match self.repetition_penalty == 1.0 {
+            true => &[][..],
+            false => self.penalized,
+        };
+        let generated = match self.frequency_penalty == 0.0 && self.presence_penalty == 0.0 {
+            true => &[][..],
+            false => self.generated,
+        };
+        let mut tokens: Vec<u32> = repeats.iter().chain(generated).copied().collect();
         tokens.sort_unstable();
         tokens.dedup();
         tokens
+            .into_iter()
+            .map(|token| {
+                let count = generated.iter().filter(|&&t| t == token).count();
+                Penalty {
+                    token,
+                    factor: match repeats.contains(&token) {
+                        true => self.repetition_penalty,
+                        false => 1.0,
+                    },
+                    offset: self.frequency_penalty * count as f32 + if count > 0 { self.presence_penalty } else { 0.0 },
+                }
+            })
+            .collect()
     }
+}
+
+/// What the penalties do to one token's logit: `penalize(x, factor) - offset`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Penalty {
+    token: u32,
+    factor: f32,
+    offset: f32,
 }
 
 /// The token each row of `logits` `[rows, vocab]` (f32) picks as `rows` say, `[rows]` u32 on
@@ -78,9 +116,12 @@ pub fn sample_rows(logits: &Tensor, rows: &[RowSampling<'_>]) -> Result<Tensor> 
             rows.len()
         );
     }
-    let penalized: Vec<Vec<u32>> = rows.iter().map(RowSampling::penalized_set).collect();
-    if let Some(&token) = penalized.iter().flatten().find(|&&t| t as usize >= vocab) {
-        candle_core::bail!("sample_rows: penalized token {token} lies past the vocabulary of {vocab}");
+    let penalized: Vec<Vec<Penalty>> = rows.iter().map(RowSampling::penalized_set).collect();
+    if let Some(p) = penalized.iter().flatten().find(|p| p.token as usize >= vocab) {
+        candle_core::bail!(
+            "sample_rows: penalized token {} lies past the vocabulary of {vocab}",
+            p.token
+        );
     }
     #[cfg(feature = "cuda")]
     if logits.device().is_cuda() {
@@ -92,8 +133,9 @@ pub fn sample_rows(logits: &Tensor, rows: &[RowSampling<'_>]) -> Result<Tensor> 
         .zip(rows)
         .zip(&penalized)
         .map(|((mut row, s), set)| {
-            for &t in set {
-                row[t as usize] = penalize(row[t as usize], s.repetition_penalty);
+            for p in set {
+                let x = &mut row[p.token as usize];
+                *x = penalize(*x, p.factor) - p.offset;
             }
             sample_row(&row, s)
         })
@@ -210,7 +252,7 @@ mod cuda {
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{DType, Result, Tensor};
 
-    use super::RowSampling;
+    use super::{Penalty, RowSampling};
     use crate::launch::{addresses, device_address, elementwise};
 
     /// Threads per CTA of the thresholds (THREADS in cuda/sample.cu), and of the draw's parts
@@ -234,7 +276,7 @@ mod cuda {
         ]
     }
 
-    pub(super) fn sample_rows(logits: &Tensor, rows: &[RowSampling<'_>], penalized: &[Vec<u32>]) -> Result<Tensor> {
+    pub(super) fn sample_rows(logits: &Tensor, rows: &[RowSampling<'_>], penalized: &[Vec<Penalty>]) -> Result<Tensor> {
         let candle_core::Device::Cuda(dev) = logits.device() else {
             candle_core::bail!("sample_rows: not a CUDA tensor");
         };
@@ -246,19 +288,22 @@ mod cuda {
             0 => logits.clone(),
             _ => {
                 let copy = logits.copy()?;
-                let tokens: Vec<u32> = penalized.iter().flatten().copied().collect();
+                let all = || penalized.iter().flatten();
+                let tokens: Vec<u32> = all().map(|p| p.token).collect();
                 let of_row: Vec<u32> = penalized
                     .iter()
                     .enumerate()
                     .flat_map(|(r, set)| std::iter::repeat_n(r as u32, set.len()))
                     .collect();
-                let penalties: Vec<f32> = rows.iter().map(|s| s.repetition_penalty).collect();
+                let factors: Vec<f32> = all().map(|p| p.factor).collect();
+                let offsets: Vec<f32> = all().map(|p| p.offset).collect();
                 let tokens = Tensor::new(tokens.as_slice(), device)?;
                 let of_row = Tensor::new(of_row.as_slice(), device)?;
-                let penalties = Tensor::new(penalties.as_slice(), device)?;
-                let func = crate::module::SAMPLE.kernel(dev, "penalize_repeats")?;
+                let factors = Tensor::new(factors.as_slice(), device)?;
+                let offsets = Tensor::new(offsets.as_slice(), device)?;
+                let func = crate::module::SAMPLE.kernel(dev, "penalize")?;
                 let (count_i, vocab_i) = (count as i32, vocab as i32);
-                let pointers = addresses(&[&copy, &tokens, &of_row, &penalties])?;
+                let pointers = addresses(&[&copy, &tokens, &of_row, &factors, &offsets])?;
                 let mut launch = func.builder();
                 for a in &pointers {
                     launch.arg(a);

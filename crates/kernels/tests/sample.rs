@@ -173,3 +173,60 @@ fn the_repetition_penalty_applies_once_per_seen_token() {
         "two parameter rows for one row"
     );
 }
+
+/// OpenAI's penalties on the generated tokens, after the repetition penalty: token 1 (2.5),
+/// generated twice, loses `2 · frequency + presence`; a token never generated keeps its
+/// logit.
+#[test]
+fn frequency_and_presence_penalties_count_the_generated_tokens() {
+    let x = logits(&[&ROW]);
+    let generated = [1u32, 1, 4];
+    let with = |frequency_penalty: f32, presence_penalty: f32| RowSampling {
+        frequency_penalty,
+        presence_penalty,
+        generated: &generated,
+        ..RowSampling::GREEDY
+    };
+    // 2.5 − 2 · 0.2 = 2.1 still tops 2.0; − 2 · 0.3 = 1.9 does not.
+    assert_eq!(ids(&x, &[with(0.2, 0.0)]), vec![1]);
+    assert_eq!(ids(&x, &[with(0.3, 0.0)]), vec![3]);
+    // Presence counts a token once: 2.5 − 0.45 = 2.05 tops 2.0, − 0.55 = 1.95 does not.
+    assert_eq!(ids(&x, &[with(0.0, 0.45)]), vec![1]);
+    assert_eq!(ids(&x, &[with(0.0, 0.55)]), vec![3]);
+    // Both: 2.5 − 2 · 0.1 − 0.25 = 2.05 tops 2.0, − 0.35 = 1.95 does not.
+    assert_eq!(ids(&x, &[with(0.1, 0.25)]), vec![1]);
+    assert_eq!(ids(&x, &[with(0.1, 0.35)]), vec![3]);
+    // Negative penalties favour what was generated: token 4 (−1.0), generated once, rises
+    // to −1.0 + 2.0 + 1.6 = 2.6 past 2.5, and not with 1.4 (2.4).
+    let once = [4u32];
+    let favour = |presence_penalty: f32| RowSampling {
+        generated: &once,
+        ..with(-2.0, presence_penalty)
+    };
+    assert_eq!(ids(&x, &[favour(-1.6)]), vec![4]);
+    assert_eq!(ids(&x, &[favour(-1.4)]), vec![1]);
+    // After the repetition penalty: 2.5 / 1.2 = 2.083 − 0.1 = 1.983 falls below 2.0.
+    let both = RowSampling {
+        repetition_penalty: 1.2,
+        penalized: &generated,
+        ..with(0.05, 0.0)
+    };
+    assert_eq!(ids(&x, &[both]), vec![3]);
+    assert_eq!(
+        ids(
+            &x,
+            &[RowSampling {
+                frequency_penalty: 0.0,
+                ..both
+            }]
+        ),
+        vec![1]
+    );
+    // The prompt is not looked at: tokens only in `penalized` keep their logit here.
+    let prompt_only = RowSampling {
+        penalized: &generated,
+        generated: &[],
+        ..with(5.0, 5.0)
+    };
+    assert_eq!(ids(&x, &[prompt_only]), vec![1]);
+}

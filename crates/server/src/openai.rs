@@ -88,8 +88,8 @@ pub struct Common {
     /// vLLM's: generate past end-of-sequence tokens (benchmarks of fixed output lengths).
     #[serde(default)]
     pub ignore_eos: bool,
-    pub frequency_penalty: Option<f64>,
-    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -192,14 +192,13 @@ impl ChatRequest {
         let messages = self
             .messages
             .into_iter()
-            .map(|m| match m.content {
-                serde_json::Value::String(content) => Ok(ChatMessage { role: m.role, content }),
-                _ => Err(ApiError::bad_request(
-                    Some("messages"),
-                    "a message's content must be a string (content parts are not supported)",
-                )),
+            .map(|m| {
+                Ok(ChatMessage {
+                    content: message_text(m.content)?,
+                    role: m.role,
+                })
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, ApiError>>()?;
         // Without a limit a chat runs to the end of its turn or of the context.
         let max_tokens = self.max_completion_tokens;
         let mut checked = self
@@ -207,6 +206,34 @@ impl ChatRequest {
             .check(served, Prompt::Chat(messages), max_tokens, context, seed)?;
         checked.request.logprobs = logprobs;
         Ok(checked)
+    }
+}
+
+/// A message's text: its `content` string, or its text parts joined by newlines (as vLLM
+/// joins them); an assistant turn that called tools has none. A part that is not text (an
+/// image, audio) is refused: the models served read text.
+fn message_text(content: serde_json::Value) -> Result<String, ApiError> {
+    let refused = |detail: String| ApiError::bad_request(Some("messages"), detail);
+    match content {
+        serde_json::Value::String(text) => Ok(text),
+        serde_json::Value::Null => Ok(String::new()),
+        serde_json::Value::Array(parts) => {
+            let texts = parts
+                .iter()
+                .map(|part| match (part["type"].as_str(), part["text"].as_str()) {
+                    (Some("text"), Some(text)) => Ok(text),
+                    (Some("text"), None) => Err(refused("a text content part has no `text` string".into())),
+                    (Some(kind), _) => Err(refused(format!(
+                        "a content part of type '{kind}': this server's model reads text parts only"
+                    ))),
+                    (None, _) => Err(refused("a content part has no `type`".into())),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(texts.join("\n"))
+        }
+        _ => Err(refused(
+            "a message's content must be a string or a list of text parts".into(),
+        )),
     }
 }
 
@@ -227,17 +254,6 @@ impl Common {
         }
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::bad_request(Some("n"), "n must be 1"));
-        }
-        for (param, value) in [
-            ("frequency_penalty", self.frequency_penalty),
-            ("presence_penalty", self.presence_penalty),
-        ] {
-            if value.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::bad_request(
-                    Some(param),
-                    format!("{param} is not supported (repetition_penalty is)"),
-                ));
-            }
         }
         let max_new_tokens = match max_tokens.or(self.max_tokens) {
             None => default_max_tokens,
@@ -271,15 +287,18 @@ impl Common {
             top_k,
             top_p: self.top_p,
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
             seed: self.seed.unwrap_or(seed),
             ..SamplingParams::default()
         };
         if let Err(e) = sampling.check() {
-            let param = match () {
-                _ if self.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) => "top_p",
-                _ => "repetition_penalty",
-            };
-            return Err(ApiError::bad_request(Some(param), e.to_string()));
+            let message = e.to_string();
+            let param = ["top_p", "frequency_penalty", "presence_penalty"]
+                .into_iter()
+                .find(|p| message.contains(p))
+                .unwrap_or("repetition_penalty");
+            return Err(ApiError::bad_request(Some(param), message));
         }
         let stops = match self.stop {
             None => Vec::new(),

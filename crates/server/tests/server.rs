@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use axum::serve::Listener;
 use serde_json::{json, Value};
-use tpinfer_engine::{Engine, EngineBuilder, Fault};
+use tpinfer_engine::{Engine, EngineBuilder, Fault, GenerateRequest, Prompt, SamplingParams};
 use tpinfer_server::{router, without_nagle, ServerOptions};
 use tpinfer_tests::{assets_dir, TinyLlama};
 
@@ -194,10 +194,22 @@ async fn whole_answers_chat_and_models() {
         "max_tokens": 5,
         "temperature": 0,
     });
-    let (status, body) = post(&base, "/v1/chat/completions", chat).await;
+    let (status, body) = post(&base, "/v1/chat/completions", chat.clone()).await;
     assert_eq!(status, 200, "{body}");
     let answer: Value = serde_json::from_str(&body).expect("JSON");
     assert_eq!(answer["object"], "chat.completion");
+    // The same chat with its content as text parts, as newer clients send it.
+    let mut parts = chat.clone();
+    parts["messages"][1]["content"] = json!([{"type": "text", "text": "hi"}]);
+    let (status, parts_body) = post(&base, "/v1/chat/completions", parts).await;
+    assert_eq!(status, 200, "{parts_body}");
+    let parts_answer: Value = serde_json::from_str(&parts_body).expect("JSON");
+    assert_eq!(parts_answer["choices"], answer["choices"]);
+    let mut image = chat;
+    image["messages"][1]["content"] = json!([{"type": "image_url", "image_url": {"url": "data:,"}}]);
+    let (status, image_body) = post(&base, "/v1/chat/completions", image).await;
+    assert_eq!(status, 400, "{image_body}");
+    assert!(image_body.contains("image_url"), "{image_body}");
     assert_eq!(answer["choices"][0]["message"]["role"], "assistant");
     assert!(
         answer["usage"]["prompt_tokens"].as_u64().is_some_and(|n| n > 2),
@@ -212,6 +224,37 @@ async fn whole_answers_chat_and_models() {
     assert_eq!(models["data"][0]["id"], MODEL);
     let health = reqwest::get(format!("{base}/health")).await.expect("health");
     assert_eq!(health.status().as_u16(), 200);
+    // OpenAI's penalties reach the sampler: the answer is the engine's own for them, and not
+    // the plain greedy one.
+    let penalized = json!({
+        "model": MODEL, "prompt": "xyz", "max_tokens": 16, "temperature": 0,
+        "frequency_penalty": 1.5, "presence_penalty": 0.5,
+    });
+    let (status, body) = post(&base, "/v1/completions", penalized).await;
+    assert_eq!(status, 200, "{body}");
+    let answer: Value = serde_json::from_str(&body).expect("JSON");
+    let same_model = tempfile::tempdir().expect("tempdir");
+    let engine = tiny(&same_model).build().expect("engine");
+    let text = |sampling: SamplingParams| {
+        let request = GenerateRequest::new(Prompt::text("xyz"), 16).with_sampling(sampling);
+        engine
+            .generate(request)
+            .expect("generate")
+            .collect_text()
+            .expect("stream")
+            .0
+    };
+    let expected = text(SamplingParams {
+        frequency_penalty: 1.5,
+        presence_penalty: 0.5,
+        ..SamplingParams::default()
+    });
+    assert_eq!(answer["choices"][0]["text"], expected.as_str());
+    assert_ne!(
+        expected,
+        text(SamplingParams::default()),
+        "the penalties change the answer"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -348,7 +391,8 @@ async fn bad_requests_get_400_naming_the_field() {
         (with("n", json!(2)), Some("n")),
         (with("logprobs", json!(21)), Some("logprobs")),
         (with("logprobs", json!("many")), Some("logprobs")),
-        (with("presence_penalty", json!(0.5)), Some("presence_penalty")),
+        (with("presence_penalty", json!(2.5)), Some("presence_penalty")),
+        (with("frequency_penalty", json!(-3)), Some("frequency_penalty")),
         (with("temperature", json!("hot")), None),
     ];
     for (request, param) in cases {
