@@ -75,6 +75,31 @@ fn write_merged(model: &TinyWan, dir: &Path) -> std::path::PathBuf {
     path
 }
 
+/// ‖v − reference‖ / ‖reference‖ for the velocity `v` of `base` with `adapter` merged into
+/// its slices at load, at TP `tp`.
+fn error_at_load(
+    base: &Path,
+    adapter: &Arc<LoraAdapter>,
+    tp: usize,
+    (latents, text): (&Tensor, &Tensor),
+    reference: &[f32],
+) -> f64 {
+    let checkpoint = WanCheckpoint::open(base)
+        .expect("open")
+        .with_lora(adapter.clone())
+        .expect("with LoRA");
+    let (out, _) = run_wan_from(
+        &checkpoint,
+        tp,
+        DType::F32,
+        WeightFormat::AsStored,
+        latents,
+        text,
+        600.0,
+    );
+    rel_error(&out, reference)
+}
+
 #[test]
 fn an_adapter_merged_at_load_is_the_merged_checkpoint_at_every_width() {
     let model = TinyWan::default();
@@ -95,21 +120,8 @@ fn an_adapter_merged_at_load_is_the_merged_checkpoint_at_every_width() {
         rel_error(&without, &reference) > 1e-2,
         "the adapter changes the velocity"
     );
-    let checkpoint = WanCheckpoint::open(&base)
-        .expect("open")
-        .with_lora(adapter)
-        .expect("with LoRA");
     for tp in 1..=4 {
-        let (out, _) = run_wan_from(
-            &checkpoint,
-            tp,
-            DType::F32,
-            WeightFormat::AsStored,
-            &latents,
-            &text,
-            600.0,
-        );
-        let err = rel_error(&out, &reference);
+        let err = error_at_load(&base, &adapter, tp, (&latents, &text), &reference);
         assert!(
             err < 1e-5,
             "TP {tp} with the adapter against the merged checkpoint: {err:e}"
@@ -312,21 +324,8 @@ fn comfyui_and_kohya_adapters_merge_into_either_naming() {
         let adapter = Arc::new(LoraAdapter::open(&write_comfy(dirs[3].path(), kohya), None).expect("adapter"));
         assert_eq!(adapter.targets().count(), 7, "five pairs and two whole deltas");
         for (base, widths) in [(&diffusers, 1..=3), (&original, 2..=2)] {
-            let checkpoint = WanCheckpoint::open(base)
-                .expect("open")
-                .with_lora(adapter.clone())
-                .expect("with LoRA");
             for tp in widths {
-                let (out, _) = run_wan_from(
-                    &checkpoint,
-                    tp,
-                    DType::F32,
-                    WeightFormat::AsStored,
-                    &latents,
-                    &text,
-                    600.0,
-                );
-                let err = rel_error(&out, &reference);
+                let err = error_at_load(base, &adapter, tp, (&latents, &text), &reference);
                 assert!(err < 1e-5, "kohya {kohya}, {}, TP {tp}: {err:e}", base.display());
             }
         }
