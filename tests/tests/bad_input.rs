@@ -230,6 +230,18 @@ fn sampling_parameters_that_cannot_sample() {
         &["frequency_penalty 2.5", "-2 to 2"],
     );
     assert_mentions(&with(|p| p.presence_penalty = f32::NAN), &["presence_penalty NaN"]);
+    assert_mentions(
+        &with(|p| p.logit_bias = vec![(3, 150.0)]),
+        &["logit_bias 150", "token 3", "-100 to 100"],
+    );
+    assert_mentions(
+        &with(|p| p.logit_bias = vec![(3, 1.0), (3, -1.0)]),
+        &["logit_bias", "token 3 twice"],
+    );
+    assert_mentions(
+        &with(|p| p.logit_bias = vec![(1_000_000, 1.0)]),
+        &["logit_bias", "token 1000000", "vocabulary"],
+    );
     // Greedy requests are checked too: a bad top_k is a mistake even where it would be ignored.
     let greedy = SamplingParams {
         top_k: Some(0),

@@ -13,8 +13,9 @@ use tpinfer_runtime::host_available;
 use tpinfer_tests::TinyLlama;
 
 /// Request `i`: prompts of 1 to 17 tokens; even ones greedy (every other one with frequency
-/// and presence penalties, which look at the generated tokens alone), odd ones sampled with
-/// their own seed (every other one with all three penalties); 3 to 18 new tokens.
+/// and presence penalties, which look at the generated tokens alone, and a logit bias), odd
+/// ones sampled with their own seed (every other one with all three penalties); 3 to 18 new
+/// tokens.
 fn request(i: usize) -> GenerateRequest {
     let prompt: Vec<u32> = (0..1 + (i * 5) % 17).map(|t| ((i * 31 + t * 7) % 250) as u32).collect();
     let sampled = SamplingParams {
@@ -31,6 +32,7 @@ fn request(i: usize) -> GenerateRequest {
         2 => SamplingParams {
             frequency_penalty: 0.7,
             presence_penalty: 0.4,
+            logit_bias: vec![(5, -100.0), (9, 1.5)],
             ..SamplingParams::default()
         },
         // A repetition window shorter than the tokens generated.

@@ -154,6 +154,15 @@ fn seeded_sampling_is_reproducible_and_seed_dependent() {
             "frequency {frequency_penalty}, presence {presence_penalty}: {penalized:?} against {plain:?}"
         );
     }
+    // A bias of −100 bans the token greedy decoding picks first.
+    let banned = run(
+        0,
+        SamplingParams {
+            logit_bias: vec![(plain[0], -100.0)],
+            ..SamplingParams::default()
+        },
+    );
+    assert!(!banned.contains(&plain[0]), "{banned:?} holds the banned {}", plain[0]);
 }
 
 #[test]

@@ -211,6 +211,16 @@ impl Engine {
                 "token id {id} is outside the model's vocabulary of {vocab}"
             )));
         }
+        if let Some(&(id, _)) = request
+            .sampling
+            .logit_bias
+            .iter()
+            .find(|&&(id, _)| id as usize >= vocab)
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "logit_bias names token {id}, outside the model's vocabulary of {vocab}"
+            )));
+        }
         let prompt_tokens = prompt.len();
         let job = Arc::new(RankJob {
             prompt,

@@ -42,6 +42,9 @@ pub struct SamplingParams {
     /// Taken off the logit of every token generated at all (`presence_penalty`, −2 to 2);
     /// 0 disables.
     pub presence_penalty: f32,
+    /// Added to the logits of these tokens after the penalties (OpenAI's `logit_bias`, each
+    /// from −100, which bans the token in effect, to 100).
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: u64,
 }
 
@@ -55,6 +58,7 @@ impl Default for SamplingParams {
             repetition_window: 64,
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
+            logit_bias: Vec::new(),
             seed: 299_792_458,
         }
     }
@@ -63,7 +67,7 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Greedy decoding with no penalty: the plain argmax of the logits.
     pub(crate) fn is_greedy(&self) -> bool {
-        self.temperature <= 0.0 && !self.penalizes()
+        self.temperature <= 0.0 && !self.penalizes() && self.logit_bias.is_empty()
     }
 
     /// Whether any penalty changes the logits.
@@ -129,6 +133,14 @@ impl SamplingParams {
                 return Some(format!("{name} {value} must be from -2 to 2 (0 disables it)"));
             }
         }
+        for (i, &(token, bias)) in self.logit_bias.iter().enumerate() {
+            if !(-100.0..=100.0).contains(&bias) {
+                return Some(format!("logit_bias {bias} of token {token} must be from -100 to 100"));
+            }
+            if self.logit_bias[..i].iter().any(|&(t, _)| t == token) {
+                return Some(format!("logit_bias gives token {token} twice"));
+            }
+        }
         None
     }
 
@@ -136,7 +148,7 @@ impl SamplingParams {
     /// `draw` tokens it generated (the repetition penalty looks at the last
     /// `repetition_window` tokens, the frequency and presence penalties at the generated
     /// ones); `context` may be cut to its last [`Self::penalized_tail`] tokens.
-    pub(crate) fn row<'a>(&self, draw: usize, context: &'a [u32]) -> RowSampling<'a> {
+    pub(crate) fn row<'a>(&'a self, draw: usize, context: &'a [u32]) -> RowSampling<'a> {
         let tail = |n: usize| &context[context.len().saturating_sub(n)..];
         RowSampling {
             temperature: self.temperature as f32,
@@ -149,6 +161,7 @@ impl SamplingParams {
             frequency_penalty: self.frequency_penalty,
             presence_penalty: self.presence_penalty,
             generated: tail(draw),
+            logit_bias: &self.logit_bias,
         }
     }
 }

@@ -36,6 +36,9 @@ pub struct RowSampling<'a> {
     /// The request's tokens generated so far, repeats counted: what the frequency and
     /// presence penalties look at (the prompt is not).
     pub generated: &'a [u32],
+    /// Added to tokens' logits after the penalties (OpenAI's `logit_bias`), one entry a
+    /// token.
+    pub logit_bias: &'a [(u32, f32)],
 }
 
 impl RowSampling<'_> {
@@ -51,6 +54,7 @@ impl RowSampling<'_> {
         frequency_penalty: 0.0,
         presence_penalty: 0.0,
         generated: &[],
+        logit_bias: &[],
     };
 
     /// The top-k and top-p that keep fewer than all of `vocab` tokens (a greedy row keeps no
@@ -65,8 +69,9 @@ impl RowSampling<'_> {
         )
     }
 
-    /// Each distinct token a penalty changes, with what it does to the token's logit `x`:
-    /// `penalize(x, factor) - offset` (none when every penalty is off).
+    /// Each distinct token a penalty or bias changes, with what they do to the token's logit
+    /// `x`: `penalize(x, factor) - offset` (none when every penalty is off and nothing is
+    /// biased).
     fn penalized_set(&self) -> Vec<Penalty> {
         let repeats = match self.repetition_penalty == 1.0 {
             true => &[][..],
@@ -76,20 +81,28 @@ impl RowSampling<'_> {
             true => &[][..],
             false => self.generated,
         };
-        let mut tokens: Vec<u32> = repeats.iter().chain(generated).copied().collect();
+        let biased = self.logit_bias.iter().map(|&(token, _)| token);
+        let mut tokens: Vec<u32> = repeats.iter().chain(generated).copied().chain(biased).collect();
         tokens.sort_unstable();
         tokens.dedup();
         tokens
             .into_iter()
             .map(|token| {
                 let count = generated.iter().filter(|&&t| t == token).count();
+                let presence = if count > 0 { self.presence_penalty } else { 0.0 };
+                let bias: f32 = self
+                    .logit_bias
+                    .iter()
+                    .filter(|&&(t, _)| t == token)
+                    .map(|&(_, b)| b)
+                    .sum();
                 Penalty {
                     token,
                     factor: match repeats.contains(&token) {
                         true => self.repetition_penalty,
                         false => 1.0,
                     },
-                    offset: self.frequency_penalty * count as f32 + if count > 0 { self.presence_penalty } else { 0.0 },
+                    offset: self.frequency_penalty * count as f32 + presence - bias,
                 }
             })
             .collect()

@@ -230,3 +230,27 @@ fn frequency_and_presence_penalties_count_the_generated_tokens() {
     };
     assert_eq!(ids(&x, &[prompt_only]), vec![1]);
 }
+
+/// OpenAI's `logit_bias`, added after the penalties: −100 bans a token, a positive bias lifts
+/// one; after a repetition penalty of 2 token 1's 2.5 is 1.25, and + 1 makes 2.25, above
+/// token 3's 2.0 (biased first, it would be 3.5 / 2 = 1.75, below).
+#[test]
+fn a_logit_bias_is_added_after_the_penalties() {
+    let x = logits(&[&ROW]);
+    let biased = |logit_bias: &'static [(u32, f32)]| RowSampling {
+        logit_bias,
+        ..RowSampling::GREEDY
+    };
+    assert_eq!(ids(&x, &[biased(&[(1, -100.0)])]), vec![3]);
+    assert_eq!(ids(&x, &[biased(&[(0, 1.6)])]), vec![0], "1.0 + 1.6 = 2.6 tops 2.5");
+    assert_eq!(ids(&x, &[biased(&[(0, 1.4)])]), vec![1]);
+    let seen = [1u32];
+    let after_penalty = RowSampling {
+        repetition_penalty: 2.0,
+        penalized: &seen,
+        ..biased(&[(1, 1.0)])
+    };
+    assert_eq!(ids(&x, &[after_penalty]), vec![1]);
+    let past = biased(&[(6, 1.0)]);
+    assert!(sample_rows(&x, &[past]).is_err(), "a token past the vocabulary");
+}

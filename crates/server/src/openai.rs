@@ -90,6 +90,8 @@ pub struct Common {
     pub ignore_eos: bool,
     pub frequency_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
+    /// Token ids (as strings, OpenAI's form) → a bias from −100 to 100.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -282,6 +284,18 @@ impl Common {
                 ))
             }
         };
+        let logit_bias = self
+            .logit_bias
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(token, bias)| match token.parse::<u32>() {
+                Ok(id) => Ok((id, bias)),
+                Err(_) => Err(ApiError::bad_request(
+                    Some("logit_bias"),
+                    format!("logit_bias key '{token}' is not a token id"),
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let sampling = SamplingParams {
             temperature,
             top_k,
@@ -289,12 +303,13 @@ impl Common {
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            logit_bias,
             seed: self.seed.unwrap_or(seed),
             ..SamplingParams::default()
         };
         if let Err(e) = sampling.check() {
             let message = e.to_string();
-            let param = ["top_p", "frequency_penalty", "presence_penalty"]
+            let param = ["top_p", "frequency_penalty", "presence_penalty", "logit_bias"]
                 .into_iter()
                 .find(|p| message.contains(p))
                 .unwrap_or("repetition_penalty");

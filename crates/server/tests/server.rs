@@ -224,11 +224,11 @@ async fn whole_answers_chat_and_models() {
     assert_eq!(models["data"][0]["id"], MODEL);
     let health = reqwest::get(format!("{base}/health")).await.expect("health");
     assert_eq!(health.status().as_u16(), 200);
-    // OpenAI's penalties reach the sampler: the answer is the engine's own for them, and not
-    // the plain greedy one.
+    // OpenAI's penalties and logit bias reach the sampler: the answer is the engine's own for
+    // them, and not the plain greedy one.
     let penalized = json!({
         "model": MODEL, "prompt": "xyz", "max_tokens": 16, "temperature": 0,
-        "frequency_penalty": 1.5, "presence_penalty": 0.5,
+        "frequency_penalty": 1.5, "presence_penalty": 0.5, "logit_bias": {"7": -100, "8": 2.5},
     });
     let (status, body) = post(&base, "/v1/completions", penalized).await;
     assert_eq!(status, 200, "{body}");
@@ -247,6 +247,7 @@ async fn whole_answers_chat_and_models() {
     let expected = text(SamplingParams {
         frequency_penalty: 1.5,
         presence_penalty: 0.5,
+        logit_bias: vec![(7, -100.0), (8, 2.5)],
         ..SamplingParams::default()
     });
     assert_eq!(answer["choices"][0]["text"], expected.as_str());
@@ -393,6 +394,8 @@ async fn bad_requests_get_400_naming_the_field() {
         (with("logprobs", json!("many")), Some("logprobs")),
         (with("presence_penalty", json!(2.5)), Some("presence_penalty")),
         (with("frequency_penalty", json!(-3)), Some("frequency_penalty")),
+        (with("logit_bias", json!({"seven": 1})), Some("logit_bias")),
+        (with("logit_bias", json!({"7": 101})), Some("logit_bias")),
         (with("temperature", json!("hot")), None),
     ];
     for (request, param) in cases {
