@@ -63,13 +63,14 @@ fn settings<'a>(recent: &'a [u32], generated: &'a [u32]) -> Vec<(&'static str, R
             },
         ),
         (
-            "T 1, repetition 1.1 over 64 tokens, frequency 0.5 and presence 0.3 over 64 generated (16 distinct)",
+            "T 1, repetition 1.1 over 64 tokens, frequency 0.5 and presence 0.3 over 64 generated (16 distinct), 2 tokens biased",
             RowSampling {
                 repetition_penalty: 1.1,
                 penalized: recent,
                 frequency_penalty: 0.5,
                 presence_penalty: 0.3,
                 generated,
+                logit_bias: &[(0, -100.0), (2003, 4.0)],
                 ..t(1.0)
             },
         ),
