@@ -92,6 +92,11 @@ pub struct Common {
     pub presence_penalty: Option<f32>,
     /// Token ids (as strings, OpenAI's form) → a bias from −100 to 100.
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// Fields that change what an answer is, which this server does not do: refused by name
+    /// rather than ignored, where a client asks for more than plain text.
+    pub response_format: Option<serde_json::Value>,
+    pub tools: Option<serde_json::Value>,
+    pub tool_choice: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -106,6 +111,10 @@ pub enum PromptInput {
 pub struct CompletionRequest {
     pub prompt: PromptInput,
     pub logprobs: Option<serde_json::Value>,
+    /// Refused where set: the prompt is not echoed, nothing is inserted, one answer is made.
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub best_of: Option<i64>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -141,6 +150,18 @@ pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
 
 impl CompletionRequest {
     pub fn check(self, served: &str, seed: u64) -> Result<Checked, ApiError> {
+        if self.echo == Some(true) {
+            return Err(unsupported("echo", "the answer does not repeat the prompt"));
+        }
+        if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return Err(unsupported(
+                "suffix",
+                "there is no insertion between a prompt and a suffix",
+            ));
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return Err(unsupported("best_of", "one answer is made per request"));
+        }
         // The legacy field: how many alternatives, with each token's own log-probability.
         let logprobs = match self.logprobs {
             None | Some(serde_json::Value::Null) => None,
@@ -211,6 +232,11 @@ impl ChatRequest {
     }
 }
 
+/// The 400 for a field this server does not implement, saying what it does instead.
+fn unsupported(param: &'static str, instead: &str) -> ApiError {
+    ApiError::bad_request(Some(param), format!("{param} is not supported: {instead}"))
+}
+
 /// A message's text: its `content` string, or its text parts joined by newlines (as vLLM
 /// joins them); an assistant turn that called tools has none. A part that is not text (an
 /// image, audio) is refused: the models served read text.
@@ -256,6 +282,25 @@ impl Common {
         }
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::bad_request(Some("n"), "n must be 1"));
+        }
+        let kind = |v: &serde_json::Value| v.get("type").and_then(serde_json::Value::as_str).map(str::to_owned);
+        if let Some(format) = self.response_format.as_ref().and_then(kind).filter(|t| t != "text") {
+            return Err(unsupported(
+                "response_format",
+                &format!("of type '{format}': answers are free text, not constrained to JSON"),
+            ));
+        }
+        let no_tools = self.tool_choice.as_ref().is_some_and(|c| c == "none");
+        if self
+            .tools
+            .as_ref()
+            .is_some_and(|t| t.as_array().is_none_or(|t| !t.is_empty()))
+            && !no_tools
+        {
+            return Err(unsupported(
+                "tools",
+                "the model's answers are not parsed into tool calls",
+            ));
         }
         let max_new_tokens = match max_tokens.or(self.max_tokens) {
             None => default_max_tokens,

@@ -188,6 +188,23 @@ async fn whole_answers_chat_and_models() {
     assert_eq!(answer["usage"]["completion_tokens"], 4 + 3);
     let (_, streamed_body) = post(&base, "/v1/completions", completion(3, true)).await;
     assert_eq!(answer["choices"][0]["text"], streamed(&streamed_body).0);
+    // What clients send by default asks for nothing this server lacks: the same answer.
+    let mut defaults = completion(3, false);
+    for (field, value) in [
+        ("echo", json!(false)),
+        ("suffix", json!(null)),
+        ("best_of", json!(1)),
+        ("response_format", json!({"type": "text"})),
+        ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
+        ("tool_choice", json!("none")),
+        ("user", json!("someone")),
+    ] {
+        defaults[field] = value;
+    }
+    let (status, body) = post(&base, "/v1/completions", defaults).await;
+    assert_eq!(status, 200, "{body}");
+    let same: Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(same["choices"][0]["text"], answer["choices"][0]["text"]);
     let chat = json!({
         "model": MODEL,
         "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
@@ -396,6 +413,17 @@ async fn bad_requests_get_400_naming_the_field() {
         (with("frequency_penalty", json!(-3)), Some("frequency_penalty")),
         (with("logit_bias", json!({"seven": 1})), Some("logit_bias")),
         (with("logit_bias", json!({"7": 101})), Some("logit_bias")),
+        (with("echo", json!(true)), Some("echo")),
+        (with("suffix", json!("end")), Some("suffix")),
+        (with("best_of", json!(3)), Some("best_of")),
+        (
+            with("response_format", json!({"type": "json_object"})),
+            Some("response_format"),
+        ),
+        (
+            with("tools", json!([{"type": "function", "function": {"name": "f"}}])),
+            Some("tools"),
+        ),
         (with("temperature", json!("hot")), None),
     ];
     for (request, param) in cases {
