@@ -19,6 +19,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::DefaultBodyLimit;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -85,6 +87,7 @@ pub fn router(engine: Arc<Engine>, options: ServerOptions) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(Arc::new(state))
 }
 
@@ -128,14 +131,36 @@ enum Kind {
     Chat,
 }
 
-async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
-    let checked = openai::parse::<CompletionRequest>(&body).and_then(|r| r.check(&s.options.model, s.seed()));
+/// The largest request body taken: a prompt of a 128K context as text, escaped, fits.
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+
+/// The body, or the error in OpenAI's shape where it could not be read (over
+/// [`MAX_BODY_BYTES`]: 413).
+fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
+        let message = match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => format!(
+                "the request body is over the {} MiB this server reads: give a shorter prompt",
+                MAX_BODY_BYTES >> 20
+            ),
+            _ => format!("the request body could not be read: {rejection}"),
+        };
+        ApiError::new(rejection.status(), message)
+    })
+}
+
+async fn completions(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let checked = read_body(body)
+        .and_then(|body| openai::parse::<CompletionRequest>(&body))
+        .and_then(|r| r.check(&s.options.model, s.seed()));
     respond(s, Kind::Completion, checked).await
 }
 
-async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn chat(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     let context = s.engine.max_context();
-    let checked = openai::parse::<ChatRequest>(&body).and_then(|r| r.check(&s.options.model, s.seed(), context));
+    let checked = read_body(body)
+        .and_then(|body| openai::parse::<ChatRequest>(&body))
+        .and_then(|r| r.check(&s.options.model, s.seed(), context));
     respond(s, Kind::Chat, checked).await
 }
 

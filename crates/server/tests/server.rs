@@ -438,6 +438,16 @@ async fn bad_requests_get_400_naming_the_field() {
             assert_eq!(error["error"]["param"], param, "{request}: {body}");
         }
     }
+    // A body past the server's limit: 413, in OpenAI's shape, saying the limit.
+    let mut huge = completion(0, false);
+    huge["prompt"] = json!("z".repeat(tpinfer_server::MAX_BODY_BYTES + 1));
+    let (status, body) = post(&base, "/v1/completions", huge).await;
+    assert_eq!(status, 413, "{}", &body[..body.len().min(300)]);
+    let error: Value = serde_json::from_str(&body).expect("JSON");
+    assert!(
+        error["error"]["message"].as_str().is_some_and(|m| m.contains("16 MiB")),
+        "{body}"
+    );
     for messages in [json!([]), json!([{"role": "user", "content": "y".repeat(200)}])] {
         let chat = json!({"model": MODEL, "messages": messages});
         let (status, body) = post(&base, "/v1/chat/completions", chat).await;
