@@ -87,8 +87,27 @@ pub fn router(engine: Arc<Engine>, options: ServerOptions) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(Arc::new(state))
+}
+
+/// The routes, as a 404 or 405 lists them.
+const ROUTES: &str = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics";
+
+async fn no_route(uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("no route {}: this server has {ROUTES}", uri.path()),
+    )
+}
+
+async fn wrong_method(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{method} {} is not a route: this server has {ROUTES}", uri.path()),
+    )
 }
 
 fn unix_time() -> u64 {

@@ -33,7 +33,10 @@ impl ApiError {
 
     fn kind(&self) -> &'static str {
         match self.status {
-            StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => "invalid_request_error",
+            StatusCode::BAD_REQUEST
+            | StatusCode::PAYLOAD_TOO_LARGE
+            | StatusCode::NOT_FOUND
+            | StatusCode::METHOD_NOT_ALLOWED => "invalid_request_error",
             StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
             StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
             _ => "server_error",

@@ -438,6 +438,22 @@ async fn bad_requests_get_400_naming_the_field() {
             assert_eq!(error["error"]["param"], param, "{request}: {body}");
         }
     }
+    // A route that is not there, or not for that method: OpenAI's shape, with the routes.
+    let (status, body) = post(&base, "/v1/embeddings", json!({})).await;
+    assert_eq!(status, 404, "{body}");
+    assert!(
+        body.contains("/v1/embeddings") && body.contains("POST /v1/completions"),
+        "{body}"
+    );
+    let response = reqwest::get(format!("{base}/v1/completions")).await.expect("GET");
+    assert_eq!(response.status().as_u16(), 405);
+    let error: Value = response.json().await.expect("JSON");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("GET /v1/completions")),
+        "{error}"
+    );
     // A body past the server's limit: 413, in OpenAI's shape, saying the limit.
     let mut huge = completion(0, false);
     huge["prompt"] = json!("z".repeat(tpinfer_server::MAX_BODY_BYTES + 1));
