@@ -34,6 +34,12 @@ fn missing_files() {
 
     std::fs::remove_file(dir.path().join("model.safetensors")).expect("rm");
     assert_mentions(&build_error(dir.path(), 1), &["no weights", "model.safetensors"]);
+    // An older checkpoint's PyTorch pickles instead: named, with the conversion.
+    std::fs::write(dir.path().join("pytorch_model-00001-of-00002.bin"), b"pickles").expect("bin");
+    assert_mentions(
+        &build_error(dir.path(), 1),
+        &["pytorch_model-00001-of-00002.bin", "safe_serialization=True"],
+    );
 
     std::fs::remove_file(dir.path().join("config.json")).expect("rm");
     assert_mentions(&build_error(dir.path(), 1), &["config.json"]);

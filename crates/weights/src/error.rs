@@ -5,8 +5,17 @@ use std::path::PathBuf;
 pub enum WeightError {
     #[error("{path}: {source}; check that the model path is right and the file is readable")]
     Io { path: PathBuf, source: std::io::Error },
-    #[error("no weights in {dir}: expected model.safetensors, model.safetensors.index.json or *.safetensors")]
-    NoWeights { dir: PathBuf },
+    #[error("no weights in {dir}: expected model.safetensors, model.safetensors.index.json or *.safetensors{}",
+        pickle.as_ref().map_or(String::new(), |file| format!(
+            "; it holds {file}, PyTorch pickles, which this model is not read from: convert them to safetensors \
+             once (transformers: `save_pretrained(dir, safe_serialization=True)`)"
+        ))
+    )]
+    NoWeights {
+        dir: PathBuf,
+        /// A `.bin` or `.pth` file the directory holds instead.
+        pickle: Option<String>,
+    },
     #[error("{path} is not a valid safetensors file ({detail}); the file is truncated or corrupt: download or convert it again")]
     Corrupt { path: PathBuf, detail: String },
     #[error("{path} is not a PyTorch checkpoint tpinfer can read: {detail}")]

@@ -61,7 +61,18 @@ impl SafetensorsStore {
             found
         };
         if paths.is_empty() {
-            return Err(WeightError::NoWeights { dir: dir.to_path_buf() });
+            let pickle = std::fs::read_dir(dir).ok().and_then(|entries| {
+                let mut pickles: Vec<String> = entries
+                    .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .filter(|name| name.ends_with(".bin") || name.ends_with(".pth"))
+                    .collect();
+                pickles.sort();
+                pickles.into_iter().next()
+            });
+            return Err(WeightError::NoWeights {
+                dir: dir.to_path_buf(),
+                pickle,
+            });
         }
         let mut store = Self {
             dir: dir.to_path_buf(),
