@@ -158,7 +158,7 @@ const SILU_MUL_FUSED_MIN_ROWS: usize = 256;
 
 /// The down projection of a gated MLP's hidden: `silu(gate) · up` of its fused gate/up output
 /// `gate_up` `[rows, 2n]` (gate, then up) times `(values · scales)ᵀ` (`values` `[m, n]`),
-/// `[rows, m]` in `gate_up`'s dtype. On the W8A8 path, from [`SILU_MUL_FUSED_MIN_ROWS`] rows,
+/// `[rows, m]` in `gate_up`'s dtype. On the W8A8 path, from `SILU_MUL_FUSED_MIN_ROWS` rows,
 /// the hidden is made and quantized in one pass and never written; elsewhere
 /// [`crate::silu_mul`], then [`fp8_linear`]. The same values either way: the fused pass
 /// rounds the hidden to the dtype as `silu_mul` does.

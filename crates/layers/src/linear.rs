@@ -82,7 +82,7 @@ const MMVQ_MAX_ROWS: usize = 8;
 /// output in f32 before the cast to `dtype` (neither in f32). Kept from the first on: the input
 /// quantized to Q8_1 blocks (144 bytes a 128 values, the row padded to 512), grown to the
 /// largest, and the stream-k fixup buffer of 256 × 128 × 128 floats. None for
-/// [`MMVQ_MAX_ROWS`] rows or fewer.
+/// `MMVQ_MAX_ROWS` rows or fewer.
 pub fn mmq_product_bytes(products: &[(usize, usize)], dtype: DType, rows: usize) -> usize {
     if rows <= MMVQ_MAX_ROWS {
         return 0;
