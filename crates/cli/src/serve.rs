@@ -46,6 +46,9 @@ pub struct ServeArgs {
     shutdown_timeout_secs: u64,
 }
 
+/// Connections the kernel queues before the server accepts them (std's listeners take 128).
+const LISTEN_BACKLOG: u32 = 1024;
+
 pub fn serve(args: ServeArgs, given_model: String) -> Result<()> {
     if tpinfer_engine::registry::task_of(&args.model) != tpinfer_engine::registry::Task::Text {
         bail!(
@@ -59,6 +62,18 @@ pub fn serve(args: ServeArgs, given_model: String) -> Result<()> {
             args.host, args.port
         )
     })?;
+    // The address is claimed before the model loads: a port in use fails now, not after the
+    // load. Bound but not yet listening, it refuses connections until the engine is up.
+    let socket = match address {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+    }
+    .and_then(|socket| {
+        socket.set_reuseaddr(true)?;
+        socket.bind(address)?;
+        Ok(socket)
+    })
+    .with_context(|| format!("cannot listen on {address}"))?;
     let mut ranks = args.ranks.ranks(&args.model)?;
     ranks.builder = ranks.builder.max_seqs(args.max_seqs).step_tokens(args.step_tokens);
     if let Some(tokens) = args.max_context {
@@ -77,8 +92,8 @@ pub fn serve(args: ServeArgs, given_model: String) -> Result<()> {
         .context("cannot start the server's runtime")?;
     let grace = Duration::from_secs(args.shutdown_timeout_secs);
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(address)
-            .await
+        let listener = socket
+            .listen(LISTEN_BACKLOG)
             .with_context(|| format!("cannot listen on {address}"))?;
         if args.max_seqs > 1 {
             let positions = engine.kv_cache_positions();

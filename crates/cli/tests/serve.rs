@@ -146,3 +146,25 @@ fn serve_refuses_a_bad_address_by_name() {
     assert!(!output.status.success());
     assert!(stderr.starts_with("error: ") && stderr.contains("--host"), "{stderr}");
 }
+
+/// The port is claimed before the model loads: with it taken, the server fails on the port
+/// (here before it would find that the model's weights are missing), not after a load.
+#[test]
+fn serve_claims_its_port_before_loading() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default().write(dir.path());
+    std::fs::remove_file(model.join("model.safetensors")).expect("rm weights");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("address").port().to_string();
+    let output = Command::new(env!("CARGO_BIN_EXE_tpinfer"))
+        .args(["serve", "--model", model.to_str().expect("utf8 path")])
+        .args(["--device", "cpu", "--port", &port])
+        .output()
+        .expect("run");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains(&format!("cannot listen on 127.0.0.1:{port}")) && !stderr.contains("no weights"),
+        "{stderr}"
+    );
+}
