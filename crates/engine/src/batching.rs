@@ -198,8 +198,12 @@ fn rows_out(logits: &Tensor, picks: &[Option<&Pick>]) -> candle_core::Result<Vec
         .iter()
         .map(|p| p.map_or(RowSampling::GREEDY, Pick::row_sampling))
         .collect();
-    let ids = tpinfer_layers::sample_rows(logits, &rows)?.to_vec1::<u32>()?;
-    let sums = logits.sum_keepdim(1)?.flatten_all()?.to_vec1::<f32>()?;
+    // Both queued before either is read: one wait for the device, not two.
+    let (ids, sums) = (
+        tpinfer_layers::sample_rows(logits, &rows)?,
+        logits.sum_keepdim(1)?.flatten_all()?,
+    );
+    let (ids, sums) = (ids.to_vec1::<u32>()?, sums.to_vec1::<f32>()?);
     let full: Vec<u32> = (0..picks.len() as u32)
         .filter(|&i| picks[i as usize].is_some_and(|p| p.row))
         .collect();
