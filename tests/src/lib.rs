@@ -43,6 +43,8 @@ pub struct TinyLlama {
     pub llama3_rope_scaling: bool,
     /// Q/K/V/O biases (`attention_bias`), as some Llama derivatives have.
     pub attention_bias: bool,
+    /// The Llama-architecture family whose `config.json` it writes.
+    pub flavor: Flavor,
     /// Write `config.json` in the transformers-5 form (`rope_parameters`, `dtype`).
     pub transformers5: bool,
     /// Split the weights over this many safetensors files with an index (1: `model.safetensors`).
@@ -65,11 +67,22 @@ impl Default for TinyLlama {
             tie_embeddings: false,
             llama3_rope_scaling: true,
             attention_bias: false,
+            flavor: Flavor::Llama,
             transformers5: false,
             files: 1,
             seed: 7,
         }
     }
+}
+
+/// Which Llama-architecture family a [`TinyLlama`] is written as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    Llama,
+    /// `Qwen2ForCausalLM`: biases on Q, K and V (not O), its sliding window off.
+    Qwen2,
+    /// `MistralForCausalLM` with this `sliding_window` (`null` when `None`).
+    Mistral(Option<usize>),
 }
 
 /// Token ids of the tiny tokenizer's special tokens.
@@ -115,6 +128,24 @@ impl TinyLlama {
             "eos_token_id": EOS,
         });
         let obj = config.as_object_mut().expect("object");
+        match self.flavor {
+            Flavor::Llama => {}
+            Flavor::Qwen2 => {
+                obj.insert("architectures".into(), json!(["Qwen2ForCausalLM"]));
+                obj.insert("model_type".into(), json!("qwen2"));
+                obj.remove("attention_bias");
+                obj.insert("use_sliding_window".into(), json!(false));
+                obj.insert("sliding_window".into(), json!(4096));
+                obj.insert("max_window_layers".into(), json!(self.layers));
+                obj.insert("hidden_act".into(), json!("silu"));
+            }
+            Flavor::Mistral(window) => {
+                obj.insert("architectures".into(), json!(["MistralForCausalLM"]));
+                obj.insert("model_type".into(), json!("mistral"));
+                obj.insert("sliding_window".into(), json!(window));
+                obj.insert("hidden_act".into(), json!("silu"));
+            }
+        }
         if self.transformers5 {
             let mut params = if self.llama3_rope_scaling {
                 scaling
@@ -188,14 +219,15 @@ impl TinyLlama {
                 &mut rng,
                 false,
             );
-            if self.attention_bias {
+            let qwen2 = self.flavor == Flavor::Qwen2;
+            if self.attention_bias || qwen2 {
                 let biases = [
                     ("q", self.heads * d),
                     ("k", self.kv_heads * d),
                     ("v", self.kv_heads * d),
                     ("o", h),
                 ];
-                for (name, len) in biases {
+                for (name, len) in biases.into_iter().filter(|&(name, _)| !(qwen2 && name == "o")) {
                     add(format!("{p}.self_attn.{name}_proj.bias"), vec![len], &mut rng, false);
                 }
             }

@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use tpinfer_engine::{Engine, EngineError, GenerateRequest, Prompt, RuntimeError, SamplingParams};
-use tpinfer_tests::TinyLlama;
+use tpinfer_tests::{Flavor, TinyLlama};
 
 fn model_dir() -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -318,6 +318,56 @@ fn config_values_the_model_does_not_run() {
         std::fs::write(&config, changed.to_string()).expect("write");
         assert_mentions(&build_error(dir.path(), 1), &parts);
     }
+    // Another architecture, and Qwen2's sliding window turned on: refused by name.
+    for (changes, parts) in [
+        (
+            serde_json::json!({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}),
+            vec!["qwen3", "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"],
+        ),
+        (
+            serde_json::json!({"model_type": "qwen2", "architectures": ["LlamaForCausalLM"]}),
+            vec!["qwen2", "is not one tpinfer runs"],
+        ),
+        (
+            serde_json::json!({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                "use_sliding_window": true}),
+            vec!["use_sliding_window", "full attention"],
+        ),
+        (
+            serde_json::json!({"model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                "sliding_window": -4}),
+            vec!["sliding_window", "is -4"],
+        ),
+    ] {
+        let mut changed = original.clone();
+        for (field, value) in changes.as_object().expect("object") {
+            changed[field] = value.clone();
+        }
+        std::fs::write(&config, changed.to_string()).expect("write");
+        assert_mentions(&build_error(dir.path(), 1), &parts);
+    }
+}
+
+/// Mistral's sliding window bounds the context: within it attention is the full causal one,
+/// and a longer context is refused, naming the window's positions.
+#[test]
+fn a_mistral_context_stays_within_its_sliding_window() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama {
+        flavor: Flavor::Mistral(Some(96)),
+        ..TinyLlama::default()
+    }
+    .write(dir.path());
+    let config = tpinfer_llama::LlamaConfig::from_dir(&path).expect("config");
+    assert_eq!(config.max_position_embeddings, 96, "512 positions, a window of 96");
+    let err = Engine::builder(&path)
+        .max_context(200)
+        .build()
+        .err()
+        .expect("past the window")
+        .to_string();
+    assert_mentions(&err, &["--max-context 200", "96 positions"]);
+    assert!(Engine::builder(&path).max_context(96).build().is_ok());
 }
 
 /// Logits that overflow (finite weights of 1e38) stop a request at its prompt's forward,

@@ -3,7 +3,7 @@
 //! logits of each sequence run alone at TP 1.
 
 use candle_core::DType;
-use tpinfer_tests::{rel_error, run_batched_greedy, run_greedy, Batching, TinyLlama};
+use tpinfer_tests::{rel_error, run_batched_greedy, run_greedy, Batching, Flavor, TinyLlama};
 
 const DECODE_STEPS: usize = 12;
 
@@ -86,4 +86,21 @@ fn tied_embeddings_and_biases_with_uneven_heads() {
         flash: false,
     };
     assert_batch_matches_alone(&model, &[1, 4], how);
+}
+
+/// Qwen2's Q/K/V biases without an output bias, through the batched path at TP 1 and 3.
+#[test]
+fn qwen2_biases_through_the_batched_path() {
+    let model = TinyLlama {
+        flavor: Flavor::Qwen2,
+        tie_embeddings: true,
+        llama3_rope_scaling: false,
+        ..TinyLlama::default()
+    };
+    let how = Batching {
+        chunk: 5,
+        block_size: 4,
+        flash: false,
+    };
+    assert_batch_matches_alone(&model, &[1, 3], how);
 }

@@ -22,7 +22,11 @@ pub struct LlamaConfig {
     pub rope_scaling: Option<RopeScaling>,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
-    pub attention_bias: bool,
+    /// Biases on the query, key and value projections (Llama's `attention_bias`; always in
+    /// Qwen2).
+    pub qkv_bias: bool,
+    /// A bias on the attention's output projection (Llama's `attention_bias`; never in Qwen2).
+    pub o_bias: bool,
     pub mlp_bias: bool,
     /// The dtype the checkpoint was trained and saved in, if it says.
     pub dtype: Option<DType>,
@@ -33,6 +37,15 @@ pub struct LlamaConfig {
     /// 1 for dense weights; a GGUF file kept quantized sets it.
     pub row_block: usize,
 }
+
+/// The Llama-architecture families tpinfer runs: `model_type` and the architecture
+/// transformers names. Mistral is Llama with a sliding window; Qwen2 adds biases to the query,
+/// key and value projections.
+const FAMILIES: [(&str, &str); 3] = [
+    ("llama", "LlamaForCausalLM"),
+    ("mistral", "MistralForCausalLM"),
+    ("qwen2", "Qwen2ForCausalLM"),
+];
 
 /// Why a configuration could not be read. The message names the file and field.
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +84,8 @@ struct RawConfig {
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
+    sliding_window: Option<Json>,
+    use_sliding_window: Option<bool>,
     hidden_act: Option<String>,
     // transformers 4
     rope_theta: Option<f64>,
@@ -138,17 +153,40 @@ impl LlamaConfig {
             origin: origin.to_string(),
             detail,
         };
-        let is_llama = raw.model_type.as_deref().is_none_or(|t| t == "llama")
-            && raw
-                .architectures
-                .as_ref()
-                .is_none_or(|a| a.iter().any(|a| a == "LlamaForCausalLM"));
-        if !is_llama {
+        // The family's architecture that `model_type` (Llama's when absent) names, and that
+        // `architectures`, when given, must list.
+        let family = FAMILIES
+            .iter()
+            .find(|(model_type, _)| raw.model_type.as_deref().unwrap_or("llama") == *model_type)
+            .filter(|(_, arch)| raw.architectures.as_ref().is_none_or(|a| a.iter().any(|a| a == arch)));
+        let Some(&(model_type, _)) = family else {
             return Err(unsupported(format!(
-                "model_type {:?} / architectures {:?} is not Llama; tpinfer runs LlamaForCausalLM",
-                raw.model_type, raw.architectures
+                "model_type {:?} / architectures {:?} is not one tpinfer runs: {}",
+                raw.model_type,
+                raw.architectures,
+                FAMILIES.map(|(_, arch)| arch).join(", ")
             )));
+        };
+        let qwen2 = model_type == "qwen2";
+        if qwen2 && raw.use_sliding_window == Some(true) {
+            return Err(ConfigError::Invalid {
+                origin: origin.to_string(),
+                field: "use_sliding_window".into(),
+                detail: "is true; tpinfer runs Qwen2 with full attention (its published configs say false)".into(),
+            });
         }
+        // Mistral's window: within it, attention is the full causal one, so contexts up to
+        // the window run exactly and longer ones are not offered.
+        let window = match (model_type, &raw.sliding_window) {
+            ("mistral", Some(w)) if !w.is_null() => {
+                Some(w.as_u64().filter(|&w| w > 0).ok_or_else(|| ConfigError::Invalid {
+                    origin: origin.to_string(),
+                    field: "sliding_window".into(),
+                    detail: format!("is {w}; it must be a positive number of positions, or null"),
+                })? as usize)
+            }
+            _ => None,
+        };
         // The MLP is SiLU-gated: another activation would run as SiLU without a word.
         if let Some(act) = raw.hidden_act.as_deref().filter(|act| *act != "silu") {
             return Err(ConfigError::Invalid {
@@ -200,9 +238,11 @@ impl LlamaConfig {
             rope_scaling: rope_scaling(rope, origin)?,
             max_position_embeddings: raw
                 .max_position_embeddings
-                .ok_or_else(|| missing("max_position_embeddings"))?,
+                .ok_or_else(|| missing("max_position_embeddings"))?
+                .min(window.unwrap_or(usize::MAX)),
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            attention_bias: raw.attention_bias.unwrap_or(false),
+            qkv_bias: qwen2 || raw.attention_bias.unwrap_or(false),
+            o_bias: !qwen2 && raw.attention_bias.unwrap_or(false),
             mlp_bias: raw.mlp_bias.unwrap_or(false),
             dtype: dtype_name.and_then(parse_dtype),
             bos_token_id: token_ids(raw.bos_token_id.as_ref(), origin, "bos_token_id")?
@@ -232,7 +272,10 @@ impl LlamaConfig {
         if arch != "llama" {
             return Err(ConfigError::Unsupported {
                 origin: origin.to_string(),
-                detail: format!("GGUF architecture `{arch}` is not llama"),
+                detail: format!(
+                    "GGUF architecture `{arch}` is not llama: tpinfer reads Llama from GGUF (and Mistral, which \
+                     llama.cpp writes as llama); Qwen2 runs from its safetensors directory"
+                ),
             });
         }
         let int = |key: &str| -> Result<usize, ConfigError> {
@@ -271,7 +314,8 @@ impl LlamaConfig {
             rope_scaling: None,
             max_position_embeddings: int("llama.context_length")?,
             tie_word_embeddings: !has_output_weight,
-            attention_bias: false,
+            qkv_bias: false,
+            o_bias: false,
             mlp_bias: false,
             dtype: None,
             bos_token_id: token("tokenizer.ggml.bos_token_id"),

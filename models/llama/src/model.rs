@@ -224,8 +224,8 @@ impl LlamaRank {
                 let n = names::LayerNames::of(i);
                 Ok(DecoderLayer {
                     input_norm: w.take(&n.input_norm)?,
-                    qkv: MergedColumnParallelLinear::load(&mut w, &[&n.q, &n.k, &n.v], c.attention_bias)?,
-                    o_proj: RowParallelLinear::load(&mut w, &n.o, c.attention_bias, comm.clone())?,
+                    qkv: MergedColumnParallelLinear::load(&mut w, &[&n.q, &n.k, &n.v], c.qkv_bias)?,
+                    o_proj: RowParallelLinear::load(&mut w, &n.o, c.o_bias, comm.clone())?,
                     post_norm: w.take(&n.post_norm)?,
                     mlp: GatedMlp::load(&mut w, &n.mlp(), comm.clone())?,
                     cache: KvCache::new(n_kv, one_sequence, c.head_dim, dtype, device)?,

@@ -55,13 +55,13 @@ impl LlamaShard {
         let mut decls = VocabParallelEmbedding::decls(names::EMBED, c.vocab_size, h, self.vocab_rows.clone());
         for i in 0..c.num_hidden_layers {
             let n = names::LayerNames::of(i);
-            let bias = c.attention_bias;
+            let bias = c.qkv_bias;
             decls.push(norm(n.input_norm.clone()));
             let (q_heads, kv_heads) = (c.num_attention_heads * d, c.num_key_value_heads * d);
             decls.extend(ColumnParallelLinear::decls(&n.q, h, q_heads, q_out.clone(), bias));
             decls.extend(ColumnParallelLinear::decls(&n.k, h, kv_heads, kv_out.clone(), bias));
             decls.extend(ColumnParallelLinear::decls(&n.v, h, kv_heads, kv_out.clone(), bias));
-            decls.extend(RowParallelLinear::decls(&n.o, q_heads, h, q_out.clone(), bias));
+            decls.extend(RowParallelLinear::decls(&n.o, q_heads, h, q_out.clone(), c.o_bias));
             decls.push(norm(n.post_norm.clone()));
             decls.extend(GatedMlp::decls(&n.mlp(), h, c.intermediate_size, self.ffn_cols.clone()));
         }
