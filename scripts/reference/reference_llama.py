@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Reference numerics for tpinfer's Llama, with PyTorch/transformers, on any CUDA host.
 
-  make    --shape 70b|8b|8b-half|1b --out DIR [--dtype bf16|f32]   random-weight Llama checkpoint (HF format)
+  make    --shape 70b|8b|8b-half|1b|qwen2-7b|mistral-7b --out DIR [--dtype bf16|f32]
+                                                       random-weight Llama (or Qwen2, Mistral) checkpoint (HF format)
   logits  --model DIR --dtype f32|bf16 --out FILE      transformers' prefill logits + greedy tokens
           [--fp8]                                      with tpinfer's FP8 quantization of the layers' linears
   compare --ref FILE --out-json FILE NAME=FILE ...     relative errors of tpinfer runs vs a reference
@@ -31,6 +32,13 @@ SHAPES = {
     # Llama-3.2-1B: 16 layers, 2048 wide, 32 heads over 8 KV heads, 8192 FFN, tied embeddings.
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, tie_word_embeddings=True),
+    # Qwen2.5-7B: 28 layers, 3584 wide, 28 heads over 4 KV heads, 18944 FFN, 152064 vocab, biases
+    # on Q, K and V (drawn at random here: transformers initializes them to zero).
+    "qwen2-7b": dict(family="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # Mistral-7B-v0.1: Llama-2-7B's shape with GQA (8 KV heads) and a 4096-position sliding window.
+    "mistral-7b": dict(family="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False),
 }
 
 
@@ -39,17 +47,38 @@ def prompt_ids(vocab, n):
     return [(i * 7919 + 13) % m for i in range(n)]
 
 
-def make(args):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                original_max_position_embeddings=8192)
+def family_config(shape):
+    """The transformers config of a SHAPES entry, and its model class."""
+    import transformers
     common = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=128000,
                   eos_token_id=[128001, 128009])
-    common.update(SHAPES[args.shape])
-    if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:  # transformers 5
-        cfg = LlamaConfig(rope_parameters=dict(rope, rope_theta=500000.0), **common)
+    common.update(SHAPES[shape])
+    family = common.pop("family", "llama")
+    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192)
+    theta = 500000.0
+    if family == "qwen2":
+        common.update(max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645,
+                      use_sliding_window=False, sliding_window=32768)
+        rope, theta = dict(rope_type="default"), 1000000.0
+    elif family == "mistral":
+        common.update(max_position_embeddings=32768, bos_token_id=1, eos_token_id=2, sliding_window=4096)
+        rope, theta = dict(rope_type="default"), 10000.0
+    config_class = dict(llama=transformers.LlamaConfig, qwen2=transformers.Qwen2Config,
+                        mistral=transformers.MistralConfig)[family]
+    model_class = dict(llama=transformers.LlamaForCausalLM, qwen2=transformers.Qwen2ForCausalLM,
+                       mistral=transformers.MistralForCausalLM)[family]
+    if "rope_parameters" in inspect.signature(config_class.__init__).parameters:  # transformers 5
+        cfg = config_class(rope_parameters=dict(rope, rope_theta=theta), **common)
+    elif family == "llama":
+        cfg = config_class(rope_theta=theta, rope_scaling=rope, **common)
     else:
-        cfg = LlamaConfig(rope_theta=500000.0, rope_scaling=rope, **common)
+        cfg = config_class(rope_theta=theta, **common)
+    return cfg, model_class
+
+
+def make(args):
+    cfg, model_class = family_config(args.shape)
     dtype = dict(bf16=torch.bfloat16, f32=torch.float32)[args.dtype]
     out = Path(args.out)
     if args.shape == "70b":
@@ -59,7 +88,11 @@ def make(args):
     else:
         torch.manual_seed(args.seed)
         with torch.device("cuda"):
-            model = LlamaForCausalLM(cfg).to(dtype)
+            model = model_class(cfg).to(dtype)
+            # transformers zeroes biases; random ones are what a check of their sharding needs.
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.data.normal_(0.0, 0.5)
         model.save_pretrained(out, safe_serialization=True)
         params = sum(p.numel() for p in model.parameters())
     if args.tokenizer:
@@ -118,10 +151,10 @@ def write_random(cfg, out, dtype, seed, shard_bytes=5 << 30):
 
 
 def load(model_dir, dtype):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     dtype = dict(bf16=torch.bfloat16, f32=torch.float32)[dtype]
     # Weights stored in bf16 are upcast exactly, so f32 here is the reference on the same weights.
-    return LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="cuda").eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="cuda").eval()
 
 
 E4M3_MAX = 448.0
