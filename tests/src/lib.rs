@@ -20,11 +20,13 @@ use tpinfer_weights::WeightFormat;
 mod fake_hub;
 mod gguf;
 mod pipeline;
+mod torch_save;
 mod umt5;
 mod vae;
 mod wan;
 pub use fake_hub::FakeHub;
 pub use pipeline::{TinyWanPipeline, END_OF_TEXT};
+pub use torch_save::write_torch_save;
 pub use umt5::TinyUmt5;
 pub use vae::{reference_vae_decode, vae_latents, TinyWanVae};
 pub use wan::{open_wan, run_wan, run_wan_as, run_wan_from, wan_inputs, TinyWan};
@@ -102,6 +104,31 @@ impl TinyLlama {
         .expect("write generation config");
         self.write_weights(dir);
         write_tokenizer(dir);
+        dir.to_path_buf()
+    }
+
+    /// [`Self::write`] with the weights as an older transformers checkpoint ships them:
+    /// `pytorch_model.bin` (`torch.save`), or `files` shards and their index.
+    pub fn write_torch(&self, dir: &Path, files: usize) -> PathBuf {
+        self.write(dir);
+        std::fs::remove_file(dir.join("model.safetensors")).expect("rm safetensors");
+        let tensors = self.tensors();
+        let per_file = tensors.len().div_ceil(files);
+        let mut weight_map = serde_json::Map::new();
+        for (i, chunk) in tensors.chunks(per_file).enumerate() {
+            let file = match files {
+                1 => "pytorch_model.bin".to_string(),
+                n => format!("pytorch_model-{:05}-of-{n:05}.bin", i + 1),
+            };
+            for (name, _, _) in chunk {
+                weight_map.insert(name.clone(), json!(file));
+            }
+            write_torch_save(&dir.join(&file), chunk);
+        }
+        if files > 1 {
+            let index = json!({"metadata": {}, "weight_map": weight_map});
+            std::fs::write(dir.join("pytorch_model.bin.index.json"), index.to_string()).expect("write index");
+        }
         dir.to_path_buf()
     }
 

@@ -34,11 +34,15 @@ fn missing_files() {
 
     std::fs::remove_file(dir.path().join("model.safetensors")).expect("rm");
     assert_mentions(&build_error(dir.path(), 1), &["no weights", "model.safetensors"]);
-    // An older checkpoint's PyTorch pickles instead: named, with the conversion.
+    // An older checkpoint's pickled shards without their index: both named.
     std::fs::write(dir.path().join("pytorch_model-00001-of-00002.bin"), b"pickles").expect("bin");
     assert_mentions(
         &build_error(dir.path(), 1),
-        &["pytorch_model-00001-of-00002.bin", "safe_serialization=True"],
+        &[
+            "pytorch_model.bin.index.json",
+            "is missing",
+            "pytorch_model-00001-of-00002.bin",
+        ],
     );
 
     std::fs::remove_file(dir.path().join("config.json")).expect("rm");
@@ -410,4 +414,16 @@ fn non_finite_weights_are_refused_at_load() {
             &[name, "model.safetensors", "NaN or infinite"],
         );
     }
+}
+
+/// A model read from safetensors alone (here a Wan DiT) that ships PyTorch pickles instead
+/// names the pickle and the conversion.
+#[test]
+fn pickles_where_safetensors_are_read_name_the_conversion() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = tpinfer_tests::TinyWan::default().write(dir.path());
+    std::fs::remove_file(path.join("diffusion_pytorch_model.safetensors")).expect("rm");
+    std::fs::write(path.join("diffusion_pytorch_model.bin"), b"pickles").expect("bin");
+    let err = tpinfer_wan::WanCheckpoint::open(&path).err().expect("refused").to_string();
+    assert_mentions(&err, &["diffusion_pytorch_model.bin", "safe_serialization=True"]);
 }

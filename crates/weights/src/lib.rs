@@ -23,7 +23,7 @@ pub use gguf::{GgufStore, GgufTensorMap};
 pub use loader::{hold_matrices, ShardLoader, Weight, WeightDecl};
 pub use lora::{LoraAdapter, LoraStore};
 pub use progress::{CountingStore, LoadProgress};
-pub use pth_store::PthStore;
+pub use pth_store::{PthDirStore, PthStore, PTH_INDEX, PTH_SINGLE};
 pub use renamed::RenamedStore;
 pub use safetensors_store::SafetensorsStore;
 pub use shard::ShardSpec;
@@ -34,14 +34,19 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 
 /// A model directory's tensors: its safetensors (see [`SafetensorsStore::open`]), or where it
-/// has none, its `pytorch_model.bin` (a `torch.save`d state dict, [`PthStore`]), as some
-/// transformers checkpoints ship only that.
+/// has none, its `pytorch_model.bin` or the shards its index names (`torch.save`d state
+/// dicts, [`PthDirStore`]), as older transformers checkpoints ship only those.
 pub fn open_model_dir(dir: &Path) -> Result<Box<dyn WeightStore>, WeightError> {
     match SafetensorsStore::open(dir) {
         Ok(store) => Ok(Box::new(store)),
-        Err(WeightError::NoWeights { .. }) if dir.join("pytorch_model.bin").is_file() => {
-            Ok(Box::new(PthStore::open(&dir.join("pytorch_model.bin"))?))
+        Err(WeightError::NoWeights { .. }) if dir.join(PTH_SINGLE).is_file() || dir.join(PTH_INDEX).is_file() => {
+            Ok(Box::new(PthDirStore::open(dir)?))
         }
+        // Shards without the index that says which holds what.
+        Err(WeightError::NoWeights { pickle: Some(file), .. }) => Err(WeightError::BadIndex {
+            path: dir.join(PTH_INDEX),
+            detail: format!("it is missing, and the pickled shards beside it ({file}) need it"),
+        }),
         Err(e) => Err(e),
     }
 }

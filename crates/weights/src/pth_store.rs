@@ -137,3 +137,105 @@ impl WeightStore for PthStore {
         format!("the model the layout of {} implies", self.path.display())
     }
 }
+
+/// A transformers model directory that ships PyTorch pickles instead of safetensors:
+/// `pytorch_model.bin`, or the shards `pytorch_model.bin.index.json` names, each a
+/// [`PthStore`].
+pub struct PthDirStore {
+    dir: PathBuf,
+    files: Vec<PthStore>,
+    /// Tensor name → the file holding it.
+    file_of: HashMap<String, usize>,
+}
+
+/// The index of a sharded `.bin` checkpoint, as transformers writes it.
+pub const PTH_INDEX: &str = "pytorch_model.bin.index.json";
+/// The one file of an unsharded one.
+pub const PTH_SINGLE: &str = "pytorch_model.bin";
+
+impl PthDirStore {
+    /// Opens `dir`'s [`PTH_INDEX`] and every shard it names, or its [`PTH_SINGLE`]; reads
+    /// headers only. An index naming a tensor its shard lacks is refused by name.
+    pub fn open(dir: &Path) -> Result<Self, WeightError> {
+        let index = dir.join(PTH_INDEX);
+        let (paths, named) = match std::fs::read_to_string(&index) {
+            Ok(text) => {
+                let bad = |detail: String| WeightError::BadIndex {
+                    path: index.clone(),
+                    detail,
+                };
+                let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+                let map = json
+                    .get("weight_map")
+                    .and_then(serde_json::Value::as_object)
+                    .ok_or_else(|| bad("it has no `weight_map` object".into()))?;
+                let mut named = Vec::with_capacity(map.len());
+                for (tensor, file) in map {
+                    let file = file
+                        .as_str()
+                        .filter(|f| !f.contains('/') && !f.contains('\\'))
+                        .ok_or_else(|| bad(format!("`{tensor}` is mapped to {file}, not a file beside the index")))?;
+                    named.push((tensor.clone(), file.to_string()));
+                }
+                let mut files: Vec<String> = named.iter().map(|(_, f)| f.clone()).collect();
+                files.sort();
+                files.dedup();
+                (files, Some(named))
+            }
+            Err(_) => (vec![PTH_SINGLE.to_string()], None),
+        };
+        let files = paths
+            .iter()
+            .map(|f| PthStore::open(&dir.join(f)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut file_of = HashMap::new();
+        for (i, file) in files.iter().enumerate() {
+            for name in file.tensors.keys() {
+                file_of.insert(name.clone(), i);
+            }
+        }
+        for (tensor, file) in named.iter().flatten() {
+            let holder = paths.iter().position(|p| p == file);
+            if holder.is_none() || file_of.get(tensor) != holder.as_ref() {
+                return Err(WeightError::BadIndex {
+                    path: index.clone(),
+                    detail: format!("it puts `{tensor}` in {file}, which does not hold it"),
+                });
+            }
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            files,
+            file_of,
+        })
+    }
+
+    fn file(&self, name: &str) -> Result<&PthStore, WeightError> {
+        self.file_of
+            .get(name)
+            .map(|&i| &self.files[i])
+            .ok_or_else(|| WeightError::Missing {
+                name: name.to_string(),
+                origin: self.origin(),
+                config: self.config_origin(),
+            })
+    }
+}
+
+impl WeightStore for PthDirStore {
+    fn info(&self, name: &str) -> Option<TensorInfo> {
+        self.file(name).ok()?.info(name)
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.file_of.keys().cloned().collect()
+    }
+
+    fn read(&self, name: &str, spec: &ShardSpec) -> Result<(Tensor, usize), WeightError> {
+        self.file(name)?.read(name, spec)
+    }
+
+    fn origin(&self) -> String {
+        self.dir.display().to_string()
+    }
+}

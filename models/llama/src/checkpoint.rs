@@ -6,8 +6,8 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use tpinfer_layers::RopeScaling;
 use tpinfer_weights::{
-    CountingStore, GgufStore, GgufTensorMap, LoadProgress, SafetensorsStore, ShardLoader, ShardSpec, TensorInfo,
-    WeightDecl, WeightError, WeightFormat, WeightStore,
+    CountingStore, GgufStore, GgufTensorMap, LoadProgress, ShardLoader, ShardSpec, TensorInfo, WeightDecl, WeightError,
+    WeightFormat, WeightStore,
 };
 
 use crate::shard::names;
@@ -71,11 +71,11 @@ impl LlamaCheckpoint {
             return Self::open_gguf(path, format);
         }
         let config = LlamaConfig::from_dir(path)?;
-        let store = SafetensorsStore::open(path)?;
+        let store = tpinfer_weights::open_model_dir(path)?;
         Ok(Self {
             config,
             format: ModelFormat::HfDir(path.to_path_buf()),
-            store: Arc::new(store),
+            store: Arc::from(store),
             gguf: None,
             weight_format: format,
         })
