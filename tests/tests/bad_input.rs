@@ -424,6 +424,9 @@ fn pickles_where_safetensors_are_read_name_the_conversion() {
     let path = tpinfer_tests::TinyWan::default().write(dir.path());
     std::fs::remove_file(path.join("diffusion_pytorch_model.safetensors")).expect("rm");
     std::fs::write(path.join("diffusion_pytorch_model.bin"), b"pickles").expect("bin");
-    let err = tpinfer_wan::WanCheckpoint::open(&path).err().expect("refused").to_string();
+    let err = tpinfer_wan::WanCheckpoint::open(&path)
+        .err()
+        .expect("refused")
+        .to_string();
     assert_mentions(&err, &["diffusion_pytorch_model.bin", "safe_serialization=True"]);
 }

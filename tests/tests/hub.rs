@@ -179,6 +179,35 @@ fn a_missing_model_is_downloaded_and_only_what_the_run_reads() {
     assert_eq!(server.requested(), requested, "a cached snapshot asked the hub again");
 }
 
+/// A repository of PyTorch pickles alone (two shards and their index) downloads those, and
+/// the snapshot loads and runs.
+#[test]
+fn a_repository_of_pickles_downloads_its_shards() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let remote = TinyLlama::default().write_torch(&dir.path().join("remote"), 2);
+    let server = FakeHub::serve_dir("org/old", HUB_COMMIT, &remote);
+    let cache = HubCache::new(dir.path().join("cache"));
+    let id = RepoId::parse("org/old").expect("id");
+    let snapshot = cache.fetch(&id, &hub(&server.endpoint)).expect("download");
+    let requested = server.requested();
+    for file in [
+        "pytorch_model.bin.index.json",
+        "pytorch_model-00001-of-00002.bin",
+        "pytorch_model-00002-of-00002.bin",
+    ] {
+        assert!(snapshot.join(file).is_file(), "{file}: {requested:?}");
+    }
+    assert_eq!(cache.fetch(&id, &Remote::Offline).expect("complete offline"), snapshot);
+    let engine = tpinfer_engine::Engine::builder(&snapshot).build().expect("engine");
+    let request = tpinfer_engine::GenerateRequest::new(tpinfer_engine::Prompt::text("ab"), 2);
+    let (_, ids, _) = engine
+        .generate(request)
+        .expect("generate")
+        .collect_text()
+        .expect("stream");
+    assert_eq!(ids.len(), 2);
+}
+
 /// A diffusers pipeline downloads each stage tpinfer runs, and resolves as complete.
 #[test]
 fn a_missing_pipeline_is_downloaded_stage_by_stage() {

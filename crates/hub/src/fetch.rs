@@ -72,15 +72,14 @@ impl HubCache {
             download.get(file, required)?;
         }
         for stem in reads.weights {
-            match download.get(&format!("{stem}.safetensors.index.json"), false)? {
-                Some(index) => {
-                    for shard in shards_of(&index, stem)? {
-                        download.get(&shard, true)?;
-                    }
-                }
-                None => {
-                    download.get(&format!("{stem}.safetensors"), true)?;
-                }
+            let fetched = download.weights(&format!("{stem}.safetensors"), stem)?;
+            // A model repository of PyTorch pickles alone, as older ones are.
+            let fetched = match (fetched, reads.pickles) {
+                (false, Some(pickles)) => download.weights(pickles, pickles)?,
+                (fetched, _) => fetched,
+            };
+            if !fetched {
+                download.get(&format!("{stem}.safetensors"), true)?;
             }
         }
         self.resolve(repo)
@@ -96,6 +95,20 @@ struct Download<'a> {
 }
 
 impl Download<'_> {
+    /// `file`'s index (`file.index.json`) and the shards it names, or `file` alone: whether
+    /// the repository had either.
+    fn weights(&self, file: &str, stem: &str) -> Result<bool, HubError> {
+        match self.get(&format!("{file}.index.json"), false)? {
+            Some(index) => {
+                for shard in shards_of(&index, stem)? {
+                    self.get(&shard, true)?;
+                }
+                Ok(true)
+            }
+            None => Ok(self.get(file, false)?.is_some()),
+        }
+    }
+
     /// `file` from the cache, or downloaded into it; `None` where the repository has no such
     /// file and it is not `required`.
     fn get(&self, file: &str, required: bool) -> Result<Option<PathBuf>, HubError> {

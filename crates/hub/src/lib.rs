@@ -184,6 +184,9 @@ fn listing(dir: &Path) -> String {
 struct Reads {
     files: &'static [(&'static str, bool)],
     weights: &'static [&'static str],
+    /// The PyTorch pickles read where the weights have no safetensors (`pytorch_model.bin`,
+    /// or its index and shards).
+    pickles: Option<&'static str>,
 }
 
 /// A diffusers pipeline (`model_index.json`): each stage tpinfer runs.
@@ -201,6 +204,7 @@ const PIPELINE: Reads = Reads {
         "transformer/diffusion_pytorch_model",
         "vae/diffusion_pytorch_model",
     ],
+    pickles: None,
 };
 
 /// One model: its config, tokenizer (with its chat template) and EOS ids.
@@ -212,6 +216,7 @@ const MODEL: Reads = Reads {
         ("generation_config.json", false),
     ],
     weights: &["model"],
+    pickles: Some("pytorch_model.bin"),
 };
 
 /// The files a run reads that `snapshot` lacks, relative to it.
@@ -227,7 +232,16 @@ fn missing_files(snapshot: &Path) -> Result<Vec<String>, HubError> {
         }
     }
     for stem in reads.weights {
-        weights_of(snapshot, stem, &mut missing)?;
+        let mut lacks = Vec::new();
+        weights_of(snapshot, &format!("{stem}.safetensors"), stem, &mut lacks)?;
+        if let Some(pickles) = reads.pickles.filter(|_| !lacks.is_empty()) {
+            let mut pickled = Vec::new();
+            weights_of(snapshot, pickles, pickles, &mut pickled)?;
+            if pickled.is_empty() {
+                continue;
+            }
+        }
+        missing.extend(lacks);
     }
     Ok(missing)
 }
@@ -238,13 +252,13 @@ fn need(snapshot: &Path, file: &str, missing: &mut Vec<String>) {
     }
 }
 
-/// `stem.safetensors`, or `stem.safetensors.index.json` and every shard it names.
-fn weights_of(snapshot: &Path, stem: &str, missing: &mut Vec<String>) -> Result<(), HubError> {
-    let single = format!("{stem}.safetensors");
-    if snapshot.join(&single).is_file() {
+/// `single` (`stem.safetensors`), or its index (`single.index.json`) and every shard it
+/// names.
+fn weights_of(snapshot: &Path, single: &str, stem: &str, missing: &mut Vec<String>) -> Result<(), HubError> {
+    if snapshot.join(single).is_file() {
         return Ok(());
     }
-    let index = snapshot.join(format!("{stem}.safetensors.index.json"));
+    let index = snapshot.join(format!("{single}.index.json"));
     if !index.is_file() {
         missing.push(format!("{single} (or its index)"));
         return Ok(());
