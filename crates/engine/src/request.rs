@@ -133,13 +133,13 @@ impl SamplingParams {
                 return Some(format!("{name} {value} must be from -2 to 2 (0 disables it)"));
             }
         }
-        for (i, &(token, bias)) in self.logit_bias.iter().enumerate() {
-            if !(-100.0..=100.0).contains(&bias) {
-                return Some(format!("logit_bias {bias} of token {token} must be from -100 to 100"));
-            }
-            if self.logit_bias[..i].iter().any(|&(t, _)| t == token) {
-                return Some(format!("logit_bias gives token {token} twice"));
-            }
+        if let Some(&(token, bias)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return Some(format!("logit_bias {bias} of token {token} must be from -100 to 100"));
+        }
+        let mut tokens: Vec<u32> = self.logit_bias.iter().map(|&(token, _)| token).collect();
+        tokens.sort_unstable();
+        if let Some(pair) = tokens.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Some(format!("logit_bias gives token {} twice", pair[0]));
         }
         None
     }

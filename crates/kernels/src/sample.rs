@@ -8,6 +8,8 @@
 //! request's seed at counter (token, draw): a request draws the same numbers alone as in any
 //! batch, and on any device.
 
+use std::collections::BTreeMap;
+
 use candle_core::{DType, Result, Tensor};
 
 /// How one row picks its token.
@@ -73,40 +75,35 @@ impl RowSampling<'_> {
     /// `x`: `penalize(x, factor) - offset` (none when every penalty is off and nothing is
     /// biased).
     fn penalized_set(&self) -> Vec<Penalty> {
-        let repeats = match self.repetition_penalty == 1.0 {
-            true => &[][..],
-            false => self.penalized,
-        };
-        let generated = match self.frequency_penalty == 0.0 && self.presence_penalty == 0.0 {
-            true => &[][..],
-            false => self.generated,
-        };
-        let biased = self.logit_bias.iter().map(|&(token, _)| token);
-        let mut tokens: Vec<u32> = repeats.iter().chain(generated).copied().chain(biased).collect();
-        tokens.sort_unstable();
-        tokens.dedup();
-        tokens
-            .into_iter()
-            .map(|token| {
-                let count = generated.iter().filter(|&&t| t == token).count();
-                let presence = if count > 0 { self.presence_penalty } else { 0.0 };
-                let bias: f32 = self
-                    .logit_bias
-                    .iter()
-                    .filter(|&&(t, _)| t == token)
-                    .map(|&(_, b)| b)
-                    .sum();
-                Penalty {
-                    token,
-                    factor: match repeats.contains(&token) {
-                        true => self.repetition_penalty,
-                        false => 1.0,
-                    },
-                    offset: self.frequency_penalty * count as f32 + presence - bias,
-                }
-            })
-            .collect()
+        let mut set = BTreeMap::new();
+        if self.repetition_penalty != 1.0 {
+            for &token in self.penalized {
+                entry(&mut set, token).factor = self.repetition_penalty;
+            }
+        }
+        if self.frequency_penalty != 0.0 || self.presence_penalty != 0.0 {
+            let mut counts: BTreeMap<u32, usize> = BTreeMap::new();
+            for &token in self.generated {
+                *counts.entry(token).or_default() += 1;
+            }
+            for (token, count) in counts {
+                entry(&mut set, token).offset += self.frequency_penalty * count as f32 + self.presence_penalty;
+            }
+        }
+        for &(token, bias) in self.logit_bias {
+            entry(&mut set, token).offset -= bias;
+        }
+        set.into_values().collect()
     }
+}
+
+/// `token`'s entry in `set`, unchanged (factor 1, offset 0) until a penalty or bias sets it.
+fn entry(set: &mut BTreeMap<u32, Penalty>, token: u32) -> &mut Penalty {
+    set.entry(token).or_insert(Penalty {
+        token,
+        factor: 1.0,
+        offset: 0.0,
+    })
 }
 
 /// What the penalties do to one token's logit: `penalize(x, factor) - offset`.

@@ -254,3 +254,27 @@ fn a_logit_bias_is_added_after_the_penalties() {
     let past = biased(&[(6, 1.0)]);
     assert!(sample_rows(&x, &[past]).is_err(), "a token past the vocabulary");
 }
+
+/// A bias on every token of a 128K vocabulary and 8K generated tokens: the penalized set is
+/// built in O(n log n) (a request could name the whole vocabulary; a quadratic pass took
+/// minutes), and the bias still decides: the token biased most wins.
+#[test]
+fn a_bias_on_every_token_of_a_large_vocabulary_is_quick() {
+    let vocab = 131_072u32;
+    let x = Tensor::zeros((1, vocab as usize), candle_core::DType::F32, &Device::Cpu).expect("logits");
+    let bias: Vec<(u32, f32)> = (0..vocab).map(|t| (t, if t == 77_777 { 5.0 } else { -1.0 })).collect();
+    let generated: Vec<u32> = (0..8192u32).map(|i| i * 13 % vocab).collect();
+    let started = std::time::Instant::now();
+    let row = RowSampling {
+        logit_bias: &bias,
+        frequency_penalty: 0.5,
+        generated: &generated,
+        ..RowSampling::GREEDY
+    };
+    assert_eq!(ids(&x, &[row]), vec![77_777]);
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+}
