@@ -15,9 +15,9 @@ use crate::{QuantizedSlice, ShardSpec, TensorInfo, WeightError, WeightStore};
 const PEFT_PREFIX: &str = "base_model.model.";
 
 /// What other tools put before a diffusion model's weight names: ComfyUI's Wan adapters
-/// (`diffusion_model.`), diffusers' (`transformer.`) and kohya's, whose dots are underscores
-/// too (`lora_unet_blocks_0_self_attn_q`).
+/// (`diffusion_model.`) and diffusers' (`transformer.`).
 const WRAPPER_PREFIXES: [&str; 2] = ["diffusion_model.", "transformer."];
+/// kohya's, whose names also have their dots as underscores (`lora_unet_blocks_0_self_attn_q`).
 const KOHYA_PREFIX: &str = "lora_unet_";
 
 /// A LoRA adapter read from a safetensors file: for each weight it changes, the low-rank
