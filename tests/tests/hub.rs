@@ -198,6 +198,19 @@ fn a_repository_of_pickles_downloads_its_shards() {
         assert!(snapshot.join(file).is_file(), "{file}: {requested:?}");
     }
     assert_eq!(cache.fetch(&id, &Remote::Offline).expect("complete offline"), snapshot);
+    // A shard gone from the cache is named, not the safetensors the repository never had.
+    let shard = snapshot.join("pytorch_model-00002-of-00002.bin");
+    let kept = std::fs::read(&shard).expect("shard");
+    std::fs::remove_file(&shard).expect("rm shard");
+    let err = cache
+        .fetch(&id, &Remote::Offline)
+        .expect_err("a shard missing")
+        .to_string();
+    assert!(
+        err.contains("pytorch_model-00002-of-00002.bin") && !err.contains("model.safetensors"),
+        "{err}"
+    );
+    std::fs::write(&shard, kept).expect("restore shard");
     let engine = tpinfer_engine::Engine::builder(&snapshot).build().expect("engine");
     let request = tpinfer_engine::GenerateRequest::new(tpinfer_engine::Prompt::text("ab"), 2);
     let (_, ids, _) = engine

@@ -234,11 +234,12 @@ fn missing_files(snapshot: &Path) -> Result<Vec<String>, HubError> {
     for stem in reads.weights {
         let mut lacks = Vec::new();
         weights_of(snapshot, &format!("{stem}.safetensors"), stem, &mut lacks)?;
+        // A snapshot of pickles (its index or single file there) is held to those instead.
         if let Some(pickles) = reads.pickles.filter(|_| !lacks.is_empty()) {
-            let mut pickled = Vec::new();
-            weights_of(snapshot, pickles, pickles, &mut pickled)?;
-            if pickled.is_empty() {
-                continue;
+            let index = snapshot.join(format!("{pickles}.index.json"));
+            if index.is_file() || snapshot.join(pickles).is_file() {
+                lacks.clear();
+                weights_of(snapshot, pickles, pickles, &mut lacks)?;
             }
         }
         missing.extend(lacks);
