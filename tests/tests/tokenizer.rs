@@ -54,6 +54,20 @@ fn llama3_chat_template_renders_with_minijinja() {
     );
 }
 
+/// A template laid out over lines, block tags indented, renders as transformers renders it
+/// (Jinja2 with `trim_blocks` and `lstrip_blocks`; the expected text is Jinja2 3.1's output
+/// with those options, where without them it begins "\n  \n<<SYS>>"); the one-line
+/// templates of Llama 3.1 render the same either way.
+#[test]
+fn a_template_over_many_lines_renders_as_transformers_renders_it() {
+    let source = "{% for message in messages %}\n  {% if message['role'] == 'system' %}\n<<SYS>>{{ message['content'] }}<</SYS>>\n  {% else %}\n[{{ message['role'] }}] {{ message['content'] }}\n  {% endif %}\n{% endfor %}\n{% if add_generation_prompt %}\n[assistant]\n{% endif %}";
+    let template = tpinfer_tokenizer::ChatTemplate::new(source, "", "");
+    let text = template
+        .render(&[ChatMessage::system("Be brief."), ChatMessage::user("Hi")], true)
+        .expect("render");
+    assert_eq!(text, "<<SYS>>Be brief.<</SYS>>\n[user] Hi\n[assistant]\n");
+}
+
 #[test]
 fn gguf_tokenizer_of_smollm2() {
     let store = GgufStore::open(&assets_dir().join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")).expect("open");

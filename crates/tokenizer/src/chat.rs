@@ -73,6 +73,11 @@ impl ChatTemplate {
     /// Renders `messages`; with `add_generation_prompt` the assistant's turn is opened.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
         let mut env = Environment::new();
+        // As transformers' `apply_chat_template` renders them: a block tag's line break and
+        // the indentation before it are not output (templates laid out over many lines count
+        // on it).
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         // Templates are written for Python's Jinja: `.strip()`, `.startswith()` and friends.
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
