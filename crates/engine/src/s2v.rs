@@ -178,7 +178,6 @@ pub(crate) fn s2v_decode_shape(clip: VideoShape, clip_latents: usize) -> VideoSh
     }
 }
 
-/// S2V's stages besides the prompt encoder, the DiT and the decoder, on the ranks.
 /// The speech encoder's stage: its model on the ranks, and the fewest samples of speech that
 /// make a video frame.
 #[derive(Clone, Copy)]
@@ -201,6 +200,7 @@ fn check_speech_length(samples: usize, least: usize) -> Result<(), EngineError> 
     )))
 }
 
+/// S2V's stages besides the prompt encoder, the DiT and the decoder, on the ranks.
 pub(crate) struct S2vStages {
     speech: SpeechStage,
     encoder: ModelHandle<WanVaeEncoder>,
@@ -219,12 +219,12 @@ impl S2vStages {
         let speech = Wav2Vec2Model::open(&dir.wav2vec2).map_err(|e| RuntimeError::Model(e.to_string()))?;
         let least_samples = speech.config().samples_for(STATES_FOR_A_FRAME);
         let placement = match samples {
-            Some(n) => Placement::llm(speech.config().frames(n).max(1), 1),
+            Some(n) => {
+                check_speech_length(n, least_samples)?;
+                Placement::llm(speech.config().frames(n).max(1), 1)
+            }
             None => speech.default_placement(),
         };
-        if let Some(n) = samples {
-            check_speech_length(n, least_samples)?;
-        }
         let model = launch.add(Arc::new(speech), DType::F32, placement)?;
         Ok(SpeechStage { model, least_samples })
     }

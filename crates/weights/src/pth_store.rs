@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use candle_core::Tensor;
 use memmap2::Mmap;
 
-use crate::safetensors_store::read_slice;
+use crate::safetensors_store::{index_weight_map, read_slice};
 use crate::{ShardSpec, TensorInfo, WeightError, WeightStore};
 
 /// The tensors of one `.pth` state dict, memory-mapped.
@@ -158,35 +158,19 @@ impl PthDirStore {
     /// headers only. An index naming a tensor its shard lacks is refused by name.
     pub fn open(dir: &Path) -> Result<Self, WeightError> {
         let index = dir.join(PTH_INDEX);
-        let (paths, named) = match std::fs::read_to_string(&index) {
-            Ok(text) => {
-                let bad = |detail: String| WeightError::BadIndex {
-                    path: index.clone(),
-                    detail,
-                };
-                let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-                let map = json
-                    .get("weight_map")
-                    .and_then(serde_json::Value::as_object)
-                    .ok_or_else(|| bad("it has no `weight_map` object".into()))?;
-                let mut named = Vec::with_capacity(map.len());
-                for (tensor, file) in map {
-                    let file = file
-                        .as_str()
-                        .filter(|f| !f.contains('/') && !f.contains('\\'))
-                        .ok_or_else(|| bad(format!("`{tensor}` is mapped to {file}, not a file beside the index")))?;
-                    named.push((tensor.clone(), file.to_string()));
-                }
-                let mut files: Vec<String> = named.iter().map(|(_, f)| f.clone()).collect();
-                files.sort();
-                files.dedup();
-                (files, Some(named))
-            }
-            Err(_) => (vec![PTH_SINGLE.to_string()], None),
+        let named = match index.is_file() {
+            true => Some(index_weight_map(&index)?),
+            false => None,
         };
+        let mut paths: Vec<PathBuf> = match &named {
+            Some(named) => named.iter().map(|(_, path)| path.clone()).collect(),
+            None => vec![dir.join(PTH_SINGLE)],
+        };
+        paths.sort();
+        paths.dedup();
         let files = paths
             .iter()
-            .map(|f| PthStore::open(&dir.join(f)))
+            .map(|path| PthStore::open(path))
             .collect::<Result<Vec<_>, _>>()?;
         let mut file_of = HashMap::new();
         for (i, file) in files.iter().enumerate() {
@@ -194,12 +178,12 @@ impl PthDirStore {
                 file_of.insert(name.clone(), i);
             }
         }
-        for (tensor, file) in named.iter().flatten() {
-            let holder = paths.iter().position(|p| p == file);
+        for (tensor, path) in named.iter().flatten() {
+            let holder = paths.iter().position(|p| p == path);
             if holder.is_none() || file_of.get(tensor) != holder.as_ref() {
                 return Err(WeightError::BadIndex {
                     path: index.clone(),
-                    detail: format!("it puts `{tensor}` in {file}, which does not hold it"),
+                    detail: format!("it puts `{tensor}` in {}, which does not hold it", path.display()),
                 });
             }
         }

@@ -129,6 +129,15 @@ impl SafetensorsStore {
 }
 
 fn files_of_index(index: &Path) -> Result<Vec<PathBuf>, WeightError> {
+    let mut files: Vec<PathBuf> = index_weight_map(index)?.into_iter().map(|(_, path)| path).collect();
+    files.sort();
+    files.dedup();
+    Ok(files)
+}
+
+/// Each tensor an index (`*.index.json`, transformers' `weight_map`) names, and the file
+/// beside the index that it says holds it; a file that does not exist is refused.
+pub(crate) fn index_weight_map(index: &Path) -> Result<Vec<(String, PathBuf)>, WeightError> {
     let bad = |detail: String| WeightError::BadIndex {
         path: index.to_path_buf(),
         detail,
@@ -143,21 +152,18 @@ fn files_of_index(index: &Path) -> Result<Vec<PathBuf>, WeightError> {
         .and_then(|m| m.as_object())
         .ok_or_else(|| bad("no `weight_map` object".to_string()))?;
     let dir = index.parent().unwrap_or(Path::new("."));
-    let mut files: Vec<PathBuf> = Vec::new();
-    for (tensor, file) in map {
-        let file = file
-            .as_str()
-            .ok_or_else(|| bad(format!("`{tensor}` maps to a non-string")))?;
-        let path = dir.join(file);
-        if !path.exists() {
-            return Err(bad(format!("`{tensor}` is in {file}, which does not exist")));
-        }
-        if !files.contains(&path) {
-            files.push(path);
-        }
-    }
-    files.sort();
-    Ok(files)
+    map.iter()
+        .map(|(tensor, file)| {
+            let file = file
+                .as_str()
+                .ok_or_else(|| bad(format!("`{tensor}` maps to a non-string")))?;
+            let path = dir.join(file);
+            if !path.exists() {
+                return Err(bad(format!("`{tensor}` is in {file}, which does not exist")));
+            }
+            Ok((tensor.clone(), path))
+        })
+        .collect()
 }
 
 fn to_candle_dtype(dtype: Dtype) -> Option<DType> {
