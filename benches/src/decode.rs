@@ -364,7 +364,10 @@ fn gemvs(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: u
             );
         }
         if name == "qkv" && tpinfer_kernels::gemv_on_cuda(&x, weights[0].weight()) {
-            qkv_rotary(device, dtype, c, calls, &x, weights[0].weight(), &weight)?;
+            qkv_rotary(device, dtype, c, calls, &x, weights[0].weight(), &weight, None)?;
+            // Qwen2's biased QKV.
+            let bias = Tensor::randn(0f32, 1.0, rows, device)?.to_dtype(dtype)?;
+            qkv_rotary(device, dtype, c, calls, &x, weights[0].weight(), &weight, Some(&bias))?;
         }
     }
     match fp8 {
@@ -385,9 +388,11 @@ fn bits(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
-/// The QKV product followed by the rotation and the cache write (gemv, rotary_qkv_into)
-/// against the kernel that does both (gemv_rotary_qkv_into): the same bits in the queries and
-/// the whole cache, and the time of each. `weight` cycles through cold copies of `first`.
+/// The QKV product, its `bias` added, followed by the rotation and the cache write (gemv,
+/// an add, rotary_qkv_into) against the kernel that does all three (gemv_rotary_qkv_into):
+/// the same bits in the queries and the whole cache, and the time of each. `weight` cycles
+/// through cold copies of `first`.
+#[allow(clippy::too_many_arguments)]
 fn qkv_rotary<'w>(
     device: &Device,
     dtype: DType,
@@ -396,6 +401,7 @@ fn qkv_rotary<'w>(
     x: &Tensor,
     first: RowWeight<'w>,
     weight: &dyn Fn() -> RowWeight<'w>,
+    bias: Option<&Tensor>,
 ) -> Result<()> {
     let (heads, kv_heads, d, capacity) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, 4096);
     let table = Tensor::randn(0f32, 1.0, (2, capacity, d / 2), device)?.to_dtype(dtype)?;
@@ -407,20 +413,25 @@ fn qkv_rotary<'w>(
         ))
     };
     let unfused = |w: RowWeight, (cache, queries): &(Tensor, Tensor)| -> candle_core::Result<Tensor> {
-        let product = tpinfer_kernels::gemv(x, w)?.reshape((1, ()))?;
+        let mut product = tpinfer_kernels::gemv(x, w)?.reshape((1, ()))?;
+        if let Some(b) = bias {
+            product = product.broadcast_add(b)?;
+        }
         tpinfer_kernels::rotary_qkv_into(cache, &product, &table, &position, heads, queries)?;
         Ok(queries.clone())
     };
     let fused = |w: RowWeight, (cache, queries): &(Tensor, Tensor)| -> candle_core::Result<Tensor> {
-        tpinfer_kernels::gemv_rotary_qkv_into(cache, x, w, &table, &position, heads, queries)?;
+        tpinfer_kernels::gemv_rotary_qkv_into(cache, x, w, bias, &table, &position, heads, queries)?;
         Ok(queries.clone())
     };
     let (want, got) = (outputs()?, outputs()?);
     unfused(first, &want)?;
     fused(first, &got)?;
-    let format = match first {
-        RowWeight::Dense(_) => "dense",
-        RowWeight::Fp8 { .. } => "FP8",
+    let format = match (first, bias) {
+        (RowWeight::Dense(_), None) => "dense",
+        (RowWeight::Dense(_), Some(_)) => "dense with a bias",
+        (RowWeight::Fp8 { .. }, None) => "FP8",
+        (RowWeight::Fp8 { .. }, Some(_)) => "FP8 with a bias",
     };
     if bits(&got.0)? != bits(&want.0)? || bits(&got.1)? != bits(&want.1)? {
         bail!("gemv_rotary_qkv_into ({format}) does not give the bits of gemv + rotary_qkv_into");

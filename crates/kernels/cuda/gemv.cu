@@ -182,11 +182,13 @@ __device__ void gemv(const T* x, const void* __restrict__ w, const float* __rest
 // `values` elements further (a sequence's own cache `[2, kv_heads, capacity, d]`, its row the
 // position; or a paged pool `[2, slots, kv_heads, d]`, its row the token's slot). The bits of
 // gemv followed by rotary_qkv; one kernel and no round trip of the product through memory. A
-// position past the table or a row past the cache's `rows` is skipped (the host checks both
-// before it launches).
+// `bias` (Qwen2's, or null) is added to each rounded product and rounded again, as a bias
+// added to the product in T does. A position past the table or a row past the cache's `rows`
+// is skipped (the host checks both before it launches).
 template <typename T, typename W>
 __device__ void gemv_rotary(const T* x, const void* __restrict__ w, const float* __restrict__ scales,
-                            const T* __restrict__ table, T* __restrict__ queries, T* __restrict__ keys, long values,
+                            const T* __restrict__ bias, const T* __restrict__ table, T* __restrict__ queries,
+                            T* __restrict__ keys, long values,
                             long row_stride, long head_stride, int q_heads, int kv_heads, int d, int k,
                             const unsigned* __restrict__ position, const unsigned* __restrict__ row, int positions,
                             long rows) {
@@ -198,11 +200,12 @@ __device__ void gemv_rotary(const T* x, const void* __restrict__ w, const float*
     // table or the scales: they are read before the wait, while the first weight loads fly.
     const long at = *position, cached = *row;
     const bool skip = at >= positions || (!query && cached >= rows);
-    float c = 1.f, s = 0.f, scale[2] = {1.f, 1.f};
+    float c = 1.f, s = 0.f, scale[2] = {1.f, 1.f}, added[2] = {0.f, 0.f};
     if (Format<T, W>::FP8 && threadIdx.x < 2) {
         scale[0] = row_scale<W>(scales, products[0]);
         scale[1] = row_scale<W>(scales, products[1]);
     }
+    if (bias != nullptr && threadIdx.x < 2) added[0] = to_f32(bias[products[0]]), added[1] = to_f32(bias[products[1]]);
     if (!value && !skip && threadIdx.x < 2) {
         c = to_f32(table[at * half + j]);
         s = to_f32(table[((long)positions + at) * half + j]);
@@ -212,8 +215,9 @@ __device__ void gemv_rotary(const T* x, const void* __restrict__ w, const float*
     if (threadIdx.x >= 2 || skip) return;
     // Thread 0 writes column j, thread 1 column j + half.
     const bool second = threadIdx.x == 1;
-    const float x1 = to_f32(from_f32<T>(row_sum(partial, 0) * scale[0]));
-    const float x2 = to_f32(from_f32<T>(row_sum(partial, 1) * scale[1]));
+    float x1 = to_f32(from_f32<T>(row_sum(partial, 0) * scale[0]));
+    float x2 = to_f32(from_f32<T>(row_sum(partial, 1) * scale[1]));
+    if (bias != nullptr) x1 = to_f32(from_f32<T>(x1 + added[0])), x2 = to_f32(from_f32<T>(x2 + added[1]));
     const float y = value ? (second ? x2 : x1) : rotate(x1, x2, c, s, second);
     const int head = value ? slot - q_heads - kv_heads : slot - q_heads;
     T* to = query ? queries + (long)slot * d
@@ -239,11 +243,11 @@ __device__ void gemv_rotary(const T* x, const void* __restrict__ w, const float*
     }
 #define GEMV_ROTARY(FORMAT, W, SUFFIX, T)                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS) gemv_rotary_##FORMAT##SUFFIX(                        \
-        const T* x, const void* w, const float* scales, const T* table, T* queries, T* keys, long values,     \
-        long row_stride, long head_stride, int q_heads, int kv_heads, int d, int k, const unsigned* position,  \
-        const unsigned* row, int positions, long rows CHAIN_TRACE_PARAM) {                                    \
+        const T* x, const void* w, const float* scales, const T* bias, const T* table, T* queries, T* keys,    \
+        long values, long row_stride, long head_stride, int q_heads, int kv_heads, int d, int k,              \
+        const unsigned* position, const unsigned* row, int positions, long rows CHAIN_TRACE_PARAM) {          \
         CHAIN_TRACE_SCOPE                                                                                      \
-        gemv_rotary<T, W>(x, w, scales, table, queries, keys, values, row_stride, head_stride, q_heads,        \
+        gemv_rotary<T, W>(x, w, scales, bias, table, queries, keys, values, row_stride, head_stride, q_heads,  \
                           kv_heads, d, k, position, row, positions, rows);                                     \
     }
 #define GEMV_16BIT(FORMAT, W, SUFFIX, T) \

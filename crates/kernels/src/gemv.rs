@@ -126,15 +126,18 @@ pub fn gemv_gate_up_silu_into<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>, out: 
 }
 
 /// [`crate::rotary_qkv_into`] of the product of one row `x` and a fused QKV weight `w`
-/// `[(q_heads + 2 · kv_heads) · d, k]`, in one CUDA kernel that computes each pair of rows
-/// that rotate together and writes them rotated: the bits of [`gemv`] then
+/// `[(q_heads + 2 · kv_heads) · d, k]`, plus its `bias` `[(q_heads + 2 · kv_heads) · d]` where
+/// there is one (Qwen2's), in one CUDA kernel that computes each pair of rows that rotate
+/// together and writes them rotated: the bits of [`gemv`], the bias added in `x`'s type, then
 /// [`crate::rotary_qkv_into`], without the product's round trip through memory. A chain link.
 /// Only where [`gemv_gate_up_silu_on_cuda`] holds for `x` and `w` (a 16-bit `x`); the caller
 /// has checked that the position fits the table and the cache.
+#[allow(clippy::too_many_arguments)]
 pub fn gemv_rotary_qkv_into<'a>(
     cache: &Tensor,
     x: &Tensor,
     w: impl Into<RowWeight<'a>>,
+    bias: Option<&Tensor>,
     table: &Tensor,
     position: &Tensor,
     q_heads: usize,
@@ -144,9 +147,9 @@ pub fn gemv_rotary_qkv_into<'a>(
     #[cfg(feature = "cuda")]
     if gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16) {
         let rows = cuda::CacheRows::own(cache, position)?;
-        return cuda::gemv_rotary_qkv_into(rows, x, w, table, position, q_heads, queries);
+        return cuda::gemv_rotary_qkv_into(rows, x, w, bias, table, position, q_heads, queries);
     }
-    let _ = (cache, table, position, q_heads, queries);
+    let _ = (cache, bias, table, position, q_heads, queries);
     not_a_16_bit_gemv("gemv_rotary_qkv_into", x, w)
 }
 
@@ -159,6 +162,7 @@ pub fn gemv_rotary_qkv_paged_into<'a>(
     pool: &Tensor,
     x: &Tensor,
     w: impl Into<RowWeight<'a>>,
+    bias: Option<&Tensor>,
     table: &Tensor,
     position: &Tensor,
     slot: &Tensor,
@@ -169,9 +173,9 @@ pub fn gemv_rotary_qkv_paged_into<'a>(
     #[cfg(feature = "cuda")]
     if gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16) {
         let rows = cuda::CacheRows::paged(pool, slot)?;
-        return cuda::gemv_rotary_qkv_into(rows, x, w, table, position, q_heads, queries);
+        return cuda::gemv_rotary_qkv_into(rows, x, w, bias, table, position, q_heads, queries);
     }
-    let _ = (pool, table, position, slot, q_heads, queries);
+    let _ = (pool, bias, table, position, slot, q_heads, queries);
     not_a_16_bit_gemv("gemv_rotary_qkv_paged_into", x, w)
 }
 
@@ -468,10 +472,12 @@ mod cuda {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn gemv_rotary_qkv_into(
         cache: CacheRows,
         x: &Tensor,
         w: RowWeight,
+        bias: Option<&Tensor>,
         table: &Tensor,
         position: &Tensor,
         q_heads: usize,
@@ -498,6 +504,15 @@ mod cuda {
             );
         }
         check_output(queries, dtype, q_heads * d, "gemv_rotary_qkv")?;
+        if let Some(b) = bias {
+            if b.dtype() != dtype || b.elem_count() != rows || !b.is_contiguous() {
+                candle_core::bail!(
+                    "gemv_rotary_qkv: the bias {:?} {:?} is not {rows} contiguous {dtype:?} values",
+                    b.dtype(),
+                    b.dims()
+                );
+            }
+        }
         let candle_core::Device::Cuda(dev) = x.device() else {
             candle_core::bail!("gemv_rotary_qkv: x is not on CUDA");
         };
@@ -512,6 +527,8 @@ mod cuda {
         };
         let mut launch = Launch::default();
         launch.arg(device_address(&x)?).arg(weight.values).arg(weight.scales);
+        // A null bias: none.
+        launch.arg(bias.map(device_address).transpose()?.unwrap_or(0));
         for t in [table, queries, cache.cache] {
             launch.arg(device_address(t)?);
         }
@@ -527,8 +544,8 @@ mod cuda {
             .arg(positions as i32)
             .arg(cache.rows as i64);
         // SAFETY: the arguments match the kernel's signature; w holds the (q_heads + 2 ·
-        // kv_heads) · d rows of k (and an FP8 w as many scales) that the rows / 2 CTAs read in
-        // pairs, x k values, queries q_heads · d; the cache is contiguous, its strides and
+        // kv_heads) · d rows of k (and an FP8 w as many scales, a bias as many values) that the
+        // rows / 2 CTAs read in pairs, x k values, queries q_heads · d; the cache is contiguous, its strides and
         // value offset those of its layout (CacheRows), and the kernel skips a position past
         // the table or a row past the cache's rows.
         unsafe { launch.launch(dev, &func, cfg) }

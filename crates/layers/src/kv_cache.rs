@@ -64,13 +64,15 @@ impl KvCache {
     }
 
     /// [`Self::append_rotated_into`] of the QKV product of one row `x` with the fused weight
-    /// `w` (`[(q_heads + 2 · heads) · head_dim, k]`, dense or FP8), the product computed by the
-    /// same kernel: where [`tpinfer_kernels::gemv_on_cuda`] holds for `x` and `w`, with `x` in
-    /// 16 bits.
+    /// `w` (`[(q_heads + 2 · heads) · head_dim, k]`, dense or FP8) and its `bias`, the product
+    /// computed by the same kernel: where [`tpinfer_kernels::gemv_on_cuda`] holds for `x` and
+    /// `w`, with `x` in 16 bits.
+    #[allow(clippy::too_many_arguments)]
     pub fn append_projected_rotated_into(
         &self,
         x: &Tensor,
         w: tpinfer_kernels::RowWeight,
+        bias: Option<&Tensor>,
         rope: &Rope,
         at: &Position,
         q_heads: usize,
@@ -81,6 +83,7 @@ impl KvCache {
             &self.kv,
             x,
             w,
+            bias,
             rope.table(),
             at.tensor(),
             q_heads,

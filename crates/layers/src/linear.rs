@@ -52,14 +52,18 @@ impl Product {
 
     /// The weight as the GEMV kernels take it, where the product has no bias: dense or FP8.
     fn row_weight(&self) -> Option<RowWeight<'_>> {
+        match self.row_weight_and_bias()? {
+            (w, None) => Some(w),
+            (_, Some(_)) => None,
+        }
+    }
+
+    /// The weight as the GEMV kernels take it, dense or FP8, and its bias if it has one.
+    fn row_weight_and_bias(&self) -> Option<(RowWeight<'_>, Option<&Tensor>)> {
         match self {
-            Self::Dense(linear) if linear.bias().is_none() => Some(RowWeight::Dense(linear.weight())),
-            Self::Fp8 {
-                values,
-                scales,
-                bias: None,
-            } => Some(RowWeight::Fp8 { values, scales }),
-            _ => None,
+            Self::Dense(linear) => Some((RowWeight::Dense(linear.weight()), linear.bias())),
+            Self::Fp8 { values, scales, bias } => Some((RowWeight::Fp8 { values, scales }, bias.as_ref())),
+            Self::Quantized { .. } => None,
         }
     }
 
@@ -397,12 +401,13 @@ impl MergedColumnParallelLinear {
         }
     }
 
-    /// The merged weight, dense or FP8, where one row `x`'s product runs as the bias-free GEMV
-    /// kernel on CUDA in 16 bits: for kernels that fuse what follows the product into it.
-    pub fn gemv_weight(&self, x: &Tensor) -> Option<RowWeight<'_>> {
+    /// The merged weight, dense or FP8, and its bias if it has one, where one row `x`'s
+    /// product runs as the GEMV kernel on CUDA in 16 bits: for kernels that fuse the bias and
+    /// what follows the product into it.
+    pub fn gemv_weight(&self, x: &Tensor) -> Option<(RowWeight<'_>, Option<&Tensor>)> {
         self.joined()?
-            .row_weight()
-            .filter(|&w| tpinfer_kernels::gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16))
+            .row_weight_and_bias()
+            .filter(|&(w, _)| tpinfer_kernels::gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16))
     }
 
     /// An output of `rows` rows for [`Self::forward_merged_into`], like `x`.

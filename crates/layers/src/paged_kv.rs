@@ -71,14 +71,16 @@ impl PagedKvCache {
         Ok(tpinfer_kernels::paged_decode_attention(q, &self.kv, decode, scale)?)
     }
 
-    /// The rotated query heads of one row `x`'s QKV product with the fused weight `w` written
-    /// into `queries`, its key (rotated) and value into the pool at `row`'s slot: one CUDA
-    /// kernel ([`tpinfer_kernels::gemv_rotary_qkv_paged_into`]), a chain link. The caller
-    /// has checked the position against the table and the slot against the pool.
+    /// The rotated query heads of one row `x`'s QKV product with the fused weight `w` (and its
+    /// `bias`) written into `queries`, its key (rotated) and value into the pool at `row`'s
+    /// slot: one CUDA kernel ([`tpinfer_kernels::gemv_rotary_qkv_paged_into`]), a chain link.
+    /// The caller has checked the position against the table and the slot against the pool.
+    #[allow(clippy::too_many_arguments)]
     pub fn write_projected_rotated_into(
         &self,
         x: &Tensor,
         w: RowWeight,
+        bias: Option<&Tensor>,
         rope: &Rope,
         row: LoneRow<'_>,
         q_heads: usize,
@@ -88,6 +90,7 @@ impl PagedKvCache {
             &self.kv,
             x,
             w,
+            bias,
             rope.table(),
             row.position,
             row.slot,

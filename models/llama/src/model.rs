@@ -690,10 +690,10 @@ impl DecoderLayer {
         match kv {
             StepKv::Own => {
                 match self.qkv.gemv_weight(&h) {
-                    // The product, its rotation and the cache write in one kernel.
-                    Some(w) => self
+                    // The product, its bias, its rotation and the cache write in one kernel.
+                    Some((w, bias)) => self
                         .cache
-                        .append_projected_rotated_into(&h, w, ctx.rope, ctx.at, n_q, &b.queries)?,
+                        .append_projected_rotated_into(&h, w, bias, ctx.rope, ctx.at, n_q, &b.queries)?,
                     None => {
                         self.qkv.forward_row_into(&h, &b.qkv)?;
                         self.cache
@@ -712,12 +712,12 @@ impl DecoderLayer {
                 )?;
             }
             StepKv::Paged(row) => {
-                let (Some(pool), Some(w)) = (&self.paged, self.qkv.gemv_weight(&h)) else {
+                let (Some(pool), Some((w, bias))) = (&self.paged, self.qkv.gemv_weight(&h)) else {
                     return Err(tpinfer_layers::Error::Shard(
                         "a lone paged step needs a paged cache and a fused QKV GEMV".into(),
                     ));
                 };
-                pool.write_projected_rotated_into(&h, w, ctx.rope, row, n_q, &b.queries)?;
+                pool.write_projected_rotated_into(&h, w, bias, ctx.rope, row, n_q, &b.queries)?;
                 pool.lone_decode_attention_into(&b.queries, row, scale, ctx.decode_scratch, &b.attention)?;
             }
         }
