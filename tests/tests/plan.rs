@@ -67,6 +67,10 @@ fn presets_match_published_parameter_counts() {
     assert_eq!(params("llama-3-70b"), 70_553_706_496);
     assert_eq!(params("llama-3.2-1b"), 1_235_814_400);
     assert_eq!(params("llama-3.2-3b"), 3_212_749_824);
+    // Qwen2's Q, K and V biases counted.
+    assert_eq!(params("qwen2.5-7b"), 7_615_616_512);
+    assert_eq!(params("qwen2.5-72b"), 72_706_203_648);
+    assert_eq!(params("mistral-7b"), 7_248_023_552);
     // Wan2.2-S2V-14B's diffusion model is 32.6 GB of bf16 in its four safetensors shards.
     let s2v = params("wan2.2-s2v-14b") * 2;
     assert!((32.4e9..32.8e9).contains(&(s2v as f64)), "{s2v}");

@@ -13,9 +13,10 @@ use tpinfer_plan::{
 pub struct PlanArgs {
     /// A model directory (Llama: config.json + safetensors, or a GGUF file; Wan: a diffusers
     /// pipeline directory, or its transformer/, text_encoder/ or vae/), or a preset:
-    /// llama-3-8b, llama-3-70b, llama-3.2-1b, llama-3.2-3b, wan2.1-t2v-1.3b, wan2.1-t2v-14b,
-    /// wan2.2-s2v-14b, umt5-xxl, wan2.1-vae; a Wan DiT preset with `-pipeline` appended
-    /// (wan2.1-t2v-14b-pipeline) plans the whole pipeline: umT5-XXL, the DiT, Wan2.1's VAE.
+    /// llama-3-8b, llama-3-70b, llama-3.2-1b, llama-3.2-3b, qwen2.5-7b, qwen2.5-72b, mistral-7b,
+    /// wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-s2v-14b, umt5-xxl, wan2.1-vae; a Wan DiT preset
+    /// with `-pipeline` appended (wan2.1-t2v-14b-pipeline) plans the whole pipeline: umT5-XXL,
+    /// the DiT, Wan2.1's VAE.
     #[arg(long)]
     pub model: String,
     /// Tensor-parallel width (vLLM's --tensor-parallel-size). Without it: how every width
@@ -299,9 +300,10 @@ fn print_plan(plan: &Plan, budget: u64) {
     println!("\n(MiB per rank)\n");
     let (f, g) = (&plan.fsdp, &plan.fsdp.gpu);
     println!(
-        "FSDP on {} GPUs, for comparison (MiB per GPU): shard {:.1} + unshard buffer {:.1} ({}) + buffers {:.1} + \
+        "FSDP on {} GPU{}, for comparison (MiB per GPU): shard {:.1} + unshard buffer {:.1} ({}) + buffers {:.1} + \
          {cache} {:.1} + activations {:.1} + allocator slack {:.1} + workspace {:.1} + context {:.1} = {:.1}: {}",
         f.world,
+        if f.world == 1 { "" } else { "s" },
         mib(g.weights),
         mib(f.unshard_buffer),
         f.largest_unit,

@@ -386,8 +386,9 @@ fn print(stages: &Stages, name: &str, tp: usize, budget: u64, residency: Residen
     }
     let fsdp = stages.fsdp_total();
     println!(
-        "FSDP on {tp} GPUs, for comparison: {} + the largest stage's unshard buffer and full activations ({}) = \
+        "FSDP on {tp} GPU{}, for comparison: {} + the largest stage's unshard buffer and full activations ({}) = \
          {:.1} MiB per GPU: {}",
+        if tp == 1 { "" } else { "s" },
         stages
             .0
             .iter()
