@@ -1,6 +1,7 @@
 //! A tiny Llama written as llama.cpp's converter writes a GGUF file: its metadata keys, Q/K
 //! rows permuted for interleaved rotary, Llama 3.1 scaling as `rope_freqs` divisors, and the
-//! matrices in GGML blocks of the caller's choosing.
+//! matrices in GGML blocks of the caller's choosing. A Qwen2 flavor is written as llama.cpp's
+//! `qwen2` architecture: its keys, Q/K rows as they are (it rotates halves), and the biases.
 
 use std::path::Path;
 
@@ -8,7 +9,7 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-use crate::TinyLlama;
+use crate::{Flavor, TinyLlama};
 
 impl TinyLlama {
     /// Writes the model as a GGUF file at `path`, each matrix but the embedding in the blocks
@@ -16,29 +17,33 @@ impl TinyLlama {
     /// model [`TinyLlama::write`] writes.
     pub fn write_gguf(&self, path: &Path, quant: impl Fn(&str) -> GgmlDType) {
         let u = |v: usize| Value::U32(v as u32);
-        let mut metadata = vec![
-            ("general.architecture", Value::String("llama".into())),
-            ("llama.block_count", u(self.layers)),
-            ("llama.embedding_length", u(self.hidden)),
-            ("llama.feed_forward_length", u(self.intermediate)),
-            ("llama.attention.head_count", u(self.heads)),
-            ("llama.attention.head_count_kv", u(self.kv_heads)),
-            ("llama.rope.dimension_count", u(self.head_dim)),
-            ("llama.context_length", u(512)),
-            ("llama.rope.freq_base", Value::F32(50_000.0)),
-            ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
-            ("llama.vocab_size", u(self.vocab)),
-        ];
-        metadata.push(("tokenizer.ggml.bos_token_id", u(crate::BOS as usize)));
+        let qwen2 = self.flavor == Flavor::Qwen2;
+        let arch = if qwen2 { "qwen2" } else { "llama" };
+        let mut metadata = vec![("general.architecture".to_string(), Value::String(arch.into()))];
+        for (field, value) in [
+            ("block_count", u(self.layers)),
+            ("embedding_length", u(self.hidden)),
+            ("feed_forward_length", u(self.intermediate)),
+            ("attention.head_count", u(self.heads)),
+            ("attention.head_count_kv", u(self.kv_heads)),
+            ("rope.dimension_count", u(self.head_dim)),
+            ("context_length", u(512)),
+            ("rope.freq_base", Value::F32(50_000.0)),
+            ("attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+            ("vocab_size", u(self.vocab)),
+        ] {
+            metadata.push((format!("{arch}.{field}"), value));
+        }
+        metadata.push(("tokenizer.ggml.bos_token_id".into(), u(crate::BOS as usize)));
         let mut tensors: Vec<(String, QTensor)> = self
             .tensors()
             .into_iter()
             .map(|(name, shape, values)| {
                 let gguf = gguf_name(&name);
                 let mut t = Tensor::from_vec(values, shape.as_slice(), &Device::Cpu).expect("tensor");
-                if gguf.ends_with("attn_q.weight") {
+                if gguf.ends_with("attn_q.weight") && !qwen2 {
                     t = permute_rotary_rows(&t, self.heads);
-                } else if gguf.ends_with("attn_k.weight") {
+                } else if gguf.ends_with("attn_k.weight") && !qwen2 {
                     t = permute_rotary_rows(&t, self.kv_heads);
                 }
                 let dtype = match shape.len() == 2 && gguf != "token_embd.weight" {
@@ -55,7 +60,7 @@ impl TinyLlama {
                 QTensor::quantize(&divisors, GgmlDType::F32).expect("quantize"),
             ));
         }
-        let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+        let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let mut file = std::fs::File::create(path).expect("create gguf");
         gguf_file::write(&mut file, &meta, &refs).expect("write gguf");
@@ -109,6 +114,9 @@ fn gguf_name(name: &str) -> String {
         ("self_attn.q_proj.weight", "attn_q.weight"),
         ("self_attn.k_proj.weight", "attn_k.weight"),
         ("self_attn.v_proj.weight", "attn_v.weight"),
+        ("self_attn.q_proj.bias", "attn_q.bias"),
+        ("self_attn.k_proj.bias", "attn_k.bias"),
+        ("self_attn.v_proj.bias", "attn_v.bias"),
         ("self_attn.o_proj.weight", "attn_output.weight"),
         ("post_attention_layernorm.weight", "ffn_norm.weight"),
         ("mlp.gate_proj.weight", "ffn_gate.weight"),
@@ -118,6 +126,6 @@ fn gguf_name(name: &str) -> String {
     .iter()
     .find(|(hf, _)| *hf == tail)
     .map(|(_, gguf)| *gguf)
-    .expect("a Llama tensor without biases");
+    .expect("a Llama tensor, or Qwen2's Q/K/V bias");
     format!("blk.{layer}.{part}")
 }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use tpinfer_layers::{split_blocks, split_evenly, HeadShard};
-use tpinfer_tests::{argmax, rel_error, run_forced, run_greedy, TinyLlama};
+use tpinfer_tests::{argmax, rel_error, run_forced, run_greedy, Flavor, TinyLlama};
 use tpinfer_weights::{GgufStore, ShardSpec, WeightFormat, WeightStore};
 
 const TYPES: [GgmlDType; 6] = [
@@ -272,6 +272,49 @@ fn a_checkpoint_written_as_gguf_runs_as_itself() {
     assert!(!ids.is_empty());
 }
 
+/// A Qwen2 GGUF as llama.cpp writes it (architecture `qwen2`: its metadata keys, Q and K rows
+/// unpermuted, Q/K/V biases) runs as its safetensors checkpoint at TP 1 and 3, and in Q8_0
+/// blocks kept as stored; tpinfer's own writer gives a file that runs the same.
+#[test]
+fn a_qwen2_gguf_runs_as_its_checkpoint() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama {
+        flavor: Flavor::Qwen2,
+        llama3_rope_scaling: false,
+        ..TinyLlama::default()
+    };
+    let hf = model.write(&dir.path().join("hf"));
+    let gguf = dir.path().join("qwen2.gguf");
+    model.write_gguf(&gguf, |_| GgmlDType::F32);
+    let checkpoint = tpinfer_llama::LlamaCheckpoint::open(&gguf).expect("open");
+    assert!(checkpoint.config.qkv_bias && !checkpoint.config.o_bias);
+    let written = dir.path().join("written.gguf");
+    tpinfer_llama::LlamaCheckpoint::open(&hf)
+        .expect("open")
+        .write_gguf(&written, &|_| GgmlDType::F32)
+        .expect("write gguf");
+    let q8 = dir.path().join("qwen2-q8_0.gguf");
+    model.write_gguf(&q8, |_| GgmlDType::Q8_0);
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 256).collect();
+    for tp in [1, 3] {
+        let reference = run_greedy(&hf, tp, DType::F32, &prompt, 4);
+        for file in [&gguf, &written] {
+            let trace = run_greedy(file, tp, DType::F32, &prompt, 4);
+            assert_eq!(trace.tokens, reference.tokens, "TP {tp}, {}", file.display());
+            for (step, logits) in trace.logits.iter().enumerate() {
+                let err = rel_error(logits, &reference.logits[step]);
+                assert!(err < 1e-5, "TP {tp} step {step}, {}: {err:e}", file.display());
+            }
+        }
+    }
+    // Q8_0 blocks kept as stored (at TP 1: 8 heads of 8 split three ways fall off its 32-value
+    // blocks): the prompt's logits near the checkpoint's.
+    let reference = run_greedy(&hf, 1, DType::F32, &prompt, 1);
+    let trace = run_greedy(&q8, 1, DType::F32, &prompt, 1);
+    let err = rel_error(&trace.logits[0], &reference.logits[0]);
+    assert!(err < 2e-2, "Q8_0: {err:e}");
+}
+
 /// In Q4_K_M, Q and K (Q4_K) stack into one weight and V (Q6_K) stays apart: one product
 /// fewer a layer, each activation quantization to Q8_1 with it. The joined blocks expand to
 /// Q's rows, then K's.
@@ -330,4 +373,35 @@ fn a_ggml_rank_plans_candles_mmq_copies_and_workspaces_on_cuda() {
     // CPU ranks expand the blocks instead: the largest merged weight in f32, then in bf16.
     let expanded = 2 * model.intermediate * model.hidden * (4 + 2);
     assert_eq!(bytes(DType::BF16, Accelerator::Cpu, rows), expanded);
+}
+
+/// A GGUF of an architecture tpinfer does not read is refused, naming it and those it reads.
+#[test]
+fn a_gguf_of_another_architecture_is_refused_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("model.gguf");
+    TinyLlama::default().write_gguf(&path, |_| GgmlDType::F32);
+    let mut file = std::fs::File::open(&path).expect("open");
+    let content = gguf_file::Content::read(&mut file).expect("read");
+    let tensors: Vec<(String, QTensor)> = content
+        .tensor_infos
+        .keys()
+        .map(|name| {
+            (
+                name.clone(),
+                content.tensor(&mut file, name, &Device::Cpu).expect("tensor"),
+            )
+        })
+        .collect();
+    let mut metadata = content.metadata.clone();
+    metadata.insert("general.architecture".into(), gguf_file::Value::String("phi3".into()));
+    let meta: Vec<(&str, &gguf_file::Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let other = dir.path().join("phi3.gguf");
+    gguf_file::write(&mut std::fs::File::create(&other).expect("create"), &meta, &refs).expect("write");
+    let err = tpinfer_llama::LlamaCheckpoint::open(&other)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("`phi3`") && err.contains("llama, qwen2"), "{err}");
 }

@@ -113,3 +113,99 @@ fn gguf_tokenizer_of_smollm2() {
     let im_start = tokenizer.token_id("<|im_start|>").expect("special token");
     assert_eq!(chat[0], im_start, "the template opens with <|im_start|> as one token");
 }
+
+/// Qwen2.5's tokenizer rebuilt from GGUF metadata as llama.cpp's converter writes it (the
+/// vocabulary and added tokens by id, their types, the merges, `tokenizer.ggml.pre = qwen2`,
+/// the chat template), from the pinned tokenizer.json: every text encodes to the ids the
+/// tokenizer.json gives, composed characters (NFC), single digits and special tokens
+/// included, and decodes back.
+#[test]
+fn gguf_tokenizer_of_qwen2_5_encodes_as_its_tokenizer_json() {
+    use candle_core::quantized::gguf_file::Value;
+    let dir = assets_dir().join("qwen2.5-tokenizer");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).expect("read")).expect("json");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_config.json")).expect("read")).expect("json");
+    let model = &json["model"];
+    let mut tokens: Vec<(u64, String, i32)> = model["vocab"]
+        .as_object()
+        .expect("vocab")
+        .iter()
+        .map(|(t, id)| (id.as_u64().expect("id"), t.clone(), 1))
+        .collect();
+    for added in json["added_tokens"].as_array().expect("added tokens") {
+        let special = added["special"].as_bool().expect("special");
+        tokens.push((
+            added["id"].as_u64().expect("id"),
+            added["content"].as_str().expect("content").to_string(),
+            if special { 3 } else { 4 },
+        ));
+    }
+    tokens.sort();
+    assert!(
+        tokens.iter().enumerate().all(|(i, (id, _, _))| *id == i as u64),
+        "ids are dense"
+    );
+    let strings = |v: Vec<String>| Value::Array(v.into_iter().map(Value::String).collect());
+    let eos = tokens
+        .iter()
+        .position(|(_, t, _)| t == "<|im_end|>")
+        .expect("<|im_end|>") as u32;
+    let metadata: std::collections::HashMap<String, Value> = [
+        ("tokenizer.ggml.model", Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre", Value::String("qwen2".into())),
+        (
+            "tokenizer.ggml.tokens",
+            strings(tokens.iter().map(|(_, t, _)| t.clone()).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type",
+            Value::Array(tokens.iter().map(|&(_, _, k)| Value::I32(k)).collect()),
+        ),
+        (
+            "tokenizer.ggml.merges",
+            strings(
+                model["merges"]
+                    .as_array()
+                    .expect("merges")
+                    .iter()
+                    .map(|m| m.as_str().expect("a merge").to_string())
+                    .collect(),
+            ),
+        ),
+        ("tokenizer.ggml.eos_token_id", Value::U32(eos)),
+        ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
+        (
+            "tokenizer.chat_template",
+            Value::String(config["chat_template"].as_str().expect("template").into()),
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let from_gguf = Tokenizer::from_gguf(&metadata).expect("tokenizer from GGUF metadata");
+    let from_json = Tokenizer::from_hf_dir(&dir).expect("tokenizer.json");
+    for text in [
+        "Hello world! 2024-12-05, 3.14159",
+        "Tensor parallelism, 5× RTX 4090 — ça marche! 日本語のテキスト 你好，世界",
+        "cafe\u{301} and caf\u{e9}",
+        "  spaces\n\n\tand tabs   \r\n end",
+        "I'M here, you'LL see; they'd've",
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        "emoji 🦀🚀 and ∑ x²",
+    ] {
+        let ids = from_json.encode(text, false).expect("encode");
+        assert_eq!(from_gguf.encode(text, false).expect("encode"), ids, "{text:?}");
+        assert_eq!(
+            from_gguf.decode(&ids).expect("decode"),
+            from_json.decode(&ids).expect("decode"),
+            "{text:?}"
+        );
+    }
+    let chat = [ChatMessage::user("Hi there")];
+    assert_eq!(
+        from_gguf.encode_chat(&chat).expect("chat"),
+        from_json.encode_chat(&chat).expect("chat")
+    );
+}

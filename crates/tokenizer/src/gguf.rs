@@ -3,6 +3,7 @@ use std::collections::HashMap;
 use candle_core::quantized::gguf_file::Value;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::unicode::NFC;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -14,6 +15,10 @@ use crate::{ChatTemplate, TokenizerError};
 
 /// Llama 3's pre-tokenizer split (llama.cpp's `llama-bpe`).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Qwen2's (llama.cpp's `qwen2`): Llama 3's, but digits one at a time.
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
 const CONTROL: i32 = 3;
@@ -88,6 +93,12 @@ pub(crate) fn tokenizer_from_gguf(
         .map(String::as_str)
         .unwrap_or("gpt2");
     tokenizer.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
+    // Qwen2's tokenizer.json composes the text (NFC) before it splits it.
+    if pre == "qwen2" {
+        tokenizer
+            .with_normalizer(Some(NFC))
+            .map_err(|e| err(format!("the NFC normalizer: {e}")))?;
+    }
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
     let special: Vec<AddedToken> = tokens
         .iter()
@@ -137,9 +148,10 @@ pub(crate) fn tokenizer_from_gguf(
 
 fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, TokenizerError> {
     Ok(match pre {
-        "llama-bpe" | "llama3" => {
+        "llama-bpe" | "llama3" | "qwen2" => {
+            let pattern = if pre == "qwen2" { QWEN2_SPLIT } else { LLAMA3_SPLIT };
             let split = Split::new(
-                SplitPattern::Regex(LLAMA3_SPLIT.into()),
+                SplitPattern::Regex(pattern.into()),
                 SplitDelimiterBehavior::Isolated,
                 false,
             )

@@ -243,29 +243,32 @@ impl LlamaCheckpoint {
             tensors.push((ROPE_FREQS.to_string(), t));
         }
         let u = |v: usize| Value::U32(v as u32);
-        let mut metadata = vec![
-            ("general.architecture", Value::String("llama".into())),
-            ("llama.block_count", u(c.num_hidden_layers)),
-            ("llama.embedding_length", u(c.hidden_size)),
-            ("llama.feed_forward_length", u(c.intermediate_size)),
-            ("llama.attention.head_count", u(c.num_attention_heads)),
-            ("llama.attention.head_count_kv", u(c.num_key_value_heads)),
-            ("llama.rope.dimension_count", u(c.head_dim)),
-            ("llama.context_length", u(c.max_position_embeddings)),
-            ("llama.rope.freq_base", Value::F32(c.rope_theta as f32)),
-            (
-                "llama.attention.layer_norm_rms_epsilon",
-                Value::F32(c.rms_norm_eps as f32),
-            ),
-            ("llama.vocab_size", u(c.vocab_size)),
-        ];
-        metadata.extend(c.bos_token_id.map(|id| ("tokenizer.ggml.bos_token_id", Value::U32(id))));
+        let arch = c.gguf_architecture();
+        let mut metadata = vec![("general.architecture".to_string(), Value::String(arch.into()))];
+        metadata.extend(
+            [
+                ("block_count", u(c.num_hidden_layers)),
+                ("embedding_length", u(c.hidden_size)),
+                ("feed_forward_length", u(c.intermediate_size)),
+                ("attention.head_count", u(c.num_attention_heads)),
+                ("attention.head_count_kv", u(c.num_key_value_heads)),
+                ("rope.dimension_count", u(c.head_dim)),
+                ("context_length", u(c.max_position_embeddings)),
+                ("rope.freq_base", Value::F32(c.rope_theta as f32)),
+                ("attention.layer_norm_rms_epsilon", Value::F32(c.rms_norm_eps as f32)),
+                ("vocab_size", u(c.vocab_size)),
+            ]
+            .into_iter()
+            .map(|(field, v)| (format!("{arch}.{field}"), v)),
+        );
+        let token = |key: &str, id: u32| (key.to_string(), Value::U32(id));
+        metadata.extend(c.bos_token_id.map(|id| token("tokenizer.ggml.bos_token_id", id)));
         metadata.extend(
             c.eos_token_ids
                 .first()
-                .map(|&id| ("tokenizer.ggml.eos_token_id", Value::U32(id))),
+                .map(|&id| token("tokenizer.ggml.eos_token_id", id)),
         );
-        let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+        let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let io = |source| WeightError::Io {
             path: path.to_path_buf(),
@@ -290,8 +293,12 @@ fn permute_rotary_rows(w: &candle_core::Tensor, heads: usize) -> candle_core::Re
         .reshape((rows, cols))
 }
 
-/// Hugging Face names → llama.cpp names. Q and K rows were permuted by llama.cpp's converter.
+/// Hugging Face names → llama.cpp names. For the `llama` architecture, llama.cpp's converter
+/// permuted Q and K rows (it rotates adjacent pairs there); `qwen2` rotates halves, as
+/// Hugging Face does, and keeps them, with Q, K and V's biases beside them.
 fn gguf_names(c: &LlamaConfig) -> GgufTensorMap {
+    let qwen2 = c.gguf_architecture() == "qwen2";
+    let rotary = |heads: usize| (!qwen2).then_some(heads);
     let mut map = HashMap::new();
     let mut add = |hf: String, gguf: String, heads: Option<usize>| {
         map.insert(hf, (gguf, heads));
@@ -303,9 +310,22 @@ fn gguf_names(c: &LlamaConfig) -> GgufTensorMap {
     for i in 0..c.num_hidden_layers {
         let (n, b) = (names::LayerNames::of(i), format!("blk.{i}"));
         let weight = |prefix: &str| format!("{prefix}.weight");
-        add(weight(&n.q), format!("{b}.attn_q.weight"), Some(c.num_attention_heads));
-        add(weight(&n.k), format!("{b}.attn_k.weight"), Some(c.num_key_value_heads));
+        add(
+            weight(&n.q),
+            format!("{b}.attn_q.weight"),
+            rotary(c.num_attention_heads),
+        );
+        add(
+            weight(&n.k),
+            format!("{b}.attn_k.weight"),
+            rotary(c.num_key_value_heads),
+        );
         add(weight(&n.v), format!("{b}.attn_v.weight"), None);
+        if qwen2 {
+            for (hf, gguf) in [(&n.q, "attn_q"), (&n.k, "attn_k"), (&n.v, "attn_v")] {
+                add(format!("{hf}.bias"), format!("{b}.{gguf}.bias"), None);
+            }
+        }
         add(weight(&n.o), format!("{b}.attn_output.weight"), None);
         add(weight(&n.gate), format!("{b}.ffn_gate.weight"), None);
         add(weight(&n.up), format!("{b}.ffn_up.weight"), None);

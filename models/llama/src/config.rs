@@ -47,6 +47,9 @@ const FAMILIES: [(&str, &str); 3] = [
     ("qwen2", "Qwen2ForCausalLM"),
 ];
 
+/// The GGUF architectures (llama.cpp's `general.architecture`) tpinfer reads.
+pub const GGUF_ARCHITECTURES: [&str; 2] = ["llama", "qwen2"];
+
 /// Why a configuration could not be read. The message names the file and field.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -255,7 +258,8 @@ impl LlamaConfig {
         Ok(config)
     }
 
-    /// Reads the hyper-parameters of a llama-architecture GGUF file.
+    /// Reads the hyper-parameters of a GGUF file of llama.cpp's `llama` architecture (Llama,
+    /// and Mistral, which llama.cpp writes as llama) or `qwen2`.
     pub fn from_gguf(
         metadata: &HashMap<String, Value>,
         has_output_weight: bool,
@@ -269,52 +273,55 @@ impl LlamaConfig {
             .get("general.architecture")
             .and_then(|v| v.to_string().ok())
             .ok_or_else(|| missing("general.architecture"))?;
-        if arch != "llama" {
+        if !GGUF_ARCHITECTURES.contains(&arch.as_str()) {
             return Err(ConfigError::Unsupported {
                 origin: origin.to_string(),
                 detail: format!(
-                    "GGUF architecture `{arch}` is not llama: tpinfer reads Llama from GGUF (and Mistral, which \
-                     llama.cpp writes as llama); Qwen2 runs from its safetensors directory"
+                    "GGUF architecture `{arch}` is not one tpinfer reads: {} (Mistral's files are llama's)",
+                    GGUF_ARCHITECTURES.join(", ")
                 ),
             });
         }
-        let int = |key: &str| -> Result<usize, ConfigError> {
-            let v = metadata.get(key).ok_or_else(|| missing(key))?;
+        // The keys are prefixed by the architecture: `llama.block_count`, `qwen2.block_count`.
+        let key = |field: &str| format!("{arch}.{field}");
+        let int = |field: &str| -> Result<usize, ConfigError> {
+            let key = key(field);
+            let v = metadata.get(&key).ok_or_else(|| missing(&key))?;
             v.to_u32()
                 .map(|x| x as usize)
                 .or_else(|_| v.to_u64().map(|x| x as usize))
                 .map_err(|e| ConfigError::Invalid {
                     origin: origin.to_string(),
-                    field: key.to_string(),
+                    field: key.clone(),
                     detail: e.to_string(),
                 })
         };
-        let float = |key: &str| metadata.get(key).and_then(|v| v.to_f32().ok()).map(f64::from);
-        let hidden_size = int("llama.embedding_length")?;
-        let num_attention_heads = int("llama.attention.head_count")?;
-        let vocab_size = match int("llama.vocab_size") {
+        let float = |field: &str| metadata.get(&key(field)).and_then(|v| v.to_f32().ok()).map(f64::from);
+        let hidden_size = int("embedding_length")?;
+        let num_attention_heads = int("attention.head_count")?;
+        let vocab_size = match int("vocab_size") {
             Ok(v) => v,
             Err(_) => metadata
                 .get("tokenizer.ggml.tokens")
                 .and_then(|t| t.to_vec().ok())
                 .map(Vec::len)
-                .ok_or_else(|| missing("llama.vocab_size"))?,
+                .ok_or_else(|| missing(&key("vocab_size")))?,
         };
         let token = |key: &str| metadata.get(key).and_then(|v| v.to_u32().ok());
         let config = Self {
             hidden_size,
-            intermediate_size: int("llama.feed_forward_length")?,
-            num_hidden_layers: int("llama.block_count")?,
+            intermediate_size: int("feed_forward_length")?,
+            num_hidden_layers: int("block_count")?,
             num_attention_heads,
-            num_key_value_heads: int("llama.attention.head_count_kv").unwrap_or(num_attention_heads),
-            head_dim: int("llama.rope.dimension_count").unwrap_or(hidden_size / num_attention_heads.max(1)),
+            num_key_value_heads: int("attention.head_count_kv").unwrap_or(num_attention_heads),
+            head_dim: int("rope.dimension_count").unwrap_or(hidden_size / num_attention_heads.max(1)),
             vocab_size,
-            rms_norm_eps: float("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
-            rope_theta: float("llama.rope.freq_base").unwrap_or(10_000.0),
+            rms_norm_eps: float("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+            rope_theta: float("rope.freq_base").unwrap_or(10_000.0),
             rope_scaling: None,
-            max_position_embeddings: int("llama.context_length")?,
+            max_position_embeddings: int("context_length")?,
             tie_word_embeddings: !has_output_weight,
-            qkv_bias: false,
+            qkv_bias: arch == "qwen2",
             o_bias: false,
             mlp_bias: false,
             dtype: None,
@@ -324,6 +331,15 @@ impl LlamaConfig {
         };
         config.validate(origin)?;
         Ok(config)
+    }
+
+    /// The GGUF architecture this model is written as: `qwen2` where only Q, K and V have
+    /// biases (Qwen2's layout), else `llama`.
+    pub fn gguf_architecture(&self) -> &'static str {
+        match self.qkv_bias && !self.o_bias {
+            true => "qwen2",
+            false => "llama",
+        }
     }
 
     fn validate(&self, origin: &str) -> Result<(), ConfigError> {
