@@ -316,6 +316,22 @@ fn config_values_the_model_does_not_run() {
             serde_json::json!({"rope_type": "default", "rope_theta": "500000"}),
             ["rope_parameters.rope_theta", "must be a number"],
         ),
+        // YaRN without its factor, or with a ramp end of the wrong sign; a type not run.
+        (
+            "rope_scaling",
+            serde_json::json!({"type": "yarn", "original_max_position_embeddings": 256}),
+            ["rope_scaling.factor", "missing"],
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"type": "yarn", "factor": 4.0, "beta_fast": -32}),
+            ["rope_scaling.beta_fast", "a number above 0"],
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"type": "longrope", "factor": 4.0}),
+            ["`longrope` is not supported", "`yarn`"],
+        ),
     ] {
         let mut changed = original.clone();
         changed[field] = value;

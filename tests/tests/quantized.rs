@@ -405,3 +405,45 @@ fn a_gguf_of_another_architecture_is_refused_by_name() {
         .unwrap_or_default();
     assert!(err.contains("`phi3`") && err.contains("llama, qwen2"), "{err}");
 }
+
+/// A Qwen2 checkpoint with YaRN (`rope_scaling.type = yarn`, as Qwen2.5's long-context
+/// config adds it) reaches its original context times the factor, runs differently from the
+/// same weights without it, and runs the same from a GGUF file that carries it as llama.cpp's
+/// `rope.scaling.*` keys, at TP 1 and 3.
+#[test]
+fn a_yarn_scaled_qwen2_runs_the_same_from_its_gguf_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama {
+        flavor: Flavor::Qwen2,
+        llama3_rope_scaling: false,
+        ..TinyLlama::default()
+    };
+    let plain = model.write(&dir.path().join("plain"));
+    let hf = model.write(&dir.path().join("yarn"));
+    let config_path = hf.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).expect("read")).expect("json");
+    config["rope_scaling"] =
+        serde_json::json!({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256});
+    std::fs::write(&config_path, config.to_string()).expect("write config");
+    let checkpoint = tpinfer_llama::LlamaCheckpoint::open(&hf).expect("open");
+    assert_eq!(checkpoint.config.max_position_embeddings, 1024);
+    let gguf = dir.path().join("yarn.gguf");
+    checkpoint.write_gguf(&gguf, &|_| GgmlDType::F32).expect("write gguf");
+    let read_back = tpinfer_llama::LlamaCheckpoint::open(&gguf).expect("open gguf");
+    assert_eq!(read_back.config.rope_scaling, checkpoint.config.rope_scaling);
+    assert_eq!(read_back.config.max_position_embeddings, 1024);
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 256).collect();
+    let unscaled = run_greedy(&plain, 1, DType::F32, &prompt, 1);
+    for tp in [1, 3] {
+        let reference = run_greedy(&hf, tp, DType::F32, &prompt, 4);
+        let err = rel_error(&reference.logits[0], &unscaled.logits[0]);
+        assert!(err > 1e-3, "TP {tp}: YaRN changed nothing ({err:e})");
+        let trace = run_greedy(&gguf, tp, DType::F32, &prompt, 4);
+        assert_eq!(trace.tokens, reference.tokens, "TP {tp}");
+        for (step, logits) in trace.logits.iter().enumerate() {
+            let err = rel_error(logits, &reference.logits[step]);
+            assert!(err < 1e-5, "TP {tp} step {step}: {err:e}");
+        }
+    }
+}

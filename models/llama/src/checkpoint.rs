@@ -231,7 +231,11 @@ impl LlamaCheckpoint {
                 Ok((gguf.clone(), q))
             })
             .collect::<Result<Vec<_>, WeightError>>()?;
-        if let Some(scaling) = &c.rope_scaling {
+        let yarn = match &c.rope_scaling {
+            Some(scaling @ RopeScaling::Yarn { .. }) => Some(gguf_yarn(scaling, path)?),
+            _ => None,
+        };
+        if let Some(scaling) = c.rope_scaling.as_ref().filter(|_| yarn.is_none()) {
             let divisors: Vec<f32> = scaling
                 .divisors(c.head_dim, c.rope_theta)
                 .into_iter()
@@ -261,6 +265,11 @@ impl LlamaCheckpoint {
             .into_iter()
             .map(|(field, v)| (format!("{arch}.{field}"), v)),
         );
+        metadata.extend(
+            yarn.into_iter()
+                .flatten()
+                .map(|(field, v)| (format!("{arch}.rope.scaling.{field}"), v)),
+        );
         let token = |key: &str, id: u32| (key.to_string(), Value::U32(id));
         metadata.extend(c.bos_token_id.map(|id| token("tokenizer.ggml.bos_token_id", id)));
         metadata.extend(
@@ -282,6 +291,43 @@ impl LlamaCheckpoint {
         std::io::Write::flush(&mut file).map_err(io)?;
         Ok(())
     }
+}
+
+/// A YaRN scaling as llama.cpp's GGUF keys (`rope.scaling.*`); refused where they cannot
+/// carry it (other betas, an untruncated ramp).
+fn gguf_yarn(scaling: &RopeScaling, path: &Path) -> Result<Vec<(&'static str, Value)>, CheckpointError> {
+    let &RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings,
+        beta_fast,
+        beta_slow,
+        attention_factor,
+        truncate,
+    } = scaling
+    else {
+        return Ok(Vec::new());
+    };
+    if beta_fast != 32.0 || beta_slow != 1.0 || !truncate {
+        return Err(CheckpointError::Weights(WeightError::Gguf {
+            path: path.to_path_buf(),
+            detail: format!(
+                "a YaRN scaling with beta_fast {beta_fast}, beta_slow {beta_slow} and truncate {truncate} has no GGUF \
+                 keys (llama.cpp's take 32, 1 and true)"
+            ),
+        }));
+    }
+    Ok(vec![
+        ("type", Value::String("yarn".into())),
+        ("factor", Value::F32(factor as f32)),
+        (
+            "original_context_length",
+            Value::U32(original_max_position_embeddings as u32),
+        ),
+        (
+            "attn_factor",
+            Value::F32((attention_factor / RopeScaling::yarn_mscale(factor, 1.0)) as f32),
+        ),
+    ])
 }
 
 /// llama.cpp's converter's order of Q/K rows (`reshape(h, 2, d/2, in).swapaxes(1, 2)`), the

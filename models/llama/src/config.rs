@@ -228,6 +228,20 @@ impl LlamaConfig {
             }
         }
         let dtype_name = raw.dtype.as_deref().or(raw.torch_dtype.as_deref());
+        let trained = raw
+            .max_position_embeddings
+            .ok_or_else(|| missing("max_position_embeddings"))?;
+        let rope_scaling = rope_scaling(rope, trained, origin)?;
+        // YaRN reaches its original context times its factor (vLLM's reading; Qwen2.5's config
+        // keeps 32,768 beside a factor of 4 for 131,072).
+        let max_position_embeddings = match &rope_scaling {
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                ..
+            }) => trained.max((*original_max_position_embeddings as f64 * factor) as usize),
+            _ => trained,
+        };
         let config = Self {
             hidden_size,
             intermediate_size: raw.intermediate_size.ok_or_else(|| missing("intermediate_size"))?,
@@ -238,11 +252,8 @@ impl LlamaConfig {
             vocab_size: raw.vocab_size.ok_or_else(|| missing("vocab_size"))?,
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
             rope_theta,
-            rope_scaling: rope_scaling(rope, origin)?,
-            max_position_embeddings: raw
-                .max_position_embeddings
-                .ok_or_else(|| missing("max_position_embeddings"))?
-                .min(window.unwrap_or(usize::MAX)),
+            rope_scaling,
+            max_position_embeddings: max_position_embeddings.min(window.unwrap_or(usize::MAX)),
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             qkv_bias: qwen2 || raw.attention_bias.unwrap_or(false),
             o_bias: !qwen2 && raw.attention_bias.unwrap_or(false),
@@ -308,6 +319,16 @@ impl LlamaConfig {
                 .ok_or_else(|| missing(&key("vocab_size")))?,
         };
         let token = |key: &str| metadata.get(key).and_then(|v| v.to_u32().ok());
+        let trained = int("context_length")?;
+        let rope_scaling = gguf_rope_scaling(metadata, arch, trained, origin)?;
+        let max_position_embeddings = match &rope_scaling {
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                ..
+            }) => trained.max((*original_max_position_embeddings as f64 * factor) as usize),
+            _ => trained,
+        };
         let config = Self {
             hidden_size,
             intermediate_size: int("feed_forward_length")?,
@@ -318,8 +339,8 @@ impl LlamaConfig {
             vocab_size,
             rms_norm_eps: float("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
             rope_theta: float("rope.freq_base").unwrap_or(10_000.0),
-            rope_scaling: None,
-            max_position_embeddings: int("context_length")?,
+            rope_scaling,
+            max_position_embeddings,
             tie_word_embeddings: !has_output_weight,
             qkv_bias: arch == "qwen2",
             o_bias: false,
@@ -420,9 +441,66 @@ fn token_ids(value: Option<&Json>, origin: &str, field: &str) -> Result<Vec<u32>
     }
 }
 
+/// A GGUF file's rope scaling (`{arch}.rope.scaling.*`, llama.cpp's keys): YaRN, with its
+/// factor, original context (else `trained`) and attention factor (llama.cpp's `attn_factor`
+/// times YaRN's own), or none. Llama 3.1's comes as `rope_freqs` instead, read apart.
+fn gguf_rope_scaling(
+    metadata: &HashMap<String, Value>,
+    arch: &str,
+    trained: usize,
+    origin: &str,
+) -> Result<Option<RopeScaling>, ConfigError> {
+    let key = |field: &str| format!("{arch}.rope.scaling.{field}");
+    let kind = metadata.get(&key("type")).and_then(|v| v.to_string().ok());
+    let number = |field: &str| -> Result<Option<f64>, ConfigError> {
+        match metadata.get(&key(field)) {
+            None => Ok(None),
+            Some(v) => {
+                let x = v
+                    .to_f32()
+                    .map(f64::from)
+                    .or_else(|_| v.to_u32().map(f64::from))
+                    .or_else(|_| v.to_u64().map(|x| x as f64))
+                    .ok()
+                    .filter(|x| x.is_finite() && *x > 0.0);
+                x.map(Some).ok_or_else(|| ConfigError::Invalid {
+                    origin: origin.to_string(),
+                    field: key(field),
+                    detail: format!("is {v:?}; it must be a number above 0"),
+                })
+            }
+        }
+    };
+    match kind.map(String::as_str) {
+        None | Some("none") => Ok(None),
+        Some("yarn") => {
+            let factor = number("factor")?.ok_or_else(|| ConfigError::Missing {
+                origin: origin.to_string(),
+                field: key("factor"),
+            })?;
+            Ok(Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: number("original_context_length")?.unwrap_or(trained as f64) as usize,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                attention_factor: number("attn_factor")?.unwrap_or(1.0) * RopeScaling::yarn_mscale(factor, 1.0),
+                truncate: true,
+            }))
+        }
+        Some(other) => Err(ConfigError::Unsupported {
+            origin: origin.to_string(),
+            detail: format!("{}: `{other}` is not supported (tpinfer reads `yarn`)", key("type")),
+        }),
+    }
+}
+
 /// Reads a `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5) object,
-/// `key` naming which in errors.
-fn rope_scaling(value: Option<(&str, &Json)>, origin: &str) -> Result<Option<RopeScaling>, ConfigError> {
+/// `key` naming which in errors; `trained` is the config's `max_position_embeddings`.
+fn rope_scaling(
+    value: Option<(&str, &Json)>,
+    trained: usize,
+    origin: &str,
+) -> Result<Option<RopeScaling>, ConfigError> {
     let Some((key, value)) = value.filter(|(_, v)| !v.is_null()) else {
         return Ok(None);
     };
@@ -436,7 +514,7 @@ fn rope_scaling(value: Option<(&str, &Json)>, origin: &str) -> Result<Option<Rop
         Some(kind) => kind.as_str().ok_or_else(|| {
             invalid(
                 "rope_type",
-                format!("is {kind}; it must be a name, `default` or `llama3`"),
+                format!("is {kind}; it must be a name, `default`, `llama3` or `yarn`"),
             )
         })?,
     };
@@ -452,8 +530,48 @@ fn rope_scaling(value: Option<(&str, &Json)>, origin: &str) -> Result<Option<Rop
                 .ok_or_else(|| invalid(name, format!("is {v}; it must be a number above 0"))),
         }
     };
+    // An optional positive number, `default` where absent or null.
+    let optional = |name: &str, default: f64| -> Result<f64, ConfigError> {
+        match value.get(name).filter(|v| !v.is_null()) {
+            None => Ok(default),
+            Some(_) => field(name),
+        }
+    };
     match kind {
         "default" => Ok(None),
+        // transformers' `yarn`, as vLLM reads it: the factor as given (transformers 5 takes
+        // max_position_embeddings / original_max_position_embeddings instead where the
+        // latter is given, which for Qwen2.5's config is 1: no scaling).
+        "yarn" => {
+            let factor = field("factor")?;
+            let mscale = |all: &str| optional(all, 0.0);
+            let attention_factor = match (
+                value.get("attention_factor").filter(|v| !v.is_null()),
+                mscale("mscale")?,
+                mscale("mscale_all_dim")?,
+            ) {
+                (Some(_), _, _) => field("attention_factor")?,
+                (None, m, all) if m > 0.0 && all > 0.0 => {
+                    RopeScaling::yarn_mscale(factor, m) / RopeScaling::yarn_mscale(factor, all)
+                }
+                _ => RopeScaling::yarn_mscale(factor, 1.0),
+            };
+            let truncate = match value.get("truncate") {
+                None | Some(Json::Null) => true,
+                Some(t) => t
+                    .as_bool()
+                    .ok_or_else(|| invalid("truncate", format!("is {t}; it must be true or false")))?,
+            };
+            Ok(Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: optional("original_max_position_embeddings", trained as f64)?
+                    as usize,
+                beta_fast: optional("beta_fast", 32.0)?,
+                beta_slow: optional("beta_slow", 1.0)?,
+                attention_factor,
+                truncate,
+            }))
+        }
         "llama3" => Ok(Some(RopeScaling::Llama3 {
             factor: field("factor")?,
             low_freq_factor: field("low_freq_factor")?,
@@ -462,7 +580,7 @@ fn rope_scaling(value: Option<(&str, &Json)>, origin: &str) -> Result<Option<Rop
         })),
         other => Err(ConfigError::Unsupported {
             origin: origin.to_string(),
-            detail: format!("rope type `{other}` is not supported (tpinfer supports `default` and `llama3`)"),
+            detail: format!("rope type `{other}` is not supported (tpinfer supports `default`, `llama3` and `yarn`)"),
         }),
     }
 }
