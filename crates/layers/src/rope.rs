@@ -40,6 +40,20 @@ impl RopeScaling {
         }
     }
 
+    /// The positions a model trained on `trained` reaches under this scaling: YaRN's original
+    /// context times its factor where that is more (vLLM's reading: Qwen2.5's config keeps
+    /// 32,768 beside a factor of 4 for 131,072), else `trained`.
+    pub fn reach(scaling: Option<&Self>, trained: usize) -> usize {
+        match scaling {
+            Some(&Self::Yarn {
+                factor,
+                original_max_position_embeddings,
+                ..
+            }) => trained.max((original_max_position_embeddings as f64 * factor) as usize),
+            _ => trained,
+        }
+    }
+
     /// What cos and sin are multiplied by: YaRN's attention factor, else 1.
     pub fn attention_factor(&self) -> f64 {
         match self {

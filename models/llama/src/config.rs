@@ -232,16 +232,7 @@ impl LlamaConfig {
             .max_position_embeddings
             .ok_or_else(|| missing("max_position_embeddings"))?;
         let rope_scaling = rope_scaling(rope, trained, origin)?;
-        // YaRN reaches its original context times its factor (vLLM's reading; Qwen2.5's config
-        // keeps 32,768 beside a factor of 4 for 131,072).
-        let max_position_embeddings = match &rope_scaling {
-            Some(RopeScaling::Yarn {
-                factor,
-                original_max_position_embeddings,
-                ..
-            }) => trained.max((*original_max_position_embeddings as f64 * factor) as usize),
-            _ => trained,
-        };
+        let max_position_embeddings = RopeScaling::reach(rope_scaling.as_ref(), trained);
         let config = Self {
             hidden_size,
             intermediate_size: raw.intermediate_size.ok_or_else(|| missing("intermediate_size"))?,
@@ -321,14 +312,7 @@ impl LlamaConfig {
         let token = |key: &str| metadata.get(key).and_then(|v| v.to_u32().ok());
         let trained = int("context_length")?;
         let rope_scaling = gguf_rope_scaling(metadata, arch, trained, origin)?;
-        let max_position_embeddings = match &rope_scaling {
-            Some(RopeScaling::Yarn {
-                factor,
-                original_max_position_embeddings,
-                ..
-            }) => trained.max((*original_max_position_embeddings as f64 * factor) as usize),
-            _ => trained,
-        };
+        let max_position_embeddings = RopeScaling::reach(rope_scaling.as_ref(), trained);
         let config = Self {
             hidden_size,
             intermediate_size: int("feed_forward_length")?,
