@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reference numerics for tpinfer's Llama, with PyTorch/transformers, on any CUDA host.
 
-  make    --shape 70b|8b|8b-half|1b|qwen2-7b|mistral-7b --out DIR [--dtype bf16|f32]
+  make    --shape 70b|8b|8b-half|1b|qwen2-7b|qwen2-1.5b-yarn|mistral-7b --out DIR [--dtype bf16|f32]
                                                        random-weight Llama (or Qwen2, Mistral) checkpoint (HF format)
   logits  --model DIR --dtype f32|bf16 --out FILE      transformers' prefill logits + greedy tokens
           [--fp8]                                      with tpinfer's FP8 quantization of the layers' linears
@@ -36,6 +36,13 @@ SHAPES = {
     # on Q, K and V (drawn at random here: transformers initializes them to zero).
     "qwen2-7b": dict(family="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                      num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # Qwen2.5-1.5B (tied embeddings) with YaRN: factor 4 over 8,192 trained positions, the
+    # config's max_position_embeddings their product, so that transformers (which takes the
+    # factor as max_position_embeddings / original_max_position_embeddings where both are
+    # given) and tpinfer (which takes the factor as given) scale alike.
+    "qwen2-1.5b-yarn": dict(family="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                            num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                            tie_word_embeddings=True, yarn=dict(factor=4.0, original_max_position_embeddings=8192)),
     # Mistral-7B-v0.1: Llama-2-7B's shape with GQA (8 KV heads) and a 4096-position sliding window.
     "mistral-7b": dict(family="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False),
@@ -54,6 +61,7 @@ def family_config(shape):
                   eos_token_id=[128001, 128009])
     common.update(SHAPES[shape])
     family = common.pop("family", "llama")
+    yarn = common.pop("yarn", None)
     rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                 original_max_position_embeddings=8192)
     theta = 500000.0
@@ -61,6 +69,9 @@ def family_config(shape):
         common.update(max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645,
                       use_sliding_window=False, sliding_window=32768)
         rope, theta = dict(rope_type="default"), 1000000.0
+        if yarn:
+            common.update(max_position_embeddings=int(yarn["original_max_position_embeddings"] * yarn["factor"]))
+            rope = dict(rope_type="yarn", **yarn)
     elif family == "mistral":
         common.update(max_position_embeddings=32768, bos_token_id=1, eos_token_id=2, sliding_window=4096)
         rope, theta = dict(rope_type="default"), 10000.0
@@ -70,7 +81,7 @@ def family_config(shape):
                        mistral=transformers.MistralForCausalLM)[family]
     if "rope_parameters" in inspect.signature(config_class.__init__).parameters:  # transformers 5
         cfg = config_class(rope_parameters=dict(rope, rope_theta=theta), **common)
-    elif family == "llama":
+    elif family == "llama" or yarn:
         cfg = config_class(rope_theta=theta, rope_scaling=rope, **common)
     else:
         cfg = config_class(rope_theta=theta, **common)
