@@ -209,3 +209,52 @@ fn gguf_tokenizer_of_qwen2_5_encodes_as_its_tokenizer_json() {
         from_json.encode_chat(&chat).expect("chat")
     );
 }
+
+/// transformers now saves a chat template as `chat_template.jinja` beside a
+/// `tokenizer_config.json` that holds none: read from there, it renders as from the config. A
+/// template given in place of the model's (`--chat-template`) gets the model's BOS and EOS
+/// tokens, and one that does not render is refused when it is given.
+#[test]
+fn a_chat_template_from_chat_template_jinja_or_given() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let assets = assets_dir().join("qwen2.5-tokenizer");
+    std::fs::copy(assets.join("tokenizer.json"), dir.path().join("tokenizer.json")).expect("copy");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(assets.join("tokenizer_config.json")).expect("read"))
+            .expect("json");
+    let template = config["chat_template"].as_str().expect("template").to_string();
+    config.as_object_mut().expect("object").remove("chat_template");
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).expect("write");
+    let without = Tokenizer::from_hf_dir(dir.path()).expect("load");
+    assert!(without.chat_template().is_none());
+    std::fs::write(dir.path().join("chat_template.jinja"), template).expect("write");
+    let tokenizer = Tokenizer::from_hf_dir(dir.path()).expect("load");
+    let chat = [
+        ChatMessage::system("Be brief."),
+        ChatMessage::user("Hi there"),
+        ChatMessage {
+            role: "assistant".into(),
+            content: "Hello!".into(),
+        },
+        ChatMessage::user("2+2?"),
+    ];
+    let template = tokenizer.chat_template().expect("chat_template.jinja read");
+    assert_eq!(template.render(&chat, true).expect("render"), QWEN_CHAT);
+
+    let llama = Tokenizer::from_hf_dir(&assets_dir().join("llama3-tokenizer"))
+        .expect("load")
+        .with_chat_template("{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}")
+        .expect("a template that renders");
+    let ids = llama.encode_chat(&[ChatMessage::user("Hi")]).expect("encode");
+    let special = |t: &str| llama.token_id(t).expect("special token");
+    assert_eq!(ids.first(), Some(&special("<|begin_of_text|>")), "{ids:?}");
+    assert_eq!(ids.last(), Some(&special("<|eot_id|>")), "{ids:?}");
+    assert_eq!(llama.decode(&ids).expect("decode"), "Hi");
+    let broken = Tokenizer::from_hf_dir(&assets_dir().join("llama3-tokenizer"))
+        .expect("load")
+        .with_chat_template("{% for m in messages %}");
+    assert!(
+        matches!(broken, Err(tpinfer_tokenizer::TokenizerError::Template(_))),
+        "a template that does not render is refused when given"
+    );
+}

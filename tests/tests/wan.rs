@@ -273,6 +273,10 @@ fn fp8_self_attention_is_refused_where_no_kernel_runs_it() {
         err.contains("--attention fp8") && err.contains("Hopper") && err.contains("Cpu"),
         "{err}"
     );
+    // A chat template is a language model's.
+    let builder = Engine::builder(&path).tp(2).chat_template("{{ messages }}");
+    let err = VideoEngine::start(builder, shape).err().expect("refused").to_string();
+    assert!(err.contains("a chat template is for language models"), "{err}");
     let llama_dir = tempfile::tempdir().expect("tempdir");
     let llama = tpinfer_tests::TinyLlama::default().write(llama_dir.path());
     let err = Engine::builder(&llama)

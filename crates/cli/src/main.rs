@@ -120,6 +120,10 @@ struct GenerateArgs {
     /// A system message for --chat.
     #[arg(long, requires = "chat", help_heading = "Language models")]
     system: Option<String>,
+    /// A chat template for --chat in place of the model's (or for a model that has none): a
+    /// Jinja file, or the template itself (vLLM's --chat-template).
+    #[arg(long, requires = "chat", help_heading = "Language models")]
+    chat_template: Option<String>,
     /// Longest sequence, prompt plus generated tokens (default: the model's, at most 8192;
     /// vLLM's --max-model-len).
     #[arg(long, alias = "max-model-len", help_heading = "Language models")]
@@ -240,6 +244,7 @@ const TEXT_ONLY: &[&str] = &[
     "json",
     "chat",
     "system",
+    "chat_template",
     "max_context",
     "enforce_eager",
     "temperature",
@@ -338,6 +343,9 @@ fn generate(args: GenerateArgs) -> Result<ExitCode> {
     let generating = interrupt_handler()?;
     let mut ranks = args.ranks.ranks(&args.model)?;
     ranks.builder = ranks.builder.enforce_eager(args.enforce_eager);
+    if let Some(template) = &args.chat_template {
+        ranks.builder = ranks.builder.chat_template(ranks::chat_template(template)?);
+    }
     if let Some(tokens) = args.max_context {
         ranks.builder = ranks.builder.max_context(tokens);
     }

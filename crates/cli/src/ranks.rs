@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use tpinfer_engine::{DeviceKind, Engine, EngineBuilder, EngineError, LoadProgress, RuntimeError, WeightFormat};
 
@@ -230,6 +230,24 @@ impl Ranks {
         }
         bail!("--tp: no width to start at")
     }
+}
+
+/// The chat template `--chat-template` gives: the file it names, or the template itself
+/// (Jinja's `{% %}` or `{{ }}` in it); a value that is neither is refused, not used as a
+/// template that prints itself.
+pub fn chat_template(value: &str) -> Result<String> {
+    let path = Path::new(value);
+    if path.is_file() {
+        return std::fs::read_to_string(path)
+            .with_context(|| format!("--chat-template {value}: the file cannot be read as text"));
+    }
+    if !(value.contains("{%") || value.contains("{{")) {
+        bail!(
+            "--chat-template {value}: no such file, nor a Jinja template ({{% %}} or {{{{ }}}}); give a template \
+             file or the template itself"
+        );
+    }
+    Ok(value.to_string())
 }
 
 #[cfg(test)]

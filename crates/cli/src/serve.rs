@@ -37,6 +37,10 @@ pub struct ServeArgs {
     /// The longest sequence (prompt and generated tokens) a request may reach.
     #[arg(long)]
     max_context: Option<usize>,
+    /// A chat template in place of the model's (or for a model that has none): a Jinja file,
+    /// or the template itself (vLLM's --chat-template).
+    #[arg(long)]
+    chat_template: Option<String>,
     /// The model name clients give (default: the --model argument as given).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -76,6 +80,9 @@ pub fn serve(args: ServeArgs, given_model: String) -> Result<()> {
     .with_context(|| format!("cannot listen on {address}"))?;
     let mut ranks = args.ranks.ranks(&args.model)?;
     ranks.builder = ranks.builder.max_seqs(args.max_seqs).step_tokens(args.step_tokens);
+    if let Some(template) = &args.chat_template {
+        ranks.builder = ranks.builder.chat_template(crate::ranks::chat_template(template)?);
+    }
     if let Some(tokens) = args.max_context {
         ranks.builder = ranks.builder.max_context(tokens);
     }

@@ -1428,3 +1428,34 @@ fn speech_to_video_writes_a_talking_video() {
         &["--audio", "not a Wan2.2-S2V checkpoint"],
     );
 }
+
+/// `--chat-template` replaces the model's chat template, from a file or given inline: a
+/// template that renders the message alone makes the prompt the text without its BOS (27
+/// tokens where the plain prompt is 28). A missing file, a value that is no template and a
+/// template that does not render are each refused before any weight loads.
+#[test]
+fn a_chat_template_replaces_the_models() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default().write(&dir.path().join("model"));
+    let bare = "{{ messages[0]['content'] }}";
+    let file = dir.path().join("bare.jinja");
+    std::fs::write(&file, bare).expect("write template");
+    for template in [file.to_str().expect("utf8"), bare] {
+        let output = generate(
+            &model,
+            &["--chat", "--chat-template", template, "--max-new-tokens", "2"],
+        );
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{stderr}");
+        assert!(stderr.contains("prompt 27 tokens"), "{stderr}");
+    }
+    let missing = dir.path().join("missing.jinja");
+    assert_fails_with(
+        &generate(&model, &["--chat", "--chat-template", missing.to_str().expect("utf8")]),
+        &["--chat-template", "missing.jinja", "no such file"],
+    );
+    assert_fails_with(
+        &generate(&model, &["--chat", "--chat-template", "{% for m in messages %}"]),
+        &["the chat template given for", "chat template: "],
+    );
+}

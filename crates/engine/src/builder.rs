@@ -61,6 +61,7 @@ pub struct EngineBuilder {
     pub(crate) weight_format: WeightFormat,
     pub(crate) lora: Option<Arc<LoraAdapter>>,
     pub(crate) self_attention: SelfAttention,
+    pub(crate) chat_template: Option<String>,
 }
 
 /// Context used when none is given, so that a 128k-context model does not reserve rotary
@@ -90,6 +91,7 @@ impl EngineBuilder {
             weight_format: WeightFormat::AsStored,
             lora: None,
             self_attention: SelfAttention::ComputeDtype,
+            chat_template: None,
         }
     }
 
@@ -114,6 +116,14 @@ impl EngineBuilder {
     /// [`WeightFormat::Fp8`] quantizes every linear weight at load.
     pub fn weight_format(mut self, format: WeightFormat) -> Self {
         self.weight_format = format;
+        self
+    }
+
+    /// A language model's chat template (Jinja source) in place of the one its tokenizer
+    /// ships, or for a model that ships none (vLLM's `--chat-template`); checked at build by
+    /// rendering a one-message chat. A video model refuses one.
+    pub fn chat_template(mut self, source: impl Into<String>) -> Self {
+        self.chat_template = Some(source.into());
         self
     }
 

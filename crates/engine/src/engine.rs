@@ -56,10 +56,16 @@ impl Engine {
         let config = model.config().clone();
         // A GGUF file without a tokenizer (one tpinfer wrote, say) takes the tokenizer.json
         // beside it.
-        let tokenizer = Arc::new(match model.checkpoint().and_then(|c| c.gguf_metadata()) {
+        let tokenizer = match model.checkpoint().and_then(|c| c.gguf_metadata()) {
             Some(metadata) if metadata.contains_key("tokenizer.ggml.tokens") => Tokenizer::from_gguf(metadata)?,
             Some(_) => Tokenizer::from_hf_dir(b.model.parent().unwrap_or(std::path::Path::new(".")))?,
             None => Tokenizer::from_hf_dir(&b.model)?,
+        };
+        let tokenizer = Arc::new(match &b.chat_template {
+            Some(source) => tokenizer.with_chat_template(source.as_str()).map_err(|e| {
+                EngineError::InvalidRequest(format!("the chat template given for {}: {e}", b.model.display()))
+            })?,
+            None => tokenizer,
         });
         let topology = Topology::new(b.tp, &b.device)?;
         if let Some(note) = crate::fp8_expanded_note(&topology).filter(|_| model.holds_fp8()) {

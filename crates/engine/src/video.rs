@@ -220,6 +220,12 @@ impl VideoEngine {
         pose: bool,
     ) -> Result<Self, EngineError> {
         let model_err = |e: tpinfer_plan::PlanError| EngineError::from(RuntimeError::Model(e.to_string()));
+        if b.chat_template.is_some() {
+            return Err(EngineError::InvalidRequest(format!(
+                "{}: a chat template is for language models, not video models",
+                b.model.display()
+            )));
+        }
         let source = Source::of(&b.model)?;
         let transformer = match &source {
             Source::Dit => &b.model,

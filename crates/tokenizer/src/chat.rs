@@ -44,20 +44,18 @@ impl ChatTemplate {
         }
     }
 
-    /// The template of a `tokenizer_config.json`: a string, or a list of named templates of
-    /// which `default` is taken.
-    pub fn from_tokenizer_config(config: &Json) -> Option<Self> {
-        let source = match config.get("chat_template")? {
-            Json::String(s) => s.clone(),
-            Json::Array(list) => list
-                .iter()
-                .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
-                .or_else(|| list.first())?
-                .get("template")?
-                .as_str()?
-                .to_string(),
-            _ => return None,
-        };
+    /// The template of a `tokenizer_config.json` (a string, or a list of named templates of
+    /// which `default` is taken), else `separate`: the `chat_template.jinja` beside it, where
+    /// transformers now saves a template. The BOS and EOS tokens are the config's.
+    pub fn from_tokenizer_config(config: &Json, separate: Option<String>) -> Option<Self> {
+        let source = Self::source_in(config).or(separate)?;
+        let (bos, eos) = Self::special_tokens(config);
+        Some(Self::new(source, bos, eos))
+    }
+
+    /// The BOS and EOS tokens a `tokenizer_config.json` names (a string, or an added-token
+    /// object's `content`), empty where it names none.
+    pub fn special_tokens(config: &Json) -> (String, String) {
         let token = |key: &str| match config.get(key) {
             Some(Json::String(s)) => s.clone(),
             Some(obj) => obj
@@ -67,7 +65,21 @@ impl ChatTemplate {
                 .to_string(),
             None => String::new(),
         };
-        Some(Self::new(source, token("bos_token"), token("eos_token")))
+        (token("bos_token"), token("eos_token"))
+    }
+
+    fn source_in(config: &Json) -> Option<String> {
+        Some(match config.get("chat_template")? {
+            Json::String(s) => s.clone(),
+            Json::Array(list) => list
+                .iter()
+                .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                .or_else(|| list.first())?
+                .get("template")?
+                .as_str()?
+                .to_string(),
+            _ => return None,
+        })
     }
 
     /// Renders `messages`; with `add_generation_prompt` the assistant's turn is opened.

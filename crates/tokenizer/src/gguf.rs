@@ -45,10 +45,8 @@ fn strings<'a>(metadata: &'a HashMap<String, Value>, key: &str) -> Result<Vec<&'
 
 /// Builds a byte-level BPE tokenizer (GGUF `tokenizer.ggml.model = gpt2`) from the vocabulary,
 /// merges and token types in the metadata, with the pre-tokenizer that `tokenizer.ggml.pre`
-/// names.
-pub(crate) fn tokenizer_from_gguf(
-    metadata: &HashMap<String, Value>,
-) -> Result<(tokenizers::Tokenizer, Option<ChatTemplate>), TokenizerError> {
+/// names; and its chat template and BOS and EOS tokens.
+pub(crate) fn tokenizer_from_gguf(metadata: &HashMap<String, Value>) -> Result<crate::Tokenizer, TokenizerError> {
     let model = metadata
         .get("tokenizer.ggml.model")
         .and_then(|v| v.to_string().ok())
@@ -133,17 +131,19 @@ pub(crate) fn tokenizer_from_gguf(
             .map_err(|e| err(e.to_string()))?;
         tokenizer.with_post_processor(Some(processor));
     }
+    let bos_eos = (
+        bos.unwrap_or_default(),
+        token_of("tokenizer.ggml.eos_token_id").unwrap_or_default(),
+    );
     let chat_template = metadata
         .get("tokenizer.chat_template")
         .and_then(|v| v.to_string().ok())
-        .map(|source| {
-            ChatTemplate::new(
-                source.clone(),
-                bos.clone().unwrap_or_default(),
-                token_of("tokenizer.ggml.eos_token_id").unwrap_or_default(),
-            )
-        });
-    Ok((tokenizer, chat_template))
+        .map(|source| ChatTemplate::new(source.clone(), &bos_eos.0, &bos_eos.1));
+    Ok(crate::Tokenizer {
+        inner: tokenizer,
+        chat_template,
+        bos_eos,
+    })
 }
 
 fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, TokenizerError> {

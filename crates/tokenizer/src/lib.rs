@@ -21,11 +21,14 @@ use std::collections::HashMap;
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     chat_template: Option<ChatTemplate>,
+    /// The BOS and EOS tokens a chat template is given (empty where the model names none).
+    bos_eos: (String, String),
 }
 
 impl Tokenizer {
     /// Loads `tokenizer.json` from `dir`, and the chat template and BOS/EOS tokens from
-    /// `tokenizer_config.json` when it exists.
+    /// `tokenizer_config.json` when it exists (the template from `chat_template.jinja` where
+    /// the config has none, as transformers now saves it).
     pub fn from_hf_dir(dir: &Path) -> Result<Self, TokenizerError> {
         let path = dir.join("tokenizer.json");
         if !path.exists() {
@@ -36,23 +39,34 @@ impl Tokenizer {
             detail: e.to_string(),
         })?;
         let config_path = dir.join("tokenizer_config.json");
-        let chat_template = match std::fs::read_to_string(&config_path) {
-            Ok(text) => {
-                let config: Json = serde_json::from_str(&text).map_err(|e| TokenizerError::Invalid {
-                    path: config_path.clone(),
-                    detail: e.to_string(),
-                })?;
-                ChatTemplate::from_tokenizer_config(&config)
-            }
-            Err(_) => None,
+        let config: Json = match std::fs::read_to_string(&config_path) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| TokenizerError::Invalid {
+                path: config_path.clone(),
+                detail: e.to_string(),
+            })?,
+            Err(_) => Json::Null,
         };
-        Ok(Self { inner, chat_template })
+        let separate = std::fs::read_to_string(dir.join("chat_template.jinja")).ok();
+        Ok(Self {
+            inner,
+            chat_template: ChatTemplate::from_tokenizer_config(&config, separate),
+            bos_eos: ChatTemplate::special_tokens(&config),
+        })
+    }
+
+    /// This tokenizer with `source` as its chat template (vLLM's `--chat-template`), given the
+    /// model's BOS and EOS tokens and checked by rendering a one-message chat.
+    pub fn with_chat_template(mut self, source: impl Into<String>) -> Result<Self, TokenizerError> {
+        let (bos, eos) = &self.bos_eos;
+        let template = ChatTemplate::new(source, bos, eos);
+        template.render(&[ChatMessage::user("Hi")], true)?;
+        self.chat_template = Some(template);
+        Ok(self)
     }
 
     /// Rebuilds the tokenizer a GGUF file describes (`tokenizer.ggml.*` metadata).
     pub fn from_gguf(metadata: &HashMap<String, Value>) -> Result<Self, TokenizerError> {
-        let (inner, chat_template) = gguf::tokenizer_from_gguf(metadata)?;
-        Ok(Self { inner, chat_template })
+        gguf::tokenizer_from_gguf(metadata)
     }
 
     /// Token ids of `text`; `add_special_tokens` adds what the tokenizer's post-processor adds
