@@ -1458,4 +1458,13 @@ fn a_chat_template_replaces_the_models() {
         &generate(&model, &["--chat", "--chat-template", "{% for m in messages %}"]),
         &["the chat template given for", "chat template: "],
     );
+    // A model without a template: --chat says how to give one, and --chat-template does.
+    let config = model.join("tokenizer_config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).expect("read")).expect("json");
+    json.as_object_mut().expect("object").remove("chat_template");
+    std::fs::write(&config, json.to_string()).expect("write");
+    assert_fails_with(&generate(&model, &["--chat"]), &["no chat template", "--chat-template"]);
+    let output = generate(&model, &["--chat", "--chat-template", bare, "--max-new-tokens", "2"]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
 }

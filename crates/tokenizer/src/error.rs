@@ -13,7 +13,11 @@ pub enum TokenizerError {
     Encode(String),
     #[error("cannot decode: {0}")]
     Decode(String),
-    #[error("the model has no chat template (tokenizer_config.json `chat_template` or GGUF `tokenizer.chat_template`); run without --chat")]
+    #[error(
+        "the model has no chat template (tokenizer_config.json `chat_template`, chat_template.jinja or GGUF \
+         `tokenizer.chat_template`); give one with --chat-template, or send plain text (without --chat; \
+         /v1/completions)"
+    )]
     NoChatTemplate,
     #[error("chat template: {0}")]
     Template(String),
