@@ -120,6 +120,7 @@ fn remote_tiny(dir: &Path) -> FakeHub {
     }
     .write(dir);
     std::fs::create_dir_all(dir.join("original")).expect("original/");
+    std::fs::write(dir.join("chat_template.jinja"), "{{ messages[0]['content'] }}").expect("template");
     for extra in [
         "pytorch_model.bin",
         "original/consolidated.00.pth",
@@ -159,7 +160,12 @@ fn a_missing_model_is_downloaded_and_only_what_the_run_reads() {
     }
     let index = std::fs::read_to_string(snapshot.join("model.safetensors.index.json")).expect("index");
     let remote = dir.path().join("remote");
-    for file in ["config.json", "tokenizer.json", "model.safetensors.index.json"] {
+    for file in [
+        "config.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "model.safetensors.index.json",
+    ] {
         assert!(
             requested.iter().any(|r| r == file),
             "{file} not asked for: {requested:?}"

@@ -207,12 +207,14 @@ const PIPELINE: Reads = Reads {
     pickles: None,
 };
 
-/// One model: its config, tokenizer (with its chat template) and EOS ids.
+/// One model: its config, tokenizer (with its chat template, in `tokenizer_config.json` or,
+/// as transformers now saves it, `chat_template.jinja`) and EOS ids.
 const MODEL: Reads = Reads {
     files: &[
         ("config.json", true),
         ("tokenizer.json", true),
         ("tokenizer_config.json", false),
+        ("chat_template.jinja", false),
         ("generation_config.json", false),
     ],
     weights: &["model"],
