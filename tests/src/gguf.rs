@@ -1,7 +1,8 @@
 //! A tiny Llama written as llama.cpp's converter writes a GGUF file: its metadata keys, Q/K
 //! rows permuted for interleaved rotary, Llama 3.1 scaling as `rope_freqs` divisors, and the
-//! matrices in GGML blocks of the caller's choosing. A Qwen2 flavor is written as llama.cpp's
-//! `qwen2` architecture: its keys, Q/K rows as they are (it rotates halves), and the biases.
+//! matrices in GGML blocks of the caller's choosing. The Qwen flavors are written as llama.cpp's
+//! `qwen2` and `qwen3` architectures: their keys, Q/K rows as they are (they rotate halves),
+//! Qwen2's biases and Qwen3's Q/K norms.
 
 use std::path::Path;
 
@@ -17,8 +18,13 @@ impl TinyLlama {
     /// model [`TinyLlama::write`] writes.
     pub fn write_gguf(&self, path: &Path, quant: impl Fn(&str) -> GgmlDType) {
         let u = |v: usize| Value::U32(v as u32);
-        let qwen2 = self.flavor == Flavor::Qwen2;
-        let arch = if qwen2 { "qwen2" } else { "llama" };
+        let arch = match self.flavor {
+            Flavor::Qwen2 => "qwen2",
+            Flavor::Qwen3 => "qwen3",
+            Flavor::Llama | Flavor::Mistral(_) => "llama",
+        };
+        // llama.cpp permutes Q and K rows for its `llama` architecture alone.
+        let permuted = arch == "llama";
         let mut metadata = vec![("general.architecture".to_string(), Value::String(arch.into()))];
         for (field, value) in [
             ("block_count", u(self.layers)),
@@ -41,9 +47,9 @@ impl TinyLlama {
             .map(|(name, shape, values)| {
                 let gguf = gguf_name(&name);
                 let mut t = Tensor::from_vec(values, shape.as_slice(), &Device::Cpu).expect("tensor");
-                if gguf.ends_with("attn_q.weight") && !qwen2 {
+                if gguf.ends_with("attn_q.weight") && permuted {
                     t = permute_rotary_rows(&t, self.heads);
-                } else if gguf.ends_with("attn_k.weight") && !qwen2 {
+                } else if gguf.ends_with("attn_k.weight") && permuted {
                     t = permute_rotary_rows(&t, self.kv_heads);
                 }
                 let dtype = match shape.len() == 2 && gguf != "token_embd.weight" {
@@ -117,6 +123,8 @@ fn gguf_name(name: &str) -> String {
         ("self_attn.q_proj.bias", "attn_q.bias"),
         ("self_attn.k_proj.bias", "attn_k.bias"),
         ("self_attn.v_proj.bias", "attn_v.bias"),
+        ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+        ("self_attn.k_norm.weight", "attn_k_norm.weight"),
         ("self_attn.o_proj.weight", "attn_output.weight"),
         ("post_attention_layernorm.weight", "ffn_norm.weight"),
         ("mlp.gate_proj.weight", "ffn_gate.weight"),
@@ -126,6 +134,6 @@ fn gguf_name(name: &str) -> String {
     .iter()
     .find(|(hf, _)| *hf == tail)
     .map(|(_, gguf)| *gguf)
-    .expect("a Llama tensor, or Qwen2's Q/K/V bias");
+    .expect("a Llama tensor, Qwen2's Q/K/V bias or Qwen3's Q/K norm");
     format!("blk.{layer}.{part}")
 }

@@ -83,6 +83,9 @@ pub enum Flavor {
     Llama,
     /// `Qwen2ForCausalLM`: biases on Q, K and V (not O), its sliding window off.
     Qwen2,
+    /// `Qwen3ForCausalLM`: an RMSNorm over each query and key head (`q_norm`, `k_norm`), no
+    /// biases.
+    Qwen3,
     /// `MistralForCausalLM` with this `sliding_window` (`null` when `None`).
     Mistral(Option<usize>),
 }
@@ -163,6 +166,14 @@ impl TinyLlama {
                 obj.remove("attention_bias");
                 obj.insert("use_sliding_window".into(), json!(false));
                 obj.insert("sliding_window".into(), json!(4096));
+                obj.insert("max_window_layers".into(), json!(self.layers));
+                obj.insert("hidden_act".into(), json!("silu"));
+            }
+            Flavor::Qwen3 => {
+                obj.insert("architectures".into(), json!(["Qwen3ForCausalLM"]));
+                obj.insert("model_type".into(), json!("qwen3"));
+                obj.insert("use_sliding_window".into(), json!(false));
+                obj.insert("sliding_window".into(), json!(null));
                 obj.insert("max_window_layers".into(), json!(self.layers));
                 obj.insert("hidden_act".into(), json!("silu"));
             }
@@ -256,6 +267,11 @@ impl TinyLlama {
                 ];
                 for (name, len) in biases.into_iter().filter(|&(name, _)| !(qwen2 && name == "o")) {
                     add(format!("{p}.self_attn.{name}_proj.bias"), vec![len], &mut rng, false);
+                }
+            }
+            if self.flavor == Flavor::Qwen3 {
+                for name in ["q_norm", "k_norm"] {
+                    add(format!("{p}.self_attn.{name}.weight"), vec![d], &mut rng, true);
                 }
             }
             add(format!("{p}.post_attention_layernorm.weight"), vec![h], &mut rng, true);

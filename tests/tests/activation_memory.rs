@@ -10,7 +10,7 @@ use candle_core::{DType, Device};
 use tpinfer_comm::ThreadGroup;
 use tpinfer_llama::memory::RankMemory;
 use tpinfer_llama::{LlamaCheckpoint, LlamaRank, LlamaShard};
-use tpinfer_tests::TinyLlama;
+use tpinfer_tests::{Flavor, TinyLlama};
 
 struct Counting;
 
@@ -81,11 +81,18 @@ fn peak_during<T>(f: impl FnOnce() -> T) -> (T, usize) {
 #[test]
 fn forward_allocates_what_the_activation_model_says() {
     let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
-    let model = TinyLlama {
-        heads: 8,
-        kv_heads: 4,
-        ..TinyLlama::default()
-    };
+    // Qwen3's per-head Q/K norms add their own temporaries.
+    for flavor in [Flavor::Llama, Flavor::Qwen3] {
+        forward_against_the_activation_model(TinyLlama {
+            heads: 8,
+            kv_heads: 4,
+            flavor,
+            ..TinyLlama::default()
+        });
+    }
+}
+
+fn forward_against_the_activation_model(model: TinyLlama) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = model.write(dir.path());
     let checkpoint = LlamaCheckpoint::open(&path).expect("open");
@@ -120,7 +127,7 @@ fn forward_allocates_what_the_activation_model_says() {
         assert_close(
             measured,
             expected,
-            &format!("{dtype:?} chunk {chunk} flash {flash}, full context"),
+            &format!("{:?} {dtype:?} chunk {chunk} flash {flash}, full context", model.flavor),
         );
         // A shorter request: the model of that request, as the engine checks it at run time.
         rank.clear_cache();
@@ -131,7 +138,10 @@ fn forward_allocates_what_the_activation_model_says() {
         assert_close(
             measured,
             expected,
-            &format!("{dtype:?} chunk {chunk} flash {flash}, 300 positions"),
+            &format!(
+                "{:?} {dtype:?} chunk {chunk} flash {flash}, 300 positions",
+                model.flavor
+            ),
         );
     }
 }

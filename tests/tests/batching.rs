@@ -104,3 +104,19 @@ fn qwen2_biases_through_the_batched_path() {
     };
     assert_batch_matches_alone(&model, &[1, 3], how);
 }
+
+/// Qwen3's per-head query and key norms through the batched path at TP 1 and 3.
+#[test]
+fn qwen3_norms_through_the_batched_path() {
+    let model = TinyLlama {
+        flavor: Flavor::Qwen3,
+        llama3_rope_scaling: false,
+        ..TinyLlama::default()
+    };
+    let how = Batching {
+        chunk: 5,
+        block_size: 4,
+        flash: false,
+    };
+    assert_batch_matches_alone(&model, &[1, 3], how);
+}

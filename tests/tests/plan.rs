@@ -71,6 +71,8 @@ fn presets_match_published_parameter_counts() {
     assert_eq!(params("qwen2.5-7b"), 7_615_616_512);
     assert_eq!(params("qwen2.5-72b"), 72_706_203_648);
     assert_eq!(params("mistral-7b"), 7_248_023_552);
+    // Qwen3's per-head Q and K norms counted.
+    assert_eq!(params("qwen3-8b"), 8_190_735_360);
     // Wan2.2-S2V-14B's diffusion model is 32.6 GB of bf16 in its four safetensors shards.
     let s2v = params("wan2.2-s2v-14b") * 2;
     assert!((32.4e9..32.8e9).contains(&(s2v as f64)), "{s2v}");

@@ -272,47 +272,64 @@ fn a_checkpoint_written_as_gguf_runs_as_itself() {
     assert!(!ids.is_empty());
 }
 
-/// A Qwen2 GGUF as llama.cpp writes it (architecture `qwen2`: its metadata keys, Q and K rows
-/// unpermuted, Q/K/V biases) runs as its safetensors checkpoint at TP 1 and 3, and in Q8_0
-/// blocks kept as stored; tpinfer's own writer gives a file that runs the same.
+/// A Qwen2 or Qwen3 GGUF as llama.cpp writes it (architecture `qwen2` or `qwen3`: its
+/// metadata keys, Q and K rows unpermuted, Qwen2's Q/K/V biases, Qwen3's Q/K norms) runs as
+/// its safetensors checkpoint at TP 1 and 3, and in Q4_K_M blocks kept as stored as its
+/// dequantized self at TP 1 to 5; tpinfer's own writer gives a file that runs the same.
 #[test]
-fn a_qwen2_gguf_runs_as_its_checkpoint() {
+fn qwen_ggufs_run_as_their_checkpoints() {
+    for flavor in [Flavor::Qwen2, Flavor::Qwen3] {
+        qwen_gguf_runs_as_its_checkpoint(flavor);
+    }
+}
+
+fn qwen_gguf_runs_as_its_checkpoint(flavor: Flavor) {
     let dir = tempfile::tempdir().expect("tempdir");
     let model = TinyLlama {
-        flavor: Flavor::Qwen2,
+        flavor,
         llama3_rope_scaling: false,
         ..TinyLlama::default()
     };
     let hf = model.write(&dir.path().join("hf"));
     let gguf = dir.path().join("qwen2.gguf");
     model.write_gguf(&gguf, |_| GgmlDType::F32);
-    let checkpoint = tpinfer_llama::LlamaCheckpoint::open(&gguf).expect("open");
-    assert!(checkpoint.config.qkv_bias && !checkpoint.config.o_bias);
+    let config = tpinfer_llama::LlamaCheckpoint::open(&gguf).expect("open").config;
+    assert_eq!(
+        (config.qkv_bias, config.o_bias, config.qk_norm),
+        (flavor == Flavor::Qwen2, false, flavor == Flavor::Qwen3)
+    );
     let written = dir.path().join("written.gguf");
     tpinfer_llama::LlamaCheckpoint::open(&hf)
         .expect("open")
         .write_gguf(&written, &|_| GgmlDType::F32)
         .expect("write gguf");
-    let q8 = dir.path().join("qwen2-q8_0.gguf");
-    model.write_gguf(&q8, |_| GgmlDType::Q8_0);
+
     let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 256).collect();
     for tp in [1, 3] {
         let reference = run_greedy(&hf, tp, DType::F32, &prompt, 4);
         for file in [&gguf, &written] {
             let trace = run_greedy(file, tp, DType::F32, &prompt, 4);
-            assert_eq!(trace.tokens, reference.tokens, "TP {tp}, {}", file.display());
+            assert_eq!(trace.tokens, reference.tokens, "{flavor:?} TP {tp}, {}", file.display());
             for (step, logits) in trace.logits.iter().enumerate() {
                 let err = rel_error(logits, &reference.logits[step]);
-                assert!(err < 1e-5, "TP {tp} step {step}, {}: {err:e}", file.display());
+                assert!(
+                    err < 1e-5,
+                    "{flavor:?} TP {tp} step {step}, {}: {err:e}",
+                    file.display()
+                );
             }
         }
     }
-    // Q8_0 blocks kept as stored (at TP 1: 8 heads of 8 split three ways fall off its 32-value
-    // blocks): the prompt's logits near the checkpoint's.
-    let reference = run_greedy(&hf, 1, DType::F32, &prompt, 1);
-    let trace = run_greedy(&q8, 1, DType::F32, &prompt, 1);
-    let err = rel_error(&trace.logits[0], &reference.logits[0]);
-    assert!(err < 2e-2, "Q8_0: {err:e}");
+    // Q4_K_M blocks kept as stored equal their dequantized self at TP 1 to 5 (a model wide
+    // enough for 256-value blocks at every width).
+    let q4 = dir.path().join("q4_k_m.gguf");
+    TinyLlama {
+        flavor,
+        llama3_rope_scaling: false,
+        ..wide_tiny_llama()
+    }
+    .write_gguf(&q4, q4_k_m);
+    kept_against_dequantized(&q4);
 }
 
 /// In Q4_K_M, Q and K (Q4_K) stack into one weight and V (Q6_K) stays apart: one product

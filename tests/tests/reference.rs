@@ -96,14 +96,18 @@ fn greedy_reference(
     out
 }
 
-/// Qwen2 (biases on Q, K and V, tied embeddings) and Mistral (a sliding window longer than
-/// the run) run as Llama variants, at TP 1 and 3 as candle-transformers' own Qwen2 and
-/// Mistral do on the same files.
+/// Qwen2 (biases on Q, K and V, tied embeddings), Qwen3 (an RMSNorm over each query and key
+/// head) and Mistral (a sliding window longer than the run) run as Llama variants, at TP 1
+/// and 3 as candle-transformers' own Qwen2, Qwen3 and Mistral do on the same files.
 #[test]
-fn qwen2_and_mistral_match_candle_transformers() {
-    use candle_transformers::models::{mistral, qwen2};
+fn qwen2_qwen3_and_mistral_match_candle_transformers() {
+    use candle_transformers::models::{mistral, qwen2, qwen3};
     let prompt: Vec<u32> = (0..80).map(|i| (i * 37 % 250) as u32).collect();
-    for (flavor, tie_embeddings) in [(Flavor::Qwen2, true), (Flavor::Mistral(Some(96)), false)] {
+    for (flavor, tie_embeddings) in [
+        (Flavor::Qwen2, true),
+        (Flavor::Qwen3, false),
+        (Flavor::Mistral(Some(96)), false),
+    ] {
         let model = TinyLlama {
             flavor,
             tie_embeddings,
@@ -122,6 +126,11 @@ fn qwen2_and_mistral_match_candle_transformers() {
             Flavor::Qwen2 => {
                 let config: qwen2::Config = serde_json::from_str(&config).expect("qwen2 config");
                 let mut reference = qwen2::ModelForCausalLM::new(&config, vb).expect("qwen2");
+                greedy_reference(|ids, offset| reference.forward(ids, offset), &prompt, 8)
+            }
+            Flavor::Qwen3 => {
+                let config: qwen3::Config = serde_json::from_str(&config).expect("qwen3 config");
+                let mut reference = qwen3::ModelForCausalLM::new(&config, vb).expect("qwen3");
                 greedy_reference(|ids, offset| reference.forward(ids, offset), &prompt, 8)
             }
             _ => {

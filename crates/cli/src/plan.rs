@@ -13,10 +13,10 @@ use tpinfer_plan::{
 pub struct PlanArgs {
     /// A model directory (Llama: config.json + safetensors, or a GGUF file; Wan: a diffusers
     /// pipeline directory, or its transformer/, text_encoder/ or vae/), or a preset:
-    /// llama-3-8b, llama-3-70b, llama-3.2-1b, llama-3.2-3b, qwen2.5-7b, qwen2.5-72b, mistral-7b,
-    /// wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-s2v-14b, umt5-xxl, wan2.1-vae; a Wan DiT preset
-    /// with `-pipeline` appended (wan2.1-t2v-14b-pipeline) plans the whole pipeline: umT5-XXL,
-    /// the DiT, Wan2.1's VAE.
+    /// llama-3-8b, llama-3-70b, llama-3.2-1b, llama-3.2-3b, qwen2.5-7b, qwen2.5-72b, qwen3-8b,
+    /// mistral-7b, wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-s2v-14b, umt5-xxl, wan2.1-vae; a Wan
+    /// DiT preset with `-pipeline` appended (wan2.1-t2v-14b-pipeline) plans the whole pipeline:
+    /// umT5-XXL, the DiT, Wan2.1's VAE.
     #[arg(long)]
     pub model: String,
     /// Tensor-parallel width (vLLM's --tensor-parallel-size). Without it: how every width

@@ -340,11 +340,12 @@ fn permute_rotary_rows(w: &candle_core::Tensor, heads: usize) -> candle_core::Re
 }
 
 /// Hugging Face names → llama.cpp names. For the `llama` architecture, llama.cpp's converter
-/// permuted Q and K rows (it rotates adjacent pairs there); `qwen2` rotates halves, as
-/// Hugging Face does, and keeps them, with Q, K and V's biases beside them.
+/// permuted Q and K rows (it rotates adjacent pairs there); `qwen2` and `qwen3` rotate halves,
+/// as Hugging Face does, and keep them, with Qwen2's Q, K and V biases and Qwen3's Q and K
+/// norms beside them.
 fn gguf_names(c: &LlamaConfig) -> GgufTensorMap {
-    let qwen2 = c.gguf_architecture() == "qwen2";
-    let rotary = |heads: usize| (!qwen2).then_some(heads);
+    let arch = c.gguf_architecture();
+    let rotary = |heads: usize| (arch == "llama").then_some(heads);
     let mut map = HashMap::new();
     let mut add = |hf: String, gguf: String, heads: Option<usize>| {
         map.insert(hf, (gguf, heads));
@@ -367,10 +368,14 @@ fn gguf_names(c: &LlamaConfig) -> GgufTensorMap {
             rotary(c.num_key_value_heads),
         );
         add(weight(&n.v), format!("{b}.attn_v.weight"), None);
-        if qwen2 {
+        if arch == "qwen2" {
             for (hf, gguf) in [(&n.q, "attn_q"), (&n.k, "attn_k"), (&n.v, "attn_v")] {
                 add(format!("{hf}.bias"), format!("{b}.{gguf}.bias"), None);
             }
+        }
+        if c.qk_norm {
+            add(n.q_norm.clone(), format!("{b}.attn_q_norm.weight"), None);
+            add(n.k_norm.clone(), format!("{b}.attn_k_norm.weight"), None);
         }
         add(weight(&n.o), format!("{b}.attn_output.weight"), None);
         add(weight(&n.gate), format!("{b}.ffn_gate.weight"), None);

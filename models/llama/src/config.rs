@@ -27,6 +27,9 @@ pub struct LlamaConfig {
     pub qkv_bias: bool,
     /// A bias on the attention's output projection (Llama's `attention_bias`; never in Qwen2).
     pub o_bias: bool,
+    /// An RMSNorm over each query and key head before the rotation (Qwen3's `q_norm` and
+    /// `k_norm`, a weight of `head_dim` each).
+    pub qk_norm: bool,
     pub mlp_bias: bool,
     /// The dtype the checkpoint was trained and saved in, if it says.
     pub dtype: Option<DType>,
@@ -40,15 +43,16 @@ pub struct LlamaConfig {
 
 /// The Llama-architecture families tpinfer runs: `model_type` and the architecture
 /// transformers names. Mistral is Llama with a sliding window; Qwen2 adds biases to the query,
-/// key and value projections.
-const FAMILIES: [(&str, &str); 3] = [
+/// key and value projections; Qwen3 an RMSNorm over each query and key head instead.
+const FAMILIES: [(&str, &str); 4] = [
     ("llama", "LlamaForCausalLM"),
     ("mistral", "MistralForCausalLM"),
     ("qwen2", "Qwen2ForCausalLM"),
+    ("qwen3", "Qwen3ForCausalLM"),
 ];
 
 /// The GGUF architectures (llama.cpp's `general.architecture`) tpinfer reads.
-pub const GGUF_ARCHITECTURES: [&str; 2] = ["llama", "qwen2"];
+pub const GGUF_ARCHITECTURES: [&str; 3] = ["llama", "qwen2", "qwen3"];
 
 /// Why a configuration could not be read. The message names the file and field.
 #[derive(Debug, thiserror::Error)]
@@ -170,12 +174,14 @@ impl LlamaConfig {
                 FAMILIES.map(|(_, arch)| arch).join(", ")
             )));
         };
-        let qwen2 = model_type == "qwen2";
-        if qwen2 && raw.use_sliding_window == Some(true) {
+        let (qwen2, qwen3) = (model_type == "qwen2", model_type == "qwen3");
+        if (qwen2 || qwen3) && raw.use_sliding_window == Some(true) {
             return Err(ConfigError::Invalid {
                 origin: origin.to_string(),
                 field: "use_sliding_window".into(),
-                detail: "is true; tpinfer runs Qwen2 with full attention (its published configs say false)".into(),
+                detail: format!(
+                    "is true; tpinfer runs {model_type} with full attention (its published configs say false)"
+                ),
             });
         }
         // Mistral's window: within it, attention is the full causal one, so contexts up to
@@ -248,6 +254,7 @@ impl LlamaConfig {
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             qkv_bias: qwen2 || raw.attention_bias.unwrap_or(false),
             o_bias: !qwen2 && raw.attention_bias.unwrap_or(false),
+            qk_norm: qwen3,
             mlp_bias: raw.mlp_bias.unwrap_or(false),
             dtype: dtype_name.and_then(parse_dtype),
             bos_token_id: token_ids(raw.bos_token_id.as_ref(), origin, "bos_token_id")?
@@ -328,6 +335,7 @@ impl LlamaConfig {
             tie_word_embeddings: !has_output_weight,
             qkv_bias: arch == "qwen2",
             o_bias: false,
+            qk_norm: arch == "qwen3",
             mlp_bias: false,
             dtype: None,
             bos_token_id: token("tokenizer.ggml.bos_token_id"),
@@ -338,12 +346,13 @@ impl LlamaConfig {
         Ok(config)
     }
 
-    /// The GGUF architecture this model is written as: `qwen2` where only Q, K and V have
-    /// biases (Qwen2's layout), else `llama`.
+    /// The GGUF architecture this model is written as: `qwen3` with per-head Q/K norms,
+    /// `qwen2` where only Q, K and V have biases (Qwen2's layout), else `llama`.
     pub fn gguf_architecture(&self) -> &'static str {
-        match self.qkv_bias && !self.o_bias {
-            true => "qwen2",
-            false => "llama",
+        match (self.qk_norm, self.qkv_bias && !self.o_bias) {
+            (true, _) => "qwen3",
+            (false, true) => "qwen2",
+            (false, false) => "llama",
         }
     }
 

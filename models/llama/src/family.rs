@@ -228,6 +228,7 @@ impl Family for LlamaModel {
         "llama-3.2-3b",
         "qwen2.5-7b",
         "qwen2.5-72b",
+        "qwen3-8b",
         "mistral-7b",
     ];
     type Shard = LlamaRankShard;
@@ -253,6 +254,7 @@ impl Family for LlamaModel {
             "llama-3.2-3b" => LLAMA_32_3B,
             "qwen2.5-7b" => QWEN_25_7B,
             "qwen2.5-72b" => QWEN_25_72B,
+            "qwen3-8b" => QWEN3_8B,
             "mistral-7b" => MISTRAL_7B,
             _ => return None,
         };
@@ -366,8 +368,8 @@ const LLAMA_32_3B: &str = r#"{"hidden_size": 3072, "intermediate_size": 8192, "n
  "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
  "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
  "original_max_position_embeddings": 8192}}"#;
-// The published configs of Qwen2.5-7B and -72B (Instruct alike) and Mistral-7B v0.3 (no
-// sliding window), the fields the plan reads.
+// The published configs of Qwen2.5-7B and -72B (Instruct alike), Qwen3-8B and Mistral-7B v0.3
+// (no sliding window), the fields the plan reads.
 const QWEN_25_7B: &str = r#"{"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
  "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
  "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768, "use_sliding_window": false,
@@ -375,6 +377,10 @@ const QWEN_25_7B: &str = r#"{"model_type": "qwen2", "hidden_size": 3584, "interm
 const QWEN_25_72B: &str = r#"{"model_type": "qwen2", "hidden_size": 8192, "intermediate_size": 29568,
  "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 152064,
  "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768, "use_sliding_window": false,
+ "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#;
+const QWEN3_8B: &str = r#"{"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+ "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+ "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "use_sliding_window": false,
  "tie_word_embeddings": false, "torch_dtype": "bfloat16"}"#;
 const MISTRAL_7B: &str = r#"{"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32768,

@@ -264,7 +264,13 @@ fn forward_memory(c: &LlamaConfig, shard: &LlamaShard, e: usize, s: usize, t: us
     // Before that: the fused QKV output, then beside it the rotated queries (keys and values
     // go straight into the cache).
     let qkv = s * (nq + 2 * nkv) * d * e;
-    let attention = attention.max(qkv + q);
+    // Qwen3's per-head norms (`DecoderLayer::qk_normed`): the normed queries and keys, then
+    // their join, beside the product.
+    let qk_norm = match c.qk_norm {
+        true => 2 * qkv + s * (nq + nkv) * d * e,
+        false => 0,
+    };
+    let attention = attention.max(qkv + q).max(qk_norm);
 
     // The MLP on the post-attention pair: fused gate/up, the fused SiLU product beside it,
     // then (gate/up freed) the down projection and its f32 all-reduce (input and output).

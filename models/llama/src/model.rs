@@ -155,6 +155,9 @@ pub struct GreedyStep {
 struct DecoderLayer {
     input_norm: Tensor,
     qkv: MergedColumnParallelLinear,
+    /// Qwen3's RMSNorm weights over each query and key head (`[head_dim]`), applied before
+    /// the rotation.
+    qk_norm: Option<(Tensor, Tensor)>,
     o_proj: RowParallelLinear,
     post_norm: Tensor,
     mlp: GatedMlp,
@@ -225,6 +228,10 @@ impl LlamaRank {
                 Ok(DecoderLayer {
                     input_norm: w.take(&n.input_norm)?,
                     qkv: MergedColumnParallelLinear::load(&mut w, &[&n.q, &n.k, &n.v], c.qkv_bias)?,
+                    qk_norm: match c.qk_norm {
+                        true => Some((w.take(&n.q_norm)?, w.take(&n.k_norm)?)),
+                        false => None,
+                    },
                     o_proj: RowParallelLinear::load(&mut w, &n.o, c.o_bias, comm.clone())?,
                     post_norm: w.take(&n.post_norm)?,
                     mlp: GatedMlp::load(&mut w, &n.mlp(), comm.clone())?,
@@ -250,7 +257,9 @@ impl LlamaRank {
             && tpinfer_layers::paged_decode_attention_into_covers(dtype, shard.heads.q_heads.len(), n_kv, c.head_dim)
             && {
                 let row = Tensor::zeros((1, c.hidden_size), dtype, device)?;
-                layers.iter().all(|l| l.qkv.gemv_weight(&row).is_some())
+                layers
+                    .iter()
+                    .all(|l| l.qkv.gemv_weight(&row).is_some() && l.qk_norm.is_none())
             };
         let mut rank = Self {
             config: c.clone(),
@@ -689,15 +698,16 @@ impl DecoderLayer {
         let scale = 1.0 / (ctx.config.head_dim as f64).sqrt();
         match kv {
             StepKv::Own => {
-                match self.qkv.gemv_weight(&h) {
+                match self.qkv.gemv_weight(&h).filter(|_| self.qk_norm.is_none()) {
                     // The product, its bias, its rotation and the cache write in one kernel.
                     Some((w, bias)) => self
                         .cache
                         .append_projected_rotated_into(&h, w, bias, ctx.rope, ctx.at, n_q, &b.queries)?,
                     None => {
                         self.qkv.forward_row_into(&h, &b.qkv)?;
+                        let qkv = self.qk_normed(b.qkv.clone(), ctx)?;
                         self.cache
-                            .append_rotated_into(&b.qkv, ctx.rope, ctx.at, n_q, &b.queries)?;
+                            .append_rotated_into(&qkv, ctx.rope, ctx.at, n_q, &b.queries)?;
                     }
                 }
                 let (k, v) = self.cache.slots()?;
@@ -726,12 +736,30 @@ impl DecoderLayer {
         self.mlp.forward_row_into(&h, &b.hidden, &b.sum)
     }
 
+    /// `qkv` `[rows, (n_q + 2 · n_kv) · head_dim]` with each query and key head RMS-normed
+    /// (Qwen3); as it is without the norms.
+    fn qk_normed(&self, qkv: Tensor, ctx: &LayerContext) -> Result<Tensor> {
+        let Some((q_norm, k_norm)) = &self.qk_norm else {
+            return Ok(qkv);
+        };
+        let heads = &ctx.shard.heads;
+        let (n_q, n_kv, d) = (heads.q_heads.len(), heads.kv_heads.len(), ctx.config.head_dim);
+        let rows = qkv.dim(0)?;
+        let x = qkv.reshape((rows, n_q + 2 * n_kv, d))?;
+        let eps = ctx.config.rms_norm_eps as f32;
+        let q = rms_norm(&x.narrow(1, 0, n_q)?.contiguous()?, q_norm, eps)?;
+        let k = rms_norm(&x.narrow(1, n_q, n_kv)?.contiguous()?, k_norm, eps)?;
+        let v = x.narrow(1, n_q + n_kv, n_kv)?;
+        Ok(Tensor::cat(&[q, k, v], 1)?.reshape((rows, ()))?)
+    }
+
     fn attention(&self, h: Tensor, ctx: &LayerContext) -> Result<Tensor> {
         let (c, shard) = (ctx.config, ctx.shard);
         let (b, s, _) = h.dims3()?;
         let d = c.head_dim;
         let qkv = self.qkv.forward_merged(&h)?.reshape((b * s, ()))?;
         drop(h);
+        let qkv = self.qk_normed(qkv, ctx)?;
         let n_q = shard.heads.q_heads.len();
         // One fused kernel: the rotated keys and the values written into the cache, the rotated
         // queries `[s, n_q, d]` out.

@@ -62,6 +62,11 @@ impl LlamaShard {
             decls.extend(ColumnParallelLinear::decls(&n.k, h, kv_heads, kv_out.clone(), bias));
             decls.extend(ColumnParallelLinear::decls(&n.v, h, kv_heads, kv_out.clone(), bias));
             decls.extend(RowParallelLinear::decls(&n.o, q_heads, h, q_out.clone(), c.o_bias));
+            if c.qk_norm {
+                for name in [&n.q_norm, &n.k_norm] {
+                    decls.push(WeightDecl::new(name.clone(), &[d], ShardSpec::Replicated));
+                }
+            }
             decls.push(norm(n.post_norm.clone()));
             decls.extend(GatedMlp::decls(&n.mlp(), h, c.intermediate_size, self.ffn_cols.clone()));
         }
@@ -105,6 +110,9 @@ pub(crate) mod names {
         pub k: String,
         pub v: String,
         pub o: String,
+        /// Qwen3's per-head norms of the queries and keys.
+        pub q_norm: String,
+        pub k_norm: String,
         pub post_norm: String,
         pub gate: String,
         pub up: String,
@@ -120,6 +128,8 @@ pub(crate) mod names {
                 k: format!("{p}.self_attn.k_proj"),
                 v: format!("{p}.self_attn.v_proj"),
                 o: format!("{p}.self_attn.o_proj"),
+                q_norm: format!("{p}.self_attn.q_norm.weight"),
+                k_norm: format!("{p}.self_attn.k_norm.weight"),
                 post_norm: format!("{p}.post_attention_layernorm.weight"),
                 gate: format!("{p}.mlp.gate_proj"),
                 up: format!("{p}.mlp.up_proj"),

@@ -248,6 +248,7 @@ impl DecoderLayer {
         let rows = h.dim(1)?;
         let qkv = self.qkv.forward_merged(&h)?.reshape((rows, (n_q + 2 * n_kv) * d))?;
         drop(h);
+        let qkv = self.qk_normed(qkv, ctx)?;
         let at = RowsAt {
             positions: &layout.positions,
             slots: &layout.slots,
