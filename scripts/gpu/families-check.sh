@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Qwen2 and Mistral on one GPU against transformers' own classes on the same random weights
-# (reference_llama.py make --shape qwen2-7b | mistral-7b): the prefill and greedy decode
+# Qwen2, Qwen3 and Mistral on one GPU against transformers' own classes on the same random
+# weights (reference_llama.py make --shape qwen2-7b | qwen3-8b | mistral-7b): the prefill and greedy decode
 # logits in f32 and bf16, against transformers in f32 (and transformers' bf16 beside them),
 # then decode speed. Needs torch + transformers and the binaries of
 # scripts/build/build-cuda.sh in .dist/. Results go to $OUT.
-# SHAPES="qwen2-7b mistral-7b qwen2-1.5b-yarn" picks the models (the last with YaRN); SKIP_SPEED=1:
-# numerics only.
+# SHAPES="qwen2-7b mistral-7b qwen2-1.5b-yarn qwen3-8b" picks the models (qwen2-1.5b-yarn with
+# YaRN); SKIP_SPEED=1: numerics only.
 . "$(dirname "$0")/env.sh"
-SHAPES=${SHAPES:-qwen2-7b mistral-7b qwen2-1.5b-yarn} TOK=.dist/llama3-tokenizer
+SHAPES=${SHAPES:-qwen2-7b mistral-7b qwen2-1.5b-yarn qwen3-8b} TOK=.dist/llama3-tokenizer
 REF="$PY $SCRIPTS/reference/reference_llama.py"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/log"; }
 run() { log "$*"; timeout "${LIMIT:-200}" "$@" 2>&1 | tee -a "$OUT/log"; return "${PIPESTATUS[0]}"; }

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Reference numerics for tpinfer's Llama, with PyTorch/transformers, on any CUDA host.
 
-  make    --shape 70b|8b|8b-half|1b|qwen2-7b|qwen2-1.5b-yarn|mistral-7b --out DIR [--dtype bf16|f32]
-                                                       random-weight Llama (or Qwen2, Mistral) checkpoint (HF format)
+  make    --shape 70b|8b|8b-half|1b|qwen2-7b|qwen2-1.5b-yarn|qwen3-8b|mistral-7b --out DIR [--dtype bf16|f32]
+                                                       random-weight Llama (or Qwen2, Qwen3, Mistral) checkpoint (HF format)
   logits  --model DIR --dtype f32|bf16 --out FILE      transformers' prefill logits + greedy tokens
           [--fp8]                                      with tpinfer's FP8 quantization of the layers' linears
   compare --ref FILE --out-json FILE NAME=FILE ...     relative errors of tpinfer runs vs a reference
@@ -43,6 +43,11 @@ SHAPES = {
     "qwen2-1.5b-yarn": dict(family="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                             num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                             tie_word_embeddings=True, yarn=dict(factor=4.0, original_max_position_embeddings=8192)),
+    # Qwen3-8B: 36 layers, 4096 wide, 32 heads over 8 KV heads, 12288 FFN, an RMSNorm over each
+    # query and key head (drawn at random here: transformers initializes them to one).
+    "qwen3-8b": dict(family="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=False),
     # Mistral-7B-v0.1: Llama-2-7B's shape with GQA (8 KV heads) and a 4096-position sliding window.
     "mistral-7b": dict(family="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False),
@@ -72,13 +77,17 @@ def family_config(shape):
         if yarn:
             common.update(max_position_embeddings=int(yarn["original_max_position_embeddings"] * yarn["factor"]))
             rope = dict(rope_type="yarn", **yarn)
+    elif family == "qwen3":
+        common.update(max_position_embeddings=40960, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645,
+                      use_sliding_window=False, sliding_window=None)
+        rope, theta = dict(rope_type="default"), 1000000.0
     elif family == "mistral":
         common.update(max_position_embeddings=32768, bos_token_id=1, eos_token_id=2, sliding_window=4096)
         rope, theta = dict(rope_type="default"), 10000.0
     config_class = dict(llama=transformers.LlamaConfig, qwen2=transformers.Qwen2Config,
-                        mistral=transformers.MistralConfig)[family]
+                        qwen3=transformers.Qwen3Config, mistral=transformers.MistralConfig)[family]
     model_class = dict(llama=transformers.LlamaForCausalLM, qwen2=transformers.Qwen2ForCausalLM,
-                       mistral=transformers.MistralForCausalLM)[family]
+                       qwen3=transformers.Qwen3ForCausalLM, mistral=transformers.MistralForCausalLM)[family]
     if "rope_parameters" in inspect.signature(config_class.__init__).parameters:  # transformers 5
         cfg = config_class(rope_parameters=dict(rope, rope_theta=theta), **common)
     elif family == "llama" or yarn:
@@ -100,10 +109,13 @@ def make(args):
         torch.manual_seed(args.seed)
         with torch.device("cuda"):
             model = model_class(cfg).to(dtype)
-            # transformers zeroes biases; random ones are what a check of their sharding needs.
+            # transformers zeroes biases and sets norms to one; random biases are what a check of
+            # their sharding needs, and random Q/K norms (Qwen3) tell the query's from the key's.
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
                     p.data.normal_(0.0, 0.5)
+                elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.data.uniform_(0.5, 1.5)
         model.save_pretrained(out, safe_serialization=True)
         params = sum(p.numel() for p in model.parameters())
     if args.tokenizer:
