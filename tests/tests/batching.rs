@@ -88,35 +88,22 @@ fn tied_embeddings_and_biases_with_uneven_heads() {
     assert_batch_matches_alone(&model, &[1, 4], how);
 }
 
-/// Qwen2's Q/K/V biases without an output bias, through the batched path at TP 1 and 3.
+/// Qwen2's Q/K/V biases without an output bias, and Qwen3's per-head query and key norms,
+/// through the batched path at TP 1 and 3.
 #[test]
-fn qwen2_biases_through_the_batched_path() {
-    let model = TinyLlama {
-        flavor: Flavor::Qwen2,
-        tie_embeddings: true,
-        llama3_rope_scaling: false,
-        ..TinyLlama::default()
-    };
-    let how = Batching {
-        chunk: 5,
-        block_size: 4,
-        flash: false,
-    };
-    assert_batch_matches_alone(&model, &[1, 3], how);
-}
-
-/// Qwen3's per-head query and key norms through the batched path at TP 1 and 3.
-#[test]
-fn qwen3_norms_through_the_batched_path() {
-    let model = TinyLlama {
-        flavor: Flavor::Qwen3,
-        llama3_rope_scaling: false,
-        ..TinyLlama::default()
-    };
-    let how = Batching {
-        chunk: 5,
-        block_size: 4,
-        flash: false,
-    };
-    assert_batch_matches_alone(&model, &[1, 3], how);
+fn qwen_variants_through_the_batched_path() {
+    for (flavor, tie_embeddings) in [(Flavor::Qwen2, true), (Flavor::Qwen3, false)] {
+        let model = TinyLlama {
+            flavor,
+            tie_embeddings,
+            llama3_rope_scaling: false,
+            ..TinyLlama::default()
+        };
+        let how = Batching {
+            chunk: 5,
+            block_size: 4,
+            flash: false,
+        };
+        assert_batch_matches_alone(&model, &[1, 3], how);
+    }
 }

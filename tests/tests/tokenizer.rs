@@ -76,15 +76,7 @@ fn a_template_over_many_lines_renders_as_transformers_renders_it() {
 fn qwen2_5_chat_template_renders_as_transformers_does() {
     let tokenizer = Tokenizer::from_hf_dir(&assets_dir().join("qwen2.5-tokenizer")).expect("load");
     let template = tokenizer.chat_template().expect("Qwen2.5 ships a chat template");
-    let chat = [
-        ChatMessage::system("Be brief."),
-        ChatMessage::user("Hi there"),
-        ChatMessage {
-            role: "assistant".into(),
-            content: "Hello!".into(),
-        },
-        ChatMessage::user("2+2?"),
-    ];
+    let chat = qwen_chat();
     assert_eq!(template.render(&chat, true).expect("render"), QWEN_CHAT);
     assert_eq!(
         template.render(&chat[1..], true).expect("render"),
@@ -95,6 +87,19 @@ fn qwen2_5_chat_template_renders_as_transformers_does() {
     assert_eq!(ids[0], im_start, "no BOS before the template's first token");
     let digits = tokenizer.encode("12345", false).expect("encode");
     assert_eq!(digits.len(), 5, "{digits:?}");
+}
+
+/// A chat with a system message and a turn of each, as the Qwen tests render it.
+fn qwen_chat() -> [ChatMessage; 4] {
+    [
+        ChatMessage::system("Be brief."),
+        ChatMessage::user("Hi there"),
+        ChatMessage {
+            role: "assistant".into(),
+            content: "Hello!".into(),
+        },
+        ChatMessage::user("2+2?"),
+    ]
 }
 
 const QWEN_CHAT: &str = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n";
@@ -229,15 +234,7 @@ fn a_chat_template_from_chat_template_jinja_or_given() {
     assert!(without.chat_template().is_none());
     std::fs::write(dir.path().join("chat_template.jinja"), template).expect("write");
     let tokenizer = Tokenizer::from_hf_dir(dir.path()).expect("load");
-    let chat = [
-        ChatMessage::system("Be brief."),
-        ChatMessage::user("Hi there"),
-        ChatMessage {
-            role: "assistant".into(),
-            content: "Hello!".into(),
-        },
-        ChatMessage::user("2+2?"),
-    ];
+    let chat = qwen_chat();
     let template = tokenizer.chat_template().expect("chat_template.jinja read");
     assert_eq!(template.render(&chat, true).expect("render"), QWEN_CHAT);
 
