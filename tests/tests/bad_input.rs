@@ -341,8 +341,11 @@ fn config_values_the_model_does_not_run() {
     // Another architecture, and Qwen2's sliding window turned on: refused by name.
     for (changes, parts) in [
         (
-            serde_json::json!({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}),
-            vec!["qwen3", "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"],
+            serde_json::json!({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}),
+            vec![
+                "gemma2",
+                "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+            ],
         ),
         (
             serde_json::json!({"model_type": "qwen2", "architectures": ["LlamaForCausalLM"]}),
