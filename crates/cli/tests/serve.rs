@@ -168,3 +168,48 @@ fn serve_claims_its_port_before_loading() {
         "{stderr}"
     );
 }
+
+/// The prompt tokens an answer's `usage` reports.
+fn prompt_tokens(answer: &str) -> usize {
+    let at = answer.find("\"prompt_tokens\":").expect("usage") + "\"prompt_tokens\":".len();
+    let digits: String = answer[at..].chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().expect("a count")
+}
+
+/// A model that ships no chat template answers chat requests with a 400 that names
+/// `--chat-template`; served with one, its chats render through it: a template of the message
+/// alone gives the completion's prompt less its BOS.
+#[test]
+fn serve_takes_a_chat_template_for_a_model_without_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default().write(dir.path());
+    let config = model.join("tokenizer_config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).expect("read")).expect("json");
+    json.as_object_mut().expect("object").remove("chat_template");
+    std::fs::write(&config, json.to_string()).expect("write");
+    let model = model.to_str().expect("utf8 path");
+    let chat = r#"{"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 1}"#;
+    let completion = r#"{"model": "tiny", "prompt": "hello there", "max_tokens": 1}"#;
+    for template in [None, Some("{{ messages[0]['content'] }}")] {
+        let extra: Vec<&str> = template.map(|t| vec!["--chat-template", t]).unwrap_or_default();
+        let (mut child, address, _) = start(model, &extra);
+        let answer = post(&address, "/v1/chat/completions", chat);
+        match template {
+            None => {
+                assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+                assert!(answer.contains("--chat-template"), "{answer}");
+            }
+            Some(_) => {
+                assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+                let plain = post(&address, "/v1/completions", completion);
+                assert_eq!(prompt_tokens(&answer) + 1, prompt_tokens(&plain), "{answer}\n{plain}");
+            }
+        }
+        // SAFETY: a plain signal to the child this test started.
+        unsafe {
+            libc::kill(child.id() as i32, libc::SIGTERM);
+        }
+        assert!(wait(&mut child, Duration::from_secs(20)).success());
+    }
+}
