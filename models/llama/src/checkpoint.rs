@@ -231,10 +231,7 @@ impl LlamaCheckpoint {
                 Ok((gguf.clone(), q))
             })
             .collect::<Result<Vec<_>, WeightError>>()?;
-        let yarn = match &c.rope_scaling {
-            Some(scaling @ RopeScaling::Yarn { .. }) => Some(gguf_yarn(scaling, path)?),
-            _ => None,
-        };
+        let yarn = gguf_yarn(c.rope_scaling.as_ref(), path)?;
         if let Some(scaling) = c.rope_scaling.as_ref().filter(|_| yarn.is_none()) {
             let divisors: Vec<f32> = scaling
                 .divisors(c.head_dim, c.rope_theta)
@@ -293,19 +290,22 @@ impl LlamaCheckpoint {
     }
 }
 
-/// A YaRN scaling as llama.cpp's GGUF keys (`rope.scaling.*`); refused where they cannot
-/// carry it (other betas, an untruncated ramp).
-fn gguf_yarn(scaling: &RopeScaling, path: &Path) -> Result<Vec<(&'static str, Value)>, CheckpointError> {
-    let &RopeScaling::Yarn {
+/// A YaRN scaling as llama.cpp's GGUF keys (`rope.scaling.*`), `None` for any other scaling;
+/// refused where the keys cannot carry it (other betas, an untruncated ramp).
+fn gguf_yarn(
+    scaling: Option<&RopeScaling>,
+    path: &Path,
+) -> Result<Option<Vec<(&'static str, Value)>>, CheckpointError> {
+    let Some(&RopeScaling::Yarn {
         factor,
         original_max_position_embeddings,
         beta_fast,
         beta_slow,
         attention_factor,
         truncate,
-    } = scaling
+    }) = scaling
     else {
-        return Ok(Vec::new());
+        return Ok(None);
     };
     if beta_fast != 32.0 || beta_slow != 1.0 || !truncate {
         return Err(CheckpointError::Weights(WeightError::Gguf {
@@ -316,7 +316,7 @@ fn gguf_yarn(scaling: &RopeScaling, path: &Path) -> Result<Vec<(&'static str, Va
             ),
         }));
     }
-    Ok(vec![
+    Ok(Some(vec![
         ("type", Value::String("yarn".into())),
         ("factor", Value::F32(factor as f32)),
         (
@@ -327,7 +327,7 @@ fn gguf_yarn(scaling: &RopeScaling, path: &Path) -> Result<Vec<(&'static str, Va
             "attn_factor",
             Value::F32((attention_factor / RopeScaling::yarn_mscale(factor, 1.0)) as f32),
         ),
-    ])
+    ]))
 }
 
 /// llama.cpp's converter's order of Q/K rows (`reshape(h, 2, d/2, in).swapaxes(1, 2)`), the
