@@ -268,7 +268,7 @@ impl LlamaConfig {
     }
 
     /// Reads the hyper-parameters of a GGUF file of llama.cpp's `llama` architecture (Llama,
-    /// and Mistral, which llama.cpp writes as llama) or `qwen2`.
+    /// and Mistral, which llama.cpp writes as llama), `qwen2` or `qwen3`.
     pub fn from_gguf(
         metadata: &HashMap<String, Value>,
         has_output_weight: bool,
