@@ -77,6 +77,59 @@ __device__ void rotary_qkv(const T* qkv, const T* table, T* out, T* cache, int r
     }
 }
 
+// The sum of v over the CTA's threads (a whole number of warps, at most 32), alike in every
+// thread.
+__device__ __forceinline__ float cta_sum(float v) {
+    __shared__ float warp_sums[32];
+#pragma unroll
+    for (int w = 16; w > 0; w /= 2) v += __shfl_xor_sync(0xffffffff, v, w);
+    const int warps = blockDim.x / 32;
+    if (warps == 1) return v;
+    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
+    __syncthreads();
+    float sum = 0.f;
+    for (int w = 0; w < warps; ++w) sum += warp_sums[w];
+    return sum;
+}
+
+// rotary_qkv with Qwen3's RMSNorm of each query and key head first: head x becomes
+// T(x · rsqrt(mean(x²) + eps) · w), w being q_norm or k_norm `[d]`, rounded as an RMSNorm's
+// output is, and is then rotated. CTA (row r, slot) of d/2 threads rounded up to whole warps:
+// slot < q_heads is query head slot; the rest key head slot - q_heads, whose value head the
+// CTA copies too. Thread j < d/2 holds the pair (j, j + d/2).
+template <typename T>
+__device__ void rotary_qkv_normed(const T* qkv, const T* q_norm, const T* k_norm, float eps, const T* table, T* out,
+                                  T* cache, int q_heads, int kv_heads, int d, const unsigned* position,
+                                  int positions, int capacity) {
+    chain_release();
+    const int half = d / 2, width = (q_heads + 2 * kv_heads) * d, j = threadIdx.x;
+    const long offset = *position, r = blockIdx.x / (q_heads + kv_heads);
+    const int slot = blockIdx.x % (q_heads + kv_heads);
+    const bool query = slot < q_heads, pair = j < half;
+    const int h = query ? slot : slot - q_heads;
+    // Alike in the whole CTA: its exit skips no barrier.
+    if (offset + r >= positions || (!query && offset + r >= capacity)) return;
+    // The weights and the rotation are read before the wait (no chain kernel writes them).
+    const T* w = query ? q_norm : k_norm;
+    const float w1 = pair ? to_f32(w[j]) : 0.f, w2 = pair ? to_f32(w[j + half]) : 0.f;
+    const Rotation t = pair ? rotation(table, positions, half, offset + r, j) : Rotation{};
+    chain_wait();
+    const T* x = qkv + r * width + (query ? h : q_heads + h) * d;
+    const float x1 = pair ? to_f32(x[j]) : 0.f, x2 = pair ? to_f32(x[j + half]) : 0.f;
+    const float rstd = rsqrtf(cta_sum(x1 * x1 + x2 * x2) / d + eps);
+    if (!pair) return;
+    const float n1 = to_f32(from_f32<T>(x1 * rstd * w1)), n2 = to_f32(from_f32<T>(x2 * rstd * w2));
+    T* o = query ? out + (r * q_heads + h) * d : cache + ((long)h * capacity + offset + r) * d;
+    o[j] = from_f32<T>(rotate(n1, n2, t.c, t.s, false));
+    o[j + half] = from_f32<T>(rotate(n1, n2, t.c, t.s, true));
+    if (!query) {
+        const T* v = x + kv_heads * d;
+        T* vc = cache + ((long)(kv_heads + h) * capacity + offset + r) * d;
+        vc[j] = v[j];
+        vc[j + half] = v[j + half];
+    }
+}
+
 }  // namespace
 
 #define ROTARY(SUFFIX, T)                                                                                      \
@@ -85,6 +138,13 @@ __device__ void rotary_qkv(const T* qkv, const T* table, T* out, T* cache, int r
                                                     int positions, int capacity CHAIN_TRACE_PARAM) {           \
         CHAIN_TRACE_SCOPE                                                                                      \
         rotary_qkv<T>(qkv, table, out, cache, rows, q_heads, kv_heads, d, position, positions, capacity);      \
+    }                                                                                                          \
+    extern "C" __global__ void rotary_qkv_normed_##SUFFIX(                                                     \
+        const T* qkv, const T* q_norm, const T* k_norm, float eps, const T* table, T* out, T* cache, int q_heads, \
+        int kv_heads, int d, const unsigned* position, int positions, int capacity CHAIN_TRACE_PARAM) {        \
+        CHAIN_TRACE_SCOPE                                                                                      \
+        rotary_qkv_normed<T>(qkv, q_norm, k_norm, eps, table, out, cache, q_heads, kv_heads, d, position,       \
+                             positions, capacity);                                                             \
     }
 
 ROTARY(f32, float)

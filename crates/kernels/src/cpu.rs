@@ -344,6 +344,36 @@ fn rotation<T>(table: &[T], positions: usize, half: usize, position: usize) -> (
     (&table[at..at + half], &table[(positions + position) * half..][..half])
 }
 
+/// `qkv` `[rows, width]` with each query and key head x RMS-normed, T(x · rsqrt(mean(x²) + ε)
+/// · w) (w `[d]`: `q_norm` for the query heads, `k_norm` for the key heads); the value heads
+/// as they are.
+pub(crate) fn qk_normed(
+    qkv: (&CpuStorage, &Layout),
+    q_norm: &candle_core::Tensor,
+    k_norm: &candle_core::Tensor,
+    eps: f32,
+    g: &crate::rotary::Geometry,
+) -> Result<CpuStorage> {
+    let d = g.head_dim;
+    let weights = |w: &candle_core::Tensor| w.to_dtype(DType::F32)?.to_vec1::<f32>();
+    let (qw, kw) = (weights(q_norm)?, weights(k_norm)?);
+    typed!(qkv.0, T => {
+        let xs = contiguous::<T>(qkv.0, qkv.1)?;
+        let mut out = xs[..g.rows * g.width()].to_vec();
+        for_each_chunk(&mut out, g.width(), g.rows * g.width(), |_, row| {
+            for (h, head) in row.chunks_mut(d).take(g.q_heads + g.kv_heads).enumerate() {
+                let w = if h < g.q_heads { &qw } else { &kw };
+                let squares: f32 = head.iter().map(|&x| f(x) * f(x)).sum();
+                let rstd = 1.0 / (squares / d as f32 + eps).sqrt();
+                for (x, w) in head.iter_mut().zip(w) {
+                    *x = T::from_f64((f(*x) * rstd * w) as f64);
+                }
+            }
+        });
+        Ok(T::to_cpu_storage_owned(out))
+    })
+}
+
 pub(crate) fn rotary_queries(
     qkv: (&CpuStorage, &Layout),
     table: (&CpuStorage, &Layout),

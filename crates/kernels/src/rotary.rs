@@ -63,14 +63,9 @@ impl Geometry {
 pub fn rotary_qkv(cache: &Tensor, qkv: &Tensor, table: &Tensor, position: &Tensor, q_heads: usize) -> Result<Tensor> {
     let op = RotaryQkv::checked(cache, qkv, table, position, q_heads)?;
     cache.inplace_op3(&qkv.contiguous()?, &table.contiguous()?, &op)?;
-    let queries = op
-        .queries
-        .into_inner()
-        .map_err(|_| candle_core::Error::Msg("rotary_qkv: the queries' lock is poisoned".into()))?
-        .ok_or_else(|| candle_core::Error::Msg("rotary_qkv: no queries came out".into()))?;
-    let g = &op.geometry;
+    let g = op.geometry;
     Ok(Tensor::from_storage(
-        queries,
+        op.taken()?,
         (g.rows, g.q_heads, g.head_dim),
         BackpropOp::none(),
         false,
@@ -100,12 +95,73 @@ pub fn rotary_qkv_into(
     queries.slice_set(&rotated.reshape(queries.shape())?, 0, 0)
 }
 
+/// Qwen3's RMSNorm of each query and key head, taken before the rotation: the norms' weights
+/// `[d]`, in the projection's dtype, and ε.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadNorms<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub eps: f32,
+}
+
+/// [`rotary_qkv_into`] with each query and key head of `qkv` RMS-normed first (`norms`),
+/// rounded as an RMSNorm's output, in the same launch: on CUDA one kernel where the unfused
+/// norms take a copy of each head slice, two norms and a concatenation.
+pub fn rotary_qkv_normed_into(
+    cache: &Tensor,
+    qkv: &Tensor,
+    norms: HeadNorms,
+    table: &Tensor,
+    position: &Tensor,
+    q_heads: usize,
+    queries: &Tensor,
+) -> Result<()> {
+    let mut op = RotaryQkv::checked(cache, qkv, table, position, q_heads)?;
+    let g = op.geometry;
+    for (name, w) in [("q_norm", norms.q), ("k_norm", norms.k)] {
+        if w.dims() != [g.head_dim] || w.dtype() != qkv.dtype() || !w.is_contiguous() {
+            candle_core::bail!(
+                "rotary_qkv_normed: {name} {:?} {:?} is not a contiguous [{}] of the projection's {:?}",
+                w.dims(),
+                w.dtype(),
+                g.head_dim,
+                qkv.dtype()
+            );
+        }
+    }
+    op.norms = Some((norms.q.clone(), norms.k.clone(), norms.eps));
+    #[cfg(feature = "cuda")]
+    if cache.device().is_cuda() {
+        // A CTA a head, a thread a pair.
+        if g.head_dim > 2048 {
+            candle_core::bail!(
+                "rotary_qkv_normed: head size {} is over the 2,048 one CTA takes",
+                g.head_dim
+            );
+        }
+        crate::launch::check_output(
+            queries,
+            qkv.dtype(),
+            g.rows * g.q_heads * g.head_dim,
+            "rotary_qkv_normed",
+        )?;
+        op.into = Some(crate::launch::device_address(queries)?);
+        return cache.inplace_op3(&qkv.contiguous()?, &table.contiguous()?, &op);
+    }
+    cache.inplace_op3(&qkv.contiguous()?, &table.contiguous()?, &op)?;
+    let rotated = op.taken()?;
+    let rotated = Tensor::from_storage(rotated, queries.shape().clone(), BackpropOp::none(), false);
+    queries.slice_set(&rotated, 0, 0)
+}
+
 /// Writes the cache in place (an in-place op on it) and the rotated queries to the address
 /// `into`, or to a new buffer left in `queries` for [`rotary_qkv`] to wrap.
 struct RotaryQkv {
     geometry: Geometry,
     capacity: usize,
     position: Tensor,
+    /// The query and key heads' norm weights and ε ([`rotary_qkv_normed_into`]).
+    norms: Option<(Tensor, Tensor, f32)>,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     into: Option<u64>,
     queries: Mutex<Option<Storage>>,
@@ -130,6 +186,7 @@ impl RotaryQkv {
             geometry,
             capacity,
             position: position.clone(),
+            norms: None,
             into: None,
             queries: Mutex::new(None),
         })
@@ -143,6 +200,14 @@ impl RotaryQkv {
             .lock()
             .map_err(|_| candle_core::Error::Msg("rotary_qkv: the queries' lock is poisoned".into()))? = Some(queries);
         Ok(())
+    }
+
+    /// The queries a launch without `into` made.
+    fn taken(self) -> Result<Storage> {
+        self.queries
+            .into_inner()
+            .map_err(|_| candle_core::Error::Msg("rotary_qkv: the queries' lock is poisoned".into()))?
+            .ok_or_else(|| candle_core::Error::Msg("rotary_qkv: no queries came out".into()))
     }
 }
 
@@ -162,6 +227,15 @@ impl candle_core::InplaceOp3 for RotaryQkv {
     ) -> Result<()> {
         let g = &self.geometry;
         let offset = crate::position::on_host(&self.position)?;
+        let (normed, normed_layout);
+        let (qkv, ql) = match &self.norms {
+            Some((q_norm, k_norm, eps)) => {
+                normed = crate::cpu::qk_normed((qkv, ql), q_norm, k_norm, *eps, g)?;
+                normed_layout = Layout::contiguous((g.rows, g.width()));
+                (&normed, &normed_layout)
+            }
+            None => (qkv, ql),
+        };
         crate::cpu::append_rotated_kv((cache, cl), (qkv, ql), (table, tl), g, offset, self.capacity)?;
         self.keep(Storage::Cpu(crate::cpu::rotary_queries(
             (qkv, ql),
@@ -189,6 +263,7 @@ impl candle_core::InplaceOp3 for RotaryQkv {
                 (cache, cl),
                 (qkv, ql),
                 (table, tl),
+                self.norms.as_ref(),
                 self.into,
             )
         })?;
@@ -202,9 +277,9 @@ impl candle_core::InplaceOp3 for RotaryQkv {
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtr, DeviceRepr};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtr, DeviceRepr, LaunchConfig};
     use candle_core::cuda_backend::CudaDType;
-    use candle_core::{CudaStorage, DType, Layout, Result};
+    use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
     use half::{bf16, f16};
 
     use super::Geometry;
@@ -214,7 +289,10 @@ mod cuda {
     type Input<'a> = (&'a CudaStorage, &'a Layout);
     type Position<'a, 'b> = &'a CudaView<'b, u32>;
 
+    type Norms = (Tensor, Tensor, f32);
+
     /// Writes the queries at `into`, or returns them in a new buffer.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn rotary_qkv(
         g: &Geometry,
         capacity: usize,
@@ -222,16 +300,18 @@ mod cuda {
         (cache, cl): (&mut CudaStorage, &Layout),
         qkv: Input,
         table: Input,
+        norms: Option<&Norms>,
         into: Option<u64>,
     ) -> Result<Option<CudaStorage>> {
         match qkv.0.dtype() {
-            DType::F32 => typed::<f32>(g, capacity, position, (cache, cl), qkv, table, into),
-            DType::BF16 => typed::<bf16>(g, capacity, position, (cache, cl), qkv, table, into),
-            DType::F16 => typed::<f16>(g, capacity, position, (cache, cl), qkv, table, into),
+            DType::F32 => typed::<f32>(g, capacity, position, (cache, cl), qkv, table, norms, into),
+            DType::BF16 => typed::<bf16>(g, capacity, position, (cache, cl), qkv, table, norms, into),
+            DType::F16 => typed::<f16>(g, capacity, position, (cache, cl), qkv, table, norms, into),
             other => candle_core::bail!("rotary_qkv: unsupported dtype {other:?}"),
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn typed<T: CudaDType + DeviceRepr>(
         g: &Geometry,
         capacity: usize,
@@ -239,11 +319,17 @@ mod cuda {
         (cache, cl): (&mut CudaStorage, &Layout),
         (qkv, ql): Input,
         (table, tl): Input,
+        norms: Option<&Norms>,
         into: Option<u64>,
     ) -> Result<Option<CudaStorage>> {
         let dev = qkv.device().clone();
         let stream = dev.cuda_stream();
-        let func = crate::module::ROTARY.kernel(&dev, &format!("rotary_qkv_{}", suffix(qkv.dtype())?))?;
+        let name = if norms.is_some() {
+            "rotary_qkv_normed"
+        } else {
+            "rotary_qkv"
+        };
+        let func = crate::module::ROTARY.kernel(&dev, &format!("{name}_{}", suffix(qkv.dtype())?))?;
         let xs = qkv.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
         let ts = table.as_cuda_slice::<T>()?.slice(tl.start_offset()..);
         let cs = cache.as_cuda_slice::<T>()?.slice(cl.start_offset()..);
@@ -257,30 +343,43 @@ mod cuda {
             }
         };
         let mut launch = Launch::default();
+        launch.arg(xs.device_ptr(&stream).0);
+        if let Some((q_norm, k_norm, eps)) = norms {
+            launch
+                .arg(crate::launch::device_address(q_norm)?)
+                .arg(crate::launch::device_address(k_norm)?)
+                .arg(*eps);
+        }
         launch
-            .arg(xs.device_ptr(&stream).0)
             .arg(ts.device_ptr(&stream).0)
             .arg(out_address)
             .arg(cs.device_ptr(&stream).0);
-        for v in [g.rows, g.q_heads, g.kv_heads, g.head_dim] {
+        if norms.is_none() {
+            launch.arg(g.rows as i32);
+        }
+        for v in [g.q_heads, g.kv_heads, g.head_dim] {
             launch.arg(v as i32);
         }
         launch
             .arg(position.device_ptr(&stream).0)
             .arg(g.positions as i32)
             .arg(capacity as i32);
+        // One thread per (row, head, j < d/2) of the query heads, then of the KV heads; with
+        // the norms, a CTA of d/2 of them per (row, head).
+        let heads = g.rows * (g.q_heads + g.kv_heads);
+        let cfg = match norms {
+            Some(_) => LaunchConfig {
+                grid_dim: (heads as u32, 1, 1),
+                block_dim: ((g.head_dim / 2).next_multiple_of(32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            None => elementwise(heads * g.head_dim / 2),
+        };
         // SAFETY: the arguments match the kernel's signature; `Geometry::of` checked that qkv
         // covers every row, the cache is a contiguous [2, kv_heads, capacity, d], the output
-        // holds rows · q_heads · d values, and the kernel skips positions past the table and
-        // slots past the cache. One thread per (row, head, j < d/2) of the query heads, then of
-        // the KV heads.
-        unsafe {
-            launch.launch(
-                &dev,
-                &func,
-                elementwise(g.rows * (g.q_heads + g.kv_heads) * g.head_dim / 2),
-            )
-        }?;
+        // holds rows · q_heads · d values, the norms d each (checked by the caller), and the
+        // kernel skips positions past the table and slots past the cache.
+        unsafe { launch.launch(&dev, &func, cfg) }?;
         Ok(out.map(|out| CudaStorage::wrap_cuda_slice(out, dev)))
     }
 }

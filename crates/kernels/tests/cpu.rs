@@ -8,9 +8,9 @@ use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
     add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, fp8_linear, gated_residual,
     gelu_tanh_mul, gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_tiled, layer_norm, linear_bias,
-    linear_bias_into, paged_decode_attention, residual_sum, rotary_qkv, rotary_qkv_paged, row_sum_squares,
-    scale_rows_cols, silu_mul, softmax_relative_bias, write_u32s, ColumnTable, DecodeRows, DecodeScratch, QueryGroups,
-    RowWeight, RowsAt,
+    linear_bias_into, paged_decode_attention, residual_sum, rotary_qkv, rotary_qkv_normed_into, rotary_qkv_paged,
+    row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias, write_u32s, ColumnTable, DecodeRows,
+    DecodeScratch, HeadNorms, QueryGroups, RowWeight, RowsAt,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -358,6 +358,75 @@ fn rotary_kernels_at(rows: usize, offset: usize, capacity: usize) {
     assert!(rotary_qkv(&cache, &qkv, &short, &position(offset), q_heads).is_err());
     let after = cache.flatten_all().and_then(|c| c.to_vec1::<f32>()).expect("after");
     assert_eq!(before, after, "a refused call wrote the cache");
+}
+
+/// Qwen3's per-head RMSNorm before the rotation: each query head normed by `q_norm`, each key
+/// head by `k_norm`, then rotated; the values as they are.
+#[test]
+fn rotary_normed_kernel_norms_each_head_then_rotates() {
+    for (rows, offset, capacity) in [(5, 4, 12), (3000, 7, 3010)] {
+        let (q_heads, kv_heads, d, eps) = (4, 2, 16, 1e-6);
+        let qkv = (randn(&[rows, (q_heads + 2 * kv_heads) * d], 18) * 3.0).expect("qkv");
+        let angles = (randn(&[capacity, d / 2], 19) * 3.0).expect("angles");
+        let table = Tensor::stack(&[angles.cos().expect("cos"), angles.sin().expect("sin")], 0).expect("table");
+        let (cos, sin) = (
+            angles.cos().and_then(|c| c.narrow(0, offset, rows)).expect("cos"),
+            angles.sin().and_then(|s| s.narrow(0, offset, rows)).expect("sin"),
+        );
+        let (q_norm, k_norm) = (randn(&[d], 20), randn(&[d], 21));
+        let part = |from: usize, heads: usize| qkv.narrow(1, from * d, heads * d).expect("part");
+        // x / sqrt(mean(x²) + ε) · w over each head of x `[rows, heads · d]`.
+        let normed = |x: Tensor, heads: usize, w: &Tensor| {
+            let x = x.reshape((rows, heads, d)).expect("heads");
+            let rms = x
+                .sqr()
+                .and_then(|s| s.mean_keepdim(2))
+                .and_then(|m| (m + eps).and_then(|m| m.sqrt()))
+                .expect("rms");
+            x.broadcast_div(&rms)
+                .and_then(|x| x.broadcast_mul(w))
+                .and_then(|x| x.reshape((rows, heads * d)))
+                .expect("normed")
+        };
+        let cache = Tensor::zeros((2, kv_heads, capacity, d), DType::F32, &Device::Cpu).expect("cache");
+        let queries = Tensor::zeros((rows, q_heads, d), DType::F32, &Device::Cpu).expect("queries");
+        let norms = HeadNorms {
+            q: &q_norm,
+            k: &k_norm,
+            eps: eps as f32,
+        };
+        rotary_qkv_normed_into(&cache, &qkv, norms, &table, &position(offset), q_heads, &queries).expect("normed");
+        let want = rotate_heads(&normed(part(0, q_heads), q_heads, &q_norm), q_heads, &cos, &sin)
+            .reshape((rows, q_heads, d))
+            .expect("want");
+        let err = rel(&queries, &want);
+        assert!(err < 1e-6, "queries: {err:e}");
+        let slots = |i: usize| {
+            cache
+                .get(i)
+                .and_then(|c| c.narrow(1, offset, rows)?.transpose(0, 1)?.flatten_from(1))
+                .expect("slots")
+        };
+        let keys = rotate_heads(
+            &normed(part(q_heads, kv_heads), kv_heads, &k_norm),
+            kv_heads,
+            &cos,
+            &sin,
+        )
+        .flatten_from(1)
+        .expect("keys");
+        let err = rel(&slots(0), &keys);
+        assert!(err < 1e-6, "keys: {err:e}");
+        assert_eq!(rel(&slots(1), &part(q_heads + kv_heads, kv_heads)), 0.0);
+
+        // A norm of the wrong width is refused before anything is written.
+        let wide = randn(&[d + 1], 22);
+        let before = cache.flatten_all().and_then(|c| c.to_vec1::<f32>()).expect("before");
+        let bad = HeadNorms { k: &wide, ..norms };
+        assert!(rotary_qkv_normed_into(&cache, &qkv, bad, &table, &position(offset), q_heads, &queries).is_err());
+        let after = cache.flatten_all().and_then(|c| c.to_vec1::<f32>()).expect("after");
+        assert_eq!(before, after, "a refused call wrote the cache");
+    }
 }
 
 /// Softmax attention with the scores materialized, per head, with an optional causal mask

@@ -63,6 +63,29 @@ impl KvCache {
         )?)
     }
 
+    /// [`Self::append_rotated_into`] with each query and key head RMS-normed first (Qwen3's
+    /// `q_norm` and `k_norm`), in the same kernel.
+    pub fn append_normed_rotated_into(
+        &self,
+        qkv: &Tensor,
+        norms: tpinfer_kernels::HeadNorms,
+        rope: &Rope,
+        at: &Position,
+        q_heads: usize,
+        queries: &Tensor,
+    ) -> Result<()> {
+        self.check_room(qkv.dim(0)?, rope, at)?;
+        Ok(tpinfer_kernels::rotary_qkv_normed_into(
+            &self.kv,
+            qkv,
+            norms,
+            rope.table(),
+            at.tensor(),
+            q_heads,
+            queries,
+        )?)
+    }
+
     /// [`Self::append_rotated_into`] of the QKV product of one row `x` with the fused weight
     /// `w` (`[(q_heads + 2 · heads) · head_dim, k]`, dense or FP8) and its `bias`, the product
     /// computed by the same kernel: where [`tpinfer_kernels::gemv_on_cuda`] holds for `x` and

@@ -4,8 +4,8 @@ use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
     add_rms_norm, add_rms_norm_into, argmax, causal_mask, chained, flash_attention_cached, flash_attention_cached_into,
-    grouped_attention, rms_norm, write_u32s, DecodeScratch, GatedMlp, KvCache, LoneRow, MergedColumnParallelLinear,
-    PagedKvCache, Position, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
+    grouped_attention, rms_norm, write_u32s, DecodeScratch, GatedMlp, HeadNorms, KvCache, LoneRow,
+    MergedColumnParallelLinear, PagedKvCache, Position, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -705,9 +705,20 @@ impl DecoderLayer {
                         .append_projected_rotated_into(&h, w, bias, ctx.rope, ctx.at, n_q, &b.queries)?,
                     None => {
                         self.qkv.forward_row_into(&h, &b.qkv)?;
-                        let qkv = self.qk_normed(b.qkv.clone(), ctx)?;
-                        self.cache
-                            .append_rotated_into(&qkv, ctx.rope, ctx.at, n_q, &b.queries)?;
+                        match &self.qk_norm {
+                            Some((q, k)) => {
+                                let norms = HeadNorms {
+                                    q,
+                                    k,
+                                    eps: ctx.config.rms_norm_eps as f32,
+                                };
+                                self.cache
+                                    .append_normed_rotated_into(&b.qkv, norms, ctx.rope, ctx.at, n_q, &b.queries)?
+                            }
+                            None => self
+                                .cache
+                                .append_rotated_into(&b.qkv, ctx.rope, ctx.at, n_q, &b.queries)?,
+                        }
                     }
                 }
                 let (k, v) = self.cache.slots()?;
