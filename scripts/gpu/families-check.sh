@@ -27,8 +27,12 @@ for shape in $SHAPES; do
     tpinfer_f32="$W/${shape}_f32.st" tpinfer_bf16="$W/${shape}_bf16.st" \
     tpinfer_bf16_paged="$W/${shape}_bf16_paged.st" transformers_bf16="$W/${shape}_ref_bf16.st"
   # A lone request in the batched engine runs the one-sequence step's kernels (Qwen2's biased
-  # QKV in the fused GEMV too): the same bits, or the check fails.
-  run $REF same "$W/${shape}_bf16.st" "$W/${shape}_bf16_paged.st" || log "FAILED: $shape's lone batched request differs"
+  # QKV in the fused GEMV too): the same bits, or the check fails. Qwen3's per-head norms keep
+  # it on the batched step (its rows are compared with the reference above instead).
+  case $shape in
+    qwen3*) ;;
+    *) run $REF same "$W/${shape}_bf16.st" "$W/${shape}_bf16_paged.st" || log "FAILED: $shape's lone batched request differs" ;;
+  esac
   [ -n "${SKIP_SPEED:-}" ] || run "$BIN/tpinfer-bench" speed --model "$M" --cuda --tp 1 --prompt-tokens 128 \
     --new-tokens 256 --repeats 2
 done
