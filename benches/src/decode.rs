@@ -417,7 +417,7 @@ fn qkv_rotary<'w>(
         if let Some(b) = bias {
             product = product.broadcast_add(b)?;
         }
-        tpinfer_kernels::rotary_qkv_into(cache, &product, &table, &position, heads, queries)?;
+        tpinfer_kernels::rotary_qkv_into(cache, &product, None, &table, &position, heads, queries)?;
         Ok(queries.clone())
     };
     let fused = |w: RowWeight, (cache, queries): &(Tensor, Tensor)| -> candle_core::Result<Tensor> {

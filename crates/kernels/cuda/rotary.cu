@@ -23,6 +23,25 @@ __device__ __forceinline__ Rotation rotation(const T* table, int positions, int 
     return {to_f32(table[at]), to_f32(table[(long)positions * half + at])};
 }
 
+// Writes the pair (x1, x2) of head h of row r, columns j and j + d/2, rotated by t: a query
+// head into out `[rows, q_heads, d]`; a key head into the cache at slot offset + r, with the
+// same pair of its value head (x: the key head's row in qkv) copied beside it.
+template <typename T>
+__device__ __forceinline__ void write_rotated(const T* x, float x1, float x2, Rotation t, bool query, int h, int j,
+                                              long r, T* out, T* cache, int q_heads, int kv_heads, int d,
+                                              int capacity, long offset) {
+    const int half = d / 2;
+    T* o = query ? out + (r * q_heads + h) * d : cache + ((long)h * capacity + offset + r) * d;
+    o[j] = from_f32<T>(rotate(x1, x2, t.c, t.s, false));
+    o[j + half] = from_f32<T>(rotate(x1, x2, t.c, t.s, true));
+    if (!query) {
+        const T* v = x + kv_heads * d;
+        T* vc = cache + ((long)(kv_heads + h) * capacity + offset + r) * d;
+        vc[j] = v[j];
+        vc[j + half] = v[j + half];
+    }
+}
+
 // Thread i < rows · q_heads · d/2 writes `out[r, h, j]` and `out[r, h, j + d/2]`: the rotated
 // query head h of row r. The threads after it write the rotated key head h and the value
 // head h of row r into `cache` `[2, kv_heads, capacity, d]` at slot `*position + r`. Rows past
@@ -64,16 +83,8 @@ __device__ void rotary_qkv(const T* qkv, const T* table, T* out, T* cache, int r
         if (skip) continue;
         const Rotation t = i == first ? prefetched : rotation(table, positions, half, offset + r, j);
         const T* x = qkv + r * width + (query ? h : q_heads + h) * d;
-        const float x1 = to_f32(x[j]), x2 = to_f32(x[j + half]);
-        T* o = query ? out + (r * q_heads + h) * d : cache + ((long)h * capacity + offset + r) * d;
-        o[j] = from_f32<T>(rotate(x1, x2, t.c, t.s, false));
-        o[j + half] = from_f32<T>(rotate(x1, x2, t.c, t.s, true));
-        if (!query) {
-            const T* v = x + kv_heads * d;
-            T* vc = cache + ((long)(kv_heads + h) * capacity + offset + r) * d;
-            vc[j] = v[j];
-            vc[j + half] = v[j + half];
-        }
+        write_rotated(x, to_f32(x[j]), to_f32(x[j + half]), t, query, h, j, r, out, cache, q_heads, kv_heads, d,
+                      capacity, offset);
     }
 }
 
@@ -119,15 +130,7 @@ __device__ void rotary_qkv_normed(const T* qkv, const T* q_norm, const T* k_norm
     const float rstd = rsqrtf(cta_sum(x1 * x1 + x2 * x2) / d + eps);
     if (!pair) return;
     const float n1 = to_f32(from_f32<T>(x1 * rstd * w1)), n2 = to_f32(from_f32<T>(x2 * rstd * w2));
-    T* o = query ? out + (r * q_heads + h) * d : cache + ((long)h * capacity + offset + r) * d;
-    o[j] = from_f32<T>(rotate(n1, n2, t.c, t.s, false));
-    o[j + half] = from_f32<T>(rotate(n1, n2, t.c, t.s, true));
-    if (!query) {
-        const T* v = x + kv_heads * d;
-        T* vc = cache + ((long)(kv_heads + h) * capacity + offset + r) * d;
-        vc[j] = v[j];
-        vc[j + half] = v[j + half];
-    }
+    write_rotated(x, n1, n2, t, query, h, j, r, out, cache, q_heads, kv_heads, d, capacity, offset);
 }
 
 }  // namespace

@@ -65,7 +65,7 @@ pub use linear::{empty, fused_linear_covers, linear_bias, linear_bias_into};
 pub use paged::{paged_decode_attention, rotary_qkv_paged, DecodeRows, QueryGroups, RowsAt, PAGED_HEAD_DIMS};
 pub use pool::PoolHold;
 pub use position::write_u32s;
-pub use rotary::{rotary_qkv, rotary_qkv_into, rotary_qkv_normed_into, HeadNorms};
+pub use rotary::{rotary_qkv, rotary_qkv_into, HeadNorms};
 pub use rowwise::{
     add_rms_norm, add_rms_norm_into, embed_owned_rows, gated_residual, gelu_tanh_mul, layer_norm, residual_sum,
     row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias, sum_in_order, ColumnTable,

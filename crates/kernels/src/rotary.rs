@@ -78,39 +78,7 @@ pub fn rotary_qkv(cache: &Tensor, qkv: &Tensor, table: &Tensor, position: &Tenso
 pub fn rotary_qkv_into(
     cache: &Tensor,
     qkv: &Tensor,
-    table: &Tensor,
-    position: &Tensor,
-    q_heads: usize,
-    queries: &Tensor,
-) -> Result<()> {
-    #[cfg(feature = "cuda")]
-    if cache.device().is_cuda() {
-        let mut op = RotaryQkv::checked(cache, qkv, table, position, q_heads)?;
-        let g = op.geometry;
-        crate::launch::check_output(queries, qkv.dtype(), g.rows * g.q_heads * g.head_dim, "rotary_qkv")?;
-        op.into = Some(crate::launch::device_address(queries)?);
-        return cache.inplace_op3(&qkv.contiguous()?, &table.contiguous()?, &op);
-    }
-    let rotated = rotary_qkv(cache, qkv, table, position, q_heads)?;
-    queries.slice_set(&rotated.reshape(queries.shape())?, 0, 0)
-}
-
-/// Qwen3's RMSNorm of each query and key head, taken before the rotation: the norms' weights
-/// `[d]`, in the projection's dtype, and ε.
-#[derive(Clone, Copy, Debug)]
-pub struct HeadNorms<'a> {
-    pub q: &'a Tensor,
-    pub k: &'a Tensor,
-    pub eps: f32,
-}
-
-/// [`rotary_qkv_into`] with each query and key head of `qkv` RMS-normed first (`norms`),
-/// rounded as an RMSNorm's output, in the same launch: on CUDA one kernel where the unfused
-/// norms take a copy of each head slice, two norms and a concatenation.
-pub fn rotary_qkv_normed_into(
-    cache: &Tensor,
-    qkv: &Tensor,
-    norms: HeadNorms,
+    norms: Option<HeadNorms>,
     table: &Tensor,
     position: &Tensor,
     q_heads: usize,
@@ -118,40 +86,44 @@ pub fn rotary_qkv_normed_into(
 ) -> Result<()> {
     let mut op = RotaryQkv::checked(cache, qkv, table, position, q_heads)?;
     let g = op.geometry;
-    for (name, w) in [("q_norm", norms.q), ("k_norm", norms.k)] {
-        if w.dims() != [g.head_dim] || w.dtype() != qkv.dtype() || !w.is_contiguous() {
-            candle_core::bail!(
-                "rotary_qkv_normed: {name} {:?} {:?} is not a contiguous [{}] of the projection's {:?}",
-                w.dims(),
-                w.dtype(),
-                g.head_dim,
-                qkv.dtype()
-            );
+    if let Some(norms) = norms {
+        for (name, w) in [("q_norm", norms.q), ("k_norm", norms.k)] {
+            if w.dims() != [g.head_dim] || w.dtype() != qkv.dtype() || !w.is_contiguous() {
+                candle_core::bail!(
+                    "rotary_qkv: {name} {:?} {:?} is not a contiguous [{}] of the projection's {:?}",
+                    w.dims(),
+                    w.dtype(),
+                    g.head_dim,
+                    qkv.dtype()
+                );
+            }
         }
+        op.norms = Some((norms.q.clone(), norms.k.clone(), norms.eps));
     }
-    op.norms = Some((norms.q.clone(), norms.k.clone(), norms.eps));
     #[cfg(feature = "cuda")]
     if cache.device().is_cuda() {
-        // A CTA a head, a thread a pair.
-        if g.head_dim > 2048 {
-            candle_core::bail!(
-                "rotary_qkv_normed: head size {} is over the 2,048 one CTA takes",
-                g.head_dim
-            );
+        // With the norms, a CTA a head and a thread a pair.
+        if norms.is_some() && g.head_dim > 2048 {
+            candle_core::bail!("rotary_qkv: head size {} is over the 2,048 one CTA norms", g.head_dim);
         }
-        crate::launch::check_output(
-            queries,
-            qkv.dtype(),
-            g.rows * g.q_heads * g.head_dim,
-            "rotary_qkv_normed",
-        )?;
+        crate::launch::check_output(queries, qkv.dtype(), g.rows * g.q_heads * g.head_dim, "rotary_qkv")?;
         op.into = Some(crate::launch::device_address(queries)?);
         return cache.inplace_op3(&qkv.contiguous()?, &table.contiguous()?, &op);
     }
     cache.inplace_op3(&qkv.contiguous()?, &table.contiguous()?, &op)?;
-    let rotated = op.taken()?;
-    let rotated = Tensor::from_storage(rotated, queries.shape().clone(), BackpropOp::none(), false);
+    let rotated = Tensor::from_storage(op.taken()?, queries.shape().clone(), BackpropOp::none(), false);
     queries.slice_set(&rotated, 0, 0)
+}
+
+/// Qwen3's RMSNorm of each query and key head, taken before the rotation and rounded as an
+/// RMSNorm's output: the norms' weights `[d]`, in the projection's dtype, and ε. On CUDA in the
+/// rotary kernel itself, where the unfused norms take a copy of each head slice, two norms and
+/// a concatenation.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadNorms<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub eps: f32,
 }
 
 /// Writes the cache in place (an in-place op on it) and the rotated queries to the address

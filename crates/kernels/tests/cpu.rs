@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
     add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, fp8_linear, gated_residual,
     gelu_tanh_mul, gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_tiled, layer_norm, linear_bias,
-    linear_bias_into, paged_decode_attention, residual_sum, rotary_qkv, rotary_qkv_normed_into, rotary_qkv_paged,
+    linear_bias_into, paged_decode_attention, residual_sum, rotary_qkv, rotary_qkv_into, rotary_qkv_paged,
     row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias, write_u32s, ColumnTable, DecodeRows,
     DecodeScratch, HeadNorms, QueryGroups, RowWeight, RowsAt,
 };
@@ -395,7 +395,7 @@ fn rotary_normed_kernel_norms_each_head_then_rotates() {
             k: &k_norm,
             eps: eps as f32,
         };
-        rotary_qkv_normed_into(&cache, &qkv, norms, &table, &position(offset), q_heads, &queries).expect("normed");
+        rotary_qkv_into(&cache, &qkv, Some(norms), &table, &position(offset), q_heads, &queries).expect("normed");
         let want = rotate_heads(&normed(part(0, q_heads), q_heads, &q_norm), q_heads, &cos, &sin)
             .reshape((rows, q_heads, d))
             .expect("want");
@@ -423,7 +423,7 @@ fn rotary_normed_kernel_norms_each_head_then_rotates() {
         let wide = randn(&[d + 1], 22);
         let before = cache.flatten_all().and_then(|c| c.to_vec1::<f32>()).expect("before");
         let bad = HeadNorms { k: &wide, ..norms };
-        assert!(rotary_qkv_normed_into(&cache, &qkv, bad, &table, &position(offset), q_heads, &queries).is_err());
+        assert!(rotary_qkv_into(&cache, &qkv, Some(bad), &table, &position(offset), q_heads, &queries).is_err());
         let after = cache.flatten_all().and_then(|c| c.to_vec1::<f32>()).expect("after");
         assert_eq!(before, after, "a refused call wrote the cache");
     }

@@ -43,10 +43,13 @@ impl KvCache {
     }
 
     /// [`Self::append_rotated`] with the rotated queries written into `queries` (contiguous,
-    /// `[rows, q_heads, d]`'s elements): a decode step's buffer that outlives it.
+    /// `[rows, q_heads, d]`'s elements): a decode step's buffer that outlives it. With `norms`,
+    /// each query and key head is RMS-normed first (Qwen3's `q_norm` and `k_norm`), in the
+    /// same kernel.
     pub fn append_rotated_into(
         &self,
         qkv: &Tensor,
+        norms: Option<tpinfer_kernels::HeadNorms>,
         rope: &Rope,
         at: &Position,
         q_heads: usize,
@@ -54,28 +57,6 @@ impl KvCache {
     ) -> Result<()> {
         self.check_room(qkv.dim(0)?, rope, at)?;
         Ok(tpinfer_kernels::rotary_qkv_into(
-            &self.kv,
-            qkv,
-            rope.table(),
-            at.tensor(),
-            q_heads,
-            queries,
-        )?)
-    }
-
-    /// [`Self::append_rotated_into`] with each query and key head RMS-normed first (Qwen3's
-    /// `q_norm` and `k_norm`), in the same kernel.
-    pub fn append_normed_rotated_into(
-        &self,
-        qkv: &Tensor,
-        norms: tpinfer_kernels::HeadNorms,
-        rope: &Rope,
-        at: &Position,
-        q_heads: usize,
-        queries: &Tensor,
-    ) -> Result<()> {
-        self.check_room(qkv.dim(0)?, rope, at)?;
-        Ok(tpinfer_kernels::rotary_qkv_normed_into(
             &self.kv,
             qkv,
             norms,

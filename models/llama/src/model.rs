@@ -705,20 +705,13 @@ impl DecoderLayer {
                         .append_projected_rotated_into(&h, w, bias, ctx.rope, ctx.at, n_q, &b.queries)?,
                     None => {
                         self.qkv.forward_row_into(&h, &b.qkv)?;
-                        match &self.qk_norm {
-                            Some((q, k)) => {
-                                let norms = HeadNorms {
-                                    q,
-                                    k,
-                                    eps: ctx.config.rms_norm_eps as f32,
-                                };
-                                self.cache
-                                    .append_normed_rotated_into(&b.qkv, norms, ctx.rope, ctx.at, n_q, &b.queries)?
-                            }
-                            None => self
-                                .cache
-                                .append_rotated_into(&b.qkv, ctx.rope, ctx.at, n_q, &b.queries)?,
-                        }
+                        let norms = self.qk_norm.as_ref().map(|(q, k)| HeadNorms {
+                            q,
+                            k,
+                            eps: ctx.config.rms_norm_eps as f32,
+                        });
+                        self.cache
+                            .append_rotated_into(&b.qkv, norms, ctx.rope, ctx.at, n_q, &b.queries)?;
                     }
                 }
                 let (k, v) = self.cache.slots()?;
