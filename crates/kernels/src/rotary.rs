@@ -132,7 +132,7 @@ struct RotaryQkv {
     geometry: Geometry,
     capacity: usize,
     position: Tensor,
-    /// The query and key heads' norm weights and ε ([`rotary_qkv_normed_into`]).
+    /// The query and key heads' norm weights and ε ([`rotary_qkv_into`]'s `norms`).
     norms: Option<(Tensor, Tensor, f32)>,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     into: Option<u64>,
