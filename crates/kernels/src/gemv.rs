@@ -48,6 +48,116 @@ impl RowWeight<'_> {
     }
 }
 
+/// The floats [`gemv_residual_into`] may write for a product of `n` outputs: one sum of
+/// squares per CUDA thread block, of at least [`GEMV_TILES`]`[0]` outputs each.
+pub fn gemv_residual_squares(n: usize) -> usize {
+    n.div_ceil(GEMV_TILES[0])
+}
+
+/// A GEMV's input row.
+#[derive(Debug, Clone)]
+pub enum GemvRow {
+    /// The row as it is.
+    Given(Tensor),
+    /// The RMSNorm times a weight of a residual stream `s`, as [`gemv_residual_into`] leaves
+    /// it: `u` = s · weight rounded to the row's dtype and partial sums of s² (`squares`, f32,
+    /// one per thread block that made them). On CUDA the product multiplies `u` and scales its
+    /// sums by rsqrt(Σ s² / k + eps) (cuda/gemv.cu, NORMED); elsewhere
+    /// [`GemvRow::materialize`] scales `u` first.
+    Normed { u: Tensor, squares: Tensor, eps: f64 },
+}
+
+impl From<&Tensor> for GemvRow {
+    fn from(x: &Tensor) -> Self {
+        Self::Given(x.clone())
+    }
+}
+
+impl GemvRow {
+    /// A tensor of the row's shape, dtype and device.
+    pub fn like(&self) -> &Tensor {
+        match self {
+            Self::Given(x) | Self::Normed { u: x, .. } => x,
+        }
+    }
+
+    /// The row itself: a [`GemvRow::Normed`] one scaled here, in f32 on its device (no
+    /// copy to the host), then rounded.
+    pub fn materialize(&self) -> Result<Tensor> {
+        match self {
+            Self::Given(x) => Ok(x.clone()),
+            Self::Normed { u, squares, eps } => {
+                let mean = squares.sum_all()?.affine(1.0 / u.elem_count() as f64, *eps)?;
+                let scale = mean.sqrt()?.recip()?;
+                u.to_dtype(DType::F32)?.broadcast_mul(&scale)?.to_dtype(u.dtype())
+            }
+        }
+    }
+}
+
+/// Where [`gemv_residual_into`] puts a row-parallel product of a decode step at TP 1: added
+/// to the residual `stream` (`[n]`, in place), and the next input norm's `u` and partial sums
+/// of squares ([`GemvRow::Normed`]) for its `weight` and `eps` written to `normed` and the
+/// first floats of `squares` (f32, at least [`gemv_residual_squares`] of them).
+#[derive(Debug, Clone, Copy)]
+pub struct ResidualNorm<'a> {
+    pub stream: &'a Tensor,
+    pub weight: &'a Tensor,
+    pub eps: f64,
+    pub normed: &'a Tensor,
+    pub squares: &'a Tensor,
+}
+
+/// The product of one row `x` and `w` added to the residual stream, s = stream + x · wᵀ
+/// (each rounded as [`gemv`] then [`crate::add_rms_norm`] round them), with the next input
+/// norm's `u` = s · weight and Σ s² written as `out` says: on CUDA in 16 bits one kernel, a
+/// chain link (cuda/gemv.cu, gemv_residual), so that the norm needs none of its own; elsewhere
+/// the same values, the squares' sum in the first float. Returns that norm as the next
+/// product's row.
+pub fn gemv_residual_into<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>, out: ResidualNorm) -> Result<GemvRow> {
+    let w = w.into();
+    let op = Gemv::checked(x, w, w.default_tile(false), false)?;
+    let (n, blocks) = (op.n, op.n.div_ceil(op.tile));
+    let typed = |t: &Tensor, dtype: DType, len: usize| t.dtype() == dtype && t.elem_count() == len && t.is_contiguous();
+    if !(typed(out.stream, x.dtype(), n)
+        && typed(out.weight, x.dtype(), n)
+        && typed(out.normed, x.dtype(), n)
+        && out.squares.dtype() == DType::F32
+        && out.squares.is_contiguous()
+        && out.squares.elem_count() >= gemv_residual_squares(n))
+    {
+        candle_core::bail!(
+            "gemv_residual_into: the stream {:?}, the norm's weight {:?} and its output {:?} are not {n} contiguous \
+             {:?} values each, or the squares {:?} not {} contiguous f32",
+            out.stream.dims(),
+            out.weight.dims(),
+            out.normed.dims(),
+            x.dtype(),
+            out.squares.dims(),
+            gemv_residual_squares(n)
+        );
+    }
+    let squares = out.squares.flatten_all()?.narrow(0, 0, blocks)?;
+    let row = GemvRow::Normed {
+        u: out.normed.clone(),
+        squares: squares.clone(),
+        eps: out.eps,
+    };
+    #[cfg(feature = "cuda")]
+    if sixteen_bit_gemv(x, w) {
+        cuda::gemv_residual_into(&op, x, w, out)?;
+        return Ok(row);
+    }
+    let y = apply(x, w, op.tile, false)?.reshape(out.stream.shape())?;
+    let s = (out.stream + y)?;
+    out.stream.slice_set(&s, 0, 0)?;
+    out.normed.slice_set(&(&s * out.weight.reshape(s.shape())?)?, 0, 0)?;
+    let total = s.to_dtype(DType::F32)?.sqr()?.sum_all()?.reshape(1)?;
+    let rest = Tensor::zeros(blocks - 1, DType::F32, s.device())?;
+    squares.slice_set(&Tensor::cat(&[total, rest], 0)?, 0, 0)?;
+    Ok(row)
+}
+
 /// Values in one 16-byte load of a weight row (cuda/gemv.cu), FP8 or 16-bit: `k` and the
 /// offsets are whole loads of them.
 fn values_per_load(fp8: bool) -> usize {
@@ -114,15 +224,15 @@ pub fn gemv_gate_up_silu<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>) -> Result<
     apply(x, w, w.default_tile(true), true)
 }
 
-/// [`gemv`] written into `out` (`[n]` elements, contiguous), as a link of a kernel chain
-/// ([`crate::chained`]) on CUDA; elsewhere the product is copied in.
-pub fn gemv_into<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>, out: &Tensor) -> Result<()> {
-    apply_into(x, w.into(), false, out)
+/// [`gemv`] of the row `x` written into `out` (`[n]` elements, contiguous), as a link of a
+/// kernel chain ([`crate::chained`]) on CUDA; elsewhere the product is copied in.
+pub fn gemv_into<'a>(x: impl Into<GemvRow>, w: impl Into<RowWeight<'a>>, out: &Tensor) -> Result<()> {
+    apply_into(x.into(), w.into(), false, out)
 }
 
 /// [`gemv_gate_up_silu`] written into `out`, as [`gemv_into`].
-pub fn gemv_gate_up_silu_into<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>, out: &Tensor) -> Result<()> {
-    apply_into(x, w.into(), true, out)
+pub fn gemv_gate_up_silu_into<'a>(x: impl Into<GemvRow>, w: impl Into<RowWeight<'a>>, out: &Tensor) -> Result<()> {
+    apply_into(x.into(), w.into(), true, out)
 }
 
 /// [`crate::rotary_qkv_into`] of the product of one row `x` and a fused QKV weight `w`
@@ -135,7 +245,7 @@ pub fn gemv_gate_up_silu_into<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>, out: 
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_rotary_qkv_into<'a>(
     cache: &Tensor,
-    x: &Tensor,
+    x: impl Into<GemvRow>,
     w: impl Into<RowWeight<'a>>,
     bias: Option<&Tensor>,
     table: &Tensor,
@@ -143,14 +253,14 @@ pub fn gemv_rotary_qkv_into<'a>(
     q_heads: usize,
     queries: &Tensor,
 ) -> Result<()> {
-    let w = w.into();
+    let (x, w) = (x.into(), w.into());
     #[cfg(feature = "cuda")]
-    if gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16) {
+    if sixteen_bit_gemv(x.like(), w) {
         let rows = cuda::CacheRows::own(cache, position)?;
-        return cuda::gemv_rotary_qkv_into(rows, x, w, bias, table, position, q_heads, queries);
+        return cuda::gemv_rotary_qkv_into(rows, &x, w, bias, table, position, q_heads, queries);
     }
     let _ = (cache, bias, table, position, q_heads, queries);
-    not_a_16_bit_gemv("gemv_rotary_qkv_into", x, w)
+    not_a_16_bit_gemv("gemv_rotary_qkv_into", x.like(), w)
 }
 
 /// [`gemv_rotary_qkv_into`] with the key and value written into a paged pool `[2, slots,
@@ -160,7 +270,7 @@ pub fn gemv_rotary_qkv_into<'a>(
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_rotary_qkv_paged_into<'a>(
     pool: &Tensor,
-    x: &Tensor,
+    x: impl Into<GemvRow>,
     w: impl Into<RowWeight<'a>>,
     bias: Option<&Tensor>,
     table: &Tensor,
@@ -169,14 +279,21 @@ pub fn gemv_rotary_qkv_paged_into<'a>(
     q_heads: usize,
     queries: &Tensor,
 ) -> Result<()> {
-    let w = w.into();
+    let (x, w) = (x.into(), w.into());
     #[cfg(feature = "cuda")]
-    if gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16) {
+    if sixteen_bit_gemv(x.like(), w) {
         let rows = cuda::CacheRows::paged(pool, slot)?;
-        return cuda::gemv_rotary_qkv_into(rows, x, w, bias, table, position, q_heads, queries);
+        return cuda::gemv_rotary_qkv_into(rows, &x, w, bias, table, position, q_heads, queries);
     }
     let _ = (pool, bias, table, position, slot, q_heads, queries);
-    not_a_16_bit_gemv("gemv_rotary_qkv_paged_into", x, w)
+    not_a_16_bit_gemv("gemv_rotary_qkv_paged_into", x.like(), w)
+}
+
+/// Whether the row `x` and `w` run as a 16-bit GEMV kernel on CUDA: the products whose
+/// kernels exist only in 16 bits (rotary, SiLU product, the input norm made inside).
+#[cfg(feature = "cuda")]
+fn sixteen_bit_gemv(x: &Tensor, w: RowWeight) -> bool {
+    gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16)
 }
 
 fn not_a_16_bit_gemv(op: &str, x: &Tensor, w: RowWeight) -> Result<()> {
@@ -188,13 +305,21 @@ fn not_a_16_bit_gemv(op: &str, x: &Tensor, w: RowWeight) -> Result<()> {
     )
 }
 
-fn apply_into(x: &Tensor, w: RowWeight, gate_up: bool, out: &Tensor) -> Result<()> {
+fn apply_into(x: GemvRow, w: RowWeight, gate_up: bool, out: &Tensor) -> Result<()> {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && (matches!(w, RowWeight::Dense(_)) || gemv_on_cuda(x, w)) {
-        let op = Gemv::checked(x, w, w.default_tile(gate_up), gate_up)?;
-        return cuda::gemv_into(&op, x, w, out);
+    {
+        let covered = match &x {
+            GemvRow::Given(x) => x.device().is_cuda() && (matches!(w, RowWeight::Dense(_)) || gemv_on_cuda(x, w)),
+            // The normed kernels exist for the products that follow a step's norms
+            // (cuda/gemv.cu): gate/up here; elsewhere the row is made first.
+            GemvRow::Normed { u, .. } => gate_up && sixteen_bit_gemv(u, w),
+        };
+        if covered {
+            let op = Gemv::checked(x.like(), w, w.default_tile(gate_up), gate_up)?;
+            return cuda::gemv_into(&op, &x, w, out);
+        }
     }
-    let y = apply(x, w, w.default_tile(gate_up), gate_up)?;
+    let y = apply(&x.materialize()?, w, w.default_tile(gate_up), gate_up)?;
     out.slice_set(&y.reshape(out.shape())?, 0, 0)
 }
 
@@ -209,7 +334,7 @@ fn apply(x: &Tensor, w: RowWeight, tile: usize, gate_up: bool) -> Result<Tensor>
         #[cfg(feature = "cuda")]
         RowWeight::Fp8 { .. } if gemv_on_cuda(x, w) => {
             let y = crate::linear::empty(&[op.n], x.dtype(), x.device())?;
-            cuda::gemv_into(&op, x, w, &y)?;
+            cuda::gemv_into(&op, &GemvRow::Given(x.clone()), w, &y)?;
             y
         }
         // Elsewhere the products of fp8_linear, which expands the weight.
@@ -299,7 +424,7 @@ mod cuda {
     use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
     use half::{bf16, f16};
 
-    use super::{Gemv, RowWeight};
+    use super::{Gemv, GemvRow, RowWeight};
     use crate::chain::Launch;
     use crate::launch::{check_output, device_address, suffix};
 
@@ -331,7 +456,8 @@ mod cuda {
             _held: Vec::new(),
         };
         let (x_at, y) = (xs.device_ptr(&stream).0, out.device_ptr(&stream).0);
-        launch(op, dev, x.dtype(), (x_at, xl.start_offset()), weight, y)?;
+        weight.check_loads(op.k, xl.start_offset(), "gemv")?;
+        launch(op, dev, x.dtype(), &RowArgs::Given(x_at), weight, y)?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 
@@ -395,22 +521,100 @@ mod cuda {
         }
     }
 
-    /// The product written into `out`: a chain link.
-    pub(super) fn gemv_into(op: &Gemv, x: &Tensor, w: RowWeight, out: &Tensor) -> Result<()> {
-        check_output(out, x.dtype(), op.n, "gemv")?;
+    /// An input row as the kernels take it: x's address, or a normed row's u, squares, their
+    /// count and eps (cuda/gemv.cu, NORMED).
+    enum RowArgs {
+        Given(u64),
+        Normed { u: u64, squares: u64, slots: i32, eps: f32 },
+    }
+
+    impl RowArgs {
+        /// Checks `row` against `k` and `weight`'s loads; returns its arguments and the
+        /// contiguous tensors they point into, which must live until the launch.
+        fn of(row: &GemvRow, k: usize, weight: &Weight, kernel: &str) -> Result<(Self, Vec<Tensor>)> {
+            let x = row.like().contiguous()?;
+            weight.check_loads(k, x.layout().start_offset(), kernel)?;
+            let at = device_address(&x)?;
+            match row {
+                GemvRow::Given(_) => Ok((Self::Given(at), vec![x])),
+                GemvRow::Normed { squares, eps, .. } => {
+                    if squares.dtype() != DType::F32 || squares.elem_count() == 0 {
+                        candle_core::bail!(
+                            "{kernel}: the normed row's squares {:?} {:?} are not f32 sums",
+                            squares.dims(),
+                            squares.dtype()
+                        );
+                    }
+                    let squares = squares.contiguous()?;
+                    let row = Self::Normed {
+                        u: at,
+                        squares: device_address(&squares)?,
+                        slots: squares.elem_count() as i32,
+                        eps: *eps as f32,
+                    };
+                    Ok((row, vec![x, squares]))
+                }
+            }
+        }
+
+        /// The kernel name's infix.
+        fn name(&self) -> &'static str {
+            match self {
+                Self::Given(_) => "",
+                Self::Normed { .. } => "normed_",
+            }
+        }
+
+        fn push(&self, launch: &mut Launch) {
+            match self {
+                Self::Given(x) => {
+                    launch.arg(*x);
+                }
+                Self::Normed { u, squares, slots, eps } => {
+                    launch.arg(*u).arg(*squares).arg(*slots).arg(*eps);
+                }
+            }
+        }
+    }
+
+    /// [`super::gemv_residual_into`] on CUDA (its shapes checked): a chain link.
+    pub(super) fn gemv_residual_into(op: &Gemv, x: &Tensor, w: RowWeight, out: super::ResidualNorm) -> Result<()> {
         let candle_core::Device::Cuda(dev) = x.device() else {
+            candle_core::bail!("gemv_residual: x is not on CUDA");
+        };
+        let weight = Weight::of(w)?;
+        let (row, _held) = RowArgs::of(&GemvRow::Given(x.clone()), op.k, &weight, "gemv_residual")?;
+        let name = format!("gemv_residual_{}{}_r{}", weight.format(), suffix(x.dtype())?, op.tile);
+        let func = crate::module::GEMV.kernel(dev, &name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (op.n.div_ceil(op.tile) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let norm = out.weight.contiguous()?;
+        let mut launch = Launch::default();
+        row.push(&mut launch);
+        launch.arg(weight.values).arg(weight.scales);
+        for t in [out.stream, &norm, out.normed, out.squares] {
+            launch.arg(device_address(t)?);
+        }
+        launch.arg(op.n as i32).arg(op.k as i32);
+        // SAFETY: the arguments match the kernel's signature; x holds k values, w n rows of k
+        // (and an FP8 w as many scales); the stream, the norm's weight and its output hold n
+        // values each and the squares a float per CTA (all contiguous, checked by the caller).
+        unsafe { launch.launch(dev, &func, cfg) }
+    }
+
+    /// The product written into `out`: a chain link.
+    pub(super) fn gemv_into(op: &Gemv, x: &GemvRow, w: RowWeight, out: &Tensor) -> Result<()> {
+        let like = x.like();
+        check_output(out, like.dtype(), op.n, "gemv")?;
+        let candle_core::Device::Cuda(dev) = like.device() else {
             candle_core::bail!("gemv: x is not on CUDA");
         };
-        let x = x.contiguous()?;
         let weight = Weight::of(w)?;
-        launch(
-            op,
-            dev,
-            x.dtype(),
-            (device_address(&x)?, x.layout().start_offset()),
-            weight,
-            device_address(out)?,
-        )
+        let (row, _held) = RowArgs::of(x, op.k, &weight, "gemv")?;
+        launch(op, dev, like.dtype(), &row, weight, device_address(out)?)
     }
 
     /// Where the rotary GEMV writes a row's key and value heads: key head `h`'s element `c`
@@ -475,7 +679,7 @@ mod cuda {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gemv_rotary_qkv_into(
         cache: CacheRows,
-        x: &Tensor,
+        x: &GemvRow,
         w: RowWeight,
         bias: Option<&Tensor>,
         table: &Tensor,
@@ -483,6 +687,7 @@ mod cuda {
         q_heads: usize,
         queries: &Tensor,
     ) -> Result<()> {
+        let (row, x) = (x, x.like());
         crate::position::check(position, x, "gemv_rotary_qkv")?;
         let (kv_heads, d) = (cache.kv_heads, cache.d);
         let (rows, k) = w.matrix().dims2()?;
@@ -516,17 +721,18 @@ mod cuda {
         let candle_core::Device::Cuda(dev) = x.device() else {
             candle_core::bail!("gemv_rotary_qkv: x is not on CUDA");
         };
-        let x = x.contiguous()?;
         let weight = Weight::of(w)?;
-        weight.check_loads(k, x.layout().start_offset(), "gemv_rotary_qkv")?;
-        let func = crate::module::GEMV.kernel(dev, &format!("gemv_rotary_{}{}", weight.format(), suffix(dtype)?))?;
+        let (row, _held) = RowArgs::of(row, k, &weight, "gemv_rotary_qkv")?;
+        let name = format!("gemv_rotary_{}{}{}", row.name(), weight.format(), suffix(dtype)?);
+        let func = crate::module::GEMV.kernel(dev, &name)?;
         let cfg = LaunchConfig {
             grid_dim: ((rows / 2) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut launch = Launch::default();
-        launch.arg(device_address(&x)?).arg(weight.values).arg(weight.scales);
+        row.push(&mut launch);
+        launch.arg(weight.values).arg(weight.scales);
         // A null bias: none.
         launch.arg(bias.map(device_address).transpose()?.unwrap_or(0));
         for t in [table, queries, cache.cache] {
@@ -545,29 +751,31 @@ mod cuda {
             .arg(cache.rows as i64);
         // SAFETY: the arguments match the kernel's signature; w holds the (q_heads + 2 ·
         // kv_heads) · d rows of k (and an FP8 w as many scales, a bias as many values) that the
-        // rows / 2 CTAs read in pairs, x k values, queries q_heads · d; the cache is contiguous, its strides and
+        // rows / 2 CTAs read in pairs, x k values (a normed row's squares beside, RowArgs::of),
+        // queries q_heads · d; the cache is contiguous, its strides and
         // value offset those of its layout (CacheRows), and the kernel skips a position past
         // the table or a row past the cache's rows.
         unsafe { launch.launch(dev, &func, cfg) }
     }
 
-    /// Launches the kernel on `x` (its address and offset in elements), `w` and `y`.
-    fn launch(op: &Gemv, dev: &CudaDevice, dtype: DType, (x, x_offset): (u64, usize), w: Weight, y: u64) -> Result<()> {
+    /// Launches the kernel on the row `x` (checked against `w`'s loads), `w` and `y`.
+    fn launch(op: &Gemv, dev: &CudaDevice, dtype: DType, x: &RowArgs, w: Weight, y: u64) -> Result<()> {
         let (n, k) = (op.n, op.k);
-        w.check_loads(k, x_offset, "gemv")?;
         let kernel = if op.gate_up { "gemv_gate_up_silu" } else { "gemv" };
-        let name = format!("{kernel}_{}{}_r{}", w.format(), suffix(dtype)?, op.tile);
+        let name = format!("{kernel}_{}{}{}_r{}", x.name(), w.format(), suffix(dtype)?, op.tile);
         let func = crate::module::GEMV.kernel(dev, &name)?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(op.tile) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match the kernel's signature; x holds k values, w n rows of k
-        // (2n with gate_up), and as many scales where it is FP8, and y n values.
+        // SAFETY: the arguments match the kernel's signature; x holds k values (a normed row
+        // its squares beside), w n rows of k (2n with gate_up), and as many scales where it is
+        // FP8, and y n values.
+        let mut launch = Launch::default();
+        x.push(&mut launch);
         unsafe {
-            Launch::default()
-                .arg(x)
+            launch
                 .arg(w.values)
                 .arg(w.scales)
                 .arg(y)

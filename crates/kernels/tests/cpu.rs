@@ -7,10 +7,11 @@
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
     add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, fp8_linear, gated_residual,
-    gelu_tanh_mul, gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_tiled, layer_norm, linear_bias,
-    linear_bias_into, paged_decode_attention, residual_sum, rotary_qkv, rotary_qkv_into, rotary_qkv_paged,
-    row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias, write_u32s, ColumnTable, DecodeRows,
-    DecodeScratch, HeadNorms, QueryGroups, RowWeight, RowsAt,
+    gelu_tanh_mul, gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_into, gemv_residual_into,
+    gemv_residual_squares, gemv_tiled, layer_norm, linear_bias, linear_bias_into, paged_decode_attention, residual_sum,
+    rotary_qkv, rotary_qkv_into, rotary_qkv_paged, row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias,
+    write_u32s, ColumnTable, DecodeRows, DecodeScratch, GemvRow, HeadNorms, QueryGroups, ResidualNorm, RowWeight,
+    RowsAt,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -740,6 +741,66 @@ fn an_fp8_weight_runs_the_gemvs_as_its_expanded_products() {
         scales: &short,
     };
     assert!(gemv(&x, mismatched).is_err(), "a scale per row");
+}
+
+#[test]
+fn a_residual_product_makes_the_next_norm_that_a_normed_row_multiplies() {
+    // A decode step at TP 1: the row-parallel product adds its output to the residual stream
+    // and leaves u = s · weight and Σ s²; the next product's row is that norm (on CUDA made in
+    // the two GEMVs' kernels; here with the same math), and equals add_rms_norm then the product.
+    let (k, inner, n, eps) = (64, 48, 24, 1e-5);
+    let stream = randn(&[1, k], 63);
+    let (x, w_row) = (randn(&[1, inner], 64), randn(&[k, inner], 65));
+    let (weight, w_next) = (randn(&[k], 66), randn(&[2 * n, k], 67));
+    let y = gemv(&x, &w_row).expect("product");
+    let (sum, normed) = add_rms_norm(&stream, &y, &weight, eps).expect("add_rms_norm");
+
+    let (normed_out, squares) = (
+        Tensor::zeros((1, k), DType::F32, &Device::Cpu).expect("u"),
+        Tensor::ones(gemv_residual_squares(k) + 3, DType::F32, &Device::Cpu).expect("squares"),
+    );
+    let out = ResidualNorm {
+        stream: &stream,
+        weight: &weight,
+        eps,
+        normed: &normed_out,
+        squares: &squares,
+    };
+    let row = gemv_residual_into(&x, &w_row, out).expect("residual");
+    assert!(rel(&stream, &sum) < 1e-7, "the stream after: {:e}", rel(&stream, &sum));
+    let want = sum.broadcast_mul(&weight).expect("u");
+    assert!(rel(&normed_out, &want) < 1e-7);
+    let GemvRow::Normed { squares: written, .. } = &row else {
+        panic!("a residual product's output is a normed row");
+    };
+    assert!(written.elem_count() <= gemv_residual_squares(k));
+    let total = written.sum_all().and_then(|t| t.to_scalar::<f32>()).expect("total");
+    let want = sum
+        .sqr()
+        .and_then(|t| t.sum_all()?.to_scalar::<f32>())
+        .expect("squares");
+    assert!((total - want).abs() <= 1e-6 * want, "{total} against {want}");
+
+    let out = Tensor::zeros(2 * n, DType::F32, &Device::Cpu).expect("out");
+    gemv_into(row.clone(), &w_next, &out).expect("normed gemv");
+    let want = gemv(&normed, &w_next).expect("gemv").flatten_all().expect("flat");
+    assert!(rel(&out, &want) < 1e-6, "{:e}", rel(&out, &want));
+    let hidden = Tensor::zeros(n, DType::F32, &Device::Cpu).expect("hidden");
+    gemv_gate_up_silu_into(row, &w_next, &hidden).expect("normed gate/up");
+    let want = gemv_gate_up_silu(&normed, &w_next)
+        .and_then(|t| t.flatten_all())
+        .expect("fused");
+    assert!(rel(&hidden, &want) < 1e-6, "{:e}", rel(&hidden, &want));
+
+    let short = Tensor::zeros(gemv_residual_squares(k) - 1, DType::F32, &Device::Cpu).expect("short");
+    let out = ResidualNorm {
+        stream: &stream,
+        weight: &weight,
+        eps,
+        normed: &normed_out,
+        squares: &short,
+    };
+    assert!(gemv_residual_into(&x, &w_row, out).is_err(), "room for a sum per block");
 }
 
 #[test]
