@@ -74,7 +74,7 @@ impl KvCache {
     #[allow(clippy::too_many_arguments)]
     pub fn append_projected_rotated_into(
         &self,
-        x: &Tensor,
+        x: impl Into<tpinfer_kernels::GemvRow>,
         w: tpinfer_kernels::RowWeight,
         bias: Option<&Tensor>,
         rope: &Rope,

@@ -5,7 +5,7 @@ use candle_core::quantized::QMatMul;
 use candle_core::{DType, Module, Tensor};
 use candle_nn::Linear;
 use tpinfer_comm::Communicator;
-use tpinfer_kernels::RowWeight;
+use tpinfer_kernels::{GemvRow, ResidualNorm, RowWeight};
 use tpinfer_weights::{ShardLoader, ShardSpec, Weight, WeightDecl};
 
 use crate::Result;
@@ -217,12 +217,15 @@ pub(crate) fn quantized_product(weight: &QMatMul, x: &Tensor) -> candle_core::Re
 }
 
 /// One row's product written into `out`: the GEMV in place where it runs (a kernel chain's
-/// link on CUDA), elsewhere the product copied in.
-fn apply_row_into(product: &Product, x: &Tensor, out: &Tensor) -> candle_core::Result<()> {
-    if let Some(w) = product.row_weight().filter(|&w| tpinfer_kernels::gemv_on_cuda(x, w)) {
+/// link on CUDA), elsewhere the product (of the row made first) copied in.
+fn apply_row_into(product: &Product, x: GemvRow, out: &Tensor) -> candle_core::Result<()> {
+    if let Some(w) = product
+        .row_weight()
+        .filter(|&w| tpinfer_kernels::gemv_on_cuda(x.like(), w))
+    {
         return tpinfer_kernels::gemv_into(x, w, out);
     }
-    out.slice_set(&apply(product, x)?.reshape(out.shape())?, 0, 0)
+    out.slice_set(&apply(product, &x.materialize()?)?.reshape(out.shape())?, 0, 0)
 }
 
 /// An uninitialized `[rows, out]` output of `product` for [`apply_into`], in `x`'s type and
@@ -394,10 +397,11 @@ impl MergedColumnParallelLinear {
 
     /// [`Self::forward_merged`] of one row `x`, written into `out` (all outputs, contiguous):
     /// a decode step's product into a buffer that outlives the step.
-    pub fn forward_row_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
+    pub fn forward_row_into(&self, x: impl Into<GemvRow>, out: &Tensor) -> Result<()> {
+        let x = x.into();
         match self.joined() {
             Some(product) => Ok(apply_row_into(product, x, out)?),
-            None => Ok(out.slice_set(&self.forward_merged(x)?.reshape(out.shape())?, 0, 0)?),
+            None => Ok(out.slice_set(&self.forward_merged(&x.materialize()?)?.reshape(out.shape())?, 0, 0)?),
         }
     }
 
@@ -432,14 +436,20 @@ impl MergedColumnParallelLinear {
 
     /// [`Self::forward_silu_product`] of one row `x` written into `out` (`[.., n]`,
     /// contiguous), with the SiLU product computed apart where the fused kernel does not run.
-    pub fn forward_silu_product_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
-        if let Some(w) = self.silu_product_weight(x) {
+    pub fn forward_silu_product_into(&self, x: impl Into<GemvRow>, out: &Tensor) -> Result<()> {
+        let x = x.into();
+        if let Some(w) = self.silu_product_weight(x.like()) {
             return Ok(tpinfer_kernels::gemv_gate_up_silu_into(x, w, out)?);
         }
-        let gate_up = self.forward_merged(x)?;
+        let gate_up = self.forward_merged(&x.materialize()?)?;
         let cols = gate_up.dims().last().copied().unwrap_or(0);
         let product = tpinfer_kernels::silu_mul(&gate_up.reshape(((), cols))?)?;
         Ok(out.slice_set(&product.reshape(out.shape())?, 0, 0)?)
+    }
+
+    /// Whether [`Self::forward_silu_product_into`] runs as the fused GEMV for `x`.
+    pub fn covers_silu_product(&self, x: &Tensor) -> bool {
+        self.silu_product_weight(x).is_some()
     }
 
     /// The `[gate | up]` weight, dense or FP8, where the fused SiLU-product GEMV covers `x`.
@@ -516,8 +526,32 @@ impl RowParallelLinear {
         if self.bias.is_some() {
             return Ok(out.slice_set(&self.forward(x)?.reshape(out.shape())?, 0, 0)?);
         }
-        apply_row_into(&self.product, x, out)?;
+        apply_row_into(&self.product, x.into(), out)?;
         Ok(self.comm.all_reduce_sum_in_place(out)?)
+    }
+
+    /// The weight [`Self::forward_row_residual_into`] multiplies one row `x` with: at TP 1,
+    /// without a bias, where the GEMV runs on CUDA in 16 bits. `None` elsewhere.
+    pub fn residual_weight(&self, x: &Tensor) -> Option<RowWeight<'_>> {
+        let w = self.product.row_weight()?;
+        let covered = self.bias.is_none()
+            && self.comm.world_size() == 1
+            && tpinfer_kernels::gemv_on_cuda(x, w)
+            && matches!(x.dtype(), DType::BF16 | DType::F16);
+        covered.then_some(w)
+    }
+
+    /// [`Self::forward`] of one row `x` added to a decode step's residual stream, with the
+    /// next input norm's making, as `out` says ([`tpinfer_kernels::gemv_residual_into`]): one
+    /// kernel, where [`Self::residual_weight`] covers `x`. Returns the norm as the next
+    /// product's row.
+    pub fn forward_row_residual_into(&self, x: &Tensor, out: ResidualNorm) -> Result<GemvRow> {
+        let Some(w) = self.residual_weight(x) else {
+            return Err(crate::Error::Shard(
+                "a residual GEMV needs TP 1, no bias and a 16-bit GEMV on CUDA".into(),
+            ));
+        };
+        Ok(tpinfer_kernels::gemv_residual_into(x, w, out)?)
     }
 
     /// [`Self::forward`] of `silu(gate) · up` for a gated MLP's fused gate/up output

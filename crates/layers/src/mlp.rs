@@ -3,6 +3,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 use tpinfer_comm::Communicator;
+use tpinfer_kernels::{GemvRow, ResidualNorm};
 use tpinfer_weights::{ShardLoader, WeightDecl};
 
 use crate::{ColumnParallelLinear, MergedColumnParallelLinear, Result, RowParallelLinear};
@@ -53,9 +54,29 @@ impl GatedMlp {
 
     /// [`Self::forward`] of one row `x` through buffers that outlive a decode step: the SiLU
     /// product into `hidden`, the summed output into `out`.
-    pub fn forward_row_into(&self, x: &Tensor, hidden: &Tensor, out: &Tensor) -> Result<()> {
+    pub fn forward_row_into(&self, x: impl Into<GemvRow>, hidden: &Tensor, out: &Tensor) -> Result<()> {
         self.gate_up.forward_silu_product_into(x, hidden)?;
         self.down.forward_row_into(hidden, out)
+    }
+
+    /// [`Self::forward_row_into`] with the output added to a decode step's residual stream
+    /// and the next input norm made as `out` says
+    /// ([`RowParallelLinear::forward_row_residual_into`]), which it returns as a row.
+    pub fn forward_row_residual_into(
+        &self,
+        x: impl Into<GemvRow>,
+        hidden: &Tensor,
+        out: ResidualNorm,
+    ) -> Result<GemvRow> {
+        self.gate_up.forward_silu_product_into(x, hidden)?;
+        self.down.forward_row_residual_into(hidden, out)
+    }
+
+    /// Whether [`Self::forward_row_residual_into`] runs for the MLP's input row `x`, its
+    /// hidden row `hidden` (the SiLU product in the GEMV, the residual in the down
+    /// projection's).
+    pub fn residual_covers(&self, x: &Tensor, hidden: &Tensor) -> bool {
+        self.gate_up.covers_silu_product(x) && self.down.residual_weight(hidden).is_some()
     }
 
     /// `x` `[..., hidden]`; the SiLU product runs fused on the gate/up output (inside the

@@ -78,7 +78,7 @@ impl PagedKvCache {
     #[allow(clippy::too_many_arguments)]
     pub fn write_projected_rotated_into(
         &self,
-        x: &Tensor,
+        x: impl Into<tpinfer_kernels::GemvRow>,
         w: RowWeight,
         bias: Option<&Tensor>,
         rope: &Rope,

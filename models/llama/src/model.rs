@@ -4,8 +4,9 @@ use candle_core::{DType, Device, Tensor};
 use tpinfer_comm::Communicator;
 use tpinfer_layers::{
     add_rms_norm, add_rms_norm_into, argmax, causal_mask, chained, flash_attention_cached, flash_attention_cached_into,
-    grouped_attention, rms_norm, write_u32s, DecodeScratch, GatedMlp, HeadNorms, KvCache, LoneRow,
-    MergedColumnParallelLinear, PagedKvCache, Position, Result, Rope, RowParallelLinear, VocabParallelEmbedding,
+    gemv_residual_squares, grouped_attention, rms_norm, write_u32s, DecodeScratch, GatedMlp, GemvRow, HeadNorms,
+    KvCache, LoneRow, MergedColumnParallelLinear, PagedKvCache, Position, ResidualNorm, Result, Rope,
+    RowParallelLinear, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -108,7 +109,8 @@ impl StepIo {
 /// into them in place, so that nothing is allocated between two of its kernels and they run
 /// as one chain (`tpinfer_kernels::chained`).
 struct StepBuffers {
-    /// The residual stream and its norm, `[2, 1, hidden]`.
+    /// The residual stream and its norm, `[2, 1, hidden]`; where the step's products make the
+    /// norms ([`ProductNorms`]), the norm's `u` ([`GemvRow::Normed`]) in place of the norm.
     stream: Tensor,
     /// `[1, hidden]` zeros: what the first layer's norm adds to the embedding.
     zeros: Tensor,
@@ -123,6 +125,10 @@ struct StepBuffers {
     hidden: Tensor,
     /// A row-parallel product summed over the ranks (attention's or the MLP's), `[1, hidden]`.
     sum: Tensor,
+    /// The partial sums of squares of the norms the step's products make, f32: row 0 after
+    /// attention, row 1 after the MLP (each read by the product after it before the next
+    /// layer writes it again).
+    squares: Tensor,
 }
 
 impl StepBuffers {
@@ -137,8 +143,48 @@ impl StepBuffers {
             attention: row(q * d)?,
             hidden: row(shard.ffn_cols.len())?,
             sum: row(c.hidden_size)?,
+            squares: Tensor::zeros((2, gemv_residual_squares(c.hidden_size)), DType::F32, device)?,
         })
     }
+}
+
+/// Where a product of a decode step makes a norm ([`ProductNorms`]): the residual stream
+/// (`stream[0]`), the norm's `u` (`stream[1]`) and a row of [`StepBuffers::squares`].
+struct NormOutput {
+    stream: Tensor,
+    normed: Tensor,
+    squares: Tensor,
+}
+
+impl StepBuffers {
+    fn norm_output(&self, squares: usize) -> Result<NormOutput> {
+        Ok(NormOutput {
+            stream: self.stream.get(0)?,
+            normed: self.stream.get(1)?,
+            squares: self.squares.get(squares)?,
+        })
+    }
+}
+
+impl NormOutput {
+    /// The product's output added to the stream, and the norm for `weight` made.
+    fn residual<'a>(&'a self, weight: &'a Tensor, eps: f64) -> ResidualNorm<'a> {
+        ResidualNorm {
+            stream: &self.stream,
+            weight,
+            eps,
+            normed: &self.normed,
+            squares: &self.squares,
+        }
+    }
+}
+
+/// A decode step whose input norms the products make (TP 1 on CUDA in 16 bits,
+/// [`LlamaRank::norms_in_products`]): the next layer's input norm (none after the last
+/// layer, whose output the final norm's kernel adds).
+#[derive(Clone, Copy)]
+struct ProductNorms<'a> {
+    next: Option<&'a Tensor>,
 }
 
 /// What a greedy decode step returns.
@@ -602,6 +648,16 @@ impl LlamaRank {
         Ok(add_norm(x, pending, &self.norm, eps)?.1)
     }
 
+    /// Whether a decode step's input norms are made by its products ([`ProductNorms`]):
+    /// TP 1, and every layer's products GEMV kernels in 16 bits on CUDA.
+    fn norms_in_products(&self, b: &StepBuffers) -> Result<bool> {
+        let h = b.stream.get(1)?;
+        Ok(self
+            .layers
+            .iter()
+            .all(|l| l.norms_in_products(&h, &b.attention, &b.hidden)))
+    }
+
     /// [`Self::hidden_states`] of one token, through the [`StepBuffers`]: after the embedding
     /// and the first norm, every kernel up to the final norm is a link of one chain. Its key
     /// and value go where `kv` says.
@@ -618,15 +674,26 @@ impl LlamaRank {
         b.stream.slice_set(&x.reshape(b.zeros.shape())?.unsqueeze(0)?, 0, 0)?;
         drop(x);
         let ctx = self.layer_context(true, None);
+        let norms_in_products = self.norms_in_products(b)?;
         // Outside the chain: a copy, not a kernel, comes before it.
         let first = self.layers.first().map_or(&self.norm, |l| &l.input_norm);
         add_rms_norm_into(&b.stream, &b.zeros, first, eps)?;
         let layers = || -> Result<()> {
+            // The next layer's input norm, where the product before made it.
+            let mut made = None;
             for (i, layer) in self.layers.iter().enumerate() {
-                if i > 0 {
-                    add_rms_norm_into(&b.stream, &b.sum, &layer.input_norm, eps)?;
-                }
-                layer.step(b, &ctx, kv)?;
+                let input = match (i, made.take()) {
+                    (0, _) => GemvRow::Given(b.stream.get(1)?),
+                    (_, Some(row)) => row,
+                    (_, None) => {
+                        add_rms_norm_into(&b.stream, &b.sum, &layer.input_norm, eps)?;
+                        GemvRow::Given(b.stream.get(1)?)
+                    }
+                };
+                let norms = norms_in_products.then(|| ProductNorms {
+                    next: self.layers.get(i + 1).map(|l| &l.input_norm),
+                });
+                made = layer.step(b, input, norms, &ctx, kv)?;
             }
             if !self.layers.is_empty() {
                 add_rms_norm_into(&b.stream, &b.sum, &self.norm, eps)?;
@@ -689,22 +756,41 @@ impl DecoderLayer {
         Ok((residual, mlp))
     }
 
-    /// One token through the layer in `b`: its input norm in `b.stream[1]`; out, the stream
-    /// after attention in `b.stream[0]` and the MLP's output in `b.sum`, which the next norm
-    /// adds to it. Its key and value go where `kv` says.
-    fn step(&self, b: &StepBuffers, ctx: &LayerContext, kv: StepKv) -> Result<()> {
-        let h = b.stream.get(1)?;
+    /// Whether this layer's products make its norms in a decode step ([`ProductNorms`]) for
+    /// rows like the step buffers' of the input norm, attention's output and the SiLU product.
+    /// Not Qwen3's: its QKV product, which its head norms keep out of the rotary GEMV, has
+    /// not run on a normed row against a reference on a GPU (2026-12-05).
+    fn norms_in_products(&self, h: &Tensor, attention: &Tensor, hidden: &Tensor) -> bool {
+        self.qk_norm.is_none()
+            && self.qkv.gemv_weight(h).is_some()
+            && self.o_proj.residual_weight(attention).is_some()
+            && self.mlp.residual_covers(h, hidden)
+    }
+
+    /// One token through the layer in `b`: `input` its input norm, the residual stream in
+    /// `b.stream[0]`. Out: the stream after attention in `b.stream[0]` and either the MLP's
+    /// output in `b.sum`, which the next norm adds to it, or, with `norms` and a next layer,
+    /// the stream after the MLP and the next layer's input norm, returned. Its key and value
+    /// go where `kv` says.
+    fn step(
+        &self,
+        b: &StepBuffers,
+        input: GemvRow,
+        norms: Option<ProductNorms>,
+        ctx: &LayerContext,
+        kv: StepKv,
+    ) -> Result<Option<GemvRow>> {
         let n_q = ctx.shard.heads.q_heads.len();
         let scale = 1.0 / (ctx.config.head_dim as f64).sqrt();
         match kv {
             StepKv::Own => {
-                match self.qkv.gemv_weight(&h).filter(|_| self.qk_norm.is_none()) {
+                match self.qkv.gemv_weight(input.like()).filter(|_| self.qk_norm.is_none()) {
                     // The product, its bias, its rotation and the cache write in one kernel.
                     Some((w, bias)) => self
                         .cache
-                        .append_projected_rotated_into(&h, w, bias, ctx.rope, ctx.at, n_q, &b.queries)?,
+                        .append_projected_rotated_into(input, w, bias, ctx.rope, ctx.at, n_q, &b.queries)?,
                     None => {
-                        self.qkv.forward_row_into(&h, &b.qkv)?;
+                        self.qkv.forward_row_into(input, &b.qkv)?;
                         let norms = self.qk_norm.as_ref().map(|(q, k)| HeadNorms {
                             q,
                             k,
@@ -726,18 +812,41 @@ impl DecoderLayer {
                 )?;
             }
             StepKv::Paged(row) => {
-                let (Some(pool), Some((w, bias))) = (&self.paged, self.qkv.gemv_weight(&h)) else {
+                let (Some(pool), Some((w, bias))) = (&self.paged, self.qkv.gemv_weight(input.like())) else {
                     return Err(tpinfer_layers::Error::Shard(
                         "a lone paged step needs a paged cache and a fused QKV GEMV".into(),
                     ));
                 };
-                pool.write_projected_rotated_into(&h, w, bias, ctx.rope, row, n_q, &b.queries)?;
+                pool.write_projected_rotated_into(input, w, bias, ctx.rope, row, n_q, &b.queries)?;
                 pool.lone_decode_attention_into(&b.queries, row, scale, ctx.decode_scratch, &b.attention)?;
             }
         }
-        self.o_proj.forward_row_into(&b.attention, &b.sum)?;
-        add_rms_norm_into(&b.stream, &b.sum, &self.post_norm, ctx.config.rms_norm_eps)?;
-        self.mlp.forward_row_into(&h, &b.hidden, &b.sum)
+        let eps = ctx.config.rms_norm_eps;
+        let post_norm = match norms {
+            Some(_) => {
+                let out = b.norm_output(0)?;
+                self.o_proj
+                    .forward_row_residual_into(&b.attention, out.residual(&self.post_norm, eps))?
+            }
+            None => {
+                self.o_proj.forward_row_into(&b.attention, &b.sum)?;
+                add_rms_norm_into(&b.stream, &b.sum, &self.post_norm, eps)?;
+                GemvRow::Given(b.stream.get(1)?)
+            }
+        };
+        match norms.and_then(|n| n.next) {
+            Some(next) => {
+                let out = b.norm_output(1)?;
+                let row = self
+                    .mlp
+                    .forward_row_residual_into(post_norm, &b.hidden, out.residual(next, eps))?;
+                Ok(Some(row))
+            }
+            None => {
+                self.mlp.forward_row_into(post_norm, &b.hidden, &b.sum)?;
+                Ok(None)
+            }
+        }
     }
 
     /// `qkv` `[rows, (n_q + 2 · n_kv) · head_dim]` with each query and key head RMS-normed
