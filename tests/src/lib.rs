@@ -420,13 +420,27 @@ pub fn run_greedy_with(
     prefill_chunk: Option<usize>,
     flash: bool,
 ) -> LogitsTrace {
-    let traces = on_cpu_ranks(model, tp, dtype, |mut rank, comm| {
+    run_greedy_set(model, tp, dtype, prompt, steps, |rank| {
         if let Some(chunk) = prefill_chunk {
             rank.set_prefill_chunk(chunk);
         }
         if flash {
             rank.set_flash_attention(true).expect("flash attention");
         }
+    })
+}
+
+/// [`run_greedy`] with each rank set up by `set` before its prompt.
+pub fn run_greedy_set(
+    model: &Path,
+    tp: usize,
+    dtype: DType,
+    prompt: &[u32],
+    steps: usize,
+    set: impl Fn(&mut LlamaRank) + Sync,
+) -> LogitsTrace {
+    let traces = on_cpu_ranks(model, tp, dtype, |mut rank, comm| {
+        set(&mut rank);
         let before = comm.stats().snapshot();
         let mut logits = rank.forward(prompt).expect("prefill");
         let prefill_all_reduces = comm.stats().snapshot().since(&before).all_reduces;

@@ -1,7 +1,7 @@
 //! The same tiny model at every TP width gives the logits of TP 1.
 
 use candle_core::DType;
-use tpinfer_tests::{rel_error, run_device_greedy, run_greedy, run_greedy_with, TinyLlama};
+use tpinfer_tests::{rel_error, run_device_greedy, run_greedy, run_greedy_set, run_greedy_with, TinyLlama};
 
 const PROMPT: &[u32] = &[
     256, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10, 5, 300, 17,
@@ -174,6 +174,45 @@ fn flash_attention_path_equals_unfused_path() {
         }
         assert_eq!(fused.tokens, unfused.tokens, "TP {tp}");
     }
+}
+
+/// A decode step whose norms the products around them make (the path of CUDA ranks at TP 1,
+/// here through the products' CPU twins: the residual added and u and the sums of squares
+/// left by the row-parallel products, the norm's scale applied by the products after them)
+/// gives the norm kernels' logits and tokens, every layer's norm and the final one in place;
+/// at TP 2 the switch is refused.
+#[test]
+fn norms_made_in_the_products_equal_the_norm_kernels() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default();
+    let path = model.write(dir.path());
+    let flash = |rank: &mut tpinfer_llama::LlamaRank| rank.set_flash_attention(true).expect("flash attention");
+    let kernels = run_greedy_set(&path, 1, DType::F32, PROMPT, DECODE_STEPS, |rank| {
+        flash(rank);
+        rank.set_norms_in_products(false).expect("norm kernels");
+    });
+    let products = run_greedy_set(&path, 1, DType::F32, PROMPT, DECODE_STEPS, |rank| {
+        flash(rank);
+        rank.set_norms_in_products(true).expect("norms in the products");
+    });
+    assert!(model.layers > 1, "the norms between layers are made too");
+    for (step, (got, want)) in products.logits.iter().zip(&kernels.logits).enumerate() {
+        let err = rel_error(got, want);
+        assert!(err < 1e-5, "step {step}: relative error {err:e}");
+    }
+    assert!(
+        products.logits.iter().zip(&kernels.logits).any(|(a, b)| a != b),
+        "the products' path ran: it rounds where the norm kernels do not"
+    );
+    assert_eq!(products.tokens, kernels.tokens);
+
+    let refused = run_greedy_set(&path, 2, DType::F32, PROMPT, 0, |rank| {
+        assert!(
+            rank.set_norms_in_products(true).is_err(),
+            "TP 2 has no residual products"
+        );
+    });
+    assert_eq!(refused.tokens.len(), 1);
 }
 
 /// Greedy decoding on the device (each step's argmax left there as the next input, the ranks'

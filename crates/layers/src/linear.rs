@@ -530,25 +530,30 @@ impl RowParallelLinear {
         Ok(self.comm.all_reduce_sum_in_place(out)?)
     }
 
-    /// The weight [`Self::forward_row_residual_into`] multiplies one row `x` with: at TP 1,
-    /// without a bias, where the GEMV runs on CUDA in 16 bits. `None` elsewhere.
-    pub fn residual_weight(&self, x: &Tensor) -> Option<RowWeight<'_>> {
-        let w = self.product.row_weight()?;
-        let covered = self.bias.is_none()
-            && self.comm.world_size() == 1
-            && tpinfer_kernels::gemv_on_cuda(x, w)
-            && matches!(x.dtype(), DType::BF16 | DType::F16);
-        covered.then_some(w)
+    /// The weight [`Self::forward_row_residual_into`] multiplies with: at TP 1, without a
+    /// bias, dense or FP8 (not GGML blocks). `None` elsewhere.
+    pub fn residual_weight(&self) -> Option<RowWeight<'_>> {
+        match self.bias.is_none() && self.comm.world_size() == 1 {
+            true => self.product.row_weight(),
+            false => None,
+        }
+    }
+
+    /// Whether [`Self::forward_row_residual_into`] of one row `x` runs as one CUDA kernel (a
+    /// 16-bit GEMV), not as its parts.
+    pub fn residual_kernel_covers(&self, x: &Tensor) -> bool {
+        self.residual_weight()
+            .is_some_and(|w| tpinfer_kernels::gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16))
     }
 
     /// [`Self::forward`] of one row `x` added to a decode step's residual stream, with the
     /// next input norm's making, as `out` says ([`tpinfer_kernels::gemv_residual_into`]): one
-    /// kernel, where [`Self::residual_weight`] covers `x`. Returns the norm as the next
-    /// product's row.
+    /// kernel where [`Self::residual_kernel_covers`] `x`. Needs [`Self::residual_weight`].
+    /// Returns the norm as the next product's row.
     pub fn forward_row_residual_into(&self, x: &Tensor, out: ResidualNorm) -> Result<GemvRow> {
-        let Some(w) = self.residual_weight(x) else {
+        let Some(w) = self.residual_weight() else {
             return Err(crate::Error::Shard(
-                "a residual GEMV needs TP 1, no bias and a 16-bit GEMV on CUDA".into(),
+                "a product added to the residual stream needs TP 1, no bias and dense or FP8 weights".into(),
             ));
         };
         Ok(tpinfer_kernels::gemv_residual_into(x, w, out)?)

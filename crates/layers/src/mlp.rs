@@ -72,11 +72,17 @@ impl GatedMlp {
         self.down.forward_row_residual_into(hidden, out)
     }
 
-    /// Whether [`Self::forward_row_residual_into`] runs for the MLP's input row `x`, its
-    /// hidden row `hidden` (the SiLU product in the GEMV, the residual in the down
-    /// projection's).
-    pub fn residual_covers(&self, x: &Tensor, hidden: &Tensor) -> bool {
-        self.gate_up.covers_silu_product(x) && self.down.residual_weight(hidden).is_some()
+    /// Whether [`Self::forward_row_residual_into`] runs at all: the down projection's
+    /// [`RowParallelLinear::residual_weight`].
+    pub fn has_residual_weight(&self) -> bool {
+        self.down.residual_weight().is_some()
+    }
+
+    /// Whether [`Self::forward_row_residual_into`] runs as two CUDA kernels for the MLP's
+    /// input row `x` and its hidden row `hidden` (the SiLU product in the gate/up GEMV, the
+    /// residual in the down projection's).
+    pub fn residual_kernels_cover(&self, x: &Tensor, hidden: &Tensor) -> bool {
+        self.gate_up.covers_silu_product(x) && self.down.residual_kernel_covers(hidden)
     }
 
     /// `x` `[..., hidden]`; the SiLU product runs fused on the gate/up output (inside the

@@ -36,6 +36,9 @@ pub struct LlamaRank {
     flash: bool,
     /// A decode step's kernels launched as one chain (see `tpinfer_kernels::chained`).
     kernel_chains: bool,
+    /// A decode step's input norms made by the products around them, as a test set it
+    /// (`None`: where every product's kernel makes them; see `norms_in_products`).
+    product_norms: Option<bool>,
     /// Decode attention's partials, shared by every layer and captured step of this rank.
     decode_scratch: DecodeScratch,
     /// The number of positions in the KV cache.
@@ -318,6 +321,7 @@ impl LlamaRank {
             prefill_chunk: crate::memory::prefill_chunk(shard.heads.q_heads.len(), max_positions, flash),
             flash,
             kernel_chains: true,
+            product_norms: None,
             decode_scratch: DecodeScratch::new(),
             cached: 0,
             position: Position::new(device)?,
@@ -459,6 +463,22 @@ impl LlamaRank {
     /// nothing.
     pub fn set_kernel_chains(&mut self, on: bool) {
         self.kernel_chains = on;
+    }
+
+    /// Makes a decode step's input norms in the products around them (`on`) or with norm
+    /// kernels. The default is where every product's kernel makes them (TP 1 on CUDA in 16
+    /// bits); tests switch CPU ranks to the products' CPU twins to check the step against the
+    /// norm kernels. Set it before the first decode step (a captured step keeps its kernels).
+    pub fn set_norms_in_products(&mut self, on: bool) -> Result<()> {
+        if on && !self.layers.iter().all(DecoderLayer::products_make_norms) {
+            return Err(tpinfer_layers::Error::Shard(
+                "a decode step's products make its norms only at TP 1, with dense or FP8 weights, unbiased \
+                 row-parallel products and no head norms (Qwen3)"
+                    .into(),
+            ));
+        }
+        self.product_norms = Some(on);
+        Ok(())
     }
 
     /// How many decode steps ran as replays of the captured graph since it was made (0 on CPU
@@ -648,14 +668,18 @@ impl LlamaRank {
         Ok(add_norm(x, pending, &self.norm, eps)?.1)
     }
 
-    /// Whether a decode step's input norms are made by its products ([`ProductNorms`]):
-    /// TP 1, and every layer's products GEMV kernels in 16 bits on CUDA.
+    /// Whether a decode step's input norms are made by its products ([`ProductNorms`]): as
+    /// [`Self::set_norms_in_products`] says, else where every layer's products make them in
+    /// their kernels (TP 1, 16-bit GEMVs on CUDA).
     fn norms_in_products(&self, b: &StepBuffers) -> Result<bool> {
+        if let Some(on) = self.product_norms {
+            return Ok(on);
+        }
         let h = b.stream.get(1)?;
         Ok(self
             .layers
             .iter()
-            .all(|l| l.norms_in_products(&h, &b.attention, &b.hidden)))
+            .all(|l| l.products_make_norms() && l.kernels_make_norms(&h, &b.attention, &b.hidden)))
     }
 
     /// [`Self::hidden_states`] of one token, through the [`StepBuffers`]: after the embedding
@@ -756,15 +780,20 @@ impl DecoderLayer {
         Ok((residual, mlp))
     }
 
-    /// Whether this layer's products make its norms in a decode step ([`ProductNorms`]) for
-    /// rows like the step buffers' of the input norm, attention's output and the SiLU product.
+    /// Whether this layer's products can make its norms in a decode step ([`ProductNorms`]):
+    /// its row-parallel products add to the residual stream (TP 1, no bias, dense or FP8).
     /// Not Qwen3's: its QKV product, which its head norms keep out of the rotary GEMV, has
     /// not run on a normed row against a reference on a GPU (2026-12-05).
-    fn norms_in_products(&self, h: &Tensor, attention: &Tensor, hidden: &Tensor) -> bool {
-        self.qk_norm.is_none()
-            && self.qkv.gemv_weight(h).is_some()
-            && self.o_proj.residual_weight(attention).is_some()
-            && self.mlp.residual_covers(h, hidden)
+    fn products_make_norms(&self) -> bool {
+        self.qk_norm.is_none() && self.o_proj.residual_weight().is_some() && self.mlp.has_residual_weight()
+    }
+
+    /// Whether every product around this layer's norms runs as its CUDA kernel for rows like
+    /// the step buffers' of the input norm, attention's output and the SiLU product.
+    fn kernels_make_norms(&self, h: &Tensor, attention: &Tensor, hidden: &Tensor) -> bool {
+        self.qkv.gemv_weight(h).is_some()
+            && self.o_proj.residual_kernel_covers(attention)
+            && self.mlp.residual_kernels_cover(h, hidden)
     }
 
     /// One token through the layer in `b`: `input` its input norm, the residual stream in
