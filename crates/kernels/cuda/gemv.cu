@@ -323,11 +323,11 @@ __device__ void gemv_rotary(const Row<T>& in, const void* __restrict__ w, const 
 #define ROW_ARGS_normed(T) Row<T>{x, squares, slots, eps}
 #define ROW_NORMED_given false
 #define ROW_NORMED_normed true
-#define GEMV_PLAIN(FORMAT, W, SUFFIX, T, ROWS, NAME, KIND)                                                     \
-    extern "C" __global__ void __launch_bounds__(THREADS) gemv_##NAME##FORMAT##SUFFIX##_r##ROWS(                \
-        ROW_PARAMS_##KIND(T), const void* w, const float* scales, T* y, int n, int k CHAIN_TRACE_PARAM) {        \
+#define GEMV_PLAIN(FORMAT, W, SUFFIX, T, ROWS)                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS) gemv_##FORMAT##SUFFIX##_r##ROWS(                      \
+        const T* x, const void* w, const float* scales, T* y, int n, int k CHAIN_TRACE_PARAM) {               \
         CHAIN_TRACE_SCOPE                                                                                      \
-        gemv<T, W, ROWS, false, ROW_NORMED_##KIND>(ROW_ARGS_##KIND(T), w, scales, y, n, k);                       \
+        gemv<T, W, ROWS, false, false>(Row<T>{x, nullptr, 0, 0.f}, w, scales, y, n, k);                        \
     }
 #define GEMV_GATE_UP(FORMAT, W, SUFFIX, T, ROWS, NAME, KIND)                                                   \
     extern "C" __global__ void __launch_bounds__(THREADS) gemv_gate_up_silu_##NAME##FORMAT##SUFFIX##_r##ROWS(  \
@@ -352,31 +352,25 @@ __device__ void gemv_rotary(const Row<T>& in, const void* __restrict__ w, const 
         CHAIN_TRACE_SCOPE                                                                                      \
         gemv_residual<T, W, ROWS>(x, w, scales, stream, norm, normed, squares, n, k);                          \
     }
-#define GEMV_KINDS(FORMAT, W, SUFFIX, T, NAME, KIND)  \
-    GEMV_ROTARY(FORMAT, W, SUFFIX, T, NAME, KIND)     \
-    GEMV_PLAIN(FORMAT, W, SUFFIX, T, 2, NAME, KIND)   \
-    GEMV_PLAIN(FORMAT, W, SUFFIX, T, 4, NAME, KIND)   \
-    GEMV_PLAIN(FORMAT, W, SUFFIX, T, 8, NAME, KIND)   \
-    GEMV_GATE_UP(FORMAT, W, SUFFIX, T, 2, NAME, KIND) \
-    GEMV_GATE_UP(FORMAT, W, SUFFIX, T, 4, NAME, KIND) \
-    GEMV_GATE_UP(FORMAT, W, SUFFIX, T, 8, NAME, KIND)
-// A normed row goes into the products that follow a norm in the step: QKV (rotated) and
-// gate/up (Qwen3's plain QKV product keeps its norm kernel: llama's model.rs says why).
-#define GEMV_16BIT(FORMAT, W, SUFFIX, T)                        \
-    GEMV_KINDS(FORMAT, W, SUFFIX, T, , given)                   \
-    GEMV_ROTARY(FORMAT, W, SUFFIX, T, normed_, normed)          \
-    GEMV_GATE_UP(FORMAT, W, SUFFIX, T, 2, normed_, normed)      \
-    GEMV_GATE_UP(FORMAT, W, SUFFIX, T, 4, normed_, normed)      \
-    GEMV_GATE_UP(FORMAT, W, SUFFIX, T, 8, normed_, normed)      \
-    GEMV_RESIDUAL(FORMAT, W, SUFFIX, T, 2)                      \
-    GEMV_RESIDUAL(FORMAT, W, SUFFIX, T, 4)                      \
-    GEMV_RESIDUAL(FORMAT, W, SUFFIX, T, 8)
+// The products that follow a norm in the step, QKV (rotated) and gate/up, also take a normed
+// row (Qwen3's plain QKV product keeps its norm kernel: llama's model.rs says why).
+#define GEMV_ROWS(FORMAT, W, SUFFIX, T, ROWS)                  \
+    GEMV_PLAIN(FORMAT, W, SUFFIX, T, ROWS)                     \
+    GEMV_GATE_UP(FORMAT, W, SUFFIX, T, ROWS, , given)          \
+    GEMV_GATE_UP(FORMAT, W, SUFFIX, T, ROWS, normed_, normed)  \
+    GEMV_RESIDUAL(FORMAT, W, SUFFIX, T, ROWS)
+#define GEMV_16BIT(FORMAT, W, SUFFIX, T)               \
+    GEMV_ROTARY(FORMAT, W, SUFFIX, T, , given)         \
+    GEMV_ROTARY(FORMAT, W, SUFFIX, T, normed_, normed) \
+    GEMV_ROWS(FORMAT, W, SUFFIX, T, 2)                 \
+    GEMV_ROWS(FORMAT, W, SUFFIX, T, 4)                 \
+    GEMV_ROWS(FORMAT, W, SUFFIX, T, 8)
 
 GEMV_16BIT(, Dense, bf16, __nv_bfloat16)
 GEMV_16BIT(, Dense, f16, __half)
 GEMV_16BIT(fp8_, Fp8, bf16, __nv_bfloat16)
 GEMV_16BIT(fp8_, Fp8, f16, __half)
 // An f32 decode step with FP8 weights takes the plain product alone.
-GEMV_PLAIN(fp8_, Fp8, f32, float, 2, , given)
-GEMV_PLAIN(fp8_, Fp8, f32, float, 4, , given)
-GEMV_PLAIN(fp8_, Fp8, f32, float, 8, , given)
+GEMV_PLAIN(fp8_, Fp8, f32, float, 2)
+GEMV_PLAIN(fp8_, Fp8, f32, float, 4)
+GEMV_PLAIN(fp8_, Fp8, f32, float, 8)

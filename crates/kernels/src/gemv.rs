@@ -144,7 +144,7 @@ pub fn gemv_residual_into<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>, out: Resi
         eps: out.eps,
     };
     #[cfg(feature = "cuda")]
-    if sixteen_bit_gemv(x, w) {
+    if gemv_16_bit_on_cuda(x, w) {
         cuda::gemv_residual_into(&op, x, w, out)?;
         return Ok(row);
     }
@@ -194,13 +194,18 @@ pub fn gemv_on_cuda<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>) -> bool {
         && k.is_multiple_of(values_per_load(matches!(w, RowWeight::Fp8 { .. })))
 }
 
-/// Whether [`gemv_gate_up_silu`] runs on CUDA, as [`gemv_on_cuda`], with `w`'s rows even and
-/// `x` in bf16 or f16.
+/// Whether `x` and `w` run as a 16-bit GEMV kernel on CUDA, as [`gemv_on_cuda`] with `x` in
+/// bf16 or f16: the products whose kernels exist only in 16 bits (rotary, SiLU product, a
+/// normed row, [`gemv_residual_into`]).
+pub fn gemv_16_bit_on_cuda<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>) -> bool {
+    gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16)
+}
+
+/// Whether [`gemv_gate_up_silu`] runs on CUDA, as [`gemv_16_bit_on_cuda`], with `w`'s rows
+/// even.
 pub fn gemv_gate_up_silu_on_cuda<'a>(x: &Tensor, w: impl Into<RowWeight<'a>>) -> bool {
     let w = w.into();
-    gemv_on_cuda(x, w)
-        && matches!(x.dtype(), DType::BF16 | DType::F16)
-        && w.matrix().dim(0).is_ok_and(|rows| rows.is_multiple_of(2))
+    gemv_16_bit_on_cuda(x, w) && w.matrix().dim(0).is_ok_and(|rows| rows.is_multiple_of(2))
 }
 
 /// `x · wᵀ` for `x` `[.., k]` holding one row and `w` `[n, k]`: `[.., n]`, accumulated in f32.
@@ -255,7 +260,7 @@ pub fn gemv_rotary_qkv_into<'a>(
 ) -> Result<()> {
     let (x, w) = (x.into(), w.into());
     #[cfg(feature = "cuda")]
-    if sixteen_bit_gemv(x.like(), w) {
+    if gemv_16_bit_on_cuda(x.like(), w) {
         let rows = cuda::CacheRows::own(cache, position)?;
         return cuda::gemv_rotary_qkv_into(rows, &x, w, bias, table, position, q_heads, queries);
     }
@@ -281,19 +286,12 @@ pub fn gemv_rotary_qkv_paged_into<'a>(
 ) -> Result<()> {
     let (x, w) = (x.into(), w.into());
     #[cfg(feature = "cuda")]
-    if sixteen_bit_gemv(x.like(), w) {
+    if gemv_16_bit_on_cuda(x.like(), w) {
         let rows = cuda::CacheRows::paged(pool, slot)?;
         return cuda::gemv_rotary_qkv_into(rows, &x, w, bias, table, position, q_heads, queries);
     }
     let _ = (pool, bias, table, position, slot, q_heads, queries);
     not_a_16_bit_gemv("gemv_rotary_qkv_paged_into", x.like(), w)
-}
-
-/// Whether the row `x` and `w` run as a 16-bit GEMV kernel on CUDA: the products whose
-/// kernels exist only in 16 bits (rotary, SiLU product, the input norm made inside).
-#[cfg(feature = "cuda")]
-fn sixteen_bit_gemv(x: &Tensor, w: RowWeight) -> bool {
-    gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16)
 }
 
 fn not_a_16_bit_gemv(op: &str, x: &Tensor, w: RowWeight) -> Result<()> {
@@ -312,7 +310,7 @@ fn apply_into(x: GemvRow, w: RowWeight, gate_up: bool, out: &Tensor) -> Result<(
             GemvRow::Given(x) => x.device().is_cuda() && (matches!(w, RowWeight::Dense(_)) || gemv_on_cuda(x, w)),
             // The normed kernels exist for the products that follow a step's norms
             // (cuda/gemv.cu): gate/up here; elsewhere the row is made first.
-            GemvRow::Normed { u, .. } => gate_up && sixteen_bit_gemv(u, w),
+            GemvRow::Normed { u, .. } => gate_up && gemv_16_bit_on_cuda(u, w),
         };
         if covered {
             let op = Gemv::checked(x.like(), w, w.default_tile(gate_up), gate_up)?;

@@ -56,9 +56,9 @@ pub use fp8::{
 
 pub use frames::{cat_frames, packed_frames, upsample_nearest2x, write_frames};
 pub use gemv::{
-    gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_gate_up_silu_on_cuda, gemv_into, gemv_on_cuda,
-    gemv_residual_into, gemv_residual_squares, gemv_rotary_qkv_into, gemv_rotary_qkv_paged_into, gemv_tiled, GemvRow,
-    ResidualNorm, RowWeight, GEMV_TILES,
+    gemv, gemv_16_bit_on_cuda, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_gate_up_silu_on_cuda, gemv_into,
+    gemv_on_cuda, gemv_residual_into, gemv_residual_squares, gemv_rotary_qkv_into, gemv_rotary_qkv_paged_into,
+    gemv_tiled, GemvRow, ResidualNorm, RowWeight, GEMV_TILES,
 };
 #[cfg(feature = "cuda")]
 pub use launch::device_address;

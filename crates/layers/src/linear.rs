@@ -411,7 +411,7 @@ impl MergedColumnParallelLinear {
     pub fn gemv_weight(&self, x: &Tensor) -> Option<(RowWeight<'_>, Option<&Tensor>)> {
         self.joined()?
             .row_weight_and_bias()
-            .filter(|&(w, _)| tpinfer_kernels::gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16))
+            .filter(|&(w, _)| tpinfer_kernels::gemv_16_bit_on_cuda(x, w))
     }
 
     /// An output of `rows` rows for [`Self::forward_merged_into`], like `x`.
@@ -543,7 +543,7 @@ impl RowParallelLinear {
     /// 16-bit GEMV), not as its parts.
     pub fn residual_kernel_covers(&self, x: &Tensor) -> bool {
         self.residual_weight()
-            .is_some_and(|w| tpinfer_kernels::gemv_on_cuda(x, w) && matches!(x.dtype(), DType::BF16 | DType::F16))
+            .is_some_and(|w| tpinfer_kernels::gemv_16_bit_on_cuda(x, w))
     }
 
     /// [`Self::forward`] of one row `x` added to a decode step's residual stream, with the

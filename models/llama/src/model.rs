@@ -149,6 +149,15 @@ impl StepBuffers {
             squares: Tensor::zeros((2, gemv_residual_squares(c.hidden_size)), DType::F32, device)?,
         })
     }
+
+    /// Where a product makes a norm, its sums of squares in row `squares`.
+    fn norm_output(&self, squares: usize) -> Result<NormOutput> {
+        Ok(NormOutput {
+            stream: self.stream.get(0)?,
+            normed: self.stream.get(1)?,
+            squares: self.squares.get(squares)?,
+        })
+    }
 }
 
 /// Where a product of a decode step makes a norm ([`ProductNorms`]): the residual stream
@@ -157,16 +166,6 @@ struct NormOutput {
     stream: Tensor,
     normed: Tensor,
     squares: Tensor,
-}
-
-impl StepBuffers {
-    fn norm_output(&self, squares: usize) -> Result<NormOutput> {
-        Ok(NormOutput {
-            stream: self.stream.get(0)?,
-            normed: self.stream.get(1)?,
-            squares: self.squares.get(squares)?,
-        })
-    }
 }
 
 impl NormOutput {
