@@ -1,10 +1,15 @@
 // Attention of one query position (a decode step) over a KV cache, split along the keys. CTA
-// (split, kv_head) takes a slice of at least MIN_SLICE keys (on Hopper, up to CLUSTER ·
-// CLUSTER_SLICE keys, one cluster's share) for all query heads of its GQA group at once (each K
-// and V row read once, in 16-byte pieces); how many slices hold keys follows the filled
-// length at run time, so short caches use few CTAs and a small merge. The last CTA of each
-// KV head to finish merges the slices' softmax partials (a counter per KV head, which that CTA
-// sets back to zero: no second launch).
+// (split, kv_head) takes a slice of the keys for all query heads of its GQA group at once, on
+// tensor cores: the group's queries are the rows of an mma.sync m16n8k16 A operand (rows past
+// the group are zeros), so each K and V row is read once, by cp.async into shared memory. How
+// many slices hold keys follows the filled length at run time, so short caches use few CTAs
+// and a small merge. The last CTA of each KV head to finish merges the slices' softmax
+// partials (a counter per KV head, which that CTA sets back to zero: no second launch).
+//
+// Each warp of a CTA takes every WARPS-th tile of 16 keys of the slice through a ring of its
+// own in dynamic shared memory, `stages` tiles deep (2 or 4: the launcher picks what the
+// device's shared memory holds), `stages - 1` tiles' copies in flight while one is used. A
+// warp reads only what its own lanes copied, so the ring needs no CTA barrier.
 //
 // q `[heads, D]` contiguous; k, v: element (row, kv_head, d) at ptr[row * row_stride +
 // kv_head * head_stride + d]; the filled length is *position + 1, read at run time (a captured
@@ -15,9 +20,10 @@
 // On Hopper and newer the CTAs run in clusters of CLUSTER slices. Each CTA but the first
 // pushes its partial into the first CTA's shared memory (distributed shared memory), arrives
 // on its mbarrier and exits; only the first waits, and merges: no round trip through global
-// memory, fence or counter. Only when more than one cluster holds keys (more than CLUSTER
-// slices' worth) do the clusters' merged partials meet in global memory.
+// memory, fence or counter. Only when more than one cluster holds keys do the clusters'
+// merged partials meet in global memory.
 #include "chain.cuh"
+#include "tile.cuh"
 #include "convert.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -27,24 +33,20 @@
 
 namespace {
 
-constexpr int MIN_SLICE = 64;  // the fewest keys a slice takes (the launcher's splits assume it)
+constexpr int MIN_SLICE = 128;  // the fewest keys a slice takes (on Hopper, past one cluster's share)
 constexpr int MAX_GROUP = 8;  // query heads per KV head (the largest G)
 constexpr int MAX_SPLITS = 128;
 constexpr int MERGE_BATCH = 8;  // slices whose partial outputs are loaded before any is used
 #ifdef DECODE_CLUSTERS
 constexpr int CLUSTER = 8;  // slices per cluster (the launcher's splits are a multiple)
-constexpr int CLUSTER_SLICE = 128;  // the longest slice of a cache that one cluster takes
+constexpr int CLUSTER_SLICE = 256;  // the longest slice of a cache that one cluster takes
 #endif
 
 #ifdef DECODE_CLUSTERS
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
 // An mbarrier that CTAs of the cluster arrive on; made known to them by the release of the
 // cluster barrier that follows.
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, unsigned arrivals) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(arrivals) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
@@ -58,7 +60,7 @@ __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.w
 // this thread's earlier stores (into that CTA's shared memory too) at cluster scope.
 __device__ __forceinline__ void mbarrier_arrive_remote(uint64_t* bar, unsigned rank) {
     unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(bar)), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
@@ -70,18 +72,11 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, unsigned parity) {
         "wait:\n"
         "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra wait;\n"
-        "}" ::"r"(shared_address(bar)),
+        "}" ::"r"(smem_addr(bar)),
         "r"(parity)
         : "memory");
 }
 #endif
-
-template <typename T>
-__device__ __forceinline__ void unpack8(uint4 raw, float (&out)[8]) {
-    const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = to_f32(v[i]);
-}
 
 // Merges the `active` slices' partials of the group's query heads h0 .. h0 + group - 1; thread
 // t writes column t of each. Warp w finds the softmax weights of heads w, w + D/32, ... (lanes
@@ -136,139 +131,129 @@ __device__ void merge(const float* part_o, const float* part_ml, T* __restrict__
     }
 }
 
-// How a CTA of D threads covers keys of D columns (see split_pass).
-template <int D, int G>
-struct KeyLayout {
-    static constexpr int LANES_PER_KEY = D / 8;  // 16-byte pieces of a row
-    static constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
-    static constexpr int WARPS = D / 32;
-    // Keys a lane loads before it uses any: one memory latency per pass. Fewer for groups of 8,
-    // whose queries and outputs take twice the registers.
-    static constexpr int STEPS = G >= 8 ? 4 : 8;
-    static constexpr int PASS = STEPS * WARPS * KEYS_PER_WARP;  // keys per pass of the CTA
-};
+constexpr int TILE = 16;  // keys a warp takes at a time: one k16 step of P·V
 
-// One pass of a CTA's warps over PASS keys from pass0 (see split_pass), folded into the lane's
-// softmax state m, l, o. TAIL: the pass may reach past the slice's end; its steps wholly past
-// it are skipped (alike in the whole warp), not computed and masked, so a slice shorter than a
-// pass costs its keys, not a pass. Full passes carry no such checks: branches between the
-// steps would cut the interleaving of their independent shuffle and FMA chains.
-template <typename T, int D, int G, bool TAIL, bool PAGED>
-__device__ __forceinline__ void key_pass(int pass0, int end, bool first_pass, const T* kp, const T* vp, long k_row,
-                                         long v_row, const unsigned* __restrict__ blocks, int block_shift, int warp,
-                                         int slot, int group, float scale_log2, const float (&qf)[G][8],
-                                         float (&m)[G], float (&l)[G], float (&o)[G][8]) {
-    using L = KeyLayout<D, G>;
-    constexpr int LANES_PER_KEY = L::LANES_PER_KEY, KEYS_PER_WARP = L::KEYS_PER_WARP;
-    constexpr int WARPS = L::WARPS, STEPS = L::STEPS;
-    // Each step's row first (a paged pool's table reads in flight together), then its K and V.
-    long row[STEPS];
+// The rows of the keys whose pieces this lane copies in the tile from key0 (the pool's rows
+// through a block table when PAGED): piece c (c = lane + 32·i) of the tile is row c / (D/8).
+template <int D, bool PAGED>
+__device__ __forceinline__ void tile_rows(int key0, int end, const unsigned* __restrict__ blocks, int block_shift,
+                                          int lane, long (&row)[TILE * D / 8 / 32]) {
+    constexpr int CHUNKS = D / 8;
 #pragma unroll
-    for (int i = 0; i < STEPS; ++i) {
-        const int j = pass0 + (i * WARPS + warp) * KEYS_PER_WARP + slot;
+    for (int i = 0; i < TILE * CHUNKS / 32; ++i) {
+        const int j = key0 + (lane + 32 * i) / CHUNKS;
         const int mask = (1 << block_shift) - 1;
-        row[i] = !PAGED ? j : (!TAIL || j < end) ? (long)blocks[j >> block_shift] << block_shift | (j & mask) : 0;
-    }
-    uint4 kr[STEPS], vr[STEPS];
-#pragma unroll
-    for (int i = 0; i < STEPS; ++i) {
-        const int j = pass0 + (i * WARPS + warp) * KEYS_PER_WARP + slot;
-        const bool filled = !TAIL || j < end;
-        kr[i] = filled ? *reinterpret_cast<const uint4*>(kp + row[i] * k_row) : make_uint4(0, 0, 0, 0);
-        vr[i] = filled ? *reinterpret_cast<const uint4*>(vp + row[i] * v_row) : make_uint4(0, 0, 0, 0);
-    }
-    if (first_pass) chain_release();
-    bool live[STEPS];
-#pragma unroll
-    for (int i = 0; i < STEPS; ++i) live[i] = !TAIL || pass0 + (i * WARPS + warp) * KEYS_PER_WARP < end;
-    // Scores in base 2; the pieces' partial dot products summed across the key's lanes.
-    float s[G][STEPS];
-#pragma unroll
-    for (int i = 0; i < STEPS; ++i) {
-        const bool filled = !TAIL || pass0 + (i * WARPS + warp) * KEYS_PER_WARP + slot < end;
-        if (!live[i]) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) s[g][i] = -INFINITY;
-            continue;
-        }
-        float kf[8];
-        unpack8<T>(kr[i], kf);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            if (g >= group) break;
-            float dot = 0.f;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) dot = fmaf(qf[g][e], kf[e], dot);
-#pragma unroll
-            for (int w = LANES_PER_KEY / 2; w > 0; w /= 2) dot += __shfl_xor_sync(0xffffffff, dot, w);
-            s[g][i] = filled ? dot * scale_log2 : -INFINITY;
-        }
-    }
-    float vf[STEPS][8];
-#pragma unroll
-    for (int i = 0; i < STEPS; ++i) unpack8<T>(vr[i], vf[i]);
-    // Online softmax per warp: the max over the warp's keys of this pass (its slots meet by
-    // shuffle), the earlier sums rescaled by alpha. A warp with no filled key yet keeps
-    // m = -inf, and its exponentials are taken from 0 (all 0) instead of -inf - -inf.
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        if (g >= group) break;
-        float mx = m[g];
-#pragma unroll
-        for (int i = 0; i < STEPS; ++i) mx = fmaxf(mx, s[g][i]);
-#pragma unroll
-        for (int w = LANES_PER_KEY; w < 32; w *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, w));
-        const float base = mx == -INFINITY ? 0.f : mx;
-        const float alpha = exp2f(m[g] - base);
-        float sum = 0.f, acc[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = o[g][e] * alpha;
-#pragma unroll
-        for (int i = 0; i < STEPS; ++i) {
-            if (!live[i]) continue;  // p = 0
-            const float p = exp2f(s[g][i] - base);  // 0 past the end
-            sum += p;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, vf[i][e], acc[e]);
-        }
-        m[g] = mx;
-        l[g] = l[g] * alpha + sum;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[g][e] = acc[e];
+        row[i] = j >= end ? 0 : !PAGED ? j : (long)blocks[j >> block_shift] << block_shift | (j & mask);
     }
 }
 
-// blockDim.x == D. A key's row is read by LANES_PER_KEY lanes, 8 elements (16 bytes) each, of
-// K and of V alike: lane (slot, piece) of a warp scores its key against every query head of the
-// group (the pieces' dot products summed across the lanes) and adds the key's weighted V piece
-// into its own 8 output columns. Each warp keeps its own softmax state, so a pass over the keys
-// needs no CTA barrier; the warps meet once, at the end of the slice, where thread t takes
-// output column t. At most G (a power of two ≥ group) query heads: the kernel is instantiated
-// per G so that its arrays are as small as the group.
+// Copies the tile from key0 (K then V, TILE padded rows each) into a ring slot; keys past
+// `end` become zeros.
+template <typename T, int D>
+__device__ __forceinline__ void tile_copy(T* slot, int key0, int end, const long (&row)[TILE * D / 8 / 32], const T* kh,
+                                          const T* vh, long k_row, long v_row, int lane) {
+    constexpr int CHUNKS = D / 8, ROW = D + 8;
+#pragma unroll
+    for (int i = 0; i < TILE * CHUNKS / 32; ++i) {
+        const int c = lane + 32 * i, r = c / CHUNKS, col = (c % CHUNKS) * 8;
+        const bool valid = key0 + r < end;
+        cp_async16(smem_addr(slot + r * ROW + col), kh + row[i] * k_row + col, valid);
+        cp_async16(smem_addr(slot + (TILE + r) * ROW + col), vh + row[i] * v_row + col, valid);
+    }
+}
+
+// Where a warp's keys lie: the CTA's slice [start, end) of the cache.
+struct Slice {
+    int start, end, warp, lane;
+};
+
+// Folds the warp's tiles of the slice (w, w + WARPS, ... for warp w) into its softmax state and
+// O (the m16n8 accumulator layout: row lane / 4 is query head lane / 4 of the group), through
+// a ring of STAGES tiles in dynamic shared memory: its lanes copy and read only the warp's
+// slots, so the ring needs the warp's barrier alone.
+template <typename T, int D, int STAGES, bool PAGED>
+__device__ __forceinline__ void fold_slice(const Slice& at, const uint32_t (&qf)[D / 16][4], const T* kh, const T* vh,
+                                           long k_row, long v_row, const unsigned* __restrict__ blocks,
+                                           int block_shift, float scale_log2, float (&o)[D / 8][4],
+                                           OnlineSoftmax& softmax) {
+    constexpr int WARPS = D / 32, ROW = D + 8, SLOT = 2 * TILE * ROW;
+    const int start = at.start, end = at.end, warp = at.warp, lane = at.lane;
+    const int fg = lane / 4, ft = lane % 4;
+    extern __shared__ __align__(16) unsigned char dynamic_shared[];
+    T* ring = reinterpret_cast<T*>(dynamic_shared) + warp * STAGES * SLOT;
+    const int tiles = end > start ? (end - start + TILE - 1) / TILE : 0;
+    const int mine = tiles > warp ? (tiles - warp + WARPS - 1) / WARPS : 0;
+    auto key0_of = [&](int i) { return start + (warp + i * WARPS) * TILE; };
+    long row[TILE * D / 8 / 32];
+    tile_rows<D, PAGED>(key0_of(0), end, blocks, block_shift, lane, row);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < mine) {
+            tile_copy<T, D>(ring + s * SLOT, key0_of(s), end, row, kh, vh, k_row, v_row, lane);
+            if (s + 1 < mine) tile_rows<D, PAGED>(key0_of(s + 1), end, blocks, block_shift, lane, row);
+        }
+        cp_async_commit();
+    }
+    // The chain is released once this CTA's first keys are requested: a GEMV after it,
+    // launched early, fills the memory system with its weight loads, and the keys' loads
+    // would queue behind them.
+    chain_release();
+    for (int i = 0; i < mine; ++i) {
+        cp_async_wait<STAGES - 2>();
+        __syncwarp();
+        const T* k_tile = ring + (i % STAGES) * SLOT;
+        const T* v_tile = k_tile + TILE * ROW;
+        const int key0 = key0_of(i);
+        // S = Q Kᵀ: the group's rows × the tile's 16 keys.
+        float s[2][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t b[4];
+            ldmatrix_x4(b, k_tile + ((lane / 16) * 8 + lane % 8) * ROW + kk * 16 + ((lane / 8) % 2) * 8);
+            Mma<T>::run(s[0], qf[kk], b[0], b[1]);
+            Mma<T>::run(s[1], qf[kk], b[2], b[3]);
+        }
+        uint32_t pf[1][4];
+        OnlineSoftmax::rescale(o, softmax.update(s, scale_log2, key0 + TILE > end, key0, end, -1, fg, ft));
+        OnlineSoftmax::fragments<T>(s, pf);
+        // O += P V.
+#pragma unroll
+        for (int p = 0; p < D / 16; ++p) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, v_tile + (((lane / 8) % 2) * 8 + lane % 8) * ROW + p * 16 + (lane / 16) * 8);
+            Mma<T>::run(o[2 * p], pf[0], b[0], b[1]);
+            Mma<T>::run(o[2 * p + 1], pf[0], b[2], b[3]);
+        }
+        __syncwarp();  // every lane is done with the slot the next copy refills
+        const int next = i + STAGES - 1;
+        if (next < mine) {
+            tile_copy<T, D>(ring + (next % STAGES) * SLOT, key0_of(next), end, row, kh, vh, k_row, v_row, lane);
+            if (next + 1 < mine) tile_rows<D, PAGED>(key0_of(next + 1), end, blocks, block_shift, lane, row);
+        }
+        cp_async_commit();
+    }
+}
+
+// blockDim.x == D: D / 32 warps fold the slice's tiles (see fold_slice) and meet once, at the
+// end of the slice, where thread t takes output column t. At most G (a power of two ≥ group)
+// query heads: the kernel is instantiated per G so that its merge arrays are as small as the
+// group.
 template <typename T, int D, int G, bool PAGED>
 __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const unsigned* __restrict__ position, const unsigned* __restrict__ blocks,
                            int block_shift, float* part_o, float* part_ml, unsigned* __restrict__ counters,
                            T* __restrict__ out, int group, long k_row, long k_head, long v_row, long v_head,
-                           float scale_log2) {
-    using L = KeyLayout<D, G>;
-    constexpr int LANES_PER_KEY = L::LANES_PER_KEY, WARPS = L::WARPS, PASS = L::PASS;
-
-    // The chain is released only once this CTA's first keys are requested (below): a GEMV
-    // after it, launched early, fills the memory system with its weight loads, and the keys'
-    // loads queued behind them (measured: the o_proj GEMV's early CTAs made this kernel's
-    // first pass ≈ 1 µs longer).
+                           float scale_log2, int stages) {
     // Only a copy before the chain writes the position: it may be read before the wait.
     const int kv_len = (int)*position + 1;
     chain_wait();
     const int splits = gridDim.x, split = blockIdx.x, kv_head = blockIdx.y;
-    // Slices of at least MIN_SLICE keys: only the first `active` CTAs have any, and only they
-    // (with the rest of their cluster) take part in the merge. On Hopper up to CLUSTER ·
-    // CLUSTER_SLICE keys are spread over one cluster's slices (at least 8 keys each, at most
-    // CLUSTER_SLICE): a short cache's pass then has fewer live steps per warp, and the merge
-    // stays in the cluster, where a second cluster's partials would meet in global memory (a
-    // fence, a counter and one more merge: 8.1 µs at 512 keys, 11.3 at 513, Llama-3-8B's
-    // shape on an H200). Longer caches take MIN_SLICE keys a slice over as many clusters.
+    // Only the first `active` CTAs have keys, and only they (with the rest of their cluster)
+    // take part in the merge. On Hopper up to CLUSTER · CLUSTER_SLICE keys are spread over one
+    // cluster's slices, and so is any length when the launch has one cluster per KV head: the
+    // merge then stays in the cluster, where a second cluster's partials would meet in global
+    // memory (a fence, a counter and one more merge, about 3 µs on an H100). Longer caches
+    // over more clusters take at least MIN_SLICE keys a slice.
 #ifdef DECODE_CLUSTERS
     const int chunk = kv_len <= CLUSTER * CLUSTER_SLICE ? max((kv_len + CLUSTER - 1) / CLUSTER, 8)
                                                        : max((kv_len + splits - 1) / splits, MIN_SLICE);
@@ -294,60 +279,45 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     if (split >= active) return;  // an exit releases the chain
 #endif
     const int start = split * chunk, end = min(kv_len, start + chunk);
+    constexpr int WARPS = D / 32;
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
-    const int piece = lane % LANES_PER_KEY, slot = lane / LANES_PER_KEY;
-    const T* kp = k + kv_head * k_head + piece * 8;
-    const T* vp = v + kv_head * v_head + piece * 8;
+    const int fg = lane / 4, ft = lane % 4;  // mma fragment row (query head) and column pair
+    const T* kh = k + kv_head * k_head;
+    const T* vh = v + kv_head * v_head;
 
-    float qf[G][8];
+    // The group's queries as the A fragments of D/16 k16 steps: row g is query head g of the
+    // group, rows from `group` on (8..15 always) zeros.
+    uint32_t qf[D / 16][4];
+    {
+        const T* qg = q + (long)(kv_head * group + fg) * D + 2 * ft;
 #pragma unroll
-    for (int g = 0; g < G; ++g)
-        if (g < group) unpack8<T>(*reinterpret_cast<const uint4*>(q + (long)(kv_head * group + g) * D + piece * 8), qf[g]);
-
-    // Head g's softmax state in this lane: the warp's running max m (every lane alike), and the
-    // sum l and output columns o (piece's 8) over the keys of this lane's slot alone.
-    float m[G], l[G], o[G][8];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = -INFINITY, l[g] = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[g][e] = 0.f;
-    }
-
-    // Full passes have every step's keys inside the slice; only the last may be partial.
-    int pass0 = start;
-    for (; pass0 + PASS <= end; pass0 += PASS)
-        key_pass<T, D, G, false, PAGED>(pass0, end, pass0 == start, kp, vp, k_row, v_row, blocks, block_shift, warp,
-                                        slot, group, scale_log2, qf, m, l, o);
-    if (pass0 < end)
-        key_pass<T, D, G, true, PAGED>(pass0, end, pass0 == start, kp, vp, k_row, v_row, blocks, block_shift, warp,
-                                       slot, group, scale_log2, qf, m, l, o);
-    if (end <= start) chain_release();  // a CTA without keys
-    trace_mark(0);  // the keys
-    // The slots of a warp share its max: their sums add, and slot 0's lanes hold the warp's.
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        if (g >= group) break;
-#pragma unroll
-        for (int w = LANES_PER_KEY; w < 32; w *= 2) {
-            l[g] += __shfl_xor_sync(0xffffffff, l[g], w);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) o[g][e] += __shfl_xor_sync(0xffffffff, o[g][e], w);
+        for (int kk = 0; kk < D / 16; ++kk) {
+            qf[kk][0] = fg < group ? *reinterpret_cast<const uint32_t*>(qg + kk * 16) : 0u;
+            qf[kk][2] = fg < group ? *reinterpret_cast<const uint32_t*>(qg + kk * 16 + 8) : 0u;
+            qf[kk][1] = qf[kk][3] = 0u;
         }
     }
-    // The warps meet in shared memory; thread t merges column t of every head. A CTA without
+
+    float o[D / 8][4] = {};
+    OnlineSoftmax softmax;
+    const Slice slice{start, end, warp, lane};
+    if (stages == 4)
+        fold_slice<T, D, 4, PAGED>(slice, qf, kh, vh, k_row, v_row, blocks, block_shift, scale_log2, o, softmax);
+    else
+        fold_slice<T, D, 2, PAGED>(slice, qf, kh, vh, k_row, v_row, blocks, block_shift, scale_log2, o, softmax);
+    trace_mark(0);  // the keys
+    // Row fg's sum over the keys of its four lanes.
+#pragma unroll
+    for (int w = 1; w < 4; w *= 2) softmax.sum_a += __shfl_xor_sync(0xffffffff, softmax.sum_a, w);
+    // The warps meet in shared memory; thread t merges column t of every head. A warp without
     // keys ends with m = -inf, l = 0, o = 0.
     __shared__ __align__(16) float warp_o[WARPS][G][D];
     __shared__ float warp_ml[WARPS][G][2];
-    if (slot == 0) {
+    if (fg < group) {
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            if (g >= group) break;
-            float4* to = reinterpret_cast<float4*>(&warp_o[warp][g][piece * 8]);
-            to[0] = make_float4(o[g][0], o[g][1], o[g][2], o[g][3]);
-            to[1] = make_float4(o[g][4], o[g][5], o[g][6], o[g][7]);
-            if (piece == 0) warp_ml[warp][g][0] = m[g], warp_ml[warp][g][1] = l[g];
-        }
+        for (int i = 0; i < D / 8; ++i)
+            *reinterpret_cast<float2*>(&warp_o[warp][fg][i * 8 + 2 * ft]) = make_float2(o[i][0], o[i][1]);
+        if (ft == 0) warp_ml[warp][fg][0] = softmax.max_a, warp_ml[warp][fg][1] = softmax.sum_a;
     }
     __syncthreads();
     // Head g's merged state for this CTA: max cm, sum cl (alike in every thread), column t co.
@@ -450,15 +420,16 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
 #endif
 
 // NAME: decode_split, or decode_split_paged over a pool's block table (`blocks`; null and
-// unread otherwise).
+// unread otherwise). `stages`: 4 or 2, each warp's ring of tiles that the dynamic shared
+// memory holds (`D / 32 · stages · 2 · 16 · (D + 8)` elements of T).
 #define DECODE(NAME, PAGED, SUFFIX, T, D, G)                                                                   \
     extern "C" __global__ void __launch_bounds__(D) DECODE_CLUSTER_DIMS NAME##_##SUFFIX##_d##D##_g##G(          \
         const T* q, const T* k, const T* v, const unsigned* position, const unsigned* blocks, int block_shift,  \
         float* part_o, float* part_ml, unsigned* counters, T* out, int group, long k_row, long k_head,          \
-        long v_row, long v_head, float scale_log2 CHAIN_TRACE_PARAM) {                                        \
+        long v_row, long v_head, float scale_log2, int stages CHAIN_TRACE_PARAM) {                            \
         CHAIN_TRACE_SCOPE                                                                                      \
         split_pass<T, D, G, PAGED>(q, k, v, position, blocks, block_shift, part_o, part_ml, counters, out,      \
-                                   group, k_row, k_head, v_row, v_head, scale_log2);                          \
+                                   group, k_row, k_head, v_row, v_head, scale_log2, stages);                  \
     }
 
 // One module per G (the build defines DECODE_GROUP): the driver JIT-compiles only the one a

@@ -140,12 +140,13 @@ const MAX_KV_HEADS: usize = 1024;
 const DECODE_MAX_GROUP: usize = 8;
 
 /// How many slices the split-KV decode kernel launches for a cache of `capacity` rows over
-/// `kv_heads` heads: about four CTAs per SM of an H100/H200 in all, fewer for small caches (a
-/// CTA takes at least 64 keys past a cluster's 1,024, and only as many run as the filled
-/// length needs); at most 128, and a whole number of clusters of 8 (cuda/decode_attention.cu).
+/// `kv_heads` heads: about 64 CTAs in all, a cluster of 8 per KV head on a rank of 8 KV heads
+/// (cuda/decode_attention.cu: a cluster's slices merge in shared memory; more clusters than
+/// run at once, 15 at one CTA per SM of an H100, would take a second wave), more per head
+/// for fewer heads; fewer for small caches. At most 128, and a whole number of clusters of 8.
 fn decode_splits(kv_heads: usize, capacity: usize) -> usize {
-    (512 / kv_heads.max(1))
-        .min(capacity.div_ceil(64))
+    (64 / kv_heads.max(1))
+        .min(capacity.div_ceil(128))
         .clamp(1, 128)
         .next_multiple_of(8)
 }
@@ -574,6 +575,7 @@ mod cuda {
         };
         let split = module.kernel(dev, &format!("{name}_{suffix}_d{d}_g{padded}"))?;
         let splits = super::decode_splits(kv_heads, capacity);
+        let (stages, ring_bytes) = decode_ring(dev, &split, d, std::mem::size_of::<T>())?;
         let address = |s: &CudaStorage, l: &Layout| -> Result<u64> {
             Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..).device_ptr(&stream).0)
         };
@@ -597,12 +599,19 @@ mod cuda {
                 .arg(scratch.counters.device_ptr(&stream).0)
                 .arg(out_address)
                 .arg(group);
-            launch.arg(k_row).arg(k_head).arg(v_row).arg(v_head).arg(scale_log2);
+            launch
+                .arg(k_row)
+                .arg(k_head)
+                .arg(v_row)
+                .arg(v_head)
+                .arg(scale_log2)
+                .arg(stages);
             // SAFETY: the arguments match the kernel's signature; k and v cover `capacity` rows
             // and the kernel reads at most *position + 1 ≤ capacity of them, or with a block
             // table the rows of its first blocks, which cover them (checked by the caller);
             // the partials hold `heads · splits` rows, the output `heads · d`;
-            // a counter per KV head, zero between launches.
+            // a counter per KV head, zero between launches; the dynamic shared memory holds
+            // `stages` tiles a warp.
             unsafe {
                 launch.launch(
                     dev,
@@ -610,12 +619,49 @@ mod cuda {
                     LaunchConfig {
                         grid_dim: (splits as u32, kv_heads as u32, 1),
                         block_dim: (d as u32, 1, 1),
-                        shared_mem_bytes: 0,
+                        shared_mem_bytes: ring_bytes as u32,
                     },
                 )
             }
         })?;
         Ok(out.map(|out| CudaStorage::wrap_cuda_slice(out, dev.clone())))
+    }
+
+    /// The depth of each warp's ring of key tiles in the decode kernel (cuda/decode_attention.cu)
+    /// and the dynamic shared memory it takes, allowed on `split`: 4 tiles where the device's
+    /// shared memory per CTA holds them beside the kernel's own (Hopper, A100), else 2 (Ada's
+    /// 99 KiB). At 16,384 keys four took 28.5 µs a launch and two 46.9, Llama-3-8B's shape
+    /// with one cluster per KV head on one H100 (benches/RESULTS.md).
+    fn decode_ring(
+        dev: &candle_core::CudaDevice,
+        split: &candle_core::cuda_backend::cudarc::driver::CudaFunction,
+        d: usize,
+        element_bytes: usize,
+    ) -> Result<(i32, usize)> {
+        use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+        let ring = |stages: usize| d / 32 * stages * 2 * 16 * (d + 8) * element_bytes;
+        let own = split
+            .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            .w()? as usize;
+        let limit = dev
+            .cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .w()? as usize;
+        let stages = if own + ring(4) <= limit { 4 } else { 2 };
+        if own + ring(stages) > limit {
+            candle_core::bail!(
+                "decode attention: head size {d} takes {} bytes of shared memory a CTA, the device allows {limit}",
+                own + ring(stages)
+            );
+        }
+        split
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                ring(stages) as i32,
+            )
+            .w()?;
+        Ok((stages as i32, ring(stages)))
     }
 
     /// A device's buffers for the decode kernel's splits: the softmax partials and a merge
