@@ -589,39 +589,74 @@ fn small_kernels(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, 
     Ok(())
 }
 
-/// One layer's decode attention over a cache at two lengths: the flash kernel over the filled
+/// One layer's decode attention over a cache at many lengths: the flash kernel over the filled
 /// rows against the cache kernels (split-KV on CUDA), each against an f32 reference.
 fn decode_attention(device: &Device, dtype: DType, c: &tpinfer_llama::LlamaConfig, calls: usize) -> Result<()> {
-    let (heads, kv_heads, d, capacity) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, 4096);
+    let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
+    // Lengths either side of one tile of 16 keys, of a CTA's four warps' tiles and of one
+    // cluster's most keys (8 × 256): each path of the split kernel, with the flash kernel
+    // beside it. A TP 2 rank's half of the KV heads takes two clusters a head past 2,048 keys,
+    // whose partials meet in global memory.
+    let lengths = [1, 16, 17, 64, 65, 256, 512, 513, 1024, 2048, 2049, 4096];
+    decode_attention_rows(device, dtype, c, calls, (heads, kv_heads), &lengths, "")?;
+    if kv_heads % 2 == 0 && kv_heads >= 2 {
+        let rank = format!(", a TP 2 rank's {} heads", heads / 2);
+        decode_attention_rows(
+            device,
+            dtype,
+            c,
+            calls,
+            (heads / 2, kv_heads / 2),
+            &[2048, 2049, 4096],
+            &rank,
+        )?;
+    }
+    Ok(())
+}
+
+/// The rows of [`decode_attention`] for `heads` query heads over `kv_heads`, at each filled
+/// length of a 4,096-row cache: the flash kernel over the filled rows (only for a whole rank,
+/// `label` empty) and the cache kernel, each against an f32 reference.
+fn decode_attention_rows(
+    device: &Device,
+    dtype: DType,
+    c: &tpinfer_llama::LlamaConfig,
+    calls: usize,
+    (heads, kv_heads): (usize, usize),
+    lengths: &[usize],
+    label: &str,
+) -> Result<()> {
+    let (d, capacity) = (c.head_dim, 4096);
     let scale = 1.0 / (d as f64).sqrt();
     let q = Tensor::randn(0f32, 1.0, (1, heads, d), device)?.to_dtype(dtype)?;
     let k = Tensor::randn(0f32, 1.0, (capacity, kv_heads, d), device)?.to_dtype(dtype)?;
     let v = Tensor::randn(0f32, 1.0, (capacity, kv_heads, d), device)?.to_dtype(dtype)?;
     // One scratch for every length, as a rank's model holds one for all its layers.
     let scratch = tpinfer_kernels::DecodeScratch::new();
-    // Lengths either side of one tile, of eight slices of 64 keys, of one cluster's most keys
-    // (8 × 128) and of the most slices: each merge path of the split kernel.
-    for filled in [1, 64, 65, 256, 512, 513, 768, 1024, 1025, 2048, 4096] {
+    for &filled in lengths {
         let keys = |t: &Tensor| t.narrow(0, 0, filled);
         let exact = reference_attention(&q, &keys(&k)?, &keys(&v)?, scale)?;
         let position = Tensor::new(&[filled as u32 - 1], device)?;
-        let kernels: [(&str, &Kernel); 2] = [
-            ("flash kernel over the filled rows", &|| {
-                tpinfer_kernels::flash_attention(&q, &keys(&k)?, &keys(&v)?, scale, true)
-            }),
-            ("cache kernel (split-KV on CUDA)", &|| {
-                tpinfer_kernels::flash_attention_cached(&q, &k, &v, &position, scale, &scratch)
-            }),
-        ];
+        let flash: (&str, &Kernel) = ("flash kernel over the filled rows", &|| {
+            tpinfer_kernels::flash_attention(&q, &keys(&k)?, &keys(&v)?, scale, true)
+        });
+        let cache: (&str, &Kernel) = ("cache kernel (split-KV on CUDA)", &|| {
+            tpinfer_kernels::flash_attention_cached(&q, &k, &v, &position, scale, &scratch)
+        });
+        let kernels = if label.is_empty() {
+            vec![flash, cache]
+        } else {
+            vec![cache]
+        };
         for (kernel, f) in kernels {
             let ms = time_in_graph(device, calls, f)?;
             let err = crate::relative_error(&f()?, &exact)?;
             // bf16 inputs and output against f32 land near 4e-3; a wrong split or merge, near 1.
             if err > 2e-2 {
-                bail!("decode attention, {filled} keys, {kernel}: relative error {err:.1e} against f32");
+                bail!("decode attention, {filled} keys{label}, {kernel}: relative error {err:.1e} against f32");
             }
             println!(
-                "| decode attention, {filled} keys, {kernel} (rel. error vs f32 {err:.1e}) | {ms:.4} | x{} = {:.2} ms |",
+                "| decode attention, {filled} keys{label}, {kernel} (rel. error vs f32 {err:.1e}) | {ms:.4} | x{} = {:.2} ms |",
                 c.num_hidden_layers,
                 ms * c.num_hidden_layers as f64
             );
