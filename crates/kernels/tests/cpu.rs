@@ -6,8 +6,8 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
-    add_rms_norm, argmax, embed_owned_rows, flash_attention, flash_attention_cached, fp8_linear, gated_residual,
-    gelu_tanh_mul, gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_into, gemv_residual_into,
+    add_rms_norm, argmax, decode_scratch_bytes, embed_owned_rows, flash_attention, flash_attention_cached, fp8_linear,
+    gated_residual, gelu_tanh_mul, gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_into, gemv_residual_into,
     gemv_residual_squares, gemv_tiled, layer_norm, linear_bias, linear_bias_into, paged_decode_attention, residual_sum,
     rotary_qkv, rotary_qkv_into, rotary_qkv_paged, row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias,
     write_u32s, ColumnTable, DecodeRows, DecodeScratch, GemvRow, HeadNorms, QueryGroups, ResidualNorm, RowWeight,
@@ -904,4 +904,31 @@ fn argmax_takes_the_first_of_tied_maxima() {
     let got = argmax(&x).expect("argmax");
     assert_eq!(got.dims(), [2, 1]);
     assert_eq!(got.flatten_all().and_then(|t| t.to_vec1::<u32>()).expect("v"), [1, 2]);
+}
+
+/// The decode kernel's launch contract, as the plan counts its scratch: whole clusters of 8
+/// slices (a Hopper launch of any other width fails), at most 128 (its merge's arrays), one
+/// cluster a KV head on a rank of 8 KV heads, and more slices a head for fewer heads.
+#[test]
+fn the_decode_scratch_holds_whole_clusters_of_slices() {
+    let splits = |q_heads: usize, kv_heads: usize, capacity: usize| {
+        let d = 128;
+        let bytes = decode_scratch_bytes(q_heads, kv_heads, capacity, d);
+        let partials = bytes / 4 - 1024;
+        assert_eq!(partials % (q_heads * (d + 2)), 0, "{bytes} bytes");
+        partials / (q_heads * (d + 2))
+    };
+    for kv_heads in 1..=32 {
+        for capacity in [1, 100, 1024, 4096, 131_072] {
+            let s = splits(kv_heads * 4, kv_heads, capacity);
+            assert!(
+                s % 8 == 0 && (8..=128).contains(&s),
+                "{s} slices for {kv_heads} KV heads, {capacity} rows"
+            );
+        }
+    }
+    assert_eq!(splits(32, 8, 8192), 8);
+    assert_eq!(splits(16, 4, 8192), 16);
+    assert_eq!(splits(8, 1, 8192), 64);
+    assert_eq!(splits(8, 1, 256), 8, "a short cache takes fewer");
 }
