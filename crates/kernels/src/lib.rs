@@ -631,7 +631,7 @@ mod cuda {
     /// and the dynamic shared memory it takes, allowed on `split`: 4 tiles where the device's
     /// shared memory per CTA holds them beside the kernel's own (Hopper, A100), else 2 (Ada's
     /// 99 KiB). At 16,384 keys four took 28.5 µs a launch and two 46.9, Llama-3-8B's shape
-    /// with one cluster per KV head on one H100 (benches/RESULTS.md).
+    /// with one cluster per KV head on one H100 (benches/archive, 2026-12-05).
     fn decode_ring(
         dev: &candle_core::CudaDevice,
         split: &candle_core::cuda_backend::cudarc::driver::CudaFunction,
