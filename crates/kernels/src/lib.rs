@@ -23,6 +23,7 @@ mod cudnn;
 mod fp8;
 mod frames;
 mod gemv;
+mod ggml;
 #[cfg(feature = "cuda")]
 pub mod graph;
 #[cfg(feature = "cuda")]
@@ -60,6 +61,7 @@ pub use gemv::{
     gemv_on_cuda, gemv_residual_into, gemv_residual_squares, gemv_rotary_qkv_into, gemv_rotary_qkv_paged_into,
     gemv_tiled, GemvRow, ResidualNorm, RowWeight, GEMV_TILES,
 };
+pub use ggml::{mmvq_covers, mmvq_row_into, mmvq_takes, q8_1_row, q8_1_row_bytes, quantize_row_q8_1};
 #[cfg(feature = "cuda")]
 pub use launch::device_address;
 pub use linear::{empty, fused_linear_covers, linear_bias, linear_bias_into};

@@ -1,7 +1,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::quantized::QMatMul;
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 use candle_nn::Linear;
 use tpinfer_comm::Communicator;
@@ -21,6 +21,9 @@ enum Product {
         weight: QMatMul,
         out_dim: usize,
         bias: Option<Tensor>,
+        /// One input row in Q8_1, where candle's MMVQ kernels take the blocks (a CUDA device):
+        /// a decode step's products of the row run through it in place ([`mmvq_row`]).
+        row_q8: Option<Tensor>,
     },
     Fp8 {
         values: Tensor,
@@ -33,11 +36,19 @@ impl Product {
     fn new(weight: Weight, bias: Option<Tensor>) -> Result<Self> {
         Ok(match weight {
             Weight::Dense(w) => Self::Dense(Linear::new(w, bias)),
-            Weight::Quantized(q) => Self::Quantized {
-                out_dim: q.shape().dims2()?.0,
-                weight: QMatMul::from_arc(q)?,
-                bias,
-            },
+            Weight::Quantized(q) => {
+                let (out_dim, k) = q.shape().dims2()?;
+                let row_q8 = match tpinfer_kernels::mmvq_takes(&q) {
+                    true => Some(tpinfer_kernels::q8_1_row(k, &q.device())?),
+                    false => None,
+                };
+                Self::Quantized {
+                    out_dim,
+                    weight: QMatMul::from_arc(q)?,
+                    bias,
+                    row_q8,
+                }
+            }
             Weight::Fp8 { values, scales } => Self::Fp8 { values, scales, bias },
         })
     }
@@ -216,9 +227,32 @@ pub(crate) fn quantized_product(weight: &QMatMul, x: &Tensor) -> candle_core::Re
     Linear::new(dense.to_dtype(x.dtype())?, None).forward(&x)
 }
 
+/// The blocks of `product` and its Q8_1 row where one row `x`'s product runs through
+/// candle's MMVQ kernels in place ([`tpinfer_kernels::mmvq_row_into`]): GGML blocks without a
+/// bias, on a CUDA device, the row as it is (a normed row is made first).
+fn mmvq_row<'a>(product: &'a Product, x: &GemvRow) -> Option<(&'a QTensor, &'a Tensor)> {
+    match (product, x) {
+        (
+            Product::Quantized {
+                weight: QMatMul::QTensor(w),
+                bias: None,
+                row_q8: Some(q8),
+                ..
+            },
+            GemvRow::Given(x),
+        ) if tpinfer_kernels::mmvq_covers(w, x) => Some((w, q8)),
+        _ => None,
+    }
+}
+
 /// One row's product written into `out`: the GEMV in place where it runs (a kernel chain's
-/// link on CUDA), elsewhere the product (of the row made first) copied in.
+/// link on CUDA), GGML blocks through candle's MMVQ kernels in place where they run
+/// ([`mmvq_row`]), elsewhere the product (of the row made first) copied in.
 fn apply_row_into(product: &Product, x: GemvRow, out: &Tensor) -> candle_core::Result<()> {
+    if let Some((w, q8)) = mmvq_row(product, &x) {
+        tpinfer_kernels::quantize_row_q8_1(x.like(), q8)?;
+        return tpinfer_kernels::mmvq_row_into(w, q8, out, 0);
+    }
     if let Some(w) = product
         .row_weight()
         .filter(|&w| tpinfer_kernels::gemv_on_cuda(x.like(), w))
@@ -396,13 +430,27 @@ impl MergedColumnParallelLinear {
     }
 
     /// [`Self::forward_merged`] of one row `x`, written into `out` (all outputs, contiguous):
-    /// a decode step's product into a buffer that outlives the step.
+    /// a decode step's product into a buffer that outlives the step. Products in GGML blocks that could not be joined (a Q4_K_M file's Q4_K Q and K, its
+    /// Q6_K V) take the row quantized once and write their columns in place where candle's
+    /// MMVQ kernels take every part.
     pub fn forward_row_into(&self, x: impl Into<GemvRow>, out: &Tensor) -> Result<()> {
         let x = x.into();
-        match self.joined() {
-            Some(product) => Ok(apply_row_into(product, x, out)?),
-            None => Ok(out.slice_set(&self.forward_merged(&x.materialize()?)?.reshape(out.shape())?, 0, 0)?),
+        if let Some(product) = self.joined() {
+            return Ok(apply_row_into(product, x, out)?);
         }
+        let parts = self.parts.iter().map(|p| mmvq_row(p, &x)).collect::<Option<Vec<_>>>();
+        if let Some(parts) = parts {
+            if let Some(&(_, q8)) = parts.first() {
+                tpinfer_kernels::quantize_row_q8_1(x.like(), q8)?;
+                let mut column = 0;
+                for (w, _) in parts {
+                    tpinfer_kernels::mmvq_row_into(w, q8, out, column)?;
+                    column += w.shape().dims2()?.0;
+                }
+                return Ok(());
+            }
+        }
+        Ok(out.slice_set(&self.forward_merged(&x.materialize()?)?.reshape(out.shape())?, 0, 0)?)
     }
 
     /// The merged weight, dense or FP8, and its bias if it has one, where one row `x`'s
