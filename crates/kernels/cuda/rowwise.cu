@@ -428,6 +428,12 @@ MIXED_KERNELS(f32_f16_packed, float, __half, 4)
     extern "C" __global__ void gate_mul_##SUFFIX(const T* x, T* out, long n, int half, int gelu) {             \
         gate_mul<T>(x, out, n, half, gelu);                                                                    \
     }                                                                                                          \
+    extern "C" __global__ void silu_mul_into_##SUFFIX(const T* x, T* out, long n, int half CHAIN_TRACE_PARAM) { \
+        CHAIN_TRACE_SCOPE                                                                                      \
+        chain_release();                                                                                       \
+        chain_wait();                                                                                          \
+        gate_mul<T>(x, out, n, half, 0);                                                                       \
+    }                                                                                                          \
     extern "C" __global__ void softmax_relative_bias_##SUFFIX(const T* scores, const float* table,             \
                                                                const unsigned* buckets, T* out, int heads,      \
                                                                int queries, int keys) {                         \

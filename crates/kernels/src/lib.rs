@@ -71,7 +71,7 @@ pub use position::write_u32s;
 pub use rotary::{rotary_qkv, rotary_qkv_into, HeadNorms};
 pub use rowwise::{
     add_rms_norm, add_rms_norm_into, embed_owned_rows, gated_residual, gelu_tanh_mul, layer_norm, residual_sum,
-    row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias, sum_in_order, ColumnTable,
+    row_sum_squares, scale_rows_cols, silu_mul, silu_mul_into, softmax_relative_bias, sum_in_order, ColumnTable,
 };
 pub use sample::{sample_rows, RowSampling};
 

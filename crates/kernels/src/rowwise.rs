@@ -330,6 +330,29 @@ pub fn silu_mul(x: &Tensor) -> Result<Tensor> {
     gate_mul(x, false, "silu_mul")
 }
 
+/// [`silu_mul`] of `x` `[rows, 2n]` written into `out` (`[rows, n]`, contiguous, x's dtype):
+/// on CUDA in place, so that a decode step's buffer keeps its address.
+pub fn silu_mul_into(x: &Tensor, out: &Tensor) -> Result<()> {
+    check(x, "silu_mul_into")?;
+    let (rows, cols) = x.dims2()?;
+    if cols % 2 != 0 || out.dims() != [rows, cols / 2] || out.dtype() != x.dtype() || !out.is_contiguous() {
+        candle_core::bail!(
+            "silu_mul_into: [rows, 2n] {:?} {:?} into a contiguous [rows, n] of its dtype, got {:?} {:?}",
+            x.dtype(),
+            x.dims(),
+            out.dtype(),
+            out.dims()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = x.device() {
+        let x = x.contiguous()?;
+        let at = crate::launch::device_address;
+        return cuda::launch_silu_mul_into(dev, x.dtype(), [at(&x)?, at(out)?], rows * cols / 2, cols / 2);
+    }
+    out.slice_set(&silu_mul(x)?, 0, 0)
+}
+
 /// `gelu(x[:, j]) · x[:, n + j]` for `x` `[rows, 2n]`, GELU's tanh approximation (T5's
 /// `gelu_new`): a gated-GELU FFN's activation on its fused gate/up output, `[rows, n]`,
 /// rounded once.
@@ -992,6 +1015,28 @@ mod cuda {
                 .arg(cols as i32)
                 .arg(eps)
                 .launch(dev, &func, cfg)
+        }
+    }
+
+    /// The SiLU product from x (`2 · half` values a row) into out (`half` a row, `n` in all)
+    /// at raw addresses: a chain kernel.
+    pub(super) fn launch_silu_mul_into(
+        dev: &CudaDevice,
+        dtype: DType,
+        [x, out]: [u64; 2],
+        n: usize,
+        half: usize,
+    ) -> Result<()> {
+        let func = crate::module::ROWWISE.kernel(dev, &format!("silu_mul_into_{}", suffix(dtype)?))?;
+        // SAFETY: the arguments match the kernel's signature; x holds 2n values of `dtype` and
+        // out n (the caller checked).
+        unsafe {
+            Launch::default()
+                .arg(x)
+                .arg(out)
+                .arg(n as i64)
+                .arg(half as i32)
+                .launch(dev, &func, elementwise(n))
         }
     }
 

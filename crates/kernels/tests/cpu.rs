@@ -8,10 +8,10 @@ use candle_core::{DType, Device, Tensor, D};
 use tpinfer_kernels::{
     add_rms_norm, argmax, decode_scratch_bytes, embed_owned_rows, flash_attention, flash_attention_cached, fp8_linear,
     gated_residual, gelu_tanh_mul, gemv, gemv_gate_up_silu, gemv_gate_up_silu_into, gemv_into, gemv_residual_into,
-    gemv_residual_squares, gemv_tiled, layer_norm, linear_bias, linear_bias_into, paged_decode_attention, residual_sum,
-    rotary_qkv, rotary_qkv_into, rotary_qkv_paged, row_sum_squares, scale_rows_cols, silu_mul, softmax_relative_bias,
-    write_u32s, ColumnTable, DecodeRows, DecodeScratch, GemvRow, HeadNorms, QueryGroups, ResidualNorm, RowWeight,
-    RowsAt,
+    gemv_residual_squares, gemv_tiled, layer_norm, linear_bias, linear_bias_into, mmvq_covers, mmvq_takes,
+    paged_decode_attention, q8_1_row, q8_1_row_bytes, quantize_row_q8_1, residual_sum, rotary_qkv, rotary_qkv_into,
+    rotary_qkv_paged, row_sum_squares, scale_rows_cols, silu_mul, silu_mul_into, softmax_relative_bias, write_u32s,
+    ColumnTable, DecodeRows, DecodeScratch, GemvRow, HeadNorms, QueryGroups, ResidualNorm, RowWeight, RowsAt,
 };
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -238,6 +238,40 @@ fn silu_product_matches_candle_at(rows: usize, cols: usize) {
     let want = (g.div(&sigmoid).expect("silu") * &u).expect("product");
     assert!(rel(&silu_mul(&x).expect("silu_mul"), &want) < 1e-6);
     assert!(silu_mul(&randn(&[rows, cols - 1], 7)).is_err());
+    // Written into a buffer, the same values; an output of the wrong width or dtype is refused
+    // and left as it was.
+    let out = Tensor::zeros((rows, half), DType::F32, &Device::Cpu).expect("out");
+    silu_mul_into(&x, &out).expect("silu_mul_into");
+    assert_eq!(rel(&out, &silu_mul(&x).expect("silu_mul")), 0.0);
+    let narrow = Tensor::zeros((rows, half - 1), DType::F32, &Device::Cpu).expect("narrow");
+    assert!(silu_mul_into(&x, &narrow).is_err());
+    let wrong_dtype = Tensor::zeros((rows, half), DType::BF16, &Device::Cpu).expect("bf16");
+    assert!(silu_mul_into(&x, &wrong_dtype).is_err());
+    assert_eq!(
+        narrow
+            .abs()
+            .and_then(|a| a.sum_all())
+            .and_then(|s| s.to_scalar::<f32>())
+            .expect("sum"),
+        0.0
+    );
+}
+
+/// candle's MMVQ kernels read a row quantized to Q8_1 as candle pads it: 512 values at a
+/// time, 36 bytes a block of 32. On the CPU a GGML weight never takes that path.
+#[test]
+fn a_q8_1_row_is_padded_to_512_values_and_cpu_blocks_stay_off_mmvq() {
+    assert_eq!(q8_1_row_bytes(4096), 4096 / 32 * 36);
+    assert_eq!(q8_1_row_bytes(14336), 14336 / 32 * 36);
+    assert_eq!(q8_1_row_bytes(576), 1024 / 32 * 36);
+    assert_eq!(q8_1_row_bytes(1), 512 / 32 * 36);
+    let w = candle_core::quantized::QTensor::quantize(&randn(&[8, 256], 3), candle_core::quantized::GgmlDType::Q4K)
+        .expect("Q4_K");
+    assert!(!mmvq_takes(&w));
+    assert!(!mmvq_covers(&w, &randn(&[1, 256], 4)));
+    let q8 = q8_1_row(256, &Device::Cpu).expect("row");
+    assert_eq!(q8.elem_count(), q8_1_row_bytes(256));
+    assert!(quantize_row_q8_1(&randn(&[1, 256], 4), &q8).is_err());
 }
 
 #[test]

@@ -489,6 +489,14 @@ impl MergedColumnParallelLinear {
         if let Some(w) = self.silu_product_weight(x.like()) {
             return Ok(tpinfer_kernels::gemv_gate_up_silu_into(x, w, out)?);
         }
+        // GGML blocks through candle's MMVQ kernel, the SiLU product written in place.
+        if let Some((w, q8)) = self.joined().and_then(|p| mmvq_row(p, &x)) {
+            let row = x.like();
+            let gate_up = tpinfer_kernels::empty(&[1, w.shape().dims2()?.0], row.dtype(), row.device())?;
+            tpinfer_kernels::quantize_row_q8_1(row, q8)?;
+            tpinfer_kernels::mmvq_row_into(w, q8, &gate_up, 0)?;
+            return Ok(tpinfer_kernels::silu_mul_into(&gate_up, &out.reshape((1, ()))?)?);
+        }
         let gate_up = self.forward_merged(&x.materialize()?)?;
         let cols = gate_up.dims().last().copied().unwrap_or(0);
         let product = tpinfer_kernels::silu_mul(&gate_up.reshape(((), cols))?)?;
