@@ -392,6 +392,49 @@ fn a_ggml_rank_plans_candles_mmq_copies_and_workspaces_on_cuda() {
     assert_eq!(bytes(DType::BF16, Accelerator::Cpu, rows), expanded);
 }
 
+/// A GGML rank on CUDA keeps one Q8_1 row for each product of its decode step (candle's row,
+/// padded to 512 values, 36 bytes a block of 32), and its plan counts one per GGML matrix.
+#[test]
+fn a_ggml_rank_plans_a_q8_1_row_per_product_on_cuda() {
+    use tpinfer_family::Family;
+    use tpinfer_plan::{Accelerator, RankShard};
+    use tpinfer_weights::Quant;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("q4_k_m.gguf");
+    let model = wide_tiny_llama();
+    model.write_gguf(&path, q4_k_m);
+    let family = tpinfer_llama::LlamaModel::open_checkpoint_with(&path, WeightFormat::AsStored).expect("open");
+    let shards = family.shards(1).expect("shards");
+    let decls = shards[0].weight_decls();
+    let matrices = |name: &str| {
+        decls
+            .iter()
+            .filter(|d| matches!(d.quant, Some(Quant::Ggml(_))) && d.shape.len() == 2 && d.name.contains(name))
+            .count()
+    };
+    // Q, K, V, O, gate, up and down in each of the 2 layers; every input is 1,280 wide here,
+    // a row of 1,536 padded values.
+    assert_eq!(matrices("layers."), 7 * model.layers);
+    let row = 1536 / 32 * 36;
+    let others = decls
+        .iter()
+        .filter(|d| matches!(d.quant, Some(Quant::Ggml(_))) && !d.name.contains("layers."))
+        .map(|d| d.shape[1].next_multiple_of(512) / 32 * 36)
+        .sum::<usize>();
+    assert_eq!(tpinfer_layers::mmvq_row_bytes(decls), 7 * model.layers * row + others);
+    // In f32 (no flash attention, so no captured step's buffers on either) a CUDA rank's
+    // buffers are a CPU rank's and the rows, allocated at load.
+    let placement = tpinfer_plan::Placement::llm(256, 1);
+    let footprint = |accelerator| {
+        shards[0]
+            .footprint(DType::F32, placement, accelerator)
+            .expect("footprint")
+    };
+    let (cuda, cpu) = (footprint(Accelerator::Cuda), footprint(Accelerator::Cpu));
+    assert_eq!(cuda.buffers - cpu.buffers, tpinfer_layers::mmvq_row_bytes(decls) as u64);
+    assert_eq!(cuda.at_load - cpu.at_load, cuda.buffers - cpu.buffers);
+}
+
 /// A GGUF of an architecture tpinfer does not read is refused, naming it and those it reads.
 #[test]
 fn a_gguf_of_another_architecture_is_refused_by_name() {

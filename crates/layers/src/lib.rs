@@ -22,8 +22,8 @@ pub use embedding::VocabParallelEmbedding;
 pub use error::{Error, Result};
 pub use kv_cache::KvCache;
 pub use linear::{
-    fp8_product_bytes, fp8_product_extra, mmq_product_bytes, ColumnParallelLinear, MergedColumnParallelLinear,
-    RowParallelLinear,
+    fp8_product_bytes, fp8_product_extra, mmq_product_bytes, mmvq_row_bytes, ColumnParallelLinear,
+    MergedColumnParallelLinear, RowParallelLinear,
 };
 pub use mlp::{GatedMlp, GatedMlpNames};
 pub use paged_kv::{BlockTable, LoneRow, PagedKvCache};

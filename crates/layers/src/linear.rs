@@ -114,6 +114,20 @@ pub fn mmq_product_bytes(products: &[(usize, usize)], dtype: DType, rows: usize)
     transient + workspace + fixup
 }
 
+/// The bytes a CUDA rank's decode-step products of GGML blocks keep beside their weights:
+/// one Q8_1 row each ([`Product`]'s `row_q8`), counted for every GGML weight of `decls` (an
+/// upper bound where weights of one form were joined into one product, which keeps one row).
+pub fn mmvq_row_bytes(decls: &[WeightDecl]) -> usize {
+    decls
+        .iter()
+        .filter(|d| matches!(d.quant, Some(tpinfer_weights::Quant::Ggml(_))))
+        .filter_map(|d| match *d.spec.local_shape(&d.shape).ok()?.as_slice() {
+            [_, k] => Some(tpinfer_kernels::q8_1_row_bytes(k)),
+            _ => None,
+        })
+        .sum()
+}
+
 /// Grows candle's per-device MMVQ scratch (each input row quantized to Q8_1) to the size that
 /// `MMVQ_MAX_ROWS` rows of `widest` values take, which no later product exceeds. A captured
 /// CUDA graph holds that scratch's address, and candle replaces the buffer with a larger one

@@ -206,14 +206,20 @@ impl RankShard for LlamaRankShard {
             kv_sequences,
         };
         let m = RankMemory::batched(config, &self.shard, dtype, max_context, chunk, batch, flash);
+        // A CUDA rank's GGML products keep a Q8_1 row each for the decode step.
+        let buffers = m.buffers
+            + match accelerator {
+                Accelerator::Cuda => tpinfer_layers::mmvq_row_bytes(&self.decls),
+                _ => 0,
+            };
         Ok(Footprint {
-            buffers: m.buffers as u64,
+            buffers: buffers as u64,
             cache: m.kv_cache as u64,
             activations: (m.activations + self.quantized_product_bytes(dtype, accelerator, chunk.max(batch.sequences)))
                 as u64,
             pool_slack: m.pool_slack as u64,
             // Rotary tables and the KV cache are allocated at load, for the whole context.
-            at_load: (m.buffers + m.kv_cache) as u64,
+            at_load: (buffers + m.kv_cache) as u64,
             tokens_per_forward: chunk,
         })
     }
