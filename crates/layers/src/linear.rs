@@ -444,9 +444,10 @@ impl MergedColumnParallelLinear {
     }
 
     /// [`Self::forward_merged`] of one row `x`, written into `out` (all outputs, contiguous):
-    /// a decode step's product into a buffer that outlives the step. Products in GGML blocks that could not be joined (a Q4_K_M file's Q4_K Q and K, its
-    /// Q6_K V) take the row quantized once and write their columns in place where candle's
-    /// MMVQ kernels take every part.
+    /// a decode step's product into a buffer that outlives the step. Products in GGML blocks
+    /// that could not be joined (a Q4_K_M file's Q4_K Q and K, its Q6_K V) take the row
+    /// quantized once and write their columns in place where candle's MMVQ kernels take every
+    /// part.
     pub fn forward_row_into(&self, x: impl Into<GemvRow>, out: &Tensor) -> Result<()> {
         let x = x.into();
         if let Some(product) = self.joined() {
