@@ -505,11 +505,9 @@ impl MergedColumnParallelLinear {
             return Ok(tpinfer_kernels::gemv_gate_up_silu_into(x, w, out)?);
         }
         // GGML blocks through candle's MMVQ kernel, the SiLU product written in place.
-        if let Some((w, q8)) = self.joined().and_then(|p| mmvq_row(p, &x)) {
-            let row = x.like();
-            let gate_up = tpinfer_kernels::empty(&[1, w.shape().dims2()?.0], row.dtype(), row.device())?;
-            tpinfer_kernels::quantize_row_q8_1(row, q8)?;
-            tpinfer_kernels::mmvq_row_into(w, q8, &gate_up, 0)?;
+        if let Some(product) = self.joined().filter(|p| mmvq_row(p, &x).is_some()) {
+            let gate_up = empty_output(product, 1, x.like())?;
+            apply_row_into(product, x, &gate_up)?;
             return Ok(tpinfer_kernels::silu_mul_into(&gate_up, &out.reshape((1, ()))?)?);
         }
         let gate_up = self.forward_merged(&x.materialize()?)?;
