@@ -23,7 +23,7 @@
 // memory, fence or counter. Only when more than one cluster holds keys do the clusters'
 // merged partials meet in global memory.
 #include "chain.cuh"
-#include "tile.cuh"
+#include "decode_tile.cuh"
 #include "convert.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -131,109 +131,6 @@ __device__ void merge(const float* part_o, const float* part_ml, T* __restrict__
     }
 }
 
-constexpr int TILE = 16;  // keys a warp takes at a time: one k16 step of P·V
-
-// The rows of the keys whose pieces this lane copies in the tile from key0 (the pool's rows
-// through a block table when PAGED): piece c (c = lane + 32·i) of the tile is row c / (D/8).
-template <int D, bool PAGED>
-__device__ __forceinline__ void tile_rows(int key0, int end, const unsigned* __restrict__ blocks, int block_shift,
-                                          int lane, long (&row)[TILE * D / 8 / 32]) {
-    constexpr int CHUNKS = D / 8;
-#pragma unroll
-    for (int i = 0; i < TILE * CHUNKS / 32; ++i) {
-        const int j = key0 + (lane + 32 * i) / CHUNKS;
-        const int mask = (1 << block_shift) - 1;
-        row[i] = j >= end ? 0 : !PAGED ? j : (long)blocks[j >> block_shift] << block_shift | (j & mask);
-    }
-}
-
-// Copies the tile from key0 (K then V, TILE padded rows each) into a ring slot; keys past
-// `end` become zeros.
-template <typename T, int D>
-__device__ __forceinline__ void tile_copy(T* slot, int key0, int end, const long (&row)[TILE * D / 8 / 32], const T* kh,
-                                          const T* vh, long k_row, long v_row, int lane) {
-    constexpr int CHUNKS = D / 8, ROW = D + 8;
-#pragma unroll
-    for (int i = 0; i < TILE * CHUNKS / 32; ++i) {
-        const int c = lane + 32 * i, r = c / CHUNKS, col = (c % CHUNKS) * 8;
-        const bool valid = key0 + r < end;
-        cp_async16(smem_addr(slot + r * ROW + col), kh + row[i] * k_row + col, valid);
-        cp_async16(smem_addr(slot + (TILE + r) * ROW + col), vh + row[i] * v_row + col, valid);
-    }
-}
-
-// Where a warp's keys lie: the CTA's slice [start, end) of the cache.
-struct Slice {
-    int start, end, warp, lane;
-};
-
-// Folds the warp's tiles of the slice (w, w + WARPS, ... for warp w) into its softmax state and
-// O (the m16n8 accumulator layout: row lane / 4 is query head lane / 4 of the group), through
-// a ring of STAGES tiles in dynamic shared memory: its lanes copy and read only the warp's
-// slots, so the ring needs the warp's barrier alone.
-template <typename T, int D, int STAGES, bool PAGED>
-__device__ __forceinline__ void fold_slice(const Slice& at, const uint32_t (&qf)[D / 16][4], const T* kh, const T* vh,
-                                           long k_row, long v_row, const unsigned* __restrict__ blocks,
-                                           int block_shift, float scale_log2, float (&o)[D / 8][4],
-                                           OnlineSoftmax& softmax) {
-    constexpr int WARPS = D / 32, ROW = D + 8, SLOT = 2 * TILE * ROW;
-    const int start = at.start, end = at.end, warp = at.warp, lane = at.lane;
-    const int fg = lane / 4, ft = lane % 4;
-    extern __shared__ __align__(16) unsigned char dynamic_shared[];
-    T* ring = reinterpret_cast<T*>(dynamic_shared) + warp * STAGES * SLOT;
-    const int tiles = end > start ? (end - start + TILE - 1) / TILE : 0;
-    const int mine = tiles > warp ? (tiles - warp + WARPS - 1) / WARPS : 0;
-    auto key0_of = [&](int i) { return start + (warp + i * WARPS) * TILE; };
-    long row[TILE * D / 8 / 32];
-    tile_rows<D, PAGED>(key0_of(0), end, blocks, block_shift, lane, row);
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < mine) {
-            tile_copy<T, D>(ring + s * SLOT, key0_of(s), end, row, kh, vh, k_row, v_row, lane);
-            if (s + 1 < mine) tile_rows<D, PAGED>(key0_of(s + 1), end, blocks, block_shift, lane, row);
-        }
-        cp_async_commit();
-    }
-    // The chain is released once this CTA's first keys are requested: a GEMV after it,
-    // launched early, fills the memory system with its weight loads, and the keys' loads
-    // would queue behind them.
-    chain_release();
-    for (int i = 0; i < mine; ++i) {
-        cp_async_wait<STAGES - 2>();
-        __syncwarp();
-        const T* k_tile = ring + (i % STAGES) * SLOT;
-        const T* v_tile = k_tile + TILE * ROW;
-        const int key0 = key0_of(i);
-        // S = Q Kᵀ: the group's rows × the tile's 16 keys.
-        float s[2][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t b[4];
-            ldmatrix_x4(b, k_tile + ((lane / 16) * 8 + lane % 8) * ROW + kk * 16 + ((lane / 8) % 2) * 8);
-            Mma<T>::run(s[0], qf[kk], b[0], b[1]);
-            Mma<T>::run(s[1], qf[kk], b[2], b[3]);
-        }
-        uint32_t pf[1][4];
-        OnlineSoftmax::rescale(o, softmax.update(s, scale_log2, key0 + TILE > end, key0, end, -1, fg, ft));
-        OnlineSoftmax::fragments<T>(s, pf);
-        // O += P V.
-#pragma unroll
-        for (int p = 0; p < D / 16; ++p) {
-            uint32_t b[4];
-            ldmatrix_x4_trans(b, v_tile + (((lane / 8) % 2) * 8 + lane % 8) * ROW + p * 16 + (lane / 16) * 8);
-            Mma<T>::run(o[2 * p], pf[0], b[0], b[1]);
-            Mma<T>::run(o[2 * p + 1], pf[0], b[2], b[3]);
-        }
-        __syncwarp();  // every lane is done with the slot the next copy refills
-        const int next = i + STAGES - 1;
-        if (next < mine) {
-            tile_copy<T, D>(ring + (next % STAGES) * SLOT, key0_of(next), end, row, kh, vh, k_row, v_row, lane);
-            if (next + 1 < mine) tile_rows<D, PAGED>(key0_of(next + 1), end, blocks, block_shift, lane, row);
-        }
-        cp_async_commit();
-    }
-}
-
 // blockDim.x == D: D / 32 warps fold the slice's tiles (see fold_slice) and meet once, at the
 // end of the slice, where thread t takes output column t. At most G (a power of two ≥ group)
 // query heads: the kernel is instantiated per G so that its merge arrays are as small as the
@@ -285,26 +182,16 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     const T* kh = k + kv_head * k_head;
     const T* vh = v + kv_head * v_head;
 
-    // The group's queries as the A fragments of D/16 k16 steps: row g is query head g of the
-    // group, rows from `group` on (8..15 always) zeros.
     uint32_t qf[D / 16][4];
-    {
-        const T* qg = q + (long)(kv_head * group + fg) * D + 2 * ft;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            qf[kk][0] = fg < group ? *reinterpret_cast<const uint32_t*>(qg + kk * 16) : 0u;
-            qf[kk][2] = fg < group ? *reinterpret_cast<const uint32_t*>(qg + kk * 16 + 8) : 0u;
-            qf[kk][1] = qf[kk][3] = 0u;
-        }
-    }
+    group_queries<T, D>(qf, q + (long)kv_head * group * D, group, lane);
 
     float o[D / 8][4] = {};
     OnlineSoftmax softmax;
     const Slice slice{start, end, warp, lane};
     if (stages == 4)
-        fold_slice<T, D, 4, PAGED>(slice, qf, kh, vh, k_row, v_row, blocks, block_shift, scale_log2, o, softmax);
+        fold_slice<T, D, WARPS, 4, PAGED>(slice, qf, kh, vh, k_row, v_row, blocks, block_shift, scale_log2, o, softmax);
     else
-        fold_slice<T, D, 2, PAGED>(slice, qf, kh, vh, k_row, v_row, blocks, block_shift, scale_log2, o, softmax);
+        fold_slice<T, D, WARPS, 2, PAGED>(slice, qf, kh, vh, k_row, v_row, blocks, block_shift, scale_log2, o, softmax);
     trace_mark(0);  // the keys
     // Row fg's sum over the keys of its four lanes.
 #pragma unroll

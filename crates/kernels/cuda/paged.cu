@@ -4,7 +4,7 @@
 // run in one launch, whatever blocks their tables hold.
 #include "convert.cuh"
 #include "rotate.cuh"
-#include "tile.cuh"
+#include "decode_tile.cuh"
 
 namespace {
 
@@ -430,6 +430,84 @@ __device__ void paged_stream(const T* __restrict__ q, const unsigned* __restrict
     }
 }
 
+// paged_split's CTAs, slices and partials, its keys scored on tensor cores: each warp folds
+// every WARPS-th tile of 16 keys of the CTA's slice (decode_tile.cuh's fold_slice, the group's
+// query heads as the rows of an mma.sync A operand) through its own cp.async ring, `stages`
+// (2 or 4) tiles deep, the slots read from the sequence's block table a tile ahead; the warps
+// meet as paged_split's do. 16-bit heads of 64 or 128.
+template <typename T, int D, int G>
+__device__ void paged_mma(const T* __restrict__ q, const unsigned* __restrict__ q_rows, const T* __restrict__ pool,
+                          const unsigned* __restrict__ tables, const unsigned* __restrict__ lens,
+                          float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out, int q_heads,
+                          int kv_heads, int group, int offset, int max_blocks, int block_shift, long pool_slots,
+                          float scale_log2, int stages) {
+    const int k = blockIdx.x, s = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int len = lens[s];
+    const int2 sl = slices_of(len, splits);
+    const int slices = sl.y;
+    const int h0 = max(0, k * group - offset), heads = min(q_heads, (k + 1) * group - offset) - h0;
+    if (len == 0 && split == 0) {
+        // No keys (a padding row of a captured step): zeros, as attention over nothing.
+        for (int i = threadIdx.x; i < heads * D; i += blockDim.x) out[((long)s * q_heads + h0) * D + i] = from_f32<T>(0.f);
+    }
+    if (split >= slices) return;
+    const int start = split * sl.x, end = min(len, start + sl.x);
+    const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    const long row = (long)kv_heads * D;
+    const T* keys = pool + (long)k * D;
+    const T* values = keys + pool_slots * row;
+    const unsigned* table = tables + (long)s * max_blocks;
+
+    uint32_t qf[D / 16][4];
+    group_queries<T, D>(qf, q + ((long)q_rows[s] * q_heads + h0) * D, heads, lane);
+    float o[D / 8][4] = {};
+    OnlineSoftmax softmax;
+    const Slice slice{start, end, warp, lane};
+    if (stages == 4)
+        fold_slice<T, D, WARPS, 4, true>(slice, qf, keys, values, row, row, table, block_shift, scale_log2, o, softmax);
+    else
+        fold_slice<T, D, WARPS, 2, true>(slice, qf, keys, values, row, row, table, block_shift, scale_log2, o, softmax);
+    // Row lane / 4's sum over the keys of its four lanes; the warps meet in shared memory.
+#pragma unroll
+    for (int w = 1; w < 4; w *= 2) softmax.sum_a += __shfl_xor_sync(0xffffffff, softmax.sum_a, w);
+    __shared__ __align__(16) float warp_o[WARPS][G][D];
+    __shared__ float warp_ml[WARPS][G][2];
+    const int fg = lane / 4, ft = lane % 4;
+    if (fg < heads) {
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i)
+            *reinterpret_cast<float2*>(&warp_o[warp][fg][i * 8 + 2 * ft]) = make_float2(o[i][0], o[i][1]);
+        if (ft == 0) warp_ml[warp][fg][0] = softmax.max_a, warp_ml[warp][fg][1] = softmax.sum_a;
+    }
+    __syncthreads();
+    // Thread t merges columns t, t + WARPS · 32, … of every head.
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g >= heads) break;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, warp_ml[w][g][0]);
+        float sum = 0.f;
+        float weight[WARPS];
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            weight[w] = warp_ml[w][g][0] == -INFINITY ? 0.f : exp2f(warp_ml[w][g][0] - mx);
+            sum += weight[w] * warp_ml[w][g][1];
+        }
+        const long head = (long)s * q_heads + h0 + g;
+        for (int c = t; c < D; c += WARPS * 32) {
+            float acc = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) acc += weight[w] * warp_o[w][g][c];
+            if (slices == 1)
+                out[head * D + c] = from_f32<T>(sum > 0.f ? acc / sum : 0.f);
+            else
+                part_o[(head * splits + split) * D + c] = acc;
+        }
+        if (slices > 1 && t == 0) part_ml[2 * (head * splits + split)] = mx, part_ml[2 * (head * splits + split) + 1] = sum;
+    }
+}
+
 // CTA (h, s): query head h of sequence s, when its keys took several slices: their partials
 // weighted by exp2(max - the largest max), summed and divided by the weighted sums.
 template <typename T, int D>
@@ -481,6 +559,23 @@ __device__ void merge_slices(const float* __restrict__ part_o, const float* __re
                               offset, max_blocks, block_shift, pool_slots, scale_log2);                         \
     }
 
+// `stages`: 4 or 2, each warp's ring of tiles that the dynamic shared memory holds
+// (`WARPS · stages · 2 · 16 · (D + 8)` elements of T).
+#define PAGED_MMA(SUFFIX, T, D, G)                                                                            \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_mma_##SUFFIX##_d##D##_g##G(                  \
+        const T* q, const unsigned* q_rows, const T* pool, const unsigned* tables, const unsigned* lens,        \
+        float* part_o, float* part_ml, T* out, int q_heads, int kv_heads, int group, int offset, int max_blocks, \
+        int block_shift, long pool_slots, float scale_log2, int stages) {                                      \
+        paged_mma<T, D, G>(q, q_rows, pool, tables, lens, part_o, part_ml, out, q_heads, kv_heads, group,       \
+                           offset, max_blocks, block_shift, pool_slots, scale_log2, stages);                   \
+    }
+
+#define PAGED_MMAS(SUFFIX, T, D) \
+    PAGED_MMA(SUFFIX, T, D, 1)   \
+    PAGED_MMA(SUFFIX, T, D, 2)   \
+    PAGED_MMA(SUFFIX, T, D, 4)   \
+    PAGED_MMA(SUFFIX, T, D, 8)
+
 #define MERGE_SLICES(SUFFIX, T, D)                                                                              \
     extern "C" __global__ void merge_slices_##SUFFIX##_d##D(const float* part_o, const float* part_ml,          \
                                                              const unsigned* lens, T* out, int q_heads,         \
@@ -514,3 +609,7 @@ PAGED(bf16, __nv_bfloat16)
 PAGED(f16, __half)
 PAGED_STREAMS(bf16, __nv_bfloat16, 256)
 PAGED_STREAMS(f16, __half, 256)
+PAGED_MMAS(bf16, __nv_bfloat16, 64)
+PAGED_MMAS(bf16, __nv_bfloat16, 128)
+PAGED_MMAS(f16, __half, 64)
+PAGED_MMAS(f16, __half, 128)

@@ -577,7 +577,7 @@ mod cuda {
         };
         let split = module.kernel(dev, &format!("{name}_{suffix}_d{d}_g{padded}"))?;
         let splits = super::decode_splits(kv_heads, capacity);
-        let (stages, ring_bytes) = decode_ring(dev, &split, d, std::mem::size_of::<T>())?;
+        let (stages, ring_bytes) = decode_ring(dev, &split, (d / 32, d), std::mem::size_of::<T>(), 4)?;
         let address = |s: &CudaStorage, l: &Layout| -> Result<u64> {
             Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..).device_ptr(&stream).0)
         };
@@ -629,19 +629,21 @@ mod cuda {
         Ok(out.map(|out| CudaStorage::wrap_cuda_slice(out, dev.clone())))
     }
 
-    /// The depth of each warp's ring of key tiles in the decode kernel (cuda/decode_attention.cu)
-    /// and the dynamic shared memory it takes, allowed on `split`: 4 tiles where the device's
-    /// shared memory per CTA holds them beside the kernel's own (Hopper, A100), else 2 (Ada's
-    /// 99 KiB). At 16,384 keys four took 28.5 µs a launch and two 46.9, Llama-3-8B's shape
-    /// with one cluster per KV head on one H100 (benches/archive, 2026-12-05).
-    fn decode_ring(
+    /// The depth of each warp's ring of key tiles in a decode kernel of `warps` warps on tensor
+    /// cores (cuda/decode_tile.cuh), at most `deepest` (4 or 2), and the dynamic shared memory
+    /// it takes, allowed on `split`: 4 tiles where the device's shared memory per CTA holds them
+    /// beside the kernel's own (Hopper, A100), else 2 (Ada's 99 KiB). At 16,384 keys four took
+    /// 28.5 µs a launch and two 46.9, Llama-3-8B's shape with one cluster per KV head on one
+    /// H100 (benches/archive, 2026-12-05).
+    pub(crate) fn decode_ring(
         dev: &candle_core::CudaDevice,
         split: &candle_core::cuda_backend::cudarc::driver::CudaFunction,
-        d: usize,
+        (warps, d): (usize, usize),
         element_bytes: usize,
+        deepest: usize,
     ) -> Result<(i32, usize)> {
         use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-        let ring = |stages: usize| d / 32 * stages * 2 * 16 * (d + 8) * element_bytes;
+        let ring = |stages: usize| warps * stages * 2 * 16 * (d + 8) * element_bytes;
         let own = split
             .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
             .w()? as usize;
@@ -650,7 +652,7 @@ mod cuda {
             .context()
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .w()? as usize;
-        let stages = if own + ring(4) <= limit { 4 } else { 2 };
+        let stages = if deepest >= 4 && own + ring(4) <= limit { 4 } else { 2 };
         if own + ring(stages) > limit {
             candle_core::bail!(
                 "decode attention: head size {d} takes {} bytes of shared memory a CTA, the device allows {limit}",

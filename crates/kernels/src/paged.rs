@@ -324,6 +324,8 @@ mod cuda {
     const STREAM_SEQUENCES: usize = 8;
     const STREAM_GROUP: usize = 4;
     const STREAM_ROW_BYTES: usize = 512;
+    /// Head sizes the tensor-core kernel is instantiated for (16-bit K and V).
+    const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
     /// The streamed kernel's dynamic shared memory (cuda/paged.cu): three stages of 8 KiB of
     /// K and 8 KiB of V, and 256 block-table entries.
     const PAGED_STREAM_SMEM: u32 = 3 * 16 * 1024 + 256 * 4;
@@ -404,22 +406,43 @@ mod cuda {
         // no CTA waits long on another's share. The grid does not depend on the lengths.
         let splits = TARGET_CTAS.div_ceil(n * s.kv_heads).clamp(1, MAX_SPLITS);
         let dtype = suffix(q.dtype())?;
-        // The streamed kernel where it is the faster: enough sequences that each CTA's slice
-        // fills its pipeline, and groups of up to 4 (whose state leaves room for four CTAs an
-        // SM). benches/RESULTS.md has both kernels' times.
+        // On tensor cores in 16 bits (heads of 64 and 128); else the streamed kernel where it
+        // is the faster: enough sequences that each CTA's slice fills its pipeline, and groups of
+        // up to 4 (whose state leaves room for four CTAs an SM). benches/RESULTS.md has their
+        // times.
+        let tensor_cores = matches!(q.dtype(), DType::BF16 | DType::F16) && MMA_HEAD_DIMS.contains(&s.head_dim);
         let streamed = n >= STREAM_SEQUENCES
             && padded <= STREAM_GROUP
             && s.head_dim * q.dtype().size_in_bytes() <= STREAM_ROW_BYTES;
-        let (name, smem) = match streamed {
-            true => ("paged_stream", PAGED_STREAM_SMEM),
-            false => ("paged_split", 0),
+        let name = match (tensor_cores, streamed) {
+            (true, _) => "paged_mma",
+            (false, true) => "paged_stream",
+            (false, false) => "paged_split",
         };
         let attention = crate::module::PAGED.kernel(dev, &format!("{name}_{dtype}_d{}_g{padded}", s.head_dim))?;
-        if streamed {
-            attention
-                .set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-                .w()?;
-        }
+        let (stages, smem) = match (tensor_cores, streamed) {
+            (true, _) => {
+                let element_bytes = q.dtype().size_in_bytes();
+                let (stages, bytes) = crate::cuda::decode_ring(
+                    dev,
+                    &attention,
+                    (ATTENTION_THREADS as usize / 32, s.head_dim),
+                    element_bytes,
+                    2,
+                )?;
+                (Some(stages), bytes as u32)
+            }
+            (false, true) => {
+                attention
+                    .set_attribute(
+                        Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        PAGED_STREAM_SMEM as i32,
+                    )
+                    .w()?;
+                (None, PAGED_STREAM_SMEM)
+            }
+            (false, false) => (None, 0),
+        };
         // Each split's output rows, then its max and sum; none when every sequence is one slice.
         let partials = match splits {
             1 => None,
@@ -457,6 +480,9 @@ mod cuda {
         let slots = s.slots as i64;
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         b.arg(&slots).arg(&scale_log2);
+        if let Some(stages) = &stages {
+            b.arg(stages);
+        }
         let cfg = LaunchConfig {
             grid_dim: (s.kv_heads as u32, n as u32, splits as u32),
             block_dim: (ATTENTION_THREADS, 1, 1),
@@ -466,7 +492,8 @@ mod cuda {
         // the shapes, dtypes and contiguity of q, the pool, the index tensors and the output
         // (n · q_heads · d elements, each written once), and that the groups map every query
         // head onto a KV head. The slots the kernel reads are the sequences' tables' (the
-        // scheduler's blocks, inside the pool); the partials hold n · q_heads · splits rows.
+        // scheduler's blocks, inside the pool); the partials hold n · q_heads · splits rows;
+        // the tensor-core kernel's dynamic shared memory holds `stages` tiles a warp.
         unsafe { b.launch(cfg) }.w()?;
         if partials.is_none() {
             return Ok(());
