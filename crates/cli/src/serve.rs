@@ -99,6 +99,10 @@ pub fn serve(args: ServeArgs, given_model: String) -> Result<()> {
         .context("cannot start the server's runtime")?;
     let grace = Duration::from_secs(args.shutdown_timeout_secs);
     runtime.block_on(async move {
+        // Listened for before the address is announced: a SIGTERM that follows it stops the
+        // server, where the default action would kill it (axum polls its shutdown future
+        // only once a task of its own runs).
+        let shutdown = shutdown_signal()?;
         let listener = socket
             .listen(LISTEN_BACKLOG)
             .with_context(|| format!("cannot listen on {address}"))?;
@@ -121,7 +125,7 @@ pub fn serve(args: ServeArgs, given_model: String) -> Result<()> {
         let app = tpinfer_server::router(Arc::new(engine), options);
         let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
         let server = axum::serve(tpinfer_server::without_nagle(listener), app).with_graceful_shutdown(async move {
-            shutdown_signal().await;
+            shutdown.await;
             eprintln!("stopping: no new connections; requests in flight have {grace:?} to finish");
             let _ = stopping_tx.send(true);
         });
@@ -139,24 +143,22 @@ pub fn serve(args: ServeArgs, given_model: String) -> Result<()> {
     })
 }
 
-/// SIGTERM or Ctrl-C.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// SIGTERM or Ctrl-C, listened for from this call on (inside the runtime).
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?;
+        let mut interrupt = signal(SignalKind::interrupt()).context("cannot listen for Ctrl-C")?;
+        Ok(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = interrupt.recv() => {}
             }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
+        })
     }
+    #[cfg(not(unix))]
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
 }

@@ -78,6 +78,24 @@ fn wait(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
     }
 }
 
+/// A SIGTERM the moment the address is announced stops the server and it exits 0: the
+/// handler is in place before the announcement, not once the server's tasks first run.
+#[test]
+fn serve_stops_on_a_sigterm_right_after_it_announces_its_address() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default().write(dir.path());
+    let model = model.to_str().expect("utf8 path");
+    for _ in 0..3 {
+        let (mut child, _, _) = start(model, &[]);
+        // SAFETY: a plain signal to the child this test started.
+        unsafe {
+            libc::kill(child.id() as i32, libc::SIGTERM);
+        }
+        let status = wait(&mut child, Duration::from_secs(20));
+        assert!(status.success(), "{status:?}");
+    }
+}
+
 #[test]
 fn serve_answers_then_stops_on_sigterm_under_load_and_exits_0() {
     let dir = tempfile::tempdir().expect("tempdir");
