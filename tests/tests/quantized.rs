@@ -112,6 +112,18 @@ fn wide_tiny_llama() -> TinyLlama {
 }
 
 /// Q4_K_M's mix: Q6_K for V and FFN down, Q4_K for the rest, so V is not joined to Q and K.
+/// [`wide_tiny_llama`] written as a Q4_K_M GGUF, opened with its blocks kept, and its one
+/// rank's shard at TP 1.
+fn wide_q4_k_m_shard() -> (TinyLlama, Vec<tpinfer_llama::LlamaRankShard>) {
+    use tpinfer_family::Family;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("q4_k_m.gguf");
+    let model = wide_tiny_llama();
+    model.write_gguf(&path, q4_k_m);
+    let family = tpinfer_llama::LlamaModel::open_checkpoint_with(&path, WeightFormat::AsStored).expect("open");
+    (model, family.shards(1).expect("shards"))
+}
+
 fn q4_k_m(name: &str) -> GgmlDType {
     match name.ends_with("attn_v.weight") || name.ends_with("ffn_down.weight") {
         true => GgmlDType::Q6K,
@@ -369,14 +381,8 @@ fn q4_k_m_joins_q_and_k_and_keeps_v_apart() {
 /// an f32 run copy its input and output.
 #[test]
 fn a_ggml_rank_plans_candles_mmq_copies_and_workspaces_on_cuda() {
-    use tpinfer_family::Family;
     use tpinfer_plan::Accelerator;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("q4_k_m.gguf");
-    let model = wide_tiny_llama();
-    model.write_gguf(&path, q4_k_m);
-    let family = tpinfer_llama::LlamaModel::open_checkpoint_with(&path, WeightFormat::AsStored).expect("open");
-    let shards = family.shards(1).expect("shards");
+    let (model, shards) = wide_q4_k_m_shard();
     let bytes = |dtype, accelerator, rows| shards[0].quantized_product_bytes(dtype, accelerator, rows);
     assert_eq!(bytes(DType::BF16, Accelerator::Cuda, 8), 0);
     let (rows, fixup) = (128, 16 << 20);
@@ -396,15 +402,9 @@ fn a_ggml_rank_plans_candles_mmq_copies_and_workspaces_on_cuda() {
 /// padded to 512 values, 36 bytes a block of 32), and its plan counts one per GGML matrix.
 #[test]
 fn a_ggml_rank_plans_a_q8_1_row_per_product_on_cuda() {
-    use tpinfer_family::Family;
     use tpinfer_plan::{Accelerator, RankShard};
     use tpinfer_weights::Quant;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("q4_k_m.gguf");
-    let model = wide_tiny_llama();
-    model.write_gguf(&path, q4_k_m);
-    let family = tpinfer_llama::LlamaModel::open_checkpoint_with(&path, WeightFormat::AsStored).expect("open");
-    let shards = family.shards(1).expect("shards");
+    let (model, shards) = wide_q4_k_m_shard();
     let decls = shards[0].weight_decls();
     let matrices = |name: &str| {
         decls

@@ -188,10 +188,8 @@ __device__ void split_pass(const T* __restrict__ q, const T* __restrict__ k, con
     float o[D / 8][4] = {};
     OnlineSoftmax softmax;
     const Slice slice{start, end, warp, lane};
-    if (stages == 4)
-        fold_slice<T, D, WARPS, 4, PAGED>(slice, qf, kh, vh, k_row, v_row, blocks, block_shift, scale_log2, o, softmax);
-    else
-        fold_slice<T, D, WARPS, 2, PAGED>(slice, qf, kh, vh, k_row, v_row, blocks, block_shift, scale_log2, o, softmax);
+    fold_slice_ring<T, D, WARPS, PAGED>(stages, slice, qf, kh, vh, k_row, v_row, blocks, block_shift, scale_log2, o,
+                                        softmax);
     trace_mark(0);  // the keys
     // Row fg's sum over the keys of its four lanes.
 #pragma unroll

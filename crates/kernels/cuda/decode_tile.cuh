@@ -125,4 +125,17 @@ __device__ __forceinline__ void fold_slice(const Slice& at, const uint32_t (&qf)
     }
 }
 
+// fold_slice with the ring's depth chosen at run time: 4 tiles where the device's shared memory
+// holds them, else 2 (src/lib.rs, decode_ring).
+template <typename T, int D, int WARPS, bool PAGED>
+__device__ __forceinline__ void fold_slice_ring(int stages, const Slice& at, const uint32_t (&qf)[D / 16][4],
+                                                const T* kh, const T* vh, long k_row, long v_row,
+                                                const unsigned* __restrict__ blocks, int block_shift,
+                                                float scale_log2, float (&o)[D / 8][4], OnlineSoftmax& softmax) {
+    if (stages == 4)
+        fold_slice<T, D, WARPS, 4, PAGED>(at, qf, kh, vh, k_row, v_row, blocks, block_shift, scale_log2, o, softmax);
+    else
+        fold_slice<T, D, WARPS, 2, PAGED>(at, qf, kh, vh, k_row, v_row, blocks, block_shift, scale_log2, o, softmax);
+}
+
 }  // namespace

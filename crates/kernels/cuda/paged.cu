@@ -72,6 +72,42 @@ struct KeyLayout {
     static constexpr int PASS = STEPS * WARPS * KEYS;  // keys per pass of the CTA
 };
 
+// Thread t of the CTA merges columns t, t + WARPS · 32, … of the group's first `heads` heads
+// from the warps' states in shared memory (each warp's output columns, and its max and sum
+// over its keys), weighted by exp2(max - the largest max): into `out` where the sequence's
+// keys took one slice, else as this slice's partials. Heads from `head0` (sequence s's rows).
+template <typename T, int D, int G>
+__device__ __forceinline__ void merge_warps(const float (*warp_o)[G][D], const float (*warp_ml)[G][2], int heads,
+                                           long head0, int split, int splits, int slices, T* __restrict__ out,
+                                           float* __restrict__ part_o, float* __restrict__ part_ml) {
+    const int t = threadIdx.x;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g >= heads) break;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, warp_ml[w][g][0]);
+        float sum = 0.f;
+        float weight[WARPS];
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            weight[w] = warp_ml[w][g][0] == -INFINITY ? 0.f : exp2f(warp_ml[w][g][0] - mx);
+            sum += weight[w] * warp_ml[w][g][1];
+        }
+        const long head = head0 + g;
+        for (int c = t; c < D; c += WARPS * 32) {
+            float acc = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) acc += weight[w] * warp_o[w][g][c];
+            if (slices == 1)
+                out[head * D + c] = from_f32<T>(sum > 0.f ? acc / sum : 0.f);
+            else
+                part_o[(head * splits + split) * D + c] = acc;
+        }
+        if (slices > 1 && t == 0) part_ml[2 * (head * splits + split)] = mx, part_ml[2 * (head * splits + split) + 1] = sum;
+    }
+}
+
 // One decode row per sequence over its cached keys, each split along its keys into at most
 // `splits` slices (slices_of). CTA (k, s, p) takes slice p of sequence s for every query head
 // of KV head k (local query head h reads KV head (h + offset) / group; a rank's first group
@@ -207,32 +243,7 @@ __device__ void paged_split(const T* __restrict__ q, const unsigned* __restrict_
         }
     }
     __syncthreads();
-    // Thread t merges columns t, t + WARPS · 32, … of every head.
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        if (g >= heads) break;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, warp_ml[w][g][0]);
-        float sum = 0.f;
-        float weight[WARPS];
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            weight[w] = warp_ml[w][g][0] == -INFINITY ? 0.f : exp2f(warp_ml[w][g][0] - mx);
-            sum += weight[w] * warp_ml[w][g][1];
-        }
-        const long head = (long)s * q_heads + h0 + g;
-        for (int c = t; c < D; c += WARPS * 32) {
-            float acc = 0.f;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) acc += weight[w] * warp_o[w][g][c];
-            if (slices == 1)
-                out[head * D + c] = from_f32<T>(sum > 0.f ? acc / sum : 0.f);
-            else
-                part_o[(head * splits + split) * D + c] = acc;
-        }
-        if (slices > 1 && t == 0) part_ml[2 * (head * splits + split)] = mx, part_ml[2 * (head * splits + split) + 1] = sum;
-    }
+    merge_warps<T, D, G>(warp_o, warp_ml, heads, (long)s * q_heads + h0, split, splits, slices, out, part_o, part_ml);
 }
 
 // Block-table entries a CTA holds in shared memory at a time (4,096 keys in blocks of 16).
@@ -403,31 +414,7 @@ __device__ void paged_stream(const T* __restrict__ q, const unsigned* __restrict
         }
     }
     __syncthreads();
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        if (g >= heads) break;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, warp_ml[w][g][0]);
-        float sum = 0.f;
-        float weight[WARPS];
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            weight[w] = warp_ml[w][g][0] == -INFINITY ? 0.f : exp2f(warp_ml[w][g][0] - mx);
-            sum += weight[w] * warp_ml[w][g][1];
-        }
-        const long head = (long)s * q_heads + h0 + g;
-        for (int c = t; c < D; c += WARPS * 32) {
-            float acc = 0.f;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) acc += weight[w] * warp_o[w][g][c];
-            if (slices == 1)
-                out[head * D + c] = from_f32<T>(sum > 0.f ? acc / sum : 0.f);
-            else
-                part_o[(head * splits + split) * D + c] = acc;
-        }
-        if (slices > 1 && t == 0) part_ml[2 * (head * splits + split)] = mx, part_ml[2 * (head * splits + split) + 1] = sum;
-    }
+    merge_warps<T, D, G>(warp_o, warp_ml, heads, (long)s * q_heads + h0, split, splits, slices, out, part_o, part_ml);
 }
 
 // paged_split's CTAs, slices and partials, its keys scored on tensor cores: each warp folds
@@ -463,10 +450,8 @@ __device__ void paged_mma(const T* __restrict__ q, const unsigned* __restrict__ 
     float o[D / 8][4] = {};
     OnlineSoftmax softmax;
     const Slice slice{start, end, warp, lane};
-    if (stages == 4)
-        fold_slice<T, D, WARPS, 4, true>(slice, qf, keys, values, row, row, table, block_shift, scale_log2, o, softmax);
-    else
-        fold_slice<T, D, WARPS, 2, true>(slice, qf, keys, values, row, row, table, block_shift, scale_log2, o, softmax);
+    fold_slice_ring<T, D, WARPS, true>(stages, slice, qf, keys, values, row, row, table, block_shift, scale_log2, o,
+                                       softmax);
     // Row lane / 4's sum over the keys of its four lanes; the warps meet in shared memory.
 #pragma unroll
     for (int w = 1; w < 4; w *= 2) softmax.sum_a += __shfl_xor_sync(0xffffffff, softmax.sum_a, w);
@@ -480,32 +465,7 @@ __device__ void paged_mma(const T* __restrict__ q, const unsigned* __restrict__ 
         if (ft == 0) warp_ml[warp][fg][0] = softmax.max_a, warp_ml[warp][fg][1] = softmax.sum_a;
     }
     __syncthreads();
-    // Thread t merges columns t, t + WARPS · 32, … of every head.
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        if (g >= heads) break;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, warp_ml[w][g][0]);
-        float sum = 0.f;
-        float weight[WARPS];
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            weight[w] = warp_ml[w][g][0] == -INFINITY ? 0.f : exp2f(warp_ml[w][g][0] - mx);
-            sum += weight[w] * warp_ml[w][g][1];
-        }
-        const long head = (long)s * q_heads + h0 + g;
-        for (int c = t; c < D; c += WARPS * 32) {
-            float acc = 0.f;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) acc += weight[w] * warp_o[w][g][c];
-            if (slices == 1)
-                out[head * D + c] = from_f32<T>(sum > 0.f ? acc / sum : 0.f);
-            else
-                part_o[(head * splits + split) * D + c] = acc;
-        }
-        if (slices > 1 && t == 0) part_ml[2 * (head * splits + split)] = mx, part_ml[2 * (head * splits + split) + 1] = sum;
-    }
+    merge_warps<T, D, G>(warp_o, warp_ml, heads, (long)s * q_heads + h0, split, splits, slices, out, part_o, part_ml);
 }
 
 // CTA (h, s): query head h of sequence s, when its keys took several slices: their partials
