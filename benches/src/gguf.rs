@@ -54,11 +54,11 @@ fn layer_of(name: &str) -> Option<usize> {
 }
 
 /// The layers whose V and down projections a llama.cpp Q4_K_M file keeps in Q6_K: the first
-/// and last eighth, and every third layer between them from the eighth's third on (16 of
-/// Llama-3-8B's 32; its published Q4_K_M files weigh 4.92 GB).
+/// and last eighth, and between them every third layer, starting two past the first eighth
+/// (16 of Llama-3-8B's 32; its published Q4_K_M files weigh 4.92 GB).
 fn more_bits(layer: usize, layers: usize) -> bool {
     let eighth = layers / 8;
-    layer < eighth || layer >= 7 * layers / 8 || (layer >= eighth && (layer - eighth) % 3 == 2)
+    layer < eighth || layer >= 7 * layers / 8 || (layer - eighth) % 3 == 2
 }
 
 pub(crate) fn run(args: GgufArgs) -> Result<()> {
