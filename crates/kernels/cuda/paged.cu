@@ -72,6 +72,31 @@ struct KeyLayout {
     static constexpr int PASS = STEPS * WARPS * KEYS;  // keys per pass of the CTA
 };
 
+// CTA (k, s, split) of a paged kernel: KV head k's query heads [h0, h0 + heads) of sequence s,
+// and the split's slice [start, end) of its keys, one of the `slices` the sequence takes.
+struct PagedCta {
+    int k, s, split, splits, slices, h0, heads, start, end;
+};
+
+// This CTA's share, or false where it has no keys to fold. A sequence without keys (a padding
+// row of a captured step) gets zeros from its first split, as attention over nothing.
+template <typename T, int D>
+__device__ __forceinline__ bool paged_cta(const unsigned* __restrict__ lens, T* __restrict__ out, int q_heads,
+                                          int group, int offset, PagedCta& c) {
+    c.k = blockIdx.x, c.s = blockIdx.y, c.split = blockIdx.z, c.splits = gridDim.z;
+    const int len = lens[c.s];
+    const int2 sl = slices_of(len, c.splits);
+    c.slices = sl.y;
+    c.h0 = max(0, c.k * group - offset), c.heads = min(q_heads, (c.k + 1) * group - offset) - c.h0;
+    if (len == 0 && c.split == 0) {
+        for (int i = threadIdx.x; i < c.heads * D; i += blockDim.x)
+            out[((long)c.s * q_heads + c.h0) * D + i] = from_f32<T>(0.f);
+    }
+    if (c.split >= c.slices) return false;
+    c.start = c.split * sl.x, c.end = min(len, c.start + sl.x);
+    return true;
+}
+
 // Thread t of the CTA merges columns t, t + WARPS · 32, … of the group's first `heads` heads
 // from the warps' states in shared memory (each warp's output columns, and its max and sum
 // over its keys), weighted by exp2(max - the largest max): into `out` where the sequence's
@@ -128,17 +153,10 @@ __device__ void paged_split(const T* __restrict__ q, const unsigned* __restrict_
     using L = KeyLayout<T, D, G>;
     constexpr int LANES = L::LANES, E = L::E, KEYS = L::KEYS, STEPS = L::STEPS, PASS = L::PASS;
     using P = Pack<T, E>;
-    const int k = blockIdx.x, s = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-    const int len = lens[s];
-    const int2 sl = slices_of(len, splits);
-    const int slices = sl.y;
-    const int h0 = max(0, k * group - offset), heads = min(q_heads, (k + 1) * group - offset) - h0;
-    if (len == 0 && split == 0) {
-        // No keys (a padding row of a captured step): zeros, as attention over nothing.
-        for (int i = threadIdx.x; i < heads * D; i += blockDim.x) out[((long)s * q_heads + h0) * D + i] = from_f32<T>(0.f);
-    }
-    if (split >= slices) return;
-    const int start = split * sl.x, end = min(len, start + sl.x);
+    PagedCta cta;
+    if (!paged_cta<T, D>(lens, out, q_heads, group, offset, cta)) return;
+    const int k = cta.k, s = cta.s, split = cta.split, splits = cta.splits, slices = cta.slices;
+    const int h0 = cta.h0, heads = cta.heads, start = cta.start, end = cta.end;
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
     const int piece = lane % LANES, slot = lane / LANES;
     const unsigned* table = tables + (long)s * max_blocks;
@@ -280,16 +298,10 @@ __device__ void paged_stream(const T* __restrict__ q, const unsigned* __restrict
     T* stage_k = reinterpret_cast<T*>(smem);
     T* stage_v = stage_k + STAGES * PASS * D;
     unsigned* staged = reinterpret_cast<unsigned*>(stage_v + STAGES * PASS * D);
-    const int k = blockIdx.x, s = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-    const int len = lens[s];
-    const int2 sl = slices_of(len, splits);
-    const int slices = sl.y;
-    const int h0 = max(0, k * group - offset), heads = min(q_heads, (k + 1) * group - offset) - h0;
-    if (len == 0 && split == 0) {
-        for (int i = threadIdx.x; i < heads * D; i += blockDim.x) out[((long)s * q_heads + h0) * D + i] = from_f32<T>(0.f);
-    }
-    if (split >= slices) return;
-    const int start = split * sl.x, end = min(len, start + sl.x);
+    PagedCta cta;
+    if (!paged_cta<T, D>(lens, out, q_heads, group, offset, cta)) return;
+    const int k = cta.k, s = cta.s, split = cta.split, splits = cta.splits, slices = cta.slices;
+    const int h0 = cta.h0, heads = cta.heads, start = cta.start, end = cta.end;
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
     const int piece = lane % LANES, slot = lane / LANES;
     const unsigned* table = tables + (long)s * max_blocks;
@@ -428,17 +440,10 @@ __device__ void paged_mma(const T* __restrict__ q, const unsigned* __restrict__ 
                           float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out, int q_heads,
                           int kv_heads, int group, int offset, int max_blocks, int block_shift, long pool_slots,
                           float scale_log2, int stages) {
-    const int k = blockIdx.x, s = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-    const int len = lens[s];
-    const int2 sl = slices_of(len, splits);
-    const int slices = sl.y;
-    const int h0 = max(0, k * group - offset), heads = min(q_heads, (k + 1) * group - offset) - h0;
-    if (len == 0 && split == 0) {
-        // No keys (a padding row of a captured step): zeros, as attention over nothing.
-        for (int i = threadIdx.x; i < heads * D; i += blockDim.x) out[((long)s * q_heads + h0) * D + i] = from_f32<T>(0.f);
-    }
-    if (split >= slices) return;
-    const int start = split * sl.x, end = min(len, start + sl.x);
+    PagedCta cta;
+    if (!paged_cta<T, D>(lens, out, q_heads, group, offset, cta)) return;
+    const int k = cta.k, s = cta.s, split = cta.split, splits = cta.splits, slices = cta.slices;
+    const int h0 = cta.h0, heads = cta.heads, start = cta.start, end = cta.end;
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
     const long row = (long)kv_heads * D;
     const T* keys = pool + (long)k * D;
