@@ -449,3 +449,22 @@ fn pickles_where_safetensors_are_read_name_the_conversion() {
         .to_string();
     assert_mentions(&err, &["diffusion_pytorch_model.bin", "safe_serialization=True"]);
 }
+
+#[test]
+fn truncated_gguf() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    TinyLlama::default().write_gguf(&path, |_| candle_core::quantized::GgmlDType::Q8_0);
+    let bytes = std::fs::read(&path).expect("read");
+    std::fs::write(&path, &bytes[..bytes.len() - 100]).expect("truncate");
+    // Refused when the file is opened, before any rank reads a tensor.
+    assert_mentions(
+        &build_error(&path, 2),
+        &[
+            "tiny.gguf",
+            "truncated",
+            &format!("is {} bytes", bytes.len() - 100),
+            "download it again",
+        ],
+    );
+}

@@ -32,6 +32,14 @@ impl GgufStore {
             path: path.to_path_buf(),
             detail: format!("{e}; the file is not GGUF or is corrupt"),
         })?;
+        let length = file.metadata().map_err(|source| WeightError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        check_tensor_table(&content, length.len()).map_err(|detail| WeightError::Gguf {
+            path: path.to_path_buf(),
+            detail,
+        })?;
         Ok(Self {
             path: path.to_path_buf(),
             content,
@@ -113,6 +121,43 @@ impl GgufStore {
             detail,
         }
     }
+}
+
+/// Checks that every tensor of the table lies inside a file of `length` bytes, so that a
+/// truncated download fails when it is opened, not after the ranks have read the tensors
+/// before the cut.
+fn check_tensor_table(content: &Content, length: u64) -> Result<(), String> {
+    let mut end_of_data = (0u64, "");
+    for (name, info) in &content.tensor_infos {
+        let dtype = info.ggml_dtype;
+        let bytes = info
+            .shape
+            .dims()
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+            .map(|values| values / dtype.block_size() as u64)
+            .and_then(|blocks| blocks.checked_mul(dtype.type_size() as u64));
+        let end = bytes
+            .and_then(|b| b.checked_add(info.offset))
+            .and_then(|e| e.checked_add(content.tensor_data_offset))
+            .ok_or_else(|| {
+                format!(
+                    "tensor `{name}` of shape {:?} is past any file's end; the file is corrupt",
+                    info.shape
+                )
+            })?;
+        if end > end_of_data.0 {
+            end_of_data = (end, name);
+        }
+    }
+    let (end, name) = end_of_data;
+    if end > length {
+        return Err(format!(
+            "the file is {length} bytes but its tensors need {end} (tensor `{name}` ends there): it is truncated; \
+             download it again"
+        ));
+    }
+    Ok(())
 }
 
 /// Undoes llama.cpp's permutation of Q/K rows (`reshape(h, 2, d/2, in).swapaxes(1, 2)`),
