@@ -229,6 +229,7 @@ fn requests_that_cannot_denoise() {
         (|r| r.shift = 0.0, "--shift 0"),
         (|r| r.shift = f64::NAN, "--shift NaN"),
         (|r| r.guide_scale = f64::INFINITY, "--guide-scale inf"),
+        (|r| r.guide_scale = -2.0, "--guide-scale -2 is below 0"),
         (
             |r| r.text = r.text.narrow(1, 0, 20).expect("narrow"),
             "[7, 20], but this model takes [tokens, 24]",

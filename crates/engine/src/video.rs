@@ -73,6 +73,15 @@ impl VideoRequest {
                 self.guide_scale
             )));
         }
+        // Any scale up to 1 runs unguided, as diffusers runs it: a negative one can only be a
+        // slip, and would pass for guidance that never happens.
+        if self.guide_scale < 0.0 {
+            return Err(EngineError::InvalidRequest(format!(
+                "--guide-scale {} is below 0: guidance runs above 1 (Wan: 5 for text-to-video, 4.5 for S2V), and 1 \
+                 turns it off",
+                self.guide_scale
+            )));
+        }
         // Guidance never turns itself off for want of a negative prompt.
         if self.guided() && self.negative.is_none() {
             return Err(EngineError::InvalidRequest(format!(
