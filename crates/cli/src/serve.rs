@@ -25,11 +25,11 @@ pub struct ServeArgs {
     /// many as the memory budget affords where that is fewer (CPU ranks without --gpu-mem: half
     /// of the host's available memory; then the newest sequence is preempted and recomputed
     /// when its blocks run out).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
     max_seqs: usize,
     /// New tokens per step: decode tokens, and prompts prefilled in chunks beside them; at
     /// most the rows the memory plan counts for one forward (the context, or one per sequence).
-    #[arg(long, default_value_t = tpinfer_engine::DEFAULT_STEP_TOKENS)]
+    #[arg(long, default_value_t = tpinfer_engine::DEFAULT_STEP_TOKENS, value_parser = at_least_one)]
     step_tokens: usize,
     /// Requests running or queued beyond which new ones get 429 (default: 4 × --max-seqs).
     #[arg(long)]
@@ -161,4 +161,12 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
     Ok(async {
         let _ = tokio::signal::ctrl_c().await;
     })
+}
+
+/// A count that zero would leave the server unable to run anything.
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("`{text}` is not a count of at least 1")),
+    }
 }

@@ -165,6 +165,20 @@ fn serve_refuses_a_bad_address_by_name() {
     assert!(stderr.starts_with("error: ") && stderr.contains("--host"), "{stderr}");
 }
 
+/// A zero count of sequences or step tokens is refused by its flag before anything loads.
+#[test]
+fn serve_refuses_zero_counts_by_flag() {
+    for flag in ["--max-seqs", "--step-tokens"] {
+        let output = Command::new(env!("CARGO_BIN_EXE_tpinfer"))
+            .args(["serve", "--model", "no/such/model", "--device", "cpu", flag, "0"])
+            .output()
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(flag) && stderr.contains("at least 1"), "{stderr}");
+    }
+}
+
 /// The port is claimed before the model loads: with it taken, the server fails on the port
 /// (here before it would find that the model's weights are missing), not after a load.
 #[test]
