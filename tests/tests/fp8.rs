@@ -289,3 +289,46 @@ fn video_fp8_products_plan_a_quantized_input_on_cuda_and_an_expanded_weight_on_c
         "umT5 on CPU: gate and up expanded and scaled"
     );
 }
+
+/// A `weight_scale` of the wrong shape, or one that is not finite or not above 0, is refused by
+/// the scale's name when the ranks load it.
+#[test]
+fn an_fp8_scale_of_the_wrong_shape_or_not_finite_is_refused_by_name() {
+    let model = TinyLlama::default();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (fp8, _) = write_fp8_and_reference(&model, dir.path(), false);
+    let original = candle_core::safetensors::load(fp8.join("model.safetensors"), &Device::Cpu).expect("load");
+    let name = "model.layers.0.self_attn.o_proj.weight_scale";
+    let scale = original.get(name).expect("a row scale").clone();
+    let rows = scale.dim(0).expect("rows");
+    let with_first = |value: f32| {
+        let first = Tensor::new(&[value], &Device::Cpu).and_then(|v| v.to_dtype(scale.dtype()));
+        scale.slice_assign(&[..1], &first.expect("value")).expect("assign")
+    };
+    let bad_scales = [
+        (
+            "of the wrong shape",
+            Tensor::ones(rows + 1, DType::F32, &Device::Cpu).expect("ones"),
+            "scales for",
+        ),
+        ("not finite", with_first(f32::NAN), "NaN or infinite"),
+        ("of 0", with_first(0.0), "row 0's scale is 0"),
+    ];
+    for (what, bad, said) in bad_scales {
+        let mut tensors = original.clone();
+        tensors.insert(name.to_string(), bad.to_dtype(scale.dtype()).expect("dtype"));
+        candle_core::safetensors::save(&tensors, fp8.join("model.safetensors")).expect("save");
+        for tp in [1, 2] {
+            let err = tpinfer_engine::Engine::builder(&fp8)
+                .tp(tp)
+                .build()
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(
+                err.contains(name) && err.contains(said),
+                "a scale {what} at TP {tp}: {err:?}"
+            );
+        }
+    }
+}

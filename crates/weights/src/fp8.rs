@@ -64,7 +64,8 @@ pub(crate) fn read_fp8(
             detail: format!("an FP8 matrix has two dims, not {:?}", info.shape),
         });
     };
-    let (values, scales, read) = match info.dtype {
+    // The tensor a bad scale is blamed on: the stored scale, or the weight it was made from.
+    let (values, scales, read, origin_of_scales) = match info.dtype {
         DType::F8E4M3 => {
             let (values, read) = store.read(name, spec)?;
             let scale_name = format!("{name}_scale");
@@ -84,7 +85,7 @@ pub(crate) fn read_fp8(
                 }
             }
             .map_err(tensor_err(&scale_name))?;
-            (values, scales, read + scale_read)
+            (values, scales, read + scale_read, scale_name)
         }
         _ => {
             let (full, read) = store.read(name, &ShardSpec::Replicated)?;
@@ -96,19 +97,25 @@ pub(crate) fn read_fp8(
                     .and_then(|v| v.contiguous())
                     .map_err(tensor_err(name))?,
             };
-            (values, scales, read)
+            (values, scales, read, name.to_string())
         }
     };
-    // A non-finite weight makes a non-finite row scale: either way the row is unusable.
-    let usable = scales
-        .to_vec1::<f32>()
-        .map_err(tensor_err(name))?
-        .iter()
-        .all(|s| s.is_finite() && *s > 0.0);
-    if !usable {
+    // A non-finite weight makes a non-finite row scale: either way the row is unusable. A
+    // stored scale of 0 or below would zero or flip its row.
+    let values_of_scales = scales.to_vec1::<f32>().map_err(tensor_err(name))?;
+    if !values_of_scales.iter().all(|s| s.is_finite()) {
         return Err(WeightError::NonFinite {
-            name: name.to_string(),
+            name: origin_of_scales,
             origin: store.origin(),
+        });
+    }
+    if let Some((row, s)) = values_of_scales.iter().enumerate().find(|(_, s)| **s <= 0.0) {
+        return Err(WeightError::Shard {
+            name: origin_of_scales,
+            detail: format!(
+                "row {row}'s scale is {s}, where every scale is above 0; the checkpoint is corrupt: download or convert \
+                 it again"
+            ),
         });
     }
     let scales = match *spec {
