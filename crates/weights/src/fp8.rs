@@ -103,19 +103,23 @@ pub(crate) fn read_fp8(
     // A non-finite weight makes a non-finite row scale: either way the row is unusable. A
     // stored scale of 0 or below would zero or flip its row.
     let values_of_scales = scales.to_vec1::<f32>().map_err(tensor_err(name))?;
-    if !values_of_scales.iter().all(|s| s.is_finite()) {
-        return Err(WeightError::NonFinite {
-            name: origin_of_scales,
-            origin: store.origin(),
-        });
-    }
-    if let Some((row, s)) = values_of_scales.iter().enumerate().find(|(_, s)| **s <= 0.0) {
-        return Err(WeightError::Shard {
-            name: origin_of_scales,
-            detail: format!(
-                "row {row}'s scale is {s}, where every scale is above 0; the checkpoint is corrupt: download or convert \
-                 it again"
-            ),
+    if let Some((row, &s)) = values_of_scales
+        .iter()
+        .enumerate()
+        .find(|(_, s)| !(s.is_finite() && **s > 0.0))
+    {
+        return Err(match s.is_finite() {
+            false => WeightError::NonFinite {
+                name: origin_of_scales,
+                origin: store.origin(),
+            },
+            true => WeightError::Shard {
+                name: origin_of_scales,
+                detail: format!(
+                    "row {row}'s scale is {s}, where every scale is above 0; the checkpoint is corrupt: download or \
+                     convert it again"
+                ),
+            },
         });
     }
     let scales = match *spec {
