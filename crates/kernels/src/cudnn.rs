@@ -525,8 +525,17 @@ pub unsafe fn convolve_into(
         };
         let chosen = prepared.chosen;
         let d = prepared.d.raw;
+        // A 16-bit convolution takes its whole bound, the index tables' 32 MiB, whatever its
+        // algorithm needs (16 MiB at most at 480p, none for one 832 × 480 frame): one block
+        // size that the pool hands from each convolution to the next, and the peak the memory
+        // plan counts. An f32 one takes what its algorithm needs: its bound grows with the
+        // input and output, to hundreds of MiB.
+        let bytes = match shape.dtype.size_in_bytes() {
+            4.. => chosen.workspace,
+            _ => chosen.workspace.max(shape.workspace_cap()),
+        };
         // SAFETY: every byte of it is written (by cuDNN) before it is read.
-        let workspace = unsafe { dev.alloc::<u8>(chosen.workspace.max(1))? };
+        let workspace = unsafe { dev.alloc::<u8>(bytes.max(1))? };
         let workspace = {
             use candle_core::cuda_backend::cudarc::driver::DevicePtr;
             workspace.device_ptr(&stream).0 as *mut c_void
