@@ -526,7 +526,7 @@ pub unsafe fn convolve_into(
         let chosen = prepared.chosen;
         let d = prepared.d.raw;
         // A 16-bit convolution takes its whole bound, the index tables' 32 MiB, whatever its
-        // algorithm needs (16 MiB at most at 480p, none for one 832 × 480 frame): one block
+        // algorithm needs (0 to 16 MiB in a 480p decode, 0 to 7 MiB in an encode): one block
         // size that the pool hands from each convolution to the next, and the peak the memory
         // plan counts. An f32 one takes what its algorithm needs: its bound grows with the
         // input and output, to hundreds of MiB.
