@@ -38,15 +38,28 @@ pub fn cudnn_version() -> Option<usize> {
 
 /// The most a cuDNN convolution of `input` elements into `output` allocates besides its
 /// output: its algorithm's workspace, which the algorithm choice keeps within this. In bf16
-/// and f16 that is the implicit GEMMs' index tables, and the convolution allocates all of it
-/// whatever its algorithm takes (cudnn.rs), so that the plan's count is the allocation; in
-/// f32 it allocates what its algorithm takes, and the fastest algorithm also takes
+/// and f16 that is the implicit GEMMs' index tables, all of which the convolution allocates
+/// ([`cudnn_workspace_allocation`]); in f32 the fastest algorithm also takes
 /// the size of the input and output (on an H200 with cuDNN 9.19: at most 16 MiB + 415 bytes in
 /// bf16 at 480p, and up to 640 MiB in f32, scripts/gpu/vae-workspaces.sh).
 pub fn cudnn_workspace_bound(input: usize, output: usize, dtype: DType) -> usize {
     match dtype.size_in_bytes() {
         4.. => (input + output) * dtype.size_in_bytes() + INDEX_TABLE_BYTES,
         _ => INDEX_TABLE_BYTES,
+    }
+}
+
+/// The workspace a cuDNN convolution of `input` elements into `output` allocates when its
+/// algorithm takes `needed` bytes: in 16 bits its whole [`cudnn_workspace_bound`], whatever
+/// the algorithm takes (0 to 16 MiB in a 480p VAE decode, 0 to 7 MiB in an encode), so that
+/// the pool hands one block size from each convolution to the next and the plan's count is
+/// the allocation; in f32 what the algorithm takes, as its bound grows with the input and
+/// output, to hundreds of MiB.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn cudnn_workspace_allocation(needed: usize, input: usize, output: usize, dtype: DType) -> usize {
+    match dtype.size_in_bytes() {
+        4.. => needed,
+        _ => needed.max(cudnn_workspace_bound(input, output, dtype)),
     }
 }
 
@@ -249,5 +262,35 @@ mod cuda {
             }
         }
         Ok(y)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::DType;
+
+    use super::{cudnn_workspace_allocation, cudnn_workspace_bound};
+
+    /// The VAE's memory plan counts the bound at every convolution: a 16-bit one must allocate
+    /// exactly that, whatever its algorithm takes; an f32 one takes its algorithm's need,
+    /// within the bound.
+    #[test]
+    fn a_16_bit_convolution_allocates_the_bound_the_plan_counts() {
+        let (input, output) = (3 * 480 * 832 * 96, 3 * 480 * 832 * 96);
+        for dtype in [DType::BF16, DType::F16] {
+            let bound = cudnn_workspace_bound(input, output, dtype);
+            for needed in [0, 131, 7 << 20, bound] {
+                assert_eq!(
+                    cudnn_workspace_allocation(needed, input, output, dtype),
+                    bound,
+                    "{dtype:?}, {needed}"
+                );
+            }
+        }
+        let bound = cudnn_workspace_bound(input, output, DType::F32);
+        assert_eq!(bound, (input + output) * 4 + (32 << 20));
+        for needed in [0, 5 << 20, bound] {
+            assert_eq!(cudnn_workspace_allocation(needed, input, output, DType::F32), needed);
+        }
     }
 }

@@ -17,7 +17,7 @@ use std::sync::{Arc, OnceLock};
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{CudaDevice, DType, Result};
 
-use crate::conv::cudnn_workspace_bound;
+use crate::conv::{cudnn_workspace_allocation, cudnn_workspace_bound};
 
 type Status = c_int;
 type Handle = *mut c_void;
@@ -525,15 +525,12 @@ pub unsafe fn convolve_into(
         };
         let chosen = prepared.chosen;
         let d = prepared.d.raw;
-        // A 16-bit convolution takes its whole bound, the index tables' 32 MiB, whatever its
-        // algorithm needs (0 to 16 MiB in a 480p decode, 0 to 7 MiB in an encode): one block
-        // size that the pool hands from each convolution to the next, and the peak the memory
-        // plan counts. An f32 one takes what its algorithm needs: its bound grows with the
-        // input and output, to hundreds of MiB.
-        let bytes = match shape.dtype.size_in_bytes() {
-            4.. => chosen.workspace,
-            _ => chosen.workspace.max(shape.workspace_cap()),
-        };
+        let bytes = cudnn_workspace_allocation(
+            chosen.workspace,
+            shape.input_elements(),
+            shape.output_elements(),
+            shape.dtype,
+        );
         // SAFETY: every byte of it is written (by cuDNN) before it is read.
         let workspace = unsafe { dev.alloc::<u8>(bytes.max(1))? };
         let workspace = {
