@@ -193,15 +193,16 @@ impl DitMemory {
         let over_norm = product(lw, d, s).max(product(2 * lw, d, s));
         let (out_product, up, down) = (product(d, lw, s), product(fw, d, s), product(d, fw, s));
 
-        // `Attention::forward` on the modulated norm `n` (X, all rows), self-attention:
-        // Q's GEMM output and Q with its bias (2L; fused: L); then with Q alive, the merged
-        // K/V GEMM output and K/V with its bias (4L; fused: 2L); `n` dropped,
+        // `Attention::forward` on the modulated norm `n` (X, all rows), self-attention: Q's
+        // and the merged K/V's outputs are made first (3L) and the products write into them;
+        // fused, the GEMM writes there itself; unfused, each product's GEMM output and its
+        // biased copy sit beside them until copied in (Q's 2L, then K/V's 4L: 7L); `n` dropped,
         // `full_width_rms_norm`: normalized (and rotated) Q beside Q and the merged K/V (4L),
         // then, Q dropped, normalized K beside them (4L; K is read in place); then V's
         // contiguous copy for its heads beside Q, K and the merged K/V (5L), which goes next.
         let projections = match path.fused_linear {
             true => (x + 3 * l + over_norm).max(5 * l),
-            false => x + 5 * l + over_norm,
+            false => x + 7 * l + over_norm,
         };
         // The attention output beside Q, K, V (4L), or the blockwise path's f32 work: within
         // the loop over heads, one head's scaled queries, keys (and a transposed copy) and
@@ -232,14 +233,23 @@ impl DitMemory {
         };
         let output = l + (reduced + out_product).max(rc + r);
         let self_attn = projections.max(attention).max(output);
-        // Cross-attention: the same with keys over the text, beside `n`.
-        let cross = (x + 2 * l + 4 * text_l + over_norm).max(output);
-        // `Block::forward`'s FFN: the up GEMM's output and its bias beside `n` (X + 2F); GELU
-        // (2F); fused, the hidden alone (X + F); the down projection beside the hidden.
+        // Cross-attention: the same with keys over the text, beside `n`; unfused, Q's output
+        // beside its product's two (3L), then beside the text's K/V product and its biased
+        // copy (L + 4 text L).
+        let cross = match path.fused_linear {
+            true => x + 2 * l + 4 * text_l + over_norm,
+            false => x + (3 * l).max(l + 4 * text_l) + over_norm,
+        };
+        let cross = cross.max(output);
+        // `Block::forward`'s FFN: the hidden is made first (F) and the up product written
+        // into it: fused, by the GEMM with its bias and GELU (X + F); unfused, the GEMM's
+        // output, its biased copy, then GELU's output beside it and the hidden until copied in
+        // (X + 3F, as traced on the GPU host, benches/RESULTS.md); the down projection beside
+        // the hidden.
         let down_and_update = (reduced + down).max(rc + r);
         let ffn = match path.fused_linear {
             true => (x + f + up).max(f + down_and_update),
-            false => (x + 2 * f + up).max(2 * f).max(f + down_and_update),
+            false => (x + 3 * f + up).max(f + down_and_update),
         };
         // A residual update: old and new stream and the attention or FFN output (2R + Rc; a
         // wider stream reads the output as it is). A norm writes the compute dtype from the
