@@ -39,7 +39,7 @@ pub fn cudnn_version() -> Option<usize> {
 /// The most a cuDNN convolution of `input` elements into `output` allocates besides its
 /// output: its algorithm's workspace, which the algorithm choice keeps within this. In bf16
 /// and f16 that is the implicit GEMMs' index tables, all of which the convolution allocates
-/// ([`cudnn_workspace_allocation`]); in f32 the fastest algorithm also takes
+/// whatever its algorithm takes; in f32 the fastest algorithm also takes
 /// the size of the input and output (on an H200 with cuDNN 9.19: at most 16 MiB + 415 bytes in
 /// bf16 at 480p, and up to 640 MiB in f32, scripts/gpu/vae-workspaces.sh).
 pub fn cudnn_workspace_bound(input: usize, output: usize, dtype: DType) -> usize {
