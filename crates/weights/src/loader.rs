@@ -1,4 +1,4 @@
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -142,11 +142,14 @@ impl<'a> ShardLoader<'a> {
                 }
             }
         }
-        let mut names = store.names();
-        names.sort();
-        if let Some(extra) = names
+        // A set, not a scan of the declarations per name: a plan checks every rank's shard at
+        // every width it searches, and a scan made that quadratic in the tensors.
+        let declared: HashSet<&str> = decls.iter().map(|d| d.name.as_str()).collect();
+        if let Some(extra) = store
+            .names()
             .into_iter()
-            .find(|n| !ignored(n) && !decls.iter().any(|d| &d.name == n))
+            .filter(|n| !ignored(n) && !declared.contains(n.as_str()))
+            .min()
         {
             return Err(WeightError::Unexpected {
                 name: extra,
