@@ -5,8 +5,8 @@ use std::process::ExitCode;
 use anyhow::{bail, Result};
 use tpinfer_engine::DType;
 use tpinfer_plan::{
-    fit_table, kv_sequences_that_fit, mib, over_budget_message, with_kv_sequences, DeviceProfile, Placement, Plan,
-    ShardedModel,
+    fit_table, kv_sequences_that_fit, mib, over_budget_message, searched_widths, with_kv_sequences, DeviceProfile,
+    Placement, Plan, ShardedModel,
 };
 
 #[derive(clap::Args)]
@@ -341,8 +341,9 @@ fn all_widths(
     budget: u64,
     json: bool,
 ) -> Result<ExitCode> {
-    // Every width the model shards to: any width, not only powers of two.
-    let table = fit_table(model, dtype, placement, device, budget, 1..=model.max_tp());
+    // Every width the model shards to: any width, not only powers of two (up to
+    // WIDEST_SEARCHED).
+    let table = fit_table(model, dtype, placement, device, budget, searched_widths(model, 1));
     if table.is_empty() {
         // Report why width 1 cannot even be planned.
         Plan::new(model, 1, dtype, placement, device)?;

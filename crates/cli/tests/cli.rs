@@ -1158,6 +1158,56 @@ fn plan_refuses_absurd_sizes_quickly() {
     assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
 }
 
+/// A VAE over budget is refused at once, by `plan` and by `decode`, with nothing written: the
+/// refusal's search for a width that fits planned every one of the VAE's 2,048 bands and
+/// checked the checkpoint once a rank, minutes of a seeming hang.
+#[test]
+fn a_vae_over_budget_is_refused_at_once() {
+    use candle_core::{DType, Device, Tensor};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pipeline = tpinfer_tests::TinyWanPipeline::default();
+    let z = pipeline.dit.channels;
+    let pipeline = pipeline.write(&dir.path().join("pipe"));
+    let vae = pipeline.join("vae");
+    let vae = vae.to_str().expect("utf8");
+    let video = ["--frames", "81", "--size", "832x480", "--gpu-mem", "1MiB"];
+    let start = Instant::now();
+    for tp in [None, Some("1")] {
+        let mut args = vec!["--model", vae];
+        args.extend(tp.map(|tp| ["--tp", tp]).into_iter().flatten());
+        args.extend(video);
+        let output = plan(&args);
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let latents = dir.path().join("latents.safetensors");
+    Tensor::zeros((z, 21, 60, 104), DType::F32, &Device::Cpu)
+        .and_then(|t| t.save_safetensors("latents", &latents))
+        .expect("latents");
+    let frames = dir.path().join("frames");
+    let output = tpinfer(
+        &[
+            "decode",
+            "--model",
+            vae,
+            "--latents",
+            latents.to_str().expect("utf8"),
+            "--save-frames",
+            frames.to_str().expect("utf8"),
+            "--gpu-mem",
+            "1MiB",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_fails_with(&output, &["does not fit", "at any TP width up to 64"]);
+    assert!(!frames.exists(), "a refused decode wrote {}", frames.display());
+    assert!(start.elapsed() < Duration::from_secs(30), "{:?}", start.elapsed());
+}
+
 /// Serving 64 sequences of 8,192 positions of Llama-3-8B on one 24 GiB GPU: their KV caches
 /// at full length (64 GiB) do not fit, so the paged cache holds as many full contexts as the
 /// budget affords, as `tpinfer serve` sizes it: one more would not fit.

@@ -163,8 +163,15 @@ impl Plan {
         device: DeviceProfile,
     ) -> Result<Self, PlanError> {
         let shards = model.rank_shards(tp)?;
+        // Ranks that hold the same declarations (a replicated model, the VAE's bands) share
+        // one list: checked once, not once a rank at every width a search plans.
+        let mut checked: Option<&[WeightDecl]> = None;
         for shard in &shards {
-            model.check(shard.weight_decls())?;
+            let decls = shard.weight_decls();
+            if !checked.is_some_and(|c| std::ptr::eq(c, decls)) {
+                model.check(decls)?;
+                checked = Some(decls);
+            }
         }
         let shards: Vec<&dyn RankShard> = shards.iter().map(|s| &**s).collect();
         Self::for_shards(model, &shards, dtype, placement, device)

@@ -103,6 +103,18 @@ pub fn with_kv_sequences(placement: Placement, fit: Option<usize>) -> Placement 
     }
 }
 
+/// The widest TP a search plans (a refusal's `--tp` suggestion, `tpinfer plan`'s table):
+/// well past a box's 8 to 16 GPUs. A width's plan costs a footprint per rank, so a search to
+/// width W costs W²/2 of them: to the VAE's 2,048 bands (or its replicated encoder's any
+/// width) that took minutes, during which a refused start seemed to hang.
+pub const WIDEST_SEARCHED: usize = 64;
+
+/// The widths a search plans for `model`, from `from`: up to its widest, at most
+/// [`WIDEST_SEARCHED`].
+pub fn searched_widths(model: &dyn ShardedModel, from: usize) -> std::ops::RangeInclusive<usize> {
+    from..=model.max_tp().min(WIDEST_SEARCHED)
+}
+
 /// The smallest width from `from` up that fits `placement` in `budget`.
 pub fn smallest_width(
     model: &dyn ShardedModel,
@@ -112,7 +124,7 @@ pub fn smallest_width(
     budget: u64,
     from: usize,
 ) -> Option<usize> {
-    (from..=model.max_tp()).find(|&tp| {
+    searched_widths(model, from).find(|&tp| {
         Plan::new(model, tp, dtype, placement, device)
             .map(|p| p.fits(budget))
             .unwrap_or(false)
@@ -248,8 +260,117 @@ pub fn over_budget_message(model: &dyn ShardedModel, plan: &Plan, dtype: DType, 
         }
     }
     match options.is_empty() {
-        true => message.push_str(&format!("; it does not fit at any TP width: {remedy}")),
+        true => {
+            let widths = match model.max_tp() > WIDEST_SEARCHED {
+                true => format!("any TP width up to {WIDEST_SEARCHED}"),
+                false => "any TP width".to_string(),
+            };
+            message.push_str(&format!("; it does not fit at {widths}: {remedy}"))
+        }
         false => message.push_str(&format!("; fits with {}", options.join(", or with "))),
     }
     message
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use tpinfer_weights::{ShardSpec, WeightDecl};
+
+    use super::*;
+    use crate::{boxed_shards, Accelerator, Footprint, PlanError, RankShard};
+
+    /// A model every rank holds whole at any width, as the VAE's encoder: a wider TP never
+    /// fits better. It counts the footprints planned and the declaration lists checked.
+    struct Replicated {
+        decls: Arc<[WeightDecl]>,
+        footprints: Arc<AtomicUsize>,
+        checks: AtomicUsize,
+    }
+
+    struct Whole {
+        decls: Arc<[WeightDecl]>,
+        footprints: Arc<AtomicUsize>,
+    }
+
+    impl ShardedModel for Replicated {
+        fn name(&self) -> &str {
+            "replicated"
+        }
+        fn max_tp(&self) -> usize {
+            1 << 16
+        }
+        fn default_dtype(&self) -> DType {
+            DType::F32
+        }
+        fn default_placement(&self) -> Placement {
+            VIDEO
+        }
+        fn rank_shards(&self, tp: usize) -> Result<Vec<Box<dyn RankShard>>, PlanError> {
+            let whole = || Whole {
+                decls: self.decls.clone(),
+                footprints: self.footprints.clone(),
+            };
+            Ok(boxed_shards((0..tp).map(|_| whole()).collect()))
+        }
+        fn check(&self, _decls: &[WeightDecl]) -> Result<(), PlanError> {
+            self.checks.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        fn fsdp_unit(&self, _tensor: &str) -> Option<String> {
+            None
+        }
+    }
+
+    impl RankShard for Whole {
+        fn weight_decls(&self) -> &[WeightDecl] {
+            &self.decls
+        }
+        fn footprint(&self, _: DType, _: Placement, _: Accelerator) -> Result<Footprint, PlanError> {
+            self.footprints.fetch_add(1, Ordering::Relaxed);
+            Ok(Footprint {
+                activations: 1 << 30,
+                ..Footprint::default()
+            })
+        }
+    }
+
+    const VIDEO: Placement = Placement::Dit {
+        frames: 1,
+        width: 8,
+        height: 8,
+        cfg: false,
+    };
+
+    /// A refusal of a model that shards to 65,536 ranks plans widths up to WIDEST_SEARCHED
+    /// (a search to every width planned 2³¹ footprints: a refused start hung), and checks the
+    /// ranks' one shared declaration list once a width.
+    #[test]
+    fn a_refusal_searches_widths_up_to_the_widest_searched() {
+        let model = Replicated {
+            decls: vec![WeightDecl::new("w", &[4, 4], ShardSpec::Replicated)].into(),
+            footprints: Arc::default(),
+            checks: AtomicUsize::new(0),
+        };
+        let device = DeviceProfile::cpu();
+        let Ok(plan) = Plan::new(&model, 1, DType::F32, VIDEO, device) else {
+            panic!("width 1 plans");
+        };
+        assert_eq!(model.checks.load(Ordering::Relaxed), 1);
+        let message = over_budget_message(&model, &plan, DType::F32, 1 << 20);
+        assert!(
+            message.contains(&format!("does not fit at any TP width up to {WIDEST_SEARCHED}")),
+            "{message}"
+        );
+        let plans = model.checks.load(Ordering::Relaxed);
+        assert!(plans <= WIDEST_SEARCHED + 2, "{plans} plans: one check a width");
+        let footprints = model.footprints.load(Ordering::Relaxed);
+        assert!(
+            footprints <= WIDEST_SEARCHED * WIDEST_SEARCHED,
+            "{footprints} footprints"
+        );
+        assert_eq!(searched_widths(&model, 3), 3..=WIDEST_SEARCHED);
+    }
 }
