@@ -25,6 +25,16 @@ use crate::WanVaeConfig;
 /// benches/RESULTS.md).
 pub const DECODE_TEMPORARIES: usize = 2400 << 20;
 
+/// The decode's pool slack in largest temporaries. A decode's steps free and make buffers of
+/// many sizes, level after level, so the block of its largest temporary, once freed, is split
+/// by smaller ones and the next one of that size is mapped anew: the pool held 1.4 to 2.3 of
+/// them beyond the live tensors, and a card of the plan's size with one ran out of memory at
+/// 480p and 720p in bf16 and 480p in f32 (the least card it ran on was 2–10% past that plan:
+/// `scripts/gpu/vae-least-card.sh`, benches/RESULTS.md). With two, the least card is within
+/// 1.5% of the plan at 720p and in f32 (0.3% past it, at 720p on an H200), and 4–7% under it
+/// at 480p.
+const POOL_SLACK_LARGEST: usize = 2;
+
 /// Queries per block of the middle attention (`blocks::QUERY_BLOCK`).
 const QUERY_BLOCK: usize = 1024;
 
@@ -44,8 +54,8 @@ pub struct Tiling {
 pub struct DecodeMemory {
     /// The most bytes alive at once.
     pub peak: usize,
-    /// What a stream-ordered pool may hold beyond them: the largest temporary, freed and
-    /// split by smaller allocations.
+    /// What a stream-ordered pool holds beyond them: twice the largest temporary (see
+    /// [`POOL_SLACK_LARGEST`]).
     pub pool_slack: usize,
     pub tiling: Tiling,
 }
@@ -238,7 +248,10 @@ impl Model {
         };
         DecodeMemory {
             peak: middles + (latents + middle.peak).max(path.peak + band_frames),
-            pool_slack: if self.cuda { middle.largest.max(path.largest) } else { 0 },
+            pool_slack: match self.cuda {
+                true => POOL_SLACK_LARGEST * middle.largest.max(path.largest),
+                false => 0,
+            },
             tiling,
         }
     }
