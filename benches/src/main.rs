@@ -128,6 +128,10 @@ struct DitArgs {
     /// Self-attention's products on E4M3 operands (Hopper, bf16).
     #[arg(long)]
     attention_fp8: bool,
+    /// Before the forwards, takes the device memory past the plan plus this many MiB (as
+    /// `tpinfer-bench vae --limit-to-plan`): the least card a forward runs on.
+    #[arg(long)]
+    limit_to_plan: Option<f64>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -630,6 +634,7 @@ fn dit(args: DitArgs) -> Result<()> {
             .weight_format(args.weights.format())
             .self_attention(precision);
         let engine = VideoEngine::start(builder, largest).with_context(|| format!("loading at TP {tp}"))?;
+        let taken = take_past_plan(&engine.device_memory(), engine.plan(), args.limit_to_plan)?;
         for (index, input) in inputs.iter().enumerate() {
             let run = || -> Result<candle_core::Tensor> { Ok(input.velocity(&engine, false)?.0) };
             let mut velocity = run()?;
@@ -678,6 +683,7 @@ fn dit(args: DitArgs) -> Result<()> {
             }
         }
         print_memory_parts(&engine.device_memory(), engine.plan());
+        print_limited(taken.as_ref(), &engine.device_memory());
         if args.profile {
             dit_profile(&engine, tp, inputs.last().context("no inputs")?)?;
         }
@@ -686,6 +692,61 @@ fn dit(args: DitArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Device memory held away from a run (`--limit-to-plan`): `bytes` of the pool, taken after
+/// the launch's budget check, as a card of the plan's size plus `extra_mib` would hold them.
+pub(crate) struct Taken {
+    #[cfg(feature = "cuda")]
+    _held: candle_core::cuda_backend::cudarc::driver::CudaSlice<u8>,
+    bytes: u64,
+    extra_mib: f64,
+}
+
+/// With `extra_mib`, takes rank 0's device memory past its plan plus that many MiB (the
+/// process alone on the device), from the device's pool on the primary context: a candle
+/// device of its own would add a cuBLAS handle's 64 MiB outside the pool.
+pub(crate) fn take_past_plan(
+    memory: &[Option<tpinfer_runtime::DeviceMemory>],
+    plan: &tpinfer_plan::Plan,
+    extra_mib: Option<f64>,
+) -> Result<Option<Taken>> {
+    let Some(extra_mib) = extra_mib else {
+        return Ok(None);
+    };
+    let (Some(Some(memory)), Some(rank)) = (memory.first(), plan.ranks.first()) else {
+        anyhow::bail!("--limit-to-plan needs CUDA ranks");
+    };
+    let limit = rank.total() + (extra_mib * 1048576.0) as u64;
+    let bytes = memory.total.saturating_sub(limit);
+    #[cfg(feature = "cuda")]
+    {
+        let stream = candle_core::cuda_backend::cudarc::driver::CudaContext::new(0)?.default_stream();
+        let held = stream.alloc_zeros::<u8>(bytes as usize)?;
+        stream.synchronize()?;
+        Ok(Some(Taken {
+            _held: held,
+            bytes,
+            extra_mib,
+        }))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = bytes;
+        anyhow::bail!("--limit-to-plan needs a CUDA build")
+    }
+}
+
+/// Rank 0's peak without the memory `taken` held away from it, where some was.
+pub(crate) fn print_limited(taken: Option<&Taken>, memory: &[Option<tpinfer_runtime::DeviceMemory>]) {
+    if let (Some(taken), Some(Some(m))) = (taken, memory.first()) {
+        println!(
+            "limited to the plan + {:.0} MiB ({:.0} MiB taken): peak {:.0} MiB without them",
+            taken.extra_mib,
+            tpinfer_plan::mib(taken.bytes),
+            tpinfer_plan::mib(m.peak().saturating_sub(taken.bytes))
+        );
+    }
 }
 
 /// Rank 0's measured peak in its parts beside the plan's (MiB): the pool's live tensors, the

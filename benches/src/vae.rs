@@ -59,10 +59,7 @@ pub fn vae(args: VaeArgs) -> Result<()> {
             .device(crate::device_kind(args.cuda))
             .dtype(dtype);
         let engine = VaeEngine::start(builder, shape)?;
-        let taken = match args.limit_to_plan {
-            Some(extra) => Some(take_past_plan(&engine, extra)?),
-            None => None,
-        };
+        let taken = crate::take_past_plan(&engine.device_memory(), engine.plan(), args.limit_to_plan)?;
         let mut times = Vec::with_capacity(args.repeats + 1);
         let mut decoded = None;
         for _ in 0..=args.repeats {
@@ -83,14 +80,7 @@ pub fn vae(args: VaeArgs) -> Result<()> {
             shape.frames, shape.width, shape.height
         );
         crate::print_memory_parts(&device_memory, engine.plan());
-        if let (Some(Taken { bytes, .. }), Some(Some(m))) = (&taken, device_memory.first()) {
-            println!(
-                "limited to the plan + {:.0} MiB ({:.0} MiB taken): peak {:.0} MiB without them",
-                args.limit_to_plan.unwrap_or(0.0),
-                tpinfer_plan::mib(*bytes as u64),
-                tpinfer_plan::mib(m.peak().saturating_sub(*bytes as u64))
-            );
-        }
+        crate::print_limited(taken.as_ref(), &device_memory);
         if let (Some(out), Some(frames)) = (&args.out, decoded) {
             let path = PathBuf::from(format!("{}_tp{tp}.safetensors", out.display()));
             frames
@@ -99,34 +89,4 @@ pub fn vae(args: VaeArgs) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Device memory held away from the decode (see `--limit-to-plan`).
-struct Taken {
-    #[cfg(feature = "cuda")]
-    _held: candle_core::cuda_backend::cudarc::driver::CudaSlice<u8>,
-    bytes: usize,
-}
-
-/// Takes rank 0's device memory past its plan plus `extra_mib` (see `--limit-to-plan`), from
-/// the device's pool on the primary context: a candle device of its own would add a cuBLAS
-/// handle's 64 MiB outside the pool.
-fn take_past_plan(engine: &VaeEngine, extra_mib: f64) -> Result<Taken> {
-    let Some(Some(memory)) = engine.device_memory().first().copied() else {
-        anyhow::bail!("--limit-to-plan needs CUDA ranks");
-    };
-    let limit = engine.plan().peak().total() + (extra_mib * 1048576.0) as u64;
-    let bytes = memory.total.saturating_sub(limit) as usize;
-    #[cfg(feature = "cuda")]
-    {
-        let stream = candle_core::cuda_backend::cudarc::driver::CudaContext::new(0)?.default_stream();
-        let held = stream.alloc_zeros::<u8>(bytes)?;
-        stream.synchronize()?;
-        Ok(Taken { _held: held, bytes })
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = bytes;
-        anyhow::bail!("--limit-to-plan needs a CUDA build")
-    }
 }
