@@ -129,8 +129,9 @@ struct DitArgs {
     #[arg(long)]
     attention_fp8: bool,
     /// Before the forwards, takes the device memory past the plan plus this many MiB (as
-    /// `tpinfer-bench vae --limit-to-plan`): the least card a forward runs on.
-    #[arg(long)]
+    /// `tpinfer-bench vae --limit-to-plan`; negative below the plan): the least card a forward
+    /// runs on.
+    #[arg(long, allow_negative_numbers = true)]
     limit_to_plan: Option<f64>,
 }
 
@@ -717,7 +718,8 @@ pub(crate) fn take_past_plan(
     let (Some(Some(memory)), Some(rank)) = (memory.first(), plan.ranks.first()) else {
         anyhow::bail!("--limit-to-plan needs CUDA ranks");
     };
-    let limit = rank.total() + (extra_mib * 1048576.0) as u64;
+    // A negative EXTRA limits a run the plan over-counts below its plan.
+    let limit = (rank.total() as f64 + extra_mib * 1048576.0).max(0.0) as u64;
     let bytes = memory.total.saturating_sub(limit);
     #[cfg(feature = "cuda")]
     {

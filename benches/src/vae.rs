@@ -30,8 +30,8 @@ pub struct VaeArgs {
     /// Before the decodes, takes the device memory past the plan plus this many MiB (rank 0's
     /// device, the process alone on it), as a card of that size would be: the decode must run
     /// in what the plan counts, its pool unable to keep more. The peak is then given without
-    /// what was taken.
-    #[arg(long)]
+    /// what was taken. Negative: below the plan.
+    #[arg(long, allow_negative_numbers = true)]
     limit_to_plan: Option<f64>,
     /// Writes `{out}_tp{N}.safetensors` (tensor `frames` [T, 3, H, W], f32) for each width.
     #[arg(long)]
