@@ -25,14 +25,12 @@ use crate::WanVaeConfig;
 /// benches/RESULTS.md).
 pub const DECODE_TEMPORARIES: usize = 2400 << 20;
 
-/// The decode's pool slack in largest temporaries. A decode's steps free and make buffers of
-/// many sizes, level after level, so the block of its largest temporary, once freed, is split
-/// by smaller ones and the next one of that size is mapped anew: the pool held 1.4 to 2.3 of
-/// them beyond the live tensors, and a card of the plan's size with one ran out of memory at
-/// 480p and 720p in bf16 and 480p in f32 (the least card it ran on was 2–10% past that plan:
-/// `scripts/gpu/vae-least-card.sh`, benches/RESULTS.md). With two, the least card is within
-/// 1.5% of the plan at 720p and in f32 (0.3% past it, at 720p on an H200), and 4–7% under it
-/// at 480p.
+/// The decode's pool slack, in largest temporaries. Its steps free and make buffers of many
+/// sizes, level after level, so the largest one's block, once freed, is split by smaller ones
+/// and the next of its size is mapped anew: the pool held 1.4 to 2.3 of them beyond the live
+/// tensors, and with one counted a card of the plan's size ran out of memory (the least card
+/// was 2–10% past it; with two, within 1.5% at 720p and in f32, 4–7% under it at 480p:
+/// `scripts/gpu/vae-least-card.sh`, benches/RESULTS.md).
 const POOL_SLACK_LARGEST: usize = 2;
 
 /// Queries per block of the middle attention (`blocks::QUERY_BLOCK`).
