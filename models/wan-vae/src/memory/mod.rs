@@ -52,8 +52,8 @@ pub struct Tiling {
 pub struct DecodeMemory {
     /// The most bytes alive at once.
     pub peak: usize,
-    /// What a stream-ordered pool holds beyond them: twice the largest temporary (see
-    /// [`POOL_SLACK_LARGEST`]).
+    /// What a stream-ordered pool holds beyond them: twice the largest temporary (the
+    /// module's `POOL_SLACK_LARGEST` says why).
     pub pool_slack: usize,
     pub tiling: Tiling,
 }
