@@ -69,6 +69,7 @@ pub fn encode(args: EncodeArgs) -> Result<()> {
             "| {tp} | {} | {dtype:?} | {first:.2} | {median:.2} | {memory} |",
             ids.len()
         );
+        crate::print_memory_parts(&group.device_memory(), plan);
         if let Some(out) = &args.out {
             let path = PathBuf::from(format!("{}_tp{tp}.safetensors", out.display()));
             states

@@ -70,6 +70,7 @@ pub fn speech(args: SpeechArgs) -> Result<()> {
             "| {tp} | {:.2} | {dtype:?} | {first:.1} | {median:.1} | {memory} |",
             frames as f64 / STATES_PER_SECOND as f64
         );
+        crate::print_memory_parts(&group.device_memory(), plan);
         if let Some(out) = &args.out {
             let path = PathBuf::from(format!("{}_tp{tp}.safetensors", out.display()));
             states

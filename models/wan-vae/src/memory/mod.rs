@@ -30,7 +30,7 @@ pub const DECODE_TEMPORARIES: usize = 2400 << 20;
 /// and the next of its size is mapped anew: the pool held 1.4 to 2.3 of them beyond the live
 /// tensors, and with one counted a card of the plan's size ran out of memory (the least card
 /// was 2–10% past it; with two, within 1.5% at 720p and in f32, 4–7% under it at 480p:
-/// `scripts/gpu/vae-least-card.sh`, benches/RESULTS.md).
+/// `scripts/gpu/least-card.sh`, benches/RESULTS.md).
 const POOL_SLACK_LARGEST: usize = 2;
 
 /// Queries per block of the middle attention (`blocks::QUERY_BLOCK`).
