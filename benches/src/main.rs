@@ -361,6 +361,8 @@ fn timed_runs(
     let mut times = Vec::with_capacity(repeats + 1);
     let mut last = None;
     for _ in 0..=repeats {
+        // The run before's output is let go first: the device's peak is then one run's.
+        drop(last.take());
         device.synchronize().map_err(of_rank)?;
         let start = std::time::Instant::now();
         let out = run()?;
@@ -369,9 +371,10 @@ fn timed_runs(
         last = Some(out);
     }
     let last = last.ok_or_else(|| tpinfer_runtime::RuntimeError::Stopped("no run".into()))?;
+    // Widened on the host: an f32 copy on the device beside the output would be the peak.
     let host = last
-        .to_dtype(DType::F32)
-        .and_then(|t| t.to_device(&candle_core::Device::Cpu))
+        .to_device(&candle_core::Device::Cpu)
+        .and_then(|t| t.to_dtype(DType::F32))
         .map_err(of_rank)?;
     let first = times.remove(0);
     let median = match times.is_empty() {
@@ -446,7 +449,7 @@ fn speed(args: SpeedArgs) -> Result<()> {
                             tpinfer_plan::mib(planned.activations),
                             tpinfer_plan::mib(run_activations),
                             tpinfer_plan::mib(slack),
-                            tpinfer_plan::mib(planned.workspace + planned.context),
+                            tpinfer_plan::mib(planned.libraries + planned.comm + planned.context),
                             tpinfer_plan::mib(m.used - m.pool_reserved),
                             tpinfer_plan::mib(m.pool_used_peak),
                             tpinfer_plan::mib(m.pool_peak),
@@ -471,7 +474,7 @@ fn speed(args: SpeedArgs) -> Result<()> {
     if !details.is_empty() {
         println!(
             "\n| TP | rank | planned weights + buffers + KV, MiB | planned activations (max context) \
-             | planned activations (this run) | planned pool slack (this run) | planned workspace + context | measured outside the pool \
+             | planned activations (this run) | planned pool slack (this run) | planned libraries + NCCL + context | measured outside the pool \
              (context, cuBLAS, NCCL) | measured pool peak (tensors) | measured pool peak (reserved) \
              | planned total (max context) | measured peak | planned peak (this run) |"
         );
@@ -641,6 +644,8 @@ fn dit(args: DitArgs) -> Result<()> {
             let mut velocity = run()?;
             let mut times = Vec::new();
             for _ in 0..args.repeats {
+                // The run before's output is let go first: the device's peak is then one run's.
+                drop(velocity);
                 let start = std::time::Instant::now();
                 velocity = run()?;
                 times.push(start.elapsed().as_secs_f64() * 1e3);
@@ -768,7 +773,7 @@ pub(crate) fn print_memory_parts(memory: &[Option<tpinfer_runtime::DeviceMemory>
         mib(m.pool_peak.saturating_sub(m.pool_used_peak)),
         mib(p.allocator_slack),
         mib(m.used.saturating_sub(m.pool_reserved)),
-        mib(p.workspace + p.context)
+        mib(p.libraries + p.comm + p.context)
     );
 }
 
