@@ -23,7 +23,9 @@ attempt() {
     return 0
   fi
   log "$name: not at the plan $(printf %+d "$1") MiB: $(grep -m1 -E '^Error|panicked' "$W/least.txt")"
-  grep -qiE "out of (device )?memory|OUT_OF_MEMORY" "$W/least.txt" && return 1
+  # At the margin the first launch of a kernel loaded lazily finds no memory for its code:
+  # cuBLAS(Lt) reports that as a failed execution.
+  grep -qiE "out of (device )?memory|OUT_OF_MEMORY|CUBLAS_STATUS_(EXECUTION|ALLOC)_FAILED" "$W/least.txt" && return 1
   tail -5 "$W/least.txt" | tee -a "$OUT/$LOG"
   return 2
 }

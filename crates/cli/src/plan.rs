@@ -279,19 +279,20 @@ fn print_plan(plan: &Plan, budget: u64) {
         plan.device.name
     );
     println!(
-        "| rank | weights | buffers | {cache} | activations | allocator slack | workspace | CUDA context | total | headroom |"
+        "| rank | weights | buffers | {cache} | activations | allocator slack | libraries | NCCL | CUDA context | total | headroom |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &plan.ranks {
         println!(
-            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
             r.rank,
             mib(r.weights),
             mib(r.buffers),
             mib(r.cache),
             mib(r.activations),
             mib(r.allocator_slack),
-            mib(r.workspace),
+            mib(r.libraries),
+            mib(r.comm),
             mib(r.context),
             mib(r.total()),
             mib(budget) - mib(r.total()),
@@ -301,7 +302,8 @@ fn print_plan(plan: &Plan, budget: u64) {
     let (f, g) = (&plan.fsdp, &plan.fsdp.gpu);
     println!(
         "FSDP on {} GPU{}, for comparison (MiB per GPU): shard {:.1} + unshard buffer {:.1} ({}) + buffers {:.1} + \
-         {cache} {:.1} + activations {:.1} + allocator slack {:.1} + workspace {:.1} + context {:.1} = {:.1}: {}",
+         {cache} {:.1} + activations {:.1} + allocator slack {:.1} + libraries {:.1} + NCCL {:.1} + context {:.1} = \
+         {:.1}: {}",
         f.world,
         if f.world == 1 { "" } else { "s" },
         mib(g.weights),
@@ -311,7 +313,8 @@ fn print_plan(plan: &Plan, budget: u64) {
         mib(g.cache),
         mib(g.activations),
         mib(g.allocator_slack),
-        mib(g.workspace),
+        mib(g.libraries),
+        mib(g.comm),
         mib(g.context),
         mib(f.total()),
         verdict(f.total(), budget),

@@ -199,8 +199,9 @@ fn speech_encoder_of(dit: &str) -> Option<&'static str> {
 /// Every stage's plan at one width, and how many of them are encoders that run first.
 struct Stages(Vec<Planned>, usize);
 
+/// What a stage keeps for the whole run: weights, buffers, caches and its libraries' memory.
 fn resident(r: &RankPlan) -> u64 {
-    r.weights + r.buffers + r.cache
+    r.weights + r.buffers + r.cache + r.libraries
 }
 
 fn temporaries(r: &RankPlan) -> u64 {
@@ -250,7 +251,7 @@ impl Stages {
             .map(|f| f.unshard_buffer + temporaries(&f.gpu))
             .max()
             .unwrap_or(0);
-        let reserves = stages.map(|f| f.gpu.workspace + f.gpu.context).max().unwrap_or(0);
+        let reserves = stages.map(|f| f.gpu.comm + f.gpu.context).max().unwrap_or(0);
         resident_all + stage_peak + reserves
     }
 }
@@ -347,7 +348,7 @@ fn print(stages: &Stages, name: &str, tp: usize, budget: u64, residency: Residen
         Residency::Together => "held together",
         Residency::InTurns { .. } => "held at the peak",
     };
-    header.extend(["workspace + context", held, "headroom"].map(String::from));
+    header.extend(["NCCL + context", held, "headroom"].map(String::from));
     println!("| {} |", header.join(" | "));
     println!("|{}", "---:|".repeat(header.len()));
     for (rank, total) in stages.rank_totals(residency).into_iter().enumerate() {
@@ -360,7 +361,7 @@ fn print(stages: &Stages, name: &str, tp: usize, budget: u64, residency: Residen
         let reserves = stages
             .0
             .iter()
-            .map(|s| s.plan.ranks[rank].workspace + s.plan.ranks[rank].context)
+            .map(|s| s.plan.ranks[rank].comm + s.plan.ranks[rank].context)
             .max();
         row.push(format!("{:.1}", mib(reserves.unwrap_or(0))));
         row.push(format!("{:.1}", mib(total)));
@@ -368,7 +369,7 @@ fn print(stages: &Stages, name: &str, tp: usize, budget: u64, residency: Residen
         println!("| {} |", row.join(" | "));
     }
     println!(
-        "\n(MiB per rank; resident: weights, buffers and the DiT's latents; temporaries: one stage's activation peak \
+        "\n(MiB per rank; resident: weights, buffers, the DiT's latents and each stage's libraries; temporaries: one stage's activation peak \
          with the allocator's slack.) The stages run one at a time, so only the largest one's temporaries count. \
          The VAE holds its whole weights on every rank and decodes a band of each frame's rows."
     );

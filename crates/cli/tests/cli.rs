@@ -296,7 +296,9 @@ fn plan_of_a_model_directory_reads_its_headers() {
     ]));
     let ranks = out["plan"]["ranks"].as_array().expect("ranks");
     assert_eq!(ranks.len(), 3);
-    assert!(ranks.iter().all(|r| r["context"] == 0 && r["workspace"] == 0));
+    assert!(ranks
+        .iter()
+        .all(|r| r["context"] == 0 && r["comm"] == 0 && r["libraries"] == 0));
     // TP wider than the heads cannot be planned: the same error as the engine's.
     let wide = plan(&["--model", path, "--tp", "9", "--gpu-mem", "1GiB"]);
     assert_fails_with(&wide, &["9", "attention heads"]);
@@ -885,10 +887,15 @@ fn plan_of_a_pipeline_holds_every_stage() {
     assert_eq!(out["fits"], true);
     for rank in 0..2 {
         let held = |names: &[&str]| {
-            let resident =
-                |name| stage(name, rank, "weights") + stage(name, rank, "buffers") + stage(name, rank, "cache");
+            // Each stage keeps its libraries' memory once it has run.
+            let resident = |name| {
+                ["weights", "buffers", "cache", "libraries"]
+                    .iter()
+                    .map(|part| stage(name, rank, part))
+                    .sum::<u64>()
+            };
             let temporaries = |name| stage(name, rank, "activations") + stage(name, rank, "allocator_slack");
-            let reserves = stage(names[0], rank, "workspace") + stage(names[0], rank, "context");
+            let reserves = stage(names[0], rank, "comm") + stage(names[0], rank, "context");
             names.iter().map(|s| resident(s)).sum::<u64>()
                 + names.iter().map(|s| temporaries(s)).max().expect("stages")
                 + reserves

@@ -7,6 +7,11 @@
 
 use candle_core::{DType, Layout, Result, Shape, Tensor};
 
+/// cuBLASLt's workspace for the fused linears, held from a rank's first product on, from the
+/// device's pool (cudarc allocates 32 MiB on Hopper and 4 MiB before it; plans take the
+/// larger).
+pub const FUSED_LINEAR_WORKSPACE: usize = 32 << 20;
+
 /// Whether [`linear_bias`] runs as one fused op for `x` and `w`: on CUDA in bf16 or f16 (a
 /// build with the `cuda` feature) with more than one row (one row goes through
 /// [`crate::gemv`]), or on CPU in f32. Elsewhere it runs as candle's matmul and add.

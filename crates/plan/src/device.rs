@@ -4,10 +4,9 @@ use serde::Serialize;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct DeviceProfile {
     pub name: &'static str,
-    /// The CUDA context: code modules, stacks, driver structures.
+    /// The CUDA context: code modules, stacks, driver structures. What a forward's libraries
+    /// and kernels add at its first request is the family's ([`crate::Footprint::libraries`]).
     pub context_reserve: u64,
-    /// cuBLAS's workspace for its handle on the rank's stream.
-    pub blas_workspace: u64,
     /// NCCL's buffers for one communicator (TP > 1 only).
     pub comm_buffers: u64,
     /// Whether tensors live in a stream-ordered pool (CUDA's), which holds freed blocks that
@@ -20,15 +19,13 @@ const MIB: u64 = 1 << 20;
 impl DeviceProfile {
     /// A CUDA GPU, with the figures measured on the H200 test host (driver 580, CUDA 13.0,
     /// NCCL over NVLink between two GPUs; benches/RESULTS.md): device memory in use outside
-    /// the tensor pool after creating the context (565 MiB), what the first request adds
-    /// (cuBLAS workspace and kernel modules loaded on first use, 124 MiB), and NCCL's buffers
-    /// for a 2-rank communicator (774 MiB, half of it allocated at the first collectives).
-    /// Other GPUs and drivers differ by tens of MiB; NCCL over PCIe without P2P uses less.
+    /// the tensor pool after creating the context (565 MiB) and NCCL's buffers for a 2-rank
+    /// communicator (774 MiB, half of it allocated at the first collectives). Other GPUs and
+    /// drivers differ by tens of MiB; NCCL over PCIe without P2P uses less.
     pub fn cuda() -> Self {
         Self {
             name: "cuda",
             context_reserve: 565 * MIB,
-            blas_workspace: 124 * MIB,
             comm_buffers: 774 * MIB,
             pooled: true,
         }
@@ -39,7 +36,6 @@ impl DeviceProfile {
         Self {
             name: "cpu",
             context_reserve: 0,
-            blas_workspace: 0,
             comm_buffers: 0,
             pooled: false,
         }
@@ -58,8 +54,12 @@ impl DeviceProfile {
         }
     }
 
-    /// The library workspace of a rank in a `tp`-wide group.
-    pub fn workspace(&self, tp: usize) -> u64 {
-        self.blas_workspace + if tp > 1 { self.comm_buffers } else { 0 }
+    /// NCCL's buffers for a rank of a `tp`-wide group.
+    pub fn comm(&self, tp: usize) -> u64 {
+        if tp > 1 {
+            self.comm_buffers
+        } else {
+            0
+        }
     }
 }

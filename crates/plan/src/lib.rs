@@ -3,7 +3,8 @@
 //!
 //! A plan counts, per rank: the weight slices (exact, from the same declarations the loader
 //! reads), model buffers, the KV cache (LLMs) or sampler latents (DiT), the activation peak
-//! (each model's activation model, beside its forward), library workspace (cuBLAS, NCCL) and
+//! (each model's activation model, beside its forward), what its libraries and kernels keep
+//! (cuBLAS, cuDNN; measured per family), NCCL's buffers and
 //! the CUDA context. [`Fsdp`] estimates the same model under FSDP, for comparison.
 //!
 //! The planner knows no model family: each one answers [`ShardedModel`] (its ranks'

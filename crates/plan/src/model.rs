@@ -51,6 +51,16 @@ pub enum Accelerator {
     Cuda,
 }
 
+impl Accelerator {
+    /// A family's [`Footprint::libraries`]: `cuda_mib` measured on a GPU, none on CPU ranks.
+    pub fn libraries(self, cuda_mib: u64) -> u64 {
+        match self {
+            Self::Cuda => cuda_mib << 20,
+            Self::Cpu => 0,
+        }
+    }
+}
+
 /// One rank's device bytes for a placement, apart from its weights (which the planner counts
 /// from the rank's declarations).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -65,6 +75,11 @@ pub struct Footprint {
     pub pool_slack: u64,
     /// Of `buffers` and `cache`, what the rank allocates when it loads, before any request.
     pub at_load: u64,
+    /// What the forward's first request adds outside the tensor pool and keeps: cuBLAS's and
+    /// cuDNN's handles and workspaces, and the kernel modules loaded at first use. Measured
+    /// per family on the test host (`tpinfer-bench` prints it as "outside the pool" less the
+    /// context; benches/RESULTS.md, *Memory*).
+    pub libraries: u64,
     /// LLM: prompt positions per forward. DiT: video tokens per forward.
     pub tokens_per_forward: usize,
 }

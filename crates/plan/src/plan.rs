@@ -32,8 +32,10 @@ pub struct RankPlan {
     /// What the device's allocator may hold beyond live tensors at that peak (CUDA's pool:
     /// freed blocks split by smaller allocations).
     pub allocator_slack: u64,
-    /// cuBLAS and NCCL.
-    pub workspace: u64,
+    /// What the forward's libraries and kernels keep on the device from its first request.
+    pub libraries: u64,
+    /// NCCL's buffers.
+    pub comm: u64,
     /// The CUDA context.
     pub context: u64,
     /// Of `buffers` and `cache`, what the rank allocates when it loads.
@@ -47,7 +49,8 @@ impl RankPlan {
             + self.cache
             + self.activations
             + self.allocator_slack
-            + self.workspace
+            + self.libraries
+            + self.comm
             + self.context
     }
 
@@ -60,7 +63,8 @@ impl RankPlan {
             cache: footprint.cache,
             activations: footprint.activations,
             allocator_slack: if device.pooled { footprint.pool_slack } else { 0 },
-            workspace: device.workspace(world),
+            libraries: footprint.libraries,
+            comm: device.comm(world),
             context: device.context_reserve,
             at_load: footprint.at_load,
         }
@@ -74,13 +78,14 @@ impl RankPlan {
 
 /// One rank's bytes for several models held at once and run one at a time (a pipeline's
 /// stages): every model's resident bytes (weights, buffers, caches), the largest temporaries
-/// of any one, and the device's reserves once.
+/// of any one, every model's libraries (each loads its kernels, kept once loaded; what they
+/// share counts more than once) and the device's reserves once.
 pub fn held_together<'a>(ranks: impl IntoIterator<Item = &'a RankPlan>) -> u64 {
     let (mut resident, mut temporaries, mut reserves) = (0, 0, 0);
     for r in ranks {
-        resident += r.weights + r.buffers + r.cache;
+        resident += r.weights + r.buffers + r.cache + r.libraries;
         temporaries = temporaries.max(r.activations + r.allocator_slack);
-        reserves = reserves.max(r.workspace + r.context);
+        reserves = reserves.max(r.comm + r.context);
     }
     resident + temporaries + reserves
 }
@@ -125,7 +130,7 @@ impl Residency {
 pub struct Fsdp {
     pub world: usize,
     /// One GPU's bytes apart from the gather: its weight shard (`weights`), the full KV cache
-    /// or latents, full activations, workspace and context.
+    /// or latents, full activations, libraries, NCCL's buffers and context.
     pub gpu: RankPlan,
     pub unshard_buffer: u64,
     /// The wrapped unit whose gather needs the buffer.

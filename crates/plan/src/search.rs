@@ -212,7 +212,7 @@ pub fn over_budget_message(model: &dyn ShardedModel, plan: &Plan, dtype: DType, 
     };
     let mut message = format!(
         "rank {} needs {:.2} GiB but {:.2} GiB is available {unit} (weights {:.2}, {cache} {:.2}, activations {:.2} \
-         + allocator slack {:.2}, buffers {:.2}, workspace {:.2}, CUDA context {:.2} GiB)",
+         + allocator slack {:.2}, buffers {:.2}, libraries {:.2}, NCCL {:.2}, CUDA context {:.2} GiB)",
         r.rank,
         gib(r.total()),
         gib(budget),
@@ -221,7 +221,8 @@ pub fn over_budget_message(model: &dyn ShardedModel, plan: &Plan, dtype: DType, 
         gib(r.activations),
         gib(r.allocator_slack),
         gib(r.buffers),
-        gib(r.workspace),
+        gib(r.libraries),
+        gib(r.comm),
         gib(r.context),
     );
     let mut options = Vec::new();

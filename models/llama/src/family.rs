@@ -17,6 +17,13 @@ use crate::{CheckpointError, LlamaCheckpoint, LlamaConfig, LlamaRank, LlamaShard
 /// product that could wrap.
 const MAX_BATCH: usize = 1 << 16;
 
+/// What a CUDA rank's forward keeps outside the tensor pool from its first request, MiB:
+/// cuBLAS and the decode step's kernels (bf16 and FP8 alike); with GGML weights, candle's
+/// quantized kernels besides, one large module. Measured (the device beyond its context,
+/// 631 and 693 MiB; benches/RESULTS.md, *Memory*).
+const LIBRARIES_MIB: u64 = 66;
+const GGML_LIBRARIES_MIB: u64 = 128;
+
 /// A Llama model to plan or load: a preset's config, or an opened checkpoint.
 #[derive(Clone)]
 pub struct LlamaModel {
@@ -220,6 +227,12 @@ impl RankShard for LlamaRankShard {
             pool_slack: m.pool_slack as u64,
             // Rotary tables and the KV cache are allocated at load, for the whole context.
             at_load: (buffers + m.kv_cache) as u64,
+            libraries: accelerator.libraries(
+                match self.decls.iter().any(|d| matches!(d.quant, Some(Quant::Ggml(_)))) {
+                    true => GGML_LIBRARIES_MIB,
+                    false => LIBRARIES_MIB,
+                },
+            ),
             tokens_per_forward: chunk,
         })
     }

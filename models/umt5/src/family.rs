@@ -19,6 +19,11 @@ use crate::{Umt5Config, Umt5Rank, Umt5Shard};
 /// The prompt length Wan's pipelines encode to (`max_sequence_length`).
 pub const TEXT_TOKENS: usize = 512;
 
+/// What a CUDA rank's encode keeps outside the tensor pool from its first request, MiB:
+/// cuBLAS(Lt) and the layer's kernels (the device beyond its context, 597–599 MiB;
+/// benches/RESULTS.md, *Memory*).
+const LIBRARIES_MIB: u64 = 34;
+
 /// A umT5 encoder to plan or load: the preset's config, or a text encoder directory opened
 /// for its config and tensor headers.
 #[derive(Clone)]
@@ -132,6 +137,7 @@ impl RankShard for Umt5RankShard {
         Ok(Footprint {
             activations: (m.peak + fp8) as u64,
             pool_slack: m.pool_slack as u64,
+            libraries: accelerator.libraries(LIBRARIES_MIB),
             tokens_per_forward: max_context,
             ..Footprint::default()
         })

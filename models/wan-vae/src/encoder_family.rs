@@ -119,6 +119,7 @@ impl RankShard for WanVaeEncoderShard {
         Ok(Footprint {
             activations: m.peak as u64,
             pool_slack: m.pool_slack as u64,
+            libraries: accelerator.libraries(crate::family::LIBRARIES_MIB),
             tokens_per_forward: frames * (height / space) * (width / space),
             ..Footprint::default()
         })

@@ -18,6 +18,11 @@ const MAX_SIDE: usize = 16_384;
 /// The longest video a plan takes (17 minutes at 16 fps).
 const MAX_FRAMES: usize = 16_385;
 
+/// What a CUDA rank's decode keeps outside the tensor pool from its first request, MiB:
+/// cuDNN's handle and convolution kernels, cuBLAS (the device beyond its context, 607 MiB;
+/// benches/RESULTS.md, *Memory*). The encoder runs the same kernels.
+pub(crate) const LIBRARIES_MIB: u64 = 42;
+
 /// A Wan VAE to plan or load: the preset's config, or a `vae/` directory opened for its
 /// config and tensor headers.
 #[derive(Clone)]
@@ -147,6 +152,7 @@ impl RankShard for WanVaeRankShard {
         Ok(Footprint {
             activations: m.peak as u64,
             pool_slack: m.pool_slack as u64,
+            libraries: accelerator.libraries(LIBRARIES_MIB),
             tokens_per_forward: video.latent_frames * (height / space) * (width / space),
             ..Footprint::default()
         })

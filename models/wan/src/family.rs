@@ -19,6 +19,11 @@ use crate::{WanCheckpoint, WanCheckpointError, WanConfig, WanRank, WanShard};
 const MAX_FRAMES: usize = 16_385;
 const MAX_SIDE: usize = 16_384;
 
+/// What a CUDA rank's forward keeps outside the tensor pool from its first request, MiB:
+/// cuBLAS(Lt) and the block's kernels, the same in bf16, f32 and FP8 (the device beyond its
+/// context, 599 MiB; benches/RESULTS.md, *Memory*).
+const LIBRARIES_MIB: u64 = 34;
+
 /// A Wan DiT to plan or load: a preset's config, or an opened checkpoint.
 #[derive(Clone)]
 pub struct WanModel {
@@ -205,6 +210,7 @@ impl RankShard for WanRankShard {
             pool_slack: m.pool_slack as u64,
             // Latents and text states are made by a request, not at load.
             at_load: 0,
+            libraries: accelerator.libraries(LIBRARIES_MIB),
             tokens_per_forward: tokens,
         })
     }

@@ -99,7 +99,7 @@ impl ForwardPath {
             weights: LinearWeights::Dense,
             fused_linear,
             linear_workspace: if fused_linear && cuda {
-                FUSED_LINEAR_WORKSPACE
+                tpinfer_kernels::FUSED_LINEAR_WORKSPACE
             } else {
                 0
             },
@@ -122,10 +122,6 @@ impl ForwardPath {
         Self { weights, ..self }
     }
 }
-
-/// cuBLASLt's workspace per rank for the fused linears (cudarc allocates 32 MiB on Hopper
-/// and 4 MiB before it; the plan takes the larger).
-pub const FUSED_LINEAR_WORKSPACE: usize = 32 << 20;
 
 /// One rank's device bytes apart from its weight slices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -19,6 +19,11 @@ use crate::{Wav2Vec2Config, Wav2Vec2Rank, Wav2Vec2Shard, STATES_PER_SECOND};
 /// frames (`--max-context`, 50 a second).
 pub const PLANNED_SECONDS: usize = 60;
 
+/// What a CUDA rank's encode keeps outside the tensor pool from its first request, MiB:
+/// cuBLAS(Lt) and the layer's kernels (the device beyond its context, 599 MiB;
+/// benches/RESULTS.md, *Memory*).
+const LIBRARIES_MIB: u64 = 34;
+
 /// A wav2vec2 encoder to plan or load: the preset's config, or a speech encoder directory
 /// opened for its config and tensor headers.
 #[derive(Clone)]
@@ -91,7 +96,7 @@ impl RankShard for Wav2Vec2RankShard {
     }
 
     /// One audio at a time: the temporaries are those of its `max_context` encoder frames.
-    fn footprint(&self, dtype: DType, placement: Placement, _: Accelerator) -> Result<Footprint, PlanError> {
+    fn footprint(&self, dtype: DType, placement: Placement, accelerator: Accelerator) -> Result<Footprint, PlanError> {
         let Placement::Llm { max_context, batch, .. } = placement else {
             return Err(PlanError::Placement(
                 "a speech encoder is placed with the audio's encoder frames (--max-context, 50 a second), not --frames and --size".into(),
@@ -104,9 +109,18 @@ impl RankShard for Wav2Vec2RankShard {
             )));
         }
         let m = EncodeMemory::new(&self.config, &self.shard, dtype, max_context);
+        // The linears' biases go into cuBLASLt's epilogue in 16-bit on CUDA: its workspace
+        // stays in the pool from the first product on.
+        let fused_linear = accelerator == Accelerator::Cuda && matches!(dtype, DType::BF16 | DType::F16);
         Ok(Footprint {
+            buffers: if fused_linear {
+                tpinfer_kernels::FUSED_LINEAR_WORKSPACE as u64
+            } else {
+                0
+            },
             activations: m.peak as u64,
             pool_slack: m.pool_slack as u64,
+            libraries: accelerator.libraries(LIBRARIES_MIB),
             tokens_per_forward: max_context,
             ..Footprint::default()
         })
