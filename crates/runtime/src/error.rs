@@ -21,6 +21,12 @@ pub enum RuntimeError {
     RankExited { rank: usize },
     #[error("rank {rank} is out of device memory: {detail}")]
     OutOfMemory { rank: usize, detail: String },
+    #[error(
+        "rank {rank}: a library could not run a kernel ({detail}); on a device nearly full that is \
+         how running out of memory shows (a kernel loaded at first use finds no room for its code): \
+         free the device or lower --gpu-mem, and see `tpinfer plan` for what fits"
+    )]
+    KernelNotRun { rank: usize, detail: String },
     #[error("rank {rank} panicked: {message}")]
     RankPanicked { rank: usize, message: String },
     #[error("{0}")]
@@ -67,6 +73,14 @@ impl RuntimeError {
                 rank,
                 detail: e.to_string(),
             },
+            // cuBLAS(Lt) says only that its kernel did not run; short of memory that is what
+            // a rank sees (measured at the least card a DiT runs on, benches/RESULTS.md).
+            tpinfer_layers::Error::Tensor(e) if e.to_string().contains("CUBLAS_STATUS_EXECUTION_FAILED") => {
+                Self::KernelNotRun {
+                    rank,
+                    detail: e.to_string(),
+                }
+            }
             _ => Self::Rank { rank, source },
         }
     }
@@ -89,7 +103,7 @@ impl RuntimeError {
 }
 
 fn is_out_of_memory(text: &str) -> bool {
-    text.contains("OUT_OF_MEMORY") || text.contains("out of memory")
+    text.contains("OUT_OF_MEMORY") || text.contains("out of memory") || text.contains("CUBLAS_STATUS_ALLOC_FAILED")
 }
 
 /// An error a rank's task may return: the group reads the runtime error inside it, if any, to
@@ -132,5 +146,25 @@ mod tests {
         let reported = RuntimeError::of_rank(0, peer);
         assert!(matches!(reported, RuntimeError::Rank { rank: 0, .. }), "{reported}");
         assert!(reported.is_peer_report(), "rank 0 only reports rank 1's failure");
+    }
+
+    #[test]
+    fn a_library_kernel_that_did_not_run_names_memory() {
+        let tensor = |text: &str| tpinfer_layers::Error::Tensor(candle_core::Error::Msg(text.into()));
+        let alloc = RuntimeError::of_rank(2, tensor("cuBLASLt: CublasError(CUBLAS_STATUS_ALLOC_FAILED)"));
+        assert!(matches!(alloc, RuntimeError::OutOfMemory { rank: 2, .. }), "{alloc}");
+        let not_run = RuntimeError::of_rank(0, tensor("cuBLASLt: CublasError(CUBLAS_STATUS_EXECUTION_FAILED)"));
+        assert!(
+            matches!(not_run, RuntimeError::KernelNotRun { rank: 0, .. }),
+            "{not_run}"
+        );
+        let text = not_run.to_string();
+        assert!(
+            text.contains("CUBLAS_STATUS_EXECUTION_FAILED")
+                && text.contains("out of memory")
+                && text.contains("--gpu-mem"),
+            "{text}"
+        );
+        assert!(!not_run.is_peer_report());
     }
 }
