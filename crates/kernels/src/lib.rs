@@ -64,7 +64,9 @@ pub use gemv::{
 pub use ggml::{mmvq_covers, mmvq_row_into, mmvq_takes, q8_1_row, q8_1_row_bytes, quantize_row_q8_1};
 #[cfg(feature = "cuda")]
 pub use launch::device_address;
-pub use linear::{empty, fused_linear_covers, linear_bias, linear_bias_into, FUSED_LINEAR_WORKSPACE};
+pub use linear::{
+    empty, fused_linear_covers, fused_linear_runs, fused_linear_workspace, linear_bias, linear_bias_into,
+};
 pub use paged::{paged_decode_attention, rotary_qkv_paged, DecodeRows, QueryGroups, RowsAt, PAGED_HEAD_DIMS};
 pub use pool::PoolHold;
 pub use position::write_u32s;

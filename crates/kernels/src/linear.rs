@@ -10,7 +10,25 @@ use candle_core::{DType, Layout, Result, Shape, Tensor};
 /// cuBLASLt's workspace for the fused linears, held from a rank's first product on, from the
 /// device's pool (cudarc allocates 32 MiB on Hopper and 4 MiB before it; plans take the
 /// larger).
-pub const FUSED_LINEAR_WORKSPACE: usize = 32 << 20;
+const FUSED_LINEAR_WORKSPACE: usize = 32 << 20;
+
+/// Whether [`linear_bias`] runs fused in `dtype` on CUDA (`cuda`) or CPU ranks: the dtype
+/// half of [`fused_linear_covers`], for memory plans.
+pub fn fused_linear_runs(cuda: bool, dtype: DType) -> bool {
+    match cuda {
+        true => matches!(dtype, DType::BF16 | DType::F16),
+        false => dtype == DType::F32,
+    }
+}
+
+/// What the fused linears keep on the device from a rank's first product on: cuBLASLt's
+/// workspace where they run fused on CUDA, none elsewhere.
+pub fn fused_linear_workspace(cuda: bool, dtype: DType) -> usize {
+    match cuda && fused_linear_runs(cuda, dtype) {
+        true => FUSED_LINEAR_WORKSPACE,
+        false => 0,
+    }
+}
 
 /// Whether [`linear_bias`] runs as one fused op for `x` and `w`: on CUDA in bf16 or f16 (a
 /// build with the `cuda` feature) with more than one row (one row goes through
@@ -18,8 +36,8 @@ pub const FUSED_LINEAR_WORKSPACE: usize = 32 << 20;
 pub fn fused_linear_covers(x: &Tensor, w: &Tensor) -> bool {
     let k = w.dims().get(1).copied().unwrap_or(0);
     let dtype_ok = match x.device() {
-        candle_core::Device::Cpu => x.dtype() == DType::F32,
-        candle_core::Device::Cuda(_) => cfg!(feature = "cuda") && matches!(x.dtype(), DType::BF16 | DType::F16),
+        candle_core::Device::Cpu => fused_linear_runs(false, x.dtype()),
+        candle_core::Device::Cuda(_) => cfg!(feature = "cuda") && fused_linear_runs(true, x.dtype()),
         _ => false,
     };
     dtype_ok && w.dtype() == x.dtype() && x.dims().last() == Some(&k) && x.elem_count() > k

@@ -90,19 +90,11 @@ impl ForwardPath {
             true => AttentionPath::Flash,
             false => AttentionPath::Blockwise,
         };
-        let fused_linear = match cuda {
-            true => matches!(dtype, DType::BF16 | DType::F16),
-            false => dtype == DType::F32,
-        };
         Self {
             attention,
             weights: LinearWeights::Dense,
-            fused_linear,
-            linear_workspace: if fused_linear && cuda {
-                tpinfer_kernels::FUSED_LINEAR_WORKSPACE
-            } else {
-                0
-            },
+            fused_linear: tpinfer_kernels::fused_linear_runs(cuda, dtype),
+            linear_workspace: tpinfer_kernels::fused_linear_workspace(cuda, dtype),
         }
     }
 

@@ -109,15 +109,10 @@ impl RankShard for Wav2Vec2RankShard {
             )));
         }
         let m = EncodeMemory::new(&self.config, &self.shard, dtype, max_context);
-        // The linears' biases go into cuBLASLt's epilogue in 16-bit on CUDA: its workspace
-        // stays in the pool from the first product on.
-        let fused_linear = accelerator == Accelerator::Cuda && matches!(dtype, DType::BF16 | DType::F16);
         Ok(Footprint {
-            buffers: if fused_linear {
-                tpinfer_kernels::FUSED_LINEAR_WORKSPACE as u64
-            } else {
-                0
-            },
+            // The linears' biases go into cuBLASLt's epilogue in 16-bit on CUDA: its
+            // workspace stays in the pool from the first product on.
+            buffers: tpinfer_kernels::fused_linear_workspace(accelerator == Accelerator::Cuda, dtype) as u64,
             activations: m.peak as u64,
             pool_slack: m.pool_slack as u64,
             libraries: accelerator.libraries(LIBRARIES_MIB),
