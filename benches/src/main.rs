@@ -688,13 +688,15 @@ fn dit(args: DitArgs) -> Result<()> {
                 velocity.save_safetensors("velocity", &path)?;
             }
         }
+        // A denoising run holds the sampler's state and both prompts, as the plan counts them,
+        // beside a forward: the parts below are of the whole run so far.
+        if args.guided_steps > 0 {
+            dit_guided_steps(&engine, tp, inputs.last().context("no inputs")?, args.guided_steps)?;
+        }
         print_memory_parts(&engine.device_memory(), engine.plan());
         print_limited(taken.as_ref(), &engine.device_memory());
         if args.profile {
             dit_profile(&engine, tp, inputs.last().context("no inputs")?)?;
-        }
-        if args.guided_steps > 0 {
-            dit_guided_steps(&engine, tp, inputs.last().context("no inputs")?, args.guided_steps)?;
         }
     }
     Ok(())

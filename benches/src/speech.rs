@@ -32,6 +32,11 @@ pub struct SpeechArgs {
     /// Timed encodes per width, after one warm-up.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// Before the encodes, takes the device memory past the plan plus this many MiB (rank 0's
+    /// device, the process alone on it), as a card of that size would be. Negative: below
+    /// the plan.
+    #[arg(long, allow_negative_numbers = true)]
+    limit_to_plan: Option<f64>,
     /// Writes `{out}_tp{N}.safetensors` (tensor `hidden_states`, f32) for each width.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -55,6 +60,8 @@ pub fn speech(args: SpeechArgs) -> Result<()> {
         let mut launch = Launch::new(Topology::new(tp, &crate::device_kind(args.cuda))?, options);
         let handle = launch.add(Arc::new(model), dtype, Placement::llm(frames.max(1), 1))?;
         let group = launch.start()?;
+        let plan = &group.plans()[handle.index()];
+        let taken = crate::take_past_plan(&group.device_memory(), plan, args.limit_to_plan)?;
         let (audio, repeats) = (samples.clone(), args.repeats);
         let mut ranks = group.run(move |rank| -> Result<(Tensor, f64, f64), RuntimeError> {
             let r = rank.env.rank;
@@ -64,13 +71,13 @@ pub fn speech(args: SpeechArgs) -> Result<()> {
             })
         })?;
         let (states, first, median) = ranks.swap_remove(0);
-        let plan = &group.plans()[handle.index()];
         let memory = crate::memory_cell(&group.device_memory(), plan);
         println!(
             "| {tp} | {:.2} | {dtype:?} | {first:.1} | {median:.1} | {memory} |",
             frames as f64 / STATES_PER_SECOND as f64
         );
         crate::print_memory_parts(&group.device_memory(), plan);
+        crate::print_limited(taken.as_ref(), &group.device_memory());
         if let Some(out) = &args.out {
             let path = PathBuf::from(format!("{}_tp{tp}.safetensors", out.display()));
             states

@@ -2,8 +2,10 @@
 # The least card a Wan stage runs on, against its plan (issues #30, #34). Each line of $CASES
 # is "vae SIZE DTYPE" (the VAE decoding 81 frames at 480 or 720p) or "dit13|dit14 FRAMES DTYPE
 # [FLAGS]" (the 1.3B DiT, or the 14B shape cut to 10 layers, whose forward's temporaries are
-# the whole one's: one forward and its repeat at 832 × 480, FLAGS such as `--weights fp8`
-# passed on). `tpinfer-bench … --limit-to-plan EXTRA`
+# the whole one's: one forward and its repeat at 832 × 480, then two guided UniPC steps, which
+# hold the sampler's state and both prompts as the plan counts them; FLAGS such as
+# `--weights fp8` passed on) or "speech SECONDS DTYPE" (wav2vec2-large-xlsr-53 encoding that
+# much audio). `tpinfer-bench … --limit-to-plan EXTRA`
 # takes the device memory past the plan plus EXTRA MiB before the run, as a card of that
 # size would hold it; EXTRA is bisected between $LO and $HI (default −400 and 100 MiB) to
 # $STEP (25) MiB. Then the run unlimited, for its peak beside. Random weights in the published
@@ -44,7 +46,12 @@ while read -r stage arg dtype flags; do
       case $shape in 13) make=(--shape 1.3b) ;; 14) make=(--shape 14b --layers 10 --save bf16) ;; esac
       [ -f "$W/wan$shape/config.json" ] || run $REF make "${make[@]}" --out "$W/wan$shape" || exit 1
       [ -f "$W/in$arg.st" ] || run $REF inputs --frames "$arg" --size 832x480 --out "$W/in$arg.st" || exit 1
-      bench=("$BIN/tpinfer-bench" dit --model "$W/wan$shape" --inputs "$W/in$arg.st") ;;
+      bench=("$BIN/tpinfer-bench" dit --model "$W/wan$shape" --inputs "$W/in$arg.st" --guided-steps 2) ;;
+    speech)
+      V="$PY $SCRIPTS/reference/reference_wav2vec2.py"
+      [ -f "$W/xlsr/config.json" ] || run $V make --shape xlsr-53 --seed 5 --out "$W/xlsr" || exit 1
+      [ -f "$W/w$arg.st" ] || run $V run --model "$W/xlsr" --seconds "$arg" --seed 6 --out "$W/w$arg.st" || exit 1
+      bench=("$BIN/tpinfer-bench" speech --model "$W/xlsr" --audio "$W/w$arg.st") ;;
     *) log "unknown stage $stage"; exit 1 ;;
   esac
   # shellcheck disable=SC2206 # FLAGS are words
