@@ -140,6 +140,8 @@ pub(crate) enum WeightsArg {
     AsStored,
     Dequantized,
     Fp8,
+    /// `fp8`, and the LM head too (`--quantize-lm-head`).
+    Fp8LmHead,
 }
 
 impl WeightsArg {
@@ -148,6 +150,7 @@ impl WeightsArg {
             Self::AsStored => tpinfer_engine::WeightFormat::AsStored,
             Self::Dequantized => tpinfer_engine::WeightFormat::Dequantized,
             Self::Fp8 => tpinfer_engine::WeightFormat::Fp8,
+            Self::Fp8LmHead => tpinfer_engine::WeightFormat::Fp8WithLmHead,
         }
     }
 }

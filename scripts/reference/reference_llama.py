@@ -4,7 +4,8 @@
   make    --shape 70b|8b|8b-half|1b|qwen2-7b|qwen2-1.5b-yarn|qwen3-8b|mistral-7b --out DIR [--dtype bf16|f32]
                                                        random-weight Llama (or Qwen2, Qwen3, Mistral) checkpoint (HF format)
   logits  --model DIR --dtype f32|bf16 --out FILE      transformers' prefill logits + greedy tokens
-          [--fp8]                                      with tpinfer's FP8 quantization of the layers' linears
+          [--fp8 [--fp8-lm-head]]                      with tpinfer's FP8 quantization of the layers' linears
+                                                       (and of the LM head: --weights fp8-lm-head)
   compare --ref FILE --out-json FILE NAME=FILE ...     relative errors of tpinfer runs vs a reference
   same    FILE FILE                                    exits 1 unless two tpinfer runs' logits and tokens are the same bits
   speed   --model DIR                                  transformers decode tok/s and 2048-token prefill ms
@@ -198,29 +199,33 @@ class Fp8Linear(torch.nn.Module):
     more than one row, the activations per token (W8A8), dequantized to f32 and multiplied in
     f32."""
 
-    def __init__(self, linear):
+    def __init__(self, linear, rows_quantized=True):
         super().__init__()
         self.weight = torch.nn.Parameter(fp8_rows(linear.weight.data.float(), reciprocal=True), requires_grad=False)
         self.bias = linear.bias
+        self.rows_quantized = rows_quantized
 
     def forward(self, x):
         x2 = x.reshape(-1, x.shape[-1]).float()
         # One row (a decode step's) runs W8A16 in tpinfer: its activations stay as they are.
-        x2 = fp8_rows(x2, reciprocal=False) if x2.shape[0] > 1 else x2
+        x2 = fp8_rows(x2, reciprocal=False) if x2.shape[0] > 1 and self.rows_quantized else x2
         y = x2 @ self.weight.T
         if self.bias is not None:
             y = y + self.bias.float()
         return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
-def to_fp8(model):
+def to_fp8(model, lm_head=False):
     """Every linear of the decoder layers as tpinfer's --quantize fp8 holds it (not the
-    embedding or the LM head)."""
+    embedding; the LM head with `lm_head`, as --quantize-lm-head: W8A16, since tpinfer scores
+    only a prompt's last position, one row)."""
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear):
                     setattr(parent, name, Fp8Linear(child))
+    if lm_head:
+        model.lm_head = Fp8Linear(model.lm_head, rows_quantized=False)
     return model
 
 
@@ -228,7 +233,7 @@ def to_fp8(model):
 def logits(args):
     model = load(args.model, args.dtype)
     if args.fp8:
-        model = to_fp8(model)
+        model = to_fp8(model, args.fp8_lm_head)
     ids = torch.tensor([prompt_ids(model.config.vocab_size, args.prompt_tokens)], device="cuda")
     if args.perturb:
         # The prompt's embeddings scaled by 1 + ε·N(0, 1): how far the logits move for a
@@ -319,6 +324,7 @@ def main():
     l.add_argument("--prompt-tokens", type=int, default=128); l.add_argument("--steps", type=int, default=32)
     l.add_argument("--out", required=True)
     l.add_argument("--fp8", action="store_true", help="tpinfer's W8A8 FP8 products (--weights fp8), in --dtype")
+    l.add_argument("--fp8-lm-head", action="store_true", help="with --fp8, the LM head too (--weights fp8-lm-head)")
     l.add_argument("--perturb", type=float, default=0.0, help="scale the prompt's embeddings by 1 + ε·N(0, 1)")
     c = sub.add_parser("compare"); c.add_argument("--ref", required=True); c.add_argument("--out-json", required=True)
     c.add_argument("runs", nargs="+")

@@ -9,16 +9,22 @@ use tpinfer_plan::{DeviceProfile, Placement, Plan};
 use tpinfer_tests::{rel_error, run_forced, run_greedy, TinyLlama};
 use tpinfer_weights::WeightFormat;
 
-/// The tensors a tiny Llama's linear layers (not the embedding nor the LM head) hold.
-fn is_linear(name: &str, shape: &[usize]) -> bool {
-    shape.len() == 2 && name.starts_with("model.layers.")
+/// The tensors a tiny Llama's linear layers (not the embedding nor the LM head) hold, and with
+/// `head` its LM head.
+fn is_quantized(name: &str, shape: &[usize], head: bool) -> bool {
+    shape.len() == 2 && (name.starts_with("model.layers.") || head && name == "lm_head.weight")
 }
 
 /// Writes `model` twice: as a compressed-tensors FP8 checkpoint (E4M3 weights, f32
 /// `weight_scale` per row, or per tensor for the MLP where `tensor_scales_in_mlp`, as both
 /// kinds of checkpoint exist), and as the f32 checkpoint of exactly those weights, values
-/// times scales. Returns (FP8 dir, reference dir).
-fn write_fp8_and_reference(model: &TinyLlama, root: &Path, tensor_scales_in_mlp: bool) -> (PathBuf, PathBuf) {
+/// times scales; with `head`, the LM head's too. Returns (FP8 dir, reference dir).
+fn write_fp8_and_reference(
+    model: &TinyLlama,
+    root: &Path,
+    tensor_scales_in_mlp: bool,
+    head: bool,
+) -> (PathBuf, PathBuf) {
     let (fp8, reference) = (root.join("fp8"), root.join("reference"));
     model.write(&fp8);
     model.write(&reference);
@@ -26,7 +32,7 @@ fn write_fp8_and_reference(model: &TinyLlama, root: &Path, tensor_scales_in_mlp:
     let mut dequantized = HashMap::new();
     for (name, shape, values) in model.tensors() {
         let t = Tensor::from_vec(values, shape.as_slice(), &Device::Cpu).expect("tensor");
-        if !is_linear(&name, &shape) {
+        if !is_quantized(&name, &shape, head) {
             stored.insert(name.clone(), t.clone());
             dequantized.insert(name, t);
             continue;
@@ -59,7 +65,7 @@ fn write_fp8_and_reference(model: &TinyLlama, root: &Path, tensor_scales_in_mlp:
     config["quantization_config"] = serde_json::json!({
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
-        "ignore": ["lm_head"],
+        "ignore": if head { vec![] } else { vec!["lm_head"] },
     });
     std::fs::write(fp8.join("config.json"), config.to_string()).expect("config");
     (fp8, reference)
@@ -81,7 +87,7 @@ fn uneven_tiny_llama() -> TinyLlama {
 fn a_compressed_tensors_fp8_checkpoint_at_tp_1_to_5_runs_its_weights() {
     let model = uneven_tiny_llama();
     let dir = tempfile::tempdir().expect("tempdir");
-    let (fp8, reference) = write_fp8_and_reference(&model, dir.path(), true);
+    let (fp8, reference) = write_fp8_and_reference(&model, dir.path(), true, false);
     let expected = run_greedy(&reference, 1, DType::F32, &PROMPT, 6);
     let forced = &expected.tokens[..6];
     for format in [WeightFormat::AsStored, WeightFormat::Dequantized] {
@@ -101,7 +107,7 @@ fn quantize_fp8_at_load_runs_per_row_fp8_weights_at_tp_1_to_5() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = model.write(&dir.path().join("f32"));
     // The weights an FP8 quantization with one scale per row makes, written out in f32.
-    let (_, reference) = write_fp8_and_reference(&model, dir.path(), false);
+    let (_, reference) = write_fp8_and_reference(&model, dir.path(), false, false);
     let expected = run_greedy(&reference, 1, DType::F32, &PROMPT, 6);
     let forced = &expected.tokens[..6];
     // Row scales come from whole rows, so every width quantizes every weight alike.
@@ -118,23 +124,87 @@ fn quantize_fp8_at_load_runs_per_row_fp8_weights_at_tp_1_to_5() {
     assert!(err > 1e-3, "FP8 against f32: {err:e}");
 }
 
+/// `--quantize-lm-head`: the LM head quantized per row as the layers are, its vocabulary rows
+/// split over the ranks (uneven at TP 3 and 4), at every width the logits of those weights.
+#[test]
+fn quantize_lm_head_runs_a_per_row_fp8_head_at_tp_1_to_5() {
+    let model = TinyLlama {
+        vocab: 250,
+        ..uneven_tiny_llama()
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(&dir.path().join("f32"));
+    let (_, reference) = write_fp8_and_reference(&model, dir.path(), false, true);
+    let prompt = PROMPT.map(|t| t % 250);
+    let expected = run_greedy(&reference, 1, DType::F32, &prompt, 6);
+    let forced = &expected.tokens[..6];
+    for tp in 1..=5 {
+        let logits = run_forced(&path, tp, WeightFormat::Fp8WithLmHead, &prompt, forced);
+        for (step, values) in logits.iter().enumerate() {
+            let err = rel_error(values, &expected.logits[step]);
+            assert!(err < 1e-5, "TP {tp} step {step}: {err:e}");
+        }
+    }
+    // The head was quantized: the layers alone in FP8 give other logits.
+    let layers_only = run_forced(&path, 1, WeightFormat::Fp8, &prompt, forced);
+    let err = rel_error(&expected.logits[6], &layers_only[6]);
+    assert!(err > 1e-3, "an FP8 head against an f32 one: {err:e}");
+}
+
+/// A model whose LM head is its embedding (tied) has no head of its own to quantize, and a
+/// video model none at all: `--quantize-lm-head` is refused by name, at open and in a plan.
+#[test]
+fn quantize_lm_head_is_refused_for_a_tied_head_or_a_video_model() {
+    let model = TinyLlama {
+        tie_embeddings: true,
+        ..TinyLlama::default()
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = model.write(dir.path());
+    let err = tpinfer_llama::LlamaCheckpoint::open_with(&path, WeightFormat::Fp8WithLmHead)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("--quantize-lm-head") && err.contains("tie_word_embeddings"),
+        "{err}"
+    );
+    for (name, says) in [
+        ("llama-3.2-1b", "tie_word_embeddings"),
+        ("wan2.1-t2v-1.3b", "no LM head"),
+    ] {
+        let err = tpinfer_engine::registry::open_as(name, WeightFormat::Fp8WithLmHead)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("--quantize-lm-head") && err.contains(says),
+            "{name}: {err}"
+        );
+    }
+    assert!(tpinfer_engine::registry::open_as("llama-3-8b", WeightFormat::Fp8WithLmHead).is_ok());
+}
+
 #[test]
 fn fp8_ranks_hold_the_planned_bytes_and_70b_fits_four_24_gib_gpus_only_in_fp8() {
     use tpinfer_llama::{LlamaCheckpoint, LlamaShard};
     let model = TinyLlama::default();
     let dir = tempfile::tempdir().expect("tempdir");
     let path = model.write(dir.path());
-    let checkpoint = LlamaCheckpoint::open_with(&path, WeightFormat::Fp8).expect("open");
-    for tp in [1, 3] {
-        for rank in 0..tp {
-            let shard = LlamaShard::new(&checkpoint.config, tp, rank).expect("shard");
-            let decls = checkpoint.weight_decls(&shard);
-            let planned = tpinfer_weights::ShardLoader::device_bytes(&decls, DType::BF16).expect("bytes");
-            let mut loader = tpinfer_weights::ShardLoader::new(&*checkpoint.store, &decls, DType::BF16, &Device::Cpu);
-            for decl in &decls {
-                loader.take_weight(&decl.name).expect("take");
+    for format in [WeightFormat::Fp8, WeightFormat::Fp8WithLmHead] {
+        let checkpoint = LlamaCheckpoint::open_with(&path, format).expect("open");
+        for tp in [1, 3] {
+            for rank in 0..tp {
+                let shard = LlamaShard::new(&checkpoint.config, tp, rank).expect("shard");
+                let decls = checkpoint.weight_decls(&shard);
+                let planned = tpinfer_weights::ShardLoader::device_bytes(&decls, DType::BF16).expect("bytes");
+                let mut loader =
+                    tpinfer_weights::ShardLoader::new(&*checkpoint.store, &decls, DType::BF16, &Device::Cpu);
+                for decl in &decls {
+                    loader.take_weight(&decl.name).expect("take");
+                }
+                assert_eq!(loader.bytes_on_device(), planned, "{format:?} TP {tp} rank {rank}");
             }
-            assert_eq!(loader.bytes_on_device(), planned, "TP {tp} rank {rank}");
         }
     }
     let plan = |format| {
@@ -157,7 +227,7 @@ fn fp8_ranks_hold_the_planned_bytes_and_70b_fits_four_24_gib_gpus_only_in_fp8() 
 fn an_fp8_checkpoint_without_a_scale_or_of_another_method_is_refused_by_name() {
     let model = TinyLlama::default();
     let dir = tempfile::tempdir().expect("tempdir");
-    let (fp8, _) = write_fp8_and_reference(&model, dir.path(), false);
+    let (fp8, _) = write_fp8_and_reference(&model, dir.path(), false, false);
     let start = |dir: &Path| {
         tpinfer_engine::Engine::builder(dir)
             .build()
@@ -296,7 +366,7 @@ fn video_fp8_products_plan_a_quantized_input_on_cuda_and_an_expanded_weight_on_c
 fn an_fp8_scale_of_the_wrong_shape_or_not_finite_is_refused_by_name() {
     let model = TinyLlama::default();
     let dir = tempfile::tempdir().expect("tempdir");
-    let (fp8, _) = write_fp8_and_reference(&model, dir.path(), false);
+    let (fp8, _) = write_fp8_and_reference(&model, dir.path(), false, false);
     let original = candle_core::safetensors::load(fp8.join("model.safetensors"), &Device::Cpu).expect("load");
     let name = "model.layers.0.self_attn.o_proj.weight_scale";
     let scale = original.get(name).expect("a row scale").clone();

@@ -130,6 +130,9 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
             tpinfer_engine::WeightFormat::Fp8 => println!(
                 "Linear weights in FP8 E4M3 with a scale per output row; the embedding and LM head in {dtype}.\n"
             ),
+            tpinfer_engine::WeightFormat::Fp8WithLmHead => println!(
+                "Linear weights and the LM head in FP8 E4M3 with a scale per output row; the embedding in {dtype}.\n"
+            ),
             tpinfer_engine::WeightFormat::Dequantized => println!("Quantized weights expanded to {dtype} at load.\n"),
             tpinfer_engine::WeightFormat::AsStored => {}
         }

@@ -91,11 +91,16 @@ pub struct WeightArgs {
     #[arg(long, conflicts_with = "quantize")]
     pub dequantize: bool,
     /// Quantize every linear weight at load, per output row (the embedding and LM head stay
-    /// in the compute dtype). FP8 halves a bf16 model's weights and runs as FP8 on GPUs of
+    /// in the compute dtype; see `--quantize-lm-head`). FP8 halves a bf16 model's weights and runs as FP8 on GPUs of
     /// compute capability 8.9 or later; CPU ranks and older GPUs expand each product's weight
     /// (memory saved, not time).
     #[arg(long, value_enum)]
     pub quantize: Option<QuantizeArg>,
+    /// With `--quantize fp8`, the LM head in FP8 too (a language model with its own head):
+    /// half its bytes, which a decode step reads once per token, for logits a little further
+    /// from the unquantized model's (benches/RESULTS.md).
+    #[arg(long, requires = "quantize")]
+    pub quantize_lm_head: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -108,6 +113,7 @@ impl WeightArgs {
     pub fn format(&self) -> WeightFormat {
         match (self.dequantize, self.quantize) {
             (true, _) => WeightFormat::Dequantized,
+            (false, Some(QuantizeArg::Fp8)) if self.quantize_lm_head => WeightFormat::Fp8WithLmHead,
             (false, Some(QuantizeArg::Fp8)) => WeightFormat::Fp8,
             (false, None) => WeightFormat::AsStored,
         }

@@ -1010,7 +1010,33 @@ fn fp8_plans_fit_where_bf16_does_not() {
         "--max-context",
         "8192",
     ];
-    assert_eq!(json(&planned(&llama, &["--quantize", "fp8"]))["fits"], true);
+    let fp8 = json(&planned(&llama, &["--quantize", "fp8"]));
+    assert_eq!(fp8["fits"], true);
+    // --quantize-lm-head: a rank's 32,064 rows of 8,192 take a byte a value and a scale a row
+    // where they took two bytes a value.
+    let head = json(&planned(&llama, &["--quantize", "fp8", "--quantize-lm-head"]));
+    let weights = |out: &serde_json::Value| out["plan"]["ranks"][0]["weights"].as_u64().expect("bytes");
+    assert_eq!(weights(&fp8) - weights(&head), 32_064 * 8_192 - 32_064 * 4);
+    let alone = planned(&llama, &["--quantize-lm-head"]);
+    assert_eq!(alone.status.code(), Some(2), "--quantize-lm-head needs --quantize");
+    let video = planned(
+        &[
+            "--model",
+            "wan2.1-t2v-1.3b",
+            "--gpu-mem",
+            "24GiB",
+            "--frames",
+            "21",
+            "--size",
+            "832x480",
+        ],
+        &["--quantize", "fp8", "--quantize-lm-head"],
+    );
+    let stderr = String::from_utf8_lossy(&video.stderr);
+    assert!(
+        video.status.code() == Some(1) && stderr.contains("no LM head"),
+        "{stderr}"
+    );
     let bf16 = planned(&llama, &[]);
     assert_eq!(bf16.status.code(), Some(2), "bf16 70B does not fit four 24 GiB GPUs");
     let wan = [

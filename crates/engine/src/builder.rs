@@ -113,7 +113,8 @@ impl EngineBuilder {
 
     /// The form the ranks hold the linear weights in. Default: as stored (GGUF blocks and FP8
     /// matrices kept); [`WeightFormat::Dequantized`] expands them to the compute dtype,
-    /// [`WeightFormat::Fp8`] quantizes every linear weight at load.
+    /// [`WeightFormat::Fp8`] quantizes every linear weight at load (and
+    /// [`WeightFormat::Fp8WithLmHead`] a language model's LM head too).
     pub fn weight_format(mut self, format: WeightFormat) -> Self {
         self.weight_format = format;
         self

@@ -11,7 +11,7 @@ use crate::Result;
 /// A `[vocab, hidden]` matrix split over vocabulary rows. As an embedding, each rank looks up
 /// the ids it owns, writes zeros for the rest, and an all-reduce assembles the rows. As an LM
 /// head, each rank scores its own slice of the vocabulary and an all-gather joins the logits;
-/// an LM head may stay in its GGML blocks.
+/// an LM head may stay in its GGML blocks or be held in FP8 (`--quantize-lm-head`).
 pub struct VocabParallelEmbedding {
     weight: Rows,
     /// This rank's first vocabulary row.
@@ -25,6 +25,11 @@ pub struct VocabParallelEmbedding {
 enum Rows {
     Dense(Tensor),
     Quantized(QMatMul),
+    /// E4M3 values `[rows, hidden]` and one f32 scale per row.
+    Fp8 {
+        values: Tensor,
+        scales: Tensor,
+    },
 }
 
 impl VocabParallelEmbedding {
@@ -48,11 +53,7 @@ impl VocabParallelEmbedding {
         let weight = match weights.take_weight(name)? {
             Weight::Dense(w) => Rows::Dense(w),
             Weight::Quantized(q) => Rows::Quantized(QMatMul::from_arc(q)?),
-            Weight::Fp8 { .. } => {
-                return Err(crate::Error::Shard(format!(
-                    "{name} is declared FP8; a vocabulary matrix stays in the compute dtype"
-                )))
-            }
+            Weight::Fp8 { values, scales } => Rows::Fp8 { values, scales },
         };
         Ok(Self {
             first: rows.start,
@@ -81,6 +82,7 @@ impl VocabParallelEmbedding {
     pub fn project(&self, x: &Tensor) -> Result<Tensor> {
         let local = match &self.weight {
             Rows::Quantized(q) => crate::linear::quantized_product(q, x)?,
+            Rows::Fp8 { values, scales } => tpinfer_kernels::fp8_linear(x, values, scales, None, false)?,
             Rows::Dense(w) if tpinfer_kernels::gemv_on_cuda(x, w) => tpinfer_kernels::gemv(x, w)?,
             Rows::Dense(w) => x.broadcast_matmul(&w.t()?)?,
         };

@@ -70,9 +70,14 @@ pub enum WeightFormat {
     AsStored,
     /// Everything in the compute dtype (`--dequantize`).
     Dequantized,
-    /// Every linear weight of the model in FP8 E4M3 with one scale per output row
-    /// (`--quantize fp8`), quantized at load unless stored so.
+    /// Every linear weight of the model's layers in FP8 E4M3 with one scale per output row
+    /// (`--quantize fp8`), quantized at load unless stored so. A language model's LM head
+    /// stays in the compute dtype, as FP8 checkpoints and vLLM keep it.
     Fp8,
+    /// [`WeightFormat::Fp8`], and a language model's own (untied) LM head too
+    /// (`--quantize fp8 --quantize-lm-head`): its bytes halve again, and a decode step reads
+    /// them once per token.
+    Fp8WithLmHead,
 }
 
 /// How a matrix is held on its rank when not in the compute dtype.

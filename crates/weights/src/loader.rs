@@ -68,7 +68,7 @@ pub fn hold_matrices(
     for decl in decls.iter_mut().filter(|d| matrix(d)) {
         decl.quant = match format {
             WeightFormat::Dequantized => None,
-            WeightFormat::Fp8 => fp8(decl).then_some(Quant::Fp8),
+            WeightFormat::Fp8 | WeightFormat::Fp8WithLmHead => fp8(decl).then_some(Quant::Fp8),
             WeightFormat::AsStored => match stored(&decl.name) {
                 Some(TensorInfo {
                     quant: Some(blocks), ..

@@ -42,6 +42,26 @@ pub enum CheckpointError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Weights(#[from] WeightError),
+    #[error(
+        "{origin}: --quantize-lm-head asks for an FP8 LM head, but this model's head is its embedding \
+         (tie_word_embeddings), whose rows stay in the compute dtype; leave the flag out"
+    )]
+    TiedHead { origin: String },
+}
+
+/// Fails where `format` quantizes an LM head that `config` does not have: the head is the
+/// embedding, looked up by rows.
+pub(crate) fn check_head_format(
+    config: &LlamaConfig,
+    format: WeightFormat,
+    origin: &str,
+) -> Result<(), CheckpointError> {
+    match format == WeightFormat::Fp8WithLmHead && config.tie_word_embeddings {
+        true => Err(CheckpointError::TiedHead {
+            origin: origin.to_string(),
+        }),
+        false => Ok(()),
+    }
 }
 
 impl LlamaCheckpoint {
@@ -71,6 +91,7 @@ impl LlamaCheckpoint {
             return Self::open_gguf(path, format);
         }
         let config = LlamaConfig::from_dir(path)?;
+        check_head_format(&config, format, &path.display().to_string())?;
         let store = tpinfer_weights::open_model_dir(path)?;
         Ok(Self {
             config,
@@ -89,6 +110,7 @@ impl LlamaCheckpoint {
             // llama.cpp stores Llama 3.1's rope scaling as a divisor per frequency.
             config.rope_scaling = Some(rope_divisors(&store, &config, &origin)?);
         }
+        check_head_format(&config, format, &origin)?;
         if format == WeightFormat::AsStored {
             config.row_block = (0..config.num_hidden_layers)
                 .flat_map(|i| {
@@ -163,14 +185,17 @@ impl LlamaCheckpoint {
 
 /// Sets each linear weight of `decls` to the form `format` holds it in, `stored` giving a
 /// tensor's header (none for a preset). The embedding stays dense, its rows looked up rather
-/// than multiplied; so does the LM head under `--quantize fp8`, as FP8 checkpoints keep it.
+/// than multiplied; so does the LM head under `--quantize fp8`, as FP8 checkpoints keep it,
+/// unless `--quantize-lm-head` ([`WeightFormat::Fp8WithLmHead`]).
 pub(crate) fn hold_linears(
     decls: &mut [WeightDecl],
     format: WeightFormat,
     stored: impl Fn(&str) -> Option<TensorInfo>,
 ) {
     let linear = |d: &WeightDecl| d.shape.len() == 2 && d.name != names::EMBED;
-    tpinfer_weights::hold_matrices(decls, format, linear, |d| linear(d) && d.name != names::LM_HEAD, stored);
+    let head = format == WeightFormat::Fp8WithLmHead;
+    let fp8 = |d: &WeightDecl| linear(d) && (head || d.name != names::LM_HEAD);
+    tpinfer_weights::hold_matrices(decls, format, linear, fp8, stored);
 }
 
 /// llama.cpp's rotary frequency divisors (Llama 3.1 and 3.2 GGUFs).

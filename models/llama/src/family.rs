@@ -355,7 +355,11 @@ impl Family for LlamaModel {
     fn with_format(self, format: WeightFormat) -> Result<Self, PlanError> {
         match &self.checkpoint {
             _ if format == self.format => Ok(self),
-            None => Ok(Self { format, ..self }),
+            None => {
+                crate::checkpoint::check_head_format(&self.config, format, &self.name)
+                    .map_err(|e| PlanError::Model(e.to_string()))?;
+                Ok(Self { format, ..self })
+            }
             Some(checkpoint) => {
                 let path = match &checkpoint.format {
                     crate::ModelFormat::HfDir(path) | crate::ModelFormat::Gguf(path) => path.clone(),

@@ -213,6 +213,12 @@ impl Family for Umt5Model {
     /// FP8 (`--quantize fp8`) holds the blocks' linear weights in E4M3; the embedding and
     /// the relative position biases, looked up rather than multiplied, stay as they are.
     fn with_format(self, format: WeightFormat) -> Result<Self, PlanError> {
+        if format == WeightFormat::Fp8WithLmHead {
+            return Err(PlanError::Model(format!(
+                "{}: --quantize-lm-head is for language models; a text encoder has no LM head (leave the flag out)",
+                Self::NAME
+            )));
+        }
         Ok(Self { format, ..self })
     }
 

@@ -281,6 +281,12 @@ impl Family for WanModel {
     /// FP8 (`--quantize fp8`) holds the blocks' linear weights in E4M3; the embedders and the
     /// output projection, a sliver of the model, stay in the compute dtype.
     fn with_format(self, format: WeightFormat) -> Result<Self, PlanError> {
+        if format == WeightFormat::Fp8WithLmHead {
+            return Err(PlanError::Model(format!(
+                "{}: --quantize-lm-head is for language models; a DiT has no LM head (leave the flag out)",
+                Self::NAME
+            )));
+        }
         Ok(Self { format, ..self })
     }
 
