@@ -7,8 +7,8 @@
 # - numerics: a random Llama (SHAPE, default 1b) with --weights fp8, in f32 and bf16, against
 #   transformers with the same quantization (reference_llama.py logits --fp8) and against the
 #   unquantized model.
-# - speed: the 8B shape, bf16 and --weights fp8 in the same run: decode after a 128-token
-#   prompt, and a 2,048-token prefill.
+# - speed: the 8B shape, bf16, --weights fp8 and fp8-lm-head (the LM head too) in the same run:
+#   decode after a 128-token prompt, and a 2,048-token prefill.
 # Binaries of scripts/build/build-cuda.sh in $BIN; the tokenizer in $TOK. Results in $OUT/fp8.log.
 . "$(dirname "$0")/env.sh"
 TOK=${TOK:-.dist/llama3-tokenizer} SHAPE=${SHAPE:-1b}
@@ -53,7 +53,7 @@ for part in ${PARTS:-kernels numerics speed}; do
   speed)
     M="$W/m8b"
     [ -f "$M/config.json" ] || run $REF make --shape 8b --dtype bf16 --out "$M" --tokenizer "$TOK" || exit 1
-    for weights in as-stored fp8; do
+    for weights in as-stored fp8 fp8-lm-head; do
       run "$B" speed --cuda --tp 1 --model "$M" --weights $weights --prompt-tokens 128 --new-tokens 256 --repeats 2
       run "$B" speed --cuda --tp 1 --model "$M" --weights $weights --prompt-tokens 2048 --new-tokens 8 --repeats 3
     done
