@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FP8 weights on one GPU (issue #34), in parts chosen by $PARTS (default "kernels numerics speed"):
+# FP8 weights on one GPU (issue #34), in parts chosen by $PARTS (default "kernels numerics head speed"):
 # - kernels: `tpinfer-bench fp8`, each product with FP8 weights (the W8A8 GEMM, the FP8 GEMV for
 #   one row) beside the same product with the dequantized weight in bf16, at the Llama-3-8B and
 #   Wan-14B shapes; then a few in f32, whose error against the host's f32 reference of the same
@@ -7,6 +7,9 @@
 # - numerics: a random Llama (SHAPE, default 1b) with --weights fp8, in f32 and bf16, against
 #   transformers with the same quantization (reference_llama.py logits --fp8) and against the
 #   unquantized model.
+# - head: --weights fp8-lm-head on the untied 8b-half shape against transformers with the same
+#   quantization (reference_llama.py logits --fp8 --fp8-lm-head) after a one-token prompt, where
+#   every product is one row (W8A16) and both models are continuous, in f32 and bf16.
 # - speed: the 8B shape, bf16, --weights fp8 and fp8-lm-head (the LM head too) in the same run:
 #   decode after a 128-token prompt, and a 2,048-token prefill.
 # Binaries of scripts/build/build-cuda.sh in $BIN; the tokenizer in $TOK. Results in $OUT/fp8.log.
@@ -16,7 +19,7 @@ REF="$PY $SCRIPTS/reference/reference_llama.py" B="$BIN/tpinfer-bench"
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/fp8.log"; }
 run() { log "$*"; timeout "${LIMIT:-150}" "$@" 2>&1 | grep -vE "Loading|it/s\]" | tee -a "$OUT/fp8.log"; return "${PIPESTATUS[0]}"; }
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee -a "$OUT/fp8.log"
-for part in ${PARTS:-kernels numerics speed}; do
+for part in ${PARTS:-kernels numerics head speed}; do
   case $part in
   kernels)
     # 8B: QKV, O, gate|up, down; one row, a batch of 32, a 2,048-token prefill. Wan-14B: the
@@ -49,6 +52,16 @@ for part in ${PARTS:-kernels numerics speed}; do
       fp8_f32="$W/fp8_f32.st" fp8_bf16="$W/fp8_bf16.st" bf16="$W/plain_bf16.st" f32="$W/plain_f32.st" \
       ref_fp8_f32="$W/ref_fp8_f32.st"
     run $REF compare --ref "$W/plain_bf16.st" --out-json "$OUT/fp8_vs_bf16.json" fp8_bf16="$W/fp8_bf16.st"
+    ;;
+  head)
+    M="$W/m8b-half"
+    [ -f "$M/config.json" ] || run $REF make --shape 8b-half --dtype bf16 --out "$M" --tokenizer "$TOK" || exit 1
+    for d in f32 bf16; do
+      run "$B" logits --cuda --steps 8 --prompt-tokens 1 --model "$M" --dtype $d --weights fp8-lm-head --out "$W/head_$d.st"
+    done
+    run $REF logits --model "$M" --dtype f32 --fp8 --fp8-lm-head --prompt-tokens 1 --steps 8 --out "$W/ref_head.st"
+    run $REF compare --ref "$W/ref_head.st" --out-json "$OUT/fp8_lm_head_vs_same_quantization.json" \
+      head_f32="$W/head_f32.st" head_bf16="$W/head_bf16.st"
     ;;
   speed)
     M="$W/m8b"
