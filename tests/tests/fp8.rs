@@ -83,22 +83,36 @@ fn uneven_tiny_llama() -> TinyLlama {
     }
 }
 
-#[test]
-fn a_compressed_tensors_fp8_checkpoint_at_tp_1_to_5_runs_its_weights() {
-    let model = uneven_tiny_llama();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (fp8, reference) = write_fp8_and_reference(&model, dir.path(), true, false);
-    let expected = run_greedy(&reference, 1, DType::F32, &PROMPT, 6);
+/// Checks that `path` held in each of `formats` gives, at every width from 1 to 5, the logits
+/// of the f32 `reference` (TP 1) along its greedy tokens from `prompt`. Returns the
+/// reference's tokens and logits.
+fn every_width_gives_the_reference(
+    path: &Path,
+    formats: &[WeightFormat],
+    reference: &Path,
+    prompt: &[u32],
+) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let expected = run_greedy(reference, 1, DType::F32, prompt, 6);
     let forced = &expected.tokens[..6];
-    for format in [WeightFormat::AsStored, WeightFormat::Dequantized] {
+    for &format in formats {
         for tp in 1..=5 {
-            let logits = run_forced(&fp8, tp, format, &PROMPT, forced);
+            let logits = run_forced(path, tp, format, prompt, forced);
             for (step, values) in logits.iter().enumerate() {
                 let err = rel_error(values, &expected.logits[step]);
                 assert!(err < 1e-5, "{format:?} TP {tp} step {step}: {err:e}");
             }
         }
     }
+    (forced.to_vec(), expected.logits)
+}
+
+#[test]
+fn a_compressed_tensors_fp8_checkpoint_at_tp_1_to_5_runs_its_weights() {
+    let model = uneven_tiny_llama();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (fp8, reference) = write_fp8_and_reference(&model, dir.path(), true, false);
+    let formats = [WeightFormat::AsStored, WeightFormat::Dequantized];
+    every_width_gives_the_reference(&fp8, &formats, &reference, &PROMPT);
 }
 
 #[test]
@@ -108,19 +122,11 @@ fn quantize_fp8_at_load_runs_per_row_fp8_weights_at_tp_1_to_5() {
     let path = model.write(&dir.path().join("f32"));
     // The weights an FP8 quantization with one scale per row makes, written out in f32.
     let (_, reference) = write_fp8_and_reference(&model, dir.path(), false, false);
-    let expected = run_greedy(&reference, 1, DType::F32, &PROMPT, 6);
-    let forced = &expected.tokens[..6];
     // Row scales come from whole rows, so every width quantizes every weight alike.
-    for tp in 1..=5 {
-        let logits = run_forced(&path, tp, WeightFormat::Fp8, &PROMPT, forced);
-        for (step, values) in logits.iter().enumerate() {
-            let err = rel_error(values, &expected.logits[step]);
-            assert!(err < 1e-5, "TP {tp} step {step}: {err:e}");
-        }
-    }
+    let (forced, expected) = every_width_gives_the_reference(&path, &[WeightFormat::Fp8], &reference, &PROMPT);
     // E4M3 keeps 3 mantissa bits: this random model's logits move by 1.1e-1.
-    let original = run_forced(&path, 1, WeightFormat::AsStored, &PROMPT, forced);
-    let err = rel_error(&expected.logits[6], &original[6]);
+    let original = run_forced(&path, 1, WeightFormat::AsStored, &PROMPT, &forced);
+    let err = rel_error(&expected[6], &original[6]);
     assert!(err > 1e-3, "FP8 against f32: {err:e}");
 }
 
@@ -136,18 +142,11 @@ fn quantize_lm_head_runs_a_per_row_fp8_head_at_tp_1_to_5() {
     let path = model.write(&dir.path().join("f32"));
     let (_, reference) = write_fp8_and_reference(&model, dir.path(), false, true);
     let prompt = PROMPT.map(|t| t % 250);
-    let expected = run_greedy(&reference, 1, DType::F32, &prompt, 6);
-    let forced = &expected.tokens[..6];
-    for tp in 1..=5 {
-        let logits = run_forced(&path, tp, WeightFormat::Fp8WithLmHead, &prompt, forced);
-        for (step, values) in logits.iter().enumerate() {
-            let err = rel_error(values, &expected.logits[step]);
-            assert!(err < 1e-5, "TP {tp} step {step}: {err:e}");
-        }
-    }
+    let (forced, expected) =
+        every_width_gives_the_reference(&path, &[WeightFormat::Fp8WithLmHead], &reference, &prompt);
     // The head was quantized: the layers alone in FP8 give other logits.
-    let layers_only = run_forced(&path, 1, WeightFormat::Fp8, &prompt, forced);
-    let err = rel_error(&expected.logits[6], &layers_only[6]);
+    let layers_only = run_forced(&path, 1, WeightFormat::Fp8, &prompt, &forced);
+    let err = rel_error(&expected[6], &layers_only[6]);
     assert!(err > 1e-3, "an FP8 head against an f32 one: {err:e}");
 }
 
