@@ -610,6 +610,31 @@ pub fn run_batched_greedy(
     runs.into_iter().next().expect("rank 0")
 }
 
+/// Loads every rank of `checkpoint` at each of `widths` on the CPU in `dtype` and checks that it
+/// holds exactly the weight bytes its declarations plan; `each` sees the width, the rank and
+/// its declarations.
+pub fn each_rank_holds_its_planned_bytes(
+    checkpoint: &LlamaCheckpoint,
+    widths: &[usize],
+    dtype: DType,
+    mut each: impl FnMut(usize, usize, &[tpinfer_weights::WeightDecl]),
+) {
+    for &tp in widths {
+        for rank in 0..tp {
+            let shard = LlamaShard::new(&checkpoint.config, tp, rank).expect("shard");
+            let decls = checkpoint.weight_decls(&shard);
+            let planned = tpinfer_weights::ShardLoader::device_bytes(&decls, dtype).expect("bytes");
+            let mut loader = tpinfer_weights::ShardLoader::new(&*checkpoint.store, &decls, dtype, &Device::Cpu);
+            for decl in &decls {
+                loader.take_weight(&decl.name).expect("take");
+            }
+            let format = checkpoint.weight_format();
+            assert_eq!(loader.bytes_on_device(), planned, "{format:?} TP {tp} rank {rank}");
+            each(tp, rank, &decls);
+        }
+    }
+}
+
 /// The logits of `model` at TP `tp` on CPU rank threads, its quantized weights `quantized`,
 /// fed the prompt and then `forced` one token at a time whatever it predicts (teacher
 /// forcing): runs that disagree on a near tie still compare step by step. Prefill first.

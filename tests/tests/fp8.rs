@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use tpinfer_plan::{DeviceProfile, Placement, Plan};
-use tpinfer_tests::{rel_error, run_forced, run_greedy, TinyLlama};
+use tpinfer_tests::{each_rank_holds_its_planned_bytes, rel_error, run_forced, run_greedy, TinyLlama};
 use tpinfer_weights::WeightFormat;
 
 /// The tensors a tiny Llama's linear layers (not the embedding nor the LM head) hold, and with
@@ -186,25 +186,13 @@ fn quantize_lm_head_is_refused_for_a_tied_head_or_a_video_model() {
 
 #[test]
 fn fp8_ranks_hold_the_planned_bytes_and_70b_fits_four_24_gib_gpus_only_in_fp8() {
-    use tpinfer_llama::{LlamaCheckpoint, LlamaShard};
+    use tpinfer_llama::LlamaCheckpoint;
     let model = TinyLlama::default();
     let dir = tempfile::tempdir().expect("tempdir");
     let path = model.write(dir.path());
     for format in [WeightFormat::Fp8, WeightFormat::Fp8WithLmHead] {
         let checkpoint = LlamaCheckpoint::open_with(&path, format).expect("open");
-        for tp in [1, 3] {
-            for rank in 0..tp {
-                let shard = LlamaShard::new(&checkpoint.config, tp, rank).expect("shard");
-                let decls = checkpoint.weight_decls(&shard);
-                let planned = tpinfer_weights::ShardLoader::device_bytes(&decls, DType::BF16).expect("bytes");
-                let mut loader =
-                    tpinfer_weights::ShardLoader::new(&*checkpoint.store, &decls, DType::BF16, &Device::Cpu);
-                for decl in &decls {
-                    loader.take_weight(&decl.name).expect("take");
-                }
-                assert_eq!(loader.bytes_on_device(), planned, "{format:?} TP {tp} rank {rank}");
-            }
-        }
+        each_rank_holds_its_planned_bytes(&checkpoint, &[1, 3], DType::BF16, |_, _, _| {});
     }
     let plan = |format| {
         let (_, model) = tpinfer_engine::registry::open_as("llama-3-70b", format).expect("preset");

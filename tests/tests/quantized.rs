@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use tpinfer_layers::{split_blocks, split_evenly, HeadShard};
-use tpinfer_tests::{argmax, rel_error, run_forced, run_greedy, Flavor, TinyLlama};
+use tpinfer_tests::{argmax, each_rank_holds_its_planned_bytes, rel_error, run_forced, run_greedy, Flavor, TinyLlama};
 use tpinfer_weights::{GgufStore, ShardSpec, WeightFormat, WeightStore};
 
 const TYPES: [GgmlDType; 6] = [
@@ -167,33 +167,22 @@ fn a_q8_0_tiny_llama_at_tp_1_to_5_is_its_dequantized_self() {
 
 #[test]
 fn a_kept_rank_holds_the_planned_blocks() {
-    use tpinfer_llama::{LlamaCheckpoint, LlamaShard};
+    use tpinfer_llama::LlamaCheckpoint;
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("q4_k_m.gguf");
     wide_tiny_llama().write_gguf(&path, q4_k_m);
     for quantized in [WeightFormat::AsStored, WeightFormat::Dequantized] {
         let checkpoint = LlamaCheckpoint::open_with(&path, quantized).expect("open");
-        for tp in [1, 3, 5] {
-            for rank in 0..tp {
-                let shard = LlamaShard::new(&checkpoint.config, tp, rank).expect("shard");
-                let decls = checkpoint.weight_decls(&shard);
-                let planned = tpinfer_weights::ShardLoader::device_bytes(&decls, DType::F32).expect("bytes");
-                let mut loader =
-                    tpinfer_weights::ShardLoader::new(&*checkpoint.store, &decls, DType::F32, &Device::Cpu);
-                for decl in &decls {
-                    loader.take_weight(&decl.name).expect("take");
-                }
-                assert_eq!(loader.bytes_on_device(), planned, "{quantized:?} TP {tp} rank {rank}");
-                let kept = decls.iter().filter(|d| d.quant.is_some()).count();
-                // As stored: every linear and the LM head.
-                let expected = if quantized == WeightFormat::AsStored {
-                    2 * 7 + 1
-                } else {
-                    0
-                };
-                assert_eq!(kept, expected, "{quantized:?}");
-            }
-        }
+        each_rank_holds_its_planned_bytes(&checkpoint, &[1, 3, 5], DType::F32, |_, _, decls| {
+            let kept = decls.iter().filter(|d| d.quant.is_some()).count();
+            // As stored: every linear and the LM head.
+            let expected = if quantized == WeightFormat::AsStored {
+                2 * 7 + 1
+            } else {
+                0
+            };
+            assert_eq!(kept, expected, "{quantized:?}");
+        });
     }
 }
 
