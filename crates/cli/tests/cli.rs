@@ -59,6 +59,38 @@ fn generates_and_reports_speed() {
     assert!(chat.status.success(), "{}", String::from_utf8_lossy(&chat.stderr));
 }
 
+/// `--quantize fp8 --quantize-lm-head` runs end to end on CPU ranks; a tied head (the
+/// embedding) is refused with one clear error before any rank loads.
+#[test]
+fn quantize_lm_head_generates_and_a_tied_head_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = TinyLlama::default().write(&dir.path().join("untied"));
+    let flags = [
+        "--quantize",
+        "fp8",
+        "--quantize-lm-head",
+        "--tp",
+        "3",
+        "--max-new-tokens",
+        "4",
+    ];
+    let output = generate(&model, &flags);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && stderr.contains("decode 4 tokens"),
+        "{stderr}"
+    );
+    let tied = TinyLlama {
+        tie_embeddings: true,
+        ..TinyLlama::default()
+    }
+    .write(&dir.path().join("tied"));
+    assert_fails_with(
+        &generate(&tied, &flags),
+        &["--quantize-lm-head", "tie_word_embeddings", "leave the flag out"],
+    );
+}
+
 /// vLLM users' flags work as they expect: --tensor-parallel-size and --max-model-len are
 /// --tp and --max-context, and --gpu-memory-utilization is a share of each GPU's memory,
 /// refused by name on CPU ranks and outside (0, 1].
