@@ -91,9 +91,9 @@ pub struct WeightArgs {
     #[arg(long, conflicts_with = "quantize")]
     pub dequantize: bool,
     /// Quantize every linear weight at load, per output row (the embedding and LM head stay
-    /// in the compute dtype; see `--quantize-lm-head`). FP8 halves a bf16 model's weights and runs as FP8 on GPUs of
-    /// compute capability 8.9 or later; CPU ranks and older GPUs expand each product's weight
-    /// (memory saved, not time).
+    /// in the compute dtype; see `--quantize-lm-head`). FP8 halves a bf16 model's weights and
+    /// runs as FP8 on GPUs of compute capability 8.9 or later; CPU ranks and older GPUs expand
+    /// each product's weight (memory saved, not time).
     #[arg(long, value_enum)]
     pub quantize: Option<QuantizeArg>,
     /// With `--quantize fp8`, the LM head in FP8 too (a language model with its own head):

@@ -74,6 +74,17 @@ pub fn preset_has_no_weights(name: &str) -> tpinfer_layers::Error {
     ))
 }
 
+/// Fails where `format` asks a family without an LM head (a DiT, a text encoder) to quantize
+/// one: `--quantize-lm-head` is for language models.
+pub fn check_no_lm_head(name: &str, format: WeightFormat) -> Result<(), PlanError> {
+    match format {
+        WeightFormat::Fp8WithLmHead => Err(PlanError::Model(format!(
+            "{name}: --quantize-lm-head is for language models; this model has no LM head (leave the flag out)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// What a rank loads with: its communicator, its device, the compute dtype, the options its
 /// forward runs with, and the group's load progress, which its weight loader counts into.
 pub struct LoadContext<'a> {

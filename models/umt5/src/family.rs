@@ -4,7 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::DType;
-use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
+use tpinfer_family::{check_no_lm_head, preset_has_no_weights, Family, LoadContext};
 use tpinfer_plan::{
     boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
 };
@@ -213,12 +213,7 @@ impl Family for Umt5Model {
     /// FP8 (`--quantize fp8`) holds the blocks' linear weights in E4M3; the embedding and
     /// the relative position biases, looked up rather than multiplied, stay as they are.
     fn with_format(self, format: WeightFormat) -> Result<Self, PlanError> {
-        if format == WeightFormat::Fp8WithLmHead {
-            return Err(PlanError::Model(format!(
-                "{}: --quantize-lm-head is for language models; a text encoder has no LM head (leave the flag out)",
-                Self::NAME
-            )));
-        }
+        check_no_lm_head(Self::NAME, format)?;
         Ok(Self { format, ..self })
     }
 

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::DType;
-use tpinfer_family::{preset_has_no_weights, Family, LoadContext};
+use tpinfer_family::{check_no_lm_head, preset_has_no_weights, Family, LoadContext};
 use tpinfer_plan::{
     boxed_shards, numbered_unit, Accelerator, Footprint, Placement, PlanError, RankShard, ShardedModel,
 };
@@ -281,12 +281,7 @@ impl Family for WanModel {
     /// FP8 (`--quantize fp8`) holds the blocks' linear weights in E4M3; the embedders and the
     /// output projection, a sliver of the model, stay in the compute dtype.
     fn with_format(self, format: WeightFormat) -> Result<Self, PlanError> {
-        if format == WeightFormat::Fp8WithLmHead {
-            return Err(PlanError::Model(format!(
-                "{}: --quantize-lm-head is for language models; a DiT has no LM head (leave the flag out)",
-                Self::NAME
-            )));
-        }
+        check_no_lm_head(Self::NAME, format)?;
         Ok(Self { format, ..self })
     }
 
