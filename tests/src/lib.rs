@@ -611,14 +611,14 @@ pub fn run_batched_greedy(
 }
 
 /// Loads every rank of `checkpoint` at each of `widths` on the CPU in `dtype` and checks that it
-/// holds exactly the weight bytes its declarations plan; `each` sees the width, the rank and
-/// its declarations.
+/// holds exactly the weight bytes its declarations plan; `each` sees each rank's declarations.
 pub fn each_rank_holds_its_planned_bytes(
     checkpoint: &LlamaCheckpoint,
     widths: &[usize],
     dtype: DType,
-    mut each: impl FnMut(usize, usize, &[tpinfer_weights::WeightDecl]),
+    mut each: impl FnMut(&[tpinfer_weights::WeightDecl]),
 ) {
+    let format = checkpoint.weight_format();
     for &tp in widths {
         for rank in 0..tp {
             let shard = LlamaShard::new(&checkpoint.config, tp, rank).expect("shard");
@@ -628,9 +628,8 @@ pub fn each_rank_holds_its_planned_bytes(
             for decl in &decls {
                 loader.take_weight(&decl.name).expect("take");
             }
-            let format = checkpoint.weight_format();
             assert_eq!(loader.bytes_on_device(), planned, "{format:?} TP {tp} rank {rank}");
-            each(tp, rank, &decls);
+            each(&decls);
         }
     }
 }

@@ -192,7 +192,7 @@ fn fp8_ranks_hold_the_planned_bytes_and_70b_fits_four_24_gib_gpus_only_in_fp8() 
     let path = model.write(dir.path());
     for format in [WeightFormat::Fp8, WeightFormat::Fp8WithLmHead] {
         let checkpoint = LlamaCheckpoint::open_with(&path, format).expect("open");
-        each_rank_holds_its_planned_bytes(&checkpoint, &[1, 3], DType::BF16, |_, _, _| {});
+        each_rank_holds_its_planned_bytes(&checkpoint, &[1, 3], DType::BF16, |_| {});
     }
     let plan = |format| {
         let (_, model) = tpinfer_engine::registry::open_as("llama-3-70b", format).expect("preset");

@@ -173,7 +173,7 @@ fn a_kept_rank_holds_the_planned_blocks() {
     wide_tiny_llama().write_gguf(&path, q4_k_m);
     for quantized in [WeightFormat::AsStored, WeightFormat::Dequantized] {
         let checkpoint = LlamaCheckpoint::open_with(&path, quantized).expect("open");
-        each_rank_holds_its_planned_bytes(&checkpoint, &[1, 3, 5], DType::F32, |_, _, decls| {
+        each_rank_holds_its_planned_bytes(&checkpoint, &[1, 3, 5], DType::F32, |decls| {
             let kept = decls.iter().filter(|d| d.quant.is_some()).count();
             // As stored: every linear and the LM head.
             let expected = if quantized == WeightFormat::AsStored {
