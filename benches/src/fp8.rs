@@ -28,7 +28,14 @@ pub struct Fp8Args {
     /// The rows of each output checked against the host's reference (the first ones).
     #[arg(long, default_value_t = 32)]
     check_rows: usize,
+    /// SMs held busy while each plain case is timed (`tpinfer_kernels::SmHold`), so that the
+    /// products run on the rest: 40 of an H100's 132 ask of each SM an H200's bytes a second.
+    #[arg(long, default_value_t = 0)]
+    hold_sms: usize,
 }
+
+/// How long `--hold-sms` holds its SMs for each case: far more than a case's timed calls.
+const HOLD_TIME: std::time::Duration = std::time::Duration::from_secs(2);
 
 pub fn run(args: Fp8Args) -> Result<()> {
     let device = crate::gpu().context("the FP8 benchmark needs a CUDA build and a GPU")?;
@@ -95,6 +102,9 @@ fn products(args: &Fp8Args, device: &Device, dtype: DType) -> Result<()> {
     if args.cases.is_empty() {
         return Ok(());
     }
+    if args.hold_sms > 0 {
+        println!("{} SMs held while each case is timed\n", args.hold_sms);
+    }
     println!(
         "| rows × in → out | bias, GELU | path | FP8: ms | TFLOP/s or GB/s | {dtype:?}, dequantized: ms | speedup | FP8 error | FP8 into rows 3.., error | {dtype:?} error |"
     );
@@ -156,8 +166,20 @@ fn products(args: &Fp8Args, device: &Device, dtype: DType) -> Result<()> {
             };
             Ok(if gelu { y.gelu()? } else { y })
         };
+        let hold = (args.hold_sms > 0)
+            .then(|| tpinfer_kernels::SmHold::start(device, args.hold_sms, HOLD_TIME))
+            .transpose()?;
         let (y_fp8, ms_fp8) = time_calls(device, args.repeats, &fp8)?;
         let (y_base, ms_base) = time_calls(device, args.repeats, &baseline)?;
+        if let Some(hold) = hold {
+            if !hold.holding()? {
+                bail!(
+                    "{text}: the SMs were held for {} s, less than the case took to time; use fewer --repeats",
+                    HOLD_TIME.as_secs()
+                );
+            }
+            hold.finish()?;
+        }
         // The same product written into rows 3.. of a larger output, as a part of gathered
         // rows is: off cuBLASLt's assumed 256-byte alignment, with a row either side that it
         // must leave as it was.

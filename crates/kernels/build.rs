@@ -13,7 +13,7 @@ use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const SOURCES: [&str; 10] = [
+const SOURCES: [&str; 11] = [
     "attention_fp8",
     "flash_attention",
     "fp8",
@@ -24,6 +24,7 @@ const SOURCES: [&str; 10] = [
     "argmax",
     "peer_all_reduce",
     "sample",
+    "hold",
 ];
 /// The decode attention kernels, one module per GQA group size (DECODE_GROUP in
 /// cuda/decode_attention.cu): a model loads only the one it needs.

@@ -26,6 +26,7 @@ mod gemv;
 mod ggml;
 #[cfg(feature = "cuda")]
 pub mod graph;
+mod hold;
 #[cfg(feature = "cuda")]
 mod launch;
 mod linear;
@@ -62,6 +63,7 @@ pub use gemv::{
     gemv_tiled, GemvRow, ResidualNorm, RowWeight, GEMV_TILES,
 };
 pub use ggml::{mmvq_covers, mmvq_row_into, mmvq_takes, q8_1_row, q8_1_row_bytes, quantize_row_q8_1};
+pub use hold::SmHold;
 #[cfg(feature = "cuda")]
 pub use launch::device_address;
 pub use linear::{

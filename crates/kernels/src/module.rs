@@ -37,6 +37,7 @@ pub(crate) const FLASH_ATTENTION: Module = fatbin!("flash_attention");
 pub(crate) const FLASH_ATTENTION_SM90: Module = fatbin!("flash_attention_sm90");
 pub(crate) const FP8: Module = fatbin!("fp8");
 pub(crate) const GEMV: Module = fatbin!("gemv");
+pub(crate) const HOLD: Module = fatbin!("hold");
 pub(crate) const PAGED: Module = fatbin!("paged");
 pub(crate) const PEER_ALL_REDUCE: Module = fatbin!("peer_all_reduce");
 pub(crate) const ROTARY: Module = fatbin!("rotary");
@@ -59,6 +60,11 @@ pub(crate) struct Kernel {
 impl Kernel {
     pub(crate) fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
+    }
+
+    /// A launch on `stream` instead of the device's own.
+    pub(crate) fn builder_on<'a>(&'a self, stream: &'a Arc<CudaStream>) -> LaunchArgs<'a> {
+        stream.launch_builder(&self.func)
     }
 }
 
