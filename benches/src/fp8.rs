@@ -166,6 +166,7 @@ fn products(args: &Fp8Args, device: &Device, dtype: DType) -> Result<()> {
             };
             Ok(if gelu { y.gelu()? } else { y })
         };
+        let held_at = std::time::Instant::now();
         let hold = (args.hold_sms > 0)
             .then(|| tpinfer_kernels::SmHold::start(device, args.hold_sms, HOLD_TIME))
             .transpose()?;
@@ -174,8 +175,9 @@ fn products(args: &Fp8Args, device: &Device, dtype: DType) -> Result<()> {
         if let Some(hold) = hold {
             if !hold.holding()? {
                 bail!(
-                    "{text}: the SMs were held for {} s, less than the case took to time; use fewer --repeats",
-                    HOLD_TIME.as_secs()
+                    "{text}: the SMs were held for {} s, and the case took {:.2} s to time; use fewer --repeats",
+                    HOLD_TIME.as_secs(),
+                    held_at.elapsed().as_secs_f64()
                 );
             }
             hold.finish()?;

@@ -98,6 +98,9 @@ mod cuda {
         unsafe { launch.launch(config) }.w()?;
         let ended = stream.record_event(None).w()?;
         std::thread::sleep(Duration::from_millis(20));
+        if ended.try_is_complete().w()? {
+            candle_core::bail!("the hold of {sms} SMs for {time:?} ended within 20 ms of its launch");
+        }
         Ok(SmHold { ended, _stream: stream })
     }
 }
