@@ -18,15 +18,20 @@ pub struct SmHold {
 
 impl SmHold {
     /// Holds `sms` SMs of `device` for `time`, and returns once the hold has had time to
-    /// take them (a launch, then a few ms). At least one SM must stay free.
+    /// take them (a launch, then a few ms). At least one SM must stay free. Loading a CUDA
+    /// module waits for the whole device to idle, the hold included: run every kernel to be
+    /// measured once before the hold starts.
     pub fn start(device: &Device, sms: usize, time: Duration) -> Result<SmHold> {
+        if !device.is_cuda() {
+            candle_core::bail!("holding SMs needs a CUDA device, not {device:?}");
+        }
         #[cfg(feature = "cuda")]
         {
             cuda::start(device, sms, time)
         }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (device, sms, time);
+            let _ = (sms, time);
             candle_core::bail!("holding SMs needs a CUDA build (the `cuda` feature)")
         }
     }
@@ -102,5 +107,18 @@ mod cuda {
             candle_core::bail!("the hold of {sms} SMs for {time:?} ended within 20 ms of its launch");
         }
         Ok(SmHold { ended, _stream: stream })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cpu_device_has_no_sms_to_hold() {
+        let error = SmHold::start(&Device::Cpu, 1, Duration::from_millis(1))
+            .err()
+            .expect("a hold on the CPU");
+        assert!(error.to_string().contains("needs a CUDA device"), "{error}");
     }
 }
