@@ -100,6 +100,7 @@ mod cuda {
         let ns = u64::try_from(time.as_nanos()).unwrap_or(u64::MAX);
         let mut launch = kernel.builder_on(&stream);
         launch.arg(&ns);
+        // SAFETY: hold_sm takes one u64 and touches no memory.
         unsafe { launch.launch(config) }.w()?;
         let ended = stream.record_event(None).w()?;
         std::thread::sleep(Duration::from_millis(20));
