@@ -166,19 +166,20 @@ fn products(args: &Fp8Args, device: &Device, dtype: DType) -> Result<()> {
             };
             Ok(if gelu { y.gelu()? } else { y })
         };
-        if args.hold_sms > 0 {
-            // Loading a module waits for the device to idle: load every kernel before the hold.
-            fp8()?;
-            baseline()?;
-            device.synchronize()?;
-        }
-        let held_at = std::time::Instant::now();
-        let hold = (args.hold_sms > 0)
-            .then(|| tpinfer_kernels::SmHold::start(device, args.hold_sms, HOLD_TIME))
-            .transpose()?;
+        let hold = match args.hold_sms {
+            0 => None,
+            sms => {
+                // Loading a module waits for the device to idle: load every kernel before the hold.
+                fp8()?;
+                baseline()?;
+                device.synchronize()?;
+                let held_at = std::time::Instant::now();
+                Some((tpinfer_kernels::SmHold::start(device, sms, HOLD_TIME)?, held_at))
+            }
+        };
         let (y_fp8, ms_fp8) = time_calls(device, args.repeats, &fp8)?;
         let (y_base, ms_base) = time_calls(device, args.repeats, &baseline)?;
-        if let Some(hold) = hold {
+        if let Some((hold, held_at)) = hold {
             if !hold.holding()? {
                 bail!(
                     "{text}: the SMs were held for {} s, and the case took {:.2} s to time; use fewer --repeats",

@@ -59,7 +59,7 @@ pub(crate) struct Kernel {
 
 impl Kernel {
     pub(crate) fn builder(&self) -> LaunchArgs<'_> {
-        self.stream.launch_builder(&self.func)
+        self.builder_on(&self.stream)
     }
 
     /// A launch on `stream` instead of the device's own.
