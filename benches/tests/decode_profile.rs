@@ -36,6 +36,7 @@ fn decode_profile_at_tp_1_times_every_part() {
     let table = profile(1);
     for part in [
         "decode step, captured graph",
+        "the same, the next step queued before the host reads a step",
         "greedy argmax of",
         "embedding lookup",
         "GEMV qkv",

@@ -463,18 +463,21 @@ pub fn run_greedy_set(
     traces.into_iter().next().expect("rank 0")
 }
 
-/// Greedy decoding kept on the device ([`LlamaRank::greedy_step`]) at TP `tp` on CPU rank
-/// threads: the prompt, then `steps` steps, rank r passing the flag r + 1 at every step. Rank
-/// 0's trace, every rank's summed flags per step, and rank 0's all-reduces over the steps.
+/// Greedy decoding kept on the device ([`LlamaRank::greedy_queue`], then
+/// [`LlamaRank::greedy_take`] with up to `ahead` steps queued) at TP `tp` on CPU rank
+/// threads: the prompt, then `steps` steps, rank r passing the flag r + 1 at step s (from 0)
+/// where s is even, 0 where it is odd. Rank 0's trace, every rank's summed flags per step,
+/// and rank 0's all-reduces over the steps.
 pub fn run_device_greedy(
     model: &Path,
     tp: usize,
     dtype: DType,
     prompt: &[u32],
     steps: usize,
+    ahead: usize,
 ) -> (LogitsTrace, Vec<Vec<u32>>, u64) {
     let runs = on_cpu_ranks(model, tp, dtype, |mut rank, comm| {
-        let flag = comm.rank() as u32 + 1;
+        let flag = |step: usize| (comm.rank() as u32 + 1) * (step % 2 == 0) as u32;
         let logits = rank.forward(prompt).expect("prefill");
         let values = |l: &Tensor| l.squeeze(0).and_then(|l| l.to_vec1::<f32>()).expect("logits");
         let mut trace = LogitsTrace {
@@ -484,8 +487,13 @@ pub fn run_device_greedy(
         };
         let mut flags = Vec::new();
         let before = comm.stats().snapshot();
-        for _ in 0..steps {
-            let step = rank.greedy_step(flag).expect("greedy step");
+        let mut queued = 0;
+        for taken in 0..steps {
+            while queued < steps && queued < taken + ahead {
+                rank.greedy_queue(flag(queued)).expect("greedy step");
+                queued += 1;
+            }
+            let step = rank.greedy_take().expect("greedy step");
             trace.logits.push(values(&step.logits));
             trace.tokens.push(step.token);
             flags.push(step.flags);

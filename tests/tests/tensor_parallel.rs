@@ -217,25 +217,27 @@ fn norms_made_in_the_products_equal_the_norm_kernels() {
 
 /// Greedy decoding on the device (each step's argmax left there as the next input, the ranks'
 /// flags summed within the step) picks the tokens the host picks from the same logits, at
-/// every width, every rank reads the same flag sum, and a step adds one all-reduce.
+/// every width and with up to three steps queued before the host reads one; every rank reads
+/// each step's own flag sum, and a step adds one all-reduce.
 #[test]
 fn device_greedy_steps_equal_host_greedy_steps() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = TinyLlama::default().write(dir.path());
     let host = run_greedy(&path, 1, DType::F32, PROMPT, 10);
-    for tp in [1, 2, 3] {
-        let (device, flags, all_reduces) = run_device_greedy(&path, tp, DType::F32, PROMPT, 10);
+    for (tp, ahead) in [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (3, 3)] {
+        let (device, flags, all_reduces) = run_device_greedy(&path, tp, DType::F32, PROMPT, 10, ahead);
         // Per step: the embedding's, two per layer, and the flags' sum.
         let layers = TinyLlama::default().layers as u64;
-        assert_eq!(all_reduces, 10 * (2 + 2 * layers), "TP {tp}");
-        assert_eq!(device.tokens, host.tokens, "TP {tp}");
+        assert_eq!(all_reduces, 10 * (2 + 2 * layers), "TP {tp}, {ahead} ahead");
+        assert_eq!(device.tokens, host.tokens, "TP {tp}, {ahead} ahead");
         for (step, (got, want)) in device.logits.iter().zip(&host.logits).enumerate() {
             let err = rel_error(got, want);
-            assert!(err < 1e-5, "TP {tp} step {step}: {err:e}");
+            assert!(err < 1e-5, "TP {tp}, {ahead} ahead, step {step}: {err:e}");
         }
         let sum = (1..=tp as u32).sum::<u32>();
+        let want: Vec<u32> = (0..10).map(|s| if s % 2 == 0 { sum } else { 0 }).collect();
         for rank_flags in &flags {
-            assert_eq!(rank_flags, &vec![sum; 10], "TP {tp}");
+            assert_eq!(rank_flags, &want, "TP {tp}, {ahead} ahead");
         }
     }
 }

@@ -131,6 +131,16 @@ pub trait Communicator {
     /// finished, so that the host may read its results; fails, naming the rank, when a peer
     /// has failed or stalled meanwhile. CPU ranks have nothing queued.
     fn wait(&self) -> Result<(), CommError>;
+    /// [`Communicator::wait`] for part of the queued work: returns once `done` (which polls
+    /// a marker queued behind that part, never waiting) says so, failing as `wait` does. Work
+    /// queued after the part may still run. CPU ranks have nothing queued, and a lone rank
+    /// no peer to watch: they poll `done` alone.
+    fn wait_until(&self, done: &mut dyn FnMut() -> candle_core::Result<bool>) -> Result<(), CommError> {
+        while !done().map_err(rows_error(self.rank(), Collective::Wait))? {
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
     /// Marks this rank as failed with `cause`, so that every peer's pending and next collective
     /// fails at once with this rank named instead of waiting for it.
     fn abort(&self, cause: &str);

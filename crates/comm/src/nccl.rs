@@ -321,18 +321,28 @@ impl NcclComm {
     /// Waits for the stream to finish what was queued, with a deadline, watching for peers'
     /// failures. On either, aborts this rank's communicator so that no kernel spins forever.
     fn wait_for_stream(&self, op: Collective) -> Result<(), CommError> {
-        {
-            let mut board = self.group.board();
-            board.entered[self.rank] += 1;
-        }
         let event = self
             .device
             .cuda_stream()
             .record_event(None)
             .map_err(|e| self.tensor_error(op)(candle_core::Error::Cuda(Box::new(e))))?;
+        self.wait_for(op, &mut || {
+            event
+                .try_is_complete()
+                .map_err(|e| candle_core::Error::Cuda(Box::new(e)))
+        })
+    }
+
+    /// Waits until `done` (a poll of work queued on the stream) says so, as
+    /// [`Self::wait_for_stream`] does.
+    fn wait_for(&self, op: Collective, done: &mut dyn FnMut() -> candle_core::Result<bool>) -> Result<(), CommError> {
+        {
+            let mut board = self.group.board();
+            board.entered[self.rank] += 1;
+        }
         let deadline = Instant::now() + self.group.timeout;
         loop {
-            match event.try_is_complete() {
+            match done() {
                 Ok(true) => return Ok(()),
                 Ok(false) => {}
                 Err(e) => {
@@ -678,6 +688,10 @@ impl Communicator for NcclComm {
 
     fn wait(&self) -> Result<(), CommError> {
         self.wait_for_stream(Collective::Wait)
+    }
+
+    fn wait_until(&self, done: &mut dyn FnMut() -> candle_core::Result<bool>) -> Result<(), CommError> {
+        self.wait_for(Collective::Wait, done)
     }
 
     fn abort(&self, cause: &str) {

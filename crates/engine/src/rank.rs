@@ -141,10 +141,9 @@ impl<'a> JobRun<'a> {
         }
     }
 
-    /// Fails, naming the decode step, where the `logits` of the step just run are not
-    /// finite: checked every [`FINITE_CHECK_STEPS`] steps, and at the `last`.
-    fn check_finite(&self, logits: &Tensor, last: bool) -> Result<(), EngineError> {
-        let step = self.context.len() - self.job.prompt.len();
+    /// Fails, naming decode step `step`, where its `logits` are not finite: checked every
+    /// [`FINITE_CHECK_STEPS`] steps, and at the `last`.
+    fn check_finite(&self, logits: &Tensor, step: usize, last: bool) -> Result<(), EngineError> {
         if !last && !step.is_multiple_of(FINITE_CHECK_STEPS) {
             return Ok(());
         }
@@ -176,20 +175,36 @@ impl<'a> JobRun<'a> {
         cached: usize,
         capacity: usize,
     ) -> Option<StopReason> {
+        let cancelled = self.stream(token, logprobs);
+        self.stop_at(token, self.context.len() + 1, cached, capacity)
+            .or(cancelled.then_some(StopReason::Cancelled))
+    }
+
+    /// Rank 0 streams a new `token`; returns whether the stream's reader has gone.
+    fn stream(&mut self, token: u32, logprobs: Option<crate::TokenLogprobs>) -> bool {
         self.prefill.get_or_insert_with(|| self.start.elapsed());
-        let generated = self.context.len() + 1 - self.job.prompt.len();
-        let cancelled = self.job.events.send(RankEvent::Token(token, logprobs)).is_err();
+        self.job.events.send(RankEvent::Token(token, logprobs)).is_err()
+    }
+
+    /// Whether the request stops at `token`, with `context` tokens in all once it is kept,
+    /// `cached` positions in the KV cache and room for `capacity`: what every rank decides
+    /// alike from the tokens alone.
+    fn stop_at(&self, token: u32, context: usize, cached: usize, capacity: usize) -> Option<StopReason> {
+        let generated = context - self.job.prompt.len();
         if self.job.eos.contains(&token) {
             Some(StopReason::Eos)
         } else if generated >= self.job.max_new_tokens {
             Some(StopReason::MaxTokens)
         } else if cached + 1 > capacity {
             Some(StopReason::ContextFull)
-        } else if cancelled {
-            Some(StopReason::Cancelled)
         } else {
             None
         }
+    }
+
+    /// Whether this request reads the logits of every step (rank 0 sends them on).
+    fn traces(&self) -> bool {
+        self.job.logits.is_some()
     }
 
     /// Rank 0 sends the logits a token is chosen from, when the request asked for them.
@@ -217,10 +232,9 @@ impl<'a> JobRun<'a> {
         let _ = self.job.events.send(RankEvent::Done(stats));
     }
 
-    /// Injects the configured fault before decode step `n` (the forward of the (n + 1)-th
-    /// generated token).
-    fn maybe_fault(&mut self, setup: &RankSetup<'_>) -> Result<(), EngineError> {
-        let step = self.context.len() - self.job.prompt.len() - 1;
+    /// Injects the configured fault before decode step `step` (from 0: the forward of the
+    /// (step + 1)-th generated token).
+    fn maybe_fault(&mut self, setup: &RankSetup<'_>, step: usize) -> Result<(), EngineError> {
         match setup.fault.filter(|f| f.at(self.rank, step)) {
             Some(Fault::NonFinite { .. }) => {
                 self.poisoned = true;
@@ -237,10 +251,15 @@ fn sample_err(e: candle_core::Error) -> EngineError {
 }
 
 /// Greedy decoding on the device: each step's argmax stays there as the next step's input, so
-/// the host only reads the token (8 bytes with the stop flag) and never sends one back. Rank
-/// 0's stop decision for a token rides on the next step's flag sum, so that every rank leaves
-/// after the same step; that step's token is discarded. A step that would overflow the KV
-/// cache is never run: every rank sees that alike.
+/// the host only reads the token (8 bytes with the flag sum) and never sends one back. The
+/// host queues the next step before it reads a step's token, so that the device does not
+/// idle while the host reads it. So that ranks stay in lockstep, every rank queues the same
+/// steps: each decides alike from the tokens (which all hold) whether an end-of-sequence
+/// token, the requested length or the cache's room stops the request, and never queues a
+/// step past that length or room. Only rank 0 sees the stream's reader leave: that rides on
+/// the flag sum of the next step it queues, and the steps before it run out. The steps whose
+/// logits are checked, and every step of a request whose logits are traced, run with none
+/// queued after them: the logits of a captured step are the buffer the next one overwrites.
 fn run_greedy(
     model: &mut LlamaRank,
     comm: &dyn Communicator,
@@ -250,26 +269,57 @@ fn run_greedy(
 ) -> Result<usize, EngineError> {
     run.trace(&logits)?;
     let capacity = model.max_positions();
+    let prompt = run.job.prompt.len();
+    // Step k (from 1) runs the k-th token generated (counting from 1): the request needs it
+    // unless that token is the last asked for or fills the cache.
+    let max_new_tokens = run.job.max_new_tokens;
+    let needed = |step: usize| step < max_new_tokens && prompt + step <= capacity;
+    // Whether step k may run with step k + 1 queued behind it.
+    let traces = run.traces();
+    let overlaps = |step: usize| !traces && !step.is_multiple_of(FINITE_CHECK_STEPS);
     let mut token = model.greedy_start(&logits).map_err(run.layer_err())?;
+    let (mut queued, mut taken, mut flags) = (0, 0, 0);
+    let mut last_logits = logits;
+    let mut cancelled = false;
     loop {
-        let reason = match run.rank {
-            0 => run.accept(token, None, model.cached_positions(), capacity),
-            _ => None,
-        };
-        run.context.push(token);
-        if model.cached_positions() + 1 > capacity {
-            run.finish(comm, reason.unwrap_or(StopReason::ContextFull));
-            return Ok(model.cached_positions());
+        if run.rank == 0 {
+            cancelled |= run.stream(token, None);
         }
-        run.maybe_fault(setup)?;
-        let step = model.greedy_step(encode(reason)).map_err(run.layer_err())?;
-        run.check_finite(&step.logits, decode(step.flags).is_some())?;
-        if let Some(reason) = decode(step.flags) {
+        run.context.push(token);
+        let at = run.stop_at(token, run.context.len(), prompt + taken, capacity);
+        if let Some(reason) = at.or(decode(flags)) {
+            while taken < queued {
+                last_logits = model.greedy_take().map_err(run.layer_err())?.logits;
+                taken += 1;
+            }
+            if taken > 0 {
+                run.check_finite(&last_logits, taken, true)?;
+            }
             run.finish(comm, reason);
             return Ok(model.cached_positions());
         }
+        while needed(queued + 1) && (queued == taken || (queued == taken + 1 && overlaps(queued))) {
+            let flag = encode(cancelled.then_some(StopReason::Cancelled));
+            let queue = run
+                .maybe_fault(setup, queued)
+                .and_then(|()| model.greedy_queue(flag).map_err(run.layer_err()));
+            if let Err(error) = queue {
+                // The step in flight ran before the failing one: its token is delivered, as a
+                // loop of one step at a time would have.
+                if run.rank == 0 && taken < queued {
+                    if let Ok(step) = model.greedy_take() {
+                        run.stream(step.token, None);
+                    }
+                }
+                return Err(error);
+            }
+            queued += 1;
+        }
+        let step = model.greedy_take().map_err(run.layer_err())?;
+        taken += 1;
+        run.check_finite(&step.logits, taken, false)?;
         run.trace(&step.logits)?;
-        token = step.token;
+        (token, flags, last_logits) = (step.token, step.flags, step.logits);
     }
 }
 
@@ -317,14 +367,15 @@ fn run_sampled(
         };
         run.context.push(token);
         if let Some(reason) = decode(code) {
-            run.check_finite(&logits, true)?;
+            run.check_finite(&logits, run.context.len() - job.prompt.len(), true)?;
             run.finish(comm, reason);
             // The last token was sampled but never run through the model.
             return Ok(run.context.len() - 1);
         }
-        run.maybe_fault(setup)?;
+        let step = run.context.len() - job.prompt.len() - 1;
+        run.maybe_fault(setup, step)?;
         logits = model.forward(&[token]).map_err(run.layer_err())?;
-        run.check_finite(&logits, false)?;
+        run.check_finite(&logits, step + 1, false)?;
     }
 }
 

@@ -37,6 +37,7 @@ mod paged;
 pub mod peer_all_reduce;
 mod pool;
 mod position;
+mod readback;
 mod rotary;
 mod rowwise;
 mod sample;
@@ -72,6 +73,7 @@ pub use linear::{
 pub use paged::{paged_decode_attention, rotary_qkv_paged, DecodeRows, QueryGroups, RowsAt, PAGED_HEAD_DIMS};
 pub use pool::PoolHold;
 pub use position::write_u32s;
+pub use readback::U32Readback;
 pub use rotary::{rotary_qkv, rotary_qkv_into, HeadNorms};
 pub use rowwise::{
     add_rms_norm, add_rms_norm_into, embed_owned_rows, gated_residual, gelu_tanh_mul, layer_norm, residual_sum,

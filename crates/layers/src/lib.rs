@@ -40,5 +40,5 @@ pub use tpinfer_kernels::graph;
 pub use tpinfer_kernels::{
     add_rms_norm, add_rms_norm_into, argmax, chained, cuda_flash_attention_covers, decode_scratch_bytes,
     flash_attention, flash_attention_cached, flash_attention_cached_into, gemv_residual_squares,
-    paged_decode_attention_into_covers, write_u32s, DecodeScratch, GemvRow, HeadNorms, ResidualNorm,
+    paged_decode_attention_into_covers, write_u32s, DecodeScratch, GemvRow, HeadNorms, ResidualNorm, U32Readback,
 };

@@ -6,7 +6,7 @@ use tpinfer_layers::{
     add_rms_norm, add_rms_norm_into, argmax, causal_mask, chained, flash_attention_cached, flash_attention_cached_into,
     gemv_residual_squares, grouped_attention, rms_norm, write_u32s, DecodeScratch, GatedMlp, GemvRow, HeadNorms,
     KvCache, LoneRow, MergedColumnParallelLinear, PagedKvCache, Position, ResidualNorm, Result, Rope,
-    RowParallelLinear, VocabParallelEmbedding,
+    RowParallelLinear, U32Readback, VocabParallelEmbedding,
 };
 use tpinfer_weights::ShardLoader;
 
@@ -96,6 +96,11 @@ struct StepIo {
     /// The step's greedy token and the summed flags, `[2]` u32: all the host reads of a
     /// greedy step.
     out: Tensor,
+    /// The greedy steps queued and not yet taken, oldest first: the host buffer each one's
+    /// `out` is copied to behind it, and its logits.
+    in_flight: std::collections::VecDeque<(U32Readback, Tensor)>,
+    /// The buffers of steps taken, for later steps (page-locked memory is slow to allocate).
+    spare: Vec<U32Readback>,
 }
 
 impl StepIo {
@@ -104,6 +109,8 @@ impl StepIo {
             token: Tensor::zeros((1, 1), DType::U32, device)?,
             flag: Tensor::zeros(1, DType::U32, device)?,
             out: Tensor::zeros(2, DType::U32, device)?,
+            in_flight: Default::default(),
+            spare: Vec::new(),
         })
     }
 }
@@ -196,7 +203,8 @@ pub struct GreedyStep {
     /// The sum over the ranks of the `flag`s they passed to [`LlamaRank::greedy_step`].
     pub flags: u32,
     /// The step's f32 logits `[1, vocab]`; on a captured step, the graph's output buffer,
-    /// which the next step overwrites.
+    /// which every later step overwrites: with a step queued after this one, it may hold that
+    /// step's already.
     pub logits: Tensor,
 }
 
@@ -502,6 +510,9 @@ impl LlamaRank {
 
     /// Empties the KV cache for a new sequence.
     pub fn clear_cache(&mut self) {
+        // Greedy steps left untaken (a request that failed) are no one's any more.
+        let untaken = self.step_io.in_flight.drain(..).map(|(readback, _)| readback);
+        self.step_io.spare.extend(untaken);
         self.cached = 0;
     }
 
@@ -555,11 +566,37 @@ impl LlamaRank {
     /// [`Self::greedy_start`] or the previous step), queues the argmax of its logits as the
     /// next input, and sums each rank's `flag` over the ranks. The host reads 8 bytes per
     /// step and never sends a token back, so ranks need no broadcast to stay in lockstep.
+    /// [`Self::greedy_queue`] then [`Self::greedy_take`].
     pub fn greedy_step(&mut self, flag: u32) -> Result<GreedyStep> {
+        self.greedy_queue(flag)?;
+        self.greedy_take()
+    }
+
+    /// Queues a [`Self::greedy_step`] without waiting for it or for those queued before it,
+    /// so that the device runs it as soon as they end while the host reads theirs
+    /// ([`Self::greedy_take`]). Its input is the token the last step queued leaves.
+    pub fn greedy_queue(&mut self, flag: u32) -> Result<()> {
         self.check_room(1)?;
         write_u32s(&self.step_io.flag, &[flag])?;
-        let logits = self.decode_step()?;
-        let out = self.step_io.out.to_vec1::<u32>()?;
+        let logits = self.queue_decode_step_at_position()?;
+        let mut readback = match self.step_io.spare.pop() {
+            Some(spare) => spare,
+            None => U32Readback::new(self.step_io.out.device(), 2)?,
+        };
+        readback.queue(&self.step_io.out)?;
+        self.step_io.in_flight.push_back((readback, logits));
+        Ok(())
+    }
+
+    /// Waits for the oldest greedy step queued and not yet taken, and returns its token and
+    /// summed flags. Fails, naming the rank, where a peer fails or stalls meanwhile.
+    pub fn greedy_take(&mut self) -> Result<GreedyStep> {
+        let Some((readback, logits)) = self.step_io.in_flight.pop_front() else {
+            return Err(candle_core::Error::Msg("greedy_take: no greedy step is queued".into()).into());
+        };
+        self.comm.wait_until(&mut || readback.is_done())?;
+        let out = readback.values()?;
+        self.step_io.spare.push(readback);
         Ok(GreedyStep {
             token: out[0],
             flags: out[1],
@@ -581,6 +618,14 @@ impl LlamaRank {
     /// Runs the token in `step_io` at the cached position (as a captured graph where there is
     /// one) and waits for it. Returns the logits.
     fn decode_step(&mut self) -> Result<Tensor> {
+        let logits = self.queue_decode_step_at_position()?;
+        self.comm.wait()?;
+        Ok(logits)
+    }
+
+    /// Queues the decode step of the token in `step_io` at the cached position (as a captured
+    /// graph where there is one), and counts its position as cached. Returns the logits.
+    fn queue_decode_step_at_position(&mut self) -> Result<Tensor> {
         self.position.set(self.cached)?;
         #[cfg(feature = "cuda")]
         let logits = match self.decode.take() {
@@ -594,7 +639,6 @@ impl LlamaRank {
         #[cfg(not(feature = "cuda"))]
         let logits = self.queue_decode_step()?;
         self.cached += 1;
-        self.comm.wait()?;
         Ok(logits)
     }
 
