@@ -477,7 +477,7 @@ pub fn run_device_greedy(
     ahead: usize,
 ) -> (LogitsTrace, Vec<Vec<u32>>, u64) {
     let runs = on_cpu_ranks(model, tp, dtype, |mut rank, comm| {
-        let flag = |step: usize| (comm.rank() as u32 + 1) * (step % 2 == 0) as u32;
+        let flag = |step: usize| (comm.rank() as u32 + 1) * step.is_multiple_of(2) as u32;
         let logits = rank.forward(prompt).expect("prefill");
         let values = |l: &Tensor| l.squeeze(0).and_then(|l| l.to_vec1::<f32>()).expect("logits");
         let mut trace = LogitsTrace {
