@@ -235,7 +235,9 @@ fn device_greedy_steps_equal_host_greedy_steps() {
             assert!(err < 1e-5, "TP {tp}, {ahead} ahead, step {step}: {err:e}");
         }
         let sum = (1..=tp as u32).sum::<u32>();
-        let want: Vec<u32> = (0..10usize).map(|s| if s.is_multiple_of(2) { sum } else { 0 }).collect();
+        let want: Vec<u32> = (0..10usize)
+            .map(|s| if s.is_multiple_of(2) { sum } else { 0 })
+            .collect();
         for rank_flags in &flags {
             assert_eq!(rank_flags, &want, "TP {tp}, {ahead} ahead");
         }
