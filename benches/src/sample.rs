@@ -87,13 +87,20 @@ pub fn run(args: SampleArgs) -> Result<()> {
         // Logits spread as a model's: a few tokens stand out of a broad tail.
         let logits = (Tensor::randn(0f32, 1.0, (n, args.vocab), &device)? * 3.0)?;
         let host = logits.to_device(&Device::Cpu)?;
-        for (name, setting) in settings(&recent, &generated) {
+        let single = settings(&recent, &generated);
+        // Each row its own setting, so that every threshold stage has rows that skip it.
+        let mixed: Vec<RowSampling<'_>> = single[..5].iter().map(|&(_, s)| s).collect();
+        let cases = single
+            .iter()
+            .map(|&(name, s)| (name, vec![s]))
+            .chain([("rows in turn: each of the first five", mixed)]);
+        for (name, pattern) in cases {
             let rows = |draw: u64| -> Vec<RowSampling<'_>> {
                 (0..n as u64)
                     .map(|r| RowSampling {
                         seed: 1000 + r,
                         draw,
-                        ..setting
+                        ..pattern[r as usize % pattern.len()]
                     })
                     .collect()
             };

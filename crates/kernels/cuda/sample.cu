@@ -2,10 +2,10 @@
 // argmax; sampled rows the Gumbel-max draw over the tokens that top-k and top-p keep, which is
 // an exact draw from the softmax of the scaled logits without a normalization or a sort. Each
 // row's uniforms come from Philox4x32-10 keyed by its request's seed at counter (token, draw):
-// a request draws the same numbers alone as in any batch. The thresholds (one CTA per row,
-// only for rows with top-k or top-p) are radix selects over an order-preserving integer key
-// of the scaled logits, with integer weights (counts, or probabilities in 2^-32 fixed point)
-// so that every sum is exact and the result does not depend on the order the threads add in.
+// a request draws the same numbers alone as in any batch. The thresholds (only for rows with
+// top-k or top-p) are radix selects over an order-preserving integer key of the scaled
+// logits, with integer weights (counts, or probabilities in 2^-32 fixed point) so that every
+// sum is exact and the result does not depend on the order the threads or CTAs add in.
 // The draw itself splits each row over many CTAs, whose winners a second pass joins.
 //
 // params `[rows, 8]` u32: temperature (f32 bits; 0 is greedy), top_k (0: off), top_p (f32
@@ -78,87 +78,148 @@ __device__ __forceinline__ unsigned long long fixed_weight(float z, float top) {
     return (unsigned long long)(exp2f((z - top) * 1.4426950408889634f) * 4294967296.f);
 }
 
-// The largest key t such that the tokens with key ≥ max(t, floor) weigh at least `target`
-// (≥ 1) in all: a radix select, 8 bits a pass from the top, over per-warp histograms in
-// `hist` (shared, one set for both instantiations). MASS: weights are fixed_weight(z, top);
-// else 1 (counts).
-template <bool MASS>
-__device__ unsigned radix_threshold(const Row& row, unsigned floor, float top, unsigned long long target,
-                                    unsigned long long (*hist)[256]) {
-    __shared__ unsigned chosen;
-    __shared__ unsigned long long left;
-    const int warp = threadIdx.x / 32;
-    unsigned prefix = 0;
-    if (threadIdx.x == 0) left = target;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < WARPS * 256; i += THREADS) (&hist[0][0])[i] = 0;
-        __syncthreads();
-        // Tokens whose bits above `shift` equal the prefix found so far.
-        const unsigned high = shift == 24 ? 0u : 0xffffffffu << (shift + 8);
-        for (int i = threadIdx.x; i < row.n; i += THREADS) {
-            const float z = row.z(i);
-            const unsigned key = order_key(z);
-            if (key < floor || (key & high) != prefix) continue;
-            atomicAdd(&hist[warp][(key >> shift) & 255], MASS ? fixed_weight(z, top) : 1ull);
-        }
-        __syncthreads();
-        for (int d = threadIdx.x; d < 256; d += THREADS) {
-            unsigned long long sum = 0;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) sum += hist[w][d];
-            hist[0][d] = sum;
-        }
-        __syncthreads();
-        // From the highest digit down, the first at which the weight reaches what is left.
-        if (threadIdx.x == 0) {
-            unsigned long long above = 0;
-            unsigned d = 0;
-            for (int c = 255; c >= 0; --c) {
-                if (above + hist[0][c] >= left) {
-                    d = c;
-                    break;
-                }
-                above += hist[0][c];
-            }
-            left -= above;
-            chosen = d;
-        }
-        __syncthreads();
-        prefix |= chosen << shift;
+// The thresholds run as stages, each a launch over (part, row) CTAs that each take `chunk`
+// tokens of the row, so that a row's passes over its logits spread over many SMs instead of
+// one CTA's (0.3–0.5 ms a row at 128K tokens). Top-k is a radix select of the k-th largest
+// key, 8 bits a pass from the top (K24 .. K0), counting tokens; top-p finds the largest z
+// (TOP), the weight of the tokens top-k kept (KEPT), then the key at which the weights in
+// descending key order reach top_p of that (P24 .. P0). Each stage first takes what the
+// stage before found from its parts' partials (every CTA of a row alike: each digit's weight
+// summed over the parts, in integers, so that the order of the parts does not matter), then
+// adds its own partials; the first part hands the row's state on. DONE writes the floors.
+enum Stage : int { K24, K16, K8, K0, TOP, KEPT, P24, P16, P8, P0, DONE };
+
+// A row's radix select and its result so far.
+struct Select {
+    unsigned long long left;  // the weight still to find at and below the digits chosen
+    unsigned floor;           // the lowest key the row keeps
+    unsigned prefix;          // the digits chosen so far
+    float top;                // the largest z (top-p's weights are relative to it)
+    unsigned unused;
+};
+
+// A row's settings as the thresholds read them.
+struct Narrowing {
+    bool top_k, top_p;
+    __device__ bool takes(int stage) const { return stage <= K0 ? top_k : stage < DONE && top_p; }
+};
+
+__device__ __forceinline__ int digit_shift(int stage) { return stage <= K0 ? 24 - 8 * stage : 24 - 8 * (stage - P24); }
+
+// The radix digit at which the weight from the top reaches what `s` has left, from the
+// parts' histograms (partials[part · 256 + digit]); every thread gets `s` updated.
+__device__ void choose_digit(const unsigned long long* partials, int parts, int shift, Select& s) {
+    __shared__ unsigned long long total[256];
+    for (int d = threadIdx.x; d < 256; d += THREADS) {
+        unsigned long long sum = 0;
+        for (int c = 0; c < parts; ++c) sum += __ldcg(partials + c * 256 + d);
+        total[d] = sum;
     }
-    return prefix;
+    __syncthreads();
+    __shared__ Select chosen;
+    if (threadIdx.x == 0) {
+        unsigned long long above = 0;
+        unsigned d = 0;
+        for (int c = 255; c >= 0; --c) {
+            if (above + total[c] >= s.left) {
+                d = c;
+                break;
+            }
+            above += total[c];
+        }
+        chosen = s;
+        chosen.left -= above;
+        chosen.prefix |= d << shift;
+    }
+    __syncthreads();
+    s = chosen;
 }
 
-// CTA r: the lowest key row r keeps, `floors[r]` (0 keeps every token): the top-k threshold,
-// then the top-p threshold over what it kept. Greedy rows, and rows without either, keep all.
-__device__ void sample_floor(const float* logits, const unsigned* params, unsigned* floors, int n) {
-    const int r = blockIdx.x;
-    const unsigned* p = params + 8L * r;
-    const float temperature = __uint_as_float(p[0]);
-    const Row row{logits + (long)r * n, n, temperature > 0.f ? 1.f / temperature : 1.f};
-    const unsigned top_k = p[1];
-    const float top_p = __uint_as_float(p[2]);
-    __shared__ unsigned long long hist[WARPS][256];
-    unsigned floor = 0;
-    if (!(temperature > 0.f)) {
-        if (threadIdx.x == 0) floors[r] = 0;
+// `s` after stage `prev`, from the row's parts' partials of it.
+__device__ void take_stage(int prev, float top_p, const unsigned long long* partials, int parts, Select& s) {
+    if (prev == TOP) {
+        float top = -INFINITY;
+        for (int c = 0; c < parts; ++c) top = fmaxf(top, __uint_as_float((unsigned)__ldcg(partials + c * 256)));
+        s.top = top;
+    } else if (prev == KEPT) {
+        unsigned long long kept = 0;
+        for (int c = 0; c < parts; ++c) kept += __ldcg(partials + c * 256);
+        s.left = max(1ull, (unsigned long long)((double)top_p * (double)kept));
+        s.prefix = 0;
+    } else {
+        choose_digit(partials, parts, digit_shift(prev), s);
+        if (prev == K0) s.floor = s.prefix;
+        if (prev == P0) s.floor = max(s.floor, s.prefix);
+    }
+}
+
+// This CTA's partial of stage `stage` over tokens [begin, end) of `row`, into partial[0..256).
+__device__ void stage_partial(int stage, const Row& row, int begin, int end, const Select& s,
+                              unsigned long long* partial) {
+    if (stage == TOP) {
+        Best b{-INFINITY, NONE};
+        for (int i = begin + threadIdx.x; i < end; i += THREADS) b = better(b, Best{row.z(i), (unsigned)i});
+        b = block_best<WARPS>(b);
+        if (threadIdx.x == 0) partial[0] = __float_as_uint(b.value);
         return;
     }
-    if (top_k > 0 && top_k < (unsigned)n) floor = radix_threshold<false>(row, 0, 0.f, top_k, hist);
-    if (top_p < 1.f) {
-        Best b{-INFINITY, NONE};
-        for (int i = threadIdx.x; i < n; i += THREADS) b = better(b, Best{row.z(i), (unsigned)i});
-        const float top = block_best<WARPS>(b).value;
+    if (stage == KEPT) {
         unsigned long long kept = 0;
-        for (int i = threadIdx.x; i < n; i += THREADS) {
+        for (int i = begin + threadIdx.x; i < end; i += THREADS) {
             const float z = row.z(i);
-            if (order_key(z) >= floor) kept += fixed_weight(z, top);
+            if (order_key(z) >= s.floor) kept += fixed_weight(z, s.top);
         }
         kept = block_sum(kept);
-        const unsigned long long target = max(1ull, (unsigned long long)((double)top_p * (double)kept));
-        floor = max(floor, radix_threshold<true>(row, floor, top, target, hist));
+        if (threadIdx.x == 0) partial[0] = kept;
+        return;
     }
-    if (threadIdx.x == 0) floors[r] = floor;
+    // A radix pass: the weight of each digit at `shift` among the kept tokens whose higher
+    // digits are the prefix, in per-warp histograms.
+    __shared__ unsigned long long hist[WARPS][256];
+    const bool mass = stage >= P24;
+    const int shift = digit_shift(stage), warp = threadIdx.x / 32;
+    const unsigned high = shift == 24 ? 0u : 0xffffffffu << (shift + 8);
+    for (int i = threadIdx.x; i < WARPS * 256; i += THREADS) (&hist[0][0])[i] = 0;
+    __syncthreads();
+    for (int i = begin + threadIdx.x; i < end; i += THREADS) {
+        const float z = row.z(i);
+        const unsigned key = order_key(z);
+        if (key < s.floor || (key & high) != s.prefix) continue;
+        atomicAdd(&hist[warp][(key >> shift) & 255], mass ? fixed_weight(z, s.top) : 1ull);
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < 256; d += THREADS) {
+        unsigned long long sum = 0;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) sum += hist[w][d];
+        partial[d] = sum;
+    }
+}
+
+// CTA (part, r) of stage `stage` (after `prev`, -1 for none): partials `[rows, parts, 256]`
+// and selects `[rows]` from the stage before (`_in`) and for the one after (`_out`).
+__device__ void sample_threshold(const float* logits, const unsigned* params, int n, int chunk, int stage, int prev,
+                                 const unsigned long long* partials_in, unsigned long long* partials_out,
+                                 const Select* selects_in, Select* selects_out, unsigned* floors) {
+    const int r = blockIdx.y, part = blockIdx.x, parts = gridDim.x;
+    const unsigned* p = params + 8L * r;
+    const float temperature = __uint_as_float(p[0]), top_p = __uint_as_float(p[2]);
+    const unsigned top_k = p[1];
+    const Row row{logits + (long)r * n, n, temperature > 0.f ? 1.f / temperature : 1.f};
+    const bool sampled = temperature > 0.f;
+    const Narrowing narrowing{sampled && top_k > 0 && top_k < (unsigned)n, sampled && top_p < 1.f};
+    __shared__ Select shared_select;
+    if (threadIdx.x == 0) shared_select = prev < 0 ? Select{top_k, 0, 0, 0.f, 0} : selects_in[r];
+    __syncthreads();
+    Select s = shared_select;
+    if (prev >= 0 && narrowing.takes(prev)) take_stage(prev, top_p, partials_in + (long)r * parts * 256, parts, s);
+    if (part == 0 && threadIdx.x == 0) {
+        if (stage == DONE) floors[r] = s.floor;
+        else selects_out[r] = s;
+    }
+    if (stage == DONE || !narrowing.takes(stage)) return;
+    const int begin = part * chunk, end = min(n, begin + chunk);
+    stage_partial(stage, row, begin, end, s, partials_out + ((long)r * parts + part) * 256);
 }
 
 // CTA (part, r) takes `chunk` tokens of row r: a greedy row's largest logit, a sampled row's
@@ -192,8 +253,11 @@ __device__ void sample_part(const float* logits, const unsigned* params, const u
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-    sample_floors(const float* logits, const unsigned* params, unsigned* floors, int n) {
-    sample_floor(logits, params, floors, n);
+    sample_threshold_stage(const float* logits, const unsigned* params, int n, int chunk, int stage, int prev,
+                           const unsigned long long* partials_in, unsigned long long* partials_out,
+                           const Select* selects_in, Select* selects_out, unsigned* floors) {
+    sample_threshold(logits, params, n, chunk, stage, prev, partials_in, partials_out, selects_in, selects_out,
+                     floors);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)

@@ -207,7 +207,7 @@ fn first_max(values: impl Iterator<Item = (usize, f32)>) -> u32 {
     best.map_or(0, |(i, _)| i as u32)
 }
 
-/// One row on the host, as cuda/sample.cu's sample_floor, sample_part and sample_join.
+/// One row on the host, as cuda/sample.cu's threshold stages, sample_part and sample_join.
 fn sample_row(x: &[f32], s: &RowSampling<'_>) -> u32 {
     // NaN or not above 0: greedy, as the kernel reads it.
     if s.temperature.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
@@ -270,6 +270,87 @@ mod cuda {
     const FLOOR_THREADS: u32 = 512;
     const PART_THREADS: u32 = 256;
     const CHUNK: usize = 8 * PART_THREADS as usize;
+    /// The thresholds' CTAs take at least this many tokens each (8 a thread), and a step's
+    /// rows share about this many CTAs (a few waves of the largest GPUs' SMs; a row has one
+    /// at least): each CTA of a stage sums the partials of all of its row's.
+    const THRESHOLD_CHUNK: usize = 8 * FLOOR_THREADS as usize;
+    const THRESHOLD_CTAS: usize = 256;
+    /// The stages of cuda/sample.cu's `Stage`, in launch order.
+    const TOP_K_STAGES: [i32; 4] = [0, 1, 2, 3];
+    const TOP_P_STAGES: [i32; 6] = [4, 5, 6, 7, 8, 9];
+    const DONE: i32 = 10;
+    /// cuda/sample.cu's `Select`: a u64 and four u32.
+    const SELECT_BYTES: usize = 24;
+
+    /// Each row's lowest kept key into `floors` `[n]` u32, through the stages that some row
+    /// needs (`narrowing`: any top-k, any top-p).
+    fn thresholds(
+        dev: &candle_core::CudaDevice,
+        logits: &Tensor,
+        params: &Tensor,
+        floors: &Tensor,
+        narrowing: (bool, bool),
+    ) -> Result<()> {
+        let (n, vocab) = logits.dims2()?;
+        let parts = vocab.div_ceil(THRESHOLD_CHUNK).min((THRESHOLD_CTAS / n).max(1));
+        let chunk = vocab.div_ceil(parts);
+        let device = logits.device();
+        // Two of each, one a stage reads and one it writes.
+        let partials = [
+            crate::empty(&[n * parts * 256], DType::I64, device)?,
+            crate::empty(&[n * parts * 256], DType::I64, device)?,
+        ];
+        let selects = [
+            crate::empty(&[n * SELECT_BYTES / 8], DType::I64, device)?,
+            crate::empty(&[n * SELECT_BYTES / 8], DType::I64, device)?,
+        ];
+        let (x, p, f) = (
+            device_address(logits)?,
+            device_address(params)?,
+            device_address(floors)?,
+        );
+        let partials = [device_address(&partials[0])?, device_address(&partials[1])?];
+        let selects = [device_address(&selects[0])?, device_address(&selects[1])?];
+        let mut stages = Vec::new();
+        if narrowing.0 {
+            stages.extend(TOP_K_STAGES);
+        }
+        if narrowing.1 {
+            stages.extend(TOP_P_STAGES);
+        }
+        stages.push(DONE);
+        let func = crate::module::SAMPLE.kernel(dev, "sample_threshold_stage")?;
+        let (vocab_i, chunk_i) = (vocab as i32, chunk as i32);
+        let mut prev = -1i32;
+        for (i, &stage) in stages.iter().enumerate() {
+            let (read, write) = ((i + 1) % 2, i % 2);
+            let mut launch = func.builder();
+            launch
+                .arg(&x)
+                .arg(&p)
+                .arg(&vocab_i)
+                .arg(&chunk_i)
+                .arg(&stage)
+                .arg(&prev)
+                .arg(&partials[read])
+                .arg(&partials[write])
+                .arg(&selects[read])
+                .arg(&selects[write])
+                .arg(&f);
+            let cfg = LaunchConfig {
+                grid_dim: (parts as u32, n as u32, 1),
+                block_dim: (FLOOR_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments match the kernel's signature; the logits are a contiguous
+            // f32 [n, vocab], the parameters [n, 8] u32, the partials [n, parts, 256] u64 and
+            // the selects n of cuda/sample.cu's Select each, the floors n u32. Each stage reads
+            // what the stage before wrote (none for the first: prev is -1).
+            unsafe { launch.launch(cfg) }.w()?;
+            prev = stage;
+        }
+        Ok(())
+    }
 
     /// A row's parameters as the kernel reads them (cuda/sample.cu).
     fn params(s: &RowSampling<'_>, vocab: usize) -> [u32; 8] {
@@ -332,18 +413,12 @@ mod cuda {
         // Each row's lowest kept key: 0 (all) unless some row keeps fewer.
         let floors = Tensor::zeros(n, DType::U32, device)?;
         let f = device_address(&floors)?;
-        if rows.iter().any(|s| s.narrowing(vocab) != (None, None)) {
-            let func = crate::module::SAMPLE.kernel(dev, "sample_floors")?;
-            let mut launch = func.builder();
-            launch.arg(&x).arg(&p).arg(&f).arg(&vocab_i);
-            let cfg = LaunchConfig {
-                grid_dim: (n as u32, 1, 1),
-                block_dim: (FLOOR_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the arguments match the kernel's signature; the logits are a contiguous
-            // f32 [n, vocab], the parameters [n, 8] u32, and the floors hold n, one per CTA.
-            unsafe { launch.launch(cfg) }.w()?;
+        let (top_k, top_p) = rows.iter().fold((false, false), |(k, p), s| {
+            let (top_k, top_p) = s.narrowing(vocab);
+            (k || top_k.is_some(), p || top_p.is_some())
+        });
+        if top_k || top_p {
+            thresholds(dev, &logits, &params, &floors, (top_k, top_p))?;
         }
         let parts = vocab.div_ceil(CHUNK);
         let values = crate::empty(&[n, parts], DType::F32, device)?;
