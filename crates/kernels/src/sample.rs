@@ -295,15 +295,11 @@ mod cuda {
         let parts = vocab.div_ceil(THRESHOLD_CHUNK).min((THRESHOLD_CTAS / n).max(1));
         let chunk = vocab.div_ceil(parts);
         let device = logits.device();
-        // Two of each, one a stage reads and one it writes.
-        let partials = [
-            crate::empty(&[n * parts * 256], DType::I64, device)?,
-            crate::empty(&[n * parts * 256], DType::I64, device)?,
-        ];
-        let selects = [
-            crate::empty(&[n * SELECT_BYTES / 8], DType::I64, device)?,
-            crate::empty(&[n * SELECT_BYTES / 8], DType::I64, device)?,
-        ];
+        // Two of each, one a stage reads and one it writes; u64 partials as pairs of u32 (a
+        // fresh allocation is aligned for them).
+        let partial = || crate::empty(&[n * parts * 256 * 2], DType::U32, device);
+        let select = || crate::empty(&[n * SELECT_BYTES / 4], DType::U32, device);
+        let (partials, selects) = ([partial()?, partial()?], [select()?, select()?]);
         let (x, p, f) = (
             device_address(logits)?,
             device_address(params)?,
