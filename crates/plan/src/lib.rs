@@ -17,7 +17,7 @@ mod search;
 
 pub use device::DeviceProfile;
 pub use model::{boxed_shards, numbered_unit, Accelerator, Footprint, Placement, RankShard, ShardedModel};
-pub use plan::{held_together, Fsdp, Plan, PlanError, RankPlan, Residency};
+pub use plan::{held_together, Fsdp, Plan, PlanError, RankPlan, Residency, Split};
 pub use search::{
     fit_table, kv_sequences_that_fit, over_budget_message, searched_widths, smallest_width, with_kv_sequences,
     WidthFit, WIDEST_SEARCHED,

@@ -167,19 +167,7 @@ impl Plan {
         placement: Placement,
         device: DeviceProfile,
     ) -> Result<Self, PlanError> {
-        let shards = model.rank_shards(tp)?;
-        // Ranks that hold the same declarations (a replicated model, the VAE's bands) share
-        // one list: checked once, not once a rank at every width a search plans.
-        let mut checked: Option<&[WeightDecl]> = None;
-        for shard in &shards {
-            let decls = shard.weight_decls();
-            if !checked.is_some_and(|c| std::ptr::eq(c, decls)) {
-                model.check(decls)?;
-                checked = Some(decls);
-            }
-        }
-        let shards: Vec<&dyn RankShard> = shards.iter().map(|s| &**s).collect();
-        Self::for_shards(model, &shards, dtype, placement, device)
+        Split::new(model, tp, dtype)?.plan(placement, device)
     }
 
     /// Plans the given rank shards of `model` (one per rank, in rank order): for a caller
@@ -191,17 +179,23 @@ impl Plan {
         placement: Placement,
         device: DeviceProfile,
     ) -> Result<Self, PlanError> {
+        let weights = shards
+            .iter()
+            .map(|s| weight_bytes(s.weight_decls(), dtype))
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::of_ranks(model, shards.iter().copied(), &weights, dtype, placement, device)
+    }
+
+    fn of_ranks<'s>(
+        model: &dyn ShardedModel,
+        shards: impl ExactSizeIterator<Item = &'s dyn RankShard>,
+        weights: &[u64],
+        dtype: DType,
+        placement: Placement,
+        device: DeviceProfile,
+    ) -> Result<Self, PlanError> {
         let tp = shards.len();
-        let mut ranks = Vec::with_capacity(tp);
-        let mut tokens_per_forward = 0;
-        for (rank, shard) in shards.iter().enumerate() {
-            let weights = weight_bytes(shard.weight_decls(), dtype)?;
-            let footprint = shard.footprint(dtype, placement, device.accelerator())?;
-            if rank == 0 {
-                tokens_per_forward = footprint.tokens_per_forward;
-            }
-            ranks.push(RankPlan::on_device(rank, weights, &footprint, device, tp));
-        }
+        let (ranks, tokens_per_forward) = rank_plans(shards, weights, dtype, placement, device)?;
         Ok(Self {
             model: model.name().to_string(),
             tp,
@@ -226,6 +220,97 @@ impl Plan {
     pub fn fits(&self, budget: u64) -> bool {
         self.peak().total() <= budget
     }
+}
+
+/// One TP width of a model, split into its rank shards and checked once, with each rank's
+/// weight bytes: what a search plans many placements of (contexts, frames, pool sizes).
+/// Splitting a model (its tensors' names) and summing its declarations cost far more than a
+/// rank's footprint: replanned for every placement, `tpinfer plan` without `--tp` took 27 s
+/// for Llama-3-70B in a debug build.
+pub struct Split<'a> {
+    model: &'a dyn ShardedModel,
+    shards: Vec<Box<dyn RankShard>>,
+    dtype: DType,
+    weights: Vec<u64>,
+}
+
+impl<'a> Split<'a> {
+    /// `model`'s shards at TP `tp` in `dtype`, each rank's declarations checked against the
+    /// checkpoint's headers.
+    pub fn new(model: &'a dyn ShardedModel, tp: usize, dtype: DType) -> Result<Self, PlanError> {
+        let shards = model.rank_shards(tp)?;
+        // Ranks that hold the same declarations (a replicated model, the VAE's bands) share
+        // one list: checked once, not once a rank at every width a search plans.
+        let mut checked: Option<&[WeightDecl]> = None;
+        let mut weights = Vec::with_capacity(shards.len());
+        for shard in &shards {
+            let decls = shard.weight_decls();
+            if !checked.is_some_and(|c| std::ptr::eq(c, decls)) {
+                model.check(decls)?;
+                checked = Some(decls);
+            }
+            weights.push(weight_bytes(decls, dtype)?);
+        }
+        Ok(Self {
+            model,
+            shards,
+            dtype,
+            weights,
+        })
+    }
+
+    pub fn model(&self) -> &'a dyn ShardedModel {
+        self.model
+    }
+
+    pub fn tp(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// The plan of `placement` on `device`, with its FSDP comparison.
+    pub fn plan(&self, placement: Placement, device: DeviceProfile) -> Result<Plan, PlanError> {
+        let shards = self.shards.iter().map(|s| &**s);
+        Plan::of_ranks(self.model, shards, &self.weights, self.dtype, placement, device)
+    }
+
+    /// The rank that needs the most at `placement` on `device` (the first of equals), without
+    /// the FSDP comparison a [`Plan`] carries.
+    pub fn peak(&self, placement: Placement, device: DeviceProfile) -> Result<RankPlan, PlanError> {
+        let shards = self.shards.iter().map(|s| &**s);
+        let (ranks, _) = rank_plans(shards, &self.weights, self.dtype, placement, device)?;
+        ranks
+            .into_iter()
+            .rev()
+            .max_by_key(RankPlan::total)
+            .ok_or_else(|| PlanError::Model(format!("{} split {} ways has no rank", self.model.name(), self.tp())))
+    }
+
+    /// Whether every rank fits `budget` bytes at `placement` on `device` (false where the
+    /// placement cannot be planned).
+    pub fn fits(&self, placement: Placement, device: DeviceProfile, budget: u64) -> bool {
+        self.peak(placement, device).is_ok_and(|p| p.total() <= budget)
+    }
+}
+
+/// Each rank's plan, from its shard and weight bytes, and the first rank's tokens per forward.
+fn rank_plans<'s>(
+    shards: impl ExactSizeIterator<Item = &'s dyn RankShard>,
+    weights: &[u64],
+    dtype: DType,
+    placement: Placement,
+    device: DeviceProfile,
+) -> Result<(Vec<RankPlan>, usize), PlanError> {
+    let tp = shards.len();
+    let mut ranks = Vec::with_capacity(tp);
+    let mut tokens_per_forward = 0;
+    for ((rank, shard), &weights) in shards.enumerate().zip(weights) {
+        let footprint = shard.footprint(dtype, placement, device.accelerator())?;
+        if rank == 0 {
+            tokens_per_forward = footprint.tokens_per_forward;
+        }
+        ranks.push(RankPlan::on_device(rank, weights, &footprint, device, tp));
+    }
+    Ok((ranks, tokens_per_forward))
 }
 
 fn weight_bytes(decls: &[WeightDecl], dtype: DType) -> Result<u64, PlanError> {

@@ -3,7 +3,7 @@
 use candle_core::DType;
 use serde::Serialize;
 
-use crate::{gib, DeviceProfile, Placement, Plan, ShardedModel};
+use crate::{gib, DeviceProfile, Placement, Plan, ShardedModel, Split};
 
 /// How a model fits at one TP width.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -34,17 +34,16 @@ pub fn fit_table(
     widths
         .into_iter()
         .filter_map(|tp| {
+            let split = Split::new(model, tp, dtype).ok()?;
             // Planned as the engine places it: a serving LLM's KV cache sized to the budget.
-            let kv_sequences = kv_sequences_that_fit(model, tp, dtype, placement, device, budget);
+            let kv_sequences = pool_that_fits(&split, placement, device, budget);
             let placement = with_kv_sequences(placement, kv_sequences);
-            let plan = Plan::new(model, tp, dtype, placement, device).ok()?;
-            let peak = plan.peak().total();
+            let peak = split.peak(placement, device).ok()?.total();
             let (max_context, max_frames) = match placement {
-                Placement::Llm { batch, .. } => (largest_context(model, tp, dtype, device, budget, batch), None),
-                Placement::Dit { width, height, cfg, .. } => (
-                    None,
-                    most_frames(model, tp, dtype, device, budget, (width, height, cfg)),
-                ),
+                Placement::Llm { batch, .. } => (largest_context(&split, device, budget, batch), None),
+                Placement::Dit { width, height, cfg, .. } => {
+                    (None, most_frames(&split, device, budget, (width, height, cfg)))
+                }
             };
             Some(WidthFit {
                 tp,
@@ -70,6 +69,12 @@ pub fn kv_sequences_that_fit(
     device: DeviceProfile,
     budget: u64,
 ) -> Option<usize> {
+    let split = Split::new(model, tp, dtype).ok()?;
+    pool_that_fits(&split, placement, device, budget)
+}
+
+/// [`kv_sequences_that_fit`] of a width already split.
+fn pool_that_fits(split: &Split, placement: Placement, device: DeviceProfile, budget: u64) -> Option<usize> {
     let Placement::Llm { max_context, batch, .. } = placement else {
         return None;
     };
@@ -82,7 +87,7 @@ pub fn kv_sequences_that_fit(
             batch,
             kv_sequences: Some(sequences),
         };
-        Plan::new(model, tp, dtype, placement, device).is_ok_and(|p| p.fits(budget))
+        split.fits(placement, device, budget)
     };
     // A pool past a million full contexts is beyond any device.
     largest(1, 1 << 20, fits)
@@ -124,22 +129,13 @@ pub fn smallest_width(
     budget: u64,
     from: usize,
 ) -> Option<usize> {
-    searched_widths(model, from).find(|&tp| {
-        Plan::new(model, tp, dtype, placement, device)
-            .map(|p| p.fits(budget))
-            .unwrap_or(false)
-    })
+    searched_widths(model, from)
+        .find(|&tp| Split::new(model, tp, dtype).is_ok_and(|s| s.fits(placement, device, budget)))
 }
 
-fn largest_context(
-    model: &dyn ShardedModel,
-    tp: usize,
-    dtype: DType,
-    device: DeviceProfile,
-    budget: u64,
-    batch: usize,
-) -> Option<usize> {
-    let limit = model.max_context()?;
+/// The longest context that fits `budget` at a width, serving `batch` sequences.
+fn largest_context(split: &Split, device: DeviceProfile, budget: u64, batch: usize) -> Option<usize> {
+    let limit = split.model().max_context()?;
     // Serving several sequences, a context fits when the budget's KV cache holds one at full
     // length (the others share it).
     let fits = |context: usize| {
@@ -148,17 +144,14 @@ fn largest_context(
             batch,
             kv_sequences: (batch > 1).then_some(1),
         };
-        Plan::new(model, tp, dtype, placement, device)
-            .map(|p| p.fits(budget))
-            .unwrap_or(false)
+        split.fits(placement, device, budget)
     };
     largest(1, limit, fits)
 }
 
+/// The most frames (4k + 1) of `width` × `height` that fit `budget` at a width.
 fn most_frames(
-    model: &dyn ShardedModel,
-    tp: usize,
-    dtype: DType,
+    split: &Split,
     device: DeviceProfile,
     budget: u64,
     (width, height, cfg): (usize, usize, bool),
@@ -170,9 +163,7 @@ fn most_frames(
             height,
             cfg,
         };
-        Plan::new(model, tp, dtype, placement, device)
-            .map(|p| p.fits(budget))
-            .unwrap_or(false)
+        split.fits(placement, device, budget)
     };
     // Up to 1,001 frames: a minute of 16 fps video in one window.
     largest(0, 250, fits).map(|k| 4 * k + 1)
@@ -229,9 +220,12 @@ pub fn over_budget_message(model: &dyn ShardedModel, plan: &Plan, dtype: DType, 
     if let Some(tp) = smallest_width(model, dtype, plan.placement, plan.device, budget, plan.tp + 1) {
         options.push(format!("--tp {tp}"));
     }
-    match plan.placement {
-        Placement::Llm { batch, .. } => {
-            if let Some(context) = largest_context(model, plan.tp, dtype, plan.device, budget, batch) {
+    // The plan's own width, split again: a plan keeps no shards.
+    let split = Split::new(model, plan.tp, dtype).ok();
+    match (plan.placement, &split) {
+        (_, None) => {}
+        (Placement::Llm { batch, .. }, Some(split)) => {
+            if let Some(context) = largest_context(split, plan.device, budget, batch) {
                 options.push(format!("--max-context {context}"));
             }
             if batch > 1 {
@@ -247,15 +241,15 @@ pub fn over_budget_message(model: &dyn ShardedModel, plan: &Plan, dtype: DType, 
                         batch: b,
                         kv_sequences: (b > 1).then_some(1),
                     };
-                    Plan::new(model, plan.tp, dtype, placement, plan.device).is_ok_and(|p| p.fits(budget))
+                    split.fits(placement, plan.device, budget)
                 };
                 if let Some(fewer) = largest(1, batch - 1, fits) {
                     options.push(format!("--max-seqs {fewer}"));
                 }
             }
         }
-        Placement::Dit { width, height, cfg, .. } => {
-            if let Some(frames) = most_frames(model, plan.tp, dtype, plan.device, budget, (width, height, cfg)) {
+        (Placement::Dit { width, height, cfg, .. }, Some(split)) => {
+            if let Some(frames) = most_frames(split, plan.device, budget, (width, height, cfg)) {
                 options.push(format!("--frames {frames}"));
             }
         }
@@ -344,6 +338,25 @@ mod tests {
         height: 8,
         cfg: false,
     };
+
+    /// A fit table splits and checks the model once a width, however many placements its
+    /// searches plan there (the most frames: a bisection over 251 counts): replanned whole for
+    /// each, `tpinfer plan --model llama-3-70b` without `--tp` took 27 s.
+    #[test]
+    fn a_fit_table_splits_each_width_once() {
+        let model = Replicated {
+            decls: vec![WeightDecl::new("w", &[4, 4], ShardSpec::Replicated)].into(),
+            footprints: Arc::default(),
+            checks: AtomicUsize::new(0),
+        };
+        let table = fit_table(&model, DType::F32, VIDEO, DeviceProfile::cpu(), 1 << 40, 1..=8);
+        assert_eq!(
+            table.iter().map(|w| w.tp).collect::<Vec<_>>(),
+            (1..=8).collect::<Vec<_>>()
+        );
+        assert!(table.iter().all(|w| w.fits && w.max_frames == Some(1001)), "{table:?}");
+        assert_eq!(model.checks.load(Ordering::Relaxed), 8, "one check a width");
+    }
 
     /// A refusal of a model that shards to 65,536 ranks plans widths up to WIDEST_SEARCHED
     /// (a search to every width planned 2³¹ footprints: a refused start hung), and checks the
