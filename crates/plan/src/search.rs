@@ -290,6 +290,16 @@ mod tests {
         footprints: Arc<AtomicUsize>,
     }
 
+    impl Replicated {
+        fn one_tensor() -> Self {
+            Self {
+                decls: vec![WeightDecl::new("w", &[4, 4], ShardSpec::Replicated)].into(),
+                footprints: Arc::default(),
+                checks: AtomicUsize::new(0),
+            }
+        }
+    }
+
     impl ShardedModel for Replicated {
         fn name(&self) -> &str {
             "replicated"
@@ -344,11 +354,7 @@ mod tests {
     /// each, `tpinfer plan --model llama-3-70b` without `--tp` took 27 s.
     #[test]
     fn a_fit_table_splits_each_width_once() {
-        let model = Replicated {
-            decls: vec![WeightDecl::new("w", &[4, 4], ShardSpec::Replicated)].into(),
-            footprints: Arc::default(),
-            checks: AtomicUsize::new(0),
-        };
+        let model = Replicated::one_tensor();
         let table = fit_table(&model, DType::F32, VIDEO, DeviceProfile::cpu(), 1 << 40, 1..=8);
         assert_eq!(
             table.iter().map(|w| w.tp).collect::<Vec<_>>(),
@@ -363,11 +369,7 @@ mod tests {
     /// ranks' one shared declaration list once a width.
     #[test]
     fn a_refusal_searches_widths_up_to_the_widest_searched() {
-        let model = Replicated {
-            decls: vec![WeightDecl::new("w", &[4, 4], ShardSpec::Replicated)].into(),
-            footprints: Arc::default(),
-            checks: AtomicUsize::new(0),
-        };
+        let model = Replicated::one_tensor();
         let device = DeviceProfile::cpu();
         let Ok(plan) = Plan::new(&model, 1, DType::F32, VIDEO, device) else {
             panic!("width 1 plans");
