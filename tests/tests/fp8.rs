@@ -389,3 +389,39 @@ fn an_fp8_scale_of_the_wrong_shape_or_not_finite_is_refused_by_name() {
         }
     }
 }
+
+/// `--quantize fp8` of a weight holding NaN or an infinity is refused by the weight's name, at
+/// every width (a row-parallel split quantizes whole rows on each rank).
+#[test]
+fn quantizing_a_weight_that_is_not_finite_is_refused_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = TinyLlama::default().write(dir.path());
+    let file = path.join("model.safetensors");
+    let original = candle_core::safetensors::load(&file, &Device::Cpu).expect("load");
+    for (name, value) in [
+        ("model.layers.0.mlp.down_proj.weight", f32::NAN),
+        ("model.layers.1.self_attn.q_proj.weight", f32::INFINITY),
+    ] {
+        let weight = original.get(name).expect("a weight");
+        let bad = Tensor::new(&[[value]], &Device::Cpu)
+            .and_then(|v| v.to_dtype(weight.dtype()))
+            .and_then(|v| weight.slice_assign(&[3..4, 1..2], &v))
+            .expect("assign");
+        let mut tensors = original.clone();
+        tensors.insert(name.to_string(), bad);
+        candle_core::safetensors::save(&tensors, &file).expect("save");
+        for tp in [1, 2] {
+            let err = tpinfer_engine::Engine::builder(&path)
+                .tp(tp)
+                .weight_format(WeightFormat::Fp8)
+                .build()
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(
+                err.contains(name) && err.contains("NaN or infinite"),
+                "{value} in {name} at TP {tp}: {err:?}"
+            );
+        }
+    }
+}
